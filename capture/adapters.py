@@ -1,0 +1,184 @@
+"""Adapters: how the tools load a model, build its inputs and drive it.
+
+An adapter is a Python file or importable module defining ``load_model(ckpt, device)`` and
+``make_inputs(seed, batch_size, seq_len)``, and optionally ``forward(model, inputs)`` and
+``loss(outputs)``. ``--model module:factory`` is the short form for a model whose factory takes no
+arguments and whose checkpoint is a plain state dict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from capture.driving import ForwardFn, LossFn
+from common.errors import AdapterError, CheckpointError, InputError
+
+__all__ = ["Adapter", "default_inputs", "load_adapter", "load_inputs_npz", "load_state_dict", "model_factory_adapter"]
+
+_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The functions that drive one model; ``name`` is recorded in the bundle."""
+
+    name: str
+    load_model: Callable[[str | None, str], torch.nn.Module]
+    make_inputs: Callable[[int, int, int], Any] | None = None
+    forward: ForwardFn | None = None
+    loss: LossFn | None = None
+
+    def model(self, ckpt: str | None, device: str) -> torch.nn.Module:
+        """Load the model, wrapping any failure in an ``AdapterError`` naming the adapter."""
+        try:
+            model = self.load_model(ckpt, device)
+        except (AdapterError, CheckpointError):
+            raise
+        except Exception as err:
+            raise AdapterError(f"adapter {self.name}: load_model({ckpt!r}, {device!r}) failed: {type(err).__name__}: {err}") from err
+        if not isinstance(model, torch.nn.Module):
+            raise AdapterError(f"adapter {self.name}: load_model returned {type(model).__name__}, expected a torch.nn.Module")
+        return model
+
+    def inputs(self, seed: int, batch_size: int, seq_len: int) -> Any:
+        """Build the inputs; they must be a dict (keyword arguments) or a tuple (positional arguments)."""
+        make = self.make_inputs or default_inputs
+        try:
+            inputs = make(seed, batch_size, seq_len)
+        except Exception as err:
+            raise AdapterError(f"adapter {self.name}: make_inputs failed: {type(err).__name__}: {err}") from err
+        if not isinstance(inputs, (Mapping, tuple, list)):
+            raise AdapterError(f"adapter {self.name}: make_inputs returned {type(inputs).__name__}, expected a dict or a tuple")
+        return inputs
+
+
+def default_inputs(seed: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor]:
+    """Inputs when no adapter gives any: one float32 ``(batch_size, seq_len)`` standard-normal tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch_size, seq_len, generator=generator),)
+
+
+def _import_file(path: Path) -> ModuleType:
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+    name = f"parity_adapter_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise AdapterError(f"adapter {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # let the adapter import the model code that sits beside it
+        sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import(spec: str) -> ModuleType:
+    path = Path(spec)
+    try:
+        if spec.endswith(".py") or path.is_file():
+            if not path.is_file():
+                raise AdapterError(f"adapter {spec}: no such file")
+            return _import_file(path)
+        return importlib.import_module(spec)
+    except AdapterError:
+        raise
+    except Exception as err:
+        raise AdapterError(f"adapter {spec}: import failed: {type(err).__name__}: {err}") from err
+
+
+def load_adapter(spec: str) -> Adapter:
+    """Load an adapter from a ``.py`` file path or an importable module name.
+
+    Raises:
+        AdapterError: it cannot be imported or lacks ``load_model``.
+    """
+    module = _import(spec)
+    functions = {name: getattr(module, name, None) for name in ("load_model", "make_inputs", "forward", "loss")}
+    for name, function in functions.items():
+        if function is not None and not callable(function):
+            raise AdapterError(f"adapter {spec}: {name} is a {type(function).__name__}, expected a function")
+    if functions["load_model"] is None:
+        raise AdapterError(f"adapter {spec}: defines no load_model(ckpt, device); see the adapter protocol in the README")
+    return Adapter(spec, **functions)  # type: ignore[arg-type]
+
+
+def model_factory_adapter(spec: str) -> Adapter:
+    """Adapter for ``--model module:factory``: ``factory()`` builds the model, ``--ckpt`` holds its state dict."""
+    module_spec, sep, attribute = spec.rpartition(":")
+    if not sep or not module_spec or not attribute:
+        raise AdapterError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. 'mypkg.models:build' or 'model.py:build'")
+    factory = getattr(_import(module_spec), attribute, None)
+    if not callable(factory):
+        raise AdapterError(f"--model {spec!r}: {module_spec} has no callable {attribute!r}")
+    return Adapter(spec, _FactoryLoader(factory))
+
+
+@dataclass(frozen=True)
+class _FactoryLoader:
+    factory: Callable[[], torch.nn.Module]
+
+    def __call__(self, ckpt: str | None, device: str) -> torch.nn.Module:
+        model = self.factory()
+        if ckpt is not None:
+            missing, unexpected = model.load_state_dict(load_state_dict(ckpt), strict=False)
+            if missing or unexpected:
+                raise CheckpointError(
+                    f"{ckpt}: state dict does not fit the model: missing {sorted(missing)[:5]}, "
+                    f"unexpected {sorted(unexpected)[:5]}; check the checkpoint or use an adapter"
+                )
+        return model.to(device)
+
+
+def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Load a state dict safely (``weights_only``), unwrapping ``state_dict``/``model_state_dict`` nesting.
+
+    Raises:
+        CheckpointError: missing file, a pickle that needs code execution, or no tensors inside.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such checkpoint file")
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"{file}: cannot be loaded safely (weights_only=True): {type(err).__name__}: {str(err).splitlines()[0]}; "
+            "save a plain state dict (torch.save(model.state_dict(), ...)) or load it in an adapter"
+        ) from err
+    while isinstance(loaded, Mapping):
+        nested = next((loaded[key] for key in _STATE_DICT_KEYS if isinstance(loaded.get(key), Mapping)), None)
+        if nested is None:
+            break
+        loaded = nested
+    if not isinstance(loaded, Mapping) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise CheckpointError(f"{file}: holds no state dict of tensors (got {type(loaded).__name__})")
+    return {str(k): v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def load_inputs_npz(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read ``--inputs FILE.npz`` (no pickled objects allowed) as keyword-argument tensors."""
+    file = Path(path)
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            return {name: torch.from_numpy(np.array(archive[name])) for name in archive.files}
+    except (OSError, ValueError) as err:
+        raise InputError(f"{file}: cannot read inputs: {err}; expected an .npz of arrays (numpy.savez)") from err

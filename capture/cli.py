@@ -1,0 +1,99 @@
+"""``capture-run``: record one seeded forward and backward run of a reference model into a bundle."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+import click
+
+from capture.adapters import Adapter, load_adapter, load_inputs_npz, model_factory_adapter
+from capture.driving import to_device
+from capture.provenance import file_sha256
+from capture.recorder import capture_run
+from common.errors import ParityError
+
+__all__ = ["adapter_options", "checkpoint_provenance", "fail", "handle_errors", "main", "resolve_adapter"]
+
+
+def fail(program: str, message: str) -> NoReturn:
+    """Print one error line on stderr and exit with code 2."""
+    click.echo(f"{program}: error: {message}", err=True)
+    sys.exit(2)
+
+
+@contextmanager
+def handle_errors(program: str, debug: bool) -> Iterator[None]:
+    """Map expected failures to one line and exit code 2; ``--debug`` keeps the traceback."""
+    try:
+        yield
+    except ParityError as err:
+        if debug:
+            raise
+        fail(program, str(err))
+    except KeyboardInterrupt:
+        click.echo(f"{program}: interrupted; nothing was written at the output path", err=True)
+        sys.exit(130)
+    except Exception as err:  # the user's model or adapter raised: say where, hint at --debug
+        if debug:
+            raise
+        fail(program, f"{type(err).__name__}: {err} (rerun with --debug for the traceback)")
+
+
+def resolve_adapter(adapter: str | None, model: str | None) -> Adapter:
+    """The adapter named by ``--adapter`` or ``--model`` (exactly one must be given)."""
+    if (adapter is None) == (model is None):
+        raise click.UsageError("give exactly one of --adapter FILE.py|MODULE and --model MODULE:FACTORY")
+    return load_adapter(adapter) if adapter is not None else model_factory_adapter(model)  # type: ignore[arg-type]
+
+
+def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
+    """Provenance entries naming the checkpoint and its SHA-256."""
+    return {"checkpoint": str(ckpt or ""), "checkpoint_sha256": file_sha256(ckpt) if ckpt else ""}
+
+
+def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
+    """Options shared by both CLIs: how to load and drive the model."""
+    options = [
+        click.option("--ckpt", type=click.Path(exists=True, dir_okay=True), help="Checkpoint to load (optional when the adapter builds the model)."),
+        click.option("--adapter", metavar="FILE.py|MODULE", help="Adapter defining load_model(ckpt, device), make_inputs(...), [forward, loss]."),
+        click.option("--model", "model_spec", metavar="MODULE:FACTORY", help="factory() builds the model; --ckpt holds its state dict."),
+        click.option("--device", default="cpu", show_default=True, help="Device to run the model on."),
+        click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@adapter_options
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Bundle to write (.h5).")
+@click.option("--seed", default=42, show_default=True, type=int)
+@click.option("--batch-size", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--seq-len", default=16000, show_default=True, type=click.IntRange(min=1))
+@click.option("--inputs", "inputs_file", type=click.Path(exists=True, dir_okay=False), help="Feed these arrays (.npz) as keyword arguments instead of make_inputs.")
+@click.option("--train-mode", is_flag=True, help="Run in train mode (dropout active); eval mode by default.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
+def main(
+    ckpt: str | None, adapter: str | None, model_spec: str | None, device: str, debug: bool, out: str, seed: int,
+    batch_size: int, seq_len: int, inputs_file: str | None, train_mode: bool, overwrite: bool,
+) -> None:
+    """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
+    with handle_errors("capture-run", debug):
+        driver = resolve_adapter(adapter, model_spec)
+        model = driver.model(ckpt, device)
+        inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len)
+        summary = capture_run(
+            model, to_device(inputs, device), out, seed=seed, forward=driver.forward, loss=driver.loss,
+            train_mode=train_mode, overwrite=overwrite,
+            run_info={"batch_size": batch_size, "seq_len": seq_len, "device": device, "adapter": driver.name},
+            provenance=checkpoint_provenance(ckpt),
+        )
+    click.echo(
+        f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB, "
+        f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
+    )
+

@@ -1,0 +1,178 @@
+"""Record one seeded forward and backward run of a model into a bundle."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from capture.driving import ForwardFn, LossFn, call_forward, make_cotangents, rng_state, seed_everything
+from capture.hooks import CallInfo, ModuleTap
+from capture.naming import encode_call_inputs, encode_value
+from capture.provenance import snapshot
+from capture.writer import BundleWriter
+from common.errors import InputError
+from common.layout import BACKWARD, GRADS, INPUTS, OUTPUTS, PARAMS, RNG, call_group, escape_dotted, tensor_path
+from common.schema import BackwardMode, BundleIndex, ModuleCall, RunInfo, TensorRef, Tree
+
+__all__ = ["BundleRecorder", "CaptureSummary", "capture_run"]
+
+
+@dataclass
+class _CallDraft:
+    info: CallInfo
+    inputs: Tree
+    outputs: Tree = field(default_factory=lambda: ["N"])
+    grads: dict[str, TensorRef] = field(default_factory=dict)
+
+    def finish(self) -> ModuleCall:
+        by_kind = {kind: {s: r for s, r in self.grads.items() if s.startswith(kind)} for kind in ("grad_o", "grad_i")}
+        return ModuleCall(
+            self.info.module, self.info.call, self.info.module_type, self.inputs, self.outputs,
+            grad_outputs=by_kind["grad_o"], grad_inputs=by_kind["grad_i"],
+        )
+
+
+class BundleRecorder:
+    """A :class:`~capture.hooks.TapSink` that streams every observed tensor into a bundle."""
+
+    def __init__(self, writer: BundleWriter) -> None:
+        self._writer = writer
+        self._drafts: list[_CallDraft] = []
+        self._position: dict[tuple[str, int], int] = {}
+        self.forward_order: list[tuple[int, str]] = []
+        self.backward_order: list[tuple[int, str]] = []
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Write a call's arguments before the module runs."""
+        store = functools.partial(_store_at, self._writer, call_group(info.module, info.call))
+        position = len(self._drafts)
+        self._position[(info.module, info.call)] = position
+        self._drafts.append(_CallDraft(info, encode_call_inputs(args, kwargs, store)))
+        self.forward_order.append((position, "inputs"))
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """Write a call's outputs."""
+        position = self._position[(info.module, info.call)]
+        store = functools.partial(_store_at, self._writer, call_group(info.module, info.call))
+        self._drafts[position].outputs = encode_value(outputs, "output", store)
+        self.forward_order.append((position, "outputs"))
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Write a gradient as backward produces it."""
+        position = self._position[(info.module, info.call)]
+        draft = self._drafts[position]
+        if slot in draft.grads:
+            return
+        draft.grads[slot] = _store_at(self._writer, call_group(info.module, info.call), slot, grad)
+        self.backward_order.append((position, slot))
+
+    def module_calls(self) -> list[ModuleCall]:
+        """Every recorded call, in the order the calls started."""
+        return [draft.finish() for draft in self._drafts]
+
+
+@dataclass(frozen=True)
+class CaptureSummary:
+    """What a capture wrote."""
+
+    path: Path
+    tensors: int
+    tensor_bytes: int
+    module_calls: int
+    backward: BackwardMode
+    seconds: float
+
+
+def _write_named(writer: BundleWriter, group: str, tensors: dict[str, torch.Tensor]) -> dict[str, TensorRef]:
+    return {name: writer.write_tensor(f"{group}/{escape_dotted(name)}", t) for name, t in tensors.items()}
+
+
+def _run_backward(
+    writer: BundleWriter, outputs: Any, seed: int, loss: LossFn | None
+) -> tuple[BackwardMode, Tree | None, Tree | None]:
+    """Backpropagate the loss or a seeded cotangent; return the mode and what was used."""
+    if loss is not None:
+        value = loss(outputs)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise InputError(f"adapter loss(outputs) returned {type(value).__name__}, expected a scalar tensor")
+        tree = writer.write_tensor(f"{BACKWARD}/loss", value).to_tree()
+        value.backward()
+        return "loss", None, tree
+    triples = make_cotangents(outputs, seed)
+    if not triples:
+        return "none", None, None
+    pairs = [[slot, writer.write_tensor(f"{BACKWARD}/cotangent/{slot}", cot).to_tree()] for slot, _, cot in triples]
+    torch.autograd.backward([out for _, out, _ in triples], [cot for _, _, cot in triples])
+    return "cotangent", ["D", pairs], None
+
+
+def capture_run(
+    model: torch.nn.Module,
+    inputs: Any,
+    out: str | os.PathLike[str],
+    *,
+    seed: int = 42,
+    forward: ForwardFn | None = None,
+    loss: LossFn | None = None,
+    train_mode: bool = False,
+    overwrite: bool = False,
+    run_info: dict[str, Any] | None = None,
+    provenance: dict[str, str] | None = None,
+) -> CaptureSummary:
+    """Run ``model`` once forward and backward on ``inputs`` and record everything into ``out``.
+
+    Args:
+        model: the reference model (already on its device, weights loaded).
+        inputs: a dict (keyword arguments) or tuple (positional arguments) of tensors and scalars.
+        out: bundle path; written atomically, never overwritten unless ``overwrite``.
+        seed: seeds Python, NumPy and torch before the forward pass and the backward cotangent.
+        forward: ``forward(model, inputs)``; default ``model(**inputs)`` / ``model(*inputs)``.
+        loss: ``loss(outputs) -> scalar``; default: backpropagate a seeded random cotangent.
+        train_mode: keep dropout etc. active (``model.train()``); eval mode by default.
+        run_info: extra fields for the index's ``run`` section (batch_size, seq_len, adapter...).
+        provenance: extra provenance strings (checkpoint hash...).
+
+    Returns:
+        A :class:`CaptureSummary`.
+    """
+    started = time.perf_counter()
+    info = dict(run_info or {})
+    with BundleWriter(out, overwrite=overwrite) as writer:
+        writer.write_provenance({**snapshot(str(info.get("device", "cpu"))), **(provenance or {})})
+        seed_everything(seed)
+        rng, torch_rng = rng_state()
+        writer.write_array(f"{RNG}/torch_cpu", torch_rng)
+        model.train(train_mode)
+        model.zero_grad(set_to_none=True)
+        input_tree = encode_value(inputs, "input", functools.partial(_store_at, writer, INPUTS))
+        params = _write_named(writer, PARAMS, {n: p.detach() for n, p in model.named_parameters()})
+        recorder = BundleRecorder(writer)
+        with ModuleTap(model, recorder):
+            outputs = call_forward(model, inputs, forward)
+        output_tree = encode_value(outputs, "output", functools.partial(_store_at, writer, OUTPUTS))
+        mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
+        grads = _write_named(writer, GRADS, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        run = RunInfo(
+            seed=seed, train_mode=train_mode, backward=mode,
+            batch_size=info.pop("batch_size", None), seq_len=info.pop("seq_len", None),
+            device=str(info.pop("device", "cpu")), adapter=str(info.pop("adapter", "")), extra=info,
+        )
+        index = BundleIndex(
+            run=run, inputs=input_tree, outputs=output_tree, cotangent=cotangent, loss=loss_tree,
+            params=params, grads=grads, calls=recorder.module_calls(),
+            forward_order=recorder.forward_order, backward_order=recorder.backward_order, rng=rng,
+        )
+        path = writer.commit(index)
+        return CaptureSummary(
+            path, writer.tensor_count, writer.tensor_bytes, len(index.calls), mode, time.perf_counter() - started
+        )
+
+
+def _store_at(writer: BundleWriter, group: str, slot: str, tensor: torch.Tensor) -> TensorRef:
+    return writer.write_tensor(tensor_path(group, slot), tensor)

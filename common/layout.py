@@ -1,0 +1,67 @@
+"""Where things live inside a bundle: HDF5 paths, attribute names and name escaping, in one place."""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "ATTR_DTYPE",
+    "ATTR_FORMAT",
+    "ATTR_MINOR",
+    "ATTR_VERSION",
+    "GRADS",
+    "INDEX",
+    "INPUTS",
+    "MODULES",
+    "OUTPUTS",
+    "PARAMS",
+    "PROVENANCE",
+    "RNG",
+    "BACKWARD",
+    "call_group",
+    "escape",
+    "escape_dotted",
+    "join_slot",
+    "tensor_path",
+]
+
+ATTR_FORMAT: Final = "format"
+ATTR_VERSION: Final = "format_version"
+ATTR_MINOR: Final = "format_minor"
+ATTR_DTYPE: Final = "dtype"
+"""Per-dataset attribute holding the dtype tag (``"F32"``, ``"BF16"``...)."""
+
+INDEX: Final = "/index"
+PROVENANCE: Final = "/provenance"
+RNG: Final = "/rng"
+INPUTS: Final = "/inputs"
+OUTPUTS: Final = "/outputs"
+BACKWARD: Final = "/backward"
+PARAMS: Final = "/params"
+GRADS: Final = "/grads"
+MODULES: Final = "/modules"
+
+
+def escape(component: str) -> str:
+    """Make one name component safe for an HDF5 path and unambiguous inside a dotted slot name."""
+    return component.replace("%", "%25").replace("/", "%2F").replace(".", "%2E") or "%00"
+
+
+def escape_dotted(path: str) -> str:
+    """Escape a dotted module or parameter path for use as one HDF5 link name (dots stay)."""
+    return ".".join(escape(part) for part in path.split(".")) if path else "%00"
+
+
+def join_slot(prefix: str, key: object) -> str:
+    """Name of a leaf inside a nested value, e.g. ``join_slot("output", 0) == "output.0"``."""
+    return f"{prefix}.{escape(str(key))}"
+
+
+def call_group(module: str, call: int) -> str:
+    """HDF5 group of one module call, e.g. ``/modules/encoder.layers.0/1``."""
+    return f"{MODULES}/{escape_dotted(module)}/{call}"
+
+
+def tensor_path(group: str, name: str) -> str:
+    """Full dataset path of tensor ``name`` inside ``group``: a slot (already escaped) or a dotted name."""
+    return f"{group}/{escape_dotted(name) if '/' in name or not name else name}"

@@ -1,0 +1,132 @@
+"""Elementwise comparison of one recorded tensor against its replayed counterpart.
+
+Framework-neutral: works on NumPy arrays already converted to float64 (complex128 for complex),
+with ``expected`` the reference (bundle) value and ``actual`` the port's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.tolerances import Tolerance
+
+__all__ = ["TensorDiff", "diff_arrays"]
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one actual tensor differs from its expected value."""
+
+    match: bool
+    shape: tuple[int, ...]
+    dtype: str
+    """Expected dtype tag (``"F32"``); ``actual_dtype`` says what the port produced."""
+    actual_dtype: str
+    numel: int
+    mismatched: int
+    max_abs: float
+    max_abs_index: tuple[int, ...] | None
+    max_rel: float
+    max_rel_index: tuple[int, ...] | None
+    cosine: float
+    required_atol: float
+    """Smallest atol that would have passed at the tolerance's rtol."""
+    required_rtol: float
+    """Smallest rtol that would have passed at the tolerance's atol."""
+    nan_expected: int = 0
+    nan_actual: int = 0
+    problem: str | None = None
+    """Why the record cannot match regardless of values: a shape or dtype difference."""
+
+    @property
+    def mismatched_pct(self) -> float:
+        """Mismatched elements as a percentage of all elements."""
+        return 100.0 * self.mismatched / self.numel if self.numel else 0.0
+
+
+def _index(flat_position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat_position, shape)) if shape else ()
+
+
+def _cosine(expected: np.ndarray, actual: np.ndarray) -> float:
+    norm = float(np.linalg.norm(expected)) * float(np.linalg.norm(actual))
+    if norm == 0.0:
+        return 1.0 if not expected.any() and not actual.any() else 0.0
+    return float(np.real(np.vdot(expected, actual)) / norm)
+
+
+def _shape_problem(expected: np.ndarray, actual: np.ndarray, tags: tuple[str, str]) -> TensorDiff:
+    nan = math.nan
+    return TensorDiff(
+        match=False, shape=tuple(expected.shape), dtype=tags[0], actual_dtype=tags[1], numel=int(expected.size),
+        mismatched=int(expected.size), max_abs=nan, max_abs_index=None, max_rel=nan, max_rel_index=None,
+        cosine=nan, required_atol=math.inf, required_rtol=math.inf,
+        problem=f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}",
+    )
+
+
+def diff_arrays(
+    expected: np.ndarray,
+    actual: np.ndarray,
+    tolerance: Tolerance,
+    *,
+    expected_dtype: str = "F64",
+    actual_dtype: str = "F64",
+) -> TensorDiff:
+    """Compare two arrays with the rule ``|actual - expected| <= atol + rtol * |expected|``.
+
+    NaN matches NaN only with ``tolerance.equal_nan``; infinities must be equal (same sign); a
+    shape or dtype difference makes the record a mismatch and is named in ``problem``.
+    """
+    if expected.shape != actual.shape:
+        return _shape_problem(expected, actual, (expected_dtype, actual_dtype))
+    shape = tuple(expected.shape)
+    e, a = expected.reshape(-1), actual.reshape(-1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a - e)
+        finite = np.isfinite(e) & np.isfinite(a)
+        magnitude = np.abs(e)
+        close = np.zeros(e.shape, dtype=bool)
+        close[finite] = diff[finite] <= tolerance.atol + tolerance.rtol * magnitude[finite]
+        close |= ~finite & (e == a)  # equal infinities of the same sign
+        if tolerance.equal_nan:
+            close |= np.isnan(e) & np.isnan(a)
+    broken = ~finite & ~close
+    diff = np.where(finite, diff, 0.0)
+    magnitude = np.where(finite, magnitude, 0.0)
+    max_abs, max_abs_at, max_rel, max_rel_at, need_atol, need_rtol = _extremes(diff, magnitude, broken, tolerance)
+    problem = None if expected_dtype == actual_dtype else f"dtype {actual_dtype} != expected {expected_dtype}"
+    mismatched = int(e.size - np.count_nonzero(close))
+    return TensorDiff(
+        match=mismatched == 0 and problem is None,
+        shape=shape, dtype=expected_dtype, actual_dtype=actual_dtype, numel=int(e.size), mismatched=mismatched,
+        max_abs=max_abs, max_abs_index=None if max_abs_at is None else _index(max_abs_at, shape),
+        max_rel=max_rel, max_rel_index=None if max_rel_at is None else _index(max_rel_at, shape),
+        cosine=_cosine(np.where(finite, e, 0.0), np.where(finite, a, 0.0)),
+        required_atol=need_atol, required_rtol=need_rtol,
+        nan_expected=int(np.count_nonzero(np.isnan(e))), nan_actual=int(np.count_nonzero(np.isnan(a))),
+        problem=problem,
+    )
+
+
+def _extremes(
+    diff: np.ndarray, magnitude: np.ndarray, broken: np.ndarray, tolerance: Tolerance
+) -> tuple[float, int | None, float, int | None, float, float]:
+    """Max abs/rel differences with their flat positions, and the tolerances that would pass."""
+    if diff.size == 0:
+        return 0.0, None, 0.0, None, 0.0, 0.0
+    if broken.any():  # NaN against a number or an infinity that moved: no finite tolerance passes
+        at = int(np.argmax(broken))
+        return math.inf, at, math.inf, at, math.inf, math.inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(magnitude > 0, diff / magnitude, np.where(diff > 0, math.inf, 0.0))
+        slack_rtol = np.where(
+            magnitude > 0, (diff - tolerance.atol) / magnitude, np.where(diff > tolerance.atol, math.inf, 0.0)
+        )
+    abs_at, rel_at = int(np.argmax(diff)), int(np.argmax(rel))
+    need_atol = max(0.0, float(np.max(diff - tolerance.rtol * magnitude)))
+    need_rtol = max(0.0, float(np.max(slack_rtol)))
+    return float(diff[abs_at]), abs_at, float(rel[rel_at]), rel_at, need_atol, need_rtol

@@ -1,0 +1,29 @@
+"""parity-harness adapter for the example port (environment B).
+
+The port loads the *reference's* checkpoint through its own converter, and its forward takes
+``(audio, audio_lens)`` where the reference takes ``(input_signal, input_signal_length)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from port_conformer import Bug, PortConformerCTC, convert_reference_state_dict
+
+BUG: Bug = "none"
+
+
+def load_model(ckpt: str | None, device: str, bug: Bug | None = None) -> torch.nn.Module:
+    """Build the port and load the reference checkpoint, converted to the port's names."""
+    model = PortConformerCTC(bug=bug or BUG)
+    if ckpt is not None:
+        reference = torch.load(ckpt, map_location="cpu", weights_only=True)
+        model.load_state_dict(convert_reference_state_dict(reference))
+    return model.to(device)
+
+
+def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+    """Feed the reference's recorded inputs to the port's own signature."""
+    return model(audio=inputs["input_signal"], audio_lens=inputs["input_signal_length"])

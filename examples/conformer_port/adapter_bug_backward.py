@@ -1,0 +1,15 @@
+"""The example port with a planted backward bug (see port_conformer.py), for the demo and the tests."""
+
+from __future__ import annotations
+
+import torch
+
+import adapter as _port
+from adapter import forward
+
+__all__ = ["forward", "load_model"]
+
+
+def load_model(ckpt: str | None, device: str) -> torch.nn.Module:
+    """The port with bug="backward"."""
+    return _port.load_model(ckpt, device, bug="backward")

@@ -1,0 +1,121 @@
+"""Comparison results: one record per compared tensor, their summary and the first divergences."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+import numpy as np
+import torch
+
+from common.dtypes import tag_of, to_float64, to_storage
+from common.metrics import TensorDiff, diff_arrays
+from common.tolerances import Tolerance, ToleranceTable
+
+__all__ = ["KINDS", "ComparisonResult", "RecordKind", "RecordResult", "diff_tensor"]
+
+RecordKind = Literal["output", "param_grad", "forward", "backward"]
+KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
+
+
+def diff_tensor(expected: np.ndarray, expected_tag: str, actual: torch.Tensor, tolerance: Tolerance) -> TensorDiff:
+    """Compare a recorded tensor (float64 values and its tag) with a live one."""
+    array, tag = to_storage(actual)
+    return diff_arrays(expected, to_float64(array, tag), tolerance, expected_dtype=expected_tag, actual_dtype=tag_of(actual.dtype))
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """One compared tensor, named in the bundle's naming."""
+
+    kind: RecordKind | Literal["param"]
+    name: str
+    diff: TensorDiff
+    order: tuple[int, int] = (0, 0)
+    """Position in execution order (forward) or backward order, for finding the first divergence."""
+    module: str | None = None
+
+    @property
+    def match(self) -> bool:
+        """Whether every element is within tolerance (and shape and dtype agree)."""
+        return self.diff.match
+
+    def to_json(self) -> dict[str, object]:
+        """The contract's per-record JSON object (plus a few extra fields)."""
+        diff = self.diff
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "match": diff.match,
+            "max_abs": _finite_or_none(diff.max_abs),
+            "max_rel": _finite_or_none(diff.max_rel),
+            "mismatched": diff.mismatched,
+            "numel": diff.numel,
+            "shape": list(diff.shape),
+            "dtype": diff.dtype,
+            "actual_dtype": diff.actual_dtype,
+            "cosine": _finite_or_none(diff.cosine),
+            "max_abs_index": None if diff.max_abs_index is None else list(diff.max_abs_index),
+            "required_atol": _finite_or_none(diff.required_atol),
+            "required_rtol": _finite_or_none(diff.required_rtol),
+            "problem": diff.problem,
+            "module": self.module,
+        }
+
+
+def _finite_or_none(value: float) -> float | str | None:
+    """JSON has no NaN or Infinity: NaN becomes null and infinities the strings "inf"/"-inf"."""
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+@dataclass
+class ComparisonResult:
+    """Everything a replay found: compared records, unpaired names and the two environments."""
+
+    records: list[RecordResult] = field(default_factory=list)
+    param_values: list[RecordResult] = field(default_factory=list)
+    bundle_only: list[str] = field(default_factory=list)
+    replay_only: list[str] = field(default_factory=list)
+    tolerances: ToleranceTable = field(default_factory=ToleranceTable)
+    reference_provenance: dict[str, str] = field(default_factory=dict)
+    replay_provenance: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def match(self) -> bool:
+        """True when every compared record matches."""
+        return all(record.match for record in self.records)
+
+    def of_kind(self, kind: RecordKind) -> list[RecordResult]:
+        """Records of one kind, in execution order."""
+        return sorted((r for r in self.records if r.kind == kind), key=lambda r: r.order)
+
+    def first_divergence(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
+        """The earliest mismatching record of a kind: forward execution order or backward order."""
+        return next((r for r in self.of_kind(kind) if not r.match), None)
+
+    def counts(self) -> dict[RecordKind, tuple[int, int]]:
+        """``{kind: (compared, matched)}``."""
+        return {kind: (len(rs), sum(r.match for r in rs)) for kind in KINDS for rs in [self.of_kind(kind)]}
+
+    def to_json(self) -> dict[str, object]:
+        """The ``--json`` report (see the Contract in PRODUCT.md)."""
+        first = {kind: self.first_divergence(kind) for kind in ("forward", "backward")}
+        return {
+            "match": self.match,
+            "first_divergence": {kind: (r.module if r else None) for kind, r in first.items()},
+            "first_divergence_record": {kind: (r.name if r else None) for kind, r in first.items()},
+            "summary": {kind: {"compared": n, "matched": m} for kind, (n, m) in self.counts().items()},
+            "tolerance": {"atol": self.tolerances.default.atol, "rtol": self.tolerances.default.rtol,
+                          "equal_nan": self.tolerances.default.equal_nan},
+            "records": [r.to_json() for kind in KINDS for r in self.of_kind(kind)],
+            "param_values": [r.to_json() for r in self.param_values],
+            "unmatched": {"bundle_only": sorted(self.bundle_only), "replay_only": sorted(self.replay_only)},
+            "notes": self.notes,
+            "provenance": {"reference": self.reference_provenance, "replay": self.replay_provenance},
+        }

@@ -1,0 +1,190 @@
+"""Open and validate a bundle, then hand out its tensors lazily.
+
+Order of checks on open: the file is HDF5, the root names the format and a version this reader
+knows (before anything else is read), the index decodes and validates, and every tensor the
+index names exists with exactly the declared dtype and shape, with no unreferenced tensor left
+over. Only then is any tensor data read, one record at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from common.dtypes import from_storage, storage_dtype, to_float64
+from common.errors import BundleFormatError, BundleNotFoundError
+from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE, RNG
+from common.migrations import migrate
+from common.packing import unpack
+from common.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
+from common.version import check_compatible, parse_format_version
+
+__all__ = ["BundleReader", "rebuild"]
+
+
+def _open_hdf5(path: Path) -> h5py.File:
+    if not path.exists():
+        raise BundleNotFoundError(f"{path}: no such bundle; check the path or run capture-run first")
+    if path.is_dir():
+        raise BundleFormatError(f"{path}: is a folder, expected a bundle file written by capture-run")
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        raise BundleFormatError(f"{path}: not an HDF5 file, so not a bundle ({err})") from err
+
+
+class BundleReader:
+    """A validated, read-only bundle.
+
+    Args:
+        path: the ``.h5`` bundle.
+
+    Raises:
+        BundleNotFoundError: nothing at ``path``.
+        UnsupportedBundleVersion: written by a newer major format version.
+        BundleFormatError: not a bundle, or a part of it is missing or damaged.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._file = _open_hdf5(self.path)
+        try:
+            self.format_version, self.format_minor = self._check_version()
+            self.index = self._read_index()
+            self._validate_tensors()
+        except BaseException:
+            self._file.close()
+            raise
+        self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
+
+    def _check_version(self) -> tuple[int, int]:
+        attrs = self._file.attrs
+        where = str(self.path)
+        name = attrs.get(ATTR_FORMAT)
+        name = name.decode() if isinstance(name, bytes) else name
+        if ATTR_VERSION not in attrs:
+            check_compatible(name, 0, 0, where=where)  # not a bundle at all, or version missing
+        major = parse_format_version(attrs.get(ATTR_VERSION), where=where)
+        minor = parse_format_version(attrs.get(ATTR_MINOR, 0), where=where)
+        check_compatible(name, major, minor, where=where)
+        return major, minor
+
+    def _read_index(self) -> BundleIndex:
+        node = self._file.get(INDEX)
+        if not isinstance(node, h5py.Dataset) or node.dtype != np.uint8 or node.ndim != 1:
+            raise BundleFormatError(
+                f"{self.path}: the index ({INDEX}) is missing or malformed, so the capture did not finish; "
+                "capture again"
+            )
+        document = unpack(node[()], where=f"{self.path}:{INDEX}")
+        return parse_index(migrate(document, self.format_version))
+
+    def _validate_tensors(self) -> None:
+        referenced: set[str] = set()
+        for ref in self.index.tensor_refs():
+            self._check_dataset(ref)
+            referenced.add(ref.path.lstrip("/"))
+        orphans: list[str] = []
+
+        def visit(name: str, node: object) -> None:
+            if isinstance(node, h5py.Dataset) and name not in referenced and not _is_auxiliary(name):
+                orphans.append(name)
+
+        self._file.visititems(visit)
+        if orphans:
+            raise BundleFormatError(
+                f"{self.path}: {len(orphans)} dataset(s) not named by the index, e.g. /{orphans[0]}; "
+                "the bundle was altered after capture"
+            )
+
+    def _check_dataset(self, ref: TensorRef) -> None:
+        node = self._file.get(ref.path)
+        where = f"{self.path}:{ref.path}"
+        if not isinstance(node, h5py.Dataset):
+            raise BundleFormatError(f"{where}: tensor named by the index is missing; the bundle is incomplete")
+        tag = node.attrs.get(ATTR_DTYPE)
+        tag = tag.decode() if isinstance(tag, bytes) else tag
+        if tag != ref.tag:
+            raise BundleFormatError(f"{where}: dtype tag {tag!r} != {ref.tag!r} declared in the index")
+        if node.dtype != storage_dtype(ref.tag):
+            raise BundleFormatError(f"{where}: stored as {node.dtype}, expected {storage_dtype(ref.tag)} for {ref.tag}")
+        if tuple(node.shape) != ref.shape:
+            raise BundleFormatError(f"{where}: shape {tuple(node.shape)} != {ref.shape} declared in the index")
+
+    # ------------------------------------------------------------- access
+
+    def provenance(self) -> dict[str, str]:
+        """The capturing environment's provenance strings."""
+        group = self._file.get(PROVENANCE)
+        if not isinstance(group, h5py.Group):
+            return {}
+        return {key: (v.decode() if isinstance(v, bytes) else str(v)) for key, v in group.attrs.items()}
+
+    def read_array(self, ref: TensorRef) -> np.ndarray:
+        """The stored array of a tensor (raw bits for bf16/fp8)."""
+        return np.asarray(self._file[ref.path][()])
+
+    def read_tensor(self, ref: TensorRef) -> torch.Tensor:
+        """A tensor exactly as captured (dtype and bits), on the CPU."""
+        return from_storage(self.read_array(ref), ref.tag)
+
+    def read_float64(self, ref: TensorRef) -> np.ndarray:
+        """The tensor's values as float64 (complex128 for complex dtypes)."""
+        return to_float64(self.read_array(ref), ref.tag)
+
+    def find_call(self, module: str, call: int) -> tuple[int, ModuleCall] | None:
+        """The position and record of a module call, or None when the bundle has no such call."""
+        position = self._calls.get((module, call))
+        return None if position is None else (position, self.index.calls[position])
+
+    def rebuild(self, tree: Tree) -> Any:
+        """Rebuild a recorded value (inputs, outputs) with its tensors loaded."""
+        return rebuild(tree, self.read_tensor)
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+    def __enter__(self) -> BundleReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _is_auxiliary(name: str) -> bool:
+    return name == INDEX.lstrip("/") or name.startswith(RNG.lstrip("/") + "/")
+
+
+def rebuild(tree: Tree, load: Callable[[TensorRef], torch.Tensor]) -> Any:
+    """Turn a validated tree back into Python values; objects come back as dicts or tuples.
+
+    No class is ever imported or instantiated from a name stored in a bundle: a recorded
+    dataclass or mapping class becomes a ``dict``, a named tuple a ``tuple``.
+    """
+    kind = tree[0]
+    if kind == "T":
+        _, path, tag, shape, requires_grad = tree
+        return load(TensorRef(str(path), str(tag), tuple(shape), bool(requires_grad)))  # type: ignore[arg-type]
+    if kind == "N":
+        return None
+    if kind == "S":
+        return tree[1]
+    if kind in ("L", "U"):
+        items = [rebuild(child, load) for child in tree[1]]  # type: ignore[attr-defined]
+        return items if kind == "L" else tuple(items)
+    if kind == "D" or (kind == "O" and tree[2] != "namedtuple"):
+        return {key: rebuild(child, load) for key, child in tree[-1]}  # type: ignore[attr-defined]
+    if kind == "O":
+        return tuple(rebuild(child, load) for _, child in tree[3])  # type: ignore[attr-defined]
+    raise BundleFormatError(f"recorded value of type {tree[1]} could not be recorded ({tree[2]}), so it cannot be fed")
+

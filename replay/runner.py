@@ -1,0 +1,202 @@
+"""Rerun the port on a bundle's recorded inputs and compare every record while it runs.
+
+The port is observed with the same hooks capture uses (:mod:`capture.hooks`), so records are
+named the same way; each live tensor is compared against the bundle as soon as it exists and is
+not kept, so memory stays at the model plus a few tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from capture.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
+from capture.hooks import CallInfo, ModuleTap
+from capture.naming import iter_live_call_inputs, iter_live_tensors
+from capture.provenance import snapshot
+from common.errors import AdapterError, InputError
+from common.schema import TensorRef, iter_tensors
+from common.tolerances import ToleranceTable
+from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_tensor
+from replay.mapping import RenameMap
+from replay.reader import BundleReader
+
+__all__ = ["compare_run", "record_name"]
+
+
+def record_name(module: str, call: int, slot: str) -> str:
+    """A per-module record's name: ``encoder.layers.0/0/output``."""
+    return f"{module}/{call}/{slot}"
+
+
+class _ComparingSink:
+    """A :class:`~capture.hooks.TapSink` comparing the port's tensors with the bundle's."""
+
+    def __init__(self, reader: BundleReader, result: ComparisonResult) -> None:
+        self._reader, self._result = reader, result
+        index = reader.index
+        self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
+        self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
+        self.seen: set[str] = set()
+
+    def _compare(
+        self, kind: RecordKind, info: CallInfo, live: Iterable[tuple[str, torch.Tensor]],
+        expected: dict[str, TensorRef], rank: int,
+    ) -> None:
+        for position, (slot, tensor) in enumerate(live):
+            name = record_name(info.module, info.call, slot)
+            ref = expected.get(slot)
+            if ref is None:
+                self._result.replay_only.append(name)
+                continue
+            self.seen.add(name)
+            tolerance = self._result.tolerances.for_record(name)
+            diff = diff_tensor(self._reader.read_float64(ref), ref.tag, tensor, tolerance)
+            self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module))
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Compare a call's arguments with the reference's."""
+        found = self._reader.find_call(info.module, info.call)
+        expected = {} if found is None else dict(iter_tensors(found[1].inputs, "input"))
+        rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
+        self._compare("forward", info, iter_live_call_inputs(args, kwargs), expected, rank)
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """Compare a call's outputs with the reference's."""
+        found = self._reader.find_call(info.module, info.call)
+        expected = {} if found is None else dict(iter_tensors(found[1].outputs, "output"))
+        rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
+        self._compare("forward", info, iter_live_tensors(outputs, "output"), expected, rank)
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Compare a gradient with the reference's as soon as backward produces it."""
+        found = self._reader.find_call(info.module, info.call)
+        expected = {} if found is None else {**found[1].grad_outputs, **found[1].grad_inputs}
+        rank = self._backward_rank.get((found[0], slot), -1) if found else -1
+        self._compare("backward", info, [(slot, grad)], expected, rank)
+
+
+def _compare_named(
+    result: ComparisonResult, reader: BundleReader, kind: RecordKind | str,
+    live: Iterable[tuple[str, torch.Tensor]], expected: dict[str, TensorRef],
+) -> list[RecordResult]:
+    """Compare named tensors (outputs, parameters, gradients); unpaired names are reported."""
+    records, seen = [], set()
+    for position, (name, tensor) in enumerate(live):
+        ref = expected.get(name)
+        if ref is None:
+            result.replay_only.append(name)
+            continue
+        seen.add(name)
+        diff = diff_tensor(reader.read_float64(ref), ref.tag, tensor, result.tolerances.for_record(name))
+        records.append(RecordResult(kind, name, diff, (0, position)))  # type: ignore[arg-type]
+    result.bundle_only.extend(name for name in expected if name not in seen)
+    return records
+
+
+def _mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -> list[tuple[str, torch.Tensor]]:
+    pairs = []
+    for name, param in model.named_parameters():
+        mapped = rename.parameter(name)
+        value = param.grad if grads else param.detach()
+        if mapped is not None and value is not None:
+            pairs.append((mapped, value))
+    return pairs
+
+
+def _backward(reader: BundleReader, outputs: Any, loss: LossFn | None, result: ComparisonResult) -> None:
+    """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss."""
+    index = reader.index
+    if index.run.backward == "loss":
+        if loss is None:
+            raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
+        value = loss(outputs)
+        assert index.loss is not None
+        result.records += _compare_named(result, reader, "output", [("loss", value)], dict(iter_tensors(index.loss, "loss")))
+        value.backward()
+        return
+    if index.run.backward == "none" or index.cotangent is None:
+        return
+    live = dict(iter_live_tensors(outputs, "output"))
+    tensors, cotangents = [], []
+    for slot, ref in iter_tensors(index.cotangent, ""):
+        if slot not in live:
+            raise InputError(
+                f"the reference backpropagated a cotangent into output {slot!r}, but the port has no such output "
+                f"(it has {sorted(live)}); make the port's forward return the same structure"
+            )
+        tensors.append(live[slot])
+        cotangents.append(reader.read_tensor(ref).to(device=live[slot].device, dtype=live[slot].dtype))
+    torch.autograd.backward(tensors, cotangents)
+
+
+def compare_run(
+    model: torch.nn.Module,
+    reader: BundleReader,
+    *,
+    forward: ForwardFn | None = None,
+    loss: LossFn | None = None,
+    tolerances: ToleranceTable | None = None,
+    rename: RenameMap | None = None,
+    device: str = "cpu",
+    provenance: dict[str, str] | None = None,
+) -> ComparisonResult:
+    """Run the port on the bundle's inputs, forward and backward, and compare every record.
+
+    Args:
+        model: the port, weights loaded, on ``device``.
+        reader: the reference bundle.
+        forward: the port adapter's ``forward(model, inputs)``; default ``model(**inputs)``/``model(*inputs)``.
+        loss: the port adapter's ``loss(outputs)``; needed only when the reference used one.
+        tolerances: per-record tolerances; default atol = rtol = 1e-5.
+        rename: maps the port's module paths to the bundle's.
+        device: where inputs and cotangents are moved.
+        provenance: extra provenance strings of this environment (checkpoint hash...).
+
+    Returns:
+        A :class:`~replay.compare.ComparisonResult`, names in the bundle's naming.
+    """
+    rename = rename or RenameMap()
+    index = reader.index
+    result = ComparisonResult(
+        tolerances=tolerances or ToleranceTable(),
+        reference_provenance=reader.provenance(), replay_provenance={**snapshot(device), **(provenance or {})},
+    )
+    target = torch.device(device)
+    inputs = to_device(reader.rebuild(index.inputs), target)
+    params = _mapped_parameters(model, rename, grads=False)
+    result.param_values = _compare_named(ComparisonResult(tolerances=result.tolerances), reader, "param", params, index.params)
+    model.train(index.run.train_mode)
+    model.zero_grad(set_to_none=True)
+    seed_everything(index.run.seed)
+    sink = _ComparingSink(reader, result)
+    with ModuleTap(model, sink, rename=rename.module):
+        outputs = call_forward(model, inputs, forward)
+    result.records += _compare_named(result, reader, "output", iter_live_tensors(outputs, "output"), dict(iter_tensors(index.outputs, "output")))
+    _backward(reader, outputs, loss, result)
+    result.records += _compare_named(result, reader, "param_grad", _mapped_parameters(model, rename, grads=True), index.grads)
+    result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
+    _warn_if_mostly_unpaired(result)
+    return result
+
+
+def _warn_if_mostly_unpaired(result: ComparisonResult) -> None:
+    compared, unpaired = len(result.records), len(result.bundle_only)
+    if unpaired > compared:
+        result.notes.append(
+            f"WARNING: only {compared} records were compared and {unpaired} bundle records were not: "
+            "module names probably differ; pass --map FILE to rename the port's modules"
+        )
+
+
+def _unvisited_module_records(reader: BundleReader, seen: set[str]) -> list[str]:
+    names = []
+    for call in reader.index.calls:
+        slots = [s for s, _ in iter_tensors(call.inputs, "input")] + [s for s, _ in iter_tensors(call.outputs, "output")]
+        for slot in [*slots, *call.grad_outputs, *call.grad_inputs]:
+            name = record_name(call.module, call.call, slot)
+            if name not in seen:
+                names.append(name)
+    return names

@@ -1,0 +1,162 @@
+"""Hook semantics: what capture records for gradients, and that recording changes no number."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from capture.adapters import load_adapter
+from capture.driving import make_cotangents
+from capture.recorder import capture_run
+from common.schema import iter_tensors
+from conftest import REF_ADAPTER
+from models import Block, TinyNet, build_tiny, tiny_inputs
+from replay.reader import BundleReader
+
+
+class SkipNet(nn.Module):
+    """The child's input is also used by the parent, so its contribution differs from the total gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(h * 2 + self.block(h))
+
+
+def _recorded_grads(path: Path) -> dict[tuple[str, str], torch.Tensor]:
+    with BundleReader(path) as reader:
+        return {
+            (call.module, slot): reader.read_tensor(ref)
+            for call in reader.index.calls
+            for slot, ref in {**call.grad_outputs, **call.grad_inputs}.items()
+        }
+
+
+def _full_backward_hook_grads(model: nn.Module, x: torch.Tensor, seed: int) -> dict[tuple[str, str], torch.Tensor]:
+    """Module grads as torch's full backward hooks report them (a module's own contribution)."""
+    found: dict[tuple[str, str], torch.Tensor] = {}
+
+    def hook(name: str):  # noqa: ANN202
+        def record(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            found[(name, "grad_output")] = grad_output[0]
+            if grad_input[0] is not None:
+                found[(name, "grad_input.0")] = grad_input[0]
+        return record
+
+    handles = [m.register_full_backward_hook(hook(n)) for n, m in model.named_modules() if n]
+    torch.manual_seed(seed)
+    out = model(x)
+    (_, tensor, cotangent), = make_cotangents(out, seed)
+    torch.autograd.backward([tensor], [cotangent])
+    for handle in handles:
+        handle.remove()
+    return found
+
+
+def test_grads_are_each_modules_own_contribution(tmp_path: Path) -> None:
+    """grad_input is the gradient through the module alone, as full backward hooks define it, not the total."""
+    torch.manual_seed(0)
+    model, x = SkipNet(), torch.randn(3, 4, requires_grad=True)
+    path = tmp_path / "skip.h5"
+    capture_run(model, (x,), path, seed=7)
+    recorded = _recorded_grads(path)
+    expected = _full_backward_hook_grads(model, x, seed=7)
+    assert set(expected) <= set(recorded)
+    for key, value in expected.items():
+        torch.testing.assert_close(recorded[key], value, rtol=0, atol=0, msg=f"{key}")
+    total = recorded[("inp", "grad_output")]
+    assert not torch.equal(recorded[("block", "grad_input.0")], total)  # the skip path is not included
+
+
+def _inplace_twin(inplace: bool) -> TinyNet:
+    model = build_tiny()
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.act = nn.ReLU(inplace=inplace)
+    return model
+
+
+def test_inplace_activation_loses_no_gradient(tmp_path: Path) -> None:
+    """ReLU(inplace=True) after a view-producing Linear records the same gradients as its out-of-place twin."""
+    paths = {}
+    for inplace in (False, True):
+        paths[inplace] = tmp_path / f"inplace_{inplace}.h5"
+        capture_run(_inplace_twin(inplace), tiny_inputs(), paths[inplace], seed=3)
+    plain, inplace = _recorded_grads(paths[False]), _recorded_grads(paths[True])
+    assert sorted(plain) == sorted(inplace)
+    assert ("blocks.0.lin", "grad_output") in inplace and ("blocks.0.act", "grad_input.0") in inplace
+    for key in plain:
+        assert torch.equal(plain[key], inplace[key]), key
+
+
+def test_module_called_twice_gets_two_records(tiny_bundle: Path) -> None:
+    """A module called twice yields calls 0 and 1, each with inputs, outputs and gradients."""
+    with BundleReader(tiny_bundle) as reader:
+        calls = [c for c in reader.index.calls if c.module == "blocks.0"]
+        assert [c.call for c in calls] == [0, 1]
+        for call in calls:
+            assert [s for s, _ in iter_tensors(call.inputs, "input")] == ["input.0"]
+            assert [s for s, _ in iter_tensors(call.outputs, "output")] == ["output"]
+            assert set(call.grad_outputs) == {"grad_output"} and set(call.grad_inputs) == {"grad_input.0"}
+        first, second = (reader.read_tensor(dict(iter_tensors(c.outputs, "output"))["output"]) for c in calls)
+        assert not torch.equal(first, second)
+
+
+def _bare_run(model: nn.Module, inputs: dict, seed: int) -> tuple[dict, dict]:
+    """Forward and backward without any hook, driven exactly as capture drives a model."""
+    model.eval()
+    torch.manual_seed(seed)
+    outputs = model(**inputs)
+    triples = make_cotangents(outputs, seed)
+    torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
+    flat = {slot: t.detach() for slot, t, _ in triples}
+    return flat, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("which", ["tiny", "example_reference"], ids=["tiny-inplace-residual", "conformer-reference"])
+def test_hooks_change_no_number(tmp_path: Path, which: str) -> None:
+    """Outputs and parameter gradients with capture hooks on are bitwise those of a bare run."""
+    if which == "tiny":
+        build, inputs = build_tiny, tiny_inputs()
+    else:
+        adapter = load_adapter(str(REF_ADAPTER))
+        build, inputs = (lambda: adapter.model(None, "cpu")), adapter.inputs(42, 2, 16000)
+    bare_outputs, bare_grads = _bare_run(build(), inputs, seed=42)
+    path = tmp_path / "hooked.h5"
+    capture_run(build(), inputs, path, seed=42)
+    with BundleReader(path) as reader:
+        outputs = dict(iter_tensors(reader.index.outputs, "output"))
+        for slot, value in bare_outputs.items():
+            assert torch.equal(reader.read_tensor(outputs[slot]), value), slot
+        assert set(reader.index.grads) == set(bare_grads)
+        for name, grad in bare_grads.items():
+            assert torch.equal(reader.read_tensor(reader.index.grads[name]), grad), name
+
+
+def test_outputs_without_grad_and_frozen_model(capture_model) -> None:  # noqa: ANN001
+    """A model with nothing requiring grad is captured with backward 'none' and no gradient records."""
+    model = build_tiny().requires_grad_(False)
+    with BundleReader(capture_model(model, tiny_inputs())) as reader:
+        assert reader.index.run.backward == "none"
+        assert not reader.index.grads
+        assert all(not c.grad_outputs and not c.grad_inputs for c in reader.index.calls)
+
+
+def test_backward_order_follows_autograd(tiny_bundle: Path) -> None:
+    """Backward records are ordered as backward produced them: the head first, the input layer last."""
+    with BundleReader(tiny_bundle) as reader:
+        modules = [reader.index.calls[i].module for i, _ in reader.index.backward_order]
+    assert modules[0] == "head" and modules[-1] == "inp"
+    counts = defaultdict(int)
+    for module in modules:
+        counts[module] += 1
+    assert counts["blocks.0"] == 4  # two calls x (grad_output, grad_input)

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny models, the example reference/port pair, and captured bundles."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from capture.recorder import capture_run
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+REF_ADAPTER = EXAMPLES / "conformer_ref" / "adapter.py"
+PORT_DIR = EXAMPLES / "conformer_port"
+PORT_MAP = PORT_DIR / "port_to_ref.map"
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import build_tiny, tiny_inputs  # noqa: E402
+
+
+@pytest.fixture
+def tiny_bundle(tmp_path: Path) -> Path:
+    """A bundle of ``TinyNet`` on ``tiny_inputs()``, seed 42."""
+    out = tmp_path / "tiny.h5"
+    capture_run(build_tiny(), tiny_inputs(), out, seed=42)
+    return out
+
+
+@pytest.fixture
+def capture_model(tmp_path: Path) -> Callable[..., Path]:
+    """Capture any model and inputs into a fresh bundle path; returns the path."""
+    counter = iter(range(1000))
+
+    def run(model: torch.nn.Module, inputs: object, **options: object) -> Path:
+        out = tmp_path / f"bundle{next(counter)}.h5"
+        capture_run(model, inputs, out, **options)  # type: ignore[arg-type]
+        return out
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def ref_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example reference's checkpoint (a plain state dict)."""
+    sys.path.insert(0, str(EXAMPLES / "conformer_ref"))
+    from nemo_like_conformer import build_reference
+
+    path = tmp_path_factory.mktemp("ckpt") / "ref.pt"
+    torch.save(build_reference().state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ref_bundle(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path) -> Path:
+    """A capture of the example reference (batch 2, 16000 samples, seed 42), made through the CLI."""
+    from click.testing import CliRunner
+
+    from capture.cli import main
+
+    out = tmp_path_factory.mktemp("bundles") / "ref.h5"
+    result = CliRunner().invoke(main, ["--ckpt", str(ref_checkpoint), "--adapter", str(REF_ADAPTER), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
