@@ -47,9 +47,13 @@ class Adapter:
         except (AdapterError, CheckpointError):
             raise
         except Exception as err:
-            raise AdapterError(f"adapter {self.name}: load_model({ckpt!r}, {device!r}) failed: {type(err).__name__}: {err}") from err
+            raise AdapterError(
+                f"adapter {self.name}: load_model({ckpt!r}, {device!r}) failed: {type(err).__name__}: {err}"
+            ) from err
         if not isinstance(model, torch.nn.Module):
-            raise AdapterError(f"adapter {self.name}: load_model returned {type(model).__name__}, expected a torch.nn.Module")
+            raise AdapterError(
+                f"adapter {self.name}: load_model returned {type(model).__name__}, expected a torch.nn.Module"
+            )
         return model
 
     def inputs(self, seed: int, batch_size: int, seq_len: int) -> Any:
@@ -60,7 +64,9 @@ class Adapter:
         except Exception as err:
             raise AdapterError(f"adapter {self.name}: make_inputs failed: {type(err).__name__}: {err}") from err
         if not isinstance(inputs, (Mapping, tuple, list)):
-            raise AdapterError(f"adapter {self.name}: make_inputs returned {type(inputs).__name__}, expected a dict or a tuple")
+            raise AdapterError(
+                f"adapter {self.name}: make_inputs returned {type(inputs).__name__}, expected a dict or a tuple"
+            )
         return inputs
 
 
@@ -117,7 +123,9 @@ def load_adapter(spec: str) -> Adapter:
         if function is not None and not callable(function):
             raise AdapterError(f"adapter {spec}: {name} is a {type(function).__name__}, expected a function")
     if functions["load_model"] is None:
-        raise AdapterError(f"adapter {spec}: defines no load_model(ckpt, device); see the adapter protocol in the README")
+        raise AdapterError(
+            f"adapter {spec}: defines no load_model(ckpt, device); see the adapter protocol in the README"
+        )
     return Adapter(spec, **functions)  # type: ignore[arg-type]
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -15,7 +16,15 @@ from capture.provenance import file_sha256
 from capture.recorder import capture_run
 from common.errors import ParityError
 
-__all__ = ["adapter_options", "checkpoint_provenance", "fail", "handle_errors", "main", "resolve_adapter"]
+__all__ = [
+    "OneLineErrors",
+    "adapter_options",
+    "checkpoint_provenance",
+    "fail",
+    "handle_errors",
+    "main",
+    "resolve_adapter",
+]
 
 
 def fail(program: str, message: str) -> NoReturn:
@@ -26,20 +35,46 @@ def fail(program: str, message: str) -> NoReturn:
 
 @contextmanager
 def handle_errors(program: str, debug: bool) -> Iterator[None]:
-    """Map expected failures to one line and exit code 2; ``--debug`` keeps the traceback."""
+    """Map failures to one line on stderr and exit code 2; ``--debug`` prints the traceback first."""
     try:
         yield
-    except ParityError as err:
-        if debug:
-            raise
-        fail(program, str(err))
+    except click.ClickException:
+        raise  # usage errors: OneLineErrors formats them
     except KeyboardInterrupt:
-        click.echo(f"{program}: interrupted; nothing was written at the output path", err=True)
+        click.echo(f"{program}: interrupted", err=True)
         sys.exit(130)
-    except Exception as err:  # the user's model or adapter raised: say where, hint at --debug
+    except Exception as err:
         if debug:
-            raise
+            traceback.print_exc()
+            sys.exit(2)
+        if isinstance(err, ParityError):
+            fail(program, str(err))
+        # The user's model or adapter raised: say what, and where to look.
         fail(program, f"{type(err).__name__}: {err} (rerun with --debug for the traceback)")
+
+
+class OneLineErrors(click.Command):
+    """A click command whose usage errors are one line on stderr with exit code 2, like every other error."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        program = prog_name or self.name or "parity-harness"
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as err:
+            hint = " (see --help)" if isinstance(err, click.UsageError) else ""
+            click.echo(f"{program}: error: {err.format_message()}{hint}", err=True)
+            code = 2
+        except click.Abort:
+            code = 130
+        if standalone_mode:
+            sys.exit(code or 0)
+        return code
 
 
 def resolve_adapter(adapter: str | None, model: str | None) -> Adapter:
@@ -57,9 +92,22 @@ def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
 def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     """Options shared by both CLIs: how to load and drive the model."""
     options = [
-        click.option("--ckpt", type=click.Path(exists=True, dir_okay=True), help="Checkpoint to load (optional when the adapter builds the model)."),
-        click.option("--adapter", metavar="FILE.py|MODULE", help="Adapter defining load_model(ckpt, device), make_inputs(...), [forward, loss]."),
-        click.option("--model", "model_spec", metavar="MODULE:FACTORY", help="factory() builds the model; --ckpt holds its state dict."),
+        click.option(
+            "--ckpt",
+            type=click.Path(exists=True, dir_okay=True),
+            help="Checkpoint to load (optional when the adapter builds the model).",
+        ),
+        click.option(
+            "--adapter",
+            metavar="FILE.py|MODULE",
+            help="Adapter defining load_model(ckpt, device), make_inputs(...), [forward, loss].",
+        ),
+        click.option(
+            "--model",
+            "model_spec",
+            metavar="MODULE:FACTORY",
+            help="factory() builds the model; --ckpt holds its state dict.",
+        ),
         click.option("--device", default="cpu", show_default=True, help="Device to run the model on."),
         click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors."),
     ]
@@ -68,18 +116,33 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     return function
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("capture-run", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @adapter_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Bundle to write (.h5).")
 @click.option("--seed", default=42, show_default=True, type=int)
 @click.option("--batch-size", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--seq-len", default=16000, show_default=True, type=click.IntRange(min=1))
-@click.option("--inputs", "inputs_file", type=click.Path(exists=True, dir_okay=False), help="Feed these arrays (.npz) as keyword arguments instead of make_inputs.")
+@click.option(
+    "--inputs",
+    "inputs_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Feed these arrays (.npz) as keyword arguments instead of make_inputs.",
+)
 @click.option("--train-mode", is_flag=True, help="Run in train mode (dropout active); eval mode by default.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 def main(
-    ckpt: str | None, adapter: str | None, model_spec: str | None, device: str, debug: bool, out: str, seed: int,
-    batch_size: int, seq_len: int, inputs_file: str | None, train_mode: bool, overwrite: bool,
+    ckpt: str | None,
+    adapter: str | None,
+    model_spec: str | None,
+    device: str,
+    debug: bool,
+    out: str,
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    inputs_file: str | None,
+    train_mode: bool,
+    overwrite: bool,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
     with handle_errors("capture-run", debug):
@@ -87,8 +150,14 @@ def main(
         model = driver.model(ckpt, device)
         inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len)
         summary = capture_run(
-            model, to_device(inputs, device), out, seed=seed, forward=driver.forward, loss=driver.loss,
-            train_mode=train_mode, overwrite=overwrite,
+            model,
+            to_device(inputs, device),
+            out,
+            seed=seed,
+            forward=driver.forward,
+            loss=driver.loss,
+            train_mode=train_mode,
+            overwrite=overwrite,
             run_info={"batch_size": batch_size, "seq_len": seq_len, "device": device, "adapter": driver.name},
             provenance=checkpoint_provenance(ckpt),
         )
@@ -96,4 +165,3 @@ def main(
         f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB, "
         f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
     )
-

@@ -30,8 +30,8 @@ def seed_everything(seed: int) -> None:
 def rng_state() -> tuple[dict[str, object], np.ndarray]:
     """Python and NumPy generator states as plain data, and torch's CPU state as bytes."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    plain = {
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    plain: dict[str, object] = {
         "python": [version, list(internal), gauss],
         "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
     }

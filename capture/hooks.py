@@ -90,10 +90,10 @@ class _BaseFallback:
 
 def _watch(tensor: torch.Tensor, tap: _GradTap) -> None:
     """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
-    tensor.register_hook(tap)
+    tensor.register_hook(tap)  # type: ignore[no-untyped-call]
     base = tensor._base
     if base is not None and base.requires_grad and base.dtype == tensor.dtype:
-        base.register_hook(_BaseFallback(tap, tensor, base))
+        base.register_hook(_BaseFallback(tap, tensor, base))  # type: ignore[no-untyped-call]
 
 
 class ModuleTap:

@@ -14,14 +14,13 @@ from typing import Final
 import torch
 
 from common.layout import join_slot
-from common.schema import TensorRef, Tree
+from common.schema import MAX_DEPTH, TensorRef, Tree
 
 __all__ = ["StoreTensor", "encode_call_inputs", "encode_value", "grad_slot", "iter_live_tensors", "type_name"]
 
 StoreTensor = Callable[[str, torch.Tensor], TensorRef]
 """Called once per tensor leaf with its slot; returns where the tensor was stored."""
 
-_MAX_DEPTH: Final = 64
 _PLAIN_SCALARS: Final = (bool, int, float, str, bytes)
 
 
@@ -46,8 +45,8 @@ def _plain_key(key: object) -> object:
 
 def encode_value(value: object, slot: str, store: StoreTensor, depth: int = 0) -> Tree:
     """Encode ``value`` as a tree, handing every tensor leaf to ``store`` with its slot name."""
-    if depth > _MAX_DEPTH:
-        return ["X", type_name(value), f"nested deeper than {_MAX_DEPTH} levels"]
+    if depth >= MAX_DEPTH:  # the reader accepts nodes up to MAX_DEPTH: stop one level before
+        return ["X", type_name(value), f"nested deeper than {MAX_DEPTH} levels"]
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.is_meta or value.is_quantized:
             return ["X", type_name(value), f"{value.layout} / quantized / meta tensors are not recorded"]
@@ -57,15 +56,15 @@ def encode_value(value: object, slot: str, store: StoreTensor, depth: int = 0) -
     if isinstance(value, _PLAIN_SCALARS):
         return ["S", value]
     if hasattr(value, "item") and getattr(value, "shape", None) == ():  # NumPy scalars
-        return ["S", value.item()]  # type: ignore[attr-defined]
+        return ["S", value.item()]
     if isinstance(value, Mapping):
         items = ((_plain_key(k), v) for k, v in value.items())
         if type(value) in (dict,) or type(value).__name__ == "OrderedDict":
             return ["D", _pairs(items, slot, store, depth)]
         return ["O", type_name(value), "mapping", _pairs(items, slot, store, depth)]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        fields = zip(value._fields, value, strict=True)
-        return ["O", type_name(value), "namedtuple", _pairs(fields, slot, store, depth)]
+        named = zip(value._fields, value, strict=True)
+        return ["O", type_name(value), "namedtuple", _pairs(named, slot, store, depth)]
     if isinstance(value, (list, tuple)):
         kind = "L" if isinstance(value, list) else "U"
         return [kind, [encode_value(v, join_slot(slot, i), store, depth + 1) for i, v in enumerate(value)]]

@@ -14,9 +14,10 @@ import msgpack
 import numpy as np
 import torch
 
+from common.dtypes import tag_of
 from common.version import HARNESS_VERSION
 
-__all__ = ["file_sha256", "snapshot"]
+__all__ = ["file_sha256", "model_provenance", "snapshot"]
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -55,3 +56,12 @@ def snapshot(device: str = "cpu") -> dict[str, str]:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
+
+
+def model_provenance(model: torch.nn.Module) -> dict[str, str]:
+    """The model's parameter dtypes and count, so a dtype change shows up beside the environment."""
+    params = list(model.parameters())
+    return {
+        "param_dtypes": ",".join(sorted({tag_of(p.dtype) for p in params})),
+        "param_count": str(sum(p.numel() for p in params)),
+    }

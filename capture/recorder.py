@@ -14,7 +14,7 @@ import torch
 from capture.driving import ForwardFn, LossFn, call_forward, make_cotangents, rng_state, seed_everything
 from capture.hooks import CallInfo, ModuleTap
 from capture.naming import encode_call_inputs, encode_value
-from capture.provenance import snapshot
+from capture.provenance import model_provenance, snapshot
 from capture.writer import BundleWriter
 from common.errors import InputError
 from common.layout import BACKWARD, GRADS, INPUTS, OUTPUTS, PARAMS, RNG, call_group, escape_dotted, tensor_path
@@ -33,8 +33,13 @@ class _CallDraft:
     def finish(self) -> ModuleCall:
         by_kind = {kind: {s: r for s, r in self.grads.items() if s.startswith(kind)} for kind in ("grad_o", "grad_i")}
         return ModuleCall(
-            self.info.module, self.info.call, self.info.module_type, self.inputs, self.outputs,
-            grad_outputs=by_kind["grad_o"], grad_inputs=by_kind["grad_i"],
+            self.info.module,
+            self.info.call,
+            self.info.module_type,
+            self.inputs,
+            self.outputs,
+            grad_outputs=by_kind["grad_o"],
+            grad_inputs=by_kind["grad_i"],
         )
 
 
@@ -102,7 +107,7 @@ def _run_backward(
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise InputError(f"adapter loss(outputs) returned {type(value).__name__}, expected a scalar tensor")
         tree = writer.write_tensor(f"{BACKWARD}/loss", value).to_tree()
-        value.backward()
+        value.backward()  # type: ignore[no-untyped-call]
         return "loss", None, tree
     triples = make_cotangents(outputs, seed)
     if not triples:
@@ -144,7 +149,9 @@ def capture_run(
     started = time.perf_counter()
     info = dict(run_info or {})
     with BundleWriter(out, overwrite=overwrite) as writer:
-        writer.write_provenance({**snapshot(str(info.get("device", "cpu"))), **(provenance or {})})
+        writer.write_provenance(
+            {**snapshot(str(info.get("device", "cpu"))), **model_provenance(model), **(provenance or {})}
+        )
         seed_everything(seed)
         rng, torch_rng = rng_state()
         writer.write_array(f"{RNG}/torch_cpu", torch_rng)
@@ -159,14 +166,27 @@ def capture_run(
         mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
         grads = _write_named(writer, GRADS, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         run = RunInfo(
-            seed=seed, train_mode=train_mode, backward=mode,
-            batch_size=info.pop("batch_size", None), seq_len=info.pop("seq_len", None),
-            device=str(info.pop("device", "cpu")), adapter=str(info.pop("adapter", "")), extra=info,
+            seed=seed,
+            train_mode=train_mode,
+            backward=mode,
+            batch_size=info.pop("batch_size", None),
+            seq_len=info.pop("seq_len", None),
+            device=str(info.pop("device", "cpu")),
+            adapter=str(info.pop("adapter", "")),
+            extra=info,
         )
         index = BundleIndex(
-            run=run, inputs=input_tree, outputs=output_tree, cotangent=cotangent, loss=loss_tree,
-            params=params, grads=grads, calls=recorder.module_calls(),
-            forward_order=recorder.forward_order, backward_order=recorder.backward_order, rng=rng,
+            run=run,
+            inputs=input_tree,
+            outputs=output_tree,
+            cotangent=cotangent,
+            loss=loss_tree,
+            params=params,
+            grads=grads,
+            calls=recorder.module_calls(),
+            forward_order=recorder.forward_order,
+            backward_order=recorder.backward_order,
+            rng=rng,
         )
         path = writer.commit(index)
         return CaptureSummary(

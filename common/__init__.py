@@ -36,9 +36,9 @@ __all__ = [
     "MapFileError",
     "ParityError",
     "ParityMismatch",
+    "TensorDiff",
     "Tolerance",
     "ToleranceTable",
-    "TensorDiff",
     "UnsupportedBundleVersion",
     "diff_arrays",
 ]

@@ -51,7 +51,7 @@ _TABLE: Final[dict[str, tuple[str, str, bool]]] = {
 }
 
 # Optional dtypes (float8, wide unsigned) exist only in newer torch releases.
-_TAG_TO_TORCH: Final = {
+_TAG_TO_TORCH: Final[dict[str, torch.dtype]] = {
     tag: getattr(torch, name) for tag, (name, _, _) in _TABLE.items() if getattr(torch, name, None) is not None
 }
 _TORCH_TO_TAG: Final = {dtype: tag for tag, dtype in _TAG_TO_TORCH.items()}
@@ -104,7 +104,7 @@ def to_storage(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     if flat.is_neg():
         flat = flat.resolve_neg()
     flat = flat.cpu().contiguous()
-    name, storage, raw = _TABLE[tag]
+    _, storage, raw = _TABLE[tag]
     if raw:
         return flat.view(_RAW_VIEW[storage]).numpy().view(storage), tag
     return flat.numpy(), tag
@@ -114,15 +114,17 @@ def from_storage(array: np.ndarray, tag: str) -> torch.Tensor:
     """Rebuild a CPU tensor of ``tag`` from its stored array (bit-exact inverse of :func:`to_storage`)."""
     dtype = torch_dtype(tag)
     _, storage, raw = _TABLE[tag]
-    array = np.ascontiguousarray(array, dtype=np.dtype(storage))
+    array = np.array(array, dtype=np.dtype(storage), order="C")  # a C-ordered copy; keeps 0-d shapes
     if raw:
         signed = array.view(np.int16) if storage == "uint16" else array
-        return torch.from_numpy(signed.copy()).view(dtype)
-    return torch.from_numpy(array.copy())
+        return torch.from_numpy(signed).view(dtype)
+    return torch.from_numpy(array)
 
 
 def to_float64(array: np.ndarray, tag: str) -> np.ndarray:
     """Return the values of a stored array as float64 (complex128 for complex tags)."""
+    if tag not in _TABLE:
+        raise BundleFormatError(f"dtype tag {tag!r} is unknown (known: {sorted(TAGS)})")
     if tag.startswith("C"):
         return np.asarray(array, dtype=np.complex128)
     if _TABLE[tag][2]:

@@ -52,18 +52,33 @@ def _index(flat_position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _cosine(expected: np.ndarray, actual: np.ndarray) -> float:
-    norm = float(np.linalg.norm(expected)) * float(np.linalg.norm(actual))
+    # Scale first: norms of values near 1e±200 would underflow or overflow in float64.
+    scale = max(float(np.max(np.abs(expected), initial=0.0)), float(np.max(np.abs(actual), initial=0.0)))
+    if scale == 0.0:
+        return 1.0
+    e, a = expected / scale, actual / scale
+    norm = float(np.linalg.norm(e)) * float(np.linalg.norm(a))
     if norm == 0.0:
-        return 1.0 if not expected.any() and not actual.any() else 0.0
-    return float(np.real(np.vdot(expected, actual)) / norm)
+        return 0.0
+    return float(np.real(np.vdot(e, a)) / norm)
 
 
 def _shape_problem(expected: np.ndarray, actual: np.ndarray, tags: tuple[str, str]) -> TensorDiff:
     nan = math.nan
     return TensorDiff(
-        match=False, shape=tuple(expected.shape), dtype=tags[0], actual_dtype=tags[1], numel=int(expected.size),
-        mismatched=int(expected.size), max_abs=nan, max_abs_index=None, max_rel=nan, max_rel_index=None,
-        cosine=nan, required_atol=math.inf, required_rtol=math.inf,
+        match=False,
+        shape=tuple(expected.shape),
+        dtype=tags[0],
+        actual_dtype=tags[1],
+        numel=int(expected.size),
+        mismatched=int(expected.size),
+        max_abs=nan,
+        max_abs_index=None,
+        max_rel=nan,
+        max_rel_index=None,
+        cosine=nan,
+        required_atol=math.inf,
+        required_rtol=math.inf,
         problem=f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}",
     )
 
@@ -97,18 +112,30 @@ def diff_arrays(
     broken = ~finite & ~close
     diff = np.where(finite, diff, 0.0)
     magnitude = np.where(finite, magnitude, 0.0)
-    max_abs, max_abs_at, max_rel, max_rel_at, need_atol, need_rtol = _extremes(diff, magnitude, broken, tolerance)
-    problem = None if expected_dtype == actual_dtype else f"dtype {actual_dtype} != expected {expected_dtype}"
+    with np.errstate(all="ignore"):  # extreme but finite values must give a report, not a warning
+        max_abs, max_abs_at, max_rel, max_rel_at, need_atol, need_rtol = _extremes(diff, magnitude, broken, tolerance)
+        cosine = _cosine(np.where(finite, e, 0.0), np.where(finite, a, 0.0))
+    problems = [] if expected_dtype == actual_dtype else [f"dtype {actual_dtype} != expected {expected_dtype}"]
+    if broken.any():
+        problems.append(f"{int(np.count_nonzero(broken))} NaN/Inf element(s) differ")
     mismatched = int(e.size - np.count_nonzero(close))
     return TensorDiff(
-        match=mismatched == 0 and problem is None,
-        shape=shape, dtype=expected_dtype, actual_dtype=actual_dtype, numel=int(e.size), mismatched=mismatched,
-        max_abs=max_abs, max_abs_index=None if max_abs_at is None else _index(max_abs_at, shape),
-        max_rel=max_rel, max_rel_index=None if max_rel_at is None else _index(max_rel_at, shape),
-        cosine=_cosine(np.where(finite, e, 0.0), np.where(finite, a, 0.0)),
-        required_atol=need_atol, required_rtol=need_rtol,
-        nan_expected=int(np.count_nonzero(np.isnan(e))), nan_actual=int(np.count_nonzero(np.isnan(a))),
-        problem=problem,
+        match=mismatched == 0 and not problems,
+        shape=shape,
+        dtype=expected_dtype,
+        actual_dtype=actual_dtype,
+        numel=int(e.size),
+        mismatched=mismatched,
+        max_abs=max_abs,
+        max_abs_index=None if max_abs_at is None else _index(max_abs_at, shape),
+        max_rel=max_rel,
+        max_rel_index=None if max_rel_at is None else _index(max_rel_at, shape),
+        cosine=cosine,
+        required_atol=need_atol,
+        required_rtol=need_rtol,
+        nan_expected=int(np.count_nonzero(np.isnan(e))),
+        nan_actual=int(np.count_nonzero(np.isnan(a))),
+        problem="; ".join(problems) or None,
     )
 
 
@@ -121,12 +148,35 @@ def _extremes(
     if broken.any():  # NaN against a number or an infinity that moved: no finite tolerance passes
         at = int(np.argmax(broken))
         return math.inf, at, math.inf, at, math.inf, math.inf
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(magnitude > 0, diff / magnitude, np.where(diff > 0, math.inf, 0.0))
-        slack_rtol = np.where(
-            magnitude > 0, (diff - tolerance.atol) / magnitude, np.where(diff > tolerance.atol, math.inf, 0.0)
-        )
+    # Relative differences are taken where the reference is nonzero: a difference against an
+    # exact zero (after a ReLU, in padding) is reported by max_abs, not as an infinite ratio.
+    rel = np.divide(diff, magnitude, out=np.zeros_like(diff), where=magnitude > 0)
     abs_at, rel_at = int(np.argmax(diff)), int(np.argmax(rel))
-    need_atol = max(0.0, float(np.max(diff - tolerance.rtol * magnitude)))
-    need_rtol = max(0.0, float(np.max(slack_rtol)))
+    need_atol, need_rtol = _required_tolerances(diff, magnitude, tolerance)
     return float(diff[abs_at]), abs_at, float(rel[rel_at]), rel_at, need_atol, need_rtol
+
+
+def _passes(diff: np.ndarray, magnitude: np.ndarray, atol: float, rtol: float) -> bool:
+    return bool(np.all(diff <= atol + rtol * magnitude))
+
+
+def _required_tolerances(diff: np.ndarray, magnitude: np.ndarray, tolerance: Tolerance) -> tuple[float, float]:
+    """The smallest atol (at the given rtol) and rtol (at the given atol) that pass every element.
+
+    The closed forms can land one rounding step short, so each is nudged up until the rule,
+    evaluated exactly as the comparison evaluates it, passes.
+    """
+    atol = max(0.0, float(np.max(diff - tolerance.rtol * magnitude)))
+    for _ in range(8):
+        if _passes(diff, magnitude, atol, tolerance.rtol):
+            break
+        atol = float(np.nextafter(atol, math.inf))
+    if np.any((magnitude == 0) & (diff > tolerance.atol)):
+        return atol, math.inf  # a difference against an exact zero beyond atol: no rtol helps
+    slack = np.divide(diff - tolerance.atol, magnitude, out=np.zeros_like(diff), where=magnitude > 0)
+    rtol = max(0.0, float(np.max(slack)))
+    for _ in range(8):
+        if _passes(diff, magnitude, tolerance.atol, rtol):
+            break
+        rtol = float(np.nextafter(rtol, math.inf))
+    return atol, rtol

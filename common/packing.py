@@ -15,8 +15,26 @@ MAX_INDEX_BYTES: Final = 1 << 30
 """Refuse metadata blobs over 1 GiB: a damaged size must not make the reader allocate without bound."""
 
 
+_PLAIN: Final = (str, bytes, int, float, bool, type(None))
+
+
+def _check_plain(obj: object, where: str) -> None:
+    """Refuse anything but plain data (msgpack itself packs ext types and decodes timestamps)."""
+    pending = [obj]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif type(item) in (list, tuple):  # not namedtuples: msgpack.ExtType is one
+            pending.extend(item)
+        elif not isinstance(item, _PLAIN):
+            raise BundleFormatError(f"{where}: metadata holds a {type(item).__name__}, not plain msgpack data")
+
+
 def pack(obj: object) -> np.ndarray:
     """Encode plain data (dict, list, str, bytes, int, float, bool, None) as a uint8 array."""
+    _check_plain(obj, "pack")
     try:
         raw = msgpack.packb(obj, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError, OverflowError) as err:
@@ -34,6 +52,8 @@ def unpack(blob: np.ndarray | bytes, *, where: str) -> object:
     if len(raw) > MAX_INDEX_BYTES:
         raise BundleFormatError(f"{where}: metadata of {len(raw)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit")
     try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, ext_hook=_refuse_ext)
+        document = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, ext_hook=_refuse_ext)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as err:
         raise BundleFormatError(f"{where}: metadata is not valid msgpack ({type(err).__name__}: {err})") from err
+    _check_plain(document, where)
+    return document

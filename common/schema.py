@@ -27,6 +27,7 @@ from common.errors import BundleFormatError
 from common.layout import join_slot
 
 __all__ = [
+    "MAX_DEPTH",
     "BackwardMode",
     "BundleIndex",
     "ModuleCall",
@@ -41,7 +42,7 @@ __all__ = [
 Tree = list[object]
 BackwardMode = Literal["cotangent", "loss", "none"]
 OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
-_MAX_DEPTH: Final = 64
+MAX_DEPTH: Final = 64
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,9 @@ def iter_tensors(tree: Tree, prefix: str) -> Iterator[tuple[str, TensorRef]]:
         for position, child in enumerate(cast(list[Tree], tree[1])):
             yield from iter_tensors(child, join_slot(prefix, position) if prefix else str(position))
     elif kind in ("D", "O"):
-        for key, child in cast(list[list[object]], tree[-1]):
-            yield from iter_tensors(cast(Tree, child), join_slot(prefix, key) if prefix else str(key))
+        for entry in cast(list[Tree], tree[-1]):
+            key, node = entry
+            yield from iter_tensors(cast(Tree, node), join_slot(prefix, key) if prefix else str(key))
 
 
 def _tensor_ref(node: Tree) -> TensorRef:
@@ -213,20 +215,20 @@ def parse_tensor_ref(node: object, where: str) -> TensorRef:
     _expect(path, str, f"{where} path")
     if not cast(str, path).startswith("/"):
         raise _fail(where, f"tensor path {path!r} is not absolute")
-    if tag not in TAGS:
+    if not isinstance(tag, str) or tag not in TAGS:
         raise _fail(where, f"unknown dtype tag {tag!r}")
     dims = cast(list[object], _expect(shape, list, f"{where} shape"))
     for size in dims:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > 1 << 48:
             raise _fail(where, f"shape {dims!r} has an invalid size")
     _expect(requires_grad, bool, f"{where} requires_grad")
-    return TensorRef(cast(str, path), cast(str, tag), tuple(cast(list[int], dims)), cast(bool, requires_grad))
+    return TensorRef(cast(str, path), str(tag), tuple(cast(list[int], dims)), cast(bool, requires_grad))
 
 
 def parse_tree(node: object, where: str, depth: int = 0) -> Tree:
     """Validate a value tree recursively and return it unchanged."""
-    if depth > _MAX_DEPTH:
-        raise _fail(where, f"value nested deeper than {_MAX_DEPTH} levels")
+    if depth > MAX_DEPTH:
+        raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
     items = cast(list[object], _expect(node, list, where))
     kind = items[0] if items else None
     if kind == "T":
@@ -248,7 +250,7 @@ def parse_tree(node: object, where: str, depth: int = 0) -> Tree:
         _expect(items[2], str, where)
     else:
         raise _fail(where, f"unknown value node {items!r:.80}")
-    return cast(Tree, items)
+    return items
 
 
 def _parse_pairs(pairs: object, where: str, depth: int) -> None:
@@ -285,7 +287,7 @@ def parse_run(obj: object) -> RunInfo:
     return RunInfo(
         seed=cast(int, _expect(run.get("seed"), int, "run.seed")),
         train_mode=cast(bool, _expect(run.get("train_mode"), bool, "run.train_mode")),
-        backward=cast(BackwardMode, backward),
+        backward=backward,
         batch_size=cast("int | None", run.get("batch_size")),
         seq_len=cast("int | None", run.get("seq_len")),
         device=cast(str, _expect(run.get("device", "cpu"), str, "run.device")),
@@ -313,11 +315,12 @@ def _parse_order(obj: object, where: str, n_calls: int) -> list[tuple[int, str]]
     events: list[tuple[int, str]] = []
     for event in cast(list[object], _expect(obj, list, where)):
         items = cast(list[object], _expect(event, list, where))
-        if len(items) != 2 or not isinstance(items[0], int) or not isinstance(items[1], str):
+        position = items[0] if len(items) == 2 else None
+        if not isinstance(position, int) or isinstance(position, bool) or not isinstance(items[1], str):
             raise _fail(where, f"expected [call index, slot], got {items!r:.80}")
-        if not 0 <= items[0] < n_calls:
-            raise _fail(where, f"call index {items[0]} is out of range (there are {n_calls} calls)")
-        events.append((items[0], items[1]))
+        if not 0 <= position < n_calls:
+            raise _fail(where, f"call index {position} is out of range (there are {n_calls} calls)")
+        events.append((position, items[1]))
     return events
 
 

@@ -7,7 +7,14 @@ from typing import Final
 
 from common.errors import BundleFormatError, UnsupportedBundleVersion
 
-__all__ = ["FORMAT_MINOR", "FORMAT_NAME", "FORMAT_VERSION", "HARNESS_VERSION", "check_compatible", "parse_format_version"]
+__all__ = [
+    "FORMAT_MINOR",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HARNESS_VERSION",
+    "check_compatible",
+    "parse_format_version",
+]
 
 FORMAT_NAME: Final = "parity-harness-bundle"
 FORMAT_VERSION: Final = 1
@@ -18,9 +25,11 @@ FORMAT_MINOR: Final = 0
 
 def parse_format_version(value: object, *, where: str) -> int:
     """Return a stored version attribute as a non-negative int, or raise ``BundleFormatError``."""
+    if isinstance(value, bool):
+        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected an integer")
     try:
-        number = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError) as err:
+        number: int = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError) as err:
         raise BundleFormatError(f"{where}: version attribute is {value!r}, expected an integer") from err
     if number < 0 or number != value:
         raise BundleFormatError(f"{where}: version attribute is {value!r}, expected a non-negative integer")
@@ -50,6 +59,7 @@ def check_compatible(name: object, major: int, minor: int, *, where: str) -> Non
             f"{FORMAT_VERSION}.{FORMAT_MINOR}; fields added since are ignored",
             stacklevel=2,
         )
+
 
 HARNESS_VERSION: Final = "0.1.0"
 """Version of parity-harness itself, recorded in every bundle's provenance."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from capture.cli import adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
+from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
 from common.errors import InputError
 from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
 from replay.compare import ComparisonResult
@@ -25,7 +25,7 @@ from replay.runner import compare_run
 __all__ = ["main"]
 
 
-class Tol(click.ParamType):
+class Tol(click.ParamType):  # type: ignore[type-arg]
     """A tolerance: a finite number >= 0."""
 
     name = "tolerance"
@@ -52,40 +52,80 @@ def write_json(path: str, result: ComparisonResult) -> None:
         raise InputError(f"--json {path}: cannot write the report: {err}") from err
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("replay-compare", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--bundle", required=True, type=click.Path(dir_okay=False), help="Bundle written by capture-run.")
 @adapter_options
 @click.option("--atol", default=DEFAULT_ATOL, show_default=True, type=Tol())
 @click.option("--rtol", default=DEFAULT_RTOL, show_default=True, type=Tol())
 @click.option("--equal-nan", is_flag=True, help="Count NaN == NaN as a match.")
-@click.option("--tol", "overrides", multiple=True, metavar="GLOB=ATOL,RTOL", help="Per-record tolerance by name pattern (repeatable, last match wins).")
-@click.option("--map", "map_file", type=click.Path(exists=True, dir_okay=False), help="Rename rules: port module paths -> bundle names.")
+@click.option(
+    "--tol",
+    "overrides",
+    multiple=True,
+    metavar="GLOB=ATOL,RTOL",
+    help="Per-record tolerance by name pattern (repeatable, last match wins).",
+)
+@click.option(
+    "--map",
+    "map_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Rename rules: port module paths -> bundle names.",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
-@click.option("--show", type=click.Choice(["auto", "all", "mismatched"]), default="auto", show_default=True, help="Table rows to print.")
-@click.option("--max-rows", default=40, show_default=True, type=click.IntRange(min=0), help="Rows per table before only mismatches are shown (0: no cap).")
+@click.option(
+    "--show",
+    type=click.Choice(["auto", "all", "mismatched"]),
+    default="auto",
+    show_default=True,
+    help="Table rows to print.",
+)
+@click.option(
+    "--max-rows",
+    default=40,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Rows per table before only mismatches are shown (0: no cap).",
+)
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 def main(
-    bundle: str, ckpt: str | None, adapter: str | None, model_spec: str | None, device: str, debug: bool,
-    atol: float, rtol: float, equal_nan: bool, overrides: tuple[str, ...], map_file: str | None,
-    json_path: str | None, show: str, max_rows: int, list_only: bool,
+    bundle: str,
+    ckpt: str | None,
+    adapter: str | None,
+    model_spec: str | None,
+    device: str,
+    debug: bool,
+    atol: float,
+    rtol: float,
+    equal_nan: bool,
+    overrides: tuple[str, ...],
+    map_file: str | None,
+    json_path: str | None,
+    show: str,
+    max_rows: int,
+    list_only: bool,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
-    with handle_errors("replay-compare", debug):
-        with BundleReader(bundle) as reader:
-            if list_only:
-                click.echo(render_listing(reader))
-                return
-            tolerances = ToleranceTable(
-                Tolerance(atol, rtol, equal_nan), tuple(parse_override(s, equal_nan=equal_nan) for s in overrides)
-            )
-            rename = read_map(map_file) if map_file else RenameMap()
-            driver = resolve_adapter(adapter, model_spec)
-            model = driver.model(ckpt, device)
-            result = compare_run(
-                model, reader, forward=driver.forward, loss=driver.loss, tolerances=tolerances, rename=rename,
-                device=device, provenance=checkpoint_provenance(ckpt),
-            )
-            click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
-            if json_path:
-                write_json(json_path, result)
+    with handle_errors("replay-compare", debug), BundleReader(bundle) as reader:
+        if list_only:
+            click.echo(render_listing(reader))
+            return
+        tolerances = ToleranceTable(
+            Tolerance(atol, rtol, equal_nan), tuple(parse_override(s, equal_nan=equal_nan) for s in overrides)
+        )
+        rename = read_map(map_file) if map_file else RenameMap()
+        driver = resolve_adapter(adapter, model_spec)
+        model = driver.model(ckpt, device)
+        result = compare_run(
+            model,
+            reader,
+            forward=driver.forward,
+            loss=driver.loss,
+            tolerances=tolerances,
+            rename=rename,
+            device=device,
+            provenance=checkpoint_provenance(ckpt),
+        )
+        click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
+        if json_path:
+            write_json(json_path, result)
     sys.exit(0 if result.match else 1)

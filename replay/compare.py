@@ -22,7 +22,9 @@ KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "back
 def diff_tensor(expected: np.ndarray, expected_tag: str, actual: torch.Tensor, tolerance: Tolerance) -> TensorDiff:
     """Compare a recorded tensor (float64 values and its tag) with a live one."""
     array, tag = to_storage(actual)
-    return diff_arrays(expected, to_float64(array, tag), tolerance, expected_dtype=expected_tag, actual_dtype=tag_of(actual.dtype))
+    return diff_arrays(
+        expected, to_float64(array, tag), tolerance, expected_dtype=expected_tag, actual_dtype=tag_of(actual.dtype)
+    )
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,9 @@ class RecordResult:
         }
 
 
-def _finite_or_none(value: float) -> float | str | None:
-    """JSON has no NaN or Infinity: NaN becomes null and infinities the strings "inf"/"-inf"."""
-    if math.isnan(value):
-        return None
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return value
+def _finite_or_none(value: float) -> float | None:
+    """Strict JSON has no NaN or Infinity: a value that is not finite becomes null."""
+    return value if math.isfinite(value) else None
 
 
 @dataclass
@@ -111,8 +109,11 @@ class ComparisonResult:
             "first_divergence": {kind: (r.module if r else None) for kind, r in first.items()},
             "first_divergence_record": {kind: (r.name if r else None) for kind, r in first.items()},
             "summary": {kind: {"compared": n, "matched": m} for kind, (n, m) in self.counts().items()},
-            "tolerance": {"atol": self.tolerances.default.atol, "rtol": self.tolerances.default.rtol,
-                          "equal_nan": self.tolerances.default.equal_nan},
+            "tolerance": {
+                "atol": self.tolerances.default.atol,
+                "rtol": self.tolerances.default.rtol,
+                "equal_nan": self.tolerances.default.equal_nan,
+            },
             "records": [r.to_json() for kind in KINDS for r in self.of_kind(kind)],
             "param_values": [r.to_json() for r in self.param_values],
             "unmatched": {"bundle_only": sorted(self.bundle_only), "replay_only": sorted(self.replay_only)},

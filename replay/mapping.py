@@ -19,7 +19,6 @@ __all__ = ["RenameMap", "parse_map", "read_map"]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
-_GROUP_REF = re.compile(r"\\(\d+)|\\g<(\w+)>")
 
 
 @dataclass(frozen=True)
@@ -61,14 +60,21 @@ def _parse_rule(line: str, number: int, source: str) -> tuple[re.Pattern[str], s
         compiled = re.compile(pattern)
     except re.error as err:
         raise MapFileError(f"{source}:{number}: invalid regular expression {pattern!r}: {err}") from err
-    for ref in (a or b for a, b in _GROUP_REF.findall(replacement)):  # re checks these only on first match: check now
-        known = ref in compiled.groupindex or (ref.isdigit() and int(ref) <= compiled.groups)
-        if not known:
-            raise MapFileError(
-                f"{source}:{number}: replacement {replacement!r} refers to group {ref!r}, "
-                f"but the regex has {compiled.groups} group(s)"
-            )
+    if replacement != _NO_COUNTERPART:
+        _check_template(compiled, replacement, f"{source}:{number}")
     return compiled, replacement
+
+
+def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> None:
+    """Expand the replacement once now; ``re`` would only complain at the first matching path."""
+    names = {index: name for name, index in compiled.groupindex.items()}
+    same_groups = "".join(f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, compiled.groups + 1))
+    try:
+        re.sub(same_groups, replacement, "", count=1)
+    except (re.error, IndexError) as err:
+        raise MapFileError(
+            f"{where}: replacement {replacement!r} is invalid for a regex with {compiled.groups} group(s): {err}"
+        ) from err
 
 
 def parse_map(text: str, source: str = "<map>") -> RenameMap:

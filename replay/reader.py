@@ -24,7 +24,7 @@ from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, IND
 from common.migrations import migrate
 from common.packing import unpack
 from common.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
-from common.version import check_compatible, parse_format_version
+from common.version import FORMAT_VERSION, check_compatible, parse_format_version
 
 __all__ = ["BundleReader", "rebuild"]
 
@@ -70,7 +70,8 @@ class BundleReader:
         name = attrs.get(ATTR_FORMAT)
         name = name.decode() if isinstance(name, bytes) else name
         if ATTR_VERSION not in attrs:
-            check_compatible(name, 0, 0, where=where)  # not a bundle at all, or version missing
+            check_compatible(name, FORMAT_VERSION, 0, where=where)  # refuses files that are not bundles
+            raise BundleFormatError(f"{where}: root attribute {ATTR_VERSION!r} is missing; the bundle is damaged")
         major = parse_format_version(attrs.get(ATTR_VERSION), where=where)
         minor = parse_format_version(attrs.get(ATTR_MINOR, 0), where=where)
         check_compatible(name, major, minor, where=where)
@@ -84,7 +85,10 @@ class BundleReader:
                 "capture again"
             )
         document = unpack(node[()], where=f"{self.path}:{INDEX}")
-        return parse_index(migrate(document, self.format_version))
+        try:
+            return parse_index(migrate(document, self.format_version))
+        except BundleFormatError as err:
+            raise BundleFormatError(f"{self.path}: {err}") from err
 
     def _validate_tensors(self) -> None:
         referenced: set[str] = set()
@@ -187,4 +191,3 @@ def rebuild(tree: Tree, load: Callable[[TensorRef], torch.Tensor]) -> Any:
     if kind == "O":
         return tuple(rebuild(child, load) for _, child in tree[3])  # type: ignore[attr-defined]
     raise BundleFormatError(f"recorded value of type {tree[1]} could not be recorded ({tree[2]}), so it cannot be fed")
-

@@ -22,7 +22,17 @@ _TITLES: Final[dict[RecordKind, str]] = {
     "forward": "Forward, per module call (execution order)",
     "backward": "Backward, per module call (backward order)",
 }
-_HEADERS: Final = ["name", "shape", "dtype", "match", "max abs diff", "max rel diff", "mismatched", "cosine", "needs atol"]
+_HEADERS: Final = [
+    "name",
+    "shape",
+    "dtype",
+    "match",
+    "max abs diff",
+    "max rel diff",
+    "mismatched",
+    "cosine",
+    "needs atol",
+]
 _PROVENANCE_NOISE: Final = {"created_utc", "command_line"}
 
 
@@ -37,8 +47,14 @@ def _row(record: RecordResult) -> list[str]:
     dtype = diff.dtype if diff.dtype == diff.actual_dtype else f"{diff.dtype}->{diff.actual_dtype}"
     mismatched = f"{diff.mismatched} ({diff.mismatched_pct:.1f}%)" if diff.mismatched else "0"
     return [
-        record.name, "x".join(map(str, diff.shape)) or "scalar", dtype, "✓" if record.match else "✗",
-        _number(diff.max_abs), _number(diff.max_rel), mismatched, f"{diff.cosine:.6f}" if not math.isnan(diff.cosine) else "-",
+        record.name,
+        "x".join(map(str, diff.shape)) or "scalar",
+        dtype,
+        "✓" if record.match else "✗",
+        _number(diff.max_abs),
+        _number(diff.max_rel),
+        mismatched,
+        f"{diff.cosine:.6f}" if not math.isnan(diff.cosine) else "-",
         _number(diff.required_atol),
     ]
 
@@ -83,7 +99,9 @@ def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) 
     if record is None:
         return f"first divergence ({kind}): none"
     diff = record.diff
-    detail = diff.problem or f"max abs diff {_number(diff.max_abs)} at {list(diff.max_abs_index or ())}, needs atol {_number(diff.required_atol)}"
+    where = list(diff.max_abs_index or ())
+    needs = _number(diff.required_atol)
+    detail = diff.problem or f"max abs diff {_number(diff.max_abs)} at {where}, needs atol {needs}"
     return f"first divergence ({kind}): {record.module}  [{record.name}: {detail}]"
 
 
@@ -106,8 +124,11 @@ def _param_values(result: ComparisonResult) -> list[str]:
     if not differing:
         return [f"parameter values: all {len(result.param_values)} equal the reference's within tolerance"]
     names = ", ".join(r.name for r in differing[:5]) + (" ..." if len(differing) > 5 else "")
-    return [f"WARNING: {len(differing)} of {len(result.param_values)} parameters differ from the reference's "
-            f"weights ({names}): different weights were loaded"]
+    warning = (
+        f"WARNING: {len(differing)} of {len(result.param_values)} parameters differ from the reference's "
+        f"weights ({names}): different weights were loaded"
+    )
+    return [warning]
 
 
 def render_provenance(reference: dict[str, str], replay: dict[str, str]) -> str:
@@ -131,7 +152,10 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
         lines += ["", render_provenance(result.reference_provenance, result.replay_provenance)]
     tolerance = result.tolerances.default
     verdict = "MATCH" if result.match else "MISMATCH"
-    lines += ["", f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})"]
+    lines += [
+        "",
+        f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})",
+    ]
     return "\n".join(lines)
 
 
@@ -160,14 +184,22 @@ def render_listing(reader: BundleReader) -> str:
     }
     for title, pairs in sections.items():
         rows = _ref_rows(pairs)
-        lines += [f"== {title} ({len(rows)}) ==", tabulate(rows, headers=["name", "shape", "dtype"]) if rows else "(none)"]
+        lines += [
+            f"== {title} ({len(rows)}) ==",
+            tabulate(rows, headers=["name", "shape", "dtype"]) if rows else "(none)",
+        ]
     forward, backward = [], []
     for call in index.calls:
         forward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.inputs, "input"))
-        forward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.outputs, "output"))
+        forward += _ref_rows(
+            (record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.outputs, "output")
+        )
         grads = {**call.grad_outputs, **call.grad_inputs}
         backward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in grads.items())
-    lines += [f"== Module calls ({len(index.calls)}): forward records ({len(forward)}) ==", tabulate(forward, headers=["name", "shape", "dtype"])]
+    lines += [
+        f"== Module calls ({len(index.calls)}): forward records ({len(forward)}) ==",
+        tabulate(forward, headers=["name", "shape", "dtype"]),
+    ]
     lines += [f"== Backward records ({len(backward)}) ==", tabulate(backward, headers=["name", "shape", "dtype"])]
     lines.append(f"parameter gradients: {len(index.grads)}")
     return "\n".join(lines)

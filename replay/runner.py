@@ -15,7 +15,7 @@ import torch
 from capture.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
 from capture.hooks import CallInfo, ModuleTap
 from capture.naming import iter_live_call_inputs, iter_live_tensors
-from capture.provenance import snapshot
+from capture.provenance import model_provenance, snapshot
 from common.errors import AdapterError, InputError
 from common.schema import TensorRef, iter_tensors
 from common.tolerances import ToleranceTable
@@ -42,8 +42,12 @@ class _ComparingSink:
         self.seen: set[str] = set()
 
     def _compare(
-        self, kind: RecordKind, info: CallInfo, live: Iterable[tuple[str, torch.Tensor]],
-        expected: dict[str, TensorRef], rank: int,
+        self,
+        kind: RecordKind,
+        info: CallInfo,
+        live: Iterable[tuple[str, torch.Tensor]],
+        expected: dict[str, TensorRef],
+        rank: int,
     ) -> None:
         for position, (slot, tensor) in enumerate(live):
             name = record_name(info.module, info.call, slot)
@@ -79,8 +83,11 @@ class _ComparingSink:
 
 
 def _compare_named(
-    result: ComparisonResult, reader: BundleReader, kind: RecordKind | str,
-    live: Iterable[tuple[str, torch.Tensor]], expected: dict[str, TensorRef],
+    result: ComparisonResult,
+    reader: BundleReader,
+    kind: RecordKind | str,
+    live: Iterable[tuple[str, torch.Tensor]],
+    expected: dict[str, TensorRef],
 ) -> list[RecordResult]:
     """Compare named tensors (outputs, parameters, gradients); unpaired names are reported."""
     records, seen = [], set()
@@ -114,8 +121,10 @@ def _backward(reader: BundleReader, outputs: Any, loss: LossFn | None, result: C
             raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
         value = loss(outputs)
         assert index.loss is not None
-        result.records += _compare_named(result, reader, "output", [("loss", value)], dict(iter_tensors(index.loss, "loss")))
-        value.backward()
+        result.records += _compare_named(
+            result, reader, "output", [("loss", value)], dict(iter_tensors(index.loss, "loss"))
+        )
+        value.backward()  # type: ignore[no-untyped-call]
         return
     if index.run.backward == "none" or index.cotangent is None:
         return
@@ -162,21 +171,28 @@ def compare_run(
     index = reader.index
     result = ComparisonResult(
         tolerances=tolerances or ToleranceTable(),
-        reference_provenance=reader.provenance(), replay_provenance={**snapshot(device), **(provenance or {})},
+        reference_provenance=reader.provenance(),
+        replay_provenance={**snapshot(device), **model_provenance(model), **(provenance or {})},
     )
     target = torch.device(device)
     inputs = to_device(reader.rebuild(index.inputs), target)
     params = _mapped_parameters(model, rename, grads=False)
-    result.param_values = _compare_named(ComparisonResult(tolerances=result.tolerances), reader, "param", params, index.params)
+    result.param_values = _compare_named(
+        ComparisonResult(tolerances=result.tolerances), reader, "param", params, index.params
+    )
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
     seed_everything(index.run.seed)
     sink = _ComparingSink(reader, result)
     with ModuleTap(model, sink, rename=rename.module):
         outputs = call_forward(model, inputs, forward)
-    result.records += _compare_named(result, reader, "output", iter_live_tensors(outputs, "output"), dict(iter_tensors(index.outputs, "output")))
+    result.records += _compare_named(
+        result, reader, "output", iter_live_tensors(outputs, "output"), dict(iter_tensors(index.outputs, "output"))
+    )
     _backward(reader, outputs, loss, result)
-    result.records += _compare_named(result, reader, "param_grad", _mapped_parameters(model, rename, grads=True), index.grads)
+    result.records += _compare_named(
+        result, reader, "param_grad", _mapped_parameters(model, rename, grads=True), index.grads
+    )
     result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
     _warn_if_mostly_unpaired(result)
     return result
@@ -194,7 +210,9 @@ def _warn_if_mostly_unpaired(result: ComparisonResult) -> None:
 def _unvisited_module_records(reader: BundleReader, seen: set[str]) -> list[str]:
     names = []
     for call in reader.index.calls:
-        slots = [s for s, _ in iter_tensors(call.inputs, "input")] + [s for s, _ in iter_tensors(call.outputs, "output")]
+        slots = [s for s, _ in iter_tensors(call.inputs, "input")] + [
+            s for s, _ in iter_tensors(call.outputs, "output")
+        ]
         for slot in [*slots, *call.grad_outputs, *call.grad_inputs]:
             name = record_name(call.module, call.call, slot)
             if name not in seen:

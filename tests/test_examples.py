@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
 
 from capture.adapters import load_adapter
 from common.tolerances import Tolerance, ToleranceTable
-from conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
 from replay.compare import ComparisonResult
 from replay.mapping import read_map
 from replay.reader import BundleReader
@@ -17,11 +17,16 @@ from replay.runner import compare_run
 PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
 
 
-def _replay(bundle: Path, ckpt: Path, adapter_file: Path, tolerances: ToleranceTable, with_map: bool = True) -> ComparisonResult:
+def _replay(
+    bundle: Path, ckpt: Path, adapter_file: Path, tolerances: ToleranceTable, with_map: bool = True
+) -> ComparisonResult:
     adapter = load_adapter(str(adapter_file))
     with BundleReader(bundle) as reader:
         return compare_run(
-            adapter.model(str(ckpt), "cpu"), reader, forward=adapter.forward, tolerances=tolerances,
+            adapter.model(str(ckpt), "cpu"),
+            reader,
+            forward=adapter.forward,
+            tolerances=tolerances,
             rename=read_map(PORT_MAP) if with_map else None,
         )
 
@@ -31,7 +36,8 @@ def test_reference_replays_itself_exactly(ref_bundle: Path, ref_checkpoint: Path
     result = _replay(ref_bundle, ref_checkpoint, REF_ADAPTER, ToleranceTable(Tolerance(0.0, 0.0)), with_map=False)
     assert result.match
     assert all(compared > 0 for compared, _ in result.counts().values())
-    assert not result.bundle_only and not result.replay_only
+    assert not result.bundle_only
+    assert not result.replay_only
 
 
 def test_port_matches_reference(ref_bundle: Path, ref_checkpoint: Path) -> None:
@@ -40,8 +46,10 @@ def test_port_matches_reference(ref_bundle: Path, ref_checkpoint: Path) -> None:
     assert result.match, [r.name for r in result.records if not r.match]
     counts = result.counts()
     assert counts["param_grad"] == (76, 76)
-    assert counts["forward"][0] > 100 and counts["backward"][0] > 100
-    assert all(r.match for r in result.param_values) and len(result.param_values) == 76
+    assert counts["forward"][0] > 100
+    assert counts["backward"][0] > 100
+    assert all(r.match for r in result.param_values)
+    assert len(result.param_values) == 76
 
 
 @pytest.mark.parametrize(
@@ -52,12 +60,15 @@ def test_port_matches_reference(ref_bundle: Path, ref_checkpoint: Path) -> None:
     ],
     ids=["forward-bug-batchnorm-eps", "backward-bug-swish-grad"],
 )
-def test_planted_bug_found_at_its_module(ref_bundle: Path, ref_checkpoint: Path, bug: str, kind: str, module: str) -> None:
+def test_planted_bug_found_at_its_module(
+    ref_bundle: Path, ref_checkpoint: Path, bug: str, kind: str, module: str
+) -> None:
     """Each planted bug makes the replay fail with the buggy module as the first divergence."""
     result = _replay(ref_bundle, ref_checkpoint, PORT_DIR / f"adapter_bug_{bug}.py", PORT_TOLERANCE)
     assert not result.match
     first = result.first_divergence(kind)  # type: ignore[arg-type]
-    assert first is not None and first.module == module
+    assert first is not None
+    assert first.module == module
     if bug == "backward":  # a backward-only bug leaves every forward record intact
         assert result.first_divergence("forward") is None
     assert result.to_json()["first_divergence"][kind] == module

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 BLOCKED = ("click", "tabulate", "pytest")
@@ -14,7 +13,11 @@ BLOCKED = ("click", "tabulate", "pytest")
 
 @pytest.mark.parametrize(
     "modules",
-    [["common"], ["capture"], ["capture.recorder", "capture.hooks", "capture.writer", "capture.adapters", "capture.driving"]],
+    [
+        ["common"],
+        ["capture"],
+        ["capture.recorder", "capture.hooks", "capture.writer", "capture.adapters", "capture.driving"],
+    ],
     ids=["common", "capture", "capture-internals"],
 )
 def test_capture_side_needs_no_cli_or_test_packages(modules: list[str]) -> None:
@@ -23,7 +26,8 @@ def test_capture_side_needs_no_cli_or_test_packages(modules: list[str]) -> None:
     imports = "; ".join(f"import {module}" for module in modules)
     code = f"import sys; {block}; {imports}; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
 @pytest.mark.parametrize("package", ["common", "capture", "replay"])

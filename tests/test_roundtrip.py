@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REF_ADAPTER, ROOT
 
 CAPTURE = "from capture.cli import main; main()"
@@ -18,7 +17,9 @@ REPLAY = "from replay.cli import main; main()"
 
 def _run(python: str, code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([python, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300, check=False)
+    return subprocess.run(
+        [python, "-c", code, *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
 
 
 def _capture_then_replay(capture_python: str, tmp_path: Path, ref_checkpoint: Path) -> dict:
@@ -26,7 +27,9 @@ def _capture_then_replay(capture_python: str, tmp_path: Path, ref_checkpoint: Pa
     adapter = ["--ckpt", str(ref_checkpoint), "--adapter", str(REF_ADAPTER)]
     captured = _run(capture_python, CAPTURE, *adapter, "--out", str(bundle), "--seq-len", "8000")
     assert captured.returncode == 0, captured.stderr
-    replayed = _run(sys.executable, REPLAY, *adapter, "--bundle", str(bundle), "--atol", "0", "--rtol", "0", "--json", str(report))
+    replayed = _run(
+        sys.executable, REPLAY, *adapter, "--bundle", str(bundle), "--atol", "0", "--rtol", "0", "--json", str(report)
+    )
     assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr
     return json.loads(report.read_text())
 
@@ -45,7 +48,9 @@ def test_two_processes_match_exactly(tmp_path: Path, ref_checkpoint: Path) -> No
     _assert_exact(_capture_then_replay(sys.executable, tmp_path, ref_checkpoint))
 
 
-@pytest.mark.skipif(not os.environ.get("PARITY_CAPTURE_PYTHON"), reason="set PARITY_CAPTURE_PYTHON to a second interpreter")
+@pytest.mark.skipif(
+    not os.environ.get("PARITY_CAPTURE_PYTHON"), reason="set PARITY_CAPTURE_PYTHON to a second interpreter"
+)
 def test_capture_in_another_interpreter(tmp_path: Path, ref_checkpoint: Path) -> None:
     """A capture made by a second interpreter (another venv) replays exactly here."""
     _assert_exact(_capture_then_replay(os.environ["PARITY_CAPTURE_PYTHON"], tmp_path, ref_checkpoint))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from port_conformer import Bug, PortConformerCTC, convert_reference_state_dict
 
 BUG: Bug = "none"

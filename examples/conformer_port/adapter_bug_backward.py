@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import adapter as _port
+import torch
 from adapter import forward
 
 __all__ = ["forward", "load_model"]

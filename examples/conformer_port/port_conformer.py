@@ -68,9 +68,14 @@ class LogMelFrontend(nn.Module):
 class Subsampler(nn.Module):
     def __init__(self, n_mels: int, dim: int, channels: int = 16) -> None:
         super().__init__()
-        self.convs = nn.Sequential(OrderedDict(
-            conv1=nn.Conv2d(1, channels, 3, 2, 1), act1=nn.ReLU(), conv2=nn.Conv2d(channels, channels, 3, 2, 1), act2=nn.ReLU(),
-        ))
+        self.convs = nn.Sequential(
+            OrderedDict(
+                conv1=nn.Conv2d(1, channels, 3, 2, 1),
+                act1=nn.ReLU(),
+                conv2=nn.Conv2d(channels, channels, 3, 2, 1),
+                act2=nn.ReLU(),
+            )
+        )
         self.proj = nn.Linear(channels * ((n_mels + 3) // 4), dim)
 
     def forward(self, feats: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +104,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (p(x).reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         blocked = (pad[:, None, :] | pad[:, :, None])[:, None]
         bias = torch.zeros(blocked.shape, dtype=x.dtype, device=x.device).masked_fill(blocked, -10000.0)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
@@ -144,21 +152,36 @@ class ConformerBlock(nn.Module):
 class PortConformerCTC(nn.Module):
     """``forward(audio, audio_lens) -> (log_probs, lens, greedy)``, like the reference."""
 
-    def __init__(self, n_mels: int = 64, dim: int = 64, depth: int = 2, heads: int = 4, kernel: int = 9,
-                 vocab: int = 28, bug: Bug = "none") -> None:
+    def __init__(
+        self,
+        n_mels: int = 64,
+        dim: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        kernel: int = 9,
+        vocab: int = 28,
+        bug: Bug = "none",
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.frontend = LogMelFrontend(n_mels=n_mels)
         self.subsample = Subsampler(n_mels, dim)
         self.blocks = nn.ModuleList(
-            ConformerBlock(dim, heads, kernel, bn_eps=1e-3 if (bug == "forward" and i == 1) else 1e-5,
-                           wrong_swish_grad=bug == "backward" and i == 1)
+            ConformerBlock(
+                dim,
+                heads,
+                kernel,
+                bn_eps=1e-3 if (bug == "forward" and i == 1) else 1e-5,
+                wrong_swish_grad=bug == "backward" and i == 1,
+            )
             for i in range(depth)
         )
         self.head = nn.Conv1d(dim, vocab + 1, 1)
 
     def sinusoids(self, t: int, device: torch.device) -> torch.Tensor:
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+        freqs = torch.exp(
+            -math.log(10000.0) * torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim
+        )
         angles = torch.arange(t, device=device, dtype=torch.float32)[:, None] * freqs
         return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from nemo_like_conformer import build_reference
 
 

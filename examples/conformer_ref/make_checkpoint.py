@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from nemo_like_conformer import build_reference
 
 if __name__ == "__main__":

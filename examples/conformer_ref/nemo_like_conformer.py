@@ -55,8 +55,10 @@ class ConvSubsampling(nn.Module):
     def __init__(self, feat_in: int, d_model: int, channels: int = 16) -> None:
         super().__init__()
         self.conv = nn.Sequential(
-            nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(1, channels, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, stride=2, padding=1),
+            nn.ReLU(),
         )
         self.out = nn.Linear(channels * math.ceil(math.ceil(feat_in / 2) / 2), d_model)
 
@@ -150,7 +152,9 @@ class ConformerLayer(nn.Module):
 
 
 class ConformerEncoder(nn.Module):
-    def __init__(self, feat_in: int, d_model: int, n_layers: int, n_heads: int, kernel_size: int, dropout: float) -> None:
+    def __init__(
+        self, feat_in: int, d_model: int, n_layers: int, n_heads: int, kernel_size: int, dropout: float
+    ) -> None:
         super().__init__()
         self.d_model = d_model
         self.pre_encode = ConvSubsampling(feat_in, d_model)
@@ -158,7 +162,9 @@ class ConformerEncoder(nn.Module):
 
     def positional_encoding(self, length: int, device: torch.device) -> torch.Tensor:
         position = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, self.d_model, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / self.d_model))
+        div_term = torch.exp(
+            torch.arange(0, self.d_model, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / self.d_model)
+        )
         pe = torch.zeros(length, self.d_model, device=device)
         pe[:, 0::2] = torch.sin(position * div_term)
         pe[:, 1::2] = torch.cos(position * div_term)
@@ -187,8 +193,16 @@ class ConvASRDecoder(nn.Module):
 class ConformerCTCModel(nn.Module):
     """``forward(input_signal, input_signal_length) -> (log_probs, encoded_len, greedy_predictions)``."""
 
-    def __init__(self, features: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-                 kernel_size: int = 9, num_classes: int = 28, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        features: int = 64,
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        kernel_size: int = 9,
+        num_classes: int = 28,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.preprocessor = AudioToLogMelFeatures(features=features)
         self.encoder = ConformerEncoder(features, d_model, n_layers, n_heads, kernel_size, dropout)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REF_ADAPTER
+from models import Block, TinyNet, build_tiny, tiny_inputs
 from torch import nn
 
 from capture.adapters import load_adapter
 from capture.driving import make_cotangents
 from capture.recorder import capture_run
 from common.schema import iter_tensors
-from conftest import REF_ADAPTER
-from models import Block, TinyNet, build_tiny, tiny_inputs
 from replay.reader import BundleReader
 
 
@@ -45,17 +45,18 @@ def _full_backward_hook_grads(model: nn.Module, x: torch.Tensor, seed: int) -> d
     """Module grads as torch's full backward hooks report them (a module's own contribution)."""
     found: dict[tuple[str, str], torch.Tensor] = {}
 
-    def hook(name: str):  # noqa: ANN202
+    def hook(name: str):
         def record(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
             found[(name, "grad_output")] = grad_output[0]
             if grad_input[0] is not None:
                 found[(name, "grad_input.0")] = grad_input[0]
+
         return record
 
     handles = [m.register_full_backward_hook(hook(n)) for n, m in model.named_modules() if n]
     torch.manual_seed(seed)
     out = model(x)
-    (_, tensor, cotangent), = make_cotangents(out, seed)
+    ((_, tensor, cotangent),) = make_cotangents(out, seed)
     torch.autograd.backward([tensor], [cotangent])
     for handle in handles:
         handle.remove()
@@ -93,7 +94,8 @@ def test_inplace_activation_loses_no_gradient(tmp_path: Path) -> None:
         capture_run(_inplace_twin(inplace), tiny_inputs(), paths[inplace], seed=3)
     plain, inplace = _recorded_grads(paths[False]), _recorded_grads(paths[True])
     assert sorted(plain) == sorted(inplace)
-    assert ("blocks.0.lin", "grad_output") in inplace and ("blocks.0.act", "grad_input.0") in inplace
+    assert ("blocks.0.lin", "grad_output") in inplace
+    assert ("blocks.0.act", "grad_input.0") in inplace
     for key in plain:
         assert torch.equal(plain[key], inplace[key]), key
 
@@ -106,7 +108,8 @@ def test_module_called_twice_gets_two_records(tiny_bundle: Path) -> None:
         for call in calls:
             assert [s for s, _ in iter_tensors(call.inputs, "input")] == ["input.0"]
             assert [s for s, _ in iter_tensors(call.outputs, "output")] == ["output"]
-            assert set(call.grad_outputs) == {"grad_output"} and set(call.grad_inputs) == {"grad_input.0"}
+            assert set(call.grad_outputs) == {"grad_output"}
+            assert set(call.grad_inputs) == {"grad_input.0"}
         first, second = (reader.read_tensor(dict(iter_tensors(c.outputs, "output"))["output"]) for c in calls)
         assert not torch.equal(first, second)
 
@@ -142,7 +145,7 @@ def test_hooks_change_no_number(tmp_path: Path, which: str) -> None:
             assert torch.equal(reader.read_tensor(reader.index.grads[name]), grad), name
 
 
-def test_outputs_without_grad_and_frozen_model(capture_model) -> None:  # noqa: ANN001
+def test_outputs_without_grad_and_frozen_model(capture_model) -> None:
     """A model with nothing requiring grad is captured with backward 'none' and no gradient records."""
     model = build_tiny().requires_grad_(False)
     with BundleReader(capture_model(model, tiny_inputs())) as reader:
@@ -155,7 +158,8 @@ def test_backward_order_follows_autograd(tiny_bundle: Path) -> None:
     """Backward records are ordered as backward produced them: the head first, the input layer last."""
     with BundleReader(tiny_bundle) as reader:
         modules = [reader.index.calls[i].module for i, _ in reader.index.backward_order]
-    assert modules[0] == "head" and modules[-1] == "inp"
+    assert modules[0] == "head"
+    assert modules[-1] == "inp"
     counts = defaultdict(int)
     for module in modules:
         counts[module] += 1

@@ -1,0 +1,288 @@
+"""capture-run end to end in-process: what it writes, what it refuses, and that failures leave nothing behind."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from conftest import REF_ADAPTER
+from models import TinyNet, build_tiny
+
+from capture.cli import main
+from replay.reader import BundleReader
+
+MODELS = Path(__file__).resolve().parent.parent / "models.py"
+TINY = f"{MODELS}:build_tiny"
+
+RAISING_MODEL = """
+import torch
+from torch import nn
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.lin(x)  # some module tensors are written before the failure
+        raise RuntimeError("boom in forward")
+
+
+def build():
+    return Boom()
+"""
+
+
+class MarkerNet(TinyNet):
+    """A module whose unpickling creates a marker file: proof of code running at load time."""
+
+    def __init__(self, marker: Path) -> None:
+        super().__init__()
+        self.marker = str(marker)
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        Path(str(state["marker"])).touch()
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def capture(*args: object) -> Result:
+    """Invoke capture-run in-process with ``args``."""
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_error_line(result: Result) -> str:
+    """Check exit 2 with one error line on stderr, no traceback, nothing on stdout; return the line."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("capture-run: error: "), lines[0]
+    return lines[0]
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Hidden temporary files a capture left in ``folder``."""
+    return sorted(p.name for p in folder.glob(".*.tmp"))
+
+
+@pytest.fixture
+def npz(tmp_path: Path) -> Path:
+    """An .npz holding TinyNet's keyword input ``x`` (float32, 2x3x4)."""
+    path = tmp_path / "inputs.npz"
+    np.savez(path, x=np.random.default_rng(7).standard_normal((2, 3, 4)).astype(np.float32))
+    return path
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path: Path) -> Path:
+    """TinyNet's state dict."""
+    path = tmp_path / "tiny.pt"
+    torch.save(build_tiny().state_dict(), path)
+    return path
+
+
+# --------------------------------------------------------------------------- success
+
+
+def test_writes_a_bundle_and_prints_a_summary(tmp_path: Path, tiny_ckpt: Path, npz: Path) -> None:
+    """A capture exits 0, prints one summary line naming the bundle, and writes a valid bundle."""
+    out = tmp_path / "run.h5"
+    result = capture("--model", TINY, "--ckpt", tiny_ckpt, "--inputs", npz, "--out", out, "--seed", 7)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    assert re.fullmatch(
+        rf"capture-run: wrote {re.escape(str(out))} \(\d+ tensors, [\d.]+ MB, 14 module calls, backward: cotangent\) "
+        r"in [\d.]+ s",
+        lines[0],
+    ), lines[0]
+    with BundleReader(out) as reader:
+        assert reader.index.run.seed == 7
+        assert reader.index.run.adapter == TINY
+        assert len(reader.index.calls) == 14
+        assert reader.provenance()["checkpoint"] == str(tiny_ckpt)
+    assert leftovers(tmp_path) == []
+
+
+def test_inputs_npz_replaces_make_inputs(tmp_path: Path, npz: Path) -> None:
+    """--inputs feeds the .npz arrays bit for bit as keyword arguments; make_inputs is never called."""
+    adapter = tmp_path / "adapter.py"
+    adapter.write_text(
+        "from models import build_tiny\n\n"
+        "def load_model(ckpt, device):\n    return build_tiny()\n\n"
+        "def make_inputs(seed, batch_size, seq_len):\n    raise AssertionError('make_inputs must not be called')\n"
+    )
+    out = tmp_path / "run.h5"
+    result = capture("--adapter", adapter, "--inputs", npz, "--out", out)
+    assert result.exit_code == 0, result.output
+    with np.load(npz) as archive:
+        expected = archive["x"]
+    with BundleReader(out) as reader:
+        inputs = reader.rebuild(reader.index.inputs)
+    assert isinstance(inputs, dict)
+    assert set(inputs) == {"x"}
+    recorded = inputs["x"].numpy()
+    assert recorded.dtype == expected.dtype
+    assert recorded.shape == expected.shape
+    assert recorded.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("flags", "train_mode"), [([], False), (["--train-mode"], True)], ids=["default-eval", "train-mode"]
+)
+def test_train_mode_is_recorded(tmp_path: Path, flags: list[str], train_mode: bool) -> None:
+    """The example reference adapter's run records train_mode as asked (eval by default)."""
+    out = tmp_path / "ref.h5"
+    result = capture("--adapter", REF_ADAPTER, "--batch-size", 1, "--seq-len", 1600, "--out", out, *flags)
+    assert result.exit_code == 0, result.output
+    with BundleReader(out) as reader:
+        assert reader.index.run.train_mode is train_mode
+        assert (reader.index.run.batch_size, reader.index.run.seq_len) == (1, 1600)
+
+
+# --------------------------------------------------------------------------- existing output
+
+
+def test_existing_output_is_refused(tmp_path: Path, npz: Path) -> None:
+    """An existing --out is refused with exit 2 and left byte for byte as it was."""
+    out = tmp_path / "precious.h5"
+    out.write_bytes(b"someone's earlier bundle")
+    line = one_error_line(capture("--model", TINY, "--inputs", npz, "--out", out))
+    assert str(out) in line
+    assert "--overwrite" in line
+    assert out.read_bytes() == b"someone's earlier bundle"
+    assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_existing_output(tmp_path: Path, npz: Path) -> None:
+    """--overwrite replaces an existing file with a valid bundle."""
+    out = tmp_path / "precious.h5"
+    out.write_bytes(b"an old file")
+    result = capture("--model", TINY, "--inputs", npz, "--out", out, "--overwrite")
+    assert result.exit_code == 0, result.output
+    with BundleReader(out) as reader:
+        assert len(reader.index.calls) == 14
+    assert leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def full_module_ckpt(tmp_path: Path) -> Path:
+    """A checkpoint pickling a whole nn.Module (torch.save(model))."""
+    path = tmp_path / "whole_model.pt"
+    torch.save(build_tiny(), path)
+    return path
+
+
+ERRORS = [
+    pytest.param(
+        lambda t, n: ["--model", "nocolon", "--inputs", n, "--out", t / "o.h5"],
+        "MODULE:FACTORY",
+        id="model-spec-no-colon",
+    ),
+    pytest.param(
+        lambda t, n: ["--model", f"{MODELS}:no_such_factory", "--inputs", n, "--out", t / "o.h5"],
+        "no_such_factory",
+        id="model-factory-missing",
+    ),
+    pytest.param(
+        lambda t, n: ["--model", TINY, "--inputs", n, "--out", t / "missing_dir" / "o.h5"],
+        "does not exist",
+        id="output-folder-missing",
+    ),
+    pytest.param(
+        lambda t, n: ["--model", TINY, "--ckpt", full_module_ckpt(t), "--inputs", n, "--out", t / "o.h5"],
+        "weights_only",
+        id="full-module-checkpoint",
+    ),
+    pytest.param(lambda t, n: ["--inputs", n, "--out", t / "o.h5"], "exactly one", id="neither-adapter-nor-model"),
+    pytest.param(
+        lambda t, n: ["--model", TINY, "--adapter", REF_ADAPTER, "--out", t / "o.h5"],
+        "exactly one",
+        id="adapter-and-model",
+    ),
+    pytest.param(
+        lambda t, n: ["--adapter", t / "nowhere.py", "--out", t / "o.h5"], "no such file", id="adapter-path-missing"
+    ),
+    pytest.param(
+        lambda t, n: ["--model", TINY, "--batch-size", 0, "--out", t / "o.h5"], "--batch-size", id="batch-size-zero"
+    ),
+    pytest.param(lambda t, n: ["--model", TINY, "--inputs", n], "--out", id="out-missing"),
+    pytest.param(
+        lambda t, n: ["--model", TINY, "--inputs", t / "absent.npz", "--out", t / "o.h5"], "--inputs", id="npz-missing"
+    ),
+]
+
+
+@pytest.mark.parametrize(("build", "detail"), ERRORS)
+def test_error_exits_2_with_one_line(
+    tmp_path: Path, npz: Path, build: Callable[[Path, Path], list[object]], detail: str
+) -> None:
+    """A usage, input or checkpoint error exits 2 with one line naming the problem, and writes nothing."""
+    args = build(tmp_path, npz)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = one_error_line(capture(*args))
+    assert detail in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_pickled_module_checkpoint_runs_no_code(tmp_path: Path, npz: Path) -> None:
+    """A checkpoint that would run code when unpickled is refused before any of that code runs."""
+    marker = tmp_path / "code_ran.marker"
+    ckpt = tmp_path / "whole_model.pt"
+    torch.save(MarkerNet(marker), ckpt)
+    line = one_error_line(capture("--model", TINY, "--ckpt", ckpt, "--inputs", npz, "--out", tmp_path / "o.h5"))
+    assert "weights_only" in line
+    assert str(ckpt) in line
+    assert not marker.exists()
+    assert not (tmp_path / "o.h5").exists()
+    torch.load(ckpt, weights_only=False)  # the payload is real: a trusting load does run the code
+    assert marker.exists()
+
+
+def test_forward_error_leaves_no_file(tmp_path: Path, npz: Path) -> None:
+    """A model whose forward raises gives exit 2 naming the error; no bundle and no temporary file remain."""
+    (tmp_path / "boom_model.py").write_text(RAISING_MODEL)
+    out = tmp_path / "o.h5"
+    line = one_error_line(capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out))
+    assert "RuntimeError: boom in forward" in line
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_forward_error_keeps_the_previous_bundle(tmp_path: Path, npz: Path) -> None:
+    """Even with --overwrite, a capture that fails leaves the existing bundle untouched."""
+    (tmp_path / "boom_model.py").write_text(RAISING_MODEL)
+    out = tmp_path / "o.h5"
+    assert capture("--model", TINY, "--inputs", npz, "--out", out).exit_code == 0
+    before = out.read_bytes()
+    one_error_line(
+        capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out, "--overwrite")
+    )
+    assert out.read_bytes() == before
+    assert leftovers(tmp_path) == []
+
+
+def test_debug_shows_the_model_traceback(tmp_path: Path, npz: Path) -> None:
+    """--debug prints the model's traceback instead of the one-line summary, exits 2 and writes nothing."""
+    (tmp_path / "boom_model.py").write_text(RAISING_MODEL)
+    out = tmp_path / "o.h5"
+    result = capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out, "--debug")
+    assert result.exit_code == 2, (result.exit_code, result.exception)
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "RuntimeError: boom in forward" in result.stderr
+    assert "boom_model.py" in result.stderr  # the frame where the model raised
+    assert not out.exists()
+    assert leftovers(tmp_path) == []

@@ -1,0 +1,125 @@
+"""What a capture records for various models, and that replaying the same model reproduces it exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from models import build_embed, build_tiny, tiny_inputs
+from torch import nn
+
+from capture.recorder import capture_run
+from common.errors import AdapterError
+from common.schema import iter_tensors
+from common.tolerances import Tolerance, ToleranceTable
+from replay.reader import BundleReader
+from replay.runner import compare_run
+
+EXACT = ToleranceTable(Tolerance(0.0, 0.0))
+
+
+def _self_replay(path: Path, model: nn.Module, **options: object):
+    with BundleReader(path) as reader:
+        return compare_run(model, reader, tolerances=EXACT, **options)  # type: ignore[arg-type]
+
+
+def test_integer_inputs_keywords_and_dataclass_output(capture_model) -> None:
+    """Int token inputs, a float keyword and a nested dataclass output are recorded and replay exactly."""
+    tokens = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(0))
+    path = capture_model(build_embed(), {"tokens": tokens, "scale": 0.5})
+    with BundleReader(path) as reader:
+        index = reader.index
+        assert index.inputs[0] == "D"
+        assert ["scale", ["S", 0.5]] in index.inputs[1]
+        assert index.outputs[:3] == ["O", "models.Prediction", "dataclass"]
+        slots = [slot for slot, _ in iter_tensors(index.outputs, "output")]
+        assert slots == ["output.scores", "output.extras.0", "output.extras.1"]
+        rebuilt = reader.rebuild(index.inputs)
+        assert torch.equal(rebuilt["tokens"], tokens)
+        assert rebuilt["tokens"].dtype == torch.int64
+        assert rebuilt["scale"] == 0.5
+    result = _self_replay(path, build_embed())
+    assert result.match
+    assert result.counts()["output"] == (3, 3)
+    assert "embed/0/input.0" in {r.name for r in result.records}
+
+
+@pytest.mark.parametrize(("dtype", "tag"), [(torch.bfloat16, "BF16"), (torch.float16, "F16")], ids=["bf16", "fp16"])
+def test_reduced_precision_model_round_trips_bit_exactly(capture_model, dtype: torch.dtype, tag: str) -> None:
+    """A bf16/fp16 model's tensors are stored under their tag and replay with zero tolerance."""
+    inputs = {"x": tiny_inputs()["x"].to(dtype)}
+    path = capture_model(build_tiny().to(dtype), inputs)
+    with BundleReader(path) as reader:
+        assert {ref.tag for ref in reader.index.grads.values()} == {tag}
+        logits = dict(iter_tensors(reader.index.outputs, "output"))["output.logits"]
+        assert reader.read_tensor(logits).dtype == dtype
+    result = _self_replay(path, build_tiny().to(dtype))
+    assert result.match
+    assert all(r.diff.dtype == tag for r in result.of_kind("param_grad"))
+
+
+def test_train_mode_dropout_replays_exactly(capture_model) -> None:
+    """With --train-mode, dropout draws from the recorded seed on both sides, so replay still matches exactly."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+
+    path = capture_model(build(), (torch.randn(3, 4),), train_mode=True, seed=5)
+    with BundleReader(path) as reader:
+        assert reader.index.run.train_mode is True
+    assert _self_replay(path, build()).match
+
+
+def test_loss_mode_records_and_requires_the_loss(capture_model) -> None:
+    """An adapter loss is recorded and compared as record 'loss'; replay without a loss says what is missing."""
+
+    def loss(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return outputs["logits"].square().mean()
+
+    path = capture_model(build_tiny(), tiny_inputs(), loss=loss)
+    with BundleReader(path) as reader:
+        assert reader.index.run.backward == "loss"
+        assert reader.index.cotangent is None
+    result = _self_replay(path, build_tiny(), loss=loss)
+    assert result.match
+    assert "loss" in {r.name for r in result.of_kind("output")}
+    with pytest.raises(AdapterError, match="loss"):
+        _self_replay(path, build_tiny())
+
+
+def test_failed_forward_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A model that raises mid-capture leaves no bundle and no temporary file, and keeps an existing bundle."""
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise RuntimeError("boom")
+
+    out = tmp_path / "bundle.h5"
+    with pytest.raises(RuntimeError, match="boom"):
+        capture_run(Broken(), (torch.randn(2, 4),), out)
+    assert list(tmp_path.iterdir()) == []
+    out.write_bytes(b"an earlier bundle")
+    with pytest.raises(RuntimeError, match="boom"):
+        capture_run(Broken(), (torch.randn(2, 4),), out, overwrite=True)
+    assert out.read_bytes() == b"an earlier bundle"
+    assert list(tmp_path.iterdir()) == [out]
+
+
+def test_changed_weight_is_flagged_as_different_weights(tiny_bundle: Path) -> None:
+    """Replaying with one weight changed warns about parameter values and finds the module first."""
+    model = build_tiny()
+    with torch.no_grad():
+        model.blocks[1].lin.weight[0, 0] += 1e-3
+    result = _self_replay(tiny_bundle, model)
+    assert not result.match
+    assert [r.name for r in result.param_values if not r.match] == ["blocks.1.lin.weight"]
+    first = result.first_divergence("forward")
+    assert first is not None
+    assert first.name == "blocks.1.lin/0/output"

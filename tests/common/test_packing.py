@@ -1,0 +1,149 @@
+"""msgpack packing of bundle metadata: plain data round-trips, anything damaged or exotic is refused."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+
+from common import packing
+from common.errors import BundleFormatError
+from common.packing import pack, unpack
+
+DOCUMENT = {
+    "run": {"seed": 42, "train_mode": False, "backward": "cotangent", "batch_size": None},
+    "calls": [
+        {"module": "encoder.layers.0", "call": 0, "inputs": ["D", [[0, ["T", "/inputs/x", "F32", [2, 3], True]]]]}
+    ],
+    "ints": [0, -1, 2**63 - 1, -(2**63), 2**64 - 1],
+    "floats": [0.0, -0.0, 1.5, 1e-300, math.inf, -math.inf],
+    "text": "naïve ✓ \x00 end",
+    "bytes": b"\x00\xff\x80raw",
+    "empty": [[], {}, "", b""],
+    7: "int key",
+}
+
+
+def test_pack_returns_uint8_array() -> None:
+    """pack gives a 1-d uint8 array, ready to be stored as an HDF5 dataset."""
+    blob = pack(DOCUMENT)
+    assert blob.dtype == np.uint8
+    assert blob.ndim == 1
+
+
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["ndarray", "bytes"])
+def test_round_trip(as_bytes: bool) -> None:
+    """Plain data (nested dicts and lists, str, bytes, ints up to 64 bits, floats, bool, None) round-trips."""
+    blob = pack(DOCUMENT)
+    assert unpack(blob.tobytes() if as_bytes else blob, where="/index") == DOCUMENT
+
+
+def test_round_trip_keeps_float_bits() -> None:
+    """Floats keep their exact value and sign (-0.0, NaN)."""
+    values = unpack(pack([-0.0, math.nan, 0.1]), where="w")
+    assert isinstance(values, list)
+    assert math.copysign(1.0, values[0]) == -1.0
+    assert math.isnan(values[1])
+    assert values[2] == 0.1
+
+
+def test_tuples_come_back_as_lists() -> None:
+    """Tuples are stored as lists (the index is plain data)."""
+    assert unpack(pack({"shape": (2, 3)}), where="w") == {"shape": [2, 3]}
+
+
+def test_str_and_bytes_stay_distinct() -> None:
+    """str and bytes decode to their own types."""
+    decoded = unpack(pack(["a", b"a"]), where="w")
+    assert decoded == ["a", b"a"]
+    assert [type(x) for x in decoded] == [str, bytes]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [object(), {1, 2}, np.zeros(2), 2**64, complex(1, 2)],
+    ids=["object", "set", "ndarray", "int-over-64-bits", "complex"],
+)
+def test_pack_refuses_non_plain_data(value: object) -> None:
+    """pack raises BundleFormatError for anything that is not plain msgpack data."""
+    with pytest.raises(BundleFormatError, match="not plain msgpack data"):
+        pack({"value": value})
+
+
+@pytest.mark.parametrize("value", [msgpack.ExtType(5, b"x"), msgpack.Timestamp(0)], ids=["ExtType", "Timestamp"])
+def test_pack_refuses_ext_types(value: object) -> None:
+    """pack never writes msgpack ext types."""
+    with pytest.raises(BundleFormatError):
+        pack([value])
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"\xc1",
+        b"\x92\x01",
+        b"\x01\x02",
+        b"\xa2\xff\xfe",
+        b"\xdb\xff\xff\xff\xff",
+        b"\xdd\xff\xff\xff\xff",
+        b"\x91" * 5000 + b"\xc0",
+        b"\x81\x90\x01",
+    ],
+    ids=[
+        "empty", "never-used-byte", "short-array", "extra-data", "invalid-utf8", "huge-str-length",
+        "huge-array-length", "too-deep", "unhashable-map-key",
+    ],
+)  # fmt: skip
+def test_unpack_refuses_garbage(blob: bytes) -> None:
+    """Damaged metadata raises BundleFormatError naming where it was read from."""
+    with pytest.raises(BundleFormatError, match=r"^/provenance: metadata is not valid msgpack"):
+        unpack(blob, where="/provenance")
+
+
+def test_unpack_refuses_every_truncation() -> None:
+    """Every strict prefix of a packed document is refused, never half-decoded."""
+    raw = pack(DOCUMENT).tobytes()
+    for cut in range(len(raw)):
+        with pytest.raises(BundleFormatError, match="/index"):
+            unpack(raw[:cut], where="/index")
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [b"\xd4\x05x", b"\xc7\x03\x01abc", b"\x91\xd5\x7fxy", b"\x81\xa1k\xd4\x00z"],
+    ids=["fixext1", "ext8", "ext-in-list", "ext-in-map"],
+)
+def test_unpack_refuses_ext_types(blob: bytes) -> None:
+    """msgpack ext types (which could smuggle objects) are refused wherever they appear."""
+    with pytest.raises(BundleFormatError, match=r"/index.*ext type"):
+        unpack(blob, where="/index")
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [b"\xd6\xff\x00\x00\x00\x00", b"\xd7\xff" + b"\x00" * 8, b"\x91\xd6\xff\x00\x00\x00\x00"],
+    ids=["timestamp32", "timestamp64", "timestamp-in-list"],
+)
+def test_unpack_refuses_timestamp_ext_type(blob: bytes) -> None:
+    """The built-in Timestamp ext type (-1) is an ext type too and is refused."""
+    with pytest.raises(BundleFormatError):
+        unpack(blob, where="/index")
+
+
+def test_unpack_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blob over MAX_INDEX_BYTES is refused before decoding; one at the limit is decoded."""
+    raw = pack("x" * 10).tobytes()
+    monkeypatch.setattr(packing, "MAX_INDEX_BYTES", len(raw))
+    assert unpack(raw, where="w") == "x" * 10
+    monkeypatch.setattr(packing, "MAX_INDEX_BYTES", len(raw) - 1)
+    with pytest.raises(BundleFormatError, match=rf"^/index: metadata of {len(raw)} bytes exceeds"):
+        unpack(raw, where="/index")
+
+
+def test_bundle_format_error_is_value_error() -> None:
+    """Callers can catch damaged metadata as ValueError too."""
+    with pytest.raises(ValueError, match="/index"):
+        unpack(b"\xc1", where="/index")

@@ -1,0 +1,220 @@
+"""--map rename files: rules, first full match, parameter names, and errors that point at file:line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from common.errors import InputError, MapFileError
+from replay.mapping import RenameMap, parse_map, read_map
+
+MAP = r"""
+# port -> reference
+^layers\.(\d+)\.norm1$   => h.\1.ln_1
+^layers\.(\d+)\.norm2    => h.\1.ln_2     # trailing comment; no '$' needed: the match is full anyway
+^layers\.(\d+)\.dropout  => -
+
+^layers\.(\d+)           => h.\1
+^layers\.(\d+)\.(.*)     => h.\1.other.\2
+^stem                    => -
+(?P<name>head)(?P<rest>\..*)? => lm_\g<name>\g<rest>
+"""
+
+
+@pytest.fixture
+def rename() -> RenameMap:
+    """The map above, parsed."""
+    return parse_map(MAP)
+
+
+# ------------------------------------------------------------------ module paths
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("layers.3.norm1", "h.3.ln_1"),
+        ("layers.12.norm2", "h.12.ln_2"),
+        ("layers.3", "h.3"),
+        ("layers.3.norm1.extra", "h.3.other.norm1.extra"),
+        ("layers.0.mlp.fc", "h.0.other.mlp.fc"),
+        ("layers.3.dropout", None),
+        ("stem", None),
+        ("stem.conv", "stem.conv"),
+        ("head", "lm_head"),
+        ("head.proj", "lm_head.proj"),
+        ("decoder.out", "decoder.out"),
+        ("", ""),
+    ],
+    ids=[
+        "group-ref", "full-match-without-dollar", "shorter-rule-after-longer", "later-rule-when-earlier-is-prefix",
+        "two-groups", "dash-means-none", "dash-root", "prefix-of-dash-rule-is-kept", "named-group",
+        "named-groups", "unmatched-keeps-name", "root-module",
+    ],
+)  # fmt: skip
+def test_module(rename: RenameMap, path: str, expected: str | None) -> None:
+    """Each module path maps by the first rule whose regex matches the whole path."""
+    assert rename.module(path) == expected
+
+
+def test_first_full_match_wins() -> None:
+    """Of two rules that both match the whole path, the earlier applies."""
+    rename = parse_map("a\\.(\\d) => first.\\1\na\\..* => second")
+    assert rename.module("a.1") == "first.1"
+    assert rename.module("a.x") == "second"
+
+
+def test_prefix_match_does_not_apply() -> None:
+    """A rule matching only a prefix (re.match/search semantics) is skipped, and the next rule is tried."""
+    rename = parse_map("enc => encoder\nenc\\.(.*) => encoder.blocks.\\1")
+    assert rename.module("enc") == "encoder"
+    assert rename.module("enc.0") == "encoder.blocks.0"
+    assert rename.module("my_enc") == "my_enc"
+
+
+def test_search_match_does_not_apply() -> None:
+    """A rule matching in the middle of the path does not apply."""
+    assert parse_map("norm => ln").module("layers.0.norm") == "layers.0.norm"
+
+
+def test_empty_map_renames_nothing() -> None:
+    """A map of only comments and blank lines keeps every name."""
+    rename = parse_map("\n# nothing here\n   \n\t# indented comment\n")
+    assert rename.rules == ()
+    assert rename.module("a.b") == "a.b"
+    assert RenameMap().parameter("a.b.weight") == "a.b.weight"
+
+
+def test_comments_and_blank_lines_are_skipped(rename: RenameMap) -> None:
+    """Only rule lines become rules, in file order."""
+    assert [pattern.pattern for pattern, _ in rename.rules][:2] == [r"^layers\.(\d+)\.norm1$", r"^layers\.(\d+)\.norm2"]
+    assert len(rename.rules) == 7
+
+
+def test_whitespace_around_separator_is_ignored() -> None:
+    """'REGEX=>REPLACEMENT' without spaces, or with tabs, parses the same."""
+    assert parse_map("a=>b").module("a") == "b"
+    assert parse_map("\ta\t=>\tb\t").module("a") == "b"
+
+
+# ------------------------------------------------------------------ parameter names
+
+
+@pytest.mark.parametrize(
+    ("rules", "name", "expected"),
+    [
+        (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm1.weight", "h.3.ln_1.weight"),
+        (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm2.weight", "layers.3.norm2.weight"),
+        (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm1", "layers.3.norm1"),
+        (r"^layers\.(\d+)\.drop => -", "layers.3.drop.mask", None),
+        (r".* => everything", "weight", "weight"),
+        (r"model(.*) => \1", "model.weight", "weight"),
+        (r"^blocks\.0 => blocks.1", "blocks.0.attn.bias", "blocks.0.attn.bias"),
+    ],
+    ids=[
+        "module-renamed", "module-unmatched", "leaf-is-not-mapped", "module-without-counterpart",
+        "root-level-param-unchanged", "module-mapped-to-root", "only-the-owning-module-is-mapped",
+    ],
+)  # fmt: skip
+def test_parameter(rules: str, name: str, expected: str | None) -> None:
+    """A parameter's bundle name is its owning module's mapped path plus its own name."""
+    assert parse_map(rules).parameter(name) == expected
+
+
+# ------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        ("a => b\nno separator here\n", 2, "expected 'REGEX => REPLACEMENT'"),
+        ("# comment\n\n   => b\n", 3, "expected 'REGEX => REPLACEMENT'"),
+        ("a =>   # nothing after the arrow\n", 1, "expected 'REGEX => REPLACEMENT'"),
+        ("a => b\n# ok\n^layers\\.((\\d+) => h\n", 3, "invalid regular expression"),
+        ("a[ => b", 1, "invalid regular expression"),
+        ("^layers\\.(\\d+) => h.\\2", 1, "is invalid for a regex with 1 group(s)"),
+        ("^layers\\.\\d+ => h.\\1", 1, "is invalid for a regex with 0 group(s)"),
+        ("(?P<n>\\d+) => h.\\g<m>", 1, "is invalid for a regex with 1 group(s)"),
+    ],
+    ids=[
+        "missing-separator", "missing-regex", "missing-replacement", "unbalanced-paren", "unclosed-bracket",
+        "group-beyond-count", "group-without-groups", "unknown-named-group",
+    ],
+)  # fmt: skip
+def test_parse_map_errors(text: str, line: int, message: str) -> None:
+    """A bad line raises MapFileError whose message starts with source:line and says what is wrong."""
+    with pytest.raises(MapFileError, match=re.escape(message)) as info:
+        parse_map(text, "port.map")
+    assert str(info.value).startswith(f"port.map:{line}: ")
+
+
+def test_parse_map_default_source() -> None:
+    """Without a source name, errors point at '<map>'."""
+    with pytest.raises(MapFileError, match=r"^<map>:1: "):
+        parse_map("oops")
+
+
+def test_map_file_error_is_input_error() -> None:
+    """MapFileError is a user-input error (InputError, ValueError) for the CLI's exit code 2."""
+    with pytest.raises(InputError):
+        parse_map("oops")
+    with pytest.raises(ValueError, match="expected 'REGEX => REPLACEMENT'"):
+        parse_map("oops")
+
+
+@pytest.mark.parametrize("reference", [r"\0", r"\1", r"\g<0>", r"\g<1>", r"\g<x>"], ids=str)
+def test_valid_group_references_accepted(reference: str) -> None:
+    """References to groups the regex has (by number, by name, or the whole match) are accepted."""
+    rename = parse_map(rf"(?P<x>a)b => {reference}")
+    assert rename.module("ab") in {"\x00", "a", "ab"}
+
+
+@pytest.mark.parametrize("replacement", [r"h.\q", "h.\\"], ids=["bad-escape", "trailing-backslash"])
+def test_invalid_replacement_template_is_a_map_file_error(replacement: str) -> None:
+    """A replacement that re cannot expand is reported at parse time as MapFileError with file:line."""
+    with pytest.raises(MapFileError, match=r"^port\.map:1: replacement .* is invalid"):
+        parse_map(f"^layers => {replacement}", "port.map")
+
+
+# ------------------------------------------------------------------ read_map
+
+
+def test_read_map(tmp_path: Path) -> None:
+    """read_map parses a UTF-8 file."""
+    path = tmp_path / "port.map"
+    path.write_text(MAP, encoding="utf-8")
+    assert read_map(path).module("layers.3.norm1") == "h.3.ln_1"
+    assert read_map(str(path)).module("layers.3.norm1") == "h.3.ln_1"
+
+
+def test_read_map_errors_name_the_file_and_line(tmp_path: Path) -> None:
+    """Errors in a read file start with the file's path and the line number."""
+    path = tmp_path / "port.map"
+    path.write_text("a => b\n\n# c\nbroken\n", encoding="utf-8")
+    with pytest.raises(MapFileError, match="expected 'REGEX => REPLACEMENT'") as info:
+        read_map(path)
+    assert str(info.value).startswith(f"{path}:4: ")
+
+
+def test_read_map_missing_file(tmp_path: Path) -> None:
+    """A missing map file raises MapFileError naming the file (not FileNotFoundError)."""
+    path = tmp_path / "missing.map"
+    with pytest.raises(MapFileError, match="cannot read the map file") as info:
+        read_map(path)
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def test_read_map_not_utf8(tmp_path: Path) -> None:
+    """A file that is not UTF-8 raises MapFileError, not UnicodeDecodeError."""
+    path = tmp_path / "latin1.map"
+    path.write_bytes("caf\xe9 => cafe\n".encode("latin-1"))
+    with pytest.raises(MapFileError, match="cannot read the map file"):
+        read_map(path)
+
+
+def test_read_map_directory(tmp_path: Path) -> None:
+    """A directory given as the map file raises MapFileError."""
+    with pytest.raises(MapFileError, match=re.escape(str(tmp_path))):
+        read_map(tmp_path)

@@ -1,0 +1,378 @@
+"""BundleReader: a good bundle opens and reads back bit-exactly; every kind of damage is refused clearly."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import msgpack
+import numpy as np
+import pytest
+import torch
+from models import build_tiny, tiny_inputs
+
+from common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
+from common.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
+from replay.reader import BundleReader
+
+# --------------------------------------------------------------------------- helpers
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two CPU tensors have the same dtype, shape and bytes (so -0.0 != 0.0 and NaN == NaN)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.detach().contiguous().numpy().tobytes() == b.detach().contiguous().numpy().tobytes()
+    )
+
+
+def damaged_copy(bundle: Path, mutate: Callable[[h5py.File], None]) -> Path:
+    """A copy of ``bundle`` changed in place by ``mutate`` (opened with h5py in r+ mode)."""
+    copy = bundle.with_name("damaged.h5")
+    shutil.copyfile(bundle, copy)
+    with h5py.File(copy, "r+") as file:
+        mutate(file)
+    return copy
+
+
+def open_error(path: Path) -> ParityError:
+    """Open ``path`` expecting a ParityError; check it is one line naming the file and return it."""
+    with pytest.raises(ParityError) as caught:
+        BundleReader(path)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert str(path) in message, message
+    return caught.value
+
+
+def replace_index(raw: bytes) -> Callable[[h5py.File], None]:
+    """A mutation storing ``raw`` as the /index bytes."""
+
+    def mutate(file: h5py.File) -> None:
+        del file["index"]
+        file.create_dataset("index", data=np.frombuffer(raw, dtype=np.uint8))
+
+    return mutate
+
+
+def replace_dataset(path: str, array: np.ndarray, tag: str | None) -> Callable[[h5py.File], None]:
+    """A mutation replacing dataset ``path`` by ``array`` (with dtype attribute ``tag`` unless None)."""
+
+    def mutate(file: h5py.File) -> None:
+        del file[path]
+        dataset = file.create_dataset(path, data=array)
+        if tag is not None:
+            dataset.attrs["dtype"] = tag
+
+    return mutate
+
+
+def set_attr(name: str, value: object) -> Callable[[h5py.File], None]:
+    """A mutation setting a root attribute."""
+
+    def mutate(file: h5py.File) -> None:
+        file.attrs[name] = value
+
+    return mutate
+
+
+def del_attr(name: str) -> Callable[[h5py.File], None]:
+    """A mutation deleting a root attribute."""
+
+    def mutate(file: h5py.File) -> None:
+        del file.attrs[name]
+
+    return mutate
+
+
+def truncate_index(file: h5py.File) -> None:
+    """Keep only the first half of the index bytes (a write cut short)."""
+    raw = file["index"][()].tobytes()
+    replace_index(raw[: len(raw) // 2])(file)
+
+
+def index_as_text(file: h5py.File) -> None:
+    """Store the index as a string dataset instead of uint8 bytes."""
+    del file["index"]
+    file["index"] = "not an index"
+
+
+LOGITS = "outputs/output.logits"  # a (2, 5, 3) float32 dataset TinyNet's bundle always has
+
+# --------------------------------------------------------------------------- a good bundle
+
+
+def test_fresh_bundle_root_attributes_are_pinned(tiny_bundle: Path) -> None:
+    """A fresh bundle names the format and its version at the root, readable with plain h5py."""
+    with h5py.File(tiny_bundle, "r") as file:
+        attrs = file.attrs
+        assert attrs["format"] == "parity-harness-bundle"
+        assert isinstance(attrs["format_version"], (int, np.integer))
+        assert isinstance(attrs["format_minor"], (int, np.integer))
+        assert (int(attrs["format_version"]), int(attrs["format_minor"])) == (1, 0)
+        assert (FORMAT_VERSION, FORMAT_MINOR) == (1, 0), "format version bumped: add a golden bundle and a migration"
+
+
+def test_fresh_bundle_index_is_1d_uint8_msgpack(tiny_bundle: Path) -> None:
+    """/index is a 1-D uint8 dataset holding a msgpack map, decodable without this project."""
+    with h5py.File(tiny_bundle, "r") as file:
+        index = file["index"]
+        assert isinstance(index, h5py.Dataset)
+        assert index.dtype == np.uint8
+        assert index.ndim == 1
+        document = msgpack.unpackb(index[()].tobytes(), raw=False, strict_map_key=False)
+    assert isinstance(document, dict)
+    assert {"run", "inputs", "outputs", "params", "grads", "calls"} <= set(document)
+
+
+def test_good_bundle_opens_with_its_version(tiny_bundle: Path) -> None:
+    """A fresh bundle validates and reports the current format version, with no warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with BundleReader(tiny_bundle) as reader:
+            assert (reader.format_version, reader.format_minor) == (FORMAT_VERSION, FORMAT_MINOR)
+            assert reader.index.run.seed == 42
+            assert reader.index.run.train_mode is False
+
+
+def test_inputs_rebuild_bit_exact(tiny_bundle: Path) -> None:
+    """The recorded inputs rebuild as the same dict of bit-identical tensors."""
+    with BundleReader(tiny_bundle) as reader:
+        inputs = reader.rebuild(reader.index.inputs)
+    expected = tiny_inputs()
+    assert isinstance(inputs, dict)
+    assert set(inputs) == set(expected) == {"x"}
+    assert same_bits(inputs["x"], expected["x"])
+
+
+def test_params_read_bit_exact(tiny_bundle: Path) -> None:
+    """Every parameter reads back with the model's exact dtype and bits."""
+    state = build_tiny().state_dict()
+    with BundleReader(tiny_bundle) as reader:
+        assert set(reader.index.params) == set(state)
+        for name, ref in reader.index.params.items():
+            assert same_bits(reader.read_tensor(ref), state[name]), name
+
+
+def test_outputs_and_grads_read_bit_exact(tiny_bundle: Path) -> None:
+    """Outputs (float and int) and parameter gradients equal an uninstrumented rerun bit for bit."""
+    model = build_tiny().eval()
+    outputs = model(**tiny_inputs())
+    with BundleReader(tiny_bundle) as reader:
+        recorded = reader.rebuild(reader.index.outputs)
+        assert reader.index.cotangent is not None
+        cotangent = reader.rebuild(reader.index.cotangent)
+        grads = {name: reader.read_tensor(ref) for name, ref in reader.index.grads.items()}
+    assert set(recorded) == {"logits", "label"}
+    assert recorded["label"].dtype == torch.int64
+    assert same_bits(recorded["logits"], outputs["logits"].detach())
+    assert same_bits(recorded["label"], outputs["label"])
+    outputs["logits"].backward(cotangent["output.logits"])
+    assert set(grads) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        assert same_bits(grads[name], param.grad), name
+
+
+def test_read_float64_matches_tensor(tiny_bundle: Path) -> None:
+    """read_float64 gives the same values as float64."""
+    with BundleReader(tiny_bundle) as reader:
+        ref = reader.index.params["head.weight"]
+        values = reader.read_float64(ref)
+        assert values.dtype == np.float64
+        np.testing.assert_array_equal(values, reader.read_tensor(ref).double().numpy())
+
+
+def test_provenance_names_the_environment(tiny_bundle: Path) -> None:
+    """Provenance records the torch and harness versions as strings."""
+    with BundleReader(tiny_bundle) as reader:
+        provenance = reader.provenance()
+    assert provenance["torch"] == torch.__version__
+    assert provenance["harness"] == HARNESS_VERSION
+    assert all(isinstance(value, str) for value in provenance.values())
+
+
+def test_find_call_distinguishes_repeated_calls(tiny_bundle: Path) -> None:
+    """A module called twice has calls 0 and 1; a module called once has no call 1."""
+    with BundleReader(tiny_bundle) as reader:
+        first, second = reader.find_call("blocks.0", 0), reader.find_call("blocks.0", 1)
+        assert first is not None
+        assert second is not None
+        assert first[0] < second[0]
+        assert (second[1].module, second[1].call) == ("blocks.0", 1)
+        assert reader.find_call("blocks.1", 1) is None
+        assert reader.find_call("no.such.module", 0) is None
+
+
+# --------------------------------------------------------------------------- not a bundle
+
+
+def test_missing_path_is_not_found(tmp_path: Path) -> None:
+    """A path with nothing there raises BundleNotFoundError (also a FileNotFoundError)."""
+    error = open_error(tmp_path / "absent.h5")
+    assert isinstance(error, BundleNotFoundError)
+    assert isinstance(error, FileNotFoundError)
+
+
+def test_folder_is_refused(tmp_path: Path) -> None:
+    """A folder is refused as not a bundle file."""
+    folder = tmp_path / "bundle.h5"
+    folder.mkdir()
+    error = open_error(folder)
+    assert type(error) is BundleFormatError
+    assert "folder" in str(error)
+
+
+def test_text_file_is_not_hdf5(tmp_path: Path) -> None:
+    """A text file is refused as not HDF5."""
+    path = tmp_path / "notes.h5"
+    path.write_text("max diff 0.001\n")
+    error = open_error(path)
+    assert type(error) is BundleFormatError
+    assert "not an HDF5 file" in str(error)
+
+
+def test_plain_hdf5_is_not_a_bundle(tmp_path: Path) -> None:
+    """An HDF5 file without the format attribute is 'not a parity-harness bundle'."""
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as file:
+        file.create_dataset("weights", data=np.arange(3))
+    error = open_error(path)
+    assert type(error) is BundleFormatError
+    assert "not a parity-harness bundle" in str(error)
+
+
+# --------------------------------------------------------------------------- damaged bundles
+
+DAMAGE = [
+    pytest.param(del_attr("format"), BundleFormatError, "not a parity-harness bundle", id="format-attr-deleted"),
+    pytest.param(
+        set_attr("format", "someone-elses-format"), BundleFormatError, "someone-elses-format", id="format-attr-wrong"
+    ),
+    pytest.param(set_attr("format_version", "1"), BundleFormatError, "version attribute", id="version-is-text"),
+    pytest.param(set_attr("format_version", 1.5), BundleFormatError, "version attribute", id="version-is-fraction"),
+    pytest.param(del_attr("format_version"), BundleFormatError, "format_version", id="version-attr-missing"),
+    pytest.param(lambda f: f.__delitem__("index"), BundleFormatError, "capture did not finish", id="index-missing"),
+    pytest.param(index_as_text, BundleFormatError, "/index", id="index-not-uint8"),
+    pytest.param(replace_index(b"\xc1\xff\x00 garbage bytes"), BundleFormatError, "/index", id="index-garbage"),
+    pytest.param(truncate_index, BundleFormatError, "/index", id="index-truncated"),
+    pytest.param(replace_index(b""), BundleFormatError, "/index", id="index-empty"),
+    pytest.param(replace_index(msgpack.packb(42)), BundleFormatError, "expected dict", id="index-decodes-to-int"),
+    pytest.param(
+        replace_index(msgpack.packb({"run": {}})), BundleFormatError, "missing fields", id="index-missing-fields"
+    ),
+    pytest.param(
+        lambda f: f.__delitem__("modules/head/0/output"),
+        BundleFormatError,
+        "/modules/head/0/output",
+        id="dataset-deleted",
+    ),
+    pytest.param(
+        lambda f: (f.__delitem__("modules/head/0/output"), f.create_group("modules/head/0/output")),
+        BundleFormatError,
+        "missing",
+        id="dataset-replaced-by-group",
+    ),
+    pytest.param(
+        replace_dataset(LOGITS, np.zeros((2, 5, 4), np.float32), "F32"),
+        BundleFormatError,
+        "shape",
+        id="dataset-other-shape",
+    ),
+    pytest.param(
+        replace_dataset(LOGITS, np.zeros((2, 5, 3), np.float64), "F32"),
+        BundleFormatError,
+        "float64",
+        id="dataset-other-storage-dtype",
+    ),
+    pytest.param(
+        replace_dataset(LOGITS, np.zeros((2, 5, 3), np.float32), None),
+        BundleFormatError,
+        "dtype tag",
+        id="dataset-dtype-attr-missing",
+    ),
+    pytest.param(
+        lambda f: f[LOGITS].attrs.__setitem__("dtype", "F16"), BundleFormatError, "F16", id="dtype-attr-changed"
+    ),
+    pytest.param(
+        lambda f: f.create_dataset("modules/head/0/smuggled", data=np.zeros(3, np.float32)),
+        BundleFormatError,
+        "/modules/head/0/smuggled",
+        id="orphan-under-modules",
+    ),
+    pytest.param(
+        lambda f: f.create_dataset("stray", data=np.zeros(3, np.float32)),
+        BundleFormatError,
+        "/stray",
+        id="orphan-at-root",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mutate", "error", "detail"), DAMAGE)
+def test_damaged_bundle_is_refused(
+    tiny_bundle: Path, mutate: Callable[[h5py.File], None], error: type[ParityError], detail: str
+) -> None:
+    """Each kind of damage raises the right error in one line naming the file and the problem."""
+    path = damaged_copy(tiny_bundle, mutate)
+    raised = open_error(path)
+    assert type(raised) is error, repr(raised)
+    assert detail in str(raised)
+
+
+def test_newer_major_version_names_both_versions(tiny_bundle: Path) -> None:
+    """A newer major version raises UnsupportedBundleVersion naming the bundle's and the reader's versions."""
+    path = damaged_copy(tiny_bundle, set_attr("format_version", FORMAT_VERSION + 1))
+    error = open_error(path)
+    assert isinstance(error, UnsupportedBundleVersion)
+    message = str(error)
+    assert re.search(rf"\b{FORMAT_VERSION + 1}\.\d", message), message
+    assert re.search(rf"\b{FORMAT_VERSION}\.(x|\d)", message), message
+
+
+def test_version_gate_runs_before_the_index_is_read(tiny_bundle: Path) -> None:
+    """A newer-version bundle is refused for its version even when its index is not readable by us."""
+
+    def newer_and_unreadable(file: h5py.File) -> None:
+        set_attr("format_version", FORMAT_VERSION + 1)(file)
+        replace_index(b"\xc1 a future index encoding")(file)
+
+    error = open_error(damaged_copy(tiny_bundle, newer_and_unreadable))
+    assert isinstance(error, UnsupportedBundleVersion)
+
+
+def test_newer_minor_version_warns_and_reads(tiny_bundle: Path) -> None:
+    """A newer minor version warns, naming the file and both versions, and still reads."""
+    path = damaged_copy(tiny_bundle, set_attr("format_minor", FORMAT_MINOR + 1))
+    with pytest.warns(UserWarning, match=re.escape(f"{FORMAT_VERSION}.{FORMAT_MINOR + 1}")) as record:
+        reader = BundleReader(path)
+    with reader:
+        assert reader.format_minor == FORMAT_MINOR + 1
+        assert same_bits(reader.rebuild(reader.index.inputs)["x"], tiny_inputs()["x"])
+    assert any(str(path) in str(w.message) for w in record)
+
+
+def test_refused_bundle_is_closed(tiny_bundle: Path) -> None:
+    """A bundle refused during validation is not left open (it can be reopened for writing)."""
+    path = damaged_copy(tiny_bundle, lambda f: f.__delitem__("modules/head/0/output"))
+    with pytest.raises(BundleFormatError) as caught:
+        BundleReader(path)
+    # the caller still holds the error (and so the half-built reader in its traceback), as a log or REPL would
+    with h5py.File(path, "r+") as file:  # HDF5 refuses this while a read-only handle is still open
+        assert "index" in file
+    assert caught.value.__traceback__ is not None
+
+
+def test_closed_reader_releases_the_file(tiny_bundle: Path) -> None:
+    """Leaving the reader's with-block closes the file."""
+    with BundleReader(tiny_bundle) as reader:
+        pass
+    with h5py.File(tiny_bundle, "r+") as file:
+        assert "index" in file
+    with pytest.raises((ValueError, KeyError, RuntimeError, OSError)):
+        reader.read_array(reader.index.params["head.weight"])
