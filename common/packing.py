@@ -26,7 +26,7 @@ def _check_plain(obj: object, where: str) -> None:
         if isinstance(item, dict):
             pending.extend(item.keys())
             pending.extend(item.values())
-        elif type(item) in (list, tuple):  # not namedtuples: msgpack.ExtType is one
+        elif isinstance(item, (list, tuple)) and type(item) in (list, tuple):  # msgpack.ExtType is a namedtuple
             pending.extend(item)
         elif not isinstance(item, _PLAIN):
             raise BundleFormatError(f"{where}: metadata holds a {type(item).__name__}, not plain msgpack data")

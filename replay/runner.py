@@ -8,7 +8,7 @@ not kept, so memory stays at the model plus a few tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -17,7 +17,7 @@ from capture.hooks import CallInfo, ModuleTap
 from capture.naming import iter_live_call_inputs, iter_live_tensors
 from capture.provenance import model_provenance, snapshot
 from common.errors import AdapterError, InputError
-from common.schema import TensorRef, iter_tensors
+from common.schema import TensorRef, Tree, iter_tensors
 from common.tolerances import ToleranceTable
 from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_tensor
 from replay.mapping import RenameMap
@@ -83,24 +83,34 @@ class _ComparingSink:
 
 
 def _compare_named(
-    result: ComparisonResult,
     reader: BundleReader,
-    kind: RecordKind | str,
+    tolerances: ToleranceTable,
+    kind: RecordKind | Literal["param"],
     live: Iterable[tuple[str, torch.Tensor]],
     expected: dict[str, TensorRef],
-) -> list[RecordResult]:
-    """Compare named tensors (outputs, parameters, gradients); unpaired names are reported."""
-    records, seen = [], set()
+) -> tuple[list[RecordResult], list[str], list[str]]:
+    """Compare named tensors (outputs, parameters, gradients) by name.
+
+    Returns:
+        The compared records, the live names the bundle lacks, and the bundle names not seen.
+    """
+    records, replay_only = [], []
     for position, (name, tensor) in enumerate(live):
         ref = expected.get(name)
         if ref is None:
-            result.replay_only.append(name)
+            replay_only.append(name)
             continue
-        seen.add(name)
-        diff = diff_tensor(reader.read_float64(ref), ref.tag, tensor, result.tolerances.for_record(name))
-        records.append(RecordResult(kind, name, diff, (0, position)))  # type: ignore[arg-type]
-    result.bundle_only.extend(name for name in expected if name not in seen)
-    return records
+        diff = diff_tensor(reader.read_float64(ref), ref.tag, tensor, tolerances.for_record(name))
+        records.append(RecordResult(kind, name, diff, (0, position)))
+    seen = {record.name for record in records}
+    return records, replay_only, [name for name in expected if name not in seen]
+
+
+def _add_named(result: ComparisonResult, compared: tuple[list[RecordResult], list[str], list[str]]) -> None:
+    records, replay_only, bundle_only = compared
+    result.records += records
+    result.replay_only += replay_only
+    result.bundle_only += bundle_only
 
 
 def _mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -> list[tuple[str, torch.Tensor]]:
@@ -121,8 +131,8 @@ def _backward(reader: BundleReader, outputs: Any, loss: LossFn | None, result: C
             raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
         value = loss(outputs)
         assert index.loss is not None
-        result.records += _compare_named(
-            result, reader, "output", [("loss", value)], dict(iter_tensors(index.loss, "loss"))
+        _add_named(
+            result, _compare_named(reader, result.tolerances, "output", [("loss", value)], _slots(index.loss, "loss"))
         )
         value.backward()  # type: ignore[no-untyped-call]
         return
@@ -177,25 +187,27 @@ def compare_run(
     target = torch.device(device)
     inputs = to_device(reader.rebuild(index.inputs), target)
     params = _mapped_parameters(model, rename, grads=False)
-    result.param_values = _compare_named(
-        ComparisonResult(tolerances=result.tolerances), reader, "param", params, index.params
-    )
+    result.param_values = _compare_named(reader, result.tolerances, "param", params, index.params)[0]
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
     seed_everything(index.run.seed)
     sink = _ComparingSink(reader, result)
     with ModuleTap(model, sink, rename=rename.module):
         outputs = call_forward(model, inputs, forward)
-    result.records += _compare_named(
-        result, reader, "output", iter_live_tensors(outputs, "output"), dict(iter_tensors(index.outputs, "output"))
+    live_outputs = iter_live_tensors(outputs, "output")
+    _add_named(
+        result, _compare_named(reader, result.tolerances, "output", live_outputs, _slots(index.outputs, "output"))
     )
     _backward(reader, outputs, loss, result)
-    result.records += _compare_named(
-        result, reader, "param_grad", _mapped_parameters(model, rename, grads=True), index.grads
-    )
+    grads = _mapped_parameters(model, rename, grads=True)
+    _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads))
     result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
     _warn_if_mostly_unpaired(result)
     return result
+
+
+def _slots(tree: Tree, prefix: str) -> dict[str, TensorRef]:
+    return dict(iter_tensors(tree, prefix))
 
 
 def _warn_if_mostly_unpaired(result: ComparisonResult) -> None:
