@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_helpers import one_error_line
 from click.testing import CliRunner, Result
 from conftest import REF_ADAPTER
 from models import TinyNet, build_tiny
@@ -57,17 +58,6 @@ class MarkerNet(TinyNet):
 def capture(*args: object) -> Result:
     """Invoke capture-run in-process with ``args``."""
     return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result: Result) -> str:
-    """Check exit 2 with one error line on stderr, no traceback, nothing on stdout; return the line."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("capture-run: error: "), lines[0]
-    return lines[0]
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -158,7 +148,7 @@ def test_existing_output_is_refused(tmp_path: Path, npz: Path) -> None:
     """An existing --out is refused with exit 2 and left byte for byte as it was."""
     out = tmp_path / "precious.h5"
     out.write_bytes(b"someone's earlier bundle")
-    line = one_error_line(capture("--model", TINY, "--inputs", npz, "--out", out))
+    line = one_error_line("capture-run", capture("--model", TINY, "--inputs", npz, "--out", out))
     assert str(out) in line
     assert "--overwrite" in line
     assert out.read_bytes() == b"someone's earlier bundle"
@@ -233,7 +223,7 @@ def test_error_exits_2_with_one_line(
     """A usage, input or checkpoint error exits 2 with one line naming the problem, and writes nothing."""
     args = build(tmp_path, npz)
     before = sorted(p.name for p in tmp_path.iterdir())
-    line = one_error_line(capture(*args))
+    line = one_error_line("capture-run", capture(*args))
     assert detail in line
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -243,7 +233,9 @@ def test_pickled_module_checkpoint_runs_no_code(tmp_path: Path, npz: Path) -> No
     marker = tmp_path / "code_ran.marker"
     ckpt = tmp_path / "whole_model.pt"
     torch.save(MarkerNet(marker), ckpt)
-    line = one_error_line(capture("--model", TINY, "--ckpt", ckpt, "--inputs", npz, "--out", tmp_path / "o.h5"))
+    line = one_error_line(
+        "capture-run", capture("--model", TINY, "--ckpt", ckpt, "--inputs", npz, "--out", tmp_path / "o.h5")
+    )
     assert "weights_only" in line
     assert str(ckpt) in line
     assert not marker.exists()
@@ -256,7 +248,9 @@ def test_forward_error_leaves_no_file(tmp_path: Path, npz: Path) -> None:
     """A model whose forward raises gives exit 2 naming the error; no bundle and no temporary file remain."""
     (tmp_path / "boom_model.py").write_text(RAISING_MODEL)
     out = tmp_path / "o.h5"
-    line = one_error_line(capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out))
+    line = one_error_line(
+        "capture-run", capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out)
+    )
     assert "RuntimeError: boom in forward" in line
     assert not out.exists()
     assert leftovers(tmp_path) == []
@@ -269,7 +263,8 @@ def test_forward_error_keeps_the_previous_bundle(tmp_path: Path, npz: Path) -> N
     assert capture("--model", TINY, "--inputs", npz, "--out", out).exit_code == 0
     before = out.read_bytes()
     one_error_line(
-        capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out, "--overwrite")
+        "capture-run",
+        capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out, "--overwrite"),
     )
     assert out.read_bytes() == before
     assert leftovers(tmp_path) == []

@@ -12,6 +12,7 @@ from typing import Any
 import h5py
 import pytest
 import torch
+from cli_helpers import one_error_line
 from click.testing import CliRunner, Result
 from conftest import REF_ADAPTER
 from models import build_tiny
@@ -31,17 +32,6 @@ PERTURBED = "blocks.1.lin.weight"
 def replay(*args: object, catch_exceptions: bool = True) -> Result:
     """Invoke replay-compare in-process with ``args``."""
     return CliRunner(catch_exceptions=catch_exceptions).invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result: Result) -> str:
-    """Check exit 2 with one error line on stderr, no traceback, nothing on stdout; return the line."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("replay-compare: error: "), lines[0]
-    return lines[0]
 
 
 def strict_json(text: str) -> dict[str, Any]:
@@ -270,13 +260,13 @@ def test_error_exits_2_with_one_line(
     tmp_path: Path, tiny_bundle: Path, build: Callable[[Path, Path], list[object]], detail: str
 ) -> None:
     """A usage, input, bundle or adapter error exits 2 with one line on stderr naming the problem."""
-    line = one_error_line(replay(*build(tmp_path, tiny_bundle)))
+    line = one_error_line("replay-compare", replay(*build(tmp_path, tiny_bundle)))
     assert detail in line
 
 
 def test_newer_version_error_names_both_versions(tmp_path: Path, tiny_bundle: Path) -> None:
     """The newer-version error line names the bundle's version and this reader's."""
-    line = one_error_line(replay(*newer_bundle(tmp_path, tiny_bundle)))
+    line = one_error_line("replay-compare", replay(*newer_bundle(tmp_path, tiny_bundle)))
     assert f"{FORMAT_VERSION + 1}.0" in line
     assert f"{FORMAT_VERSION}.x" in line
 
@@ -291,7 +281,7 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize(("extra", "option"), BAD_OPTIONS)
 def test_bad_option_value_is_one_line(tiny_bundle: Path, extra: list[str], option: str) -> None:
     """A bad option value exits 2 with one line on stderr naming the option, not click's usage block."""
-    line = one_error_line(replay("--bundle", tiny_bundle, "--model", TINY, *extra))
+    line = one_error_line("replay-compare", replay("--bundle", tiny_bundle, "--model", TINY, *extra))
     assert option in line
 
 
@@ -301,7 +291,7 @@ def test_bad_option_value_is_one_line(tiny_bundle: Path, extra: list[str], optio
 def test_debug_shows_the_traceback_and_still_exits_2(tmp_path: Path) -> None:
     """--debug prints the traceback with the error, and still exits 2 so it is never read as a mismatch (1)."""
     args = ["--bundle", tmp_path / "absent.h5", "--model", TINY]
-    assert "Traceback" not in one_error_line(replay(*args))
+    assert "Traceback" not in one_error_line("replay-compare", replay(*args))
     result = replay(*args, "--debug")
     assert result.exit_code == 2, (result.exit_code, result.exception)
     assert result.stdout == ""
@@ -344,7 +334,7 @@ def test_list_of_a_damaged_bundle_exits_2(tmp_path: Path) -> None:
     """--list on a file that is not a bundle is an error line, exit 2."""
     path = tmp_path / "notes.h5"
     path.write_text("hello\n")
-    assert "not an HDF5 file" in one_error_line(replay("--bundle", path, "--list"))
+    assert "not an HDF5 file" in one_error_line("replay-compare", replay("--bundle", path, "--list"))
 
 
 # --------------------------------------------------------------------------- --show / --max-rows
