@@ -1,9 +1,10 @@
 """Adapters: how the tools load a model, build its inputs and drive it.
 
 An adapter is a Python file or importable module defining ``load_model(ckpt, device)`` and
-``make_inputs(seed, batch_size, seq_len)``, and optionally ``forward(model, inputs)`` and
-``loss(outputs)``. ``--model module:factory`` is the short form for a model whose factory takes no
-arguments and whose checkpoint is a plain state dict.
+``make_inputs(seed, batch_size, seq_len)``, and optionally ``forward(model, inputs)``,
+``loss(outputs)`` and, for ``replay-compare --isolate``, ``isolation_inputs(module, args, kwargs)``.
+``--model module:factory`` is the short form for a model whose factory takes no arguments and
+whose checkpoint is a plain state dict.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class Adapter:
     make_inputs: Callable[[int, int, int], Any] | None = None
     forward: ForwardFn | None = None
     loss: LossFn | None = None
+    isolation_inputs: (
+        Callable[[str, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None
+    ) = None
+    """Replay only: translate a module's recorded arguments to the port's call signature (``--isolate``)."""
 
     def model(self, ckpt: str | None, device: str) -> torch.nn.Module:
         """Load the model, wrapping any failure in an ``AdapterError`` naming the adapter."""
@@ -118,7 +123,8 @@ def load_adapter(spec: str) -> Adapter:
         AdapterError: it cannot be imported or lacks ``load_model``.
     """
     module = _import(spec)
-    functions = {name: getattr(module, name, None) for name in ("load_model", "make_inputs", "forward", "loss")}
+    names = ("load_model", "make_inputs", "forward", "loss", "isolation_inputs")
+    functions = {name: getattr(module, name, None) for name in names}
     for name, function in functions.items():
         if function is not None and not callable(function):
             raise AdapterError(f"adapter {spec}: {name} is a {type(function).__name__}, expected a function")

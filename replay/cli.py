@@ -86,6 +86,9 @@ def write_json(path: str, result: ComparisonResult) -> None:
     type=click.IntRange(min=0),
     help="Rows per table before only mismatches are shown (0: no cap).",
 )
+@click.option(
+    "--isolate", is_flag=True, help="Also run each module on the reference's inputs: verdicts and first origin."
+)
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 def main(
     bundle: str,
@@ -102,6 +105,7 @@ def main(
     json_path: str | None,
     show: str,
     max_rows: int,
+    isolate: bool,
     list_only: bool,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
@@ -124,6 +128,8 @@ def main(
             rename=rename,
             device=device,
             provenance=checkpoint_provenance(ckpt),
+            isolate=isolate,
+            isolation_inputs=driver.isolation_inputs,
         )
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
         if json_path:

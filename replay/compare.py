@@ -16,6 +16,11 @@ from common.tolerances import Tolerance, ToleranceTable
 __all__ = ["KINDS", "ComparisonResult", "RecordKind", "RecordResult", "diff_tensor"]
 
 RecordKind = Literal["output", "param_grad", "forward", "backward"]
+Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
+"""With ``--isolate``: ``origin`` the record's own module is out of tolerance on the reference's
+inputs; ``inherited`` out of tolerance only because its inputs already differed; ``input differs``
+the first difference is in what the port *fed* the module (glue code of its parent);
+``not isolated`` out of tolerance, but the module could not be run in isolation."""
 KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
 
 
@@ -37,6 +42,10 @@ class RecordResult:
     order: tuple[int, int] = (0, 0)
     """Position in execution order (forward) or backward order, for finding the first divergence."""
     module: str | None = None
+    slot: str | None = None
+    local: TensorDiff | None = None
+    """The module's own error on the reference's inputs (``--isolate``)."""
+    verdict: Verdict | None = None
 
     @property
     def match(self) -> bool:
@@ -63,6 +72,9 @@ class RecordResult:
             "required_rtol": _finite_or_none(diff.required_rtol),
             "problem": diff.problem,
             "module": self.module,
+            "verdict": self.verdict,
+            "local_match": None if self.local is None else self.local.match,
+            "local_max_abs": None if self.local is None else _finite_or_none(self.local.max_abs),
         }
 
 
@@ -83,6 +95,10 @@ class ComparisonResult:
     reference_provenance: dict[str, str] = field(default_factory=dict)
     replay_provenance: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    isolated: bool = False
+    """Whether ``--isolate`` ran: records then carry ``local`` and ``verdict``."""
+    not_isolated: dict[str, str] = field(default_factory=dict)
+    """Module -> why it could not be run in isolation."""
 
     @property
     def match(self) -> bool:
@@ -97,6 +113,10 @@ class ComparisonResult:
         """The earliest mismatching record of a kind: forward execution order or backward order."""
         return next((r for r in self.of_kind(kind) if not r.match), None)
 
+    def first_origin(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
+        """The earliest record of a kind whose own module is out of tolerance on the reference's inputs."""
+        return next((r for r in self.of_kind(kind) if r.verdict == "origin"), None)
+
     def counts(self) -> dict[RecordKind, tuple[int, int]]:
         """``{kind: (compared, matched)}``."""
         return {kind: (len(rs), sum(r.match for r in rs)) for kind in KINDS for rs in [self.of_kind(kind)]}
@@ -104,10 +124,14 @@ class ComparisonResult:
     def to_json(self) -> dict[str, object]:
         """The ``--json`` report (see the Contract in PRODUCT.md)."""
         first = {kind: self.first_divergence(kind) for kind in ("forward", "backward")}
+        origin = {kind: self.first_origin(kind) for kind in ("forward", "backward")}
         return {
             "match": self.match,
             "first_divergence": {kind: (r.module if r else None) for kind, r in first.items()},
             "first_divergence_record": {kind: (r.name if r else None) for kind, r in first.items()},
+            "first_origin": {kind: (r.module if r else None) for kind, r in origin.items()},
+            "isolated": self.isolated,
+            "not_isolated": self.not_isolated,
             "summary": {kind: {"compared": n, "matched": m} for kind, (n, m) in self.counts().items()},
             "tolerance": {
                 "atol": self.tolerances.default.atol,

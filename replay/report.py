@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Final, Literal
 
@@ -33,6 +34,7 @@ _HEADERS: Final = [
     "cosine",
     "needs atol",
 ]
+_VERDICT_ORDER: Final = ("origin", "input differs", "inherited", "not isolated", "ok")
 _PROVENANCE_NOISE: Final = {"created_utc", "command_line"}
 
 
@@ -42,7 +44,11 @@ def _number(value: float) -> str:
     return "inf" if math.isinf(value) else f"{value:.2e}"
 
 
-def _row(record: RecordResult) -> list[str]:
+def _is_fine(record: RecordResult) -> bool:
+    return record.match and record.verdict in (None, "ok")
+
+
+def _row(record: RecordResult, isolated: bool) -> list[str]:
     diff = record.diff
     dtype = diff.dtype if diff.dtype == diff.actual_dtype else f"{diff.dtype}->{diff.actual_dtype}"
     mismatched = f"{diff.mismatched} ({diff.mismatched_pct:.1f}%)" if diff.mismatched else "0"
@@ -56,14 +62,18 @@ def _row(record: RecordResult) -> list[str]:
         mismatched,
         f"{diff.cosine:.6f}" if not math.isnan(diff.cosine) else "-",
         _number(diff.required_atol),
-    ]
+    ] + ([_number(record.local.max_abs) if record.local else "-", record.verdict or "-"] if isolated else [])
 
 
 def _select(records: Sequence[RecordResult], show: Show, max_rows: int) -> tuple[list[RecordResult], str]:
     """Rows to print and a note about the hidden ones."""
     if show == "all" or (show == "auto" and len(records) <= max_rows):
         return list(records), ""
-    failing = [r for r in records if not r.match]
+    failing = [r for r in records if not _is_fine(r)]
+    if max_rows and len(failing) > max_rows:  # keep the rows that say where errors start
+        telling = [r for r in failing if r.verdict in ("origin", "input differs")]
+        rest = [r for r in failing if r.verdict not in ("origin", "input differs")]
+        failing = sorted((telling + rest)[:max_rows], key=lambda r: r.order) + (telling + rest)[max_rows:]
     shown = failing[:max_rows] if max_rows else failing
     hidden_failing = len(failing) - len(shown)
     hidden_matching = len(records) - len(failing)
@@ -71,14 +81,15 @@ def _select(records: Sequence[RecordResult], show: Show, max_rows: int) -> tuple
     return shown, f"({' and '.join(parts)} rows not shown; --show all prints every row)"
 
 
-def _section(kind: RecordKind, records: Sequence[RecordResult], show: Show, max_rows: int) -> list[str]:
+def _section(kind: RecordKind, records: Sequence[RecordResult], show: Show, max_rows: int, isolated: bool) -> list[str]:
     matched = sum(r.match for r in records)
     lines = [f"== {_TITLES[kind]}: {matched}/{len(records)} match =="]
     if not records:
         return [*lines, "(none compared)", ""]
     rows, note = _select(records, show, max_rows)
     if rows:
-        lines.append(tabulate([_row(r) for r in rows], headers=_HEADERS, disable_numparse=True))
+        headers = _HEADERS + (["local max abs", "verdict"] if isolated else [])
+        lines.append(tabulate([_row(r, isolated) for r in rows], headers=headers, disable_numparse=True))
     if note:
         lines.append(note)
     for record in rows:
@@ -114,6 +125,27 @@ def _summary(result: ComparisonResult) -> list[str]:
     lines += _unmatched("only in the bundle", result.bundle_only)
     lines += _unmatched("only in the replay", result.replay_only)
     lines += [_divergence(result, "forward"), _divergence(result, "backward")]
+    if result.isolated:
+        lines += _isolation_summary(result)
+    return lines
+
+
+def _isolation_summary(result: ComparisonResult) -> list[str]:
+    counts = Counter(r.verdict for r in result.records if r.verdict)
+    lines = ["verdicts: " + ", ".join(f"{verdict} {counts[verdict]}" for verdict in _VERDICT_ORDER if counts[verdict])]
+    for kind in ("forward", "backward"):
+        record = result.first_origin(kind)
+        if record is None:
+            lines.append(f"first origin ({kind}): none")
+            continue
+        local = _number(record.local.max_abs if record.local else math.nan)
+        lines.append(
+            f"first origin ({kind}): {record.module}  [{record.name}: on the reference's inputs, max abs {local}]"
+        )
+    origins = [r.name for r in result.of_kind("param_grad") if r.verdict == "origin"]
+    if origins:
+        lines.append(f"parameter gradients wrong on the reference's inputs: {', '.join(origins[:10])}")
+    lines += [f"not isolated: {module}: {reason}" for module, reason in result.not_isolated.items()]
     return lines
 
 
@@ -144,7 +176,7 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
     """The full text report: four tables, a summary, and provenance on mismatch."""
     lines: list[str] = []
     for kind in _TITLES:
-        lines += _section(kind, result.of_kind(kind), show, max_rows)
+        lines += _section(kind, result.of_kind(kind), show, max_rows, result.isolated)
     lines += _summary(result)
     lines += _param_values(result)
     lines += result.notes

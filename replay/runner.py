@@ -20,8 +20,11 @@ from common.errors import AdapterError, InputError
 from common.schema import TensorRef, Tree, iter_tensors
 from common.tolerances import ToleranceTable
 from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_tensor
+from replay.isolation import InputAdapter
+from replay.isolation import isolate as isolate_modules
 from replay.mapping import RenameMap
 from replay.reader import BundleReader
+from replay.verdicts import apply_isolation
 
 __all__ = ["compare_run", "record_name"]
 
@@ -58,7 +61,7 @@ class _ComparingSink:
             self.seen.add(name)
             tolerance = self._result.tolerances.for_record(name)
             diff = diff_tensor(self._reader.read_float64(ref), ref.tag, tensor, tolerance)
-            self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module))
+            self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""
@@ -161,6 +164,8 @@ def compare_run(
     rename: RenameMap | None = None,
     device: str = "cpu",
     provenance: dict[str, str] | None = None,
+    isolate: bool = False,
+    isolation_inputs: InputAdapter | None = None,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -173,6 +178,9 @@ def compare_run(
         rename: maps the port's module paths to the bundle's.
         device: where inputs and cotangents are moved.
         provenance: extra provenance strings of this environment (checkpoint hash...).
+        isolate: also run every matched module on the reference's recorded inputs (teacher
+            forcing) and give each record a verdict (:mod:`replay.isolation`).
+        isolation_inputs: the adapter's translation of recorded arguments to the port's signatures.
 
     Returns:
         A :class:`~replay.compare.ComparisonResult`, names in the bundle's naming.
@@ -203,6 +211,16 @@ def compare_run(
     _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads))
     result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
     _warn_if_mostly_unpaired(result)
+    if isolate:
+        isolation = isolate_modules(
+            model,
+            reader,
+            rename=rename,
+            tolerances=result.tolerances,
+            device=device,
+            isolation_inputs=isolation_inputs,
+        )
+        apply_isolation(result, isolation)
     return result
 
 

@@ -3,7 +3,8 @@
 #   env A (.venv-capture): torch + the capture side only (no tabulate, no pytest)
 #   env B (.venv-replay):  torch + the full package
 # A captures the NeMo-style reference; B replays an independent port (exit 0), then the port
-# with a planted forward bug and one with a planted backward bug (exit 1 each).
+# with a planted forward bug, a backward bug and an attention bug (exit 1 each; the last one with
+# --isolate, which names the module where the error starts).
 # Outputs go to demo-out/ (or $DEMO_OUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,5 +57,8 @@ replay adapter_bug_forward.py 1 --json "$OUT/bug_forward.json"
 
 step "env B: replay the port with a planted backward bug (Swish gradient in layer 1)"
 replay adapter_bug_backward.py 1 --json "$OUT/bug_backward.json"
+
+step "env B: a bug inside attention, with --isolate: the chained first divergence is its child, the origin is attention"
+replay adapter_bug_attention.py 1 --isolate --max-rows 10 --json "$OUT/bug_attention.json"
 
 step "done: reports in $OUT/"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from capture.recorder import capture_run
+from tests.models import build_tiny, tiny_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -17,8 +18,6 @@ REF_ADAPTER = EXAMPLES / "conformer_ref" / "adapter.py"
 PORT_DIR = EXAMPLES / "conformer_port"
 PORT_MAP = PORT_DIR / "port_to_ref.map"
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import build_tiny, tiny_inputs  # noqa: E402
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
 
 from capture.adapters import load_adapter
 from common.tolerances import Tolerance, ToleranceTable
@@ -13,6 +12,7 @@ from replay.compare import ComparisonResult
 from replay.mapping import read_map
 from replay.reader import BundleReader
 from replay.runner import compare_run
+from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
 
 PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+
+from tests.conftest import ROOT
 
 BLOCKED = ("click", "tabulate", "pytest")
 

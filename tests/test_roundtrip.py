@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REF_ADAPTER, ROOT
+
+from tests.conftest import REF_ADAPTER, ROOT
 
 CAPTURE = "from capture.cli import main; main()"
 REPLAY = "from replay.cli import main; main()"

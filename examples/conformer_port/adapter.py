@@ -6,6 +6,7 @@ The port loads the *reference's* checkpoint through its own converter, and its f
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -26,3 +27,18 @@ def load_model(ckpt: str | None, device: str, bug: Bug | None = None) -> torch.n
 def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
     """Feed the reference's recorded inputs to the port's own signature."""
     return model(audio=inputs["input_signal"], audio_lens=inputs["input_signal_length"])
+
+
+def isolation_inputs(
+    module: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """For ``--isolate``: the reference's recorded arguments of ``module`` in the port's signature.
+
+    The reference passes masks by keyword (``att_mask``, ``pad_mask``, attention's
+    ``query/key/value/mask``); the port's blocks, convolution and attention take ``(x, pad)``.
+    """
+    if re.fullmatch(r"encoder\.layers\.\d+\.self_attn", module):  # (query=, key=, value=, mask=) -> (x, pad)
+        return (kwargs["query"], kwargs["mask"].all(dim=1)), {}
+    if re.fullmatch(r"encoder\.layers\.\d+(\.conv)?", module):  # (x, [att_mask=], pad_mask=) -> (x, pad)
+        return (args[0], kwargs["pad_mask"]), {}
+    return args, kwargs

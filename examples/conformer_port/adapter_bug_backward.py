@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import adapter as _port
 import torch
-from adapter import forward
+from adapter import forward, isolation_inputs
 
-__all__ = ["forward", "load_model"]
+__all__ = ["forward", "isolation_inputs", "load_model"]
 
 
 def load_model(ckpt: str | None, device: str) -> torch.nn.Module:

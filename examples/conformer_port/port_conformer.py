@@ -17,7 +17,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-Bug = Literal["none", "forward", "backward"]
+Bug = Literal["none", "forward", "backward", "attention", "glue"]
+"""Planted bugs, all in layer 1: ``forward`` BatchNorm eps 1e-3 instead of 1e-5; ``backward`` a
+Swish whose hand-written backward is wrong; ``attention`` scores scaled by the model width instead
+of the head width (inside attention, between correct projections); ``glue`` the block adds the
+second feed-forward without its 0.5 factor (the parent's code between correct children)."""
 
 
 class _SwishFunction(torch.autograd.Function):
@@ -97,9 +101,9 @@ class FeedForward(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, wrong_scale: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.wrong_scale = heads, wrong_scale
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
@@ -110,7 +114,8 @@ class SelfAttention(nn.Module):
         )
         blocked = (pad[:, None, :] | pad[:, :, None])[:, None]
         bias = torch.zeros(blocked.shape, dtype=x.dtype, device=x.device).masked_fill(blocked, -10000.0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        scale = 1 / math.sqrt(d) if self.wrong_scale else None  # None: 1/sqrt(head width)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
         out = out.masked_fill(pad[:, None, :, None], 0.0)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
 
@@ -131,21 +136,24 @@ class ConvModule(nn.Module):
 
 
 class ConformerBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, kernel: int, bn_eps: float = 1e-5, wrong_swish_grad: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, kernel: int, bug: Bug = "none") -> None:
         super().__init__()
         self.ff1 = FeedForward(dim)
         self.attn_ln = nn.LayerNorm(dim)
-        self.attn = SelfAttention(dim, heads)
+        self.attn = SelfAttention(dim, heads, wrong_scale=bug == "attention")
         self.conv_ln = nn.LayerNorm(dim)
-        self.conv = ConvModule(dim, kernel, bn_eps, wrong_swish_grad)
+        self.conv = ConvModule(
+            dim, kernel, bn_eps=1e-3 if bug == "forward" else 1e-5, wrong_swish_grad=bug == "backward"
+        )
         self.ff2 = FeedForward(dim)
         self.final_ln = nn.LayerNorm(dim)
+        self.ff2_factor = 1.0 if bug == "glue" else 0.5
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         x = x + 0.5 * self.ff1(x)
         x = x + self.attn(self.attn_ln(x), pad)
         x = x + self.conv(self.conv_ln(x), pad)
-        x = x + 0.5 * self.ff2(x)
+        x = x + self.ff2_factor * self.ff2(x)
         return self.final_ln(x)
 
 
@@ -167,14 +175,7 @@ class PortConformerCTC(nn.Module):
         self.frontend = LogMelFrontend(n_mels=n_mels)
         self.subsample = Subsampler(n_mels, dim)
         self.blocks = nn.ModuleList(
-            ConformerBlock(
-                dim,
-                heads,
-                kernel,
-                bn_eps=1e-3 if (bug == "forward" and i == 1) else 1e-5,
-                wrong_swish_grad=bug == "backward" and i == 1,
-            )
-            for i in range(depth)
+            ConformerBlock(dim, heads, kernel, bug=bug if i == 1 else "none") for i in range(depth)
         )
         self.head = nn.Conv1d(dim, vocab + 1, 1)
 

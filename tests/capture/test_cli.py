@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import one_error_line
 from click.testing import CliRunner, Result
-from conftest import REF_ADAPTER
-from models import TinyNet, build_tiny
 
 from capture.cli import main
 from replay.reader import BundleReader
+from tests.cli_helpers import one_error_line
+from tests.conftest import REF_ADAPTER
+from tests.models import TinyNet, build_tiny
 
 MODELS = Path(__file__).resolve().parent.parent / "models.py"
 TINY = f"{MODELS}:build_tiny"

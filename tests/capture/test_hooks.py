@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REF_ADAPTER
-from models import Block, TinyNet, build_tiny, tiny_inputs
 from torch import nn
 
 from capture.adapters import load_adapter
@@ -16,6 +14,8 @@ from capture.driving import make_cotangents
 from capture.recorder import capture_run
 from common.schema import iter_tensors
 from replay.reader import BundleReader
+from tests.conftest import REF_ADAPTER
+from tests.models import Block, TinyNet, build_tiny, tiny_inputs
 
 
 class SkipNet(nn.Module):

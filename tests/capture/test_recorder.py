@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import build_embed, build_tiny, tiny_inputs
 from torch import nn
 
 from capture.recorder import capture_run
@@ -15,6 +14,7 @@ from common.schema import iter_tensors
 from common.tolerances import Tolerance, ToleranceTable
 from replay.reader import BundleReader
 from replay.runner import compare_run
+from tests.models import build_embed, build_tiny, tiny_inputs
 
 EXACT = ToleranceTable(Tolerance(0.0, 0.0))
 
@@ -32,7 +32,7 @@ def test_integer_inputs_keywords_and_dataclass_output(capture_model) -> None:
         index = reader.index
         assert index.inputs[0] == "D"
         assert ["scale", ["S", 0.5]] in index.inputs[1]
-        assert index.outputs[:3] == ["O", "models.Prediction", "dataclass"]
+        assert index.outputs[:3] == ["O", "tests.models.Prediction", "dataclass"]
         slots = [slot for slot, _ in iter_tensors(index.outputs, "output")]
         assert slots == ["output.scores", "output.extras.0", "output.extras.1"]
         rebuilt = reader.rebuild(index.inputs)

@@ -12,13 +12,13 @@ from typing import Any
 import h5py
 import pytest
 import torch
-from cli_helpers import one_error_line
 from click.testing import CliRunner, Result
-from conftest import REF_ADAPTER
-from models import build_tiny
 
 from common.version import FORMAT_MINOR, FORMAT_VERSION
 from replay.cli import main
+from tests.cli_helpers import one_error_line
+from tests.conftest import REF_ADAPTER
+from tests.models import build_tiny
 
 MODELS = Path(__file__).resolve().parent.parent / "models.py"
 TINY = f"{MODELS}:build_tiny"

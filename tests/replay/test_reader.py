@@ -13,11 +13,11 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from models import build_tiny, tiny_inputs
 
 from common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
 from common.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
 from replay.reader import BundleReader
+from tests.models import build_tiny, tiny_inputs
 
 # --------------------------------------------------------------------------- helpers
 

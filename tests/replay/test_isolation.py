@@ -1,0 +1,202 @@
+"""--isolate: local (teacher-forced) errors and verdicts tell where an error starts, not where it shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from capture.adapters import load_adapter
+from capture.recorder import capture_run
+from common.tolerances import Tolerance, ToleranceTable
+from replay.cli import main
+from replay.compare import ComparisonResult
+from replay.mapping import read_map
+from replay.reader import BundleReader
+from replay.runner import compare_run
+from tests.conftest import PORT_DIR, PORT_MAP
+from tests.models import build_tiny, tiny_inputs
+
+PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
+EXACT = ToleranceTable(Tolerance(0.0, 0.0))
+
+
+def _replay_port(bundle: Path, ckpt: Path, adapter_name: str) -> ComparisonResult:
+    adapter = load_adapter(str(PORT_DIR / adapter_name))
+    with BundleReader(bundle) as reader:
+        return compare_run(
+            adapter.model(str(ckpt), "cpu"),
+            reader,
+            forward=adapter.forward,
+            tolerances=PORT_TOLERANCE,
+            rename=read_map(PORT_MAP),
+            isolate=True,
+            isolation_inputs=adapter.isolation_inputs,
+        )
+
+
+def _verdict(result: ComparisonResult, name: str) -> str | None:
+    return next(r.verdict for r in result.records if r.name == name)
+
+
+def test_correct_port_has_no_origin(ref_bundle: Path, ref_checkpoint: Path) -> None:
+    """The correct port isolates every matched module and finds nothing wrong."""
+    result = _replay_port(ref_bundle, ref_checkpoint, "adapter.py")
+    assert result.match
+    assert result.not_isolated == {}
+    assert {r.verdict for r in result.records} == {"ok"}
+    assert sum(r.local is not None for r in result.records) > 150
+
+
+def test_bug_inside_attention_is_attributed_to_attention(ref_bundle: Path, ref_checkpoint: Path) -> None:
+    """A wrong score scale inside attention: its child projection diverges first, attention is the origin."""
+    result = _replay_port(ref_bundle, ref_checkpoint, "adapter_bug_attention.py")
+    first = result.first_divergence("forward")
+    assert first is not None
+    assert first.module == "encoder.layers.1.self_attn.linear_out"
+    assert _verdict(result, "encoder.layers.1.self_attn.linear_out/0/input.0") == "input differs"
+    assert _verdict(result, "encoder.layers.1.self_attn.linear_out/0/output") == "inherited"
+    assert _verdict(result, "encoder.layers.1.self_attn/0/output") == "origin"
+    assert result.to_json()["first_origin"]["forward"] == "encoder.layers.1.self_attn"
+
+
+def test_backward_only_bug_is_the_backward_origin(ref_bundle: Path, ref_checkpoint: Path) -> None:
+    """A custom autograd function with a wrong backward is the backward origin; the forward is all ok."""
+    result = _replay_port(ref_bundle, ref_checkpoint, "adapter_bug_backward.py")
+    report = result.to_json()
+    assert report["first_origin"] == {"forward": None, "backward": "encoder.layers.1.conv.activation"}
+    assert {r.verdict for r in result.of_kind("forward")} == {"ok"}
+    record = next(r for r in report["records"] if r["name"] == "encoder.layers.1.conv.activation/0/grad_input.0")
+    assert record["verdict"] == "origin"
+    assert record["local_match"] is False
+    assert record["local_max_abs"] > 1e-2
+
+
+def test_bug_in_parent_glue_shows_input_differs(ref_bundle: Path, ref_checkpoint: Path) -> None:
+    """A wrong residual factor in the block's own code: its child sees other inputs, the block is the origin."""
+    result = _replay_port(ref_bundle, ref_checkpoint, "adapter_bug_glue.py")
+    assert _verdict(result, "encoder.layers.1.norm_out/0/input.0") == "input differs"
+    assert _verdict(result, "encoder.layers.1.norm_out/0/output") == "inherited"
+    origin = result.first_origin("forward")
+    assert origin is not None
+    assert origin.module == "encoder.layers.1"
+
+
+def test_isolation_changes_no_chained_number_and_no_grad(tiny_bundle: Path) -> None:
+    """Chained differences and the port's .grad are identical with and without --isolate."""
+    runs = {}
+    for isolate in (False, True):
+        model = build_tiny()
+        with torch.no_grad():
+            model.blocks[1].norm.weight.mul_(1.001)
+        with BundleReader(tiny_bundle) as reader:
+            result = compare_run(model, reader, tolerances=EXACT, isolate=isolate)
+        runs[isolate] = ({r.name: r.diff for r in result.records}, {n: p.grad for n, p in model.named_parameters()})
+    assert runs[False][0] == runs[True][0]
+    for name, grad in runs[False][1].items():
+        assert torch.equal(grad, runs[True][1][name]), name
+
+
+def test_module_called_twice_sums_local_parameter_gradients(tiny_bundle: Path) -> None:
+    """blocks.0 runs twice: the sum of its isolated calls' weight gradients equals the reference's gradient."""
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_tiny(), reader, tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)), isolate=True)
+    record = next(r for r in result.of_kind("param_grad") if r.name == "blocks.0.lin.weight")
+    assert record.local is not None
+    assert record.local.match
+    assert record.verdict == "ok"
+
+
+def test_changed_weight_is_origin_in_both_calls(tiny_bundle: Path) -> None:
+    """A wrong weight in a module called twice makes both of its calls origins, and the earlier the first origin."""
+    model = build_tiny()
+    with torch.no_grad():
+        model.blocks[0].lin.weight[0, 0] += 1e-2
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(model, reader, tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)), isolate=True)
+    assert _verdict(result, "blocks.0.lin/0/output") == "origin"
+    assert _verdict(result, "blocks.0.lin/1/output") == "origin"
+    origin = result.first_origin("forward")
+    assert origin is not None
+    assert origin.name == "blocks.0.lin/0/output"
+
+
+class _Opaque:
+    """An argument capture cannot record."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class _Scaler(nn.Module):
+    def forward(self, x: torch.Tensor, how: _Opaque) -> torch.Tensor:
+        return x * how.scale
+
+
+class _WithOpaqueArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = _Scaler()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.lin(x), _Opaque(2.0))
+
+
+def test_module_that_cannot_be_isolated_says_why_once(tmp_path: Path) -> None:
+    """A module fed an unrecordable object is reported once, with the reason, and the rest is isolated."""
+    torch.manual_seed(0)
+    model = _WithOpaqueArgument()
+    path = tmp_path / "opaque.h5"
+    capture_run(model, (torch.randn(2, 4),), path)
+    with BundleReader(path) as reader:
+        result = compare_run(model, reader, tolerances=EXACT, isolate=True)
+    assert list(result.not_isolated) == ["scale"]
+    assert "_Opaque" in result.not_isolated["scale"]
+    assert _verdict(result, "lin/0/output") == "ok"
+
+
+def test_cli_isolate_prints_first_origin(ref_bundle: Path, ref_checkpoint: Path, tmp_path: Path) -> None:
+    """replay-compare --isolate names the first origin in the summary and the JSON report."""
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(
+        main,
+        [
+            "--bundle",
+            str(ref_bundle),
+            "--ckpt",
+            str(ref_checkpoint),
+            "--adapter",
+            str(PORT_DIR / "adapter_bug_forward.py"),
+            "--map",
+            str(PORT_MAP),
+            "--atol",
+            "1e-4",
+            "--rtol",
+            "1e-4",
+            "--isolate",
+            "--json",
+            str(report),
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    assert "first origin (forward): encoder.layers.1.conv.batch_norm" in result.stdout
+    assert "verdict" in result.stdout
+    import json
+
+    assert json.loads(report.read_text())["first_origin"]["forward"] == "encoder.layers.1.conv.batch_norm"
+
+
+@pytest.mark.parametrize("inputs", [tiny_inputs()], ids=["tiny"])
+def test_self_replay_with_isolation_is_exact(inputs: dict, tmp_path: Path) -> None:
+    """Replaying the reference itself with --isolate gives every record an exact local match."""
+    path = tmp_path / "self.h5"
+    capture_run(build_tiny(), inputs, path)
+    with BundleReader(path) as reader:
+        result = compare_run(build_tiny(), reader, tolerances=EXACT, isolate=True)
+    locals_ = [r.local for r in result.records if r.local is not None]
+    assert locals_
+    assert all(diff.match for diff in locals_)
