@@ -8,7 +8,7 @@ from typing import Final
 
 from common.errors import InputError
 
-__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "Tolerance", "ToleranceTable", "parse_override"]
+__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "TORCH_PRESET", "Tolerance", "ToleranceTable", "parse_override"]
 
 DEFAULT_ATOL: Final = 1e-5
 DEFAULT_RTOL: Final = 1e-5
@@ -29,20 +29,45 @@ class Tolerance:
                 raise InputError(f"tolerance {name}={value!r} is invalid: expected a number >= 0")
 
 
+TORCH_PRESET: Final[dict[str, tuple[float, float]]] = {
+    "F16": (1e-5, 1e-3),
+    "BF16": (1e-5, 1.6e-2),
+    "F32": (1e-5, 1.3e-6),
+    "F64": (1e-7, 1e-7),
+    "C64": (1e-5, 1.3e-6),
+    "C128": (1e-7, 1e-7),
+}
+"""``torch.testing.assert_close``'s defaults by dtype tag as ``(atol, rtol)``; every other dtype
+(integers, bool, float8) must match exactly."""
+
+
 @dataclass(frozen=True)
 class ToleranceTable:
-    """A default tolerance plus ``(glob, tolerance)`` overrides; the last matching pattern wins."""
+    """A default tolerance, optionally per dtype, plus ``(glob, tolerance)`` overrides.
+
+    The last override whose glob matches a record's name wins; otherwise the per-dtype entry of
+    the record's reference dtype; otherwise the default.
+    """
 
     default: Tolerance = Tolerance()
     overrides: tuple[tuple[str, Tolerance], ...] = field(default_factory=tuple)
+    per_dtype: dict[str, Tolerance] | None = None
 
-    def for_record(self, name: str) -> Tolerance:
-        """Return the tolerance that applies to a record name (bundle naming)."""
+    def for_record(self, name: str, dtype: str | None = None) -> Tolerance:
+        """Return the tolerance for a record name (bundle naming) whose reference dtype tag is ``dtype``."""
         chosen = self.default
+        if self.per_dtype is not None and dtype is not None:
+            chosen = self.per_dtype.get(dtype, Tolerance(0.0, 0.0, self.default.equal_nan))
         for pattern, tolerance in self.overrides:
             if fnmatch.fnmatchcase(name, pattern):
                 chosen = tolerance
         return chosen
+
+    @classmethod
+    def torch_preset(cls, equal_nan: bool = False, overrides: tuple[tuple[str, Tolerance], ...] = ()) -> ToleranceTable:
+        """Tolerances of ``torch.testing.assert_close`` by dtype (see :data:`TORCH_PRESET`)."""
+        per_dtype = {tag: Tolerance(atol, rtol, equal_nan) for tag, (atol, rtol) in TORCH_PRESET.items()}
+        return cls(Tolerance(TORCH_PRESET["F32"][0], TORCH_PRESET["F32"][1], equal_nan), overrides, per_dtype)
 
 
 def parse_override(spec: str, *, equal_nan: bool = False) -> tuple[str, Tolerance]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
 from common.errors import InputError
@@ -38,6 +39,19 @@ class Tol(click.ParamType):  # type: ignore[type-arg]
         if not 0 <= number < float("inf"):
             self.fail(f"{value!r} must be a finite number >= 0", param, ctx)
         return number
+
+
+def _tolerances(atol: float, rtol: float, equal_nan: bool, overrides: tuple[str, ...], preset: str) -> ToleranceTable:
+    by_glob = tuple(parse_override(spec, equal_nan=equal_nan) for spec in overrides)
+    if preset == "none":
+        return ToleranceTable(Tolerance(atol, rtol, equal_nan), by_glob)
+    context = click.get_current_context()
+    given = [
+        f"--{name}" for name in ("atol", "rtol") if context.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise click.UsageError(f"--tolerance-preset {preset} sets atol and rtol per dtype; drop {' and '.join(given)}")
+    return ToleranceTable.torch_preset(equal_nan, by_glob)
 
 
 def write_json(path: str, result: ComparisonResult) -> None:
@@ -87,6 +101,14 @@ def write_json(path: str, result: ComparisonResult) -> None:
     help="Rows per table before only mismatches are shown (0: no cap).",
 )
 @click.option(
+    "--tolerance-preset",
+    "preset",
+    type=click.Choice(["none", "torch"]),
+    default="none",
+    show_default=True,
+    help="torch: torch.testing.assert_close's atol/rtol per dtype instead of --atol/--rtol.",
+)
+@click.option(
     "--isolate", is_flag=True, help="Also run each module on the reference's inputs: verdicts and first origin."
 )
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
@@ -105,6 +127,7 @@ def main(
     json_path: str | None,
     show: str,
     max_rows: int,
+    preset: str,
     isolate: bool,
     list_only: bool,
 ) -> None:
@@ -113,9 +136,7 @@ def main(
         if list_only:
             click.echo(render_listing(reader))
             return
-        tolerances = ToleranceTable(
-            Tolerance(atol, rtol, equal_nan), tuple(parse_override(s, equal_nan=equal_nan) for s in overrides)
-        )
+        tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset)
         rename = read_map(map_file) if map_file else RenameMap()
         driver = resolve_adapter(adapter, model_spec)
         model = driver.model(ckpt, device)

@@ -137,6 +137,7 @@ class ComparisonResult:
                 "atol": self.tolerances.default.atol,
                 "rtol": self.tolerances.default.rtol,
                 "equal_nan": self.tolerances.default.equal_nan,
+                "preset": "torch" if self.tolerances.per_dtype is not None else None,
             },
             "records": [r.to_json() for kind in KINDS for r in self.of_kind(kind)],
             "param_values": [r.to_json() for r in self.param_values],

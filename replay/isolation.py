@@ -92,7 +92,9 @@ class _Isolator:
         self.param_sums: dict[str, torch.Tensor] = {}
 
     def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
-        return diff_tensor(self.reader.read_float64(expected), expected.tag, actual, self.tolerances.for_record(name))
+        return diff_tensor(
+            self.reader.read_float64(expected), expected.tag, actual, self.tolerances.for_record(name, expected.tag)
+        )
 
     def arguments(self, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:
         wants_grad: dict[int, bool] = {}

@@ -184,6 +184,9 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
         lines += ["", render_provenance(result.reference_provenance, result.replay_provenance)]
     tolerance = result.tolerances.default
     verdict = "MATCH" if result.match else "MISMATCH"
+    if result.tolerances.per_dtype is not None:
+        lines += ["", f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"]
+        return "\n".join(lines)
     lines += [
         "",
         f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})",

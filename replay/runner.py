@@ -59,7 +59,7 @@ class _ComparingSink:
                 self._result.replay_only.append(name)
                 continue
             self.seen.add(name)
-            tolerance = self._result.tolerances.for_record(name)
+            tolerance = self._result.tolerances.for_record(name, ref.tag)
             diff = diff_tensor(self._reader.read_float64(ref), ref.tag, tensor, tolerance)
             self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
 
@@ -103,7 +103,7 @@ def _compare_named(
         if ref is None:
             replay_only.append(name)
             continue
-        diff = diff_tensor(reader.read_float64(ref), ref.tag, tensor, tolerances.for_record(name))
+        diff = diff_tensor(reader.read_float64(ref), ref.tag, tensor, tolerances.for_record(name, ref.tag))
         records.append(RecordResult(kind, name, diff, (0, position)))
     seen = {record.name for record in records}
     return records, replay_only, [name for name in expected if name not in seen]

@@ -19,7 +19,6 @@ PORT_DIR = EXAMPLES / "conformer_port"
 PORT_MAP = PORT_DIR / "port_to_ref.map"
 
 
-
 @pytest.fixture
 def tiny_bundle(tmp_path: Path) -> Path:
     """A bundle of ``TinyNet`` on ``tiny_inputs()``, seed 42."""

@@ -135,3 +135,27 @@ def test_parse_override_refuses(spec: str, message: str) -> None:
     with pytest.raises(InputError, match=message) as info:
         parse_override(spec)
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("tag", "expected"),
+    [
+        ("F32", (1e-5, 1.3e-6)),
+        ("BF16", (1e-5, 1.6e-2)),
+        ("F16", (1e-5, 1e-3)),
+        ("F64", (1e-7, 1e-7)),
+        ("I64", (0.0, 0.0)),
+    ],
+    ids=["f32", "bf16", "f16", "f64", "int-exact"],
+)
+def test_torch_preset_uses_assert_close_defaults_per_dtype(tag: str, expected: tuple[float, float]) -> None:
+    """The torch preset gives each record torch.testing.assert_close's tolerance for its reference dtype."""
+    tolerance = ToleranceTable.torch_preset().for_record("any.record", tag)
+    assert (tolerance.atol, tolerance.rtol) == expected
+
+
+def test_glob_override_beats_the_dtype_preset() -> None:
+    """A --tol glob override wins over the per-dtype preset."""
+    table = ToleranceTable.torch_preset(overrides=(("enc.*", Tolerance(1.0, 2.0)),))
+    assert table.for_record("enc.x", "F32") == Tolerance(1.0, 2.0)
+    assert table.for_record("dec.x", "F32") == Tolerance(1e-5, 1.3e-6)

@@ -401,3 +401,24 @@ def test_default_max_rows_hides_matching_rows_of_a_big_model(ref_bundle: Path, r
     compared = int(forward.split(":")[-1].split("/")[1].split()[0])
     assert compared > 40
     assert f"({compared} matching rows not shown; --show all prints every row)" in result.stdout
+
+
+def test_tolerance_preset_excludes_explicit_atol(tiny_bundle: Path) -> None:
+    """--tolerance-preset torch with --atol is a usage error (the preset sets atol per dtype)."""
+    line = one_error_line(
+        "replay-compare", replay("--bundle", tiny_bundle, "--model", TINY, "--tolerance-preset", "torch", "--atol", "1")
+    )
+    assert "drop --atol" in line
+
+
+def test_tolerance_preset_reported_in_json(tiny_bundle: Path, tmp_path: Path) -> None:
+    """With the torch preset, a self replay matches and the JSON report names the preset."""
+    ckpt = tmp_path / "tiny.pt"
+    torch.save(build_tiny().state_dict(), ckpt)
+    report = tmp_path / "r.json"
+    result = replay(
+        "--bundle", tiny_bundle, "--model", TINY, "--ckpt", ckpt, "--tolerance-preset", "torch", "--json", report
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["tolerance"]["preset"] == "torch"
+    assert "torch.testing tolerances per dtype" in result.stdout
