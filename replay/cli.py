@@ -17,8 +17,9 @@ from click.core import ParameterSource
 from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
 from common.errors import InputError
 from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
-from replay.compare import ComparisonResult
 from replay.mapping import RenameMap, read_map
+from replay.markdown import render_markdown
+from replay.progress import ProgressLine
 from replay.reader import BundleReader
 from replay.report import render_listing, render_result
 from replay.runner import compare_run
@@ -54,16 +55,16 @@ def _tolerances(atol: float, rtol: float, equal_nan: bool, overrides: tuple[str,
     return ToleranceTable.torch_preset(equal_nan, by_glob)
 
 
-def write_json(path: str, result: ComparisonResult) -> None:
-    """Write the JSON report atomically (a reader never sees half a report)."""
+def write_atomically(path: str, text: str, option: str) -> None:
+    """Write a report so that a reader never sees half of it."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise InputError(f"--json {path}: cannot write the report: {err}") from err
+        raise InputError(f"{option} {path}: cannot write the report: {err}") from err
 
 
 @click.command("replay-compare", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -85,6 +86,7 @@ def write_json(path: str, result: ComparisonResult) -> None:
     type=click.Path(exists=True, dir_okay=False),
     help="Rename rules: port module paths -> bundle names.",
 )
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write a markdown report here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
 @click.option(
     "--show",
@@ -111,6 +113,7 @@ def write_json(path: str, result: ComparisonResult) -> None:
 @click.option(
     "--isolate", is_flag=True, help="Also run each module on the reference's inputs: verdicts and first origin."
 )
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 def main(
     bundle: str,
@@ -124,11 +127,13 @@ def main(
     equal_nan: bool,
     overrides: tuple[str, ...],
     map_file: str | None,
+    report_path: str | None,
     json_path: str | None,
     show: str,
     max_rows: int,
     preset: str,
     isolate: bool,
+    quiet: bool,
     list_only: bool,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
@@ -139,6 +144,7 @@ def main(
         tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset)
         rename = read_map(map_file) if map_file else RenameMap()
         driver = resolve_adapter(adapter, model_spec)
+        progress = ProgressLine("replay-compare", enabled=not quiet)
         model = driver.model(ckpt, device)
         result = compare_run(
             model,
@@ -151,8 +157,12 @@ def main(
             provenance=checkpoint_provenance(ckpt),
             isolate=isolate,
             isolation_inputs=driver.isolation_inputs,
+            progress=progress,
         )
+        progress.close()
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
         if json_path:
-            write_json(json_path, result)
+            write_atomically(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
+        if report_path:
+            write_atomically(report_path, render_markdown(result, bundle), "--report")
     sys.exit(0 if result.match else 1)

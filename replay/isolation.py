@@ -188,6 +188,7 @@ def isolate(
     tolerances: ToleranceTable,
     device: str = "cpu",
     isolation_inputs: InputAdapter | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> Isolation:
     """Run every matched module call of ``model`` on the reference's recorded inputs.
 
@@ -198,6 +199,7 @@ def isolate(
         tolerances: per-record tolerances.
         device: where the recorded inputs are moved.
         isolation_inputs: the adapter's translation of the reference's arguments to the port's signature.
+        progress: called as ``progress("isolate", done, total)`` per module call.
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -208,7 +210,9 @@ def isolate(
         if name is not None:
             modules[name] = module
     isolator = _Isolator(reader, tolerances, torch.device(device))
-    for call in reader.index.calls:
+    for position, call in enumerate(reader.index.calls, start=1):
+        if progress is not None:
+            progress("isolate", position, len(reader.index.calls))
         if call.module not in modules or call.module in isolator.outcome.skipped:
             continue
         reason = _not_recordable(call.inputs)

@@ -14,7 +14,15 @@ from replay.compare import ComparisonResult, RecordKind, RecordResult
 from replay.reader import BundleReader
 from replay.runner import record_name
 
-__all__ = ["Show", "render_listing", "render_result"]
+__all__ = [
+    "Show",
+    "record_headers",
+    "record_row",
+    "render_listing",
+    "render_provenance",
+    "render_result",
+    "result_line",
+]
 
 Show = Literal["auto", "all", "mismatched"]
 _TITLES: Final[dict[RecordKind, str]] = {
@@ -48,7 +56,13 @@ def _is_fine(record: RecordResult) -> bool:
     return record.match and record.verdict in (None, "ok")
 
 
-def _row(record: RecordResult, isolated: bool) -> list[str]:
+def record_headers(isolated: bool) -> list[str]:
+    """Column names of a record table."""
+    return _HEADERS + (["local max abs", "verdict"] if isolated else [])
+
+
+def record_row(record: RecordResult, isolated: bool) -> list[str]:
+    """One record as a table row."""
     diff = record.diff
     dtype = diff.dtype if diff.dtype == diff.actual_dtype else f"{diff.dtype}->{diff.actual_dtype}"
     mismatched = f"{diff.mismatched} ({diff.mismatched_pct:.1f}%)" if diff.mismatched else "0"
@@ -88,8 +102,8 @@ def _section(kind: RecordKind, records: Sequence[RecordResult], show: Show, max_
         return [*lines, "(none compared)", ""]
     rows, note = _select(records, show, max_rows)
     if rows:
-        headers = _HEADERS + (["local max abs", "verdict"] if isolated else [])
-        lines.append(tabulate([_row(r, isolated) for r in rows], headers=headers, disable_numparse=True))
+        headers = record_headers(isolated)
+        lines.append(tabulate([record_row(r, isolated) for r in rows], headers=headers, disable_numparse=True))
     if note:
         lines.append(note)
     for record in rows:
@@ -182,16 +196,17 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
     lines += result.notes
     if not result.match:
         lines += ["", render_provenance(result.reference_provenance, result.replay_provenance)]
+    lines += ["", result_line(result)]
+    return "\n".join(lines)
+
+
+def result_line(result: ComparisonResult) -> str:
+    """``RESULT: MATCH|MISMATCH (tolerances)``."""
     tolerance = result.tolerances.default
     verdict = "MATCH" if result.match else "MISMATCH"
     if result.tolerances.per_dtype is not None:
-        lines += ["", f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"]
-        return "\n".join(lines)
-    lines += [
-        "",
-        f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})",
-    ]
-    return "\n".join(lines)
+        return f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"
+    return f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})"
 
 
 def _ref_rows(pairs: Iterable[tuple[str, TensorRef]]) -> list[list[str]]:

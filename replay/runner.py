@@ -7,7 +7,7 @@ not kept, so memory stays at the model plus a few tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -26,7 +26,10 @@ from replay.mapping import RenameMap
 from replay.reader import BundleReader
 from replay.verdicts import apply_isolation
 
-__all__ = ["compare_run", "record_name"]
+__all__ = ["Progress", "compare_run", "record_name"]
+
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``: told as records are compared (see :class:`replay.progress.ProgressLine`)."""
 
 
 def record_name(module: str, call: int, slot: str) -> str:
@@ -37,12 +40,15 @@ def record_name(module: str, call: int, slot: str) -> str:
 class _ComparingSink:
     """A :class:`~capture.hooks.TapSink` comparing the port's tensors with the bundle's."""
 
-    def __init__(self, reader: BundleReader, result: ComparisonResult) -> None:
-        self._reader, self._result = reader, result
+    def __init__(self, reader: BundleReader, result: ComparisonResult, progress: Progress | None) -> None:
+        self._reader, self._result, self._progress = reader, result, progress
         index = reader.index
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
         self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
         self.seen: set[str] = set()
+        forward_total = sum(len(_slots(c.inputs, "input")) + len(_slots(c.outputs, "output")) for c in index.calls)
+        self._totals = {"forward": forward_total, "backward": len(index.backward_order)}
+        self._done = {"forward": 0, "backward": 0}
 
     def _compare(
         self,
@@ -62,6 +68,9 @@ class _ComparingSink:
             tolerance = self._result.tolerances.for_record(name, ref.tag)
             diff = diff_tensor(self._reader.read_float64(ref), ref.tag, tensor, tolerance)
             self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
+            if self._progress is not None:
+                self._done[kind] += 1
+                self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""
@@ -166,6 +175,7 @@ def compare_run(
     provenance: dict[str, str] | None = None,
     isolate: bool = False,
     isolation_inputs: InputAdapter | None = None,
+    progress: Progress | None = None,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -180,6 +190,7 @@ def compare_run(
         provenance: extra provenance strings of this environment (checkpoint hash...).
         isolate: also run every matched module on the reference's recorded inputs (teacher
             forcing) and give each record a verdict (:mod:`replay.isolation`).
+        progress: called as ``progress(phase, done, total)`` while records are compared.
         isolation_inputs: the adapter's translation of recorded arguments to the port's signatures.
 
     Returns:
@@ -199,7 +210,7 @@ def compare_run(
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
     seed_everything(index.run.seed)
-    sink = _ComparingSink(reader, result)
+    sink = _ComparingSink(reader, result, progress)
     with ModuleTap(model, sink, rename=rename.module):
         outputs = call_forward(model, inputs, forward)
     live_outputs = iter_live_tensors(outputs, "output")
@@ -219,6 +230,7 @@ def compare_run(
             tolerances=result.tolerances,
             device=device,
             isolation_inputs=isolation_inputs,
+            progress=progress,
         )
         apply_isolation(result, isolation)
     return result

@@ -1,0 +1,71 @@
+"""Reports beyond the tables: the markdown report and the progress line."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from replay.cli import main
+from replay.progress import ProgressLine
+from replay.reader import BundleReader
+from replay.runner import compare_run
+from tests.models import build_tiny
+
+TINY = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_markdown_report_names_origin_and_worst_records(tiny_bundle: Path, tmp_path: Path) -> None:
+    """--report writes markdown with the result, summary table, first origin and the worst records."""
+    state = build_tiny().state_dict()
+    state["blocks.1.lin.weight"][0, 0] += 0.01
+    ckpt, report = tmp_path / "bad.pt", tmp_path / "report.md"
+    torch.save(state, ckpt)
+    result = CliRunner().invoke(
+        main, ["--bundle", str(tiny_bundle), "--model", TINY, "--ckpt", str(ckpt), "--isolate", "--report", str(report)]
+    )
+    assert result.exit_code == 1, result.output
+    text = report.read_text()
+    assert text.startswith("# parity-harness replay report\n")
+    assert "**RESULT: MISMATCH" in text
+    assert "| kind       | compared   |" in text
+    assert "- **first origin, forward**: `blocks.1.lin` (`blocks.1.lin/0/output`)" in text
+    rows = [line for line in text.split("## Worst records", 1)[1].splitlines() if line.startswith("| ")]
+    assert "blocks.1.lin/0/output" in rows[1]  # rows[0] is the header: origins lead
+    assert rows[1].rstrip(" |").endswith("origin")
+
+
+def test_progress_line_draws_on_a_terminal_only() -> None:
+    """The progress line is drawn (and erased) on a terminal, and stays silent elsewhere or with --quiet."""
+    terminal = _Terminal()
+    line = ProgressLine("replay-compare", terminal)
+    line("forward", 10, 10)
+    line.close()
+    assert terminal.getvalue().startswith("\rreplay-compare: forward 10/10")
+    assert terminal.getvalue().endswith("\r")
+    for stream, enabled in ((io.StringIO(), True), (_Terminal(), False)):
+        quiet = ProgressLine("replay-compare", stream, enabled=enabled)
+        quiet("forward", 1, 1)
+        quiet.close()
+        assert stream.getvalue() == ""
+
+
+def test_progress_counts_reach_the_bundle_totals(tiny_bundle: Path) -> None:
+    """compare_run reports every forward and backward record and every isolated call, up to their totals."""
+    seen: dict[str, tuple[int, int]] = {}
+    with BundleReader(tiny_bundle) as reader:
+        compare_run(
+            build_tiny(), reader, isolate=True, progress=lambda phase, done, total: seen.update({phase: (done, total)})
+        )
+        calls = len(reader.index.calls)
+        backward = len(reader.index.backward_order)
+    assert seen["backward"] == (backward, backward)
+    assert seen["isolate"] == (calls, calls)
+    assert seen["forward"][0] == seen["forward"][1]
