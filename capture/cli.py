@@ -130,6 +130,9 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
 )
 @click.option("--train-mode", is_flag=True, help="Run in train mode (dropout active); eval mode by default.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
+@click.option(
+    "--noise-floor", is_flag=True, help="Also run a float64 copy and store each record's float32-vs-float64 error."
+)
 def main(
     ckpt: str | None,
     adapter: str | None,
@@ -143,6 +146,7 @@ def main(
     inputs_file: str | None,
     train_mode: bool,
     overwrite: bool,
+    noise_floor: bool,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
     with handle_errors("capture-run", debug):
@@ -160,6 +164,7 @@ def main(
             overwrite=overwrite,
             run_info={"batch_size": batch_size, "seq_len": seq_len, "device": device, "adapter": driver.name},
             provenance=checkpoint_provenance(ckpt),
+            noise_floor=noise_floor,
         )
     click.echo(
         f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB, "

@@ -16,7 +16,16 @@ import torch
 from common.layout import join_slot
 from common.schema import MAX_DEPTH, TensorRef, Tree
 
-__all__ = ["StoreTensor", "encode_call_inputs", "encode_value", "grad_slot", "iter_live_tensors", "type_name"]
+__all__ = [
+    "StoreTensor",
+    "encode_call_inputs",
+    "encode_value",
+    "grad_slot",
+    "iter_live_call_inputs",
+    "iter_live_tensors",
+    "record_name",
+    "type_name",
+]
 
 StoreTensor = Callable[[str, torch.Tensor], TensorRef]
 """Called once per tensor leaf with its slot; returns where the tensor was stored."""
@@ -28,6 +37,11 @@ def type_name(value: object) -> str:
     """``module.QualName`` of a value's class, used to label recorded objects."""
     cls = type(value)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def record_name(module: str, call: int, slot: str) -> str:
+    """A per-module record's name, as reports show it: ``encoder.layers.0/0/output``."""
+    return f"{module}/{call}/{slot}"
 
 
 def grad_slot(slot: str) -> str:

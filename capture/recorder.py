@@ -14,6 +14,7 @@ import torch
 from capture.driving import ForwardFn, LossFn, call_forward, make_cotangents, rng_state, seed_everything
 from capture.hooks import CallInfo, ModuleTap
 from capture.naming import encode_call_inputs, encode_value
+from capture.noise import measure_noise_floor
 from capture.provenance import model_provenance, snapshot
 from capture.writer import BundleWriter
 from common.errors import InputError
@@ -129,6 +130,7 @@ def capture_run(
     overwrite: bool = False,
     run_info: dict[str, Any] | None = None,
     provenance: dict[str, str] | None = None,
+    noise_floor: bool = False,
 ) -> CaptureSummary:
     """Run ``model`` once forward and backward on ``inputs`` and record everything into ``out``.
 
@@ -142,6 +144,8 @@ def capture_run(
         train_mode: keep dropout etc. active (``model.train()``); eval mode by default.
         run_info: extra fields for the index's ``run`` section (batch_size, seq_len, adapter...).
         provenance: extra provenance strings (checkpoint hash...).
+        noise_floor: also rerun a float64 copy and store each record's distance to it
+            (:mod:`capture.noise`), so replay can judge errors against the reference's own.
 
     Returns:
         A :class:`CaptureSummary`.
@@ -165,6 +169,11 @@ def capture_run(
         output_tree = encode_value(outputs, "output", functools.partial(_store_at, writer, OUTPUTS))
         mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
         grads = _write_named(writer, GRADS, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        floors = (
+            measure_noise_floor(model, inputs, writer, seed=seed, forward=forward, loss=loss, train_mode=train_mode)
+            if noise_floor
+            else {}
+        )
         run = RunInfo(
             seed=seed,
             train_mode=train_mode,
@@ -187,6 +196,7 @@ def capture_run(
             forward_order=recorder.forward_order,
             backward_order=recorder.backward_order,
             rng=rng,
+            noise_floor=floors,
         )
         path = writer.commit(index)
         return CaptureSummary(

@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import torch
 
-from common.dtypes import to_storage
+from common.dtypes import from_storage, to_float64, to_storage
 from common.errors import BundleError, BundleExistsError
 from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE
 from common.packing import pack
@@ -69,6 +69,18 @@ class BundleWriter:
     def has(self, path: str) -> bool:
         """Whether something is already stored at ``path``."""
         return path in self._file
+
+    def read_float64(self, path: str) -> np.ndarray | None:
+        """Values of a tensor already written (float64), or None when nothing is stored there."""
+        dataset = self._file.get(path)
+        if dataset is None:
+            return None
+        return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
+
+    def read_tensor(self, path: str) -> torch.Tensor:
+        """A tensor already written, bit-exact."""
+        dataset = self._file[path]
+        return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
 
     def write_array(self, path: str, array: np.ndarray) -> None:
         """Store a plain NumPy array (RNG states and other non-tensor data)."""

@@ -136,6 +136,8 @@ class BundleIndex:
     backward_order: list[tuple[int, str]]
     """Gradient records in the order backward produced them: ``(index into calls, slot)``."""
     rng: dict[str, object] = field(default_factory=dict)
+    noise_floor: dict[str, float] = field(default_factory=dict)
+    """Record name -> max |recorded - float64 rerun| (format 1.1; ``capture-run --noise-floor``)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored at ``/index``."""
@@ -151,6 +153,7 @@ class BundleIndex:
             "forward_order": [list(event) for event in self.forward_order],
             "backward_order": [list(event) for event in self.backward_order],
             "rng": self.rng,
+            "noise_floor": self.noise_floor,
         }
 
     def tensor_refs(self) -> Iterator[TensorRef]:
@@ -275,6 +278,14 @@ def _parse_named_refs(obj: object, where: str) -> dict[str, TensorRef]:
     return refs
 
 
+def _parse_floats(obj: object, where: str) -> dict[str, float]:
+    values = _parse_map(obj, where)
+    for name, value in values.items():
+        if not isinstance(value, float) or not value >= 0:
+            raise _fail(f"{where}[{name!r}]", f"expected a float >= 0, got {value!r}")
+    return cast(dict[str, float], values)
+
+
 def parse_run(obj: object) -> RunInfo:
     """Validate the ``run`` section."""
     run = _parse_map(obj, "run")
@@ -348,4 +359,5 @@ def parse_index(obj: object) -> BundleIndex:
         forward_order=_parse_order(index.get("forward_order", []), "forward_order", len(calls)),
         backward_order=_parse_order(index.get("backward_order", []), "backward_order", len(calls)),
         rng=_parse_map(index.get("rng", {}), "rng"),
+        noise_floor=_parse_floats(index.get("noise_floor", {}), "noise_floor"),
     )

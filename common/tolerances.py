@@ -45,23 +45,41 @@ TORCH_PRESET: Final[dict[str, tuple[float, float]]] = {
 class ToleranceTable:
     """A default tolerance, optionally per dtype, plus ``(glob, tolerance)`` overrides.
 
-    The last override whose glob matches a record's name wins; otherwise the per-dtype entry of
-    the record's reference dtype; otherwise the default.
+    The last override whose glob matches a record's name wins; otherwise the record's own entry
+    (a noise floor); otherwise the per-dtype entry of the record's reference dtype; otherwise the
+    default.
     """
 
     default: Tolerance = Tolerance()
     overrides: tuple[tuple[str, Tolerance], ...] = field(default_factory=tuple)
     per_dtype: dict[str, Tolerance] | None = None
+    per_record: dict[str, Tolerance] | None = None
 
     def for_record(self, name: str, dtype: str | None = None) -> Tolerance:
         """Return the tolerance for a record name (bundle naming) whose reference dtype tag is ``dtype``."""
         chosen = self.default
         if self.per_dtype is not None and dtype is not None:
             chosen = self.per_dtype.get(dtype, Tolerance(0.0, 0.0, self.default.equal_nan))
+        if self.per_record is not None:
+            chosen = self.per_record.get(name, chosen)
         for pattern, tolerance in self.overrides:
             if fnmatch.fnmatchcase(name, pattern):
                 chosen = tolerance
         return chosen
+
+    def with_noise_floor(self, floors: dict[str, float], factor: float) -> ToleranceTable:
+        """Judge each record with a floor by ``max |port - reference| <= factor * floor + atol``.
+
+        That is the element rule with ``atol' = atol + factor * floor`` and ``rtol' = 0``, so
+        every record keeps one tolerance and every report (needs atol, verdicts) stays valid.
+        """
+        if not factor >= 0:
+            raise InputError(f"noise floor factor {factor!r} is invalid: expected a number >= 0")
+        base = self.default
+        per_record = {
+            name: Tolerance(base.atol + factor * floor, 0.0, base.equal_nan) for name, floor in floors.items()
+        }
+        return ToleranceTable(self.default, self.overrides, self.per_dtype, per_record)
 
     @classmethod
     def torch_preset(cls, equal_nan: bool = False, overrides: tuple[tuple[str, Tolerance], ...] = ()) -> ToleranceTable:

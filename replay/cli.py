@@ -113,6 +113,13 @@ def write_atomically(path: str, text: str, option: str) -> None:
 @click.option(
     "--isolate", is_flag=True, help="Also run each module on the reference's inputs: verdicts and first origin."
 )
+@click.option(
+    "--noise-floor",
+    "noise_factor",
+    type=Tol(),
+    metavar="K",
+    help="Judge each record by max|diff| <= K x the reference's own float64 error + atol (capture-run --noise-floor).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 def main(
@@ -133,6 +140,7 @@ def main(
     max_rows: int,
     preset: str,
     isolate: bool,
+    noise_factor: float | None,
     quiet: bool,
     list_only: bool,
 ) -> None:
@@ -158,6 +166,7 @@ def main(
             isolate=isolate,
             isolation_inputs=driver.isolation_inputs,
             progress=progress,
+            noise_factor=noise_factor,
         )
         progress.close()
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]

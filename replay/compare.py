@@ -95,6 +95,8 @@ class ComparisonResult:
     reference_provenance: dict[str, str] = field(default_factory=dict)
     replay_provenance: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    noise_factor: float | None = None
+    """Set when records are judged against the reference's float64 noise floor (``--noise-floor``)."""
     isolated: bool = False
     """Whether ``--isolate`` ran: records then carry ``local`` and ``verdict``."""
     not_isolated: dict[str, str] = field(default_factory=dict)
@@ -121,6 +123,13 @@ class ComparisonResult:
         """``{kind: (compared, matched)}``."""
         return {kind: (len(rs), sum(r.match for r in rs)) for kind in KINDS for rs in [self.of_kind(kind)]}
 
+    def _record_json(self, record: RecordResult) -> dict[str, object]:
+        data = record.to_json()
+        if self.noise_factor is not None and self.tolerances.per_record is not None:
+            own = self.tolerances.per_record.get(record.name)
+            data["allowed_max_abs"] = own.atol if own is not None else None
+        return data
+
     def to_json(self) -> dict[str, object]:
         """The ``--json`` report (see the Contract in PRODUCT.md)."""
         first = {kind: self.first_divergence(kind) for kind in ("forward", "backward")}
@@ -138,8 +147,9 @@ class ComparisonResult:
                 "rtol": self.tolerances.default.rtol,
                 "equal_nan": self.tolerances.default.equal_nan,
                 "preset": "torch" if self.tolerances.per_dtype is not None else None,
+                "noise_factor": self.noise_factor,
             },
-            "records": [r.to_json() for kind in KINDS for r in self.of_kind(kind)],
+            "records": [self._record_json(r) for kind in KINDS for r in self.of_kind(kind)],
             "param_values": [r.to_json() for r in self.param_values],
             "unmatched": {"bundle_only": sorted(self.bundle_only), "replay_only": sorted(self.replay_only)},
             "notes": self.notes,

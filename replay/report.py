@@ -9,10 +9,10 @@ from typing import Final, Literal
 
 from tabulate import tabulate
 
+from capture.naming import record_name
 from common.schema import TensorRef, iter_tensors
 from replay.compare import ComparisonResult, RecordKind, RecordResult
 from replay.reader import BundleReader
-from replay.runner import record_name
 
 __all__ = [
     "Show",
@@ -204,6 +204,11 @@ def result_line(result: ComparisonResult) -> str:
     """``RESULT: MATCH|MISMATCH (tolerances)``."""
     tolerance = result.tolerances.default
     verdict = "MATCH" if result.match else "MISMATCH"
+    if result.noise_factor is not None:
+        return (
+            f"RESULT: {verdict} (judged against {result.noise_factor:g} x the reference's float64 noise floor "
+            f"+ atol={tolerance.atol:g}; records without a floor: atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+        )
     if result.tolerances.per_dtype is not None:
         return f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"
     return f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})"

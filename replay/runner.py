@@ -14,7 +14,7 @@ import torch
 
 from capture.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
 from capture.hooks import CallInfo, ModuleTap
-from capture.naming import iter_live_call_inputs, iter_live_tensors
+from capture.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from capture.provenance import model_provenance, snapshot
 from common.errors import AdapterError, InputError
 from common.schema import TensorRef, Tree, iter_tensors
@@ -26,15 +26,10 @@ from replay.mapping import RenameMap
 from replay.reader import BundleReader
 from replay.verdicts import apply_isolation
 
-__all__ = ["Progress", "compare_run", "record_name"]
+__all__ = ["Progress", "compare_run"]
 
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``: told as records are compared (see :class:`replay.progress.ProgressLine`)."""
-
-
-def record_name(module: str, call: int, slot: str) -> str:
-    """A per-module record's name: ``encoder.layers.0/0/output``."""
-    return f"{module}/{call}/{slot}"
 
 
 class _ComparingSink:
@@ -176,6 +171,7 @@ def compare_run(
     isolate: bool = False,
     isolation_inputs: InputAdapter | None = None,
     progress: Progress | None = None,
+    noise_factor: float | None = None,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -191,6 +187,8 @@ def compare_run(
         isolate: also run every matched module on the reference's recorded inputs (teacher
             forcing) and give each record a verdict (:mod:`replay.isolation`).
         progress: called as ``progress(phase, done, total)`` while records are compared.
+        noise_factor: judge records against ``noise_factor`` times the reference's own
+            float32-vs-float64 error (bundles captured with ``--noise-floor``) plus atol.
         isolation_inputs: the adapter's translation of recorded arguments to the port's signatures.
 
     Returns:
@@ -198,8 +196,14 @@ def compare_run(
     """
     rename = rename or RenameMap()
     index = reader.index
+    tolerances = tolerances or ToleranceTable()
+    if noise_factor is not None:
+        if not index.noise_floor:
+            raise InputError(f"{reader.path}: the bundle has no noise floor; capture it with capture-run --noise-floor")
+        tolerances = tolerances.with_noise_floor(index.noise_floor, noise_factor)
     result = ComparisonResult(
-        tolerances=tolerances or ToleranceTable(),
+        tolerances=tolerances,
+        noise_factor=noise_factor,
         reference_provenance=reader.provenance(),
         replay_provenance={**snapshot(device), **model_provenance(model), **(provenance or {})},
     )

@@ -57,6 +57,7 @@ def good_index() -> dict[str, Any]:
         "forward_order": [[1, "inputs"], [0, "inputs"], [0, "outputs"], [1, "outputs"]],
         "backward_order": [[0, "grad_output"], [0, "grad_input.0"]],
         "rng": {"torch": b"\x00\x01", "python": [3, [1, 2], None]},
+        "noise_floor": {"m/0/output": 2.5e-7},
     }  # fmt: skip
 
 
@@ -98,7 +99,7 @@ def test_to_dict_round_trips_through_msgpack() -> None:
 def test_optional_fields_default() -> None:
     """cotangent, loss, orders, rng and run's device/adapter/extra/batch_size/seq_len may be absent."""
     document = good_index()
-    for key in ("cotangent", "loss", "forward_order", "backward_order", "rng"):
+    for key in ("cotangent", "loss", "forward_order", "backward_order", "rng", "noise_floor"):
         del document[key]
     for key in ("batch_size", "seq_len", "device", "adapter", "extra"):
         del document["run"][key]

@@ -159,3 +159,12 @@ def test_glob_override_beats_the_dtype_preset() -> None:
     table = ToleranceTable.torch_preset(overrides=(("enc.*", Tolerance(1.0, 2.0)),))
     assert table.for_record("enc.x", "F32") == Tolerance(1.0, 2.0)
     assert table.for_record("dec.x", "F32") == Tolerance(1e-5, 1.3e-6)
+
+
+def test_noise_floor_becomes_a_per_record_absolute_tolerance() -> None:
+    """with_noise_floor gives a floored record atol + factor * floor and rtol 0; others keep the default."""
+    table = ToleranceTable(Tolerance(1e-6, 1e-3)).with_noise_floor({"a/0/output": 2e-6}, 4.0)
+    assert table.for_record("a/0/output", "F32") == Tolerance(1e-6 + 8e-6, 0.0)
+    assert table.for_record("b/0/output", "F32") == Tolerance(1e-6, 1e-3)
+    with pytest.raises(InputError):
+        ToleranceTable().with_noise_floor({}, -1.0)

@@ -217,7 +217,7 @@ def bad_map(tmp_path: Path, bundle: Path) -> list[object]:
 ERRORS = [
     pytest.param(lambda t, b: ["--bundle", t / "absent.h5", "--model", TINY], "no such bundle", id="missing-bundle"),
     pytest.param(not_a_bundle, "not an HDF5 file", id="not-a-bundle"),
-    pytest.param(newer_bundle, f"{FORMAT_VERSION + 1}.0", id="newer-version"),
+    pytest.param(newer_bundle, f"{FORMAT_VERSION + 1}.{FORMAT_MINOR}", id="newer-version"),
     pytest.param(
         lambda t, b: ["--bundle", b, "--adapter", t / "nowhere.py"], "no such file", id="adapter-path-missing"
     ),
@@ -267,7 +267,7 @@ def test_error_exits_2_with_one_line(
 def test_newer_version_error_names_both_versions(tmp_path: Path, tiny_bundle: Path) -> None:
     """The newer-version error line names the bundle's version and this reader's."""
     line = one_error_line("replay-compare", replay(*newer_bundle(tmp_path, tiny_bundle)))
-    assert f"{FORMAT_VERSION + 1}.0" in line
+    assert f"{FORMAT_VERSION + 1}.{FORMAT_MINOR}" in line
     assert f"{FORMAT_VERSION}.x" in line
 
 

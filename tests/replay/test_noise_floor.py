@@ -1,0 +1,99 @@
+"""Noise floor: judge a port against the reference's own float32-vs-float64 error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from capture.adapters import load_adapter
+from capture.recorder import capture_run
+from common.errors import InputError
+from common.schema import iter_tensors
+from common.tolerances import Tolerance, ToleranceTable
+from replay.compare import ComparisonResult
+from replay.mapping import read_map
+from replay.reader import BundleReader
+from replay.runner import compare_run
+from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
+
+
+@pytest.fixture(scope="module")
+def noise_bundle(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path) -> Path:
+    """The example reference captured with --noise-floor (8000 samples)."""
+    adapter = load_adapter(str(REF_ADAPTER))
+    out = tmp_path_factory.mktemp("noise") / "ref_noise.h5"
+    capture_run(adapter.model(str(ref_checkpoint), "cpu"), adapter.inputs(42, 2, 8000), out, noise_floor=True)
+    return out
+
+
+def _port(
+    bundle: Path, ckpt: Path, adapter_name: str, tolerances: ToleranceTable, factor: float | None
+) -> ComparisonResult:
+    adapter = load_adapter(str(PORT_DIR / adapter_name))
+    with BundleReader(bundle) as reader:
+        return compare_run(
+            adapter.model(str(ckpt), "cpu"),
+            reader,
+            forward=adapter.forward,
+            rename=read_map(PORT_MAP),
+            tolerances=tolerances,
+            noise_factor=factor,
+        )
+
+
+def test_floor_is_recorded_per_record(noise_bundle: Path) -> None:
+    """Float records get a floor (exactly 0 for the raw input, positive deeper in), ints get none."""
+    with BundleReader(noise_bundle) as reader:
+        floors = reader.index.noise_floor
+        assert reader.format_minor >= 1
+    assert floors["preprocessor/0/input.0"] == 0.0
+    assert floors["encoder.layers.1/0/output"] > 0.0
+    assert floors["encoder.layers.0.conv.depthwise_conv.weight"] > 0.0
+    assert "output.1" not in floors  # encoded lengths are integers
+
+
+def test_rounding_only_port_passes_against_noise_where_zero_tolerance_fails(
+    noise_bundle: Path, ref_checkpoint: Path
+) -> None:
+    """The correct port fails at atol=rtol=0 but passes within 4x the reference's own float64 error."""
+    exact = ToleranceTable(Tolerance(0.0, 0.0))
+    assert not _port(noise_bundle, ref_checkpoint, "adapter.py", exact, None).match
+    judged = _port(noise_bundle, ref_checkpoint, "adapter.py", ToleranceTable(Tolerance(1e-7, 0.0)), 4.0)
+    assert judged.match, [r.name for r in judged.records if not r.match]
+    assert judged.to_json()["tolerance"]["noise_factor"] == 4.0
+
+
+def test_real_bug_still_fails_against_noise(noise_bundle: Path, ref_checkpoint: Path) -> None:
+    """A planted bug is far above the noise floor and still found at its module."""
+    result = _port(noise_bundle, ref_checkpoint, "adapter_bug_forward.py", ToleranceTable(Tolerance(1e-7, 0.0)), 4.0)
+    first = result.first_divergence("forward")
+    assert first is not None
+    assert first.module == "encoder.layers.1.conv.batch_norm"
+
+
+def test_noise_floor_run_changes_no_recorded_value(tmp_path: Path, ref_checkpoint: Path) -> None:
+    """The float64 rerun does not alter what the float32 run recorded."""
+    adapter = load_adapter(str(REF_ADAPTER))
+    paths = {}
+    for flag in (False, True):
+        paths[flag] = tmp_path / f"noise_{flag}.h5"
+        capture_run(
+            adapter.model(str(ref_checkpoint), "cpu"), adapter.inputs(42, 2, 4000), paths[flag], noise_floor=flag
+        )
+    with BundleReader(paths[False]) as plain, BundleReader(paths[True]) as noisy:
+        for (slot, a), (_, b) in zip(
+            iter_tensors(plain.index.outputs, "output"), iter_tensors(noisy.index.outputs, "output"), strict=True
+        ):
+            assert torch.equal(plain.read_tensor(a), noisy.read_tensor(b)), slot
+        for name, ref in plain.index.grads.items():
+            assert torch.equal(plain.read_tensor(ref), noisy.read_tensor(noisy.index.grads[name])), name
+
+
+def test_noise_judging_needs_a_floor(tiny_bundle: Path) -> None:
+    """Asking for noise judging on a bundle captured without --noise-floor says how to get one."""
+    from tests.models import build_tiny
+
+    with BundleReader(tiny_bundle) as reader, pytest.raises(InputError, match="capture-run --noise-floor"):
+        compare_run(build_tiny(), reader, noise_factor=2.0)
