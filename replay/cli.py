@@ -17,11 +17,12 @@ from click.core import ParameterSource
 from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
 from common.errors import InputError
 from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
+from replay.alignment import align_modules
 from replay.mapping import RenameMap, read_map
 from replay.markdown import render_markdown
 from replay.progress import ProgressLine
 from replay.reader import BundleReader
-from replay.report import render_listing, render_result
+from replay.report import render_listing, render_proposal, render_result
 from replay.runner import compare_run
 
 __all__ = ["main"]
@@ -83,8 +84,13 @@ def write_atomically(path: str, text: str, option: str) -> None:
 @click.option(
     "--map",
     "map_file",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Rename rules: port module paths -> bundle names.",
+    metavar="FILE|auto",
+    help="Rename rules (port module paths -> bundle names), or 'auto' to align the two runs' module calls.",
+)
+@click.option(
+    "--save-map",
+    type=click.Path(dir_okay=False),
+    help="With --map auto: write the proposed map here, to review and reuse.",
 )
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write a markdown report here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
@@ -134,6 +140,7 @@ def main(
     equal_nan: bool,
     overrides: tuple[str, ...],
     map_file: str | None,
+    save_map: str | None,
     report_path: str | None,
     json_path: str | None,
     show: str,
@@ -150,10 +157,18 @@ def main(
             click.echo(render_listing(reader))
             return
         tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset)
-        rename = read_map(map_file) if map_file else RenameMap()
+        if save_map and map_file != "auto":
+            raise click.UsageError("--save-map needs --map auto")
+        rename = read_map(map_file) if map_file and map_file != "auto" else RenameMap()
         driver = resolve_adapter(adapter, model_spec)
         progress = ProgressLine("replay-compare", enabled=not quiet)
         model = driver.model(ckpt, device)
+        if map_file == "auto":
+            proposal = align_modules(model, reader, forward=driver.forward, device=device)
+            click.echo(render_proposal(proposal))
+            if save_map:
+                write_atomically(save_map, proposal.to_text(), "--save-map")
+            rename = proposal.rename_map()
         result = compare_run(
             model,
             reader,

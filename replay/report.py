@@ -11,6 +11,7 @@ from tabulate import tabulate
 
 from capture.naming import record_name
 from common.schema import TensorRef, iter_tensors
+from replay.alignment import ProposedMap
 from replay.compare import ComparisonResult, RecordKind, RecordResult
 from replay.reader import BundleReader
 
@@ -212,6 +213,30 @@ def result_line(result: ComparisonResult) -> str:
     if result.tolerances.per_dtype is not None:
         return f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"
     return f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})"
+
+
+def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:
+    """The ``--map auto`` proposal: renamed modules with their evidence, and the unmatched ones."""
+    renamed = [
+        [port, bundle, proposal.votes[port], proposal.evidence[port]]
+        for port, bundle in proposal.pairs.items()
+        if port != bundle
+    ]
+    kept = len(proposal.pairs) - len(renamed)
+    lines = [
+        (
+            f"== Module map proposed by --map auto: {len(renamed)} renamed, {kept} same name, "
+            f"{len(proposal.unmatched)} without counterpart =="
+        )
+    ]
+    if renamed:
+        lines.append(tabulate(renamed[:limit], headers=["port module", "bundle module", "calls aligned", "evidence"]))
+    if len(renamed) > limit:
+        lines.append(f"({len(renamed) - limit} more; --save-map FILE writes the whole map)")
+    if proposal.unmatched:
+        shown = ", ".join(proposal.unmatched[:10]) + (" ..." if len(proposal.unmatched) > 10 else "")
+        lines.append(f"without counterpart: {shown}")
+    return "\n".join([*lines, ""])
 
 
 def _ref_rows(pairs: Iterable[tuple[str, TensorRef]]) -> list[list[str]]:

@@ -216,11 +216,16 @@ class ConformerCTCModel(nn.Module):
 
 
 def build_reference(seed: int = 0) -> ConformerCTCModel:
-    """The reference model with seeded random weights and non-trivial BatchNorm statistics."""
+    """The reference model with seeded random weights, like a trained one: non-trivial norm
+    scales and shifts and BatchNorm statistics."""
     torch.manual_seed(seed)
     model = ConformerCTCModel()
-    for module in model.modules():
-        if isinstance(module, nn.BatchNorm1d):
-            module.running_mean.uniform_(-0.5, 0.5)
-            module.running_var.uniform_(0.5, 2.0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.LayerNorm, nn.BatchNorm1d)):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+            if isinstance(module, nn.BatchNorm1d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
     return model.eval()
