@@ -2,7 +2,8 @@
 
 An adapter is a Python file or importable module defining ``load_model(ckpt, device)`` and
 ``make_inputs(seed, batch_size, seq_len)``, and optionally ``forward(model, inputs)``,
-``loss(outputs)`` and, for ``replay-compare --isolate``, ``isolation_inputs(module, args, kwargs)``.
+``loss(outputs)``, ``to_reference(record, value)`` (a port tensor in the reference's layout) and,
+for ``replay-compare --isolate``, ``isolation_inputs(module, args, kwargs)``.
 ``--model module:factory`` is the short form for a model whose factory takes no arguments and
 whose checkpoint is a plain state dict.
 """
@@ -44,6 +45,8 @@ class Adapter:
         Callable[[str, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None
     ) = None
     """Replay only: translate a module's recorded arguments to the port's call signature (``--isolate``)."""
+    to_reference: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    """Replay only: a port tensor of a record (bundle naming) in the reference's layout."""
 
     def model(self, ckpt: str | None, device: str) -> torch.nn.Module:
         """Load the model, wrapping any failure in an ``AdapterError`` naming the adapter."""
@@ -123,7 +126,7 @@ def load_adapter(spec: str) -> Adapter:
         AdapterError: it cannot be imported or lacks ``load_model``.
     """
     module = _import(spec)
-    names = ("load_model", "make_inputs", "forward", "loss", "isolation_inputs")
+    names = ("load_model", "make_inputs", "forward", "loss", "isolation_inputs", "to_reference")
     functions = {name: getattr(module, name, None) for name in names}
     for name, function in functions.items():
         if function is not None and not callable(function):

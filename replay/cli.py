@@ -180,6 +180,7 @@ def main(
             provenance=checkpoint_provenance(ckpt),
             isolate=isolate,
             isolation_inputs=driver.isolation_inputs,
+            to_reference=driver.to_reference,
             progress=progress,
             noise_factor=noise_factor,
         )

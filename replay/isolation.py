@@ -32,7 +32,16 @@ from replay.compare import diff_tensor
 from replay.mapping import RenameMap
 from replay.reader import BundleReader, rebuild
 
-__all__ = ["InputAdapter", "Isolation", "isolate"]
+__all__ = ["InputAdapter", "Isolation", "LayoutTransform", "as_recorded", "isolate"]
+
+LayoutTransform = Callable[[str, torch.Tensor], torch.Tensor]
+"""``to_reference(record, value)``: a port tensor in the reference's layout (differentiable)."""
+
+
+def as_recorded(record: str, value: torch.Tensor) -> torch.Tensor:
+    """The identity layout transform."""
+    return value
+
 
 InputAdapter = Callable[[str, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 """``isolation_inputs(module, args, kwargs)``: the reference's arguments in the port's call signature."""
@@ -86,8 +95,10 @@ class _Arguments:
 
 
 class _Isolator:
-    def __init__(self, reader: BundleReader, tolerances: ToleranceTable, device: torch.device) -> None:
-        self.reader, self.tolerances, self.device = reader, tolerances, device
+    def __init__(
+        self, reader: BundleReader, tolerances: ToleranceTable, device: torch.device, transform: LayoutTransform
+    ) -> None:
+        self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
         self.outcome = Isolation()
         self.param_sums: dict[str, torch.Tensor] = {}
 
@@ -138,8 +149,9 @@ class _Isolator:
         finally:
             for name, saved in buffers.items():
                 module.get_buffer(name).copy_(saved)
-        live = dict(iter_live_tensors(outputs, "output"))
         prefix = f"{call.module}/{call.call}/"
+        # Outputs in the reference's layout; backward seeds flow back through the transform.
+        live = {slot: self.transform(prefix + slot, t) for slot, t in iter_live_tensors(outputs, "output")}
         for slot, ref in iter_tensors(call.outputs, "output"):
             if slot in live:
                 self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, live[slot])
@@ -177,7 +189,7 @@ class _Isolator:
         for name, total in self.param_sums.items():
             ref = self.reader.index.grads.get(name)
             if ref is not None:
-                self.outcome.param_local[name] = self._diff(name, ref, total)
+                self.outcome.param_local[name] = self._diff(name, ref, self.transform(name, total))
 
 
 def isolate(
@@ -189,6 +201,7 @@ def isolate(
     device: str = "cpu",
     isolation_inputs: InputAdapter | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    to_reference: LayoutTransform = as_recorded,
 ) -> Isolation:
     """Run every matched module call of ``model`` on the reference's recorded inputs.
 
@@ -200,6 +213,7 @@ def isolate(
         device: where the recorded inputs are moved.
         isolation_inputs: the adapter's translation of the reference's arguments to the port's signature.
         progress: called as ``progress("isolate", done, total)`` per module call.
+        to_reference: the port's values in the reference's layout, by record name.
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -209,7 +223,7 @@ def isolate(
         name = rename.module(path) if path else None
         if name is not None:
             modules[name] = module
-    isolator = _Isolator(reader, tolerances, torch.device(device))
+    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference)
     for position, call in enumerate(reader.index.calls, start=1):
         if progress is not None:
             progress("isolate", position, len(reader.index.calls))

@@ -20,7 +20,7 @@ from common.errors import AdapterError, InputError
 from common.schema import TensorRef, Tree, iter_tensors
 from common.tolerances import ToleranceTable
 from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_tensor
-from replay.isolation import InputAdapter
+from replay.isolation import InputAdapter, LayoutTransform, as_recorded
 from replay.isolation import isolate as isolate_modules
 from replay.mapping import RenameMap
 from replay.reader import BundleReader
@@ -35,8 +35,10 @@ Progress = Callable[[str, int, int], None]
 class _ComparingSink:
     """A :class:`~capture.hooks.TapSink` comparing the port's tensors with the bundle's."""
 
-    def __init__(self, reader: BundleReader, result: ComparisonResult, progress: Progress | None) -> None:
-        self._reader, self._result, self._progress = reader, result, progress
+    def __init__(
+        self, reader: BundleReader, result: ComparisonResult, progress: Progress | None, transform: LayoutTransform
+    ) -> None:
+        self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
         index = reader.index
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
         self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
@@ -61,7 +63,7 @@ class _ComparingSink:
                 continue
             self.seen.add(name)
             tolerance = self._result.tolerances.for_record(name, ref.tag)
-            diff = diff_tensor(self._reader.read_float64(ref), ref.tag, tensor, tolerance)
+            diff = diff_tensor(self._reader.read_float64(ref), ref.tag, self._transform(name, tensor), tolerance)
             self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
             if self._progress is not None:
                 self._done[kind] += 1
@@ -95,6 +97,7 @@ def _compare_named(
     kind: RecordKind | Literal["param"],
     live: Iterable[tuple[str, torch.Tensor]],
     expected: dict[str, TensorRef],
+    transform: LayoutTransform = as_recorded,
 ) -> tuple[list[RecordResult], list[str], list[str]]:
     """Compare named tensors (outputs, parameters, gradients) by name.
 
@@ -107,7 +110,9 @@ def _compare_named(
         if ref is None:
             replay_only.append(name)
             continue
-        diff = diff_tensor(reader.read_float64(ref), ref.tag, tensor, tolerances.for_record(name, ref.tag))
+        diff = diff_tensor(
+            reader.read_float64(ref), ref.tag, transform(name, tensor), tolerances.for_record(name, ref.tag)
+        )
         records.append(RecordResult(kind, name, diff, (0, position)))
     seen = {record.name for record in records}
     return records, replay_only, [name for name in expected if name not in seen]
@@ -130,7 +135,9 @@ def _mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -
     return pairs
 
 
-def _backward(reader: BundleReader, outputs: Any, loss: LossFn | None, result: ComparisonResult) -> None:
+def _backward(
+    reader: BundleReader, outputs: Any, loss: LossFn | None, result: ComparisonResult, transform: LayoutTransform
+) -> None:
     """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss."""
     index = reader.index
     if index.run.backward == "loss":
@@ -153,8 +160,9 @@ def _backward(reader: BundleReader, outputs: Any, loss: LossFn | None, result: C
                 f"the reference backpropagated a cotangent into output {slot!r}, but the port has no such output "
                 f"(it has {sorted(live)}); make the port's forward return the same structure"
             )
-        tensors.append(live[slot])
-        cotangents.append(reader.read_tensor(ref).to(device=live[slot].device, dtype=live[slot].dtype))
+        in_reference_layout = transform(slot, live[slot])  # the cotangent flows back through the transform
+        tensors.append(in_reference_layout)
+        cotangents.append(reader.read_tensor(ref).to(in_reference_layout.device, in_reference_layout.dtype))
     torch.autograd.backward(tensors, cotangents)
 
 
@@ -172,6 +180,7 @@ def compare_run(
     isolation_inputs: InputAdapter | None = None,
     progress: Progress | None = None,
     noise_factor: float | None = None,
+    to_reference: LayoutTransform | None = None,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -190,6 +199,8 @@ def compare_run(
         noise_factor: judge records against ``noise_factor`` times the reference's own
             float32-vs-float64 error (bundles captured with ``--noise-floor``) plus atol.
         isolation_inputs: the adapter's translation of recorded arguments to the port's signatures.
+        to_reference: the adapter's ``to_reference(record, value)``: the port's value of a record
+            (bundle naming) in the reference's layout, e.g. transposed; identity by default.
 
     Returns:
         A :class:`~replay.compare.ComparisonResult`, names in the bundle's naming.
@@ -210,20 +221,22 @@ def compare_run(
     target = torch.device(device)
     inputs = to_device(reader.rebuild(index.inputs), target)
     params = _mapped_parameters(model, rename, grads=False)
-    result.param_values = _compare_named(reader, result.tolerances, "param", params, index.params)[0]
+    result.param_values = _compare_named(
+        reader, result.tolerances, "param", params, index.params, to_reference or as_recorded
+    )[0]
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
     seed_everything(index.run.seed)
-    sink = _ComparingSink(reader, result, progress)
+    transform = to_reference or as_recorded
+    sink = _ComparingSink(reader, result, progress, transform)
     with ModuleTap(model, sink, rename=rename.module):
         outputs = call_forward(model, inputs, forward)
     live_outputs = iter_live_tensors(outputs, "output")
-    _add_named(
-        result, _compare_named(reader, result.tolerances, "output", live_outputs, _slots(index.outputs, "output"))
-    )
-    _backward(reader, outputs, loss, result)
+    expected_outputs = _slots(index.outputs, "output")
+    _add_named(result, _compare_named(reader, result.tolerances, "output", live_outputs, expected_outputs, transform))
+    _backward(reader, outputs, loss, result, transform)
     grads = _mapped_parameters(model, rename, grads=True)
-    _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads))
+    _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads, transform))
     result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
     _warn_if_mostly_unpaired(result)
     if isolate:
@@ -235,6 +248,7 @@ def compare_run(
             device=device,
             isolation_inputs=isolation_inputs,
             progress=progress,
+            to_reference=transform,
         )
         apply_isolation(result, isolation)
     return result

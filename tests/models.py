@@ -75,3 +75,138 @@ def build_embed() -> EmbedNet:
 def tiny_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     """Inputs for ``TinyNet``."""
     return {"x": torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(seed))}
+
+
+class FusedAttention(nn.Module):
+    """Reference attention with one fused qkv projection."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        return self.out(weights @ v)
+
+
+class TimeMixer(nn.Module):
+    """Reference: a convolution over time, taking and returning (batch, time, channels)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+class FusedRef(nn.Module):
+    """A reference with a fused qkv projection and (batch, time, channels) layout throughout."""
+
+    def __init__(self, features: int = 8, width: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, width)
+        self.attn = FusedAttention(width)
+        self.mixer = TimeMixer(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        h = self.proj(frames)
+        h = h + self.attn(h)
+        return self.head(torch.tanh(self.mixer(h)))
+
+
+class SplitAttention(nn.Module):
+    """Port attention with separate q, k and v projections."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.o(torch.softmax(torch.einsum("btc,bsc->bts", q, k) / q.shape[-1] ** 0.5, dim=-1) @ v)
+
+
+class ChannelsFirstMixer(nn.Module):
+    """Port: the same convolution, but it returns (batch, channels, time)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2))
+
+
+class SplitPort(nn.Module):
+    """A port of ``FusedRef``: other names, split projections, a channels-first mixer output."""
+
+    def __init__(self, features: int = 8, width: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, width)
+        self.attention = SplitAttention(width)
+        self.mix = ChannelsFirstMixer(width)
+        self.classifier = nn.Linear(width, classes)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        h = self.inp(frames)
+        h = h + self.attention(h)
+        return self.classifier(torch.tanh(self.mix(h).transpose(1, 2)))
+
+
+def build_fused_ref() -> FusedRef:
+    """``FusedRef`` with seeded weights."""
+    torch.manual_seed(2)
+    return FusedRef()
+
+
+def split_port_from(reference: FusedRef) -> SplitPort:
+    """The port with the reference's weights, converted by the port's own rules (qkv split in three)."""
+    port = SplitPort()
+    state = reference.state_dict()
+    q, k, v = state["attn.qkv.weight"].chunk(3)
+    qb, kb, vb = state["attn.qkv.bias"].chunk(3)
+    converted = {
+        "inp.weight": state["proj.weight"],
+        "inp.bias": state["proj.bias"],
+        "attention.q.weight": q,
+        "attention.k.weight": k,
+        "attention.v.weight": v,
+        "attention.q.bias": qb,
+        "attention.k.bias": kb,
+        "attention.v.bias": vb,
+        "attention.o.weight": state["attn.out.weight"],
+        "attention.o.bias": state["attn.out.bias"],
+        "mix.conv.weight": state["mixer.conv.weight"],
+        "mix.conv.bias": state["mixer.conv.bias"],
+        "classifier.weight": state["head.weight"],
+        "classifier.bias": state["head.bias"],
+    }
+    port.load_state_dict(converted)
+    return port
+
+
+def frames(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs for ``FusedRef`` / ``SplitPort``."""
+    return {"frames": torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(seed))}
+
+
+SPLIT_PORT_MAP = r"""
+^inp$                  => proj
+^attention$            => attn
+^attention\.o$         => attn.out
+^attention\.(q|k|v)$   => -     # the reference fuses them into attn.qkv
+^mix$                  => mixer
+^mix\.conv$            => mixer.conv
+^classifier$           => head
+"""
+
+
+def split_port_to_reference(record: str, value: torch.Tensor) -> torch.Tensor:
+    """The port's mixer returns (batch, channels, time); the reference's (batch, time, channels)."""
+    if record.startswith("mixer/") and record.rsplit("/", 1)[-1] in ("output", "grad_output"):
+        return value.transpose(1, 2)
+    return value

@@ -123,3 +123,26 @@ def test_changed_weight_is_flagged_as_different_weights(tiny_bundle: Path) -> No
     first = result.first_divergence("forward")
     assert first is not None
     assert first.name == "blocks.1.lin/0/output"
+
+
+def test_tied_parameters_are_recorded_and_compared_once(capture_model) -> None:  # noqa: ANN001
+    """A weight shared by two modules is one parameter gradient, under the first name, compared once."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.unembed = nn.Linear(4, 10, bias=False)
+            self.unembed.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.unembed(self.embed(tokens))
+
+    torch.manual_seed(0)
+    model = Tied()
+    path = capture_model(model, (torch.tensor([[1, 2, 3]]),))
+    with BundleReader(path) as reader:
+        assert list(reader.index.grads) == ["embed.weight"]
+    result = _self_replay(path, model)
+    assert [r.name for r in result.of_kind("param_grad")] == ["embed.weight"]
+    assert result.match

@@ -1,0 +1,119 @@
+"""A port with other names, split projections and another layout passes via a map file and via --map auto."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capture.recorder import capture_run
+from common.tolerances import Tolerance, ToleranceTable
+from replay.alignment import align_modules
+from replay.mapping import RenameMap, parse_map
+from replay.reader import BundleReader
+from replay.runner import compare_run
+from tests.models import SPLIT_PORT_MAP, build_fused_ref, frames, split_port_from, split_port_to_reference
+
+TOLERANCE = ToleranceTable(Tolerance(1e-5, 1e-5))
+
+
+@pytest.fixture
+def fused_bundle(tmp_path: Path) -> Path:
+    """A capture of the fused-qkv reference."""
+    path = tmp_path / "fused.h5"
+    capture_run(build_fused_ref(), frames(), path)
+    return path
+
+
+def _replay(bundle: Path, rename: RenameMap, *, isolate: bool = False, transform: bool = True):
+    with BundleReader(bundle) as reader:
+        return compare_run(
+            split_port_from(build_fused_ref()),
+            reader,
+            tolerances=TOLERANCE,
+            rename=rename,
+            isolate=isolate,
+            to_reference=split_port_to_reference if transform else None,
+        )
+
+
+def test_split_port_passes_with_a_map_file(fused_bundle: Path) -> None:
+    """With the map file and the layout transform, every compared record matches, the mixer's included."""
+    result = _replay(fused_bundle, parse_map(SPLIT_PORT_MAP))
+    assert result.match, [r.name for r in result.records if not r.match]
+    names = {r.name for r in result.records}
+    assert {"mixer/0/output", "mixer/0/grad_output", "attn.out/0/output", "head.weight"} <= names
+    assert "attn.qkv.weight" in result.bundle_only  # split on the port side: reported, not compared
+
+
+def test_layout_difference_without_transform_is_a_shape_mismatch(fused_bundle: Path) -> None:
+    """Without the adapter's to_reference, the channels-first output is a shape mismatch naming both shapes."""
+    result = _replay(fused_bundle, parse_map(SPLIT_PORT_MAP), transform=False)
+    record = next(r for r in result.records if r.name == "mixer/0/output")
+    assert record.diff.problem == "shape (2, 16, 6) != expected (2, 6, 16)"
+
+
+def test_map_auto_proposes_the_hand_written_map(fused_bundle: Path) -> None:
+    """--map auto pairs renamed modules (the mixer despite its layout) and leaves the split projections out."""
+    with BundleReader(fused_bundle) as reader:
+        proposal = align_modules(split_port_from(build_fused_ref()), reader)
+    assert proposal.pairs == {
+        "inp": "proj",
+        "attention.o": "attn.out",
+        "attention": "attn",
+        "mix.conv": "mixer.conv",
+        "mix": "mixer",
+        "classifier": "head",
+    }
+    assert sorted(proposal.unmatched) == ["attention.k", "attention.q", "attention.v"]
+    assert proposal.evidence["mix"] == "values"
+    assert _replay(fused_bundle, proposal.rename_map()).match
+
+
+def test_saved_auto_map_round_trips(fused_bundle: Path) -> None:
+    """The saved proposal parses as a map file and renames exactly as the proposal does."""
+    with BundleReader(fused_bundle) as reader:
+        proposal = align_modules(split_port_from(build_fused_ref()), reader)
+    reparsed = parse_map(proposal.to_text())
+    for module in [*proposal.pairs, *proposal.unmatched]:
+        assert reparsed.module(module) == proposal.rename_map().module(module)
+
+
+def test_isolation_through_a_layout_transform(fused_bundle: Path) -> None:
+    """Isolating the channels-first mixer compares its output and input gradient in the reference's layout."""
+    result = _replay(fused_bundle, parse_map(SPLIT_PORT_MAP), isolate=True)
+    assert result.not_isolated == {}
+    verdicts = {r.name: (r.verdict, r.local) for r in result.records}
+    assert verdicts["mixer/0/output"][0] == "ok"
+    assert verdicts["mixer/0/grad_input.0"][1] is not None
+    assert verdicts["mixer/0/grad_input.0"][1].match
+
+
+def test_cli_map_auto_saves_a_map_equivalent_to_the_examples(
+    ref_bundle: Path, ref_checkpoint: Path, tmp_path: Path
+) -> None:
+    """replay-compare --map auto on the example port passes and saves a map renaming like the hand-written one."""
+    from click.testing import CliRunner
+
+    from replay.cli import main
+    from replay.mapping import read_map
+    from tests.conftest import PORT_DIR, PORT_MAP
+
+    saved = tmp_path / "auto.map"
+    args = ["--bundle", str(ref_bundle), "--ckpt", str(ref_checkpoint), "--adapter", str(PORT_DIR / "adapter.py")]
+    result = CliRunner().invoke(
+        main, [*args, "--map", "auto", "--save-map", str(saved), "--atol", "1e-4", "--rtol", "1e-4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "Module map proposed by --map auto" in result.stdout
+    auto, manual = read_map(saved), read_map(PORT_MAP)
+    port_modules = [
+        line.split("$")[0].lstrip("^").replace("\\", "")
+        for line in saved.read_text().splitlines()
+        if line.startswith("^")
+    ]
+    assert len(port_modules) > 50
+    assert all(auto.module(m) == manual.module(m) for m in port_modules)
+    misuse = CliRunner().invoke(main, [*args, "--map", str(PORT_MAP), "--save-map", str(saved)])
+    assert misuse.exit_code == 2
+    assert "--save-map needs --map auto" in misuse.stderr
