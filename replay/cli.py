@@ -20,6 +20,7 @@ from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTa
 from replay.alignment import align_modules
 from replay.mapping import RenameMap, read_map
 from replay.markdown import render_markdown
+from replay.plot import plot_errors
 from replay.progress import ProgressLine
 from replay.reader import BundleReader
 from replay.report import render_listing, render_proposal, render_result
@@ -92,6 +93,9 @@ def write_atomically(path: str, text: str, option: str) -> None:
     type=click.Path(dir_okay=False),
     help="With --map auto: write the proposed map here, to review and reuse.",
 )
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw per-record errors to this PNG (matplotlib)."
+)
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write a markdown report here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
 @click.option(
@@ -141,6 +145,7 @@ def main(
     overrides: tuple[str, ...],
     map_file: str | None,
     save_map: str | None,
+    plot_path: str | None,
     report_path: str | None,
     json_path: str | None,
     show: str,
@@ -190,4 +195,6 @@ def main(
             write_atomically(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
         if report_path:
             write_atomically(report_path, render_markdown(result, bundle), "--report")
+        if plot_path:
+            plot_errors(result, plot_path)
     sys.exit(0 if result.match else 1)

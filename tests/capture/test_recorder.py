@@ -125,7 +125,7 @@ def test_changed_weight_is_flagged_as_different_weights(tiny_bundle: Path) -> No
     assert first.name == "blocks.1.lin/0/output"
 
 
-def test_tied_parameters_are_recorded_and_compared_once(capture_model) -> None:  # noqa: ANN001
+def test_tied_parameters_are_recorded_and_compared_once(capture_model) -> None:
     """A weight shared by two modules is one parameter gradient, under the first name, compared once."""
 
     class Tied(nn.Module):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -72,3 +74,31 @@ def test_progress_counts_reach_the_bundle_totals(tiny_bundle: Path) -> None:
     assert seen["backward"] == (backward, backward)
     assert seen["isolate"] == (calls, calls)
     assert seen["forward"][0] == seen["forward"][1]
+
+
+def test_plot_writes_a_png(tiny_bundle: Path, tmp_path: Path) -> None:
+    """--plot draws the per-record errors to a PNG file."""
+    pytest.importorskip("matplotlib")
+    from replay.plot import plot_errors
+
+    model = build_tiny()
+    with torch.no_grad():
+        model.blocks[1].lin.weight[0, 0] += 0.01
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(model, reader, isolate=True)
+    image = tmp_path / "errors.png"
+    plot_errors(result, image)
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert image.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without matplotlib, --plot fails with exit 2 and the install command."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = CliRunner().invoke(
+        main, ["--bundle", str(tiny_bundle), "--model", TINY, "--plot", str(tmp_path / "e.png")]
+    )
+    assert result.exit_code == 2
+    assert "pip install 'parity-harness[plot]'" in result.stderr
