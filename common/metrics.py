@@ -52,7 +52,12 @@ def _index(flat_position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _cosine(expected: np.ndarray, actual: np.ndarray) -> float:
-    # Scale first: norms of values near 1e±200 would underflow or overflow in float64.
+    ee, aa = float(np.real(np.vdot(expected, expected))), float(np.real(np.vdot(actual, actual)))
+    if 0.0 < ee < math.inf and 0.0 < aa < math.inf:
+        similarity = float(np.real(np.vdot(expected, actual))) / (math.sqrt(ee) * math.sqrt(aa))
+        if math.isfinite(similarity):
+            return similarity
+    # Zero vectors, or values near 1e±200 whose squares under- or overflow: scale first.
     scale = max(float(np.max(np.abs(expected), initial=0.0)), float(np.max(np.abs(actual), initial=0.0)))
     if scale == 0.0:
         return 1.0
@@ -100,23 +105,13 @@ def diff_arrays(
         return _shape_problem(expected, actual, (expected_dtype, actual_dtype))
     shape = tuple(expected.shape)
     e, a = expected.reshape(-1), actual.reshape(-1)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a - e)
-        finite = np.isfinite(e) & np.isfinite(a)
-        magnitude = np.abs(e)
-        close = np.zeros(e.shape, dtype=bool)
-        close[finite] = diff[finite] <= tolerance.atol + tolerance.rtol * magnitude[finite]
-        close |= ~finite & (e == a)  # equal infinities of the same sign
-        if tolerance.equal_nan:
-            close |= np.isnan(e) & np.isnan(a)
-    broken = ~finite & ~close
-    diff = np.where(finite, diff, 0.0)
-    magnitude = np.where(finite, magnitude, 0.0)
     with np.errstate(all="ignore"):  # extreme but finite values must give a report, not a warning
+        diff, magnitude, close, broken = _closeness(e, a, tolerance)
         max_abs, max_abs_at, max_rel, max_rel_at, need_atol, need_rtol = _extremes(diff, magnitude, broken, tolerance)
-        cosine = _cosine(np.where(finite, e, 0.0), np.where(finite, a, 0.0))
+        finite = None if broken is None else np.isfinite(e) & np.isfinite(a)
+        cosine = _cosine(e, a) if finite is None else _cosine(np.where(finite, e, 0.0), np.where(finite, a, 0.0))
     problems = [] if expected_dtype == actual_dtype else [f"dtype {actual_dtype} != expected {expected_dtype}"]
-    if broken.any():
+    if broken is not None and broken.any():
         problems.append(f"{int(np.count_nonzero(broken))} NaN/Inf element(s) differ")
     mismatched = int(e.size - np.count_nonzero(close))
     return TensorDiff(
@@ -133,19 +128,42 @@ def diff_arrays(
         cosine=cosine,
         required_atol=need_atol,
         required_rtol=need_rtol,
-        nan_expected=int(np.count_nonzero(np.isnan(e))),
-        nan_actual=int(np.count_nonzero(np.isnan(a))),
+        nan_expected=0 if broken is None else int(np.count_nonzero(np.isnan(e))),
+        nan_actual=0 if broken is None else int(np.count_nonzero(np.isnan(a))),
         problem="; ".join(problems) or None,
     )
 
 
+def _closeness(
+    e: np.ndarray, a: np.ndarray, tolerance: Tolerance
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Per-element ``|a - e|``, ``|e|``, the closeness mask and the non-finite elements that differ.
+
+    ``broken`` is None when every difference is finite (the common case: a few vectorised
+    passes); otherwise NaN and infinity handling applies and non-finite positions count as 0 in
+    ``diff`` and ``magnitude``.
+    """
+    diff = np.abs(a - e)
+    magnitude = np.abs(e)
+    if np.isfinite(diff).all():
+        return diff, magnitude, diff <= tolerance.atol + tolerance.rtol * magnitude, None
+    finite = np.isfinite(e) & np.isfinite(a)
+    close = np.zeros(e.shape, dtype=bool)
+    close[finite] = diff[finite] <= tolerance.atol + tolerance.rtol * magnitude[finite]
+    close |= ~finite & (e == a)  # equal infinities of the same sign
+    if tolerance.equal_nan:
+        close |= np.isnan(e) & np.isnan(a)
+    broken = ~finite & ~close
+    return np.where(finite, diff, 0.0), np.where(finite, magnitude, 0.0), close, broken
+
+
 def _extremes(
-    diff: np.ndarray, magnitude: np.ndarray, broken: np.ndarray, tolerance: Tolerance
+    diff: np.ndarray, magnitude: np.ndarray, broken: np.ndarray | None, tolerance: Tolerance
 ) -> tuple[float, int | None, float, int | None, float, float]:
     """Max abs/rel differences with their flat positions, and the tolerances that would pass."""
     if diff.size == 0:
         return 0.0, None, 0.0, None, 0.0, 0.0
-    if broken.any():  # NaN against a number or an infinity that moved: no finite tolerance passes
+    if broken is not None and broken.any():  # NaN against a number or an infinity that moved: no finite tolerance passes
         at = int(np.argmax(broken))
         return math.inf, at, math.inf, at, math.inf, math.inf
     # Relative differences are taken where the reference is nonzero: a difference against an
