@@ -13,23 +13,31 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
 
+from capture.checkpoints import load_checkpoint
 from capture.driving import ForwardFn, LossFn
 from common.errors import AdapterError, CheckpointError, InputError
 
-__all__ = ["Adapter", "default_inputs", "load_adapter", "load_inputs_npz", "load_state_dict", "model_factory_adapter"]
-
-_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
+__all__ = [
+    "BUILTIN_ADAPTERS",
+    "Adapter",
+    "checkpoint_adapter",
+    "default_inputs",
+    "load_adapter",
+    "load_inputs_npz",
+    "model_factory_adapter",
+]
 
 
 @dataclass(frozen=True)
@@ -119,13 +127,16 @@ def _import(spec: str) -> ModuleType:
         raise AdapterError(f"adapter {spec}: import failed: {type(err).__name__}: {err}") from err
 
 
+BUILTIN_ADAPTERS: Final = {"hf": "capture.builtin.hf", "nemo": "capture.builtin.nemo"}
+
+
 def load_adapter(spec: str) -> Adapter:
-    """Load an adapter from a ``.py`` file path or an importable module name.
+    """Load an adapter: a built-in name (``hf``, ``nemo``), a ``.py`` file path or an importable module.
 
     Raises:
         AdapterError: it cannot be imported or lacks ``load_model``.
     """
-    module = _import(spec)
+    module = _import(BUILTIN_ADAPTERS.get(spec, spec))
     names = ("load_model", "make_inputs", "forward", "loss", "isolation_inputs", "to_reference")
     functions = {name: getattr(module, name, None) for name in names}
     for name, function in functions.items():
@@ -138,25 +149,40 @@ def load_adapter(spec: str) -> Adapter:
     return Adapter(spec, **functions)  # type: ignore[arg-type]
 
 
-def model_factory_adapter(spec: str) -> Adapter:
-    """Adapter for ``--model module:factory``: ``factory()`` builds the model, ``--ckpt`` holds its state dict."""
+def model_factory_adapter(spec: str, *, trust_pickle: bool = False) -> Adapter:
+    """Adapter for ``--model module:factory``: the factory builds the model, ``--ckpt`` holds its weights.
+
+    A factory with a parameter receives the checkpoint's config (a ``.nemo``'s parsed
+    ``model_config.yaml``, a Hugging Face ``config.json``; ``None`` for formats without one).
+    """
     module_spec, sep, attribute = spec.rpartition(":")
     if not sep or not module_spec or not attribute:
         raise AdapterError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. 'mypkg.models:build' or 'model.py:build'")
     factory = getattr(_import(module_spec), attribute, None)
     if not callable(factory):
         raise AdapterError(f"--model {spec!r}: {module_spec} has no callable {attribute!r}")
-    return Adapter(spec, _FactoryLoader(factory))
+    return Adapter(spec, _FactoryLoader(factory, trust_pickle))
+
+
+def _takes_config(factory: Callable[..., torch.nn.Module]) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 @dataclass(frozen=True)
 class _FactoryLoader:
-    factory: Callable[[], torch.nn.Module]
+    factory: Callable[..., torch.nn.Module]
+    trust_pickle: bool = False
 
     def __call__(self, ckpt: str | None, device: str) -> torch.nn.Module:
-        model = self.factory()
-        if ckpt is not None:
-            missing, unexpected = model.load_state_dict(load_state_dict(ckpt), strict=False)
+        checkpoint = load_checkpoint(ckpt, trust_pickle=self.trust_pickle) if ckpt is not None else None
+        config = checkpoint.config if checkpoint is not None else None
+        model = self.factory(config) if _takes_config(self.factory) else self.factory()
+        if checkpoint is not None:
+            missing, unexpected = model.load_state_dict(checkpoint.state_dict, strict=False)
             if missing or unexpected:
                 raise CheckpointError(
                     f"{ckpt}: state dict does not fit the model: missing {sorted(missing)[:5]}, "
@@ -165,30 +191,23 @@ class _FactoryLoader:
         return model.to(device)
 
 
-def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Load a state dict safely (``weights_only``), unwrapping ``state_dict``/``model_state_dict`` nesting.
+def checkpoint_adapter(ckpt: str, *, trust_pickle: bool = False) -> Adapter:
+    """Adapter for a checkpoint that is itself a model (TorchScript), given without --adapter/--model."""
+    checkpoint = load_checkpoint(ckpt, trust_pickle=trust_pickle)
+    if checkpoint.module is None:
+        raise AdapterError(
+            f"{ckpt}: a {checkpoint.kind} checkpoint holds weights, not a model; "
+            "give --adapter FILE.py|MODULE|hf|nemo or --model MODULE:FACTORY to build the model"
+        )
+    return Adapter(f"torchscript:{ckpt}", _Preloaded(checkpoint.module))
 
-    Raises:
-        CheckpointError: missing file, a pickle that needs code execution, or no tensors inside.
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise CheckpointError(f"{file}: no such checkpoint file")
-    try:
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(
-            f"{file}: cannot be loaded safely (weights_only=True): {type(err).__name__}: {str(err).splitlines()[0]}; "
-            "save a plain state dict (torch.save(model.state_dict(), ...)) or load it in an adapter"
-        ) from err
-    while isinstance(loaded, Mapping):
-        nested = next((loaded[key] for key in _STATE_DICT_KEYS if isinstance(loaded.get(key), Mapping)), None)
-        if nested is None:
-            break
-        loaded = nested
-    if not isinstance(loaded, Mapping) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise CheckpointError(f"{file}: holds no state dict of tensors (got {type(loaded).__name__})")
-    return {str(k): v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+@dataclass(frozen=True)
+class _Preloaded:
+    module: torch.nn.Module
+
+    def __call__(self, ckpt: str | None, device: str) -> torch.nn.Module:
+        return self.module.to(device)
 
 
 def load_inputs_npz(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

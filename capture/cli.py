@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 import click
 
-from capture.adapters import Adapter, load_adapter, load_inputs_npz, model_factory_adapter
+from capture.adapters import Adapter, checkpoint_adapter, load_adapter, load_inputs_npz, model_factory_adapter
 from capture.driving import to_device
 from capture.provenance import file_sha256
 from capture.recorder import capture_run
@@ -77,11 +77,19 @@ class OneLineErrors(click.Command):
         return code
 
 
-def resolve_adapter(adapter: str | None, model: str | None) -> Adapter:
-    """The adapter named by ``--adapter`` or ``--model`` (exactly one must be given)."""
-    if (adapter is None) == (model is None):
-        raise click.UsageError("give exactly one of --adapter FILE.py|MODULE and --model MODULE:FACTORY")
-    return load_adapter(adapter) if adapter is not None else model_factory_adapter(model)  # type: ignore[arg-type]
+def resolve_adapter(
+    adapter: str | None, model: str | None, ckpt: str | None = None, trust_pickle: bool = False
+) -> Adapter:
+    """The adapter named by ``--adapter`` or ``--model``; with neither, a TorchScript ``--ckpt`` is the model."""
+    if adapter is not None and model is not None:
+        raise click.UsageError("give one of --adapter and --model, not both")
+    if adapter is not None:
+        return load_adapter(adapter)
+    if model is not None:
+        return model_factory_adapter(model, trust_pickle=trust_pickle)
+    if ckpt is not None:
+        return checkpoint_adapter(ckpt, trust_pickle=trust_pickle)
+    raise click.UsageError("give --adapter FILE.py|MODULE|hf|nemo or --model MODULE:FACTORY (or a TorchScript --ckpt)")
 
 
 def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
@@ -109,6 +117,11 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
             help="factory() builds the model; --ckpt holds its state dict.",
         ),
         click.option("--device", default="cpu", show_default=True, help="Device to run the model on."),
+        click.option(
+            "--trust-pickle",
+            is_flag=True,
+            help="Allow loading checkpoints that run code when unpickled (only for files you trust).",
+        ),
         click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors."),
     ]
     for option in reversed(options):
@@ -138,6 +151,7 @@ def main(
     adapter: str | None,
     model_spec: str | None,
     device: str,
+    trust_pickle: bool,
     debug: bool,
     out: str,
     seed: int,
@@ -150,7 +164,7 @@ def main(
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
     with handle_errors("capture-run", debug):
-        driver = resolve_adapter(adapter, model_spec)
+        driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
         model = driver.model(ckpt, device)
         inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len)
         summary = capture_run(

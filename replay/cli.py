@@ -138,6 +138,7 @@ def main(
     adapter: str | None,
     model_spec: str | None,
     device: str,
+    trust_pickle: bool,
     debug: bool,
     atol: float,
     rtol: float,
@@ -165,7 +166,7 @@ def main(
         if save_map and map_file != "auto":
             raise click.UsageError("--save-map needs --map auto")
         rename = read_map(map_file) if map_file and map_file != "auto" else RenameMap()
-        driver = resolve_adapter(adapter, model_spec)
+        driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
         progress = ProgressLine("replay-compare", enabled=not quiet)
         model = driver.model(ckpt, device)
         if map_file == "auto":

@@ -197,10 +197,10 @@ ERRORS = [
         "weights_only",
         id="full-module-checkpoint",
     ),
-    pytest.param(lambda t, n: ["--inputs", n, "--out", t / "o.h5"], "exactly one", id="neither-adapter-nor-model"),
+    pytest.param(lambda t, n: ["--inputs", n, "--out", t / "o.h5"], "give --adapter", id="neither-adapter-nor-model"),
     pytest.param(
         lambda t, n: ["--model", TINY, "--adapter", REF_ADAPTER, "--out", t / "o.h5"],
-        "exactly one",
+        "not both",
         id="adapter-and-model",
     ),
     pytest.param(

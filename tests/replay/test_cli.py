@@ -249,9 +249,9 @@ ERRORS = [
     ),
     pytest.param(bad_map, "rules.map:3", id="bad-map-line"),
     pytest.param(
-        lambda t, b: ["--bundle", b, "--model", TINY, "--adapter", REF_ADAPTER], "exactly one", id="adapter-and-model"
+        lambda t, b: ["--bundle", b, "--model", TINY, "--adapter", REF_ADAPTER], "not both", id="adapter-and-model"
     ),
-    pytest.param(lambda t, b: ["--bundle", b], "exactly one", id="neither-adapter-nor-model"),
+    pytest.param(lambda t, b: ["--bundle", b], "give --adapter", id="neither-adapter-nor-model"),
 ]
 
 
