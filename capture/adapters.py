@@ -183,12 +183,20 @@ class _FactoryLoader:
         model = self.factory(config) if _takes_config(self.factory) else self.factory()
         if checkpoint is not None:
             missing, unexpected = model.load_state_dict(checkpoint.state_dict, strict=False)
+            missing = _untied(model, missing)
             if missing or unexpected:
                 raise CheckpointError(
                     f"{ckpt}: state dict does not fit the model: missing {sorted(missing)[:5]}, "
                     f"unexpected {sorted(unexpected)[:5]}; check the checkpoint or use an adapter"
                 )
         return model.to(device)
+
+
+def _untied(model: torch.nn.Module, missing: list[str]) -> list[str]:
+    """Missing keys, less tied weights: checkpoints store a shared tensor once (``lm_head`` = ``wte``)."""
+    tensors = dict(model.state_dict(keep_vars=True))
+    present = {id(tensor) for name, tensor in tensors.items() if name not in missing}
+    return [name for name in missing if id(tensors.get(name)) not in present]
 
 
 def checkpoint_adapter(ckpt: str, *, trust_pickle: bool = False) -> Adapter:

@@ -96,9 +96,16 @@ class _Arguments:
 
 class _Isolator:
     def __init__(
-        self, reader: BundleReader, tolerances: ToleranceTable, device: torch.device, transform: LayoutTransform
+        self,
+        reader: BundleReader,
+        tolerances: ToleranceTable,
+        device: torch.device,
+        transform: LayoutTransform,
+        param_names: dict[int, str],
     ) -> None:
         self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
+        self.param_names = param_names
+        """id(parameter) -> its name in the bundle: a tied parameter sums every module's share."""
         self.outcome = Isolation()
         self.param_sums: dict[str, torch.Tensor] = {}
 
@@ -180,9 +187,9 @@ class _Isolator:
             ref = call.grad_inputs.get(slot)
             if ref is not None and grad is not None:
                 self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, grad)
-        for (name, _), grad in zip(params, grads[len(inputs) :], strict=True):
-            if grad is not None:
-                key = f"{call.module}.{name}" if call.module else name
+        for (_, param), grad in zip(params, grads[len(inputs) :], strict=True):
+            key = self.param_names.get(id(param))
+            if grad is not None and key is not None:
                 self.param_sums[key] = self.param_sums[key] + grad if key in self.param_sums else grad.detach()
 
     def compare_params(self) -> None:
@@ -223,7 +230,9 @@ def isolate(
         name = rename.module(path) if path else None
         if name is not None:
             modules[name] = module
-    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference)
+    param_names = {id(p): rename.parameter(name) for name, p in model.named_parameters()}
+    named = {key: value for key, value in param_names.items() if value is not None}
+    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference, named)
     for position, call in enumerate(reader.index.calls, start=1):
         if progress is not None:
             progress("isolate", position, len(reader.index.calls))

@@ -1,0 +1,1 @@
+"""Adapters that ship with parity-harness: ``--adapter hf`` and ``--adapter nemo``."""
