@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from capture.adapters import load_adapter
 from capture.recorder import capture_run
+from replay.compare import ComparisonResult
+from replay.mapping import read_map
+from replay.reader import BundleReader
+from replay.runner import compare_run
 from tests.models import build_tiny, tiny_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,3 +67,19 @@ def ref_bundle(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path) -
     result = CliRunner().invoke(main, ["--ckpt", str(ref_checkpoint), "--adapter", str(REF_ADAPTER), "--out", str(out)])
     assert result.exit_code == 0, result.output
     return out
+
+
+def replay_with_adapter(
+    bundle: Path, ckpt: Path, adapter_file: Path, *, with_map: bool = True, **options: object
+) -> ComparisonResult:
+    """Replay an example adapter (reference or port) on a bundle with the library API, as the CLI does."""
+    adapter = load_adapter(str(adapter_file))
+    with BundleReader(bundle) as reader:
+        return compare_run(
+            adapter.model(str(ckpt), "cpu"),
+            reader,
+            forward=adapter.forward,
+            isolation_inputs=adapter.isolation_inputs,
+            rename=read_map(PORT_MAP) if with_map else None,
+            **options,  # type: ignore[arg-type]
+        )

@@ -6,13 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from capture.adapters import load_adapter
 from common.tolerances import Tolerance, ToleranceTable
 from replay.compare import ComparisonResult
-from replay.mapping import read_map
-from replay.reader import BundleReader
-from replay.runner import compare_run
-from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
+from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
 
 PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
 
@@ -20,15 +16,7 @@ PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
 def _replay(
     bundle: Path, ckpt: Path, adapter_file: Path, tolerances: ToleranceTable, with_map: bool = True
 ) -> ComparisonResult:
-    adapter = load_adapter(str(adapter_file))
-    with BundleReader(bundle) as reader:
-        return compare_run(
-            adapter.model(str(ckpt), "cpu"),
-            reader,
-            forward=adapter.forward,
-            tolerances=tolerances,
-            rename=read_map(PORT_MAP) if with_map else None,
-        )
+    return replay_with_adapter(bundle, ckpt, adapter_file, with_map=with_map, tolerances=tolerances)
 
 
 def test_reference_replays_itself_exactly(ref_bundle: Path, ref_checkpoint: Path) -> None:

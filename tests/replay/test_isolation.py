@@ -9,15 +9,13 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from capture.adapters import load_adapter
 from capture.recorder import capture_run
 from common.tolerances import Tolerance, ToleranceTable
 from replay.cli import main
 from replay.compare import ComparisonResult
-from replay.mapping import read_map
 from replay.reader import BundleReader
 from replay.runner import compare_run
-from tests.conftest import PORT_DIR, PORT_MAP
+from tests.conftest import PORT_DIR, PORT_MAP, replay_with_adapter
 from tests.models import build_tiny, tiny_inputs
 
 PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
@@ -25,17 +23,7 @@ EXACT = ToleranceTable(Tolerance(0.0, 0.0))
 
 
 def _replay_port(bundle: Path, ckpt: Path, adapter_name: str) -> ComparisonResult:
-    adapter = load_adapter(str(PORT_DIR / adapter_name))
-    with BundleReader(bundle) as reader:
-        return compare_run(
-            adapter.model(str(ckpt), "cpu"),
-            reader,
-            forward=adapter.forward,
-            tolerances=PORT_TOLERANCE,
-            rename=read_map(PORT_MAP),
-            isolate=True,
-            isolation_inputs=adapter.isolation_inputs,
-        )
+    return replay_with_adapter(bundle, ckpt, PORT_DIR / adapter_name, tolerances=PORT_TOLERANCE, isolate=True)
 
 
 def _verdict(result: ComparisonResult, name: str) -> str | None:

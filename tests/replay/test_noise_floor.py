@@ -13,10 +13,9 @@ from common.errors import InputError
 from common.schema import iter_tensors
 from common.tolerances import Tolerance, ToleranceTable
 from replay.compare import ComparisonResult
-from replay.mapping import read_map
 from replay.reader import BundleReader
 from replay.runner import compare_run
-from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER
+from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +30,7 @@ def noise_bundle(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path)
 def _port(
     bundle: Path, ckpt: Path, adapter_name: str, tolerances: ToleranceTable, factor: float | None
 ) -> ComparisonResult:
-    adapter = load_adapter(str(PORT_DIR / adapter_name))
-    with BundleReader(bundle) as reader:
-        return compare_run(
-            adapter.model(str(ckpt), "cpu"),
-            reader,
-            forward=adapter.forward,
-            rename=read_map(PORT_MAP),
-            tolerances=tolerances,
-            noise_factor=factor,
-        )
+    return replay_with_adapter(bundle, ckpt, PORT_DIR / adapter_name, tolerances=tolerances, noise_factor=factor)
 
 
 def test_floor_is_recorded_per_record(noise_bundle: Path) -> None:
