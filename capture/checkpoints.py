@@ -10,6 +10,7 @@ tarfile ``data`` filter after a member-by-member check.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tarfile
@@ -71,6 +72,11 @@ def _torch_load(path: Path, trust_pickle: bool) -> object:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "weights_only" not in str(err).lower() and "weights only" not in str(err).lower():
+            raise CheckpointError(
+                f"{path}: not a checkpoint this tool can read ({type(err).__name__}: {first_line}); expected a state "
+                "dict, safetensors, TorchScript, a .nemo archive or a Hugging Face folder"
+            ) from err
         raise CheckpointError(
             f"{path}: cannot be loaded without running code from it (weights_only=True refused it: {first_line}); "
             "save a plain state dict or safetensors, or pass --trust-pickle if you trust this file"
@@ -94,22 +100,22 @@ def _parse_safetensors_header(
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(info, dict) or info.get("dtype") not in TAGS:
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if not isinstance(dtype, str) or dtype not in TAGS:
             raise CheckpointError(f"{path}: tensor {name!r}: unknown or missing dtype {info!r:.80}")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise CheckpointError(f"{path}: tensor {name!r}: invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CheckpointError(f"{path}: tensor {name!r}: invalid data_offsets {offsets!r}")
         start, end = offsets
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        expected = numel * storage_dtype(info["dtype"]).itemsize
+        expected = math.prod(shape) * storage_dtype(dtype).itemsize  # Python ints: no overflow
         if not 0 <= start <= end <= data_size or end - start != expected:
             raise CheckpointError(
                 f"{path}: tensor {name!r}: data_offsets {offsets} do not hold {expected} bytes of "
-                f"{info['dtype']} {tuple(shape)} inside {data_size} bytes of data; the file is damaged"
+                f"{dtype} {tuple(shape)} inside {data_size} bytes of data; the file is damaged"
             )
-        entries[name] = (info["dtype"], tuple(shape), start, end)
+        entries[name] = (dtype, tuple(shape), start, end)
     return entries
 
 
@@ -167,6 +173,13 @@ def _parse_yaml(text: str, path: Path) -> dict[str, Any] | None:
 
 
 def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
+    try:
+        return _extract_nemo(path, trust_pickle)
+    except tarfile.TarError as err:
+        raise CheckpointError(f"{path}: damaged .nemo archive ({err})") from err
+
+
+def _extract_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
     with tarfile.open(path) as archive, tempfile.TemporaryDirectory(prefix="parity-nemo-") as folder:
         members = archive.getmembers()
         for member in members:
@@ -184,11 +197,21 @@ def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
 # ------------------------------------------------------------------ Hugging Face folders
 
 
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
+
+
 def _hf_weight_files(folder: Path) -> list[Path]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            document = _read_json(index)
+            weight_map = document.get("weight_map") if isinstance(document, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no weight_map object; the index is damaged")
             shards = sorted({str(name) for name in weight_map.values()})
             if any(PurePosixPath(s).is_absolute() or ".." in PurePosixPath(s).parts for s in shards):
                 raise CheckpointError(f"{index}: a shard path points outside the folder")
@@ -200,7 +223,7 @@ def _hf_weight_files(folder: Path) -> list[Path]:
 
 
 def _load_huggingface(folder: Path, trust_pickle: bool) -> Checkpoint:
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = _read_json(folder / "config.json")
     state: dict[str, torch.Tensor] = {}
     for file in _hf_weight_files(folder):
         if not file.is_file():
@@ -215,8 +238,11 @@ def _load_huggingface(folder: Path, trust_pickle: bool) -> Checkpoint:
 
 
 def _is_torchscript(path: Path) -> bool:
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile as err:
+        raise CheckpointError(f"{path}: damaged zip archive, perhaps truncated ({err})") from err
     return any("/code/" in name for name in names) and any(name.endswith("constants.pkl") for name in names)
 
 
@@ -239,7 +265,10 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust_pickle: bool = False)
     if _is_safetensors(head, size):
         return Checkpoint("safetensors", file, read_safetensors(file))
     if head.startswith(b"PK\x03\x04") and _is_torchscript(file):
-        module = torch.jit.load(str(file), map_location="cpu")  # type: ignore[no-untyped-call]
+        try:
+            module = torch.jit.load(str(file), map_location="cpu")  # type: ignore[no-untyped-call]
+        except RuntimeError as err:
+            raise CheckpointError(f"{file}: damaged TorchScript archive ({str(err).strip().splitlines()[0]})") from err
         return Checkpoint("torchscript", file, dict(module.state_dict()), module=module)
     if tarfile.is_tarfile(file):
         return _load_nemo(file, trust_pickle)

@@ -109,7 +109,7 @@ def test_inputs_npz_replaces_make_inputs(tmp_path: Path, npz: Path) -> None:
     """--inputs feeds the .npz arrays bit for bit as keyword arguments; make_inputs is never called."""
     adapter = tmp_path / "adapter.py"
     adapter.write_text(
-        "from models import build_tiny\n\n"
+        "from tests.models import build_tiny\n\n"
         "def load_model(ckpt, device):\n    return build_tiny()\n\n"
         "def make_inputs(seed, batch_size, seq_len):\n    raise AssertionError('make_inputs must not be called')\n"
     )
