@@ -2,6 +2,7 @@
 # Run the whole test suite in its own virtual environment (created on first use).
 #   scripts/test.sh                 # everything
 #   scripts/test.sh -m "not slow"   # extra arguments go to pytest
+#   PARITY_WITH_NEMO=1 scripts/test.sh   # also the real-NeMo tests (as CI runs them)
 # VENV=path picks the environment (default .venv-test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +17,14 @@ CAPTURE_VENV=${CAPTURE_VENV:-.venv-test-capture}
 "$CAPTURE_VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0
 "$CAPTURE_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt numpy h5py msgpack click
 export PARITY_CAPTURE_PYTHON=${PARITY_CAPTURE_PYTHON:-$PWD/$CAPTURE_VENV/bin/python}
+# With PARITY_WITH_NEMO=1 (CI sets it): a third environment with real NeMo (about 2.2 GB, a few
+# minutes to install) for tests/test_nemo.py; the replay side of those tests never imports NeMo.
+if [ "${PARITY_WITH_NEMO:-0}" = 1 ]; then
+  NEMO_VENV=${NEMO_VENV:-.venv-test-nemo}
+  [ -x "$NEMO_VENV/bin/python" ] || python3 -m venv "$NEMO_VENV"
+  "$NEMO_VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0
+  "$NEMO_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt \
+    "nemo_toolkit[asr]==3.0.0" h5py msgpack click
+  export PARITY_NEMO_PYTHON=${PARITY_NEMO_PYTHON:-$PWD/$NEMO_VENV/bin/python}
+fi
 exec "$VENV/bin/python" -m pytest "$@"

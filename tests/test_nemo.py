@@ -1,0 +1,88 @@
+"""A real NeMo model: captured with --adapter nemo in a NeMo environment, replayed here without NeMo.
+
+Needs a second interpreter with NeMo: ``PARITY_NEMO_PYTHON`` (``scripts/test.sh`` builds one when
+``PARITY_WITH_NEMO=1``, which ``.ci/run`` sets).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from capture.checkpoints import load_checkpoint
+from replay.cli import main as replay_main
+from tests.conftest import ROOT
+
+NEMO_PYTHON = os.environ.get("PARITY_NEMO_PYTHON")
+pytestmark = pytest.mark.skipif(not NEMO_PYTHON, reason="set PARITY_NEMO_PYTHON to an interpreter with NeMo")
+PORT = ROOT / "tests" / "nemo" / "nemo_ctc_port.py"
+
+
+def _in_nemo_env(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [str(NEMO_PYTHON), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def nemo_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A .nemo saved by NeMo's save_to, and its capture by capture-run --adapter nemo, both made with NeMo."""
+    folder = tmp_path_factory.mktemp("nemo")
+    archive, bundle = folder / "tiny.nemo", folder / "tiny.h5"
+    _in_nemo_env(str(ROOT / "tests" / "nemo" / "make_tiny_nemo.py"), str(archive), cwd=folder)
+    capture = "from capture.cli import main; main()"
+    _in_nemo_env(
+        "-c",
+        capture,
+        "--adapter",
+        "nemo",
+        "--ckpt",
+        str(archive),
+        "--out",
+        str(bundle),
+        "--seq-len",
+        "8000",
+        cwd=folder,
+    )
+    return archive, bundle
+
+
+def _replay(archive: Path, bundle: Path, factory: str, report: Path) -> tuple[int, dict]:
+    args = ["--model", f"{PORT}:{factory}", "--ckpt", str(archive), "--bundle", str(bundle), "--isolate", "--quiet"]
+    result = CliRunner().invoke(replay_main, [*args, "--json", str(report)])
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(report.read_text())
+
+
+def test_nemo_archive_loads_without_nemo(nemo_bundle: tuple[Path, Path]) -> None:
+    """The real .nemo loads here (no NeMo): parsed config and the weights, without running code."""
+    checkpoint = load_checkpoint(nemo_bundle[0])
+    assert checkpoint.kind == "nemo"
+    assert checkpoint.config is not None
+    assert checkpoint.config["encoder"]["jasper"][0]["filters"] == 32
+    assert "encoder.encoder.0.mconv.0.conv.weight" in checkpoint.state_dict
+
+
+def test_port_of_the_nemo_model_matches(nemo_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    """A plain-torch port built from the archive's config matches NeMo record for record, nothing unpaired."""
+    code, report = _replay(*nemo_bundle, "build", tmp_path / "r.json")
+    assert code == 0, [r["name"] for r in report["records"] if not r["match"]]
+    assert report["unmatched"] == {"bundle_only": [], "replay_only": []}
+    assert {r["kind"] for r in report["records"]} == {"output", "param_grad", "forward", "backward"}
+    assert report["first_origin"] == {"forward": None, "backward": None}
+
+
+def test_planted_bug_in_the_nemo_port_is_found(nemo_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    """Per-feature normalisation with the biased std: the featurizer is the first divergence and the origin."""
+    code, report = _replay(*nemo_bundle, "build_biased_std", tmp_path / "r.json")
+    assert code == 1
+    assert report["first_divergence"]["forward"] == "preprocessor.featurizer"
+    assert report["first_origin"]["forward"] == "preprocessor.featurizer"
