@@ -46,7 +46,7 @@ class Adapter:
 
     name: str
     load_model: Callable[[str | None, str], torch.nn.Module]
-    make_inputs: Callable[[int, int, int], Any] | None = None
+    make_inputs: Callable[..., Any] | None = None
     forward: ForwardFn | None = None
     loss: LossFn | None = None
     isolation_inputs: (
@@ -72,11 +72,21 @@ class Adapter:
             )
         return model
 
-    def inputs(self, seed: int, batch_size: int, seq_len: int) -> Any:
-        """Build the inputs; they must be a dict (keyword arguments) or a tuple (positional arguments)."""
-        make = self.make_inputs or default_inputs
+    def inputs(self, seed: int, batch_size: int, seq_len: int, lengths: list[int] | None = None) -> Any:
+        """Build the inputs; they must be a dict (keyword arguments) or a tuple (positional arguments).
+
+        ``lengths`` (``--lengths``) goes to a ``make_inputs`` that has a ``lengths`` parameter.
+        """
+        make: Callable[..., Any] = self.make_inputs or default_inputs
+        takes_lengths = "lengths" in _parameter_names(make)
+        if lengths is not None and not takes_lengths:
+            raise AdapterError(
+                f"adapter {self.name}: --lengths given, but its make_inputs takes no 'lengths' parameter"
+            )
         try:
-            inputs = make(seed, batch_size, seq_len)
+            inputs = (
+                make(seed, batch_size, seq_len, lengths=lengths) if takes_lengths else make(seed, batch_size, seq_len)
+            )
         except Exception as err:
             raise AdapterError(f"adapter {self.name}: make_inputs failed: {type(err).__name__}: {err}") from err
         if not isinstance(inputs, (Mapping, tuple, list)):
@@ -162,6 +172,13 @@ def model_factory_adapter(spec: str, *, trust_pickle: bool = False) -> Adapter:
     if not callable(factory):
         raise AdapterError(f"--model {spec!r}: {module_spec} has no callable {attribute!r}")
     return Adapter(spec, _FactoryLoader(factory, trust_pickle))
+
+
+def _parameter_names(function: Callable[..., object]) -> set[str]:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def _takes_config(factory: Callable[..., torch.nn.Module]) -> bool:

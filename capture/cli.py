@@ -92,6 +92,15 @@ def resolve_adapter(
     raise click.UsageError("give --adapter FILE.py|MODULE|hf|nemo or --model MODULE:FACTORY (or a TorchScript --ckpt)")
 
 
+def _parse_lengths(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 16000,12000") from None
+
+
 def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
     """Provenance entries naming the checkpoint and its SHA-256."""
     return {"checkpoint": str(ckpt or ""), "checkpoint_sha256": file_sha256(ckpt) if ckpt else ""}
@@ -136,6 +145,12 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
 @click.option("--batch-size", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--seq-len", default=16000, show_default=True, type=click.IntRange(min=1))
 @click.option(
+    "--lengths",
+    callback=lambda ctx, param, value: _parse_lengths(value),
+    metavar="N,N,...",
+    help="Per-example valid lengths, for adapters whose make_inputs takes them (the nemo adapter does).",
+)
+@click.option(
     "--inputs",
     "inputs_file",
     type=click.Path(exists=True, dir_okay=False),
@@ -157,6 +172,7 @@ def main(
     seed: int,
     batch_size: int,
     seq_len: int,
+    lengths: list[int] | None,
     inputs_file: str | None,
     train_mode: bool,
     overwrite: bool,
@@ -166,7 +182,7 @@ def main(
     with handle_errors("capture-run", debug):
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
         model = driver.model(ckpt, device)
-        inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len)
+        inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len, lengths)
         summary = capture_run(
             model,
             to_device(inputs, device),

@@ -86,3 +86,24 @@ def test_planted_bug_in_the_nemo_port_is_found(nemo_bundle: tuple[Path, Path], t
     assert code == 1
     assert report["first_divergence"]["forward"] == "preprocessor.featurizer"
     assert report["first_origin"]["forward"] == "preprocessor.featurizer"
+
+
+def test_unequal_lengths_capture_and_match(nemo_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    """capture-run --lengths 8000,5000 records padded audio and lengths; the port still matches NeMo."""
+    archive, bundle = nemo_bundle[0], tmp_path / "lengths.h5"
+    capture = "from capture.cli import main; main()"
+    args = [
+        "--adapter",
+        "nemo",
+        "--ckpt",
+        str(archive),
+        "--out",
+        str(bundle),
+        "--seq-len",
+        "8000",
+        "--lengths",
+        "8000,5000",
+    ]
+    _in_nemo_env("-c", capture, *args, cwd=tmp_path)
+    code, report = _replay(archive, bundle, "build", tmp_path / "r.json")
+    assert code == 0, [r["name"] for r in report["records"] if not r["match"]]

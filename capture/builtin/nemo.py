@@ -31,11 +31,17 @@ def load_model(ckpt: str | None, device: str) -> torch.nn.Module:
     return model.to(device)
 
 
-def make_inputs(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """Seeded standard-normal audio and full lengths, as the seed workflow records them."""
+def make_inputs(seed: int, batch_size: int, seq_len: int, lengths: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Seeded standard-normal audio and its lengths: all ``seq_len`` as the seed workflow records
+    them, or ``--lengths`` (one per batch element, each at most ``seq_len``; audio past a length is 0)."""
     generator = torch.Generator().manual_seed(seed)
     signal = torch.randn(batch_size, seq_len, generator=generator)
-    return {"input_signal": signal, "input_signal_length": torch.full((batch_size,), seq_len, dtype=torch.int64)}
+    if lengths is None:
+        lengths = [seq_len] * batch_size
+    if len(lengths) != batch_size or not all(0 < n <= seq_len for n in lengths):
+        raise AdapterError(f"--lengths {lengths}: expected {batch_size} lengths, each in 1..{seq_len}")
+    valid = torch.arange(seq_len)[None] < torch.tensor(lengths)[:, None]
+    return {"input_signal": signal * valid, "input_signal_length": torch.tensor(lengths, dtype=torch.int64)}
 
 
 def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
