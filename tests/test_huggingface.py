@@ -111,3 +111,67 @@ def test_hf_adapter_without_a_folder_is_a_one_line_error(tmp_path: Path) -> None
     result = CliRunner().invoke(capture_main, ["--adapter", "hf", "--out", str(tmp_path / "x.h5")])
     assert result.exit_code == 2
     assert "model folder with config.json" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("build", "main_input"),
+    [
+        (
+            lambda: transformers.ViTModel(
+                transformers.ViTConfig(
+                    image_size=16,
+                    patch_size=8,
+                    hidden_size=16,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    intermediate_size=32,
+                )
+            ),
+            "pixel_values",
+        ),
+        (
+            lambda: transformers.Wav2Vec2Model(
+                transformers.Wav2Vec2Config(
+                    hidden_size=16,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    intermediate_size=32,
+                    conv_dim=(8, 8),
+                    conv_stride=(5, 4),
+                    conv_kernel=(10, 8),
+                    num_conv_pos_embeddings=4,
+                    num_conv_pos_embedding_groups=2,
+                    do_stable_layer_norm=False,
+                )
+            ),
+            "input_values",
+        ),
+    ],
+    ids=["vit-images", "wav2vec2-audio"],
+)
+def test_hf_adapter_feeds_images_and_audio(build, main_input: str, tmp_path: Path) -> None:
+    """Vision and audio folders get pixel_values / input_values and replay themselves exactly."""
+    torch.manual_seed(0)
+    folder, bundle = tmp_path / "model", tmp_path / "b.h5"
+    build().save_pretrained(folder)
+    captured = CliRunner().invoke(
+        capture_main, ["--adapter", "hf", "--ckpt", str(folder), "--out", str(bundle), "--seq-len", "800"]
+    )
+    assert captured.exit_code == 0, captured.output
+    code, report = _replay(
+        "--adapter",
+        "hf",
+        "--ckpt",
+        str(folder),
+        "--bundle",
+        str(bundle),
+        "--atol",
+        "0",
+        "--rtol",
+        "0",
+        report=tmp_path / "r.json",
+    )
+    assert code == 0
+    assert all(record["max_abs"] == 0 for record in report["records"])
+    listing = CliRunner().invoke(replay_main, ["--bundle", str(bundle), "--list"])
+    assert f"input.{main_input}" in listing.stdout

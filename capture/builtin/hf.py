@@ -1,8 +1,11 @@
 """``--adapter hf``: a Hugging Face model folder (``config.json`` + weights), built by transformers.
 
-Loads with ``local_files_only=True``: nothing is downloaded. Inputs are token ids drawn from the
-config's vocabulary (``input_ids``, ``attention_mask``), ``seq_len`` capped at the model's maximum
-positions; the forward runs without a key/value cache so every output is a plain tensor.
+Loads with ``local_files_only=True``: nothing is downloaded. Inputs follow the model's
+``main_input_name``: token ids drawn from the config's vocabulary (``input_ids`` and an all-ones
+``attention_mask``, ``seq_len`` capped at the model's maximum positions), standard-normal images
+(``pixel_values``, ``(batch, num_channels, image_size, image_size)``) or raw audio
+(``input_values``, ``(batch, seq_len)``). The forward runs without a key/value cache so every
+output is a plain tensor.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def load_model(ckpt: str | None, device: str) -> torch.nn.Module:
     model_class = getattr(transformers, architecture, None) if architecture else None
     model_class = model_class or transformers.AutoModel
     model: torch.nn.Module = model_class.from_pretrained(ckpt, local_files_only=True)
-    _state["config"] = config
+    _state["config"], _state["main_input"] = config, getattr(model, "main_input_name", "input_ids")
     return model.to(device)
 
 
@@ -52,15 +55,23 @@ def _max_positions(config: Any) -> int | None:
 
 
 def make_inputs(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """``input_ids`` uniform over the vocabulary and an all-ones ``attention_mask``."""
-    config = _state.get("config")
+    """Inputs for the model's main input: tokens, images or audio (see the module docstring)."""
+    config, main_input = _state.get("config"), _state.get("main_input", "input_ids")
+    generator = torch.Generator().manual_seed(seed)
+    if main_input == "pixel_values":
+        channels, size = getattr(config, "num_channels", 3), getattr(config, "image_size", 224)
+        side = size if isinstance(size, int) else size[0]
+        return {"pixel_values": torch.randn(batch_size, channels, side, side, generator=generator)}
+    if main_input == "input_values":
+        return {"input_values": torch.randn(batch_size, seq_len, generator=generator)}
+    if main_input != "input_ids":
+        raise AdapterError(f"the hf adapter cannot make {main_input!r} inputs; pass --inputs FILE.npz")
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int):
         raise AdapterError(
             "the hf adapter makes token inputs and needs a config with vocab_size; pass --inputs FILE.npz"
         )
     length = min(seq_len, _max_positions(config) or seq_len)
-    generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch_size, length), generator=generator)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
