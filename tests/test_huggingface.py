@@ -52,6 +52,12 @@ def _replay(*args: str, report: Path) -> tuple[int, dict]:
     return result.exit_code, json.loads(report.read_text())
 
 
+def _replay_port(factory: str, folder: Path, bundle: Path, tmp_path: Path) -> tuple[int, dict]:
+    """replay-compare --isolate through a --model factory of the GPT-2 port."""
+    args = ["--model", f"{PORT}:{factory}", "--ckpt", str(folder), "--bundle", str(bundle), "--isolate"]
+    return _replay(*args, report=tmp_path / "r.json")
+
+
 def test_hf_replays_itself_exactly(gpt2_folder: Path, gpt2_bundle: Path, tmp_path: Path) -> None:
     """The hf adapter replaying its own folder matches bit for bit; token inputs came from the vocabulary."""
     code, report = _replay(
@@ -74,16 +80,7 @@ def test_hf_replays_itself_exactly(gpt2_folder: Path, gpt2_bundle: Path, tmp_pat
 
 def test_hand_written_port_matches(gpt2_folder: Path, gpt2_bundle: Path, tmp_path: Path) -> None:
     """A plain-torch GPT-2 port built from config.json by a --model factory matches, every module isolated ok."""
-    code, report = _replay(
-        "--model",
-        f"{PORT}:build",
-        "--ckpt",
-        str(gpt2_folder),
-        "--bundle",
-        str(gpt2_bundle),
-        "--isolate",
-        report=tmp_path / "r.json",
-    )
+    code, report = _replay_port("build", gpt2_folder, gpt2_bundle, tmp_path)
     assert code == 0, [r["name"] for r in report["records"] if not r["match"]]
     assert report["first_origin"] == {"forward": None, "backward": None}
     assert any(r["name"] == "transformer.wte.weight" and r["verdict"] == "ok" for r in report["records"])  # tied
@@ -91,16 +88,7 @@ def test_hand_written_port_matches(gpt2_folder: Path, gpt2_bundle: Path, tmp_pat
 
 def test_planted_bug_in_port_is_found(gpt2_folder: Path, gpt2_bundle: Path, tmp_path: Path) -> None:
     """Non-causal attention in layer 1 of the port: attention is the first origin, forward and backward."""
-    code, report = _replay(
-        "--model",
-        f"{PORT}:build_causal_bug",
-        "--ckpt",
-        str(gpt2_folder),
-        "--bundle",
-        str(gpt2_bundle),
-        "--isolate",
-        report=tmp_path / "r.json",
-    )
+    code, report = _replay_port("build_causal_bug", gpt2_folder, gpt2_bundle, tmp_path)
     assert code == 1
     assert report["first_divergence"]["forward"] == "transformer.h.1.attn.c_proj"
     assert report["first_origin"] == {"forward": "transformer.h.1.attn", "backward": "transformer.h.1.attn"}

@@ -32,26 +32,20 @@ def _in_nemo_env(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def _capture(archive: Path, bundle: Path, *extra: str, cwd: Path) -> None:
+    """capture-run --adapter nemo, in the NeMo environment."""
+    capture = "from capture.cli import main; main()"
+    args = ["--adapter", "nemo", "--ckpt", str(archive), "--out", str(bundle), "--seq-len", "8000", *extra]
+    _in_nemo_env("-c", capture, *args, cwd=cwd)
+
+
 @pytest.fixture(scope="module")
 def nemo_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A .nemo saved by NeMo's save_to, and its capture by capture-run --adapter nemo, both made with NeMo."""
     folder = tmp_path_factory.mktemp("nemo")
     archive, bundle = folder / "tiny.nemo", folder / "tiny.h5"
     _in_nemo_env(str(ROOT / "tests" / "nemo" / "make_tiny_nemo.py"), str(archive), cwd=folder)
-    capture = "from capture.cli import main; main()"
-    _in_nemo_env(
-        "-c",
-        capture,
-        "--adapter",
-        "nemo",
-        "--ckpt",
-        str(archive),
-        "--out",
-        str(bundle),
-        "--seq-len",
-        "8000",
-        cwd=folder,
-    )
+    _capture(archive, bundle, cwd=folder)
     return archive, bundle
 
 
@@ -91,19 +85,6 @@ def test_planted_bug_in_the_nemo_port_is_found(nemo_bundle: tuple[Path, Path], t
 def test_unequal_lengths_capture_and_match(nemo_bundle: tuple[Path, Path], tmp_path: Path) -> None:
     """capture-run --lengths 8000,5000 records padded audio and lengths; the port still matches NeMo."""
     archive, bundle = nemo_bundle[0], tmp_path / "lengths.h5"
-    capture = "from capture.cli import main; main()"
-    args = [
-        "--adapter",
-        "nemo",
-        "--ckpt",
-        str(archive),
-        "--out",
-        str(bundle),
-        "--seq-len",
-        "8000",
-        "--lengths",
-        "8000,5000",
-    ]
-    _in_nemo_env("-c", capture, *args, cwd=tmp_path)
+    _capture(archive, bundle, "--lengths", "8000,5000", cwd=tmp_path)
     code, report = _replay(archive, bundle, "build", tmp_path / "r.json")
     assert code == 0, [r["name"] for r in report["records"] if not r["match"]]
