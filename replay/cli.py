@@ -130,6 +130,9 @@ def write_atomically(path: str, text: str, option: str) -> None:
     metavar="K",
     help="Judge each record by max|diff| <= K x the reference's own float64 error + atol (capture-run --noise-floor).",
 )
+@click.option(
+    "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 def main(
@@ -154,6 +157,7 @@ def main(
     preset: str,
     isolate: bool,
     noise_factor: float | None,
+    mask_padding: bool,
     quiet: bool,
     list_only: bool,
 ) -> None:
@@ -189,6 +193,7 @@ def main(
             to_reference=driver.to_reference,
             progress=progress,
             noise_factor=noise_factor,
+            mask_padding=mask_padding,
         )
         progress.close()
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]

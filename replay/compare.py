@@ -24,12 +24,22 @@ the first difference is in what the port *fed* the module (glue code of its pare
 KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
 
 
-def diff_tensor(expected: np.ndarray, expected_tag: str, actual: torch.Tensor, tolerance: Tolerance) -> TensorDiff:
-    """Compare a recorded tensor (float64 values and its tag) with a live one."""
+def diff_tensor(
+    expected: np.ndarray,
+    expected_tag: str,
+    actual: torch.Tensor,
+    tolerance: Tolerance,
+    ignore: np.ndarray | None = None,
+) -> TensorDiff:
+    """Compare a recorded tensor (float64 values and its tag) with a live one.
+
+    ``ignore`` marks positions left out (padding): they count as equal to the reference.
+    """
     array, tag = to_storage(actual)
-    return diff_arrays(
-        expected, to_float64(array, tag), tolerance, expected_dtype=expected_tag, actual_dtype=tag_of(actual.dtype)
-    )
+    values = to_float64(array, tag)
+    if ignore is not None and values.shape == expected.shape:
+        values = np.where(ignore, expected, values)
+    return diff_arrays(expected, values, tolerance, expected_dtype=expected_tag, actual_dtype=tag_of(actual.dtype))
 
 
 @dataclass(frozen=True)

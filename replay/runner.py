@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from capture.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
@@ -23,6 +24,7 @@ from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_tens
 from replay.isolation import InputAdapter, LayoutTransform, as_recorded
 from replay.isolation import isolate as isolate_modules
 from replay.mapping import RenameMap
+from replay.padding import padding_mask, recorded_lengths
 from replay.reader import BundleReader
 from replay.verdicts import apply_isolation
 
@@ -36,9 +38,17 @@ class _ComparingSink:
     """A :class:`~capture.hooks.TapSink` comparing the port's tensors with the bundle's."""
 
     def __init__(
-        self, reader: BundleReader, result: ComparisonResult, progress: Progress | None, transform: LayoutTransform
+        self,
+        reader: BundleReader,
+        result: ComparisonResult,
+        progress: Progress | None,
+        transform: LayoutTransform,
+        mask_padding: bool,
     ) -> None:
         self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
+        self._mask_padding = mask_padding
+        self._lengths: dict[int, tuple[np.ndarray | None, np.ndarray | None]] = {}
+        self.masked_records = 0
         index = reader.index
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
         self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
@@ -63,11 +73,30 @@ class _ComparingSink:
                 continue
             self.seen.add(name)
             tolerance = self._result.tolerances.for_record(name, ref.tag)
-            diff = diff_tensor(self._reader.read_float64(ref), ref.tag, self._transform(name, tensor), tolerance)
+            ignore = self._padding(info, slot, ref.shape)
+            self.masked_records += ignore is not None
+            diff = diff_tensor(
+                self._reader.read_float64(ref), ref.tag, self._transform(name, tensor), tolerance, ignore
+            )
             self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
             if self._progress is not None:
                 self._done[kind] += 1
                 self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
+
+    def _padding(self, info: CallInfo, slot: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        """Padded positions of a record, from the lengths the reference recorded for this call."""
+        found = self._reader.find_call(info.module, info.call) if self._mask_padding else None
+        if found is None:
+            return None
+        position, call = found
+        if position not in self._lengths:  # read once per call, not once per record
+            inputs, outputs = (
+                recorded_lengths(self._reader, tree, p)
+                for tree, p in ((call.inputs, "input"), (call.outputs, "output"))
+            )
+            self._lengths[position] = (inputs, outputs if outputs is not None else inputs)
+        lengths_in, lengths_out = self._lengths[position]
+        return padding_mask(shape, lengths_in if slot.startswith(("input", "grad_input")) else lengths_out)
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""
@@ -181,6 +210,7 @@ def compare_run(
     progress: Progress | None = None,
     noise_factor: float | None = None,
     to_reference: LayoutTransform | None = None,
+    mask_padding: bool = False,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -199,6 +229,8 @@ def compare_run(
         noise_factor: judge records against ``noise_factor`` times the reference's own
             float32-vs-float64 error (bundles captured with ``--noise-floor``) plus atol.
         isolation_inputs: the adapter's translation of recorded arguments to the port's signatures.
+        mask_padding: leave positions past each example's recorded length out of module records
+            (:mod:`replay.padding`).
         to_reference: the adapter's ``to_reference(record, value)``: the port's value of a record
             (bundle naming) in the reference's layout, e.g. transposed; identity by default.
 
@@ -228,7 +260,7 @@ def compare_run(
     model.zero_grad(set_to_none=True)
     seed_everything(index.run.seed)
     transform = to_reference or as_recorded
-    sink = _ComparingSink(reader, result, progress, transform)
+    sink = _ComparingSink(reader, result, progress, transform, mask_padding)
     with ModuleTap(model, sink, rename=rename.module):
         outputs = call_forward(model, inputs, forward)
     live_outputs = iter_live_tensors(outputs, "output")
@@ -238,6 +270,8 @@ def compare_run(
     grads = _mapped_parameters(model, rename, grads=True)
     _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads, transform))
     result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
+    if mask_padding:
+        result.notes.append(f"padding: positions past the recorded lengths left out of {sink.masked_records} records")
     _warn_if_mostly_unpaired(result)
     if isolate:
         isolation = isolate_modules(

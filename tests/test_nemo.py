@@ -49,8 +49,18 @@ def nemo_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return archive, bundle
 
 
-def _replay(archive: Path, bundle: Path, factory: str, report: Path) -> tuple[int, dict]:
-    args = ["--model", f"{PORT}:{factory}", "--ckpt", str(archive), "--bundle", str(bundle), "--isolate", "--quiet"]
+def _replay(archive: Path, bundle: Path, factory: str, report: Path, *extra: str) -> tuple[int, dict]:
+    args = [
+        "--model",
+        f"{PORT}:{factory}",
+        "--ckpt",
+        str(archive),
+        "--bundle",
+        str(bundle),
+        "--isolate",
+        "--quiet",
+        *extra,
+    ]
     result = CliRunner().invoke(replay_main, [*args, "--json", str(report)])
     assert result.exit_code in (0, 1), result.output
     return result.exit_code, json.loads(report.read_text())
@@ -87,4 +97,15 @@ def test_unequal_lengths_capture_and_match(nemo_bundle: tuple[Path, Path], tmp_p
     archive, bundle = nemo_bundle[0], tmp_path / "lengths.h5"
     _capture(archive, bundle, "--lengths", "8000,5000", cwd=tmp_path)
     code, report = _replay(archive, bundle, "build", tmp_path / "r.json")
+    assert code == 0, [r["name"] for r in report["records"] if not r["match"]]
+
+
+def test_padding_mask_ignores_what_the_port_leaves_in_padding(nemo_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    """A port with garbage in padded frames fails plainly and matches with --mask-padding."""
+    archive, bundle = nemo_bundle[0], tmp_path / "lengths.h5"
+    _capture(archive, bundle, "--lengths", "8000,5000", cwd=tmp_path)
+    code, report = _replay(archive, bundle, "build_unzeroed_padding", tmp_path / "plain.json")
+    assert code == 1
+    assert report["first_divergence"]["forward"] == "preprocessor.featurizer"
+    code, report = _replay(archive, bundle, "build_unzeroed_padding", tmp_path / "masked.json", "--mask-padding")
     assert code == 0, [r["name"] for r in report["records"] if not r["match"]]

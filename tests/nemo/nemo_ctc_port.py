@@ -19,8 +19,9 @@ from torch import nn
 class Featurizer(nn.Module):
     """Pre-emphasis, centred STFT power spectrum, mel filterbank, log, per-feature normalisation."""
 
-    def __init__(self, config: dict[str, Any], biased_std: bool) -> None:
+    def __init__(self, config: dict[str, Any], biased_std: bool, zero_padding: bool = True) -> None:
         super().__init__()
+        self.zero_padding = zero_padding
         rate = config["sample_rate"]
         self.win = round(config["window_size"] * rate)
         self.hop = round(config["window_stride"] * rate)
@@ -50,13 +51,14 @@ class Featurizer(nn.Module):
         mean = features.where(valid, 0.0).sum(-1, keepdim=True) / count
         spread = (features - mean).where(valid, 0.0).square().sum(-1, keepdim=True)
         std = (spread / (count if self.biased_std else count - 1)).sqrt() + 1e-5
-        return ((features - mean) / std).where(valid, 0.0), frames
+        normalised = (features - mean) / std
+        return (normalised.where(valid, 0.0) if self.zero_padding else normalised), frames
 
 
 class Preprocessor(nn.Module):
-    def __init__(self, config: dict[str, Any], biased_std: bool) -> None:
+    def __init__(self, config: dict[str, Any], biased_std: bool, zero_padding: bool = True) -> None:
         super().__init__()
-        self.featurizer = Featurizer(config, biased_std)
+        self.featurizer = Featurizer(config, biased_std, zero_padding)
 
     def forward(self, input_signal: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.featurizer(input_signal, length)
@@ -119,9 +121,10 @@ class Decoder(nn.Module):
 class CTCPort(nn.Module):
     """``forward(input_signal, input_signal_length) -> (log_probs, encoded_len, greedy_predictions)``."""
 
-    def __init__(self, config: dict[str, Any], biased_std: bool = False) -> None:
+    def __init__(self, config: dict[str, Any], biased_std: bool = False, zero_padding: bool = True) -> None:
         super().__init__()
-        self.preprocessor = Preprocessor({**config["preprocessor"], "sample_rate": config["sample_rate"]}, biased_std)
+        preprocessor = {**config["preprocessor"], "sample_rate": config["sample_rate"]}
+        self.preprocessor = Preprocessor(preprocessor, biased_std, zero_padding)
         self.encoder = Encoder(config["encoder"])
         self.decoder = Decoder(config["decoder"])
 
@@ -140,3 +143,8 @@ def build(config: dict[str, Any]) -> CTCPort:
 def build_biased_std(config: dict[str, Any]) -> CTCPort:
     """The port with a planted bug in the feature normalisation."""
     return CTCPort(config, biased_std=True)
+
+
+def build_unzeroed_padding(config: dict[str, Any]) -> CTCPort:
+    """The port leaving non-zero features in padded frames (harmless: the encoder masks its input)."""
+    return CTCPort(config, zero_padding=False)
