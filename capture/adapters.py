@@ -217,7 +217,8 @@ def _untied(model: torch.nn.Module, missing: list[str]) -> list[str]:
 
 
 def checkpoint_adapter(ckpt: str, *, trust_pickle: bool = False) -> Adapter:
-    """Adapter for a checkpoint that is itself a model (TorchScript), given without --adapter/--model."""
+    """Adapter for a checkpoint that is itself a model (TorchScript, or a pickled module with
+    ``trust_pickle``), given without --adapter/--model."""
     checkpoint = load_checkpoint(ckpt, trust_pickle=trust_pickle)
     if checkpoint.module is None:
         raise AdapterError(

@@ -29,7 +29,7 @@ from common.errors import BundleFormatError, CheckpointError
 
 __all__ = ["Checkpoint", "CheckpointKind", "load_checkpoint", "read_safetensors"]
 
-CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface"]
+CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface", "pickled_module"]
 _STATE_DICT_KEYS: Final = ("state_dict", "model_state_dict", "model")
 _MAX_SAFETENSORS_HEADER: Final = 100 << 20
 _NEMO_CONFIG: Final = "model_config.yaml"
@@ -48,7 +48,7 @@ class Checkpoint:
     config_text: str | None = None
     """``.nemo``: the raw YAML, for when PyYAML is not installed."""
     module: torch.nn.Module | None = None
-    """TorchScript: the loaded module itself."""
+    """TorchScript, or a whole pickled module (with ``trust_pickle``): the model itself."""
 
 
 # ------------------------------------------------------------------ state dicts
@@ -272,4 +272,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust_pickle: bool = False)
         return Checkpoint("torchscript", file, dict(module.state_dict()), module=module)
     if tarfile.is_tarfile(file):
         return _load_nemo(file, trust_pickle)
-    return Checkpoint("state_dict", file, _unwrap(_torch_load(file, trust_pickle), file))
+    loaded = _torch_load(file, trust_pickle)
+    if isinstance(loaded, torch.nn.Module):  # only reachable with --trust-pickle: the file is the model
+        return Checkpoint("pickled_module", file, dict(loaded.state_dict()), module=loaded)
+    return Checkpoint("state_dict", file, _unwrap(loaded, file))

@@ -368,14 +368,17 @@ def test_custom_object_refused_by_default_loaded_when_trusted(tmp_path: Path) ->
     _assert_state_equal(checkpoint.state_dict, state)
 
 
-def test_pickled_module_refused_even_when_trusted(tmp_path: Path) -> None:
-    """A whole pickled nn.Module needs --trust-pickle, and even then is refused: it holds no state dict."""
+def test_pickled_module_needs_trust_and_then_is_the_model(tmp_path: Path) -> None:
+    """A whole pickled nn.Module is refused by default; with --trust-pickle it is the model itself."""
     path = tmp_path / "whole.pt"
-    torch.save(_small(), path)
+    model = _small()
+    torch.save(model, path)
     with pytest.raises(CheckpointError, match="--trust-pickle"):
         load_checkpoint(path)
-    with pytest.raises(CheckpointError, match=r"holds no state dict .*SmallNet"):
-        load_checkpoint(path, trust_pickle=True)
+    checkpoint = load_checkpoint(path, trust_pickle=True)
+    assert checkpoint.kind == "pickled_module"
+    assert isinstance(checkpoint.module, type(model))
+    _assert_state_equal(checkpoint.state_dict, model.state_dict())
 
 
 def test_pickled_module_state_in_dict_loads_when_trusted(tmp_path: Path) -> None:
