@@ -4,8 +4,8 @@ Batches of unequal lengths are padded, and a port may leave anything in the padd
 call whose recorded arguments (or results) include a vector of per-example lengths (an integer
 tensor of shape ``(batch,)``, as NeMo modules pass around) gets, for each of its records shaped
 ``(batch, ...)``, a mask over the axis whose size fits the longest length (equal, or a frame or two
-longer; the closest fit, then the last axis, when several do). The lengths are the *reference's*, read from the bundle, so the port cannot move the
-boundary.
+longer; the closest fit, then the last axis, when several do). The lengths are the *reference's*,
+read from the bundle, so the port cannot move the boundary.
 """
 
 from __future__ import annotations

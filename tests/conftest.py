@@ -17,6 +17,8 @@ from replay.reader import BundleReader
 from replay.runner import compare_run
 from tests.models import build_tiny, tiny_inputs
 
+pytest_plugins = ["pytester"]
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 REF_ADAPTER = EXAMPLES / "conformer_ref" / "adapter.py"

@@ -1,0 +1,120 @@
+"""The parity fixture's whole lifecycle through pytester, and assert_parity outside pytest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.errors import ParityMismatch
+from replay.assertions import assert_parity
+from tests.conftest import ROOT
+from tests.models import build_tiny
+
+MODEL = """
+import pytest
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.encoder(x)))
+
+
+def build():
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        net.head.weight[0, 0] += {delta}
+    return net
+
+
+{marker}
+def test_model(parity):
+    parity.check(build(), (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),))
+"""
+
+
+def _write(pytester: pytest.Pytester, delta: float = 0.0, marker: str = "") -> Path:
+    return pytester.makepyfile(test_lifecycle=MODEL.format(delta=delta, marker=marker))
+
+
+def test_golden_lifecycle(pytester: pytest.Pytester) -> None:
+    """Missing golden fails with the command; --parity-regen writes it; then pass; a changed module fails by name."""
+    _write(pytester)
+    missing = pytester.runpytest()
+    missing.assert_outcomes(failed=1)
+    missing.stdout.fnmatch_lines(["*golden bundle*test_lifecycle/test_model.h5 does not exist*", "*--parity-regen*"])
+
+    regen = pytester.runpytest("--parity-regen")
+    regen.assert_outcomes(passed=1, warnings=1)
+    regen.stdout.fnmatch_lines(["*parity: golden bundles regenerated*", "*test_lifecycle/test_model.h5"])
+    assert (pytester.path / "test_lifecycle" / "test_model.h5").is_file()
+
+    pytester.runpytest().assert_outcomes(passed=1)
+
+    _write(pytester, delta=0.01)
+    changed = pytester.runpytest()
+    changed.assert_outcomes(failed=1)
+    changed.stdout.fnmatch_lines(
+        ["*port does not match*", "*first divergence (forward): head*", "*would have passed: atol=*"]
+    )
+    assert "def assert_parity" not in changed.stdout.str()  # the plugin's frames are hidden
+
+
+def test_marker_and_ini_tolerances(pytester: pytest.Pytester) -> None:
+    """@pytest.mark.parity(atol=...) and the parity_atol ini option loosen the check."""
+    _write(pytester)
+    pytester.runpytest("--parity-regen").assert_outcomes(passed=1, warnings=1)
+    _write(pytester, delta=0.01, marker="@pytest.mark.parity(atol=1.0, rtol=0.0)")
+    pytester.runpytest().assert_outcomes(passed=1)
+    _write(pytester, delta=0.01)
+    pytester.runpytest().assert_outcomes(failed=1)
+    pytester.makeini("[pytest]\nparity_atol = 1.0\n")
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_golden_captured_by_capture_run_in_another_process(pytester: pytest.Pytester) -> None:
+    """A golden bundle written by capture-run in another process is what the fixture compares with."""
+    test_file = _write(pytester)
+    golden = pytester.path / "test_lifecycle" / "test_model.h5"
+    golden.parent.mkdir()
+    args = ["--model", f"{test_file}:build", "--out", str(golden), "--batch-size", "3", "--seq-len", "4"]
+    done = subprocess.run(
+        [sys.executable, "-c", "from capture.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_plugin_loads_without_torch(pytester: pytest.Pytester) -> None:
+    """Loading the plugin imports neither torch nor the replay machinery (only using the fixture does)."""
+    pytester.makepyfile(
+        test_cheap="import sys\n\ndef test_cheap(pytestconfig):\n"
+        "    assert pytestconfig.pluginmanager.has_plugin('parity')\n"
+        "    assert 'replay.fixture' not in sys.modules and 'torch' not in sys.modules\n"
+    )
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_assert_parity_outside_pytest(tiny_bundle: Path) -> None:
+    """assert_parity returns the comparison on a match and raises ParityMismatch naming the module otherwise."""
+    assert assert_parity(build_tiny(), tiny_bundle).match
+    model = build_tiny()
+    with torch.no_grad():
+        model.blocks[1].lin.weight[0, 0] += 0.01
+    with pytest.raises(ParityMismatch, match=r"(?s)first divergence \(forward\): blocks\.1\.lin.*first origin"):
+        assert_parity(model, tiny_bundle, isolate=True)
