@@ -163,7 +163,7 @@ def _extremes(
     """Max abs/rel differences with their flat positions, and the tolerances that would pass."""
     if diff.size == 0:
         return 0.0, None, 0.0, None, 0.0, 0.0
-    if broken is not None and broken.any():  # NaN against a number or an infinity that moved: no finite tolerance passes
+    if broken is not None and broken.any():  # NaN against a number, or a moved infinity: no tolerance passes
         at = int(np.argmax(broken))
         return math.inf, at, math.inf, at, math.inf, math.inf
     # Relative differences are taken where the reference is nonzero: a difference against an

@@ -52,6 +52,12 @@ def _replay(*args: str, report: Path) -> tuple[int, dict]:
     return result.exit_code, json.loads(report.read_text())
 
 
+def _replay_hf_exactly(folder: Path, bundle: Path, tmp_path: Path) -> tuple[int, dict]:
+    """replay-compare --adapter hf on the same folder at atol = rtol = 0."""
+    args = ["--adapter", "hf", "--ckpt", str(folder), "--bundle", str(bundle), "--atol", "0", "--rtol", "0"]
+    return _replay(*args, report=tmp_path / "r.json")
+
+
 def _replay_port(factory: str, folder: Path, bundle: Path, tmp_path: Path) -> tuple[int, dict]:
     """replay-compare --isolate through a --model factory of the GPT-2 port."""
     args = ["--model", f"{PORT}:{factory}", "--ckpt", str(folder), "--bundle", str(bundle), "--isolate"]
@@ -60,19 +66,7 @@ def _replay_port(factory: str, folder: Path, bundle: Path, tmp_path: Path) -> tu
 
 def test_hf_replays_itself_exactly(gpt2_folder: Path, gpt2_bundle: Path, tmp_path: Path) -> None:
     """The hf adapter replaying its own folder matches bit for bit; token inputs came from the vocabulary."""
-    code, report = _replay(
-        "--adapter",
-        "hf",
-        "--ckpt",
-        str(gpt2_folder),
-        "--bundle",
-        str(gpt2_bundle),
-        "--atol",
-        "0",
-        "--rtol",
-        "0",
-        report=tmp_path / "r.json",
-    )
+    code, report = _replay_hf_exactly(gpt2_folder, gpt2_bundle, tmp_path)
     assert code == 0
     assert {r["kind"] for r in report["records"]} == {"output", "param_grad", "forward", "backward"}
     assert any(r["name"] == "output.logits" for r in report["records"])
@@ -146,19 +140,7 @@ def test_hf_adapter_feeds_images_and_audio(build, main_input: str, tmp_path: Pat
         capture_main, ["--adapter", "hf", "--ckpt", str(folder), "--out", str(bundle), "--seq-len", "800"]
     )
     assert captured.exit_code == 0, captured.output
-    code, report = _replay(
-        "--adapter",
-        "hf",
-        "--ckpt",
-        str(folder),
-        "--bundle",
-        str(bundle),
-        "--atol",
-        "0",
-        "--rtol",
-        "0",
-        report=tmp_path / "r.json",
-    )
+    code, report = _replay_hf_exactly(folder, bundle, tmp_path)
     assert code == 0
     assert all(record["max_abs"] == 0 for record in report["records"])
     listing = CliRunner().invoke(replay_main, ["--bundle", str(bundle), "--list"])
