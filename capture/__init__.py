@@ -9,6 +9,7 @@ from __future__ import annotations
 from capture.adapters import Adapter, load_adapter, model_factory_adapter
 from capture.hooks import CallInfo, ModuleTap, TapSink
 from capture.recorder import BundleRecorder, CaptureSummary, capture_run
+from capture.training import TrainingRecorder
 from capture.writer import BundleWriter
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "CaptureSummary",
     "ModuleTap",
     "TapSink",
+    "TrainingRecorder",
     "capture_run",
     "load_adapter",
     "model_factory_adapter",

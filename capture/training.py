@@ -1,0 +1,162 @@
+"""Record a training run step by step: ``TrainingRecorder``, a few calls inside any training loop.
+
+    with TrainingRecorder("run.h5", model, optimizer, every=10) as recorder:
+        for step, (inputs, labels) in enumerate(loader):
+            loss = train_step(...)
+            recorder.step(step, {"inputs": inputs, "labels": labels}, loss=loss, sample_ids=ids)
+
+A training file is written in place and flushed after every recorded step, so a run killed
+between steps leaves every completed step readable; a step counts once its ``meta`` record (written
+last) exists. Layout: ``/initial/params/<name>``; ``/steps/<step>/{batch,params,grads,optimizer,
+predictions}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import h5py
+import torch
+
+from capture.naming import encode_value
+from common.dtypes import to_storage
+from common.errors import BundleError, BundleExistsError
+from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, escape_dotted
+from common.packing import pack
+from common.schema import TensorRef
+
+__all__ = ["TRAINING_FORMAT", "TrainingRecorder"]
+
+TRAINING_FORMAT: Final = "parity-harness-training"
+
+
+class TrainingRecorder:
+    """Stream selected steps of a training run to ``path``.
+
+    Args:
+        path: the training file (refused if it exists, unless ``overwrite``).
+        model: the model being trained.
+        optimizer: its optimizer (its hyper-parameters are recorded; its state with ``optimizer_state``).
+        every: record the steps whose number is a multiple of ``every``.
+        params, grads, optimizer_state: what to record per step (weights after the update, their
+            gradients, the optimizer's per-parameter state such as Adam moments).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        every: int = 1,
+        params: bool = True,
+        grads: bool = True,
+        optimizer_state: bool = False,
+        overwrite: bool = False,
+    ) -> None:
+        self.path, self._model, self._optimizer = Path(path), model, optimizer
+        self._every, self._params, self._grads, self._state = max(1, every), params, grads, optimizer_state
+        if self.path.exists() and not overwrite:
+            raise BundleExistsError(f"{self.path}: file exists; pass overwrite=True to replace it")
+        try:
+            self._file = h5py.File(self.path, "w")
+        except OSError as err:
+            raise BundleError(f"{self.path}: cannot create the training file: {err}") from err
+        self._file.attrs.update({ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: 1, ATTR_MINOR: 0})
+        self._write_named("/initial/params", {n: p.detach() for n, p in model.named_parameters()})
+        self._file.create_dataset("/initial/meta", data=pack({"optimizer": _hyper_parameters(optimizer)}))
+        self._file.flush()
+
+    def _write(self, path: str, tensor: torch.Tensor) -> TensorRef:
+        array, tag = to_storage(tensor)
+        self._file.create_dataset(path, data=array).attrs[ATTR_DTYPE] = tag
+        return TensorRef(path, tag, tuple(array.shape))
+
+    def _write_named(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self._write(f"{group}/{escape_dotted(name)}", tensor)
+
+    def step(
+        self,
+        step: int,
+        batch: Any = None,
+        *,
+        loss: torch.Tensor | float | None = None,
+        metrics: dict[str, float] | None = None,
+        predictions: torch.Tensor | None = None,
+        sample_ids: list[Any] | None = None,
+    ) -> bool:
+        """Record step ``step`` (after the optimizer's update) if it is one of the recorded steps.
+
+        Returns:
+            Whether the step was recorded.
+        """
+        if step % self._every:
+            return False
+        group = f"/steps/{step:09d}"
+        tree = encode_value(batch, "batch", functools.partial(self._store, f"{group}/batch"))
+        named = dict(self._model.named_parameters())
+        if self._params:
+            self._write_named(f"{group}/params", {n: p.detach() for n, p in named.items()})
+        if self._grads:
+            self._write_named(f"{group}/grads", {n: p.grad for n, p in named.items() if p.grad is not None})
+        if self._state and self._optimizer is not None:
+            self._write_optimizer_state(f"{group}/optimizer", named)
+        if predictions is not None:
+            self._write(f"{group}/predictions", predictions.detach())
+        meta = {
+            "step": step,
+            "loss": None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
+            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()},
+            "sample_ids": [str(i) for i in sample_ids] if sample_ids is not None else None,
+            "batch": tree,
+        }
+        self._file.create_dataset(f"{group}/meta", data=pack(meta))  # written last: marks the step complete
+        self._file.flush()
+        return True
+
+    def _store(self, group: str, slot: str, tensor: torch.Tensor) -> TensorRef:
+        return self._write(f"{group}/{slot}", tensor)
+
+    def _write_optimizer_state(self, group: str, named: dict[str, torch.nn.Parameter]) -> None:
+        assert self._optimizer is not None
+        names = {id(p): n for n, p in named.items()}
+        for param, state in self._optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and id(param) in names:
+                    self._write(f"{group}/{escape_dotted(names[id(param)])}/{key}", value)
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if self._file.id.valid:
+            self._file.close()
+
+    def __enter__(self) -> TrainingRecorder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _hyper_parameters(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    if optimizer is None:
+        return None
+    groups = [
+        {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple, list))}
+        for group in optimizer.param_groups
+    ]
+    return {"class": type(optimizer).__name__, "param_groups": [_plain(g) for g in groups]}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,182 @@
+"""Compare two recorded training runs step by step, offline: loss, metrics and weights per step,
+the first diverging step, and batches that were fed in another order."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from capture.training import TRAINING_FORMAT
+from common.dtypes import to_float64
+from common.errors import BundleFormatError, BundleNotFoundError
+from common.layout import ATTR_DTYPE, ATTR_FORMAT
+from common.packing import unpack
+
+__all__ = ["StepComparison", "TrainingComparison", "TrainingRun", "compare_training"]
+
+
+class TrainingRun:
+    """A training file written by :class:`capture.TrainingRecorder`; only completed steps are visible."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise BundleNotFoundError(f"{self.path}: no such training file")
+        try:
+            self._file = h5py.File(self.path, "r")
+        except OSError as err:
+            raise BundleFormatError(f"{self.path}: not an HDF5 file ({err})") from err
+        name = self._file.attrs.get(ATTR_FORMAT)
+        if name != TRAINING_FORMAT:
+            self._file.close()
+            raise BundleFormatError(f"{self.path}: not a training file (format {name!r}, expected {TRAINING_FORMAT!r})")
+        steps = self._file.get("steps")
+        self.meta: dict[int, dict[str, Any]] = {}
+        for key in sorted(steps) if steps is not None else []:
+            if "meta" in steps[key]:  # a step without meta was cut short by a crash: not recorded
+                meta = unpack(steps[key]["meta"][()], where=f"{self.path}:/steps/{key}/meta")
+                self.meta[int(key)] = meta  # type: ignore[assignment]
+
+    def tensors(self, step: int, group: str) -> dict[str, np.ndarray]:
+        """``params`` / ``grads`` of a step as float64, by name."""
+        node = self._file.get(f"steps/{step:09d}/{group}")
+        if node is None:
+            return {}
+        return {name: to_float64(np.asarray(ds[()]), str(ds.attrs[ATTR_DTYPE])) for name, ds in node.items()}
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """One recorded step on both sides."""
+
+    step: int
+    match: bool
+    loss_a: float | None
+    loss_b: float | None
+    weight_l2: float
+    weight_cosine: float
+    weight_max_abs: float
+    metrics: dict[str, tuple[float, float]]
+    batch_order_differs: bool
+    worst_param: str | None
+
+    def to_json(self) -> dict[str, object]:
+        """The per-step JSON object."""
+
+        def finite(value: float | None) -> float | None:
+            return value if value is not None and math.isfinite(value) else None
+
+        return {
+            "step": self.step,
+            "match": self.match,
+            "loss_a": finite(self.loss_a),
+            "loss_b": finite(self.loss_b),
+            "weight_l2": finite(self.weight_l2),
+            "weight_cosine": finite(self.weight_cosine),
+            "weight_max_abs": finite(self.weight_max_abs),
+            "batch_order_differs": self.batch_order_differs,
+            "worst_param": self.worst_param,
+            "metrics": {k: {"a": finite(a), "b": finite(b)} for k, (a, b) in self.metrics.items()},
+        }
+
+
+@dataclass
+class TrainingComparison:
+    """Every common step, and what only one run recorded."""
+
+    steps: list[StepComparison] = field(default_factory=list)
+    only_a: list[int] = field(default_factory=list)
+    only_b: list[int] = field(default_factory=list)
+
+    @property
+    def first_diverging_step(self) -> int | None:
+        """The first common step that does not match."""
+        return next((s.step for s in self.steps if not s.match), None)
+
+    def to_json(self) -> dict[str, object]:
+        """The ``--json`` report."""
+        return {
+            "match": self.first_diverging_step is None,
+            "first_diverging_step": self.first_diverging_step,
+            "batch_order_mismatch": [s.step for s in self.steps if s.batch_order_differs],
+            "steps": [s.to_json() for s in self.steps],
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+        }
+
+
+def _weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, float, str | None]:
+    """L2 distance, cosine similarity and max abs difference over all common parameters, and the worst one."""
+    names = [n for n in a if n in b and a[n].shape == b[n].shape]
+    if not names:
+        return math.nan, math.nan, math.nan, None
+    squared = dot = norm_a = norm_b = 0.0
+    worst, worst_name = 0.0, None
+    for name in names:
+        x, y = a[name].ravel(), b[name].ravel()
+        delta = float(np.max(np.abs(x - y), initial=0.0))
+        if delta > worst or worst_name is None:
+            worst, worst_name = delta, name
+        squared += float(np.dot(x - y, x - y))
+        dot, norm_a, norm_b = dot + float(np.dot(x, y)), norm_a + float(np.dot(x, x)), norm_b + float(np.dot(y, y))
+    cosine = dot / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else 1.0
+    return math.sqrt(squared), cosine, worst, worst_name
+
+
+def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(a - b) <= atol + rtol * abs(a)
+
+
+def compare_training(
+    run_a: TrainingRun, run_b: TrainingRun, *, atol: float = 1e-5, rtol: float = 1e-5, params: str | None = None
+) -> TrainingComparison:
+    """Compare two runs at their common recorded steps (``params``: a regex selecting parameters)."""
+    chosen = re.compile(params) if params else None
+    common = sorted(set(run_a.meta) & set(run_b.meta))
+    result = TrainingComparison(
+        only_a=sorted(set(run_a.meta) - set(run_b.meta)), only_b=sorted(set(run_b.meta) - set(run_a.meta))
+    )
+    for step in common:
+        meta_a, meta_b = run_a.meta[step], run_b.meta[step]
+        weights_a, weights_b = (
+            {n: v for n, v in run.tensors(step, "params").items() if chosen is None or chosen.search(n)}
+            for run in (run_a, run_b)
+        )
+        l2, cosine, max_abs, worst = _weights(weights_a, weights_b)
+        metrics = {k: (v, meta_b["metrics"].get(k, math.nan)) for k, v in meta_a["metrics"].items()}
+        ids_a, ids_b = meta_a.get("sample_ids"), meta_b.get("sample_ids")
+        order_differs = ids_a is not None and ids_b is not None and ids_a != ids_b
+        weights_ok = math.isnan(max_abs) or all(
+            np.allclose(weights_b[n], weights_a[n], atol=atol, rtol=rtol) for n in weights_a if n in weights_b
+        )
+        match = (
+            weights_ok
+            and not order_differs
+            and _close(meta_a["loss"], meta_b["loss"], atol, rtol)
+            and all(_close(a, b, atol, rtol) for a, b in metrics.values())
+        )
+        result.steps.append(
+            StepComparison(
+                step, match, meta_a["loss"], meta_b["loss"], l2, cosine, max_abs, metrics, order_differs, worst
+            )
+        )
+    return result
