@@ -17,7 +17,16 @@ BLOCKED = ("click", "tabulate", "pytest")
     [
         ["common"],
         ["capture"],
-        ["capture.recorder", "capture.hooks", "capture.writer", "capture.adapters", "capture.driving"],
+        [
+            "capture.recorder",
+            "capture.hooks",
+            "capture.writer",
+            "capture.adapters",
+            "capture.driving",
+            "capture.training",
+            "capture.checkpoints",
+            "capture.noise",
+        ],
     ],
     ids=["common", "capture", "capture-internals"],
 )
