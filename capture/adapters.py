@@ -53,6 +53,12 @@ class Adapter:
         Callable[[str, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None
     ) = None
     """Replay only: translate a module's recorded arguments to the port's call signature (``--isolate``)."""
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
+    """Training runs (``--steps``): the optimizer of the model."""
+    make_batches: Callable[[int, int, int, int], Any] | None = None
+    """Training runs: ``make_batches(seed, steps, batch_size, seq_len)``, one batch per step."""
+    train_step: Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any] | None = None
+    """Training runs: ``train_step(model, optimizer, batch) -> loss`` (zero_grad, backward, step)."""
     to_reference: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     """Replay only: a port tensor of a record (bundle naming) in the reference's layout."""
 
@@ -94,6 +100,13 @@ class Adapter:
                 f"adapter {self.name}: make_inputs returned {type(inputs).__name__}, expected a dict or a tuple"
             )
         return inputs
+
+    def training(self) -> tuple[Callable[[torch.nn.Module], torch.optim.Optimizer], Callable[..., Any]]:
+        """``make_optimizer`` and ``train_step``, which ``--steps`` needs."""
+        missing = [name for name in ("make_optimizer", "train_step") if getattr(self, name) is None]
+        if missing:
+            raise AdapterError(f"adapter {self.name}: --steps needs {' and '.join(missing)}; see the adapter protocol")
+        return self.make_optimizer, self.train_step  # type: ignore[return-value]
 
 
 def default_inputs(seed: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor]:
@@ -147,7 +160,17 @@ def load_adapter(spec: str) -> Adapter:
         AdapterError: it cannot be imported or lacks ``load_model``.
     """
     module = _import(BUILTIN_ADAPTERS.get(spec, spec))
-    names = ("load_model", "make_inputs", "forward", "loss", "isolation_inputs", "to_reference")
+    names = (
+        "load_model",
+        "make_inputs",
+        "forward",
+        "loss",
+        "isolation_inputs",
+        "to_reference",
+        "make_optimizer",
+        "make_batches",
+        "train_step",
+    )
     functions = {name: getattr(module, name, None) for name in names}
     for name, function in functions.items():
         if function is not None and not callable(function):

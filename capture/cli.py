@@ -14,7 +14,8 @@ from capture.adapters import Adapter, checkpoint_adapter, load_adapter, load_inp
 from capture.driving import to_device
 from capture.provenance import file_sha256
 from capture.recorder import capture_run
-from common.errors import ParityError
+from capture.training import record_training
+from common.errors import AdapterError, ParityError
 
 __all__ = [
     "OneLineErrors",
@@ -92,6 +93,25 @@ def resolve_adapter(
     raise click.UsageError("give --adapter FILE.py|MODULE|hf|nemo or --model MODULE:FACTORY (or a TorchScript --ckpt)")
 
 
+def _capture_training(
+    driver: Adapter,
+    model: Any,
+    out: str,
+    seed: int,
+    steps: int,
+    every: int,
+    batch_size: int,
+    seq_len: int,
+    overwrite: bool,
+) -> None:
+    make_optimizer, train_step = driver.training()
+    if driver.make_batches is None:
+        raise AdapterError(f"adapter {driver.name}: --steps needs make_batches(seed, steps, batch_size, seq_len)")
+    batches = list(driver.make_batches(seed, steps, batch_size, seq_len))
+    record_training(model, make_optimizer(model), batches, train_step, out, every=every, seed=seed, overwrite=overwrite)
+    click.echo(f"capture-run: wrote {out} ({len(batches)} training steps, weights every {every})")
+
+
 def _parse_lengths(value: str | None) -> list[int] | None:
     if value is None:
         return None
@@ -156,6 +176,18 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     type=click.Path(exists=True, dir_okay=False),
     help="Feed these arrays (.npz) as keyword arguments instead of make_inputs.",
 )
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    help="Record a training run of this many steps (adapter: make_optimizer, make_batches, train_step).",
+)
+@click.option(
+    "--every",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --steps: record weights every N steps.",
+)
 @click.option("--train-mode", is_flag=True, help="Run in train mode (dropout active); eval mode by default.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 @click.option(
@@ -174,6 +206,8 @@ def main(
     seq_len: int,
     lengths: list[int] | None,
     inputs_file: str | None,
+    steps: int | None,
+    every: int,
     train_mode: bool,
     overwrite: bool,
     noise_floor: bool,
@@ -182,6 +216,9 @@ def main(
     with handle_errors("capture-run", debug):
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
         model = driver.model(ckpt, device)
+        if steps is not None:
+            _capture_training(driver, model, out, seed, steps, every, batch_size, seq_len, overwrite)
+            return
         inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len, lengths)
         summary = capture_run(
             model,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -22,6 +23,7 @@ from typing import Any, Final
 import h5py
 import torch
 
+from capture.driving import seed_everything
 from capture.naming import encode_value
 from common.dtypes import to_storage
 from common.errors import BundleError, BundleExistsError
@@ -29,7 +31,10 @@ from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, esc
 from common.packing import pack
 from common.schema import TensorRef
 
-__all__ = ["TRAINING_FORMAT", "TrainingRecorder"]
+__all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "record_training"]
+
+TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
+"""``train_step(model, optimizer, batch) -> loss``: one optimisation step (zero_grad, backward, step)."""
 
 TRAINING_FORMAT: Final = "parity-harness-training"
 
@@ -44,6 +49,10 @@ class TrainingRecorder:
         every: record the steps whose number is a multiple of ``every``.
         params, grads, optimizer_state: what to record per step (weights after the update, their
             gradients, the optimizer's per-parameter state such as Adam moments).
+        all_batches: also record the batch (and loss) of the steps in between, so that a port's
+            training can be rerun on every batch (``replay-compare --steps``).
+        seed: the run's seed, recorded for reruns.
+        rename: records parameters under other names (a port's, mapped to the reference's).
     """
 
     def __init__(
@@ -57,8 +66,13 @@ class TrainingRecorder:
         grads: bool = True,
         optimizer_state: bool = False,
         overwrite: bool = False,
+        all_batches: bool = False,
+        seed: int | None = None,
+        rename: Callable[[str], str | None] | None = None,
     ) -> None:
         self.path, self._model, self._optimizer = Path(path), model, optimizer
+        self._all_batches = all_batches
+        self._rename = rename or (lambda name: name)
         self._every, self._params, self._grads, self._state = max(1, every), params, grads, optimizer_state
         if self.path.exists() and not overwrite:
             raise BundleExistsError(f"{self.path}: file exists; pass overwrite=True to replace it")
@@ -68,7 +82,8 @@ class TrainingRecorder:
             raise BundleError(f"{self.path}: cannot create the training file: {err}") from err
         self._file.attrs.update({ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: 1, ATTR_MINOR: 0})
         self._write_named("/initial/params", {n: p.detach() for n, p in model.named_parameters()})
-        self._file.create_dataset("/initial/meta", data=pack({"optimizer": _hyper_parameters(optimizer)}))
+        meta = {"optimizer": _hyper_parameters(optimizer), "seed": seed, "every": self._every}
+        self._file.create_dataset("/initial/meta", data=pack(meta))
         self._file.flush()
 
     def _write(self, path: str, tensor: torch.Tensor) -> TensorRef:
@@ -78,7 +93,9 @@ class TrainingRecorder:
 
     def _write_named(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
-            self._write(f"{group}/{escape_dotted(name)}", tensor)
+            renamed = self._rename(name)
+            if renamed is not None:
+                self._write(f"{group}/{escape_dotted(renamed)}", tensor)
 
     def step(
         self,
@@ -93,13 +110,29 @@ class TrainingRecorder:
         """Record step ``step`` (after the optimizer's update) if it is one of the recorded steps.
 
         Returns:
-            Whether the step was recorded.
+            Whether the step was recorded in full (weights, gradients...).
         """
-        if step % self._every:
+        full = step % self._every == 0
+        if not (full or self._all_batches):
             return False
         group = f"/steps/{step:09d}"
         tree = encode_value(batch, "batch", functools.partial(self._store, f"{group}/batch"))
         named = dict(self._model.named_parameters())
+        if full:
+            self._write_state(group, named, predictions)
+        meta = {
+            "step": step,
+            "full": full,
+            "loss": None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
+            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()},
+            "sample_ids": [str(i) for i in sample_ids] if sample_ids is not None else None,
+            "batch": tree,
+        }
+        self._file.create_dataset(f"{group}/meta", data=pack(meta))  # written last: marks the step complete
+        self._file.flush()
+        return full
+
+    def _write_state(self, group: str, named: dict[str, torch.nn.Parameter], predictions: torch.Tensor | None) -> None:
         if self._params:
             self._write_named(f"{group}/params", {n: p.detach() for n, p in named.items()})
         if self._grads:
@@ -108,27 +141,18 @@ class TrainingRecorder:
             self._write_optimizer_state(f"{group}/optimizer", named)
         if predictions is not None:
             self._write(f"{group}/predictions", predictions.detach())
-        meta = {
-            "step": step,
-            "loss": None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
-            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()},
-            "sample_ids": [str(i) for i in sample_ids] if sample_ids is not None else None,
-            "batch": tree,
-        }
-        self._file.create_dataset(f"{group}/meta", data=pack(meta))  # written last: marks the step complete
-        self._file.flush()
-        return True
 
     def _store(self, group: str, slot: str, tensor: torch.Tensor) -> TensorRef:
         return self._write(f"{group}/{slot}", tensor)
 
     def _write_optimizer_state(self, group: str, named: dict[str, torch.nn.Parameter]) -> None:
         assert self._optimizer is not None
-        names = {id(p): n for n, p in named.items()}
+        names = {id(p): self._rename(n) for n, p in named.items()}
         for param, state in self._optimizer.state.items():
+            name = names.get(id(param))
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and id(param) in names:
-                    self._write(f"{group}/{escape_dotted(names[id(param)])}/{key}", value)
+                if isinstance(value, torch.Tensor) and name is not None:
+                    self._write(f"{group}/{escape_dotted(name)}/{key}", value)
 
     def close(self) -> None:
         """Flush and close the file."""
@@ -160,3 +184,30 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def record_training(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Any],
+    train_step: TrainStep,
+    out: str | os.PathLike[str],
+    *,
+    every: int = 1,
+    seed: int = 42,
+    overwrite: bool = False,
+) -> int:
+    """Train on ``batches`` (one step each), recording every batch and every ``every``-th step in full.
+
+    Returns:
+        The number of steps run.
+    """
+    seed_everything(seed)
+    model.train()
+    recorder = TrainingRecorder(
+        out, model, optimizer, every=every, optimizer_state=True, overwrite=overwrite, all_batches=True, seed=seed
+    )
+    with recorder:
+        for step, batch in enumerate(batches):
+            recorder.step(step, batch, loss=train_step(model, optimizer, batch))
+    return len(batches)

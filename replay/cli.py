@@ -134,6 +134,14 @@ def write_atomically(path: str, text: str, option: str) -> None:
     "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
+@click.option(
+    "--steps", "training", is_flag=True, help="The bundle is a training run: rerun the port's training on its batches."
+)
+@click.option(
+    "--resync",
+    is_flag=True,
+    help="With --steps: reset the port to the reference's weights and optimizer state before every step.",
+)
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 def main(
     bundle: str,
@@ -159,9 +167,19 @@ def main(
     noise_factor: float | None,
     mask_padding: bool,
     quiet: bool,
+    training: bool,
+    resync: bool,
     list_only: bool,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
+    if training or resync:
+        from replay.training_cli import replay_training  # the training side imports this module
+
+        with handle_errors("replay-compare", debug):
+            rename = read_map(map_file) if map_file else RenameMap()
+            driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+            code = replay_training(driver, driver.model(ckpt, device), bundle, rename, atol, rtol, resync, json_path)
+        sys.exit(code)
     with handle_errors("replay-compare", debug), BundleReader(bundle) as reader:
         if list_only:
             click.echo(render_listing(reader))

@@ -12,14 +12,18 @@ from typing import Any
 
 import h5py
 import numpy as np
+import torch
 
-from capture.training import TRAINING_FORMAT
-from common.dtypes import to_float64
-from common.errors import BundleFormatError, BundleNotFoundError
+from capture.driving import seed_everything
+from capture.training import TRAINING_FORMAT, TrainingRecorder, TrainStep
+from common.dtypes import from_storage, to_float64
+from common.errors import BundleFormatError, BundleNotFoundError, InputError
 from common.layout import ATTR_DTYPE, ATTR_FORMAT
 from common.packing import unpack
+from replay.mapping import RenameMap
+from replay.reader import rebuild
 
-__all__ = ["StepComparison", "TrainingComparison", "TrainingRun", "compare_training"]
+__all__ = ["StepComparison", "TrainingComparison", "TrainingRun", "compare_training", "rerun_training"]
 
 
 class TrainingRun:
@@ -51,9 +55,37 @@ class TrainingRun:
             return {}
         return {name: to_float64(np.asarray(ds[()]), str(ds.attrs[ATTR_DTYPE])) for name, ds in node.items()}
 
+    def exact(self, path: str) -> dict[str, torch.Tensor]:
+        """The tensors under a group (``initial/params``, ``steps/<n>/params``), bit-exact, by name."""
+        node = self._file.get(path)
+        if not isinstance(node, h5py.Group):
+            return {}
+        return {name: _tensor(ds) for name, ds in node.items() if isinstance(ds, h5py.Dataset)}
+
+    def optimizer_state(self, step: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter, the optimizer state recorded after ``step``."""
+        node = self._file.get(f"steps/{step:09d}/optimizer")
+        return {} if node is None else {name: self.exact(f"steps/{step:09d}/optimizer/{name}") for name in node}
+
+    def batch(self, step: int) -> Any:
+        """The batch fed at ``step``."""
+        return rebuild(self.meta[step]["batch"], lambda ref: _tensor(self._file[ref.path]))
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (0 when not recorded)."""
+        node = self._file.get("initial/meta")
+        meta = unpack(node[()], where=f"{self.path}:/initial/meta") if node is not None else {}
+        seed = meta.get("seed") if isinstance(meta, dict) else None
+        return seed if isinstance(seed, int) else 0
+
     def close(self) -> None:
         """Close the file."""
         self._file.close()
+
+    def full_steps(self) -> list[int]:
+        """Steps recorded with weights and gradients (not only their batch)."""
+        return [step for step, meta in sorted(self.meta.items()) if meta.get("full", True)]
 
     def __enter__(self) -> TrainingRun:
         return self
@@ -151,10 +183,9 @@ def compare_training(
 ) -> TrainingComparison:
     """Compare two runs at their common recorded steps (``params``: a regex selecting parameters)."""
     chosen = re.compile(params) if params else None
-    common = sorted(set(run_a.meta) & set(run_b.meta))
-    result = TrainingComparison(
-        only_a=sorted(set(run_a.meta) - set(run_b.meta)), only_b=sorted(set(run_b.meta) - set(run_a.meta))
-    )
+    full_a, full_b = set(run_a.full_steps()), set(run_b.full_steps())
+    common = sorted(full_a & full_b)
+    result = TrainingComparison(only_a=sorted(full_a - full_b), only_b=sorted(full_b - full_a))
     for step in common:
         meta_a, meta_b = run_a.meta[step], run_b.meta[step]
         weights_a, weights_b = (
@@ -180,3 +211,70 @@ def compare_training(
             )
         )
     return result
+
+
+def _tensor(dataset: h5py.Dataset) -> torch.Tensor:
+    return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
+
+
+def _load_parameters(named: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor], where: str) -> None:
+    missing = sorted(set(named) - set(values))
+    if missing:
+        raise InputError(f"{where}: no recorded values for parameters {missing[:5]}; check --map")
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(values[name])
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter], state: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Give the port's optimizer the reference's per-parameter state (Adam moments, step counts)."""
+    names = {id(param): name for name, param in named.items()}
+    ordered = [param for group in optimizer.param_groups for param in group["params"]]
+    current = optimizer.state_dict()
+    current["state"] = {
+        index: {key: value.clone() for key, value in state.get(names.get(id(param), ""), {}).items()}
+        for index, param in enumerate(ordered)
+        if names.get(id(param)) in state
+    }
+    optimizer.load_state_dict(current)
+
+
+def rerun_training(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_step: TrainStep,
+    run: TrainingRun,
+    out: str | os.PathLike[str],
+    *,
+    resync: bool = False,
+    rename: RenameMap | None = None,
+) -> None:
+    """Train the port from the reference's initial weights on the reference's batches, recording into ``out``.
+
+    With ``resync``, before every step the port takes the reference's weights and optimizer state
+    recorded after the previous step, so each step's error is that step's own.
+    """
+    rename = rename or RenameMap()
+    named = {mapped: p for n, p in model.named_parameters() if (mapped := rename.parameter(n)) is not None}
+    steps = sorted(run.meta)
+    if steps != list(range(len(steps))):
+        raise InputError(
+            f"{run.path}: holds the batches of steps {steps[:5]}...; a rerun needs every step's batch "
+            "(record with capture-run --steps, or TrainingRecorder(all_batches=True))"
+        )
+    _load_parameters(named, run.exact("initial/params"), f"{run.path}:/initial/params")
+    seed_everything(run.seed)
+    model.train()
+    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=rename.parameter)
+    with recorder:
+        for step in steps:
+            previous = step - 1
+            if resync and previous >= 0 and run.meta[previous].get("full", True):
+                _load_parameters(named, run.exact(f"steps/{previous:09d}/params"), f"{run.path}: step {previous}")
+                _load_optimizer(optimizer, named, run.optimizer_state(previous))
+            batch = run.batch(step)
+            loss = train_step(model, optimizer, batch)
+            if run.meta[step].get("full", True):
+                recorder.step(step, batch, loss=loss)

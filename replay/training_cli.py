@@ -11,15 +11,20 @@ import io
 import json
 import math
 import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import click
 from tabulate import tabulate
 
+from capture.adapters import Adapter
 from capture.cli import OneLineErrors, handle_errors
 from replay.cli import Tol, write_atomically
-from replay.training import StepComparison, TrainingComparison, TrainingRun, compare_training
+from replay.mapping import RenameMap
+from replay.training import StepComparison, TrainingComparison, TrainingRun, compare_training, rerun_training
 
-__all__ = ["main", "render_csv", "render_table"]
+__all__ = ["main", "render_csv", "render_table", "replay_training"]
 
 
 def _number(value: float | None) -> str:
@@ -92,6 +97,30 @@ def render_csv(result: TrainingComparison) -> str:
     writer.writerow(header)
     writer.writerows(_csv_row(step, metric_names) for step in result.steps)
     return buffer.getvalue()
+
+
+def replay_training(
+    driver: Adapter,
+    model: Any,
+    bundle: str,
+    rename: RenameMap,
+    atol: float,
+    rtol: float,
+    resync: bool,
+    json_path: str | None,
+) -> int:
+    """``replay-compare --steps``: rerun the port's training on a recorded run and compare; the exit code."""
+    make_optimizer, train_step = driver.training()
+    with TrainingRun(bundle) as run, tempfile.TemporaryDirectory(prefix="parity-train-") as folder:
+        port_path = Path(folder) / "port.h5"
+        rerun_training(model, make_optimizer(model), train_step, run, port_path, resync=resync, rename=rename)
+        with TrainingRun(port_path) as port:
+            result = compare_training(run, port, atol=atol, rtol=rtol)
+    click.echo(("resynced before every step: each step's error is its own\n" if resync else "") + render_table(result))
+    if json_path:
+        document = {**result.to_json(), "resync": resync}
+        write_atomically(json_path, json.dumps(document, indent=2, allow_nan=False) + "\n", "--json")
+    return 0 if result.first_diverging_step is None else 1
 
 
 @click.command("parity-train-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

@@ -164,3 +164,125 @@ def test_not_a_training_file_is_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, [str(bogus), str(bogus)])
     assert result.exit_code == 2
     assert len(result.stderr.splitlines()) == 1
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _reference(tmp_path: Path, make: OptimizerFactory, every: int = 1) -> Path:
+    from capture.training import record_training
+
+    model = _model()
+    batches = [{"x": x, "y": y} for _, x, y in _batches()]
+    path = tmp_path / "reference.h5"
+    record_training(model, make(model), batches, _train_step, path, every=every, seed=3)
+    return path
+
+
+def _rerun(reference: Path, tmp_path: Path, make: OptimizerFactory, resync: bool = False):
+    from replay.training import rerun_training
+
+    torch.manual_seed(123)  # the port starts from other weights: the rerun must load the reference's
+    port = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    out = tmp_path / f"port_{resync}.h5"
+    with TrainingRun(reference) as run:
+        rerun_training(port, make(port), _train_step, run, out, resync=resync)
+    with TrainingRun(reference) as run_a, TrainingRun(out) as run_b:
+        return compare_training(run_a, run_b)
+
+
+@pytest.mark.parametrize("make", [sgd, adamw()], ids=["sgd", "adamw"])
+def test_rerun_of_an_identical_port_matches(tmp_path: Path, make: OptimizerFactory) -> None:
+    """The port's training rerun from the reference's weights on its batches matches at every recorded step."""
+    result = _rerun(_reference(tmp_path, make, every=2), tmp_path, make)
+    assert [s.step for s in result.steps] == [0, 2, 4]
+    assert result.first_diverging_step is None
+
+
+def test_optimizer_bug_drifts_and_resync_localises_it(tmp_path: Path) -> None:
+    """Another AdamW epsilon: chained, the error grows from step 0; with resync every step is flagged on its own."""
+    reference = _reference(tmp_path, adamw(1e-8))
+    chained = _rerun(reference, tmp_path, adamw(1e-3))
+    assert chained.first_diverging_step == 0
+    drift = [step.weight_l2 for step in chained.steps]
+    assert drift == sorted(drift)  # the error accumulates step after step
+    local = _rerun(reference, tmp_path, adamw(1e-3), resync=True)
+    assert not any(step.match for step in local.steps)  # every update is wrong on its own
+    for own, accumulated in zip(local.steps[1:], chained.steps[1:], strict=True):
+        assert own.loss_b == own.loss_a  # the step started from the reference's weights
+        assert own.weight_l2 < accumulated.weight_l2
+
+
+def test_rerun_needs_every_batch(tmp_path: Path) -> None:
+    """A run that recorded only every other step's batch cannot be rerun, and says how to record one."""
+    from common.errors import InputError
+    from replay.training import rerun_training
+
+    sparse = train(tmp_path / "sparse.h5", sgd, every=2)
+    model = _model()
+    with TrainingRun(sparse) as run, pytest.raises(InputError, match="every step's batch"):
+        rerun_training(model, sgd(model), _train_step, run, tmp_path / "out.h5")
+
+
+TRAINING_ADAPTER = """
+import torch
+from torch import nn
+
+EPS = {eps}
+
+
+def load_model(ckpt, device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+
+
+def make_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.05, eps=EPS)
+
+
+def make_batches(seed, steps, batch_size, seq_len):
+    generator = torch.Generator().manual_seed(seed)
+    return [{{"x": torch.randn(batch_size, 4, generator=generator),
+              "y": torch.randint(0, 3, (batch_size,), generator=generator)}} for _ in range(steps)]
+
+
+def train_step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+    loss.backward()
+    optimizer.step()
+    return loss
+"""
+
+
+def test_cli_capture_and_rerun_training(tmp_path: Path) -> None:
+    """capture-run --steps records a run; replay-compare --steps reruns a port on it, with and without --resync."""
+    from capture.cli import main as capture_main
+    from replay.cli import main as replay_main
+
+    for name, eps in (("reference", 1e-8), ("port_bug", 1e-3)):
+        (tmp_path / f"{name}.py").write_text(TRAINING_ADAPTER.format(eps=eps))
+    run = tmp_path / "run.h5"
+    captured = CliRunner().invoke(
+        capture_main, ["--adapter", str(tmp_path / "reference.py"), "--out", str(run), "--steps", "6", "--every", "2"]
+    )
+    assert captured.exit_code == 0, captured.output
+    same = CliRunner().invoke(
+        replay_main, ["--bundle", str(run), "--adapter", str(tmp_path / "reference.py"), "--steps"]
+    )
+    assert same.exit_code == 0, same.output
+    assert "all 3 common steps match" in same.stdout
+    report = tmp_path / "r.json"
+    for resync in (False, True):
+        args = ["--bundle", str(run), "--adapter", str(tmp_path / "port_bug.py"), "--steps", "--json", str(report)]
+        result = CliRunner().invoke(replay_main, [*args, *(["--resync"] if resync else [])])
+        assert result.exit_code == 1, result.output
+        document = json.loads(report.read_text())
+        assert document["first_diverging_step"] == 0
+        assert document["resync"] is resync
+        assert [s["match"] for s in document["steps"]] == [False, False, False]
