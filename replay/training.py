@@ -49,11 +49,16 @@ class TrainingRun:
                 self.meta[int(key)] = meta  # type: ignore[assignment]
 
     def tensors(self, step: int, group: str) -> dict[str, np.ndarray]:
-        """``params`` / ``grads`` of a step as float64, by name."""
+        """``params`` / ``grads`` / ``optimizer`` / ``predictions`` of a step as float64, by (nested) name."""
         node = self._file.get(f"steps/{step:09d}/{group}")
-        if node is None:
-            return {}
-        return {name: to_float64(np.asarray(ds[()]), str(ds.attrs[ATTR_DTYPE])) for name, ds in node.items()}
+        if isinstance(node, h5py.Dataset):
+            return {group: _float64(node)}
+        found: dict[str, np.ndarray] = {}
+        if isinstance(node, h5py.Group):
+            node.visititems(
+                lambda name, item: found.update({name: _float64(item)}) if isinstance(item, h5py.Dataset) else None
+            )
+        return found
 
     def exact(self, path: str) -> dict[str, torch.Tensor]:
         """The tensors under a group (``initial/params``, ``steps/<n>/params``), bit-exact, by name."""
@@ -108,6 +113,8 @@ class StepComparison:
     metrics: dict[str, tuple[float, float]]
     batch_order_differs: bool
     worst_param: str | None
+    others: dict[str, float] = field(default_factory=dict)
+    """Max abs difference of the step's ``grads``, ``optimizer`` state and ``predictions`` (when both recorded)."""
 
     def to_json(self) -> dict[str, object]:
         """The per-step JSON object."""
@@ -125,6 +132,7 @@ class StepComparison:
             "weight_max_abs": finite(self.weight_max_abs),
             "batch_order_differs": self.batch_order_differs,
             "worst_param": self.worst_param,
+            **{f"{group}_max_abs": finite(value) for group, value in self.others.items()},
             "metrics": {k: {"a": finite(a), "b": finite(b)} for k, (a, b) in self.metrics.items()},
         }
 
@@ -172,6 +180,15 @@ def _weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float,
     return math.sqrt(squared), cosine, worst, worst_name
 
 
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b), initial=0.0)) if a.shape == b.shape else math.inf
+
+
+def _all_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], atol: float, rtol: float) -> bool:
+    """Every tensor both sides have is within tolerance (the rule of replay-compare, reference ``a``)."""
+    return all(a[n].shape == b[n].shape and np.allclose(b[n], a[n], atol=atol, rtol=rtol) for n in a if n in b)
+
+
 def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -196,21 +213,30 @@ def compare_training(
         metrics = {k: (v, meta_b["metrics"].get(k, math.nan)) for k, v in meta_a["metrics"].items()}
         ids_a, ids_b = meta_a.get("sample_ids"), meta_b.get("sample_ids")
         order_differs = ids_a is not None and ids_b is not None and ids_a != ids_b
-        weights_ok = math.isnan(max_abs) or all(
-            np.allclose(weights_b[n], weights_a[n], atol=atol, rtol=rtol) for n in weights_a if n in weights_b
-        )
+        weights_ok = _all_close(weights_a, weights_b, atol, rtol)
+        others, others_ok = {}, True
+        for group in ("grads", "optimizer", "predictions"):
+            values_a, values_b = run_a.tensors(step, group), run_b.tensors(step, group)
+            if values_a and values_b:
+                others[group] = max(_max_abs(values_a[n], values_b[n]) for n in values_a if n in values_b)
+                others_ok = others_ok and _all_close(values_a, values_b, atol, rtol)
         match = (
             weights_ok
+            and others_ok
             and not order_differs
             and _close(meta_a["loss"], meta_b["loss"], atol, rtol)
             and all(_close(a, b, atol, rtol) for a, b in metrics.values())
         )
         result.steps.append(
             StepComparison(
-                step, match, meta_a["loss"], meta_b["loss"], l2, cosine, max_abs, metrics, order_differs, worst
+                step, match, meta_a["loss"], meta_b["loss"], l2, cosine, max_abs, metrics, order_differs, worst, others
             )
         )
     return result
+
+
+def _float64(dataset: h5py.Dataset) -> np.ndarray:
+    return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
 
 
 def _tensor(dataset: h5py.Dataset) -> torch.Tensor:

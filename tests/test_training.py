@@ -83,6 +83,8 @@ def test_identical_runs_match_at_every_step(tmp_path: Path, make: OptimizerFacto
     assert document["first_diverging_step"] is None
     assert [s["step"] for s in document["steps"]] == [0, 1, 2, 3, 4, 5]
     assert set(document["steps"][0]) >= {"step", "match", "loss_a", "loss_b", "weight_l2", "weight_cosine"}
+    first = document["steps"][0]
+    assert first["grads_max_abs"] == first["optimizer_max_abs"] == first["predictions_max_abs"] == 0
 
 
 def test_optimizer_epsilon_diverges_at_the_first_update(tmp_path: Path) -> None:
@@ -93,6 +95,8 @@ def test_optimizer_epsilon_diverges_at_the_first_update(tmp_path: Path) -> None:
     assert result.first_diverging_step == 0
     assert result.steps[0].loss_a == result.steps[0].loss_b  # the loss is computed before the update
     assert result.steps[0].weight_l2 > 0
+    assert result.steps[0].others["grads"] == 0  # same weights before the first update: same gradients
+    assert result.steps[1].others["grads"] > 0  # then they follow the diverged weights
 
 
 def test_weight_decay_on_biases_found_with_a_parameter_filter(tmp_path: Path) -> None:
