@@ -106,6 +106,8 @@ class TrainingRecorder:
         metrics: dict[str, float] | None = None,
         predictions: torch.Tensor | None = None,
         sample_ids: list[Any] | None = None,
+        labels: torch.Tensor | None = None,
+        epoch: int | None = None,
     ) -> bool:
         """Record step ``step`` (after the optimizer's update) if it is one of the recorded steps.
 
@@ -120,8 +122,11 @@ class TrainingRecorder:
         named = dict(self._model.named_parameters())
         if full:
             self._write_state(group, named, predictions)
+            if labels is not None:
+                self._write(f"{group}/labels", labels.detach())
         meta = {
             "step": step,
+            "epoch": epoch,
             "full": full,
             "loss": None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
             "metrics": {str(k): float(v) for k, v in (metrics or {}).items()},

@@ -23,7 +23,14 @@ from common.packing import unpack
 from replay.mapping import RenameMap
 from replay.reader import rebuild
 
-__all__ = ["StepComparison", "TrainingComparison", "TrainingRun", "compare_training", "rerun_training"]
+__all__ = [
+    "StepComparison",
+    "TrainingComparison",
+    "TrainingRun",
+    "compare_training",
+    "prediction_rows",
+    "rerun_training",
+]
 
 
 class TrainingRun:
@@ -178,6 +185,43 @@ def _weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float,
         dot, norm_a, norm_b = dot + float(np.dot(x, y)), norm_a + float(np.dot(x, x)), norm_b + float(np.dot(y, y))
     cosine = dot / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else 1.0
     return math.sqrt(squared), cosine, worst, worst_name
+
+
+def prediction_rows(run_a: TrainingRun, run_b: TrainingRun) -> list[list[object]]:
+    """One row per sample of every common step with predictions: the per-sample view of two runs.
+
+    Columns: step, epoch, sample_idx, sample_id A/B, label, argmax A/B, max |logit diff|, logits A...,
+    logits B... (flattened per sample).
+    """
+    rows: list[list[object]] = []
+    for step in sorted(set(run_a.full_steps()) & set(run_b.full_steps())):
+        preds_a = run_a.tensors(step, "predictions").get("predictions")
+        preds_b = run_b.tensors(step, "predictions").get("predictions")
+        if preds_a is None or preds_b is None or preds_a.shape != preds_b.shape or preds_a.ndim == 0:
+            continue
+        labels = run_a.tensors(step, "labels").get("labels")
+        ids_a = run_a.meta[step].get("sample_ids") or [""] * len(preds_a)
+        ids_b = run_b.meta[step].get("sample_ids") or [""] * len(preds_b)
+        for index, (a, b) in enumerate(
+            zip(preds_a.reshape(len(preds_a), -1), preds_b.reshape(len(preds_b), -1), strict=True)
+        ):
+            label = "" if labels is None or index >= len(labels) else int(labels[index])
+            rows.append(
+                [
+                    step,
+                    run_a.meta[step].get("epoch", ""),
+                    index,
+                    ids_a[index],
+                    ids_b[index],
+                    label,
+                    int(np.argmax(a)),
+                    int(np.argmax(b)),
+                    float(np.max(np.abs(a - b))),
+                    *a.tolist(),
+                    *b.tolist(),
+                ]
+            )
+    return rows
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:

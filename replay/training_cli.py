@@ -22,7 +22,14 @@ from capture.adapters import Adapter
 from capture.cli import OneLineErrors, handle_errors
 from replay.cli import Tol, write_atomically
 from replay.mapping import RenameMap
-from replay.training import StepComparison, TrainingComparison, TrainingRun, compare_training, rerun_training
+from replay.training import (
+    StepComparison,
+    TrainingComparison,
+    TrainingRun,
+    compare_training,
+    prediction_rows,
+    rerun_training,
+)
 
 __all__ = ["main", "render_csv", "render_table", "replay_training"]
 
@@ -123,6 +130,29 @@ def replay_training(
     return 0 if result.first_diverging_step is None else 1
 
 
+def render_predictions_csv(run_a: TrainingRun, run_b: TrainingRun) -> str:
+    """The per-sample predictions of both runs as CSV (see :func:`replay.training.prediction_rows`)."""
+    rows = prediction_rows(run_a, run_b)
+    width = (len(rows[0]) - 9) // 2 if rows else 0
+    header = [
+        "step",
+        "epoch",
+        "sample_idx",
+        "sample_id_a",
+        "sample_id_b",
+        "label",
+        "argmax_a",
+        "argmax_b",
+        "max_abs_diff",
+    ]
+    header += [f"logit_a_{i}" for i in range(width)] + [f"logit_b_{i}" for i in range(width)]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
 @click.command("parity-train-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_a", type=click.Path(dir_okay=False))
 @click.argument("run_b", type=click.Path(dir_okay=False))
@@ -133,6 +163,11 @@ def replay_training(
 )
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the per-step time series here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
+@click.option(
+    "--predictions-csv",
+    type=click.Path(dir_okay=False),
+    help="Also write one row per sample: ids, label, argmax and logits of both runs.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(
     run_a: str,
@@ -142,6 +177,7 @@ def main(
     params_regex: str | None,
     csv_path: str | None,
     json_path: str | None,
+    predictions_csv: str | None,
     debug: bool,
 ) -> None:
     """Compare two training runs recorded with capture.TrainingRecorder, step by step."""
@@ -152,4 +188,6 @@ def main(
             write_atomically(csv_path, render_csv(result), "--csv")
         if json_path:
             write_atomically(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
+        if predictions_csv:
+            write_atomically(predictions_csv, render_predictions_csv(a, b), "--predictions-csv")
     sys.exit(0 if result.first_diverging_step is None else 1)

@@ -53,7 +53,14 @@ def train(path: Path, make_optimizer: OptimizerFactory, order: list[int] | None 
             optimizer.step()
             accuracy = float((logits.argmax(-1) == y).float().mean())
             recorder.step(
-                step, {"x": x, "y": y}, loss=loss, metrics={"accuracy": accuracy}, predictions=logits, sample_ids=ids
+                step,
+                {"x": x, "y": y},
+                loss=loss,
+                metrics={"accuracy": accuracy},
+                predictions=logits,
+                sample_ids=ids,
+                labels=y,
+                epoch=0,
             )
     return path
 
@@ -290,3 +297,18 @@ def test_cli_capture_and_rerun_training(tmp_path: Path) -> None:
         assert document["first_diverging_step"] == 0
         assert document["resync"] is resync
         assert [s["match"] for s in document["steps"]] == [False, False, False]
+
+
+def test_predictions_csv_per_sample(tmp_path: Path) -> None:
+    """--predictions-csv: one row per sample with ids, label, argmax and logits of both runs."""
+    a = train(tmp_path / "a.h5", adamw(1e-8), every=3)
+    b = train(tmp_path / "b.h5", adamw(1e-3), every=3)
+    table = tmp_path / "predictions.csv"
+    assert CliRunner().invoke(main, [str(a), str(b), "--predictions-csv", str(table)]).exit_code == 1
+    rows = [line.split(",") for line in table.read_text().splitlines()]
+    header = ["step", "epoch", "sample_idx", "sample_id_a", "sample_id_b", "label", "argmax_a", "argmax_b"]
+    assert rows[0][:8] == header
+    assert len(rows[0]) == 9 + 2 * 3  # max_abs_diff, then three logits per run
+    assert len(rows) == 1 + 2 * 5  # steps 0 and 3, five samples each
+    assert rows[1][:5] == ["0", "0", "0", "sample-0-0", "sample-0-0"]
+    assert float(rows[6][8]) > 0  # step 3: the predictions have moved apart
