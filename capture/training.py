@@ -82,7 +82,8 @@ class TrainingRecorder:
             raise BundleError(f"{self.path}: cannot create the training file: {err}") from err
         self._file.attrs.update({ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: 1, ATTR_MINOR: 0})
         self._write_named("/initial/params", {n: p.detach() for n, p in model.named_parameters()})
-        meta = {"optimizer": _hyper_parameters(optimizer), "seed": seed, "every": self._every}
+        order = [renamed for n, _ in model.named_parameters() if (renamed := self._rename(n)) is not None]
+        meta = {"optimizer": _hyper_parameters(optimizer), "seed": seed, "every": self._every, "parameters": order}
         self._file.create_dataset("/initial/meta", data=pack(meta))
         self._file.flush()
 

@@ -83,13 +83,22 @@ class TrainingRun:
         """The batch fed at ``step``."""
         return rebuild(self.meta[step]["batch"], lambda ref: _tensor(self._file[ref.path]))
 
+    def _initial_meta(self) -> dict[str, Any]:
+        node = self._file.get("initial/meta")
+        meta = unpack(node[()], where=f"{self.path}:/initial/meta") if node is not None else {}
+        return meta if isinstance(meta, dict) else {}
+
     @property
     def seed(self) -> int:
         """The run's seed (0 when not recorded)."""
-        node = self._file.get("initial/meta")
-        meta = unpack(node[()], where=f"{self.path}:/initial/meta") if node is not None else {}
-        seed = meta.get("seed") if isinstance(meta, dict) else None
+        seed = self._initial_meta().get("seed")
         return seed if isinstance(seed, int) else 0
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """Parameter names in the model's order (``named_parameters``)."""
+        names = self._initial_meta().get("parameters")
+        return [str(n) for n in names] if isinstance(names, list) else list(self.exact("initial/params"))
 
     def close(self) -> None:
         """Close the file."""
@@ -224,6 +233,29 @@ def prediction_rows(run_a: TrainingRun, run_b: TrainingRun) -> list[list[object]
     return rows
 
 
+class _Names:
+    """A parameter filter over a fixed set of names (``head`` / ``backbone``)."""
+
+    def __init__(self, names: set[str], keep: bool) -> None:
+        self.names, self.keep = names, keep
+
+    def search(self, name: str) -> bool:
+        return (name in self.names) == self.keep
+
+
+def _parameter_filter(params: str | None, names: list[str]) -> re.Pattern[str] | _Names | None:
+    if params in (None, "", "all"):
+        return None
+    if params in ("head", "backbone"):
+        tops = [name.split(".", 1)[0] for name in names]
+        head = {name for name, top in zip(names, tops, strict=True) if tops and top == tops[-1]}
+        return _Names(head, keep=params == "head")
+    try:
+        return re.compile(params)
+    except re.error as err:
+        raise InputError(f"--params {params!r}: not all, head, backbone or a valid regex ({err})") from err
+
+
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b), initial=0.0)) if a.shape == b.shape else math.inf
 
@@ -242,8 +274,12 @@ def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
 def compare_training(
     run_a: TrainingRun, run_b: TrainingRun, *, atol: float = 1e-5, rtol: float = 1e-5, params: str | None = None
 ) -> TrainingComparison:
-    """Compare two runs at their common recorded steps (``params``: a regex selecting parameters)."""
-    chosen = re.compile(params) if params else None
+    """Compare two runs at their common recorded steps.
+
+    ``params`` selects the parameters whose weights are compared: ``all`` (default), ``head`` (the
+    last top-level module, e.g. a classifier), ``backbone`` (everything else), or a regex.
+    """
+    chosen = _parameter_filter(params, run_a.parameter_names)
     full_a, full_b = set(run_a.full_steps()), set(run_b.full_steps())
     common = sorted(full_a & full_b)
     result = TrainingComparison(only_a=sorted(full_a - full_b), only_b=sorted(full_b - full_a))

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from capture.training import TrainingRecorder
-from replay.training import TrainingRun, compare_training
+from replay.training import TrainingRun, _parameter_filter, compare_training
 from replay.training_cli import main
 from tests.conftest import ROOT
 
@@ -312,3 +312,21 @@ def test_predictions_csv_per_sample(tmp_path: Path) -> None:
     assert len(rows) == 1 + 2 * 5  # steps 0 and 3, five samples each
     assert rows[1][:5] == ["0", "0", "0", "sample-0-0", "sample-0-0"]
     assert float(rows[6][8]) > 0  # step 3: the predictions have moved apart
+
+
+@pytest.mark.parametrize(
+    ("params", "first", "compared"),
+    [("all", 0, 4), ("head", 0, 2), ("backbone", 0, 2), (r"\.weight$", 1, 2)],
+    ids=["all", "head", "backbone", "regex-weights"],
+)
+def test_named_parameter_filters(tmp_path: Path, params: str, first: int, compared: int) -> None:
+    """all / head (the last top-level module) / backbone / a regex select the weights compared."""
+    a, b = train(tmp_path / "a.h5", adamw()), train(tmp_path / "b.h5", adamw(decay_biases=True))
+    with TrainingRun(a) as run_a, TrainingRun(b) as run_b:
+        result = compare_training(run_a, run_b, params=params)
+        selected = _parameter_filter(params, run_a.parameter_names)
+        names = [n for n in run_a.parameter_names if selected is None or selected.search(n)]
+    assert result.first_diverging_step == first  # a bias-decay bug: biases at step 0, weights from step 1
+    assert len(names) == compared
+    if params == "head":
+        assert names == ["2.weight", "2.bias"]
