@@ -5,13 +5,15 @@ matplotlib is an optional extra (``pip install parity-harness[plot]``) and is im
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Final, Literal
 
 from common.errors import InputError
 from replay.compare import ComparisonResult, RecordResult
+from replay.training import TrainingComparison
 
-__all__ = ["plot_errors"]
+__all__ = ["plot_errors", "plot_training"]
 
 _FLOOR: Final = 1e-12
 """Exact matches are drawn here so that a log axis can show them."""
@@ -63,6 +65,50 @@ def plot_errors(result: ComparisonResult, path: str | os.PathLike[str]) -> None:
     panels[-1].set_xlabel("record")
     try:
         figure.savefig(path, dpi=110)
+    except OSError as err:
+        raise InputError(f"--plot {path}: cannot write the image: {err}") from err
+    finally:
+        pyplot.close(figure)
+
+
+def plot_training(result: TrainingComparison, path: str | os.PathLike[str]) -> None:
+    """Weight divergence and cosine, loss of both runs and its difference, and each metric, over steps."""
+    pyplot = _load_pyplot()
+    steps = [s.step for s in result.steps]
+    metrics = sorted({name for s in result.steps for name in s.metrics})
+    figure, panels = pyplot.subplots(3 + len(metrics), 1, figsize=(10, 3 * (3 + len(metrics))), constrained_layout=True)
+    panels[0].plot(steps, [s.weight_l2 for s in result.steps], ".-", label="weight L2 distance")
+    panels[0].legend(loc="upper left")
+    cosine = panels[0].twinx()
+    cosine.plot(steps, [s.weight_cosine for s in result.steps], "x--", color="grey", label="weight cosine")
+    cosine.legend(loc="upper right")
+    panels[1].plot(steps, [s.loss_a for s in result.steps], ".-", label="loss A")
+    panels[1].plot(steps, [s.loss_b for s in result.steps], "x-", label="loss B")
+    panels[1].legend()
+    diffs = [(s.loss_b - s.loss_a) if s.loss_a is not None and s.loss_b is not None else math.nan for s in result.steps]
+    panels[2].plot(steps, diffs, ".-", label="loss B - A")
+    panels[2].legend()
+    for axes, name in zip(panels[3:], metrics, strict=True):
+        axes.plot(
+            steps,
+            [s.metrics[name][0] if name in s.metrics else math.nan for s in result.steps],
+            ".-",
+            label=f"{name} A",
+        )
+        axes.plot(
+            steps,
+            [s.metrics[name][1] if name in s.metrics else math.nan for s in result.steps],
+            "x-",
+            label=f"{name} B",
+        )
+        axes.legend()
+    first = result.first_diverging_step
+    for axes in panels:
+        if first is not None:
+            axes.axvline(first, color="red", lw=1)
+    panels[-1].set_xlabel("step" + (f" (first diverging step {first} in red)" if first is not None else ""))
+    try:
+        figure.savefig(path, dpi=100)
     except OSError as err:
         raise InputError(f"--plot {path}: cannot write the image: {err}") from err
     finally:

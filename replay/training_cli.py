@@ -168,6 +168,9 @@ def render_predictions_csv(run_a: TrainingRun, run_b: TrainingRun) -> str:
     type=click.Path(dir_okay=False),
     help="Also write one row per sample: ids, label, argmax and logits of both runs.",
 )
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw the curves to this PNG (matplotlib)."
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(
     run_a: str,
@@ -178,6 +181,7 @@ def main(
     csv_path: str | None,
     json_path: str | None,
     predictions_csv: str | None,
+    plot_path: str | None,
     debug: bool,
 ) -> None:
     """Compare two training runs recorded with capture.TrainingRecorder, step by step."""
@@ -190,4 +194,8 @@ def main(
             write_atomically(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
         if predictions_csv:
             write_atomically(predictions_csv, render_predictions_csv(a, b), "--predictions-csv")
+        if plot_path:
+            from replay.plot import plot_training
+
+            plot_training(result, plot_path)
     sys.exit(0 if result.first_diverging_step is None else 1)

@@ -144,20 +144,31 @@ from capture.training import TrainingRecorder
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-recorder = TrainingRecorder(sys.argv[1], model, optimizer)
+recorder = TrainingRecorder(sys.argv[1], model, optimizer, all_batches=True, seed=0)
 for step in range(10):
+    x = torch.randn(3, 4)
     optimizer.zero_grad()
-    loss = model(torch.randn(3, 4)).square().mean()
+    loss = model(x).square().mean()
     loss.backward()
     optimizer.step()
-    recorder.step(step, loss=loss)
+    recorder.step(step, x, loss=loss)
     if step == 2:
         os._exit(1)  # killed: no close, no cleanup
 """
 
 
+def _square_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def test_run_killed_between_steps_stays_readable(tmp_path: Path) -> None:
-    """A process killed after step 2 leaves steps 0-2 readable."""
+    """A process killed after step 2 leaves steps 0-2 readable, and a port's training reruns on them."""
+    from replay.training import rerun_training
+
     path = tmp_path / "killed.h5"
     done = subprocess.run(
         [sys.executable, "-c", KILLED_RUN, str(path)], cwd=ROOT, capture_output=True, text=True, check=False
@@ -166,6 +177,12 @@ def test_run_killed_between_steps_stays_readable(tmp_path: Path) -> None:
     with TrainingRun(path) as run:
         assert sorted(run.meta) == [0, 1, 2]
         assert set(run.tensors(2, "params")) == {"weight", "bias"}
+        port = nn.Linear(4, 2)
+        rerun_training(port, torch.optim.SGD(port.parameters(), lr=0.1), _square_step, run, tmp_path / "port.h5")
+        with TrainingRun(tmp_path / "port.h5") as rerun:
+            result = compare_training(run, rerun, atol=0.0, rtol=0.0)
+    assert [s.step for s in result.steps] == [0, 1, 2]
+    assert result.first_diverging_step is None
 
 
 def test_not_a_training_file_is_one_line(tmp_path: Path) -> None:
@@ -330,3 +347,12 @@ def test_named_parameter_filters(tmp_path: Path, params: str, first: int, compar
     assert len(names) == compared
     if params == "head":
         assert names == ["2.weight", "2.bias"]
+
+
+def test_training_curves_png(tmp_path: Path) -> None:
+    """--plot draws weight divergence, losses and metrics over steps to a PNG."""
+    pytest.importorskip("matplotlib")
+    a, b = train(tmp_path / "a.h5", adamw(1e-8)), train(tmp_path / "b.h5", adamw(1e-3))
+    image = tmp_path / "curves.png"
+    assert CliRunner().invoke(main, [str(a), str(b), "--plot", str(image)]).exit_code == 1
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
