@@ -138,6 +138,9 @@ def write_atomically(path: str, text: str, option: str) -> None:
     "--steps", "training", is_flag=True, help="The bundle is a training run: rerun the port's training on its batches."
 )
 @click.option(
+    "--params", "params_filter", metavar="all|head|backbone|REGEX", help="With --steps: the weights compared."
+)
+@click.option(
     "--resync",
     is_flag=True,
     help="With --steps: reset the port to the reference's weights and optimizer state before every step.",
@@ -168,6 +171,7 @@ def main(
     mask_padding: bool,
     quiet: bool,
     training: bool,
+    params_filter: str | None,
     resync: bool,
     list_only: bool,
 ) -> None:
@@ -178,7 +182,8 @@ def main(
         with handle_errors("replay-compare", debug):
             rename = read_map(map_file) if map_file else RenameMap()
             driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
-            code = replay_training(driver, driver.model(ckpt, device), bundle, rename, atol, rtol, resync, json_path)
+            model = driver.model(ckpt, device)
+            code = replay_training(driver, model, bundle, rename, (atol, rtol), resync, json_path, params_filter)
         sys.exit(code)
     with handle_errors("replay-compare", debug), BundleReader(bundle) as reader:
         if list_only:

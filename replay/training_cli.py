@@ -111,10 +111,10 @@ def replay_training(
     model: Any,
     bundle: str,
     rename: RenameMap,
-    atol: float,
-    rtol: float,
+    tolerance: tuple[float, float],
     resync: bool,
     json_path: str | None,
+    params: str | None = None,
 ) -> int:
     """``replay-compare --steps``: rerun the port's training on a recorded run and compare; the exit code."""
     make_optimizer, train_step = driver.training()
@@ -122,7 +122,7 @@ def replay_training(
         port_path = Path(folder) / "port.h5"
         rerun_training(model, make_optimizer(model), train_step, run, port_path, resync=resync, rename=rename)
         with TrainingRun(port_path) as port:
-            result = compare_training(run, port, atol=atol, rtol=rtol)
+            result = compare_training(run, port, atol=tolerance[0], rtol=tolerance[1], params=params)
     click.echo(("resynced before every step: each step's error is its own\n" if resync else "") + render_table(result))
     if json_path:
         document = {**result.to_json(), "resync": resync}

@@ -314,6 +314,8 @@ def test_cli_capture_and_rerun_training(tmp_path: Path) -> None:
         assert document["first_diverging_step"] == 0
         assert document["resync"] is resync
         assert [s["match"] for s in document["steps"]] == [False, False, False]
+    args = ["--bundle", str(run), "--adapter", str(tmp_path / "reference.py"), "--steps", "--params", "head"]
+    assert CliRunner().invoke(replay_main, args).exit_code == 0
 
 
 def test_predictions_csv_per_sample(tmp_path: Path) -> None:
