@@ -1,0 +1,126 @@
+"""ckpt-diff: every kind of change reported with the right status and values, across formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from replay.checkpoint_diff import diff_checkpoints, load_tensors
+from replay.checkpoint_diff_cli import main
+from tests.cli_helpers import one_error_line
+
+
+def _base() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(10, 4, generator=generator),
+        "layers.0.attn.q_proj.weight": torch.randn(4, 4, generator=generator),
+        "layers.0.norm.weight": torch.ones(4),
+        "layers.0.mlp.fc.weight": torch.randn(8, 4, generator=generator),
+        "head.weight": torch.randn(3, 4, generator=generator),
+        "head.bias": torch.zeros(3),
+        "old.weight": torch.randn(2, generator=generator),
+        "half.weight": torch.randn(5, generator=generator).to(torch.bfloat16),
+    }
+
+
+def _changed() -> dict[str, torch.Tensor]:
+    tensors = {k: v.clone() for k, v in _base().items()}
+    tensors["layers.0.attn.q_proj.weight"] += 0.01  # changed everywhere
+    tensors["layers.0.mlp.fc.weight"][0, 0] = float("nan")  # NaN injected
+    tensors["head.weight"] = torch.randn(3, 5)  # shape change
+    tensors["head.bias"] = tensors["head.bias"].double()  # dtype change
+    del tensors["old.weight"]  # removed
+    tensors["new.weight"] = torch.ones(2)  # added
+    return tensors
+
+
+def test_every_change_has_its_status_and_values() -> None:
+    """Statuses and metrics match a numpy recomputation; unchanged tensors are called frozen."""
+    diff = diff_checkpoints(_base(), _changed())
+    status = {c.name: c.status for c in diff.tensors}
+    assert status == {
+        "embed.weight": "unchanged",
+        "layers.0.attn.q_proj.weight": "changed",
+        "layers.0.norm.weight": "unchanged",
+        "layers.0.mlp.fc.weight": "changed",
+        "head.weight": "shape_changed",
+        "head.bias": "dtype_changed",
+        "old.weight": "removed",
+        "new.weight": "added",
+        "half.weight": "unchanged",
+    }
+    q = next(c for c in diff.tensors if c.name == "layers.0.attn.q_proj.weight")
+    a = _base()["layers.0.attn.q_proj.weight"].double().numpy()
+    b = a + np.float32(0.01)
+    assert q.l2 == pytest.approx(np.linalg.norm(b - a), rel=1e-5)
+    assert q.relative_change == pytest.approx(np.linalg.norm(b - a) / np.linalg.norm(a), rel=1e-5)
+    assert q.fraction_changed == 1.0
+    assert q.layer_type == "attention"
+    fc = next(c for c in diff.tensors if c.name == "layers.0.mlp.fc.weight")
+    assert (fc.nan_a, fc.nan_b) == (0, 1)
+    assert not diff.equal
+
+
+def test_epsilon_include_exclude_and_map() -> None:
+    """--epsilon absorbs small changes; include/exclude filter names; a map renames B's tensors to A's."""
+    a, b = _base(), {k: v.clone() for k, v in _base().items()}
+    b["layers.0.attn.q_proj.weight"] += 1e-3
+    assert diff_checkpoints(a, b, epsilon=1e-2).equal
+    assert not diff_checkpoints(a, b).equal
+    assert {c.name for c in diff_checkpoints(a, b, include=r"^head").tensors} == {"head.weight", "head.bias"}
+    assert "embed.weight" not in {c.name for c in diff_checkpoints(a, b, exclude=r"embed").tensors}
+    from replay.mapping import parse_map
+
+    renamed = {("tok_emb.weight" if k == "embed.weight" else k): v for k, v in a.items()}
+    assert diff_checkpoints(a, renamed, rename=parse_map(r"^tok_emb$ => embed")).equal
+
+
+def test_same_weights_in_two_formats_are_equal(tmp_path: Path) -> None:
+    """A state dict .pt and the same tensors as safetensors and .npz compare equal (exit 0)."""
+    tensors = {k: v for k, v in _base().items() if v.dtype != torch.bfloat16}
+    torch.save({"state_dict": tensors}, tmp_path / "a.pt")
+    save_file(tensors, str(tmp_path / "b.safetensors"))
+    np.savez(tmp_path / "c.npz", **{k: v.numpy() for k, v in tensors.items()})
+    for other in ("b.safetensors", "c.npz"):
+        result = CliRunner().invoke(main, [str(tmp_path / "a.pt"), str(tmp_path / other)])
+        assert result.exit_code == 0, result.output
+        assert "RESULT: EQUAL" in result.stdout
+    assert set(load_tensors(tmp_path / "c.npz")) == set(tensors)
+
+
+def test_cli_json_contract_and_exit_1(tmp_path: Path) -> None:
+    """--format json holds equal and per-tensor status, l2, cosine, max_abs, nan counts; differences exit 1."""
+    save_file(_base(), str(tmp_path / "a.safetensors"))
+    save_file(_changed(), str(tmp_path / "b.safetensors"))
+    report = tmp_path / "diff.json"
+    result = CliRunner().invoke(
+        main,
+        [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--format", "json", "--out", str(report)],
+    )
+    assert result.exit_code == 1
+    document = json.loads(report.read_text())
+    assert document["equal"] is False
+    fc = next(t for t in document["tensors"] if t["name"] == "layers.0.mlp.fc.weight")
+    assert set(fc) >= {"name", "status", "l2", "cosine", "max_abs", "nan_a", "nan_b"}
+    assert fc["nan_b"] == 1
+    text = CliRunner().invoke(main, [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]).stdout
+    for expected in ("~ ", "+ ", "frozen (unchanged) tensors", "tensors with NaN/Inf", "layer type"):
+        assert expected in text
+
+
+def test_bundle_parameters_and_errors(tiny_bundle: Path, tmp_path: Path) -> None:
+    """A parity bundle's parameters diff against the model's state; a missing file is exit 2."""
+    from tests.models import build_tiny
+
+    torch.save(dict(build_tiny().named_parameters()), tmp_path / "tiny.pt")
+    assert CliRunner().invoke(main, [str(tiny_bundle), str(tmp_path / "tiny.pt")]).exit_code == 0
+    assert "no such checkpoint" in one_error_line(
+        "ckpt-diff", CliRunner().invoke(main, [str(tiny_bundle), str(tmp_path / "nope.pt")])
+    )
