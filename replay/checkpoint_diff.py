@@ -25,7 +25,7 @@ from common.version import FORMAT_NAME
 from replay.mapping import RenameMap
 from replay.reader import BundleReader
 
-__all__ = ["LAYER_TYPES", "CheckpointDiff", "TensorChange", "diff_checkpoints", "load_tensors"]
+__all__ = ["LAYER_TYPES", "CheckpointDiff", "TensorChange", "classify_changes", "diff_checkpoints", "load_tensors"]
 
 Status = Literal["changed", "unchanged", "added", "removed", "shape_changed", "dtype_changed"]
 SYMBOLS: Final[dict[str, str]] = {
@@ -206,7 +206,12 @@ class CheckpointDiff:
 
     def to_json(self) -> dict[str, object]:
         """The ``--format json`` document."""
-        return {"equal": self.equal, "counts": self.counts(), "tensors": [t.to_json() for t in self.tensors]}
+        return {
+            "equal": self.equal,
+            "counts": self.counts(),
+            "patterns": classify_changes(self),
+            "tensors": [t.to_json() for t in self.tensors],
+        }
 
 
 def _layer_type(name: str, patterns: tuple[tuple[str, str], ...]) -> str:
@@ -252,3 +257,48 @@ def require_tensors(tensors: dict[str, torch.Tensor], path: str) -> dict[str, to
     if not tensors:
         raise CheckpointError(f"{path}: holds no tensors")
     return tensors
+
+
+def _depth(name: str) -> int | None:
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return int(match.group(1)) if match else None
+
+
+def classify_changes(diff: CheckpointDiff) -> list[str]:
+    """Name the shape of the change: where it concentrates (by layer type, by depth, by tensor).
+
+    ``uniform`` (relative changes of similar size), ``gradient`` / ``inverse gradient`` (later /
+    earlier layers changed more), ``focused`` (a tenth of the tensors carry most of the change),
+    ``sparse`` (few tensors changed at all), ``attention-heavy`` / ``MLP-heavy`` /
+    ``embedding-heavy`` (that layer type carries most of the squared change).
+    """
+    compared = [c for c in diff.tensors if c.status in ("changed", "unchanged") and math.isfinite(c.relative_change)]
+    changed = [c for c in compared if c.status == "changed"]
+    if not changed:
+        return []
+    patterns = []
+    if len(changed) < 0.2 * len(compared):
+        patterns.append("sparse")
+    energy = sorted((c.l2**2 for c in changed if math.isfinite(c.l2)), reverse=True)
+    total = sum(energy)
+    if total > 0 and len(energy) >= 10 and sum(energy[: max(1, len(energy) // 10)]) > 0.8 * total:
+        patterns.append("focused")
+    ratios = np.array([c.relative_change for c in changed])
+    if len(ratios) >= 3 and ratios.mean() > 0 and ratios.std() < 0.5 * ratios.mean():
+        patterns.append("uniform")
+    depths = [(d, c.relative_change) for c in changed if (d := _depth(c.name)) is not None]
+    if len({d for d, _ in depths}) >= 3:
+        correlation = float(np.corrcoef([d for d, _ in depths], [r for _, r in depths])[0, 1])
+        if correlation > 0.5:
+            patterns.append("gradient")
+        elif correlation < -0.5:
+            patterns.append("inverse gradient")
+    by_type: dict[str, float] = {}
+    for change in changed:
+        if math.isfinite(change.l2):
+            by_type[change.layer_type] = by_type.get(change.layer_type, 0.0) + change.l2**2
+    heavy = {"attention": "attention-heavy", "mlp": "MLP-heavy", "embedding": "embedding-heavy"}
+    for kind, label in heavy.items():
+        if total > 0 and by_type.get(kind, 0.0) > 0.5 * total:
+            patterns.append(label)
+    return patterns

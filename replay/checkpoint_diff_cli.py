@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import math
@@ -17,6 +18,7 @@ from replay.checkpoint_diff import (
     SYMBOLS,
     CheckpointDiff,
     TensorChange,
+    classify_changes,
     diff_checkpoints,
     load_tensors,
     require_tensors,
@@ -118,6 +120,9 @@ def _insights(diff: CheckpointDiff, sort_by: str, top: int) -> list[str]:
             ]
         )
     lines.append(tabulate(rows, headers=["layer type", "tensors", "differing", "mean rel change"]))
+    patterns = classify_changes(diff)
+    if patterns:
+        lines.append(f"change pattern: {', '.join(patterns)}")
     return [line for line in lines if line]
 
 
@@ -172,6 +177,17 @@ def render_markdown(diff: CheckpointDiff, *, sort_by: str, top: int) -> str:
     return "\n".join(["# Checkpoint diff", "", table, "", "```", *_insights(diff, sort_by, top), "```", ""])
 
 
+def render_html(diff: CheckpointDiff, *, sort_by: str, top: int) -> str:
+    """A self-contained HTML page: the table and the insights, every value escaped."""
+    shown = [c for c in diff.tensors if c.status != "unchanged"]
+    table = tabulate(_rows(shown), headers=_HEADERS, tablefmt="html", disable_numparse=True)
+    insights = html.escape("\n".join(_insights(diff, sort_by, top)))
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>Checkpoint diff</title></head><body>"
+        f"<h1>Checkpoint diff</h1>{table}<pre>{insights}</pre></body></html>\n"
+    )
+
+
 @click.command("ckpt-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint_a", type=click.Path())
 @click.argument("checkpoint_b", type=click.Path())
@@ -189,7 +205,7 @@ def render_markdown(diff: CheckpointDiff, *, sort_by: str, top: int) -> str:
 @click.option(
     "--format",
     "output_format",
-    type=click.Choice(["text", "json", "markdown", "csv"]),
+    type=click.Choice(["text", "json", "markdown", "csv", "html"]),
     default="text",
     show_default=True,
 )
@@ -228,6 +244,8 @@ def main(
             text = json.dumps(diff.to_json(), indent=2, allow_nan=False) + "\n"
         elif output_format == "csv":
             text = render_csv(diff)
+        elif output_format == "html":
+            text = render_html(diff, sort_by=sort_by, top=top)
         elif output_format == "markdown":
             text = render_markdown(diff, sort_by=sort_by, top=top)
         else:

@@ -124,3 +124,48 @@ def test_bundle_parameters_and_errors(tiny_bundle: Path, tmp_path: Path) -> None
     assert "no such checkpoint" in one_error_line(
         "ckpt-diff", CliRunner().invoke(main, [str(tiny_bundle), str(tmp_path / "nope.pt")])
     )
+
+
+def _layers(
+    scale_by_depth: float = 0.0, only: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    a = {}
+    for layer in range(6):
+        for part in ("attn.q_proj", "mlp.fc"):
+            a[f"layers.{layer}.{part}.weight"] = torch.randn(8, 8, generator=generator)
+    b = {}
+    for name, tensor in a.items():
+        layer = int(name.split(".")[1])
+        factor = 0.01 * (1 + scale_by_depth * layer)
+        b[name] = tensor * (1 + factor) if only is None or only in name else tensor.clone()
+    return a, b
+
+
+@pytest.mark.parametrize(
+    ("depth", "only", "expected"),
+    [(0.0, None, "uniform"), (2.0, None, "gradient"), (0.0, "attn", "attention-heavy")],
+    ids=["uniform", "deeper-layers-more", "attention-only"],
+)
+def test_change_patterns(depth: float, only: str | None, expected: str) -> None:
+    """The change pattern names how the change is spread: evenly, by depth, or by layer type."""
+    from replay.checkpoint_diff import classify_changes
+
+    a, b = _layers(depth, only)
+    assert expected in classify_changes(diff_checkpoints(a, b))
+
+
+def test_html_report_escapes_names(tmp_path: Path) -> None:
+    """--format html writes a page whose tensor names are escaped."""
+    a = {"x<script>.weight": torch.zeros(2)}
+    b = {"x<script>.weight": torch.ones(2)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    page = tmp_path / "diff.html"
+    result = CliRunner().invoke(
+        main, [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--format", "html", "--out", str(page)]
+    )
+    assert result.exit_code == 1
+    text = page.read_text()
+    assert text.startswith("<!doctype html>")
+    assert "<script>" not in text
