@@ -16,7 +16,8 @@ import struct
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections import ChainMap
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
@@ -27,7 +28,7 @@ import torch
 from common.dtypes import TAGS, from_storage, storage_dtype
 from common.errors import BundleFormatError, CheckpointError
 
-__all__ = ["Checkpoint", "CheckpointKind", "load_checkpoint", "read_safetensors"]
+__all__ = ["Checkpoint", "CheckpointKind", "LazySafetensors", "lazy_tensors", "load_checkpoint", "read_safetensors"]
 
 CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface", "pickled_module"]
 _STATE_DICT_KEYS: Final = ("state_dict", "model_state_dict", "model")
@@ -119,25 +120,72 @@ def _parse_safetensors_header(
     return entries
 
 
+class LazySafetensors(Mapping[str, torch.Tensor]):
+    """A ``.safetensors`` file's tensors, read one at a time on access.
+
+    The whole header is validated when the file is opened, before any tensor is read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with self.path.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: too short to be a safetensors file")
+            (header_size,) = struct.unpack("<Q", head)
+            if header_size > min(_MAX_SAFETENSORS_HEADER, size - 8):
+                raise CheckpointError(
+                    f"{self.path}: safetensors header claims {header_size} bytes; the file has {size}"
+                )
+            header = handle.read(header_size)
+        self._data_start = 8 + header_size
+        self._entries = _parse_safetensors_header(header, size - self._data_start, self.path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tag, shape, start, end = self._entries[name]
+        with self.path.open("rb") as handle:
+            handle.seek(self._data_start + start)
+            raw = handle.read(end - start)
+        try:
+            return from_storage(np.frombuffer(raw, dtype=storage_dtype(tag)).reshape(shape), tag)
+        except BundleFormatError as err:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: {err}") from err
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file (validating its header first) into CPU tensors."""
+    return dict(LazySafetensors(path))
+
+
+def lazy_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Mapping[str, torch.Tensor]:
+    """A checkpoint's named tensors, loaded as late as the format allows (for one-pair-at-a-time diffs).
+
+    Safetensors files and sharded Hugging Face safetensors folders are read tensor by tensor; zip
+    ``torch.save`` files are memory-mapped; other formats are loaded whole.
+    """
     file = Path(path)
-    data = file.read_bytes()
-    if len(data) < 8:
-        raise CheckpointError(f"{file}: too short to be a safetensors file")
-    (header_size,) = struct.unpack("<Q", data[:8])
-    if header_size > min(_MAX_SAFETENSORS_HEADER, len(data) - 8):
-        raise CheckpointError(f"{file}: safetensors header claims {header_size} bytes; the file has {len(data)}")
-    body = memoryview(data)[8 + header_size :]
-    entries = _parse_safetensors_header(data[8 : 8 + header_size], len(body), file)
-    tensors = {}
-    for name, (tag, shape, start, end) in entries.items():
-        array = np.frombuffer(body[start:end], dtype=storage_dtype(tag)).reshape(shape)
-        try:
-            tensors[name] = from_storage(array, tag)
-        except BundleFormatError as err:
-            raise CheckpointError(f"{file}: tensor {name!r}: {err}") from err
-    return tensors
+    if file.is_file():
+        with file.open("rb") as handle:
+            head = handle.read(16)
+        if _is_safetensors(head, file.stat().st_size):
+            return LazySafetensors(file)
+        if head.startswith(b"PK\x03\x04") and not _is_torchscript(file) and not trust_pickle:
+            try:
+                return _unwrap(torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
+            except Exception:
+                pass
+    elif (file / "config.json").is_file():
+        shards = _hf_weight_files(file)
+        if all(shard.suffix == ".safetensors" and shard.is_file() for shard in shards):
+            return ChainMap(*(LazySafetensors(shard) for shard in shards))  # type: ignore[arg-type]
+    return load_checkpoint(file, trust_pickle=trust_pickle).state_dict
 
 
 def _is_safetensors(head: bytes, size: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
@@ -18,7 +19,7 @@ import h5py
 import numpy as np
 import torch
 
-from capture.checkpoints import load_checkpoint
+from capture.checkpoints import lazy_tensors
 from common.dtypes import tag_of
 from common.errors import CheckpointError
 from common.version import FORMAT_NAME
@@ -45,7 +46,7 @@ LAYER_TYPES: Final[tuple[tuple[str, str], ...]] = (
 """Default layer-type patterns (first match wins; ``other`` otherwise), searched in the tensor name."""
 
 
-def load_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+def load_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Mapping[str, torch.Tensor]:
     """The named tensors of any supported checkpoint, an ``.npz`` or a parity bundle's parameters."""
     file = Path(path)
     if file.suffix == ".npz" and file.is_file():
@@ -57,7 +58,7 @@ def load_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) ->
         if is_bundle:
             with BundleReader(file) as reader:
                 return {name: reader.read_tensor(ref) for name, ref in reader.index.params.items()}
-    return load_checkpoint(file, trust_pickle=trust_pickle).state_dict
+    return lazy_tensors(file, trust_pickle=trust_pickle)
 
 
 def _stats(values: np.ndarray) -> tuple[float, float, float, float, int, int]:
@@ -219,8 +220,8 @@ def _layer_type(name: str, patterns: tuple[tuple[str, str], ...]) -> str:
 
 
 def diff_checkpoints(
-    tensors_a: dict[str, torch.Tensor],
-    tensors_b: dict[str, torch.Tensor],
+    tensors_a: Mapping[str, torch.Tensor],
+    tensors_b: Mapping[str, torch.Tensor],
     *,
     epsilon: float = 0.0,
     include: str | None = None,
@@ -229,30 +230,26 @@ def diff_checkpoints(
     layer_types: tuple[tuple[str, str], ...] = LAYER_TYPES,
 ) -> CheckpointDiff:
     """Compare two sets of named tensors (B's names renamed to A's by ``rename``), one pair at a time."""
-    if rename is not None:
-        renamed = {}
-        for name, tensor in tensors_b.items():
-            mapped = rename.parameter(name)
-            if mapped is not None:
-                renamed[mapped] = tensor
-        tensors_b = renamed
+    names_b = {name: name for name in tensors_b}
+    if rename is not None:  # rename the keys only: tensors are still read one pair at a time
+        names_b = {mapped: name for name in tensors_b if (mapped := rename.parameter(name)) is not None}
     keep = re.compile(include) if include else None
     drop = re.compile(exclude) if exclude else None
     result = CheckpointDiff()
-    for name in sorted(set(tensors_a) | set(tensors_b)):
+    for name in sorted(set(tensors_a) | set(names_b)):
         if (keep and not keep.search(name)) or (drop and drop.search(name)):
             continue
         kind = _layer_type(name, layer_types)
-        if name not in tensors_b:
+        if name not in names_b:
             result.tensors.append(TensorChange(name, "removed", kind, shape_a=tuple(tensors_a[name].shape)))
         elif name not in tensors_a:
-            result.tensors.append(TensorChange(name, "added", kind, shape_b=tuple(tensors_b[name].shape)))
+            result.tensors.append(TensorChange(name, "added", kind, shape_b=tuple(tensors_b[names_b[name]].shape)))
         else:
-            result.tensors.append(_compare(name, tensors_a[name], tensors_b[name], epsilon, kind))
+            result.tensors.append(_compare(name, tensors_a[name], tensors_b[names_b[name]], epsilon, kind))
     return result
 
 
-def require_tensors(tensors: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+def require_tensors(tensors: Mapping[str, torch.Tensor], path: str) -> Mapping[str, torch.Tensor]:
     """Refuse an empty checkpoint, which would make any comparison trivially equal."""
     if not tensors:
         raise CheckpointError(f"{path}: holds no tensors")
