@@ -10,7 +10,6 @@ compared (both sides) and the peak resident memory of the process.
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,8 @@ _DIFF = (
     "import sys, time; sys.path.insert(0, sys.argv[3]); "
     "from replay.checkpoint_diff import diff_checkpoints, load_tensors; t = time.perf_counter(); "
     "d = diff_checkpoints(load_tensors(sys.argv[1]), load_tensors(sys.argv[2])); "
-    "print(time.perf_counter() - t, d.counts())"
+    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
+    "print(time.perf_counter() - t, int(hwm) // 1024, d.counts())"
 )
 
 
@@ -46,9 +46,8 @@ def main() -> None:
         # The diff runs in a child process, so that the peak memory measured is the diff's own.
         command = [sys.executable, "-c", _DIFF, str(a_path), str(b_path), root]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
-    seconds_text, counts = done.stdout.strip().split(" ", 1)
-    seconds = float(seconds_text)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    seconds_text, peak_text, counts = done.stdout.strip().split(" ", 2)
+    seconds, peak = float(seconds_text), int(peak_text)  # VmHWM: the child's own peak since exec
     compared = 2 * options.megabytes / 1024
     print(
         f"two checkpoints of {options.megabytes} MB, {options.tensors} float32 tensors each; torch {torch.__version__}"
