@@ -169,3 +169,55 @@ def test_html_report_escapes_names(tmp_path: Path) -> None:
     text = page.read_text()
     assert text.startswith("<!doctype html>")
     assert "<script>" not in text
+
+
+def _write(tensors: dict[str, torch.Tensor], folder: Path, kind: str) -> Path:
+    """The tensors saved as a checkpoint of ``kind``."""
+    import io
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "pt":
+        torch.save({"model_state_dict": tensors}, folder / "w.pt")
+        return folder / "w.pt"
+    if kind == "safetensors":
+        save_file(tensors, str(folder / "w.safetensors"))
+        return folder / "w.safetensors"
+    if kind == "hf":
+        (folder / "config.json").write_text("{}")
+        save_file(tensors, str(folder / "model.safetensors"))
+        return folder
+    if kind == "npz":
+        np.savez(folder / "w.npz", **{k: v.numpy() for k, v in tensors.items()})
+        return folder / "w.npz"
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    with tarfile.open(folder / "w.nemo", "w") as archive:
+        for name, data in (("model_config.yaml", b"x: 1\n"), ("model_weights.ckpt", buffer.getvalue())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return folder / "w.nemo"
+
+
+@pytest.mark.parametrize("kind", ["pt", "safetensors", "hf", "nemo", "npz"])
+def test_every_change_kind_in_every_format(tmp_path: Path, kind: str) -> None:
+    """NaN, added, removed, shape, dtype, frozen and changed tensors get the same statuses in each format."""
+
+    def portable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # numpy has no bf16
+        return {k: v.float() if kind == "npz" and v.dtype == torch.bfloat16 else v for k, v in tensors.items()}
+
+    a = load_tensors(_write(portable(_base()), tmp_path / "a", kind))
+    b = load_tensors(_write(portable(_changed()), tmp_path / "b", kind))
+    status = {c.name: c.status for c in diff_checkpoints(a, b).tensors}
+    assert status == {
+        "embed.weight": "unchanged",
+        "layers.0.attn.q_proj.weight": "changed",
+        "layers.0.norm.weight": "unchanged",
+        "layers.0.mlp.fc.weight": "changed",
+        "head.weight": "shape_changed",
+        "head.bias": "dtype_changed",
+        "old.weight": "removed",
+        "new.weight": "added",
+        "half.weight": "unchanged",
+    }
