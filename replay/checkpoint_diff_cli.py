@@ -7,6 +7,7 @@ import html
 import io
 import json
 import math
+import re
 import sys
 from collections import defaultdict
 
@@ -15,6 +16,7 @@ from tabulate import tabulate
 
 from capture.cli import OneLineErrors, handle_errors
 from replay.checkpoint_diff import (
+    LAYER_TYPES,
     SYMBOLS,
     CheckpointDiff,
     TensorChange,
@@ -177,6 +179,22 @@ def render_markdown(diff: CheckpointDiff, *, sort_by: str, top: int) -> str:
     return "\n".join(["# Checkpoint diff", "", table, "", "```", *_insights(diff, sort_by, top), "```", ""])
 
 
+def _layer_types(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    parsed = []
+    for spec in specs:
+        name, sep, pattern = spec.partition("=")
+        if not sep or not name or not pattern:
+            raise click.BadParameter(
+                f"{spec!r}: expected NAME=REGEX, e.g. 'attention=attn|q_proj'", param_hint="--layer-type"
+            )
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise click.BadParameter(f"{spec!r}: invalid regex ({err})", param_hint="--layer-type") from err
+        parsed.append((name, pattern))
+    return tuple(parsed)
+
+
 def render_html(diff: CheckpointDiff, *, sort_by: str, top: int) -> str:
     """A self-contained HTML page: the table and the insights, every value escaped."""
     shown = [c for c in diff.tensors if c.status != "unchanged"]
@@ -214,6 +232,13 @@ def render_html(diff: CheckpointDiff, *, sort_by: str, top: int) -> str:
 @click.option(
     "--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many largest changes to list."
 )
+@click.option(
+    "--layer-type",
+    "layer_type_specs",
+    multiple=True,
+    metavar="NAME=REGEX",
+    help="Layer-type pattern searched in tensor names (repeatable; replaces the defaults; first match wins).",
+)
 @click.option("--show-unchanged", is_flag=True, help="Also list unchanged tensors in the table.")
 @click.option(
     "--trust-pickle", is_flag=True, help="Allow checkpoints that run code when unpickled (only files you trust)."
@@ -231,6 +256,7 @@ def main(
     sort_by: str,
     top: int,
     show_unchanged: bool,
+    layer_type_specs: tuple[str, ...],
     trust_pickle: bool,
     debug: bool,
 ) -> None:
@@ -239,7 +265,16 @@ def main(
         tensors_a = require_tensors(load_tensors(checkpoint_a, trust_pickle=trust_pickle), checkpoint_a)
         tensors_b = require_tensors(load_tensors(checkpoint_b, trust_pickle=trust_pickle), checkpoint_b)
         rename = read_map(map_file) if map_file else None
-        diff = diff_checkpoints(tensors_a, tensors_b, epsilon=epsilon, include=include, exclude=exclude, rename=rename)
+        layer_types = _layer_types(layer_type_specs) if layer_type_specs else LAYER_TYPES
+        diff = diff_checkpoints(
+            tensors_a,
+            tensors_b,
+            epsilon=epsilon,
+            include=include,
+            exclude=exclude,
+            rename=rename,
+            layer_types=layer_types,
+        )
         if output_format == "json":
             text = json.dumps(diff.to_json(), indent=2, allow_nan=False) + "\n"
         elif output_format == "csv":

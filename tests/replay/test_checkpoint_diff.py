@@ -221,3 +221,16 @@ def test_every_change_kind_in_every_format(tmp_path: Path, kind: str) -> None:
         "new.weight": "added",
         "half.weight": "unchanged",
     }
+
+
+def test_layer_type_patterns_are_configurable(tmp_path: Path) -> None:
+    """--layer-type NAME=REGEX replaces the default layer types; a bad spec is exit 2."""
+    save_file(_base(), str(tmp_path / "a.safetensors"))
+    save_file(_changed(), str(tmp_path / "b.safetensors"))
+    args = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--format", "json"]
+    result = CliRunner().invoke(main, [*args, "--layer-type", "projection=q_proj", "--layer-type", "classifier=^head"])
+    kinds = {t["name"]: t["layer_type"] for t in json.loads(result.stdout)["tensors"]}
+    assert kinds["layers.0.attn.q_proj.weight"] == "projection"
+    assert kinds["head.bias"] == "classifier"
+    assert kinds["embed.weight"] == "other"
+    assert "NAME=REGEX" in one_error_line("ckpt-diff", CliRunner().invoke(main, [*args, "--layer-type", "nope"]))
