@@ -30,6 +30,16 @@ def _load_pyplot() -> Any:
     return pyplot
 
 
+def _save(pyplot: Any, figure: Any, path: str | os.PathLike[str], dpi: int) -> None:
+    """Write the figure and always release it; a write failure is one --plot error."""
+    try:
+        figure.savefig(path, dpi=dpi)
+    except OSError as err:
+        raise InputError(f"--plot {path}: cannot write the image: {err}") from err
+    finally:
+        pyplot.close(figure)
+
+
 def _value(number: float) -> float:
     return max(number, _FLOOR) if number == number and number != float("inf") else float("nan")
 
@@ -63,12 +73,7 @@ def plot_errors(result: ComparisonResult, path: str | os.PathLike[str]) -> None:
     for axes, kind in zip(panels, directions, strict=True):
         _panel(axes, result.of_kind(kind), kind, result.first_origin(kind), result.tolerances.default.atol)
     panels[-1].set_xlabel("record")
-    try:
-        figure.savefig(path, dpi=110)
-    except OSError as err:
-        raise InputError(f"--plot {path}: cannot write the image: {err}") from err
-    finally:
-        pyplot.close(figure)
+    _save(pyplot, figure, path, dpi=110)
 
 
 def plot_training(result: TrainingComparison, path: str | os.PathLike[str]) -> None:
@@ -107,9 +112,4 @@ def plot_training(result: TrainingComparison, path: str | os.PathLike[str]) -> N
         if first is not None:
             axes.axvline(first, color="red", lw=1)
     panels[-1].set_xlabel("step" + (f" (first diverging step {first} in red)" if first is not None else ""))
-    try:
-        figure.savefig(path, dpi=100)
-    except OSError as err:
-        raise InputError(f"--plot {path}: cannot write the image: {err}") from err
-    finally:
-        pyplot.close(figure)
+    _save(pyplot, figure, path, dpi=100)

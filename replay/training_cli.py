@@ -158,9 +158,7 @@ def render_predictions_csv(run_a: TrainingRun, run_b: TrainingRun) -> str:
 @click.argument("run_b", type=click.Path(dir_okay=False))
 @click.option("--atol", default=1e-5, show_default=True, type=Tol())
 @click.option("--rtol", default=1e-5, show_default=True, type=Tol())
-@click.option(
-    "--params", "params_regex", metavar="REGEX", help="Compare only parameters matching this regex (e.g. '^head\\.')."
-)
+@click.option("--params", "params_regex", metavar="all|head|backbone|REGEX", help="The weights compared (default all).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the per-step time series here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
 @click.option(

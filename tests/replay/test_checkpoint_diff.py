@@ -30,6 +30,20 @@ def _base() -> dict[str, torch.Tensor]:
     }
 
 
+EXPECTED_STATUS = {
+    "embed.weight": "unchanged",
+    "layers.0.attn.q_proj.weight": "changed",
+    "layers.0.norm.weight": "unchanged",
+    "layers.0.mlp.fc.weight": "changed",
+    "head.weight": "shape_changed",
+    "head.bias": "dtype_changed",
+    "old.weight": "removed",
+    "new.weight": "added",
+    "half.weight": "unchanged",
+}
+"""The status of every tensor of _changed() against _base()."""
+
+
 def _changed() -> dict[str, torch.Tensor]:
     tensors = {k: v.clone() for k, v in _base().items()}
     tensors["layers.0.attn.q_proj.weight"] += 0.01  # changed everywhere
@@ -45,17 +59,7 @@ def test_every_change_has_its_status_and_values() -> None:
     """Statuses and metrics match a numpy recomputation; unchanged tensors are called frozen."""
     diff = diff_checkpoints(_base(), _changed())
     status = {c.name: c.status for c in diff.tensors}
-    assert status == {
-        "embed.weight": "unchanged",
-        "layers.0.attn.q_proj.weight": "changed",
-        "layers.0.norm.weight": "unchanged",
-        "layers.0.mlp.fc.weight": "changed",
-        "head.weight": "shape_changed",
-        "head.bias": "dtype_changed",
-        "old.weight": "removed",
-        "new.weight": "added",
-        "half.weight": "unchanged",
-    }
+    assert status == EXPECTED_STATUS
     q = next(c for c in diff.tensors if c.name == "layers.0.attn.q_proj.weight")
     a = _base()["layers.0.attn.q_proj.weight"].double().numpy()
     b = a + np.float32(0.01)
@@ -210,17 +214,7 @@ def test_every_change_kind_in_every_format(tmp_path: Path, kind: str) -> None:
     a = load_tensors(_write(portable(_base()), tmp_path / "a", kind))
     b = load_tensors(_write(portable(_changed()), tmp_path / "b", kind))
     status = {c.name: c.status for c in diff_checkpoints(a, b).tensors}
-    assert status == {
-        "embed.weight": "unchanged",
-        "layers.0.attn.q_proj.weight": "changed",
-        "layers.0.norm.weight": "unchanged",
-        "layers.0.mlp.fc.weight": "changed",
-        "head.weight": "shape_changed",
-        "head.bias": "dtype_changed",
-        "old.weight": "removed",
-        "new.weight": "added",
-        "half.weight": "unchanged",
-    }
+    assert status == EXPECTED_STATUS
 
 
 def test_layer_type_patterns_are_configurable(tmp_path: Path) -> None:
