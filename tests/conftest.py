@@ -35,6 +35,14 @@ def tiny_bundle(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def tiny_ckpt(tmp_path: Path) -> Path:
+    """TinyNet's state dict, as a plain checkpoint for --model factories."""
+    path = tmp_path / "tiny.pt"
+    torch.save(build_tiny().state_dict(), path)
+    return path
+
+
+@pytest.fixture
 def capture_model(tmp_path: Path) -> Callable[..., Path]:
     """Capture any model and inputs into a fresh bundle path; returns the path."""
     counter = iter(range(1000))

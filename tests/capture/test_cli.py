@@ -73,14 +73,6 @@ def npz(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def tiny_ckpt(tmp_path: Path) -> Path:
-    """TinyNet's state dict."""
-    path = tmp_path / "tiny.pt"
-    torch.save(build_tiny().state_dict(), path)
-    return path
-
-
 # --------------------------------------------------------------------------- success
 
 

@@ -61,14 +61,6 @@ def perturbed_ckpt(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def tiny_ckpt(tmp_path: Path) -> Path:
-    """TinyNet's own state dict."""
-    path = tmp_path / "tiny.pt"
-    torch.save(build_tiny().state_dict(), path)
-    return path
-
-
-@pytest.fixture
 def mismatch_report(tiny_bundle: Path, perturbed_ckpt: Path, tmp_path: Path) -> tuple[Result, dict[str, Any]]:
     """The result and JSON report of replaying the perturbed TinyNet on the tiny bundle."""
     report = tmp_path / "report.json"
