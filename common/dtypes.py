@@ -22,6 +22,7 @@ __all__ = [
     "storage_dtype",
     "tag_of",
     "to_float64",
+    "to_numeric",
     "to_storage",
     "torch_dtype",
 ]
@@ -130,3 +131,17 @@ def to_float64(array: np.ndarray, tag: str) -> np.ndarray:
     if _TABLE[tag][2]:
         return from_storage(array, tag).to(torch.float64).numpy()
     return np.asarray(array, dtype=np.float64)
+
+
+def to_numeric(array: np.ndarray, tag: str) -> np.ndarray:
+    """The values of a stored array in a NumPy numeric dtype: raw bf16/float8 bits become float32.
+
+    Exact (every bf16 and float8 value is a float32 value); other tags come back unchanged.
+    """
+    if tag not in _TABLE:
+        raise BundleFormatError(f"dtype tag {tag!r} is unknown (known: {sorted(TAGS)})")
+    if not _TABLE[tag][2] or array.dtype != np.dtype(_TABLE[tag][1]):
+        return array
+    if tag == "BF16":  # bf16 is the top half of a float32
+        return (np.asarray(array, dtype=np.uint32) << 16).view(np.float32)
+    return from_storage(array, tag).to(torch.float32).numpy()

@@ -9,7 +9,7 @@ from typing import Final, Literal
 import numpy as np
 import torch
 
-from common.dtypes import tag_of, to_float64, to_storage
+from common.dtypes import to_numeric, to_storage
 from common.metrics import TensorDiff, diff_arrays
 from common.tolerances import Tolerance, ToleranceTable
 
@@ -31,15 +31,17 @@ def diff_tensor(
     tolerance: Tolerance,
     ignore: np.ndarray | None = None,
 ) -> TensorDiff:
-    """Compare a recorded tensor (float64 values and its tag) with a live one.
+    """Compare a recorded tensor (its stored array, as :meth:`BundleReader.read_array` gives it, and its tag)
+    with a live one.
 
     ``ignore`` marks positions left out (padding): they count as equal to the reference.
     """
+    expected = to_numeric(expected, expected_tag)
     array, tag = to_storage(actual)
-    values = to_float64(array, tag)
+    values = to_numeric(array, tag)
     if ignore is not None and values.shape == expected.shape:
         values = np.where(ignore, expected, values)
-    return diff_arrays(expected, values, tolerance, expected_dtype=expected_tag, actual_dtype=tag_of(actual.dtype))
+    return diff_arrays(expected, values, tolerance, expected_dtype=expected_tag, actual_dtype=tag)
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class _Isolator:
 
     def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
         return diff_tensor(
-            self.reader.read_float64(expected), expected.tag, actual, self.tolerances.for_record(name, expected.tag)
+            self.reader.read_array(expected), expected.tag, actual, self.tolerances.for_record(name, expected.tag)
         )
 
     def arguments(self, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:

@@ -4,10 +4,16 @@ Order of checks on open: the file is HDF5, the root names the format and a versi
 knows (before anything else is read), the index decodes and validates, and every tensor the
 index names exists with exactly the declared dtype and shape, with no unreferenced tensor left
 over. Only then is any tensor data read, one record at a time.
+
+Tensors stored contiguously and unfiltered (everything capture writes) are read without a copy,
+as read-only views of the file mapped into memory; the pages of the previously read tensor are
+dropped from this process on every read, so reading a bundle of any size keeps about one tensor
+resident.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +69,8 @@ class BundleReader:
             self._file.close()
             raise
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
+        self._map = _map_file(self.path)
+        self._resident: tuple[int, int] | None = None
 
     def _check_version(self) -> tuple[int, int]:
         attrs = self._file.attrs
@@ -132,8 +140,31 @@ class BundleReader:
         return {key: (v.decode() if isinstance(v, bytes) else str(v)) for key, v in group.attrs.items()}
 
     def read_array(self, ref: TensorRef) -> np.ndarray:
-        """The stored array of a tensor (raw bits for bf16/fp8)."""
-        return np.asarray(self._file[ref.path][()])
+        """The stored array of a tensor (raw bits for bf16/fp8); may be a read-only view of the file."""
+        dataset = self._file[ref.path]
+        offset = _contiguous_offset(dataset)
+        if self._map is None or offset is None or dataset.size == 0:
+            return np.asarray(dataset[()])
+        nbytes = dataset.size * dataset.dtype.itemsize
+        if offset + nbytes > len(self._map):
+            raise BundleFormatError(
+                f"{self.path}:{ref.path}: data at bytes {offset}..{offset + nbytes} lies past the end of the "
+                f"file ({len(self._map)} bytes); the bundle is truncated"
+            )
+        self._release_resident()
+        self._resident = (offset, nbytes)
+        view = np.frombuffer(self._map, dtype=dataset.dtype, count=dataset.size, offset=offset)
+        return view.reshape(dataset.shape)
+
+    def _release_resident(self) -> None:
+        """Drop the last mapped tensor's pages from this process (they stay in the OS page cache)."""
+        if self._resident is None or self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset, nbytes = self._resident
+        start = offset - offset % mmap.PAGESIZE
+        end = min(len(self._map), -(-(offset + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._resident = None
 
     def read_tensor(self, ref: TensorRef) -> torch.Tensor:
         """A tensor exactly as captured (dtype and bits), on the CPU."""
@@ -153,8 +184,9 @@ class BundleReader:
         return rebuild(tree, self.read_tensor)
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file. Arrays read before stay readable until they are dropped."""
         self._file.close()
+        self._map = None  # unmapped once the last array read from it is gone
 
     def __enter__(self) -> BundleReader:
         return self
@@ -163,6 +195,26 @@ class BundleReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _map_file(path: Path) -> mmap.mmap | None:
+    """The whole file mapped read-only, or None where mapping is not possible (empty, special files)."""
+    try:
+        with path.open("rb") as handle:
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+
+
+def _contiguous_offset(dataset: h5py.Dataset) -> int | None:
+    """Byte offset of a dataset's data in the file when it is stored as one plain block, else None."""
+    if dataset.chunks is not None or dataset.external:
+        return None
+    try:
+        offset = dataset.id.get_offset()
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return None if offset is None else int(offset)
 
 
 def _is_auxiliary(name: str) -> bool:

@@ -75,9 +75,7 @@ class _ComparingSink:
             tolerance = self._result.tolerances.for_record(name, ref.tag)
             ignore = self._padding(info, slot, ref.shape)
             self.masked_records += ignore is not None
-            diff = diff_tensor(
-                self._reader.read_float64(ref), ref.tag, self._transform(name, tensor), tolerance, ignore
-            )
+            diff = diff_tensor(self._reader.read_array(ref), ref.tag, self._transform(name, tensor), tolerance, ignore)
             self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
             if self._progress is not None:
                 self._done[kind] += 1
@@ -140,7 +138,7 @@ def _compare_named(
             replay_only.append(name)
             continue
         diff = diff_tensor(
-            reader.read_float64(ref), ref.tag, transform(name, tensor), tolerances.for_record(name, ref.tag)
+            reader.read_array(ref), ref.tag, transform(name, tensor), tolerances.for_record(name, ref.tag)
         )
         records.append(RecordResult(kind, name, diff, (0, position)))
     seen = {record.name for record in records}

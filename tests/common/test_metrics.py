@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -464,3 +465,89 @@ def test_property_required_rtol() -> None:
             assert not diff_arrays(expected, actual, Tolerance(0.0, result.required_rtol * (1 - 1e-9))).match
 
     check()
+
+
+# ------------------------------------------------------------------ chunked evaluation
+
+
+def _mixed_pair(size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 arrays with exact stretches, tiny and large differences, zeros, NaN and infinities."""
+    rng = np.random.default_rng(seed)
+    expected = rng.standard_normal(size).astype(np.float32)
+    actual = expected.copy()
+    actual[size // 3 :] += rng.standard_normal(size - size // 3).astype(np.float32) * np.float32(1e-6)
+    actual[size // 2 : size // 2 + 5] += 1.0
+    expected[size - 40 : size - 30] = 0.0
+    actual[size - 35] = 1e-3  # a difference against an exact zero
+    expected[size - 20], actual[size - 20] = np.inf, np.inf
+    expected[size - 10], actual[size - 10] = np.nan, np.nan
+    return expected, actual
+
+
+@pytest.mark.parametrize("equal_nan", [False, True])
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_chunked_statistics_equal_whole_array_ones(
+    monkeypatch: pytest.MonkeyPatch, chunk: int, equal_nan: bool
+) -> None:
+    """Splitting the comparison into chunks changes no statistic, index or required tolerance."""
+    from common import metrics
+
+    expected, actual = _mixed_pair(3001, seed=chunk)
+    tolerance = Tolerance(1e-6, 1e-5, equal_nan)
+    whole = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
+    monkeypatch.setattr(metrics, "_CHUNK", chunk)
+    monkeypatch.setattr(metrics, "_SCAN", chunk)
+    chunked = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
+    assert chunked.cosine == pytest.approx(whole.cosine, abs=1e-12)
+    assert dataclasses.replace(chunked, cosine=0.0) == dataclasses.replace(whole, cosine=0.0)
+    assert whole.mismatched > 5
+    assert whole.required_rtol == math.inf
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 16])
+def test_required_tolerances_pass_when_chunked(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """The atol and rtol reported as needed pass the same comparison, chunk by chunk or whole."""
+    from common import metrics
+
+    monkeypatch.setattr(metrics, "_CHUNK", chunk)
+    rng = np.random.default_rng(1)
+    expected = rng.standard_normal(1000) * np.logspace(-3, 3, 1000)
+    actual = expected * (1 + rng.standard_normal(1000) * 1e-7) + 1e-9
+    result = diff_arrays(expected, actual, Tolerance(1e-8, 1e-8))
+    assert not result.match
+    assert diff_arrays(expected, actual, Tolerance(result.required_atol, 1e-8)).match
+    assert diff_arrays(expected, actual, Tolerance(1e-8, result.required_rtol)).match
+
+
+@pytest.mark.parametrize(
+    ("expected", "actual", "match", "max_abs"),
+    [
+        ([0.0, 1.0], [-0.0, 1.0], True, 0.0),  # other bits, equal values
+        ([1.0, np.nan], [1.0, np.nan], False, INF),  # same bits, NaN is not equal without equal_nan
+        ([1.0, np.inf], [1.0, np.inf], True, 0.0),  # same bits, equal infinities
+    ],
+    ids=["signed-zero", "identical-nan", "identical-inf"],
+)
+def test_bitwise_shortcut_keeps_value_semantics(
+    expected: list[float], actual: list[float], match: bool, max_abs: float
+) -> None:
+    """Identical bytes are only a shortcut: the verdict is still the value rule's."""
+    for dtype in (np.float32, np.float64):
+        result = diff(np.array(expected, dtype), np.array(actual, dtype))
+        assert (result.match, result.max_abs) == (match, max_abs)
+
+
+def test_identical_arrays_report_zero_differences() -> None:
+    """Bit-identical finite arrays: nothing mismatched, zero distances, cosine exactly 1, first index."""
+    values = np.random.default_rng(0).standard_normal((40, 50)).astype(np.float32)
+    result = diff(values, values.copy())
+    assert (result.match, result.mismatched, result.max_abs, result.max_rel, result.cosine) == (True, 0, 0.0, 0.0, 1.0)
+    assert (result.max_abs_index, result.required_atol, result.required_rtol) == ((0, 0), 0.0, 0.0)
+
+
+def test_integer_and_narrow_float_arrays_compare_by_value() -> None:
+    """int64 against int64 and float16 against float32 compare values, whatever the storage dtype."""
+    assert diff(np.array([1, 2, 3]), np.array([1, 2, 4])).mismatched == 1
+    halves = np.array([0.5, 1.25, -3.0], dtype=np.float16)
+    result = diff(halves, halves.astype(np.float32), expected_dtype="F16", actual_dtype="F32")
+    assert (result.mismatched, result.max_abs, result.problem) == (0, 0.0, "dtype F32 != expected F16")

@@ -376,3 +376,18 @@ def test_closed_reader_releases_the_file(tiny_bundle: Path) -> None:
         assert "index" in file
     with pytest.raises((ValueError, KeyError, RuntimeError, OSError)):
         reader.read_array(reader.index.params["head.weight"])
+
+
+def test_read_array_is_a_read_only_view_with_the_stored_bits(tiny_bundle: Path) -> None:
+    """Contiguous tensors come back without a copy, read-only, equal to what h5py reads."""
+    with BundleReader(tiny_bundle) as reader:
+        for name, ref in reader.index.params.items():
+            array = reader.read_array(ref)
+            with h5py.File(tiny_bundle, "r") as file:
+                np.testing.assert_array_equal(array, file[ref.path][()], err_msg=name)
+            assert not array.flags.writeable
+    first = next(iter(reader.index.params.values()))
+    with BundleReader(tiny_bundle) as reader:
+        kept = reader.read_array(first)
+        reader.read_array(next(reversed(reader.index.params.values())))  # drops the first one's pages
+    np.testing.assert_array_equal(kept, BundleReader(tiny_bundle).read_tensor(first).numpy())  # still readable
