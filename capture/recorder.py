@@ -90,13 +90,54 @@ class CaptureSummary:
     path: Path
     tensors: int
     tensor_bytes: int
+    """Bytes of tensor data stored (repeats stored as links count once)."""
     module_calls: int
     backward: BackwardMode
     seconds: float
+    linked: int = 0
+    """Records stored as links to an identical tensor recorded before."""
 
 
 def _write_named(writer: BundleWriter, group: str, tensors: dict[str, torch.Tensor]) -> dict[str, TensorRef]:
-    return {name: writer.write_tensor(f"{group}/{escape_dotted(name)}", t) for name, t in tensors.items()}
+    """Parameters: unchanged until the capture ends, so written without a copy."""
+    return {name: writer.write_tensor(f"{group}/{escape_dotted(name)}", t, stable=True) for name, t in tensors.items()}
+
+
+class _GradientStream:
+    """Store each parameter's gradient as soon as autograd has accumulated it, while backward goes on.
+
+    A parameter used several times accumulates several times; each accumulation hands the
+    gradient over again, and :meth:`finish` hands over the final ones, so only a gradient that
+    changed after its last hand-over is written twice.
+    """
+
+    def __init__(self, writer: BundleWriter, model: torch.nn.Module) -> None:
+        self._writer = writer
+        self._params = list(model.named_parameters())
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _GradientStream:
+        for name, param in self._params:
+            if param.requires_grad:
+                hook = functools.partial(self._hand_over, name)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _hand_over(self, name: str, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._writer.write_provisional(f"{GRADS}/{escape_dotted(name)}", param.grad)
+
+    def finish(self) -> dict[str, TensorRef]:
+        """The final gradients' references, in parameter order."""
+        return {
+            name: self._writer.write_provisional(f"{GRADS}/{escape_dotted(name)}", param.grad)
+            for name, param in self._params
+            if param.grad is not None
+        }
 
 
 def _run_backward(
@@ -167,8 +208,9 @@ def capture_run(
         with ModuleTap(model, recorder):
             outputs = call_forward(model, inputs, forward)
         output_tree = encode_value(outputs, "output", functools.partial(_store_at, writer, OUTPUTS))
-        mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
-        grads = _write_named(writer, GRADS, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        with _GradientStream(writer, model) as gradients:
+            mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
+        grads = gradients.finish()
         floors = (
             measure_noise_floor(model, inputs, writer, seed=seed, forward=forward, loss=loss, train_mode=train_mode)
             if noise_floor
@@ -200,7 +242,13 @@ def capture_run(
         )
         path = writer.commit(index)
         return CaptureSummary(
-            path, writer.tensor_count, writer.tensor_bytes, len(index.calls), mode, time.perf_counter() - started
+            path,
+            writer.tensor_count,
+            writer.tensor_bytes,
+            len(index.calls),
+            mode,
+            time.perf_counter() - started,
+            writer.linked_count,
         )
 
 

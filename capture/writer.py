@@ -4,12 +4,20 @@ Tensors go to disk as they are produced, into a hidden temporary file beside the
 index is written last and the file is moved into place only then. A crash leaves at most that
 temporary file behind, never a half-written bundle at the output path, and never touches a
 bundle that was already there.
+
+Each dataset is created by HDF5 with its space allocated at once (contiguous, never filled), and
+its bytes are written at that offset by a background thread (:mod:`capture.streaming`), so disk
+writes overlap the run. A tensor recorded again unchanged (a module's output that is the next
+module's input, a gradient seen by a module and its last child) is stored once: the second
+record is an HDF5 hard link to the first dataset.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
 
@@ -17,7 +25,8 @@ import h5py
 import numpy as np
 import torch
 
-from common.dtypes import from_storage, to_float64, to_storage
+from capture.streaming import DEFAULT_STAGING_BYTES, TensorStream
+from common.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_storage
 from common.errors import BundleError, BundleExistsError
 from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE
 from common.packing import pack
@@ -26,6 +35,35 @@ from common.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
 
 __all__ = ["BundleWriter"]
 
+_RECENT_TENSORS = 32
+"""How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
+
+_StorageKey = tuple[object, ...]
+
+
+def _storage_key(tensor: torch.Tensor) -> _StorageKey | None:
+    """What makes two tensors views of the same bytes with the same values, or None if unknown."""
+    if tensor.is_inference() or tensor.layout != torch.strided:
+        return None  # inference tensors have no version counter to prove the values unchanged
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
+
+
+def _allocate_early() -> h5py.h5p.PropDCID:
+    """Dataset creation: space allocated at creation and never filled, so it can be written directly."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
 
 class BundleWriter:
     """Write one bundle: ``write_tensor`` as the run goes, then ``commit(index)``.
@@ -33,13 +71,22 @@ class BundleWriter:
     Args:
         path: final bundle path.
         overwrite: replace an existing file at ``path`` (refused by default).
+        staging_bytes: size of the background writer's staging ring; 0 writes synchronously.
+        deduplicate: store a tensor recorded again unchanged once, as a hard link.
 
     Raises:
         BundleExistsError: ``path`` exists and ``overwrite`` is False.
         BundleError: the output folder does not exist or is not writable.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        deduplicate: bool = True,
+    ) -> None:
         self.path = Path(path)
         self._overwrite = overwrite
         if self.path.exists() and not overwrite:
@@ -54,17 +101,118 @@ class BundleWriter:
         self._file.attrs[ATTR_FORMAT] = FORMAT_NAME
         self._file.attrs[ATTR_VERSION] = FORMAT_VERSION
         self._file.attrs[ATTR_MINOR] = FORMAT_MINOR
+        self._fd = os.open(self._tmp, os.O_WRONLY)
+        self._stream = TensorStream(self._fd, staging_bytes=staging_bytes, where=str(self.path))
+        self._dcpl = _allocate_early()
+        self._lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        self._lcpl.set_create_intermediate_group(True)
+        self._type_ids: dict[np.dtype[np.generic], h5py.h5t.TypeID] = {}
+        self._deduplicate = deduplicate
+        self._recent: OrderedDict[_StorageKey, tuple[torch.Tensor, int, str]] = OrderedDict()
+        self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
         self.tensor_bytes = 0
+        """Bytes of tensor data stored (a linked repeat adds nothing)."""
         self.tensor_count = 0
+        """Tensors recorded, repeats included."""
+        self.linked_count = 0
+        """Records stored as links to an identical tensor recorded before."""
 
-    def write_tensor(self, path: str, tensor: torch.Tensor) -> TensorRef:
-        """Store a tensor's exact bits at dataset ``path`` and return its reference."""
-        array, tag = to_storage(tensor)
-        dataset = self._file.create_dataset(path, data=array)
-        dataset.attrs[ATTR_DTYPE] = tag
-        self.tensor_bytes += array.nbytes
+    def write_tensor(self, path: str, tensor: torch.Tensor, *, stable: bool = False) -> TensorRef:
+        """Store a tensor's exact bits at dataset ``path`` and return its reference.
+
+        The values are those of the moment of the call: the tensor may change right after. With
+        ``stable``, the caller promises it will not change before :meth:`commit` (parameters,
+        final gradients): it is then written from its own memory, without a copy, and a change
+        is detected and fails the capture.
+        """
+        tag = tag_of(tensor.dtype)
+        ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
         self.tensor_count += 1
-        return TensorRef(path, tag, tuple(array.shape), bool(tensor.requires_grad))
+        key = _storage_key(tensor) if self._deduplicate else None
+        earlier = self._unchanged_earlier(key, tensor)
+        if earlier is not None:
+            self._file[path] = self._file[earlier]  # a hard link: the same dataset under a second name
+            self.linked_count += 1
+            return ref
+        self._store(path, tensor, stable=stable)
+        if key is not None:
+            self._recent[key] = (tensor, tensor._version, path)
+            if len(self._recent) > _RECENT_TENSORS:
+                self._recent.popitem(last=False)
+        return ref
+
+    def write_provisional(self, path: str, tensor: torch.Tensor) -> TensorRef:
+        """Start storing a tensor that may still change (a gradient while backward runs), from its memory.
+
+        Call again with the final value before :meth:`commit`: it is written again only if it
+        changed (another object, or its version counter moved) since the last call.
+        """
+        tag = tag_of(tensor.dtype)
+        ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
+        if path not in self._stable:
+            self.tensor_count += 1
+            self._store(path, tensor, stable=True)
+            return ref
+        held, version = self._stable[path]
+        if held is not tensor or tensor._version != version:
+            dataset = self._file[path]
+            if tuple(dataset.shape) != ref.shape or str(dataset.attrs[ATTR_DTYPE]) != tag:
+                raise BundleError(f"{self.path}:{path}: the tensor changed shape or dtype while it was recorded")
+            self._stable[path] = (tensor, tensor._version)
+            offset = dataset.id.get_offset()
+            if offset is None:
+                dataset[()] = to_storage(tensor)[0]
+            else:
+                self._stream.write_stable(int(offset), tensor)
+        return ref
+
+    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> None:
+        tag = tag_of(tensor.dtype)
+        dataset = self._create_dataset(path, tuple(tensor.shape), storage_dtype(tag))
+        dataset.attrs[ATTR_DTYPE] = tag
+        offset = dataset.id.get_offset()
+        if stable:
+            self._stable[path] = (tensor, tensor._version)
+        if offset is None:  # HDF5 places some datasets (0-d ones) only when written through it
+            if tensor.numel():
+                dataset[()] = to_storage(tensor)[0]
+        elif stable:
+            self._stream.write_stable(int(offset), tensor)
+        else:
+            self._stream.write(int(offset), tensor)
+        self.tensor_bytes += tensor.numel() * tensor.element_size()
+
+    def _create_dataset(self, path: str, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> h5py.Dataset:
+        """An empty dataset with its space allocated (h5py's low level: a third of the high level's cost)."""
+        space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+        type_id = self._type_ids.get(dtype)
+        if type_id is None:
+            type_id = self._type_ids[dtype] = h5py.h5t.py_create(dtype)
+        try:
+            dataset_id = h5py.h5d.create(self._file.id, path.encode(), type_id, space, dcpl=self._dcpl, lcpl=self._lcpl)
+        except ValueError as err:  # HDF5's "name already exists"
+            raise BundleError(f"{self.path}: cannot create dataset {path}: {err}") from err
+        return h5py.Dataset(dataset_id)
+
+    def _check_stable(self) -> None:
+        """Tensors written from their own memory must not have changed since they were handed over."""
+        changed = [path for path, (tensor, version) in self._stable.items() if tensor._version != version]
+        if changed:
+            raise BundleError(
+                f"{self.path}: {changed[0]} ({len(changed)} tensor(s) in all) changed in place while the capture "
+                "was running, so the recorded value is not reliable; the model must not modify its parameters "
+                "or their gradients during forward and backward"
+            )
+
+    def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> str | None:
+        """The path of a recently written view of the same bytes, if neither changed since."""
+        if key is None or key not in self._recent:
+            return None
+        held, version, path = self._recent[key]
+        if held._version != version or tensor._version != version:
+            return None
+        self._recent.move_to_end(key)
+        return path
 
     def has(self, path: str) -> bool:
         """Whether something is already stored at ``path``."""
@@ -75,11 +223,13 @@ class BundleWriter:
         dataset = self._file.get(path)
         if dataset is None:
             return None
+        self._stream.drain()
         return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
 
     def read_tensor(self, path: str) -> torch.Tensor:
         """A tensor already written, bit-exact."""
         dataset = self._file[path]
+        self._stream.drain()
         return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
 
     def write_array(self, path: str, array: np.ndarray) -> None:
@@ -93,7 +243,13 @@ class BundleWriter:
             group.attrs[key] = str(value)
 
     def commit(self, index: BundleIndex) -> Path:
-        """Write the index, close the file and move it into place atomically."""
+        """Wait for the tensor writes, write the index, close the file and move it into place atomically."""
+        self._stream.close()
+        self._check_stable()
+        self._recent.clear()
+        self._stable.clear()
+        os.close(self._fd)
+        self._fd = -1
         self._file.create_dataset(INDEX, data=pack(index.to_dict()))
         self._file.flush()
         self._file.close()
@@ -119,6 +275,13 @@ class BundleWriter:
 
     def abort(self) -> None:
         """Close and delete the temporary file; the output path is left as it was."""
+        with contextlib.suppress(BundleError):  # already failing: the first error is the one to report
+            self._stream.close()
+        self._recent.clear()
+        self._stable.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._file.id.valid:
             self._file.close()
         self._tmp.unlink(missing_ok=True)

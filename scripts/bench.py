@@ -97,10 +97,13 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def median_seconds(step: Callable[[], object], repeat: int) -> float:
+def median_seconds(step: Callable[[], object], repeat: int, prepare: Callable[[], object] = lambda: None) -> float:
+    """Median wall time of ``step`` over ``repeat`` runs after a warm-up; ``prepare`` runs untimed before each."""
+    prepare()
     step()  # warm-up: allocator, kernels, page cache
     times = []
     for _ in range(repeat):
+        prepare()
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
@@ -125,6 +128,9 @@ def child(options: argparse.Namespace) -> None:
     bundle = Path(options.bundle)
     extra: dict[str, object] = {}
 
+    def prepare() -> None:
+        pass
+
     if options.child == "bare":
 
         def step() -> None:
@@ -135,9 +141,17 @@ def child(options: argparse.Namespace) -> None:
 
     elif options.child == "capture":
 
+        def prepare() -> None:  # a capture writes a new file; deleting the last one is not its cost
+            bundle.unlink(missing_ok=True)
+
         def step() -> None:
-            summary = capture_run(model, inputs, bundle, seed=42, overwrite=True)
-            extra.update(tensors=summary.tensors, tensor_bytes=summary.tensor_bytes, calls=summary.module_calls)
+            summary = capture_run(model, inputs, bundle, seed=42)
+            extra.update(
+                tensors=summary.tensors,
+                tensor_bytes=summary.tensor_bytes,
+                linked=summary.linked,
+                calls=summary.module_calls,
+            )
 
     else:
 
@@ -149,7 +163,7 @@ def child(options: argparse.Namespace) -> None:
                 raise SystemExit(f"replay of the same model is not exact: {len(failed)} records, e.g. {failed[0]}")
             extra.update(records=len(result.records))
 
-    seconds = median_seconds(step, options.repeat)
+    seconds = median_seconds(step, options.repeat, prepare)
     print(json.dumps({"seconds": seconds, "startup": startup, "peak_rss": peak_rss_bytes(), **extra}))
 
 
@@ -196,8 +210,9 @@ def main() -> None:
         f"median of {options.repeat} after a warm-up; each step in its own process"
     )
     print(
-        f"bundle: {size / 1e9:.2f} GB on disk, {capture['tensor_bytes'] / 1e9:.2f} GB of tensors "
-        f"({capture['tensors']} recorded, {capture['calls']} module calls); replay compared {replay['records']} records"
+        f"bundle: {size / 1e9:.2f} GB on disk, {capture['tensor_bytes'] / 1e9:.2f} GB of tensor data; "
+        f"{capture['tensors']} tensors recorded ({capture['linked']} repeats stored as links), "
+        f"{capture['calls']} module calls; replay compared {replay['records']} records"
     )
     largest = max_record_bytes(options)
     rows = [

@@ -1,0 +1,237 @@
+"""Tensor bytes to disk off the critical path: a staging ring and one writer thread.
+
+Two kinds of writes, both done by one background thread with ``os.pwrite`` (which releases the
+GIL, so disk writes overlap the model's compute):
+
+* ``write``: a snapshot. The main thread copies the tensor into a preallocated staging ring (a
+  memory copy at many GB/s; pinned memory and a non-blocking copy for CUDA tensors) and goes on.
+  The copy is what makes this safe for activations and gradients: a recorded tensor may be
+  changed in place a moment later (a residual ``x += ...``), and the bundle must hold the values
+  of the moment it was recorded. Tensors too large for the ring are written synchronously,
+  straight from their memory, while the main thread waits.
+* ``write_stable``: no copy at all, for tensors that stay unchanged until the capture ends
+  (parameters, final gradients). The thread writes from the tensor's own memory, in slices, after
+  any pending snapshot (so the ring never waits behind a large parameter); the caller proves
+  afterwards, with the tensor's version counter, that it was not modified meanwhile.
+
+The ring is a FIFO: space is reclaimed in the order it was handed out. A write error (a full
+disk) is kept and raised by the next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import torch
+
+from common.dtypes import to_storage
+from common.errors import BundleError
+
+__all__ = ["DEFAULT_STAGING_BYTES", "TensorStream"]
+
+DEFAULT_STAGING_BYTES: Final = 256 << 20
+_ALIGN: Final = 64
+_SLICE: Final = 8 << 20
+"""Bytes of a stable tensor written at a time, so that snapshots waiting for ring space go first."""
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+@dataclass
+class _Snapshot:
+    offset: int
+    start: int
+    nbytes: int
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class _Stable:
+    offset: int
+    data: memoryview
+    tensor: torch.Tensor
+    """Kept so that the memory being written stays allocated."""
+    done: int = 0
+
+
+class TensorStream:
+    """Write tensors' exact bytes at given offsets of an open file, in the background.
+
+    Args:
+        fd: a file descriptor open for writing (the stream does not close it).
+        staging_bytes: size of the staging ring; 0 writes everything synchronously.
+        where: the file's name, for error messages.
+    """
+
+    def __init__(self, fd: int, *, staging_bytes: int = DEFAULT_STAGING_BYTES, where: str = "") -> None:
+        self._fd, self._capacity, self._where = fd, staging_bytes, where
+        self._ring: torch.Tensor | None = None
+        self._ring_bytes: np.ndarray | None = None
+        self._head = 0  # end of the newest slice handed out
+        self._in_use: collections.deque[tuple[int, int]] = collections.deque()  # (start, end), oldest first
+        self._snapshots: collections.deque[_Snapshot] = collections.deque()
+        self._stables: collections.deque[_Stable] = collections.deque()
+        self._busy = 0  # items taken by the thread and not finished
+        self._lock = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.bytes_written = 0
+
+    # ------------------------------------------------------------------ main thread
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """Write ``tensor``'s bytes (C order) at ``offset``; its values are taken before this returns."""
+        self._raise_pending()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return
+        self.bytes_written += nbytes
+        if nbytes > self._capacity // 2:
+            array, _ = to_storage(tensor)
+            _write_all(self._fd, _bytes_of(array), offset)
+            return
+        start = self._reserve(nbytes, pinned=tensor.is_cuda)
+        assert self._ring is not None
+        slot = self._ring[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+        event = None
+        if tensor.is_cuda and self._ring.is_pinned():
+            slot.copy_(tensor.detach(), non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        else:
+            slot.copy_(tensor.detach())
+        self._submit(lambda: self._snapshots.append(_Snapshot(offset, start, nbytes, event)))
+
+    def write_stable(self, offset: int, tensor: torch.Tensor) -> None:
+        """Write ``tensor``'s bytes at ``offset`` from its own memory, later; it must not change before :meth:`drain`.
+
+        Tensors not in plain CPU memory are snapshotted as :meth:`write` does.
+        """
+        self._raise_pending()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            self.write(offset, tensor)
+            return
+        array, _ = to_storage(tensor)
+        if array.nbytes == 0:
+            return
+        self.bytes_written += array.nbytes
+        item = _Stable(offset, _bytes_of(array), tensor)
+        self._submit(lambda: self._stables.append(item))
+
+    def drain(self) -> None:
+        """Wait until every queued write reached the OS; raise the first error."""
+        with self._lock:
+            while (self._snapshots or self._stables or self._busy) and self._error is None:
+                self._lock.wait(timeout=0.5)
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Drain and stop the writer thread."""
+        try:
+            self.drain()
+        finally:
+            if self._thread is not None:
+                with self._lock:
+                    self._closing = True
+                    self._lock.notify_all()
+                self._thread.join()
+                self._thread = None
+
+    def _submit(self, enqueue: object) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="parity-bundle-writer", daemon=True)
+            self._thread.start()
+        with self._lock:
+            enqueue()  # type: ignore[operator]
+            self._lock.notify_all()
+
+    def _reserve(self, nbytes: int, *, pinned: bool) -> int:
+        """Space for ``nbytes`` in the ring, waiting for the writer to free some if needed."""
+        if self._ring is None:
+            pin = pinned and torch.cuda.is_available()
+            self._ring = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=pin)
+            self._ring_bytes = self._ring.numpy()
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        with self._lock:
+            while True:
+                self._raise_pending()
+                start = self._fit(need)
+                if start is not None:
+                    self._in_use.append((start, start + need))
+                    self._head = start + need
+                    return start
+                self._lock.wait(timeout=0.5)
+
+    def _fit(self, need: int) -> int | None:
+        """Where ``need`` bytes fit after the newest slice without overrunning the oldest, if anywhere."""
+        if not self._in_use:
+            return 0
+        oldest, newest_end = self._in_use[0][0], self._head
+        if self._in_use[-1][0] >= oldest:  # not wrapped: free are [newest_end, capacity) and [0, oldest)
+            if newest_end + need <= self._capacity:
+                return newest_end
+            return 0 if need <= oldest else None
+        return newest_end if newest_end + need <= oldest else None  # wrapped: free is [newest_end, oldest)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise BundleError(f"{self._where}: writing the bundle failed: {self._error}") from self._error
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _next(self) -> _Snapshot | tuple[_Stable, memoryview, int] | None:
+        """The next piece of work: snapshots first (they hold ring space), then a slice of a stable tensor."""
+        with self._lock:
+            while not (self._snapshots or self._stables or self._closing):
+                self._lock.wait()
+            if self._snapshots:
+                self._busy += 1
+                return self._snapshots.popleft()
+            if self._stables:
+                item = self._stables[0]
+                piece = item.data[item.done : item.done + _SLICE]
+                offset = item.offset + item.done
+                item.done += len(piece)
+                if item.done >= len(item.data):
+                    self._stables.popleft()
+                self._busy += 1
+                return item, piece, offset
+            return None
+
+    def _run(self) -> None:
+        while (work := self._next()) is not None:
+            try:
+                if self._error is None:
+                    self._do(work)
+            except BaseException as err:  # handed to the main thread
+                self._error = err
+            with self._lock:
+                self._busy -= 1
+                if isinstance(work, _Snapshot):
+                    self._in_use.popleft()
+                self._lock.notify_all()
+
+    def _do(self, work: _Snapshot | tuple[_Stable, memoryview, int]) -> None:
+        if isinstance(work, _Snapshot):
+            if work.event is not None:
+                work.event.synchronize()
+            assert self._ring_bytes is not None
+            _write_all(self._fd, _bytes_of(self._ring_bytes[work.start : work.start + work.nbytes]), work.offset)
+            return
+        _, piece, offset = work
+        _write_all(self._fd, piece, offset)

@@ -1,0 +1,117 @@
+"""TensorStream: bytes land at their offsets exactly, values are taken at write time, errors surface."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from capture import streaming
+from capture.streaming import TensorStream
+from common.dtypes import to_storage
+from common.errors import BundleError
+
+
+def stored_bytes(tensor: torch.Tensor) -> bytes:
+    return to_storage(tensor)[0].tobytes()
+
+
+def tensors_of_every_kind(rng: torch.Generator) -> list[torch.Tensor]:
+    """Sizes from 1 byte to past the ring, dtypes with raw-bit storage, views that are not contiguous."""
+    base = torch.randn(64, 48, generator=rng)
+    return [
+        torch.tensor(True),
+        torch.randn((), generator=rng),
+        torch.randn(3, generator=rng).to(torch.bfloat16),
+        base.t(),  # not contiguous
+        base[::3, 5:],  # a strided slice
+        torch.randn(40, 40, generator=rng, dtype=torch.complex64).conj(),  # lazily conjugated
+        -torch.randn(10, generator=rng, dtype=torch.complex64).conj().imag,  # a negative view
+        torch.randint(-5, 5, (1000,), generator=rng, dtype=torch.int64),
+        torch.randn(3000, generator=rng),  # larger than half the ring: written synchronously
+        *[torch.randn(int(n), generator=rng) for n in torch.randint(1, 700, (60,), generator=rng)],
+    ]
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 8 << 10, 64 << 20])
+def test_every_tensor_lands_at_its_offset_bit_exactly(tmp_path: Path, staging_bytes: int) -> None:
+    """Many writes through a small ring (it wraps many times) leave exactly each tensor's bytes in place."""
+    tensors = tensors_of_every_kind(torch.Generator().manual_seed(0))
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=staging_bytes)
+    offsets, position = [], 7  # an odd start: file offsets need no alignment
+    for tensor in tensors:
+        offsets.append(position)
+        stream.write(position, tensor)
+        position += len(stored_bytes(tensor)) + 3
+    stream.close()
+    os.close(fd)
+    data = path.read_bytes()
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        expected = stored_bytes(tensor)
+        assert data[offset : offset + len(expected)] == expected, (tensor.dtype, tuple(tensor.shape))
+
+
+def test_values_are_taken_when_written_not_later(tmp_path: Path) -> None:
+    """A tensor changed in place right after ``write`` is stored with its values of the moment of the call."""
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=1 << 20)
+    tensor = torch.arange(1000, dtype=torch.float32)
+    before = stored_bytes(tensor)
+    stream.write(0, tensor)
+    tensor.mul_(-1)  # a residual x += ... right after the hook
+    stream.close()
+    os.close(fd)
+    assert path.read_bytes()[: len(before)] == before
+
+
+def test_stable_tensors_are_written_from_their_memory_after_snapshots(tmp_path: Path) -> None:
+    """write_stable copies nothing, writes in slices, and every byte arrives."""
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=1 << 16)
+    big = torch.randn(3 * streaming._SLICE // 4 + 11)  # several slices
+    small = torch.randn(100)
+    stream.write_stable(0, big)
+    stream.write(big.numel() * 4, small)
+    stream.close()
+    os.close(fd)
+    assert path.read_bytes() == stored_bytes(big) + stored_bytes(small)
+
+
+def test_a_failed_write_is_raised_on_the_next_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk in the writer thread becomes a BundleError in the caller, naming the file."""
+
+    def full_disk(fd: int, data: object, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(streaming.os, "pwrite", full_disk)
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=1 << 20, where="bundle.h5")
+    stream.write(0, torch.randn(10))
+    with pytest.raises(BundleError, match=r"bundle.h5: writing the bundle failed: .*No space left"):
+        stream.close()
+    os.close(fd)
+
+
+def test_ring_space_is_reused_in_order() -> None:
+    """The ring hands out space after the newest slice and never over the oldest one still queued."""
+    stream = TensorStream(-1, staging_bytes=1024)
+    stream._in_use.extend([(0, 256), (256, 768)])
+    stream._head = 768
+    assert stream._fit(256) == 768  # after the newest
+    assert stream._fit(300) is None
+    stream._in_use.popleft()  # the oldest was written: [0, 256) is free again
+    assert stream._fit(300) is None  # 256 free at the end, 256 at the start: neither is enough
+    assert stream._fit(200) == 768  # the end first
+    stream._in_use.append((768, 1024))
+    stream._head = 1024
+    assert stream._fit(200) == 0  # then wrap to the start
+    stream._in_use.append((0, 200))
+    stream._head = 200
+    assert stream._fit(56) == 200  # wrapped: only between the newest and the oldest
+    assert stream._fit(57) is None

@@ -1,0 +1,139 @@
+"""BundleWriter: repeats stored once as links, values of the moment, parameters that must not move."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from torch import nn
+
+from capture import streaming
+from capture.recorder import capture_run
+from capture.writer import BundleWriter
+from common.errors import BundleError
+from replay.reader import BundleReader
+
+
+class Chain(nn.Module):
+    """lin -> act (in place) -> lin2, where lin2 is called twice (its parameters accumulate twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.act = nn.ReLU(inplace=True)
+        self.lin2 = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.lin2(self.act(self.lin(x))))
+
+
+def build_chain() -> Chain:
+    torch.manual_seed(0)
+    return Chain()
+
+
+def dataset_id(path: Path, name: str) -> object:
+    with h5py.File(path, "r") as file:
+        return file[name].id
+
+
+def test_a_tensor_recorded_twice_unchanged_is_stored_once(tmp_path: Path) -> None:
+    """act's output is lin2's input: one dataset under two names; lin's output, changed in place by act, is not."""
+    out = tmp_path / "bundle.h5"
+    summary = capture_run(build_chain(), (torch.randn(3, 6),), out)
+    assert summary.linked > 0
+    with BundleReader(out) as reader:
+        calls = {(c.module, c.call): c for c in reader.index.calls}
+        act_out = calls[("act", 0)].outputs
+        lin2_in = calls[("lin2", 0)].inputs
+    assert act_out[0] == "T"
+    with h5py.File(out, "r") as file:
+        # act's output and lin2's first input are one stored dataset under two names
+        assert file[act_out[1]].id == file[lin2_in[1][0][1][1]].id
+        # lin's output was changed in place by act: it must not be linked to act's output
+        lin_out = calls[("lin", 0)].outputs[1]
+        assert file[lin_out].id != file[act_out[1]].id
+        assert (file[lin_out][()] < 0).any()  # the value before the in-place ReLU
+        assert (file[act_out[1]][()] >= 0).all()
+
+
+def test_linked_and_streamed_bundle_replays_exactly(tmp_path: Path) -> None:
+    """Whatever is linked or streamed, replaying the same model matches at atol = rtol = 0."""
+    from common.tolerances import Tolerance, ToleranceTable
+    from replay.runner import compare_run
+
+    out = tmp_path / "bundle.h5"
+    capture_run(build_chain(), (torch.randn(3, 6),), out)
+    with BundleReader(out) as reader:
+        result = compare_run(build_chain(), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
+    assert result.match
+    assert not result.bundle_only
+    assert len(result.records) >= 20
+
+
+def test_gradients_of_a_module_called_twice_are_the_final_ones(tmp_path: Path) -> None:
+    """lin2's parameters accumulate twice: the bundle holds the sum, exactly as a run without hooks gives."""
+    inputs = torch.randn(3, 6)
+    out = tmp_path / "bundle.h5"
+    capture_run(build_chain(), (inputs,), out, seed=3)
+    plain = build_chain()
+    from capture.driving import make_cotangents, seed_everything
+
+    seed_everything(3)
+    triples = make_cotangents(plain(inputs), 3)
+    torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
+    with BundleReader(out) as reader:
+        for name, param in plain.named_parameters():
+            assert param.grad is not None
+            assert torch.equal(reader.read_tensor(reader.index.grads[name]), param.grad), name
+
+
+def test_a_parameter_changed_during_capture_fails_it(tmp_path: Path) -> None:
+    """A model that changes a weight in place during forward cannot be recorded reliably: error, no file."""
+
+    class Drifting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.lin.weight.add_(1.0)
+            return self.lin(x)
+
+    out = tmp_path / "bundle.h5"
+    with pytest.raises(BundleError, match=r"params/lin\.weight .* changed in place while the capture was running"):
+        capture_run(Drifting(), (torch.randn(2, 4),), out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_disk_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write error in the background thread fails the capture with a BundleError; no file is left."""
+
+    def full_disk(fd: int, data: object, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(streaming.os, "pwrite", full_disk)
+    out = tmp_path / "bundle.h5"
+    with pytest.raises(BundleError, match="No space left on device"):
+        capture_run(build_chain(), (torch.randn(3, 6),), out)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.randn(5, 5).t(), lambda: torch.randn(4)[1:3], lambda: torch.tensor(2.5)],
+    ids=["transposed", "slice", "scalar"],
+)
+def test_provisional_tensors_take_their_final_value(tmp_path: Path, make: Callable[[], torch.Tensor]) -> None:
+    """A provisional tensor handed over again after an in-place change is stored with its final value."""
+    writer = BundleWriter(tmp_path / "b.h5")
+    tensor = make()
+    writer.write_provisional("grads/x", tensor)
+    tensor.mul_(3)
+    writer.write_provisional("grads/x", tensor)
+    assert torch.equal(writer.read_tensor("grads/x"), tensor)
+    writer.abort()
