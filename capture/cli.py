@@ -16,6 +16,7 @@ from capture.provenance import file_sha256
 from capture.recorder import capture_run
 from capture.training import record_training
 from common.errors import AdapterError, ParityError
+from common.selection import RECORD_KINDS, Selection, parse_byte_size
 
 __all__ = [
     "OneLineErrors",
@@ -193,6 +194,33 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
 @click.option(
     "--noise-floor", is_flag=True, help="Also run a float64 copy and store each record's float32-vs-float64 error."
 )
+@click.option(
+    "--layers",
+    multiple=True,
+    metavar="GLOB",
+    help="Record only modules whose path (or a parent's) matches, e.g. 'encoder.layers.1*'. Repeatable.",
+)
+@click.option(
+    "--skip-layers", multiple=True, metavar="GLOB", help="Do not record modules matching (with children). Repeatable."
+)
+@click.option(
+    "--record",
+    "record_kinds",
+    default=",".join(RECORD_KINDS),
+    show_default=True,
+    metavar="KINDS",
+    help="What to record, comma-separated: inputs, outputs, grads (per module), params, param-grads.",
+)
+@click.option(
+    "--summary-only",
+    is_flag=True,
+    help="Record module tensors, parameters and gradients as statistics + checksum only (first triage of huge models).",
+)
+@click.option(
+    "--max-tensor-bytes",
+    metavar="SIZE",
+    help="Record tensors larger than SIZE (e.g. 64MB) as statistics + checksum only.",
+)
 def main(
     ckpt: str | None,
     adapter: str | None,
@@ -211,9 +239,21 @@ def main(
     train_mode: bool,
     overwrite: bool,
     noise_floor: bool,
+    layers: tuple[str, ...],
+    skip_layers: tuple[str, ...],
+    record_kinds: str,
+    summary_only: bool,
+    max_tensor_bytes: str | None,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
     with handle_errors("capture-run", debug):
+        selection = Selection(
+            kinds=tuple(kind.strip() for kind in record_kinds.split(",") if kind.strip()),
+            layers=layers,
+            skip_layers=skip_layers,
+            summary_only=summary_only,
+            max_tensor_bytes=None if max_tensor_bytes is None else parse_byte_size(max_tensor_bytes),
+        )
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
         model = driver.model(ckpt, device)
         if steps is not None:
@@ -232,8 +272,12 @@ def main(
             run_info={"batch_size": batch_size, "seq_len": seq_len, "device": device, "adapter": driver.name},
             provenance=checkpoint_provenance(ckpt),
             noise_floor=noise_floor,
+            selection=selection,
         )
+    linked = f", {summary.linked} repeats stored as links" if summary.linked else ""
     click.echo(
-        f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB, "
+        f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB{linked}, "
         f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
     )
+    if not selection.is_everything:
+        click.echo(f"capture-run: selection: {selection.describe()}")

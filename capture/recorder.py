@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from capture.writer import BundleWriter
 from common.errors import InputError
 from common.layout import BACKWARD, GRADS, INPUTS, OUTPUTS, PARAMS, RNG, call_group, escape_dotted, tensor_path
 from common.schema import BackwardMode, BundleIndex, ModuleCall, RunInfo, TensorRef, Tree
+from common.selection import Selection
 
 __all__ = ["BundleRecorder", "CaptureSummary", "capture_run"]
 
@@ -45,10 +47,16 @@ class _CallDraft:
 
 
 class BundleRecorder:
-    """A :class:`~capture.hooks.TapSink` that streams every observed tensor into a bundle."""
+    """A :class:`~capture.hooks.TapSink` that streams every observed tensor into a bundle.
 
-    def __init__(self, writer: BundleWriter) -> None:
+    Args:
+        writer: the bundle being written.
+        selection: which kinds of module records to keep, and which as statistics only.
+    """
+
+    def __init__(self, writer: BundleWriter, selection: Selection | None = None) -> None:
         self._writer = writer
+        self._selection = selection or Selection()
         self._drafts: list[_CallDraft] = []
         self._position: dict[tuple[str, int], int] = {}
         self.forward_order: list[tuple[int, str]] = []
@@ -56,16 +64,19 @@ class BundleRecorder:
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Write a call's arguments before the module runs."""
-        store = functools.partial(_store_at, self._writer, call_group(info.module, info.call))
+        store = _Store(self._writer, call_group(info.module, info.call), self._selection)
         position = len(self._drafts)
         self._position[(info.module, info.call)] = position
-        self._drafts.append(_CallDraft(info, encode_call_inputs(args, kwargs, store)))
+        recorded: Tree = encode_call_inputs(args, kwargs, store) if self._selection.records("inputs") else ["D", []]
+        self._drafts.append(_CallDraft(info, recorded))
         self.forward_order.append((position, "inputs"))
 
     def on_outputs(self, info: CallInfo, outputs: object) -> None:
         """Write a call's outputs."""
+        if not self._selection.records("outputs"):
+            return
         position = self._position[(info.module, info.call)]
-        store = functools.partial(_store_at, self._writer, call_group(info.module, info.call))
+        store = _Store(self._writer, call_group(info.module, info.call), self._selection)
         self._drafts[position].outputs = encode_value(outputs, "output", store)
         self.forward_order.append((position, "outputs"))
 
@@ -75,7 +86,7 @@ class BundleRecorder:
         draft = self._drafts[position]
         if slot in draft.grads:
             return
-        draft.grads[slot] = _store_at(self._writer, call_group(info.module, info.call), slot, grad)
+        draft.grads[slot] = _Store(self._writer, call_group(info.module, info.call), self._selection)(slot, grad)
         self.backward_order.append((position, slot))
 
     def module_calls(self) -> list[ModuleCall]:
@@ -98,9 +109,18 @@ class CaptureSummary:
     """Records stored as links to an identical tensor recorded before."""
 
 
-def _write_named(writer: BundleWriter, group: str, tensors: dict[str, torch.Tensor]) -> dict[str, TensorRef]:
+def _write_params(writer: BundleWriter, model: torch.nn.Module, selection: Selection) -> dict[str, TensorRef]:
     """Parameters: unchanged until the capture ends, so written without a copy."""
-    return {name: writer.write_tensor(f"{group}/{escape_dotted(name)}", t, stable=True) for name, t in tensors.items()}
+    if not selection.records("params"):
+        return {}
+    refs = {}
+    for name, param in model.named_parameters():
+        path = f"{PARAMS}/{escape_dotted(name)}"
+        if selection.as_statistics(_nbytes(param)):
+            refs[name] = writer.write_summary(path, param.detach())
+        else:
+            refs[name] = writer.write_tensor(path, param.detach(), stable=True)
+    return refs
 
 
 class _GradientStream:
@@ -111,14 +131,14 @@ class _GradientStream:
     changed after its last hand-over is written twice.
     """
 
-    def __init__(self, writer: BundleWriter, model: torch.nn.Module) -> None:
-        self._writer = writer
-        self._params = list(model.named_parameters())
+    def __init__(self, writer: BundleWriter, model: torch.nn.Module, selection: Selection) -> None:
+        self._writer, self._selection = writer, selection
+        self._params = list(model.named_parameters()) if selection.records("param-grads") else []
         self._handles: list[Any] = []
 
     def __enter__(self) -> _GradientStream:
         for name, param in self._params:
-            if param.requires_grad:
+            if param.requires_grad and not self._selection.as_statistics(_nbytes(param)):
                 hook = functools.partial(self._hand_over, name)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
         return self
@@ -133,11 +153,16 @@ class _GradientStream:
 
     def finish(self) -> dict[str, TensorRef]:
         """The final gradients' references, in parameter order."""
-        return {
-            name: self._writer.write_provisional(f"{GRADS}/{escape_dotted(name)}", param.grad)
-            for name, param in self._params
-            if param.grad is not None
-        }
+        refs = {}
+        for name, param in self._params:
+            grad, path = param.grad, f"{GRADS}/{escape_dotted(name)}"
+            if grad is None:
+                continue
+            if self._selection.as_statistics(_nbytes(grad)):
+                refs[name] = self._writer.write_summary(path, grad)
+            else:
+                refs[name] = self._writer.write_provisional(path, grad)
+        return refs
 
 
 def _run_backward(
@@ -172,6 +197,7 @@ def capture_run(
     run_info: dict[str, Any] | None = None,
     provenance: dict[str, str] | None = None,
     noise_floor: bool = False,
+    selection: Selection | None = None,
 ) -> CaptureSummary:
     """Run ``model`` once forward and backward on ``inputs`` and record everything into ``out``.
 
@@ -187,12 +213,15 @@ def capture_run(
         provenance: extra provenance strings (checkpoint hash...).
         noise_floor: also rerun a float64 copy and store each record's distance to it
             (:mod:`capture.noise`), so replay can judge errors against the reference's own.
+        selection: record only some modules or kinds of tensors, or some as statistics only
+            (:class:`~common.selection.Selection`); everything in full by default.
 
     Returns:
         A :class:`CaptureSummary`.
     """
     started = time.perf_counter()
     info = dict(run_info or {})
+    selection = selection or Selection()
     with BundleWriter(out, overwrite=overwrite) as writer:
         writer.write_provenance(
             {**snapshot(str(info.get("device", "cpu"))), **model_provenance(model), **(provenance or {})}
@@ -203,12 +232,13 @@ def capture_run(
         model.train(train_mode)
         model.zero_grad(set_to_none=True)
         input_tree = encode_value(inputs, "input", functools.partial(_store_at, writer, INPUTS))
-        params = _write_named(writer, PARAMS, {n: p.detach() for n, p in model.named_parameters()})
-        recorder = BundleRecorder(writer)
-        with ModuleTap(model, recorder):
+        params = _write_params(writer, model, selection)
+        recorder = BundleRecorder(writer, selection)
+        rename = None if selection.is_everything else _selected_modules(selection)
+        with ModuleTap(model, recorder, record_backward=selection.records("grads"), rename=rename):
             outputs = call_forward(model, inputs, forward)
-        output_tree = encode_value(outputs, "output", functools.partial(_store_at, writer, OUTPUTS))
-        with _GradientStream(writer, model) as gradients:
+        output_tree = encode_value(outputs, "output", _Store(writer, OUTPUTS, selection))
+        with _GradientStream(writer, model, selection) as gradients:
             mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
         grads = gradients.finish()
         floors = (
@@ -239,6 +269,8 @@ def capture_run(
             backward_order=recorder.backward_order,
             rng=rng,
             noise_floor=floors,
+            selection=selection,
+            summaries=writer.summaries,
         )
         path = writer.commit(index)
         return CaptureSummary(
@@ -253,4 +285,29 @@ def capture_run(
 
 
 def _store_at(writer: BundleWriter, group: str, slot: str, tensor: torch.Tensor) -> TensorRef:
+    """Store a tensor in full (the model's inputs: replay feeds them)."""
     return writer.write_tensor(tensor_path(group, slot), tensor)
+
+
+class _Store:
+    """Store record tensors under a group: in full, or as statistics where the selection says so."""
+
+    def __init__(self, writer: BundleWriter, group: str, selection: Selection) -> None:
+        self._writer, self._group, self._selection = writer, group, selection
+
+    def __call__(self, slot: str, tensor: torch.Tensor) -> TensorRef:
+        path = tensor_path(self._group, slot)
+        if self._selection.as_statistics(_nbytes(tensor)):
+            return self._writer.write_summary(path, tensor)
+        return self._writer.write_tensor(path, tensor)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _selected_modules(selection: Selection) -> Callable[[str], str | None]:
+    def rename(path: str) -> str | None:
+        return path if selection.records_module(path) else None
+
+    return rename

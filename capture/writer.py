@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from capture.streaming import DEFAULT_STAGING_BYTES, TensorStream
-from common.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_storage
+from common.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_numeric, to_storage
 from common.errors import BundleError, BundleExistsError
 from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE
 from common.packing import pack
 from common.schema import BundleIndex, TensorRef
+from common.statistics import array_statistics
 from common.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
 
 __all__ = ["BundleWriter"]
@@ -116,6 +117,8 @@ class BundleWriter:
         """Tensors recorded, repeats included."""
         self.linked_count = 0
         """Records stored as links to an identical tensor recorded before."""
+        self.summaries: dict[str, dict[str, float | int]] = {}
+        """Path -> statistics of the tensors recorded as statistics only."""
 
     def write_tensor(self, path: str, tensor: torch.Tensor, *, stable: bool = False) -> TensorRef:
         """Store a tensor's exact bits at dataset ``path`` and return its reference.
@@ -140,6 +143,13 @@ class BundleWriter:
             if len(self._recent) > _RECENT_TENSORS:
                 self._recent.popitem(last=False)
         return ref
+
+    def write_summary(self, path: str, tensor: torch.Tensor) -> TensorRef:
+        """Record a tensor as statistics only (:mod:`common.statistics`): no dataset, an index entry."""
+        stored, tag = to_storage(tensor)
+        self.summaries[path] = array_statistics(stored, to_numeric(stored, tag))
+        self.tensor_count += 1
+        return TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
 
     def write_provisional(self, path: str, tensor: torch.Tensor) -> TensorRef:
         """Start storing a tensor that may still change (a gradient while backward runs), from its memory.

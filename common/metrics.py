@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -42,6 +43,9 @@ class TensorDiff:
     nan_actual: int = 0
     problem: str | None = None
     """Why the record cannot match regardless of values: a shape or dtype difference."""
+    basis: Literal["elements", "statistics"] = "elements"
+    """``statistics``: the reference was recorded as statistics only (:mod:`common.statistics`);
+    ``mismatched`` then counts statistics out of bounds and ``max_abs`` is a lower bound."""
 
     @property
     def mismatched_pct(self) -> float:

@@ -25,6 +25,8 @@ from typing import Final, Literal, cast
 from common.dtypes import TAGS
 from common.errors import BundleFormatError
 from common.layout import join_slot
+from common.selection import Selection, parse_selection
+from common.statistics import parse_statistics
 
 __all__ = [
     "MAX_DEPTH",
@@ -138,6 +140,10 @@ class BundleIndex:
     rng: dict[str, object] = field(default_factory=dict)
     noise_floor: dict[str, float] = field(default_factory=dict)
     """Record name -> max |recorded - float64 rerun| (format 1.1; ``capture-run --noise-floor``)."""
+    selection: Selection = field(default_factory=Selection)
+    """What was recorded (format 1.2; ``capture-run --layers/--record/--summary-only``)."""
+    summaries: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    """Tensor path -> statistics, for tensors recorded as statistics only (no dataset; format 1.2)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored at ``/index``."""
@@ -154,6 +160,8 @@ class BundleIndex:
             "backward_order": [list(event) for event in self.backward_order],
             "rng": self.rng,
             "noise_floor": self.noise_floor,
+            "selection": self.selection.to_dict(),
+            "summaries": self.summaries,
         }
 
     def tensor_refs(self) -> Iterator[TensorRef]:
@@ -360,4 +368,9 @@ def parse_index(obj: object) -> BundleIndex:
         backward_order=_parse_order(index.get("backward_order", []), "backward_order", len(calls)),
         rng=_parse_map(index.get("rng", {}), "rng"),
         noise_floor=_parse_floats(index.get("noise_floor", {}), "noise_floor"),
+        selection=parse_selection(index.get("selection", {})),
+        summaries={
+            path: parse_statistics(stats, f"bundle index, summaries[{path!r}]")
+            for path, stats in _parse_map(index.get("summaries", {}), "summaries").items()
+        },
     )

@@ -16,6 +16,7 @@ from click.core import ParameterSource
 
 from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
 from common.errors import InputError
+from common.selection import Selection
 from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
 from replay.alignment import align_modules
 from replay.mapping import RenameMap, read_map
@@ -133,6 +134,13 @@ def write_atomically(path: str, text: str, option: str) -> None:
 @click.option(
     "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
 )
+@click.option(
+    "--layers",
+    multiple=True,
+    metavar="GLOB",
+    help="Compare module records only of modules (bundle names) matching, or with a parent matching. Repeatable.",
+)
+@click.option("--skip-layers", multiple=True, metavar="GLOB", help="Do not compare module records of these modules.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option(
     "--steps", "training", is_flag=True, help="The bundle is a training run: rerun the port's training on its batches."
@@ -169,6 +177,8 @@ def main(
     isolate: bool,
     noise_factor: float | None,
     mask_padding: bool,
+    layers: tuple[str, ...],
+    skip_layers: tuple[str, ...],
     quiet: bool,
     training: bool,
     params_filter: str | None,
@@ -217,6 +227,7 @@ def main(
             progress=progress,
             noise_factor=noise_factor,
             mask_padding=mask_padding,
+            layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
         )
         progress.close()
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import numpy as np
 import torch
 
 from common.dtypes import to_numeric, to_storage
 from common.metrics import TensorDiff, diff_arrays
+from common.schema import TensorRef
+from common.statistics import array_statistics, diff_statistics
 from common.tolerances import Tolerance, ToleranceTable
 
-__all__ = ["KINDS", "ComparisonResult", "RecordKind", "RecordResult", "diff_tensor"]
+if TYPE_CHECKING:
+    from replay.reader import BundleReader
+
+__all__ = ["KINDS", "ComparisonResult", "RecordKind", "RecordResult", "diff_record", "diff_tensor"]
 
 RecordKind = Literal["output", "param_grad", "forward", "backward"]
 Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
@@ -22,6 +27,24 @@ inputs; ``inherited`` out of tolerance only because its inputs already differed;
 the first difference is in what the port *fed* the module (glue code of its parent);
 ``not isolated`` out of tolerance, but the module could not be run in isolation."""
 KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
+
+
+def diff_record(
+    reader: BundleReader, ref: TensorRef, actual: torch.Tensor, tolerance: Tolerance, ignore: np.ndarray | None = None
+) -> TensorDiff:
+    """Compare a live tensor with a bundle record: its values, or its statistics when only those were recorded."""
+    summary = reader.summary(ref)
+    if summary is None:
+        return diff_tensor(reader.read_array(ref), ref.tag, actual, tolerance, ignore)
+    array, tag = to_storage(actual)
+    return diff_statistics(
+        summary,
+        array_statistics(array, to_numeric(array, tag)),
+        tolerance,
+        shape=ref.shape,
+        expected_dtype=ref.tag,
+        actual_dtype=tag,
+    )
 
 
 def diff_tensor(
@@ -83,6 +106,7 @@ class RecordResult:
             "required_atol": _finite_or_none(diff.required_atol),
             "required_rtol": _finite_or_none(diff.required_rtol),
             "problem": diff.problem,
+            "basis": diff.basis,
             "module": self.module,
             "verdict": self.verdict,
             "local_match": None if self.local is None else self.local.match,

@@ -28,7 +28,7 @@ from capture.naming import iter_live_call_inputs, iter_live_tensors
 from common.metrics import TensorDiff
 from common.schema import ModuleCall, Tree, iter_tensors
 from common.tolerances import ToleranceTable
-from replay.compare import diff_tensor
+from replay.compare import diff_record
 from replay.mapping import RenameMap
 from replay.reader import BundleReader, rebuild
 
@@ -110,9 +110,7 @@ class _Isolator:
         self.param_sums: dict[str, torch.Tensor] = {}
 
     def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
-        return diff_tensor(
-            self.reader.read_array(expected), expected.tag, actual, self.tolerances.for_record(name, expected.tag)
-        )
+        return diff_record(self.reader, expected, actual, self.tolerances.for_record(name, expected.tag))
 
     def arguments(self, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:
         wants_grad: dict[int, bool] = {}
@@ -137,6 +135,12 @@ class _Isolator:
         return _Arguments(args, kwargs, leaves)
 
     def run_call(self, module: torch.nn.Module, call: ModuleCall, adapt: InputAdapter | None) -> None:
+        if any(self.reader.summary(ref) is not None for _, ref in iter_tensors(call.inputs, "input")):
+            self.outcome.skipped.setdefault(
+                call.module,
+                "its inputs were recorded as statistics only (capture-run --summary-only/--max-tensor-bytes)",
+            )
+            return
         try:
             fed = self.arguments(call, adapt)
         except Exception as err:  # the adapter's translation failed: say so once, go on
@@ -168,7 +172,9 @@ class _Isolator:
         self, module: torch.nn.Module, call: ModuleCall, live: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]
     ) -> None:
         seeds = [
-            (live[s[5:]], ref) for s, ref in call.grad_outputs.items() if s[5:] in live and live[s[5:]].requires_grad
+            (live[s[5:]], ref)
+            for s, ref in call.grad_outputs.items()
+            if s[5:] in live and live[s[5:]].requires_grad and self.reader.summary(ref) is None
         ]
         if not seeds:
             return

@@ -2,8 +2,8 @@
 
 Order of checks on open: the file is HDF5, the root names the format and a version this reader
 knows (before anything else is read), the index decodes and validates, and every tensor the
-index names exists with exactly the declared dtype and shape, with no unreferenced tensor left
-over. Only then is any tensor data read, one record at a time.
+index names exists with exactly the declared dtype and shape (unless it was recorded as
+statistics only), with no unreferenced tensor left over. Only then is any tensor data read, one record at a time.
 
 Tensors stored contiguously and unfiltered (everything capture writes) are read without a copy,
 as read-only views of the file mapped into memory; the pages of the previously read tensor are
@@ -101,8 +101,9 @@ class BundleReader:
     def _validate_tensors(self) -> None:
         referenced: set[str] = set()
         for ref in self.index.tensor_refs():
-            self._check_dataset(ref)
-            referenced.add(ref.path.lstrip("/"))
+            if ref.path not in self.index.summaries:
+                self._check_dataset(ref)
+                referenced.add(ref.path.lstrip("/"))
         orphans: list[str] = []
 
         def visit(name: str, node: object) -> None:
@@ -139,8 +140,17 @@ class BundleReader:
             return {}
         return {key: (v.decode() if isinstance(v, bytes) else str(v)) for key, v in group.attrs.items()}
 
+    def summary(self, ref: TensorRef) -> dict[str, float | int] | None:
+        """The statistics of a tensor recorded as statistics only, else None (its values are stored)."""
+        return self.index.summaries.get(ref.path)
+
     def read_array(self, ref: TensorRef) -> np.ndarray:
         """The stored array of a tensor (raw bits for bf16/fp8); may be a read-only view of the file."""
+        if ref.path in self.index.summaries:
+            raise BundleFormatError(
+                f"{self.path}:{ref.path}: recorded as statistics only (capture-run --summary-only or "
+                "--max-tensor-bytes), so its values cannot be read"
+            )
         dataset = self._file[ref.path]
         offset = _contiguous_offset(dataset)
         if self._map is None or offset is None or dataset.size == 0:

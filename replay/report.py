@@ -66,7 +66,10 @@ def record_row(record: RecordResult, isolated: bool) -> list[str]:
     """One record as a table row."""
     diff = record.diff
     dtype = diff.dtype if diff.dtype == diff.actual_dtype else f"{diff.dtype}->{diff.actual_dtype}"
-    mismatched = f"{diff.mismatched} ({diff.mismatched_pct:.1f}%)" if diff.mismatched else "0"
+    if diff.basis == "statistics":
+        mismatched = f"{diff.mismatched} stat(s)" if diff.mismatched else "0 (stats)"
+    else:
+        mismatched = f"{diff.mismatched} ({diff.mismatched_pct:.1f}%)" if diff.mismatched else "0"
     return [
         record.name,
         "x".join(map(str, diff.shape)) or "scalar",

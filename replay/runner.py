@@ -19,8 +19,9 @@ from capture.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from capture.provenance import model_provenance, snapshot
 from common.errors import AdapterError, InputError
 from common.schema import TensorRef, Tree, iter_tensors
+from common.selection import Selection
 from common.tolerances import ToleranceTable
-from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_tensor
+from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_record
 from replay.isolation import InputAdapter, LayoutTransform, as_recorded
 from replay.isolation import isolate as isolate_modules
 from replay.mapping import RenameMap
@@ -46,6 +47,8 @@ class _ComparingSink:
         mask_padding: bool,
     ) -> None:
         self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
+        recorded = reader.index.selection
+        self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
         self._mask_padding = mask_padding
         self._lengths: dict[int, tuple[np.ndarray | None, np.ndarray | None]] = {}
         self.masked_records = 0
@@ -75,7 +78,7 @@ class _ComparingSink:
             tolerance = self._result.tolerances.for_record(name, ref.tag)
             ignore = self._padding(info, slot, ref.shape)
             self.masked_records += ignore is not None
-            diff = diff_tensor(self._reader.read_array(ref), ref.tag, self._transform(name, tensor), tolerance, ignore)
+            diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
             self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
             if self._progress is not None:
                 self._done[kind] += 1
@@ -98,6 +101,8 @@ class _ComparingSink:
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""
+        if not self._inputs:
+            return
         found = self._reader.find_call(info.module, info.call)
         expected = {} if found is None else dict(iter_tensors(found[1].inputs, "input"))
         rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
@@ -105,6 +110,8 @@ class _ComparingSink:
 
     def on_outputs(self, info: CallInfo, outputs: object) -> None:
         """Compare a call's outputs with the reference's."""
+        if not self._outputs:
+            return
         found = self._reader.find_call(info.module, info.call)
         expected = {} if found is None else dict(iter_tensors(found[1].outputs, "output"))
         rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
@@ -137,9 +144,7 @@ def _compare_named(
         if ref is None:
             replay_only.append(name)
             continue
-        diff = diff_tensor(
-            reader.read_array(ref), ref.tag, transform(name, tensor), tolerances.for_record(name, ref.tag)
-        )
+        diff = diff_record(reader, ref, transform(name, tensor), tolerances.for_record(name, ref.tag))
         records.append(RecordResult(kind, name, diff, (0, position)))
     seen = {record.name for record in records}
     return records, replay_only, [name for name in expected if name not in seen]
@@ -209,6 +214,7 @@ def compare_run(
     noise_factor: float | None = None,
     to_reference: LayoutTransform | None = None,
     mask_padding: bool = False,
+    layers: Selection | None = None,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -231,12 +237,19 @@ def compare_run(
             (:mod:`replay.padding`).
         to_reference: the adapter's ``to_reference(record, value)``: the port's value of a record
             (bundle naming) in the reference's layout, e.g. transposed; identity by default.
+        layers: compare only the module records of these modules (bundle naming); outputs,
+            parameters and their gradients are compared regardless.
 
     Returns:
         A :class:`~replay.compare.ComparisonResult`, names in the bundle's naming.
     """
     rename = rename or RenameMap()
     index = reader.index
+    if isolate and not index.selection.records("inputs"):
+        raise InputError(
+            f"{reader.path}: --isolate runs modules on their recorded inputs, but the bundle was captured without "
+            "them (capture-run --record without 'inputs'); capture again with inputs, or replay without --isolate"
+        )
     tolerances = tolerances or ToleranceTable()
     if noise_factor is not None:
         if not index.noise_floor:
@@ -250,24 +263,32 @@ def compare_run(
     )
     target = torch.device(device)
     inputs = to_device(reader.rebuild(index.inputs), target)
-    params = _mapped_parameters(model, rename, grads=False)
-    result.param_values = _compare_named(
-        reader, result.tolerances, "param", params, index.params, to_reference or as_recorded
-    )[0]
+    recorded = index.selection
+    if recorded.records("params"):
+        params = _mapped_parameters(model, rename, grads=False)
+        result.param_values = _compare_named(
+            reader, result.tolerances, "param", params, index.params, to_reference or as_recorded
+        )[0]
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
     seed_everything(index.run.seed)
     transform = to_reference or as_recorded
     sink = _ComparingSink(reader, result, progress, transform, mask_padding)
-    with ModuleTap(model, sink, rename=rename.module):
+    compared = _compared_modules(rename, recorded, layers)
+    with ModuleTap(model, sink, record_backward=recorded.records("grads"), rename=compared):
         outputs = call_forward(model, inputs, forward)
     live_outputs = iter_live_tensors(outputs, "output")
     expected_outputs = _slots(index.outputs, "output")
     _add_named(result, _compare_named(reader, result.tolerances, "output", live_outputs, expected_outputs, transform))
     _backward(reader, outputs, loss, result, transform)
-    grads = _mapped_parameters(model, rename, grads=True)
-    _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads, transform))
-    result.bundle_only.extend(_unvisited_module_records(reader, sink.seen))
+    if recorded.records("param-grads"):
+        grads = _mapped_parameters(model, rename, grads=True)
+        _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads, transform))
+    wanted = layers or Selection()
+    result.bundle_only.extend(
+        name for name in _unvisited_module_records(reader, sink.seen) if wanted.records_module(name.split("/")[0])
+    )
+    _note_selection(result, reader, layers)
     if mask_padding:
         result.notes.append(f"padding: positions past the recorded lengths left out of {sink.masked_records} records")
     _warn_if_mostly_unpaired(result)
@@ -284,6 +305,33 @@ def compare_run(
         )
         apply_isolation(result, isolation)
     return result
+
+
+def _compared_modules(rename: RenameMap, recorded: Selection, layers: Selection | None) -> Callable[[str], str | None]:
+    """The port's module path -> its bundle name, or None for modules not recorded or not asked for."""
+
+    def compared(path: str) -> str | None:
+        name = rename.module(path)
+        if name is None or not recorded.records_module(name):
+            return None
+        return name if layers is None or layers.records_module(name) else None
+
+    return compared
+
+
+def _note_selection(result: ComparisonResult, reader: BundleReader, layers: Selection | None) -> None:
+    """Say in the report what was not compared on purpose, and what was compared by statistics only."""
+    recorded = reader.index.selection
+    if not recorded.is_everything:
+        result.notes.append(f"capture selection: {recorded.describe()}; what it left out is not compared")
+    if layers is not None:
+        result.notes.append(f"module records compared only for: {layers.describe()}")
+    summarized = sum(1 for record in result.records if record.diff.basis == "statistics")
+    if summarized:
+        result.notes.append(
+            f"{summarized} records were recorded as statistics only: 'match' means their sums, extremes and "
+            "NaN/Inf counts are within what the tolerance allows (a necessary condition, not a proof)"
+        )
 
 
 def _slots(tree: Tree, prefix: str) -> dict[str, TensorRef]:

@@ -85,7 +85,8 @@ def test_writes_a_bundle_and_prints_a_summary(tmp_path: Path, tiny_ckpt: Path, n
     lines = result.stdout.splitlines()
     assert len(lines) == 1
     assert re.fullmatch(
-        rf"capture-run: wrote {re.escape(str(out))} \(\d+ tensors, [\d.]+ MB, 14 module calls, backward: cotangent\) "
+        rf"capture-run: wrote {re.escape(str(out))} \(\d+ tensors, [\d.]+ MB(, \d+ repeats stored as links)?, "
+        r"14 module calls, backward: cotangent\) "
         r"in [\d.]+ s",
         lines[0],
     ), lines[0]
@@ -271,5 +272,45 @@ def test_debug_shows_the_model_traceback(tmp_path: Path, npz: Path) -> None:
     assert "Traceback (most recent call last)" in result.stderr
     assert "RuntimeError: boom in forward" in result.stderr
     assert "boom_model.py" in result.stderr  # the frame where the model raised
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- filters for big models
+
+
+def test_filters_are_recorded_and_reported(tmp_path: Path, tiny_ckpt: Path, npz: Path) -> None:
+    """--layers/--skip-layers/--record/--max-tensor-bytes reach the bundle and the summary says what was kept."""
+    out = tmp_path / "part.h5"
+    result = capture(
+        "--model", TINY, "--ckpt", tiny_ckpt, "--inputs", npz, "--out", out,
+        "--layers", "blocks*", "--skip-layers", "*.act", "--record", "outputs,grads,params", "--max-tensor-bytes", "64",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == (
+        "capture-run: selection: only outputs, grads, params; modules matching blocks*; without *.act; "
+        "tensors over 64 bytes as statistics only"
+    )
+    with BundleReader(out) as reader:
+        assert {c.module for c in reader.index.calls} == {"blocks.0", "blocks.0.norm", "blocks.0.lin", "blocks.1",
+                                                          "blocks.1.norm", "blocks.1.lin"}  # fmt: skip
+        assert reader.index.grads == {}
+        assert reader.index.summaries
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--record", "outputs,gards", r"unknown record kind\(s\) \['gards'\]"),
+        ("--max-tensor-bytes", "12XB", r"size '12XB' is not a byte count"),
+    ],
+)
+def test_bad_filter_values_are_one_line_errors(
+    tmp_path: Path, tiny_ckpt: Path, npz: Path, option: str, value: str, message: str
+) -> None:
+    """A typo in a filter is exit 2 with one line, before anything runs or is written."""
+    out = tmp_path / "b.h5"
+    result = capture("--model", TINY, "--ckpt", tiny_ckpt, "--inputs", npz, "--out", out, option, value)
+    assert re.search(message, one_error_line("capture-run", result))
     assert not out.exists()
     assert leftovers(tmp_path) == []

@@ -58,6 +58,9 @@ def good_index() -> dict[str, Any]:
         "backward_order": [[0, "grad_output"], [0, "grad_input.0"]],
         "rng": {"torch": b"\x00\x01", "python": [3, [1, 2], None]},
         "noise_floor": {"m/0/output": 2.5e-7},
+        "selection": {"kinds": ["outputs", "params"], "layers": ["lin*"], "skip_layers": [], "summary_only": False,
+                      "max_tensor_bytes": 1024},
+        "summaries": {},
     }  # fmt: skip
 
 
@@ -99,7 +102,7 @@ def test_to_dict_round_trips_through_msgpack() -> None:
 def test_optional_fields_default() -> None:
     """cotangent, loss, orders, rng and run's device/adapter/extra/batch_size/seq_len may be absent."""
     document = good_index()
-    for key in ("cotangent", "loss", "forward_order", "backward_order", "rng", "noise_floor"):
+    for key in ("cotangent", "loss", "forward_order", "backward_order", "rng", "noise_floor", "selection", "summaries"):
         del document[key]
     for key in ("batch_size", "seq_len", "device", "adapter", "extra"):
         del document["run"][key]
@@ -110,6 +113,8 @@ def test_optional_fields_default() -> None:
     assert (index.forward_order, index.backward_order) == ([], [])
     assert (index.run.device, index.run.adapter, index.run.extra, index.run.batch_size) == ("cpu", "", {}, None)
     assert index.calls[0].grad_outputs == {}
+    assert index.selection.is_everything
+    assert index.summaries == {}
 
 
 def test_tensor_refs_lists_every_reference() -> None:

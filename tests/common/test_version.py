@@ -12,8 +12,8 @@ from common.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION, check_comp
 
 
 def test_format_constants() -> None:
-    """The released format is parity-harness-bundle 1.1 (1.1 added the optional noise floor)."""
-    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR) == ("parity-harness-bundle", 1, 1)
+    """The released format is parity-harness-bundle 1.2 (1.1 added the noise floor, 1.2 selection and summaries)."""
+    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR) == ("parity-harness-bundle", 1, 2)
 
 
 @pytest.mark.parametrize(
