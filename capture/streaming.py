@@ -14,6 +14,13 @@ GIL, so disk writes overlap the model's compute):
   any pending snapshot (so the ring never waits behind a large parameter); the caller proves
   afterwards, with the tensor's version counter, that it was not modified meanwhile.
 
+Where the file system allows it, the 4 KiB-aligned middle of every write goes through a second
+descriptor opened with ``O_DIRECT``: the disk reads the bytes straight from memory, where a
+buffered write costs a CPU core copying them into the page cache (measured on a 2-core VM: 0.06 s
+of CPU per 1.7 GB instead of 0.7 s, or 3.4 s when the page cache must first grow). The bundle's
+datasets are laid out 4 KiB-aligned for this (:mod:`capture.writer`); unaligned heads and tails,
+small tensors and file systems without ``O_DIRECT`` (tmpfs) use ordinary writes.
+
 The ring is a FIFO: space is reclaimed in the order it was handed out. A write error (a full
 disk) is kept and raised by the next call.
 """
@@ -21,6 +28,8 @@ disk) is kept and raised by the next call.
 from __future__ import annotations
 
 import collections
+import errno
+import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -35,20 +44,65 @@ from common.errors import BundleError
 __all__ = ["DEFAULT_STAGING_BYTES", "TensorStream"]
 
 DEFAULT_STAGING_BYTES: Final = 256 << 20
-_ALIGN: Final = 64
+BLOCK: Final = 4096
+"""Alignment of O_DIRECT writes (address, offset and length), and of ring slots."""
 _SLICE: Final = 8 << 20
 """Bytes of a stable tensor written at a time, so that snapshots waiting for ring space go first."""
 
 
-def _bytes_of(array: np.ndarray) -> memoryview:
-    """The bytes of a C-contiguous array, without a copy."""
-    return array.reshape(-1).view(np.uint8).data
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array as a flat uint8 array, without a copy."""
+    return array.reshape(-1).view(np.uint8)
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+def _address(data: np.ndarray) -> int:
+    return int(data.__array_interface__["data"][0])
+
+
+def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = data.data
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+class _Disk:
+    """Puts bytes at file offsets: the aligned middle with O_DIRECT when possible, the rest buffered."""
+
+    def __init__(self, fd: int, direct_fd: int | None) -> None:
+        self._fd, self._direct_fd = fd, direct_fd
+        self._bounce: np.ndarray | None = None  # page-aligned, for sources that are not aligned
+        self._bounce_lock = threading.Lock()
+
+    def put(self, data: np.ndarray, offset: int) -> None:
+        start = -(-offset // BLOCK) * BLOCK
+        end = (offset + data.size) // BLOCK * BLOCK
+        if self._direct_fd is None or end - start < BLOCK:
+            _write_all(self._fd, data, offset)
+            return
+        head, middle, tail = data[: start - offset], data[start - offset : end - offset], data[end - offset :]
+        _write_all(self._fd, head, offset)
+        try:
+            self._put_direct(middle, start)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            self._direct_fd = None  # the file system refuses O_DIRECT after all: buffered from now on
+            _write_all(self._fd, middle, start)
+        _write_all(self._fd, tail, end)
+
+    def _put_direct(self, data: np.ndarray, offset: int) -> None:
+        assert self._direct_fd is not None
+        if _address(data) % BLOCK == 0:
+            _write_all(self._direct_fd, data, offset)
+            return
+        with self._bounce_lock:
+            if self._bounce is None:
+                self._bounce = np.frombuffer(mmap.mmap(-1, _SLICE), dtype=np.uint8)
+            for begin in range(0, data.size, _SLICE):
+                piece = data[begin : begin + _SLICE]
+                np.copyto(self._bounce[: piece.size], piece)
+                _write_all(self._direct_fd, self._bounce[: piece.size], offset + begin)
 
 
 @dataclass
@@ -62,7 +116,7 @@ class _Snapshot:
 @dataclass
 class _Stable:
     offset: int
-    data: memoryview
+    data: np.ndarray
     tensor: torch.Tensor
     """Kept so that the memory being written stays allocated."""
     done: int = 0
@@ -73,12 +127,21 @@ class TensorStream:
 
     Args:
         fd: a file descriptor open for writing (the stream does not close it).
+        direct_fd: the same file opened with ``O_DIRECT``, if the file system allows it.
         staging_bytes: size of the staging ring; 0 writes everything synchronously.
         where: the file's name, for error messages.
     """
 
-    def __init__(self, fd: int, *, staging_bytes: int = DEFAULT_STAGING_BYTES, where: str = "") -> None:
-        self._fd, self._capacity, self._where = fd, staging_bytes, where
+    def __init__(
+        self,
+        fd: int,
+        *,
+        direct_fd: int | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        where: str = "",
+    ) -> None:
+        self._disk = _Disk(fd, direct_fd)
+        self._capacity, self._where = staging_bytes, where
         self._ring: torch.Tensor | None = None
         self._ring_bytes: np.ndarray | None = None
         self._head = 0  # end of the newest slice handed out
@@ -101,9 +164,9 @@ class TensorStream:
         if nbytes == 0:
             return
         self.bytes_written += nbytes
-        if nbytes > self._capacity // 2:
+        if nbytes > self._capacity // 2:  # written now, from its memory, while the caller waits
             array, _ = to_storage(tensor)
-            _write_all(self._fd, _bytes_of(array), offset)
+            self._disk.put(_bytes_of(array), offset)
             return
         start = self._reserve(nbytes, pinned=tensor.is_cuda)
         assert self._ring is not None
@@ -164,9 +227,11 @@ class TensorStream:
         """Space for ``nbytes`` in the ring, waiting for the writer to free some if needed."""
         if self._ring is None:
             pin = pinned and torch.cuda.is_available()
-            self._ring = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=pin)
+            memory = torch.empty(self._capacity + BLOCK, dtype=torch.uint8, pin_memory=pin)
+            shift = -memory.data_ptr() % BLOCK  # slots start on BLOCK boundaries, ready for O_DIRECT
+            self._ring = memory[shift : shift + self._capacity]
             self._ring_bytes = self._ring.numpy()
-        need = -(-nbytes // _ALIGN) * _ALIGN
+        need = -(-nbytes // BLOCK) * BLOCK
         with self._lock:
             while True:
                 self._raise_pending()
@@ -194,7 +259,7 @@ class TensorStream:
 
     # ------------------------------------------------------------------ writer thread
 
-    def _next(self) -> _Snapshot | tuple[_Stable, memoryview, int] | None:
+    def _next(self) -> _Snapshot | tuple[_Stable, np.ndarray, int] | None:
         """The next piece of work: snapshots first (they hold ring space), then a slice of a stable tensor."""
         with self._lock:
             while not (self._snapshots or self._stables or self._closing):
@@ -226,12 +291,12 @@ class TensorStream:
                     self._in_use.popleft()
                 self._lock.notify_all()
 
-    def _do(self, work: _Snapshot | tuple[_Stable, memoryview, int]) -> None:
+    def _do(self, work: _Snapshot | tuple[_Stable, np.ndarray, int]) -> None:
         if isinstance(work, _Snapshot):
             if work.event is not None:
                 work.event.synchronize()
             assert self._ring_bytes is not None
-            _write_all(self._fd, _bytes_of(self._ring_bytes[work.start : work.start + work.nbytes]), work.offset)
+            self._disk.put(self._ring_bytes[work.start : work.start + work.nbytes], work.offset)
             return
         _, piece, offset = work
-        _write_all(self._fd, piece, offset)
+        self._disk.put(piece, offset)

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 import torch
 
-from capture.streaming import DEFAULT_STAGING_BYTES, TensorStream
+from capture.streaming import BLOCK, DEFAULT_STAGING_BYTES, TensorStream
 from common.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_numeric, to_storage
 from common.errors import BundleError, BundleExistsError
 from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE
@@ -36,6 +36,8 @@ from common.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
 
 __all__ = ["BundleWriter"]
 
+_ALIGNED_FROM = 64 << 10
+"""Datasets of at least this many bytes start on a BLOCK boundary (a few KiB of padding each)."""
 _RECENT_TENSORS = 32
 """How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
 
@@ -56,6 +58,17 @@ def _storage_key(tensor: torch.Tensor) -> _StorageKey | None:
         tensor.is_conj(),
         tensor.is_neg(),
     )
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened for writing past the page cache, or None where the OS or file system cannot."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None or os.environ.get("PARITY_NO_DIRECT_IO"):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
 
 
 def _allocate_early() -> h5py.h5p.PropDCID:
@@ -96,14 +109,18 @@ class BundleWriter:
             raise BundleError(f"{self.path}: output folder {self.path.parent} does not exist; create it first")
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            self._file = h5py.File(self._tmp, "w-")
+            # Datasets from 64 KiB on start on 4 KiB boundaries, so their bytes can bypass the page cache.
+            self._file = h5py.File(self._tmp, "w-", alignment_threshold=_ALIGNED_FROM, alignment_interval=BLOCK)
         except OSError as err:
             raise BundleError(f"{self.path}: cannot create a file in {self.path.parent}: {err}") from err
         self._file.attrs[ATTR_FORMAT] = FORMAT_NAME
         self._file.attrs[ATTR_VERSION] = FORMAT_VERSION
         self._file.attrs[ATTR_MINOR] = FORMAT_MINOR
         self._fd = os.open(self._tmp, os.O_WRONLY)
-        self._stream = TensorStream(self._fd, staging_bytes=staging_bytes, where=str(self.path))
+        self._direct_fd = _open_direct(self._tmp)
+        self._stream = TensorStream(
+            self._fd, direct_fd=self._direct_fd, staging_bytes=staging_bytes, where=str(self.path)
+        )
         self._dcpl = _allocate_early()
         self._lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         self._lcpl.set_create_intermediate_group(True)
@@ -133,22 +150,33 @@ class BundleWriter:
         self.tensor_count += 1
         key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
-        if earlier is not None:
+        if earlier is not None and earlier not in self.summaries:
             self._file[path] = self._file[earlier]  # a hard link: the same dataset under a second name
             self.linked_count += 1
             return ref
         self._store(path, tensor, stable=stable)
+        self._remember(key, tensor, path)
+        return ref
+
+    def _remember(self, key: _StorageKey | None, tensor: torch.Tensor, path: str) -> None:
+        """Keep a recently recorded tensor, to recognise it if it is recorded again unchanged."""
         if key is not None:
             self._recent[key] = (tensor, tensor._version, path)
             if len(self._recent) > _RECENT_TENSORS:
                 self._recent.popitem(last=False)
-        return ref
 
     def write_summary(self, path: str, tensor: torch.Tensor) -> TensorRef:
         """Record a tensor as statistics only (:mod:`common.statistics`): no dataset, an index entry."""
-        stored, tag = to_storage(tensor)
-        self.summaries[path] = array_statistics(stored, to_numeric(stored, tag))
+        tag = tag_of(tensor.dtype)
         self.tensor_count += 1
+        key = _storage_key(tensor) if self._deduplicate else None
+        earlier = self._unchanged_earlier(key, tensor)
+        if earlier is not None and earlier in self.summaries:  # a repeat: same statistics
+            self.summaries[path] = self.summaries[earlier]
+        else:
+            stored, tag = to_storage(tensor)
+            self.summaries[path] = array_statistics(stored, to_numeric(stored, tag))
+            self._remember(key, tensor, path)
         return TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
 
     def write_provisional(self, path: str, tensor: torch.Tensor) -> TensorRef:
@@ -258,8 +286,7 @@ class BundleWriter:
         self._check_stable()
         self._recent.clear()
         self._stable.clear()
-        os.close(self._fd)
-        self._fd = -1
+        self._close_descriptors()
         self._file.create_dataset(INDEX, data=pack(index.to_dict()))
         self._file.flush()
         self._file.close()
@@ -289,12 +316,16 @@ class BundleWriter:
             self._stream.close()
         self._recent.clear()
         self._stable.clear()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._close_descriptors()
         if self._file.id.valid:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
+
+    def _close_descriptors(self) -> None:
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._fd, self._direct_fd = -1, None
 
     def __enter__(self) -> BundleWriter:
         return self

@@ -19,7 +19,7 @@ from typing import Final
 import numpy as np
 
 from common.errors import BundleFormatError
-from common.metrics import TensorDiff
+from common.metrics import TensorDiff, dot
 from common.tolerances import Tolerance
 
 __all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistics"]
@@ -27,37 +27,39 @@ __all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistic
 STATISTICS: Final = ("numel", "sum", "sum_abs", "sum_sq", "min", "max", "nan", "posinf", "neginf", "crc32")
 """Keys of a summary; sums, minimum and maximum are over the finite elements, in float64."""
 _COUNTS: Final = ("numel", "nan", "posinf", "neginf", "crc32")
-_CHUNK: Final = 1 << 20
+_CHUNK: Final = 1 << 16
 
 
 def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float | int]:
     """Statistics of a tensor: ``stored`` its bytes as stored in a bundle, ``values`` them as numbers.
 
-    Complex values count as their real and imaginary parts.
+    Complex values count as their real and imaginary parts. Computed a cache-sized chunk at a
+    time in reused float64 buffers.
     """
     flat = np.ravel(values)
     if np.iscomplexobj(flat):
         flat = flat.view(flat.real.dtype)
     total = {"sum": 0.0, "sum_abs": 0.0, "sum_sq": 0.0, "min": math.inf, "max": -math.inf}
     counts = {"nan": 0, "posinf": 0, "neginf": 0}
+    wide, magnitude = np.empty(min(flat.size, _CHUNK)), np.empty(min(flat.size, _CHUNK))
     for begin in range(0, flat.size, _CHUNK):
-        chunk = np.asarray(flat[begin : begin + _CHUNK], dtype=np.float64)
-        finite = np.isfinite(chunk)
-        if not finite.all():
+        part = flat[begin : begin + _CHUNK]
+        chunk, scratch = wide[: part.size], magnitude[: part.size]
+        np.copyto(chunk, part, casting="unsafe")
+        if not math.isfinite(float(chunk.sum())):  # NaN or infinity here (or a float64 overflow)
             counts["nan"] += int(np.count_nonzero(np.isnan(chunk)))
             counts["posinf"] += int(np.count_nonzero(chunk == math.inf))
             counts["neginf"] += int(np.count_nonzero(chunk == -math.inf))
-            chunk = chunk[finite]
-        if chunk.size:
-            total["sum"] += float(chunk.sum())
-            total["sum_abs"] += float(np.abs(chunk).sum())
-            total["sum_sq"] += float(np.dot(chunk, chunk))
-            total["min"] = min(total["min"], float(chunk.min()))
-            total["max"] = max(total["max"], float(chunk.max()))
-    crc = 0
-    raw = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)
-    for begin in range(0, raw.size, _CHUNK * 8):
-        crc = zlib.crc32(raw[begin : begin + _CHUNK * 8].data, crc)
+            chunk = chunk[np.isfinite(chunk)]
+            scratch = scratch[: chunk.size]
+            if not chunk.size:
+                continue
+        total["sum"] += float(chunk.sum())
+        total["sum_abs"] += float(np.abs(chunk, out=scratch).sum())
+        total["sum_sq"] += dot(chunk, chunk)
+        total["min"] = min(total["min"], float(chunk.min()))
+        total["max"] = max(total["max"], float(chunk.max()))
+    crc = zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
     if total["min"] > total["max"]:  # no finite element
         total["min"] = total["max"] = 0.0
     return {"numel": int(flat.size), **total, **counts, "crc32": crc}
