@@ -85,7 +85,7 @@ class _Disk:
         try:
             self._put_direct(middle, start)
         except OSError as err:
-            if err.errno != errno.EINVAL:
+            if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
             self._direct_fd = None  # the file system refuses O_DIRECT after all: buffered from now on
             _write_all(self._fd, middle, start)
