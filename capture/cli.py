@@ -6,16 +6,18 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
 from capture.adapters import Adapter, checkpoint_adapter, load_adapter, load_inputs_npz, model_factory_adapter
+from capture.distributed import WRAPS, init_from_environment, manifest_path, wrap_model
 from capture.driving import to_device
 from capture.provenance import file_sha256
 from capture.recorder import capture_run
 from capture.training import record_training
-from common.errors import AdapterError, ParityError
+from common.errors import AdapterError, InputError, ParityError
 from common.selection import RECORD_KINDS, Selection, parse_byte_size
 
 __all__ = [
@@ -217,6 +219,13 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     help="Record module tensors, parameters and gradients as statistics + checksum only (first triage of huge models).",
 )
 @click.option(
+    "--wrap",
+    type=click.Choice(WRAPS),
+    default="none",
+    show_default=True,
+    help="Under torchrun: wrap the model in DDP or FSDP2 (fully_shard) before capturing.",
+)
+@click.option(
     "--max-tensor-bytes",
     metavar="SIZE",
     help="Record tensors larger than SIZE (e.g. 64MB) as statistics + checksum only.",
@@ -244,6 +253,7 @@ def main(
     record_kinds: str,
     summary_only: bool,
     max_tensor_bytes: str | None,
+    wrap: str,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
     with handle_errors("capture-run", debug):
@@ -255,11 +265,19 @@ def main(
             max_tensor_bytes=None if max_tensor_bytes is None else parse_byte_size(max_tensor_bytes),
         )
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+        context = init_from_environment(device)
+        if wrap != "none" and context is None:
+            raise InputError(f"--wrap {wrap} needs a distributed job: start capture-run with torchrun")
         model = driver.model(ckpt, device)
         if steps is not None:
             _capture_training(driver, model, out, seed, steps, every, batch_size, seq_len, overwrite)
             return
-        inputs = load_inputs_npz(inputs_file) if inputs_file else driver.inputs(seed, batch_size, seq_len, lengths)
+        # Data-parallel ranks see different data: rank r's inputs are drawn from seed + r.
+        input_seed = seed + (context.rank if context else 0)
+        inputs = (
+            load_inputs_npz(inputs_file) if inputs_file else driver.inputs(input_seed, batch_size, seq_len, lengths)
+        )
+        model = wrap_model(model, wrap, device)
         summary = capture_run(
             model,
             to_device(inputs, device),
@@ -281,3 +299,5 @@ def main(
     )
     if not selection.is_everything:
         click.echo(f"capture-run: selection: {selection.describe()}")
+    if context is not None and context.rank == 0:
+        click.echo(f"capture-run: wrote {manifest_path(Path(out))} ({context.world_size} ranks)")

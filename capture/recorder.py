@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from capture.distributed import RankContext, current_rank, full_tensor, rank_path, report_and_write_manifest
 from capture.driving import ForwardFn, LossFn, call_forward, make_cotangents, rng_state, seed_everything
 from capture.hooks import CallInfo, ModuleTap
 from capture.naming import encode_call_inputs, encode_value
@@ -109,17 +111,25 @@ class CaptureSummary:
     """Records stored as links to an identical tensor recorded before."""
 
 
-def _write_params(writer: BundleWriter, model: torch.nn.Module, selection: Selection) -> dict[str, TensorRef]:
-    """Parameters: unchanged until the capture ends, so written without a copy."""
+def _write_params(
+    writer: BundleWriter, model: torch.nn.Module, selection: Selection, context: RankContext | None
+) -> dict[str, TensorRef]:
+    """Parameters: unchanged until the capture ends, so written without a copy.
+
+    In a distributed job every rank gathers sharded parameters (a collective) and rank 0 writes.
+    """
     if not selection.records("params"):
         return {}
     refs = {}
     for name, param in model.named_parameters():
+        value = param.detach() if context is None else full_tensor(param.detach())
+        if context is not None and context.rank != 0:
+            continue
         path = f"{PARAMS}/{escape_dotted(name)}"
-        if selection.as_statistics(_nbytes(param)):
-            refs[name] = writer.write_summary(path, param.detach())
+        if selection.as_statistics(_nbytes(value)):
+            refs[name] = writer.write_summary(path, value)
         else:
-            refs[name] = writer.write_tensor(path, param.detach(), stable=True)
+            refs[name] = writer.write_tensor(path, value, stable=True)
     return refs
 
 
@@ -128,15 +138,21 @@ class _GradientStream:
 
     A parameter used several times accumulates several times; each accumulation hands the
     gradient over again, and :meth:`finish` hands over the final ones, so only a gradient that
-    changed after its last hand-over is written twice.
+    changed after its last hand-over is written twice. In a distributed job gradients are
+    reduced by the wrapper (DDP, FSDP) during backward: they are gathered after it, every rank
+    taking part, and rank 0 writes them.
     """
 
-    def __init__(self, writer: BundleWriter, model: torch.nn.Module, selection: Selection) -> None:
-        self._writer, self._selection = writer, selection
+    def __init__(
+        self, writer: BundleWriter, model: torch.nn.Module, selection: Selection, context: RankContext | None
+    ) -> None:
+        self._writer, self._selection, self._context = writer, selection, context
         self._params = list(model.named_parameters()) if selection.records("param-grads") else []
         self._handles: list[Any] = []
 
     def __enter__(self) -> _GradientStream:
+        if self._context is not None:
+            return self
         for name, param in self._params:
             if param.requires_grad and not self._selection.as_statistics(_nbytes(param)):
                 hook = functools.partial(self._hand_over, name)
@@ -158,6 +174,10 @@ class _GradientStream:
             grad, path = param.grad, f"{GRADS}/{escape_dotted(name)}"
             if grad is None:
                 continue
+            if self._context is not None:
+                grad = full_tensor(grad)
+                if self._context.rank != 0:
+                    continue
             if self._selection.as_statistics(_nbytes(grad)):
                 refs[name] = self._writer.write_summary(path, grad)
             else:
@@ -216,12 +236,55 @@ def capture_run(
         selection: record only some modules or kinds of tensors, or some as statistics only
             (:class:`~common.selection.Selection`); everything in full by default.
 
+    Inside a torch.distributed job of several ranks (torchrun), every rank calls this: each
+    writes ``<out stem>.rank<r><suffix>`` and rank 0 then writes ``<out stem>.manifest.json``
+    (:mod:`capture.distributed`); the summary returned is this rank's.
+
     Returns:
         A :class:`CaptureSummary`.
     """
+    selection = selection or Selection()
+    context = current_rank()
+    if context is not None and noise_floor:
+        raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
+    if context is None:
+        return _capture(model, inputs, Path(out), seed, forward, loss, train_mode, overwrite, run_info, provenance,
+                        noise_floor, selection, None)  # fmt: skip
+    target = rank_path(Path(out), context.rank)
+    try:
+        summary = _capture(model, inputs, target, seed, forward, loss, train_mode, overwrite,
+                           {**(run_info or {}), "rank": context.rank, "world_size": context.world_size},
+                           provenance, noise_floor, selection, context)  # fmt: skip
+    except BaseException as err:
+        report_and_write_manifest(Path(out), context, None, err, {})  # raises DistributedError on every rank
+        raise
+    report_and_write_manifest(Path(out), context, summary.path, None, {"grad_reduction": "mean", "params_from": 0})
+    return summary
+
+
+def _capture(
+    model: torch.nn.Module,
+    inputs: Any,
+    out: Path,
+    seed: int,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+    train_mode: bool,
+    overwrite: bool,
+    run_info: dict[str, Any] | None,
+    provenance: dict[str, str] | None,
+    noise_floor: bool,
+    selection: Selection,
+    context: RankContext | None,
+) -> CaptureSummary:
     started = time.perf_counter()
     info = dict(run_info or {})
-    selection = selection or Selection()
+    # Rank 0 holds the gathered parameters and gradients; the others record what they alone see.
+    recorded = selection
+    if context is not None and context.rank != 0:
+        recorded = dataclasses.replace(
+            selection, kinds=tuple(k for k in selection.kinds if k not in ("params", "param-grads"))
+        )
     with BundleWriter(out, overwrite=overwrite) as writer:
         writer.write_provenance(
             {**snapshot(str(info.get("device", "cpu"))), **model_provenance(model), **(provenance or {})}
@@ -232,13 +295,13 @@ def capture_run(
         model.train(train_mode)
         model.zero_grad(set_to_none=True)
         input_tree = encode_value(inputs, "input", functools.partial(_store_at, writer, INPUTS))
-        params = _write_params(writer, model, selection)
+        params = _write_params(writer, model, selection, context)
         recorder = BundleRecorder(writer, selection)
         rename = None if selection.is_everything else _selected_modules(selection)
         with ModuleTap(model, recorder, record_backward=selection.records("grads"), rename=rename):
             outputs = call_forward(model, inputs, forward)
         output_tree = encode_value(outputs, "output", _Store(writer, OUTPUTS, selection))
-        with _GradientStream(writer, model, selection) as gradients:
+        with _GradientStream(writer, model, selection, context) as gradients:
             mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
         grads = gradients.finish()
         floors = (
@@ -269,7 +332,7 @@ def capture_run(
             backward_order=recorder.backward_order,
             rng=rng,
             noise_floor=floors,
-            selection=selection,
+            selection=recorded,
             summaries=writer.summaries,
         )
         path = writer.commit(index)

@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 import torch
 
+from capture.distributed import local_tensor
 from capture.streaming import BLOCK, DEFAULT_STAGING_BYTES, TensorStream
 from common.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_numeric, to_storage
 from common.errors import BundleError, BundleExistsError
@@ -145,6 +146,7 @@ class BundleWriter:
         final gradients): it is then written from its own memory, without a copy, and a change
         is detected and fails the capture.
         """
+        tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
         tag = tag_of(tensor.dtype)
         ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
         self.tensor_count += 1
@@ -167,6 +169,7 @@ class BundleWriter:
 
     def write_summary(self, path: str, tensor: torch.Tensor) -> TensorRef:
         """Record a tensor as statistics only (:mod:`common.statistics`): no dataset, an index entry."""
+        tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
         tag = tag_of(tensor.dtype)
         self.tensor_count += 1
         key = _storage_key(tensor) if self._deduplicate else None
@@ -185,6 +188,7 @@ class BundleWriter:
         Call again with the final value before :meth:`commit`: it is written again only if it
         changed (another object, or its version counter moved) since the last call.
         """
+        tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
         tag = tag_of(tensor.dtype)
         ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
         if path not in self._stable:

@@ -14,6 +14,7 @@ __all__ = [
     "BundleFormatError",
     "BundleNotFoundError",
     "CheckpointError",
+    "DistributedError",
     "InputError",
     "MapFileError",
     "ParityError",
@@ -60,6 +61,10 @@ class InputError(ParityError, ValueError):
 
 class MapFileError(InputError):
     """A ``--map`` rename file has a bad line."""
+
+
+class DistributedError(ParityError):
+    """A rank of a distributed capture or replay failed, or ranks do not fit together."""
 
 
 class ParityMismatch(AssertionError):

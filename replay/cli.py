@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
 from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
+from capture.distributed import find_manifest
 from common.errors import InputError
 from common.selection import Selection
 from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
@@ -25,7 +27,7 @@ from replay.plot import plot_errors
 from replay.progress import ProgressLine
 from replay.reader import BundleReader
 from replay.report import render_listing, render_proposal, render_result
-from replay.runner import compare_run
+from replay.runner import DataParallelRuns, compare_run
 
 __all__ = ["main"]
 
@@ -154,6 +156,13 @@ def write_atomically(path: str, text: str, option: str) -> None:
     help="With --steps: reset the port to the reference's weights and optimizer state before every step.",
 )
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
+@click.option(
+    "--rank",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Multi-rank capture (--bundle X.manifest.json): the rank whose module records are compared.",
+)
 def main(
     bundle: str,
     ckpt: str | None,
@@ -184,6 +193,7 @@ def main(
     params_filter: str | None,
     resync: bool,
     list_only: bool,
+    rank: int,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
     if training or resync:
@@ -195,7 +205,19 @@ def main(
             model = driver.model(ckpt, device)
             code = replay_training(driver, model, bundle, rename, (atol, rtol), resync, json_path, params_filter)
         sys.exit(code)
-    with handle_errors("replay-compare", debug), BundleReader(bundle) as reader:
+    with handle_errors("replay-compare", debug), ExitStack() as stack:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise InputError("replay-compare replays every rank of a capture in one process; start it without torchrun")
+        manifest = find_manifest(Path(bundle))
+        if manifest and rank >= manifest.world_size:
+            raise InputError(
+                f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
+            )
+        readers = [stack.enter_context(BundleReader(file)) for file in manifest.files] if manifest else []
+        reader = readers[rank] if manifest else stack.enter_context(BundleReader(bundle))
+        data_parallel = (
+            DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction) if manifest else None
+        )
         if list_only:
             click.echo(render_listing(reader))
             return
@@ -228,6 +250,7 @@ def main(
             noise_factor=noise_factor,
             mask_padding=mask_padding,
             layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
+            data_parallel=data_parallel,
         )
         progress.close()
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ not kept, so memory stays at the model plus a few tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -28,8 +29,9 @@ from replay.mapping import RenameMap
 from replay.padding import padding_mask, recorded_lengths
 from replay.reader import BundleReader
 from replay.verdicts import apply_isolation
+from replay.wrappers import WrapperRenameMap, normalize_wrappers
 
-__all__ = ["Progress", "compare_run"]
+__all__ = ["DataParallelRuns", "Progress", "compare_run"]
 
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``: told as records are compared (see :class:`replay.progress.ProgressLine`)."""
@@ -215,6 +217,7 @@ def compare_run(
     to_reference: LayoutTransform | None = None,
     mask_padding: bool = False,
     layers: Selection | None = None,
+    data_parallel: DataParallelRuns | None = None,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -239,12 +242,16 @@ def compare_run(
             (bundle naming) in the reference's layout, e.g. transposed; identity by default.
         layers: compare only the module records of these modules (bundle naming); outputs,
             parameters and their gradients are compared regardless.
+        data_parallel: ``reader`` is one rank of a data-parallel capture: also run the other
+            ranks' inputs (in rank order, untapped) so that the accumulated gradients, divided
+            as the capture's wrapper reduced them, compare with the gathered ones.
 
     Returns:
         A :class:`~replay.compare.ComparisonResult`, names in the bundle's naming.
     """
-    rename = rename or RenameMap()
     index = reader.index
+    weights = data_parallel.parameters if data_parallel else reader  # the bundle holding params and grads
+    rename, wrapper_note = normalize_wrappers(rename or RenameMap(), model, weights.index)
     if isolate and not index.selection.records("inputs"):
         raise InputError(
             f"{reader.path}: --isolate runs modules on their recorded inputs, but the bundle was captured without "
@@ -264,30 +271,47 @@ def compare_run(
     target = torch.device(device)
     inputs = to_device(reader.rebuild(index.inputs), target)
     recorded = index.selection
-    if recorded.records("params"):
+    transform = to_reference or as_recorded
+    if weights.index.selection.records("params"):
         params = _mapped_parameters(model, rename, grads=False)
         result.param_values = _compare_named(
-            reader, result.tolerances, "param", params, index.params, to_reference or as_recorded
+            weights, result.tolerances, "param", params, weights.index.params, transform
         )[0]
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
-    seed_everything(index.run.seed)
-    transform = to_reference or as_recorded
-    sink = _ComparingSink(reader, result, progress, transform, mask_padding)
-    compared = _compared_modules(rename, recorded, layers)
-    with ModuleTap(model, sink, record_backward=recorded.records("grads"), rename=compared):
-        outputs = call_forward(model, inputs, forward)
-    live_outputs = iter_live_tensors(outputs, "output")
-    expected_outputs = _slots(index.outputs, "output")
-    _add_named(result, _compare_named(reader, result.tolerances, "output", live_outputs, expected_outputs, transform))
-    _backward(reader, outputs, loss, result, transform)
-    if recorded.records("param-grads"):
+    ranks = data_parallel.ranks if data_parallel else [reader]
+    for run in ranks:
+        if run is not reader:  # another rank's share of the gradients
+            _untapped_run(model, run, forward, loss, transform, target)
+            continue
+        seed_everything(index.run.seed)
+        sink = _ComparingSink(reader, result, progress, transform, mask_padding)
+        compared = _compared_modules(rename, recorded, layers)
+        with ModuleTap(model, sink, record_backward=recorded.records("grads"), rename=compared):
+            outputs = call_forward(model, inputs, forward)
+        live_outputs = iter_live_tensors(outputs, "output")
+        expected_outputs = _slots(index.outputs, "output")
+        compared_outputs = _compare_named(
+            reader, result.tolerances, "output", live_outputs, expected_outputs, transform
+        )
+        _add_named(result, compared_outputs)
+        _backward(reader, outputs, loss, result, transform)
+    if data_parallel:
+        data_parallel.reduce_gradients(model, result)
+    if weights.index.selection.records("param-grads"):
         grads = _mapped_parameters(model, rename, grads=True)
-        _add_named(result, _compare_named(reader, result.tolerances, "param_grad", grads, index.grads, transform))
+        _add_named(
+            result, _compare_named(weights, result.tolerances, "param_grad", grads, weights.index.grads, transform)
+        )
     wanted = layers or Selection()
+    hidden = rename.hidden if isinstance(rename, WrapperRenameMap) else frozenset()
     result.bundle_only.extend(
-        name for name in _unvisited_module_records(reader, sink.seen) if wanted.records_module(name.split("/")[0])
+        name
+        for name in _unvisited_module_records(reader, sink.seen)
+        if wanted.records_module(name.split("/")[0]) and name.split("/")[0] not in hidden
     )
+    if wrapper_note:
+        result.notes.append(wrapper_note)
     _note_selection(result, reader, layers)
     if mask_padding:
         result.notes.append(f"padding: positions past the recorded lengths left out of {sink.masked_records} records")
@@ -305,6 +329,44 @@ def compare_run(
         )
         apply_isolation(result, isolation)
     return result
+
+
+@dataclass(frozen=True)
+class DataParallelRuns:
+    """The ranks of a data-parallel capture, for a single-process replay of all of them."""
+
+    ranks: list[BundleReader]
+    """Every rank's bundle, in rank order (the one compared record by record among them)."""
+    parameters: BundleReader
+    """The rank whose bundle holds the gathered parameters and gradients."""
+    grad_reduction: str = "mean"
+
+    def reduce_gradients(self, model: torch.nn.Module, result: ComparisonResult) -> None:
+        """Reduce the gradients accumulated over every rank's run as the capture's wrapper did."""
+        if self.grad_reduction == "mean":
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.div_(len(self.ranks))
+        result.notes.append(
+            f"data parallel: gradients accumulated over the {len(self.ranks)} ranks' inputs, reduced by "
+            f"{self.grad_reduction}, compared with the gathered ones"
+        )
+
+
+def _untapped_run(
+    model: torch.nn.Module,
+    run: BundleReader,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+    transform: LayoutTransform,
+    device: torch.device,
+) -> None:
+    """Another rank's forward and backward on its recorded inputs: gradients accumulate, nothing is compared."""
+    seed_everything(run.index.run.seed)
+    outputs = call_forward(model, to_device(run.rebuild(run.index.inputs), device), forward)
+    scratch = ComparisonResult(tolerances=ToleranceTable())
+    _backward(run, outputs, loss, scratch, transform)
 
 
 def _compared_modules(rename: RenameMap, recorded: Selection, layers: Selection | None) -> Callable[[str], str | None]:

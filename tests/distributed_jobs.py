@@ -1,0 +1,69 @@
+"""One rank of a distributed capture, started as its own process by tests/test_distributed.py.
+
+    python -m tests.distributed_jobs JOB --rank R --world W --port P --out BUNDLE.h5
+
+Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block runs twice), ``fsdp``
+(FSDP2 ``fully_shard`` on a stack without reuse: FSDP2 cannot run a module twice in one
+forward), ``dies`` (rank 1 exits in the middle of its forward pass). Each rank feeds its own
+inputs (seed 100 + rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from capture.distributed import wrap_model
+from capture.recorder import capture_run
+from tests.models import build_tiny
+
+
+def build_stack() -> nn.Module:
+    """A seeded stack of distinct modules, as FSDP2 shards them."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+BUILDERS = {"ddp": build_tiny, "fsdp": build_stack, "dies": build_tiny}
+
+
+def rank_inputs(rank: int) -> dict[str, torch.Tensor]:
+    """The batch rank ``rank`` sees."""
+    return {"x": torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(100 + rank))}
+
+
+class DiesOnRank1(nn.Module):
+    """Exits the process on rank 1 when called: a rank killed mid-capture."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            os._exit(3)
+        return x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job", choices=["ddp", "fsdp", "dies"])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    options = parser.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(options.port))
+    dist.init_process_group("gloo", rank=options.rank, world_size=options.world, timeout=timedelta(seconds=60))
+    model = BUILDERS[options.job]()
+    if options.job == "dies":
+        model.inp = nn.Sequential(model.inp, DiesOnRank1())
+    model = wrap_model(model, "fsdp" if options.job == "fsdp" else "ddp", "cpu")
+    inputs = rank_inputs(options.rank)
+    capture_run(model, inputs if options.job != "fsdp" else (inputs["x"],), options.out, seed=42)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

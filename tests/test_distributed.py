@@ -1,0 +1,191 @@
+"""Distributed capture (gloo, 2 CPU ranks) replayed in one process; a rank that dies leaves no manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from capture.distributed import manifest_path, rank_path, read_manifest
+from common.errors import BundleFormatError
+from common.schema import iter_tensors
+from common.tolerances import Tolerance, ToleranceTable
+from replay.cli import main as replay_main
+from replay.compare import ComparisonResult
+from replay.reader import BundleReader
+from replay.runner import DataParallelRuns, compare_run
+from tests.distributed_jobs import BUILDERS, rank_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(job: str, out: Path, world: int = 2) -> list[subprocess.CompletedProcess[str]]:
+    """Start ``world`` rank processes of ``job`` and wait for all of them (at most 3 minutes)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed_jobs",
+                job,
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    done = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=180)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return done
+
+
+def replay_all_ranks(out: Path, build: Callable[[], torch.nn.Module], rank: int = 0) -> ComparisonResult:
+    """Replay a multi-rank capture in one process, unwrapped, as replay-compare does."""
+    manifest = read_manifest(manifest_path(out))
+    readers = [BundleReader(file) for file in manifest.files]
+    try:
+        runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction)
+        return compare_run(build(), readers[rank], tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)), data_parallel=runs)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+@pytest.mark.parametrize("job", ["ddp", "fsdp"])
+def test_data_parallel_capture_replays_in_one_process(tmp_path: Path, job: str) -> None:
+    """Each rank writes its bundle, rank 0 the manifest; one process replays both ranks and everything matches:
+    rank 0's module records, and the gathered, averaged gradients."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks(job, out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    manifest = json.loads(manifest_path(out).read_text())
+    assert manifest["world_size"] == 2
+    assert [entry["file"] for entry in manifest["ranks"]] == ["bundle.rank0.h5", "bundle.rank1.h5"]
+    assert not out.exists()
+    build = BUILDERS[job]
+    with BundleReader(rank_path(out, 0)) as rank0, BundleReader(rank_path(out, 1)) as rank1:
+        assert len(rank0.index.params) == len(rank0.index.grads) == len(list(build().parameters()))
+        assert (rank1.index.params, rank1.index.grads) == ({}, {})  # gathered once, by rank 0
+        for reader, rank in ((rank0, 0), (rank1, 1)):  # activations as each rank saw them
+            (slot, ref), *_ = iter_tensors(reader.index.inputs, "input")
+            assert slot == ("input.x" if job == "ddp" else "input.0")
+            assert torch.equal(reader.read_tensor(ref), rank_inputs(rank)["x"])
+    for rank in (0, 1):
+        result = replay_all_ranks(out, build, rank)
+        assert result.match, [r.name for r in result.records if not r.match][:5]
+        assert (result.bundle_only, result.replay_only) == ([], [])
+        assert len(result.of_kind("param_grad")) == len(list(build().parameters()))
+        assert any("data parallel: gradients accumulated over the 2 ranks" in note for note in result.notes)
+
+
+def test_a_rank_that_dies_leaves_no_manifest(tmp_path: Path) -> None:
+    """Rank 1 exits mid-forward: rank 0 fails with one clear error; no manifest or rank bundle exists.
+
+    Rank 0 removes its own temporary file; the killed rank cannot, so its hidden one stays."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("dies", out)
+    assert results[1].returncode == 3
+    assert results[0].returncode != 0
+    assert "DistributedError" in results[0].stderr
+    assert "manifest.json: not written" in results[0].stderr
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) <= 1
+    assert all(name.startswith(".bundle.rank1.h5.") and name.endswith(".tmp") for name in left), left
+
+
+def test_replay_compare_cli_takes_the_manifest(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """replay-compare --bundle X.manifest.json (or the capture's --out path) replays every rank; --rank picks one."""
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("ddp", out)] == [0, 0]
+    model = "tests.models:build_tiny"
+    for bundle, rank in ((manifest_path(out), "1"), (out, "0")):
+        result = CliRunner().invoke(
+            replay_main, ["--bundle", str(bundle), "--model", model, "--ckpt", str(tiny_ckpt), "--rank", rank,
+                          "--atol", "1e-6", "--rtol", "1e-6", "--quiet"],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "wrapper names normalised on both sides (bundle: 'module.' (DDP/DataParallel); port: none)" in (
+            result.output
+        )
+    result = CliRunner().invoke(replay_main, ["--bundle", str(out), "--model", model, "--rank", "2"])
+    assert result.exit_code == 2
+    assert "--rank 2: the capture ran 2 ranks (0..1)" in result.stderr
+
+
+def test_a_manifest_with_a_missing_rank_file_is_refused(tmp_path: Path) -> None:
+    """Copying the manifest without every rank file is a clear error naming the missing file."""
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("ddp", out)] == [0, 0]
+    rank_path(out, 1).unlink()
+    with pytest.raises(BundleFormatError, match=r"rank 1's bundle .*bundle\.rank1\.h5 is missing"):
+        read_manifest(manifest_path(out))
+
+
+def test_capture_run_under_torchrun(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """capture-run joins the job torchrun starts, wraps the model (--wrap ddp) and writes the manifest."""
+    capture_run_script = Path(sys.executable).parent / "capture-run"
+    if not capture_run_script.exists():
+        pytest.skip("capture-run is not installed next to this interpreter")
+    out = tmp_path / "cli.h5"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "--no-python", str(capture_run_script), "--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt),
+        "--wrap", "ddp", "--out", str(out), "--batch-size", "2", "--seq-len", "4",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"capture-run: wrote {manifest_path(out)} (2 ranks)" in done.stdout
+    manifest = read_manifest(manifest_path(out))
+    with BundleReader(manifest.files[0]) as rank0, BundleReader(manifest.files[1]) as rank1:
+        assert rank0.index.run.extra["world_size"] == 2
+        assert rank1.index.run.extra["rank"] == 1
+        assert next(iter(rank0.index.params)).startswith("module.")  # DDP's wrapper, normalised on replay
+        inputs = [reader.read_tensor(next(iter_tensors(reader.index.inputs, "input"))[1]) for reader in (rank0, rank1)]
+        assert not torch.equal(*inputs)  # rank r draws its inputs from seed + r
+
+
+def test_wrap_without_torchrun_is_a_one_line_error(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """--wrap ddp outside a distributed job says how to start one."""
+    from capture.cli import main as capture_main
+    from tests.cli_helpers import one_error_line
+
+    result = CliRunner().invoke(
+        capture_main, ["--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt), "--wrap", "ddp",
+                       "--out", str(tmp_path / "b.h5")],
+    )  # fmt: skip
+    assert "--wrap ddp needs a distributed job: start capture-run with torchrun" in one_error_line(
+        "capture-run", result
+    )
