@@ -32,6 +32,7 @@ import errno
 import mmap
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Final
 
@@ -107,6 +108,7 @@ class _Disk:
 
 @dataclass
 class _Snapshot:
+    name: str
     offset: int
     start: int
     nbytes: int
@@ -115,11 +117,13 @@ class _Snapshot:
 
 @dataclass
 class _Stable:
+    name: str
     offset: int
     data: np.ndarray
     tensor: torch.Tensor
     """Kept so that the memory being written stays allocated."""
     done: int = 0
+    crc: int = 0
 
 
 class TensorStream:
@@ -154,11 +158,16 @@ class TensorStream:
         self._thread: threading.Thread | None = None
         self._closing = False
         self.bytes_written = 0
+        self.checksums: dict[str, int] = {}
+        """Name -> CRC-32 of the bytes written for it (the last write of a name wins)."""
 
     # ------------------------------------------------------------------ main thread
 
-    def write(self, offset: int, tensor: torch.Tensor) -> None:
-        """Write ``tensor``'s bytes (C order) at ``offset``; its values are taken before this returns."""
+    def write(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
+        """Write ``tensor``'s bytes (C order) at ``offset``; its values are taken before this returns.
+
+        The CRC-32 of the bytes lands in :attr:`checksums` under ``name`` once written.
+        """
         self._raise_pending()
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
@@ -166,7 +175,10 @@ class TensorStream:
         self.bytes_written += nbytes
         if nbytes > self._capacity // 2:  # written now, from its memory, while the caller waits
             array, _ = to_storage(tensor)
-            self._disk.put(_bytes_of(array), offset)
+            data = _bytes_of(array)
+            self._disk.put(data, offset)
+            with self._lock:
+                self.checksums[name] = zlib.crc32(data.data)
             return
         start = self._reserve(nbytes, pinned=tensor.is_cuda)
         assert self._ring is not None
@@ -178,22 +190,22 @@ class TensorStream:
             event.record()
         else:
             slot.copy_(tensor.detach())
-        self._submit(lambda: self._snapshots.append(_Snapshot(offset, start, nbytes, event)))
+        self._submit(lambda: self._snapshots.append(_Snapshot(name, offset, start, nbytes, event)))
 
-    def write_stable(self, offset: int, tensor: torch.Tensor) -> None:
+    def write_stable(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
         """Write ``tensor``'s bytes at ``offset`` from its own memory, later; it must not change before :meth:`drain`.
 
         Tensors not in plain CPU memory are snapshotted as :meth:`write` does.
         """
         self._raise_pending()
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-            self.write(offset, tensor)
+            self.write(offset, tensor, name)
             return
         array, _ = to_storage(tensor)
         if array.nbytes == 0:
             return
         self.bytes_written += array.nbytes
-        item = _Stable(offset, _bytes_of(array), tensor)
+        item = _Stable(name, offset, _bytes_of(array), tensor)
         self._submit(lambda: self._stables.append(item))
 
     def drain(self) -> None:
@@ -296,7 +308,15 @@ class TensorStream:
             if work.event is not None:
                 work.event.synchronize()
             assert self._ring_bytes is not None
-            self._disk.put(self._ring_bytes[work.start : work.start + work.nbytes], work.offset)
+            data = self._ring_bytes[work.start : work.start + work.nbytes]
+            self._disk.put(data, work.offset)
+            crc = zlib.crc32(data.data)
+            with self._lock:
+                self.checksums[work.name] = crc
             return
-        _, piece, offset = work
+        item, piece, offset = work
         self._disk.put(piece, offset)
+        item.crc = zlib.crc32(piece.data, item.crc)  # slices come in order: one running CRC per tensor
+        if offset + len(piece) == item.offset + len(item.data):  # the last slice
+            with self._lock:
+                self.checksums[item.name] = item.crc

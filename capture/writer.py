@@ -15,8 +15,10 @@ record is an HDF5 hard link to the first dataset.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import uuid
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
@@ -129,6 +131,8 @@ class BundleWriter:
         self._deduplicate = deduplicate
         self._recent: OrderedDict[_StorageKey, tuple[torch.Tensor, int, str]] = OrderedDict()
         self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
+        self._checksums: dict[str, int] = {}  # datasets written through HDF5
+        self._links: dict[str, str] = {}  # linked path -> the path written
         self.tensor_bytes = 0
         """Bytes of tensor data stored (a linked repeat adds nothing)."""
         self.tensor_count = 0
@@ -154,6 +158,7 @@ class BundleWriter:
         earlier = self._unchanged_earlier(key, tensor)
         if earlier is not None and earlier not in self.summaries:
             self._file[path] = self._file[earlier]  # a hard link: the same dataset under a second name
+            self._links[path] = earlier
             self.linked_count += 1
             return ref
         self._store(path, tensor, stable=stable)
@@ -203,9 +208,9 @@ class BundleWriter:
             self._stable[path] = (tensor, tensor._version)
             offset = dataset.id.get_offset()
             if offset is None:
-                dataset[()] = to_storage(tensor)[0]
+                self._write_through_hdf5(dataset, path, tensor)
             else:
-                self._stream.write_stable(int(offset), tensor)
+                self._stream.write_stable(int(offset), tensor, path)
         return ref
 
     def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> None:
@@ -215,14 +220,25 @@ class BundleWriter:
         offset = dataset.id.get_offset()
         if stable:
             self._stable[path] = (tensor, tensor._version)
-        if offset is None:  # HDF5 places some datasets (0-d ones) only when written through it
-            if tensor.numel():
-                dataset[()] = to_storage(tensor)[0]
+        if offset is None:  # HDF5 places some datasets (0-d, empty) only when written through it
+            self._write_through_hdf5(dataset, path, tensor)
         elif stable:
-            self._stream.write_stable(int(offset), tensor)
+            self._stream.write_stable(int(offset), tensor, path)
         else:
-            self._stream.write(int(offset), tensor)
+            self._stream.write(int(offset), tensor, path)
         self.tensor_bytes += tensor.numel() * tensor.element_size()
+
+    def _write_through_hdf5(self, dataset: h5py.Dataset, path: str, tensor: torch.Tensor) -> None:
+        array = to_storage(tensor)[0]
+        if array.size:
+            dataset[()] = array
+        self._checksums[path] = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+    def checksums(self) -> dict[str, int]:
+        """Dataset path -> CRC-32 of its stored bytes, for every dataset written (call after the writes drained)."""
+        sums = {**self._stream.checksums, **self._checksums}
+        sums.update({path: sums[target] for path, target in self._links.items()})
+        return sums
 
     def _create_dataset(self, path: str, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> h5py.Dataset:
         """An empty dataset with its space allocated (h5py's low level: a third of the high level's cost)."""
@@ -291,6 +307,7 @@ class BundleWriter:
         self._recent.clear()
         self._stable.clear()
         self._close_descriptors()
+        index = dataclasses.replace(index, checksums=self.checksums())
         self._file.create_dataset(INDEX, data=pack(index.to_dict()))
         self._file.flush()
         self._file.close()

@@ -144,6 +144,8 @@ class BundleIndex:
     """What was recorded (format 1.2; ``capture-run --layers/--record/--summary-only``)."""
     summaries: dict[str, dict[str, float | int]] = field(default_factory=dict)
     """Tensor path -> statistics, for tensors recorded as statistics only (no dataset; format 1.2)."""
+    checksums: dict[str, int] = field(default_factory=dict)
+    """Tensor dataset path -> CRC-32 of its stored bytes, verified on read (format 1.2)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored at ``/index``."""
@@ -162,6 +164,7 @@ class BundleIndex:
             "noise_floor": self.noise_floor,
             "selection": self.selection.to_dict(),
             "summaries": self.summaries,
+            "checksums": self.checksums,
         }
 
     def tensor_refs(self) -> Iterator[TensorRef]:
@@ -373,4 +376,13 @@ def parse_index(obj: object) -> BundleIndex:
             path: parse_statistics(stats, f"bundle index, summaries[{path!r}]")
             for path, stats in _parse_map(index.get("summaries", {}), "summaries").items()
         },
+        checksums=_parse_checksums(index.get("checksums", {})),
     )
+
+
+def _parse_checksums(obj: object) -> dict[str, int]:
+    sums = _parse_map(obj, "checksums")
+    for path, value in sums.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
+            raise _fail(f"checksums[{path!r}]", f"expected a CRC-32 (an int in [0, 2**32)), got {value!r}")
+    return cast(dict[str, int], sums)

@@ -157,6 +157,9 @@ def write_atomically(path: str, text: str, option: str) -> None:
 )
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 @click.option(
+    "--no-verify", is_flag=True, help="Do not check each tensor's recorded CRC-32 when reading it (faster, trusting)."
+)
+@click.option(
     "--rank",
     default=0,
     show_default=True,
@@ -193,6 +196,7 @@ def main(
     params_filter: str | None,
     resync: bool,
     list_only: bool,
+    no_verify: bool,
     rank: int,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
@@ -213,8 +217,11 @@ def main(
             raise InputError(
                 f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
             )
-        readers = [stack.enter_context(BundleReader(file)) for file in manifest.files] if manifest else []
-        reader = readers[rank] if manifest else stack.enter_context(BundleReader(bundle))
+        verify = not no_verify
+        readers = (
+            [stack.enter_context(BundleReader(file, verify=verify)) for file in manifest.files] if manifest else []
+        )
+        reader = readers[rank] if manifest else stack.enter_context(BundleReader(bundle, verify=verify))
         data_parallel = (
             DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction) if manifest else None
         )

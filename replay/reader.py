@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -51,6 +52,8 @@ class BundleReader:
 
     Args:
         path: the ``.h5`` bundle.
+        verify: check each tensor's CRC-32 against the index the first time it is read (bundles
+            written since format 1.2 carry them); a mismatch names the record.
 
     Raises:
         BundleNotFoundError: nothing at ``path``.
@@ -58,8 +61,10 @@ class BundleReader:
         BundleFormatError: not a bundle, or a part of it is missing or damaged.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         self.path = Path(path)
+        self._verify = verify
+        self._verified: set[str] = set()
         self._file = _open_hdf5(self.path)
         try:
             self.format_version, self.format_minor = self._check_version()
@@ -100,10 +105,13 @@ class BundleReader:
 
     def _validate_tensors(self) -> None:
         referenced: set[str] = set()
+        sums = self.index.checksums
         for ref in self.index.tensor_refs():
             if ref.path not in self.index.summaries:
                 self._check_dataset(ref)
                 referenced.add(ref.path.lstrip("/"))
+                if sums and ref.path not in sums:
+                    raise BundleFormatError(f"{self.path}:{ref.path}: the index has no checksum for this tensor")
         orphans: list[str] = []
 
         def visit(name: str, node: object) -> None:
@@ -154,7 +162,7 @@ class BundleReader:
         dataset = self._file[ref.path]
         offset = _contiguous_offset(dataset)
         if self._map is None or offset is None or dataset.size == 0:
-            return np.asarray(dataset[()])
+            return self._checked(ref, np.asarray(dataset[()]))
         nbytes = dataset.size * dataset.dtype.itemsize
         if offset + nbytes > len(self._map):
             raise BundleFormatError(
@@ -164,7 +172,21 @@ class BundleReader:
         self._release_resident()
         self._resident = (offset, nbytes)
         view = np.frombuffer(self._map, dtype=dataset.dtype, count=dataset.size, offset=offset)
-        return view.reshape(dataset.shape)
+        return self._checked(ref, view.reshape(dataset.shape))
+
+    def _checked(self, ref: TensorRef, array: np.ndarray) -> np.ndarray:
+        """``array`` after its CRC-32 matched the one recorded at capture (once per dataset)."""
+        expected = self.index.checksums.get(ref.path)
+        if not self._verify or expected is None or ref.path in self._verified:
+            return array
+        actual = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        if actual != expected:
+            raise BundleFormatError(
+                f"{self.path}:{ref.path}: checksum mismatch (CRC-32 {actual:08x}, recorded {expected:08x}): the "
+                "stored bytes changed after capture; copy the bundle again (or pass --no-verify to read it anyway)"
+            )
+        self._verified.add(ref.path)
+        return array
 
     def _release_resident(self) -> None:
         """Drop the last mapped tensor's pages from this process (they stay in the OS page cache)."""

@@ -61,6 +61,7 @@ def good_index() -> dict[str, Any]:
         "selection": {"kinds": ["outputs", "params"], "layers": ["lin*"], "skip_layers": [], "summary_only": False,
                       "max_tensor_bytes": 1024},
         "summaries": {},
+        "checksums": {"/params/lin.weight": 123456, "/params/lin.bias": 0},
     }  # fmt: skip
 
 
@@ -102,7 +103,8 @@ def test_to_dict_round_trips_through_msgpack() -> None:
 def test_optional_fields_default() -> None:
     """cotangent, loss, orders, rng and run's device/adapter/extra/batch_size/seq_len may be absent."""
     document = good_index()
-    for key in ("cotangent", "loss", "forward_order", "backward_order", "rng", "noise_floor", "selection", "summaries"):
+    optional = ("cotangent", "loss", "forward_order", "backward_order", "rng", "noise_floor", "selection", "summaries")
+    for key in (*optional, "checksums"):
         del document[key]
     for key in ("batch_size", "seq_len", "device", "adapter", "extra"):
         del document["run"][key]
