@@ -219,6 +219,11 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     help="Record module tensors, parameters and gradients as statistics + checksum only (first triage of huge models).",
 )
 @click.option(
+    "--self-check",
+    is_flag=True,
+    help="Also run the model without hooks and fail unless outputs and gradients match the recorded run bitwise.",
+)
+@click.option(
     "--wrap",
     type=click.Choice(WRAPS),
     default="none",
@@ -254,6 +259,7 @@ def main(
     summary_only: bool,
     max_tensor_bytes: str | None,
     wrap: str,
+    self_check: bool,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
     with handle_errors("capture-run", debug):
@@ -291,12 +297,15 @@ def main(
             provenance=checkpoint_provenance(ckpt),
             noise_floor=noise_floor,
             selection=selection,
+            self_check=self_check,
         )
     linked = f", {summary.linked} repeats stored as links" if summary.linked else ""
     click.echo(
         f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB{linked}, "
         f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
     )
+    if self_check:
+        click.echo("capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones")
     if not selection.is_everything:
         click.echo(f"capture-run: selection: {selection.describe()}")
     if context is not None and context.rank == 0:

@@ -16,11 +16,12 @@ import torch
 from capture.distributed import RankContext, current_rank, full_tensor, rank_path, report_and_write_manifest
 from capture.driving import ForwardFn, LossFn, call_forward, make_cotangents, rng_state, seed_everything
 from capture.hooks import CallInfo, ModuleTap
-from capture.naming import encode_call_inputs, encode_value
+from capture.naming import encode_call_inputs, encode_value, iter_live_tensors
 from capture.noise import measure_noise_floor
 from capture.provenance import model_provenance, snapshot
+from capture.selfcheck import observer_differences
 from capture.writer import BundleWriter
-from common.errors import InputError
+from common.errors import CaptureError, InputError
 from common.layout import BACKWARD, GRADS, INPUTS, OUTPUTS, PARAMS, RNG, call_group, escape_dotted, tensor_path
 from common.schema import BackwardMode, BundleIndex, ModuleCall, RunInfo, TensorRef, Tree
 from common.selection import Selection
@@ -218,6 +219,7 @@ def capture_run(
     provenance: dict[str, str] | None = None,
     noise_floor: bool = False,
     selection: Selection | None = None,
+    self_check: bool = False,
 ) -> CaptureSummary:
     """Run ``model`` once forward and backward on ``inputs`` and record everything into ``out``.
 
@@ -235,6 +237,8 @@ def capture_run(
             (:mod:`capture.noise`), so replay can judge errors against the reference's own.
         selection: record only some modules or kinds of tensors, or some as statistics only
             (:class:`~common.selection.Selection`); everything in full by default.
+        self_check: rerun the model without hooks and fail (no bundle) unless its outputs and
+            gradients equal the recorded run's bit for bit (:mod:`capture.selfcheck`).
 
     Inside a torch.distributed job of several ranks (torchrun), every rank calls this: each
     writes ``<out stem>.rank<r><suffix>`` and rank 0 then writes ``<out stem>.manifest.json``
@@ -249,12 +253,12 @@ def capture_run(
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
     if context is None:
         return _capture(model, inputs, Path(out), seed, forward, loss, train_mode, overwrite, run_info, provenance,
-                        noise_floor, selection, None)  # fmt: skip
+                        noise_floor, selection, None, self_check=self_check)  # fmt: skip
     target = rank_path(Path(out), context.rank)
     try:
         summary = _capture(model, inputs, target, seed, forward, loss, train_mode, overwrite,
                            {**(run_info or {}), "rank": context.rank, "world_size": context.world_size},
-                           provenance, noise_floor, selection, context)  # fmt: skip
+                           provenance, noise_floor, selection, context, self_check=self_check)  # fmt: skip
     except BaseException as err:
         report_and_write_manifest(Path(out), context, None, err, {})  # raises DistributedError on every rank
         raise
@@ -276,6 +280,8 @@ def _capture(
     noise_floor: bool,
     selection: Selection,
     context: RankContext | None,
+    *,
+    self_check: bool = False,
 ) -> CaptureSummary:
     started = time.perf_counter()
     info = dict(run_info or {})
@@ -304,6 +310,8 @@ def _capture(
         with _GradientStream(writer, model, selection, context) as gradients:
             mode, cotangent, loss_tree = _run_backward(writer, outputs, seed, loss)
         grads = gradients.finish()
+        if self_check:
+            _observer_check(model, inputs, seed, forward, loss, outputs)
         floors = (
             measure_noise_floor(model, inputs, writer, seed=seed, forward=forward, loss=loss, train_mode=train_mode)
             if noise_floor
@@ -344,6 +352,21 @@ def _capture(
             mode,
             time.perf_counter() - started,
             writer.linked_count,
+        )
+
+
+def _observer_check(
+    model: torch.nn.Module, inputs: Any, seed: int, forward: ForwardFn | None, loss: LossFn | None, outputs: Any
+) -> None:
+    hooked_outputs = [(slot, t.detach().clone()) for slot, t in iter_live_tensors(outputs, "output")]
+    hooked_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    problems = observer_differences(
+        model, inputs, seed=seed, forward=forward, loss=loss, hooked_outputs=hooked_outputs, hooked_grads=hooked_grads
+    )
+    if problems:
+        raise CaptureError(
+            f"self-check: recording changed what the model computes in {len(problems)} tensor(s), e.g. {problems[0]}; "
+            "no bundle was written; please report this with the model"
         )
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "BundleExistsError",
     "BundleFormatError",
     "BundleNotFoundError",
+    "CaptureError",
     "CheckpointError",
     "DistributedError",
     "InputError",
@@ -61,6 +62,10 @@ class InputError(ParityError, ValueError):
 
 class MapFileError(InputError):
     """A ``--map`` rename file has a bad line."""
+
+
+class CaptureError(ParityError):
+    """Recording a run went wrong in a way that is not the model's fault (the observer check failed)."""
 
 
 class DistributedError(ParityError):

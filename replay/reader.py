@@ -152,8 +152,12 @@ class BundleReader:
         """The statistics of a tensor recorded as statistics only, else None (its values are stored)."""
         return self.index.summaries.get(ref.path)
 
-    def read_array(self, ref: TensorRef) -> np.ndarray:
-        """The stored array of a tensor (raw bits for bf16/fp8); may be a read-only view of the file."""
+    def read_array(self, ref: TensorRef, *, verify: bool = True) -> np.ndarray:
+        """The stored array of a tensor (raw bits for bf16/fp8); may be a read-only view of the file.
+
+        With ``verify`` (and the reader's verification on), its CRC-32 is checked first; callers
+        that check later pass False and call :meth:`verify` themselves.
+        """
         if ref.path in self.index.summaries:
             raise BundleFormatError(
                 f"{self.path}:{ref.path}: recorded as statistics only (capture-run --summary-only or "
@@ -162,7 +166,8 @@ class BundleReader:
         dataset = self._file[ref.path]
         offset = _contiguous_offset(dataset)
         if self._map is None or offset is None or dataset.size == 0:
-            return self._checked(ref, np.asarray(dataset[()]))
+            array = np.asarray(dataset[()])
+            return self.verify(ref, array) if verify else array
         nbytes = dataset.size * dataset.dtype.itemsize
         if offset + nbytes > len(self._map):
             raise BundleFormatError(
@@ -172,10 +177,11 @@ class BundleReader:
         self._release_resident()
         self._resident = (offset, nbytes)
         view = np.frombuffer(self._map, dtype=dataset.dtype, count=dataset.size, offset=offset)
-        return self._checked(ref, view.reshape(dataset.shape))
+        array = view.reshape(dataset.shape)
+        return self.verify(ref, array) if verify else array
 
-    def _checked(self, ref: TensorRef, array: np.ndarray) -> np.ndarray:
-        """``array`` after its CRC-32 matched the one recorded at capture (once per dataset)."""
+    def verify(self, ref: TensorRef, array: np.ndarray) -> np.ndarray:
+        """``array`` (read for ``ref``) after its CRC-32 matched the one recorded at capture (once per dataset)."""
         expected = self.index.checksums.get(ref.path)
         if not self._verify or expected is None or ref.path in self._verified:
             return array

@@ -1,0 +1,54 @@
+"""--self-check: the recorded run must equal a run without hooks, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from capture.cli import main
+from capture.hooks import ModuleTap
+from capture.recorder import capture_run
+from common.errors import CaptureError
+from tests.models import build_tiny, tiny_inputs
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_observer_check_passes_on_an_honest_capture(tmp_path: Path, train_mode: bool) -> None:
+    """In-place activations, a reused block and dropout-free train mode: the hooks change no bit."""
+    capture_run(build_tiny(), tiny_inputs(), tmp_path / "b.h5", self_check=True, train_mode=train_mode)
+    assert (tmp_path / "b.h5").exists()
+
+
+def test_a_perturbing_observer_fails_the_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the hooks changed a value (here: an 'alias' that is not exact), the capture fails and writes nothing."""
+    honest = ModuleTap._alias
+
+    def perturbing(self: ModuleTap, info: Any, value: Any, slot: str, aliased: set[str]) -> Any:
+        result = honest(self, info, value, slot, aliased)
+        return result * (1 + 1e-6) if isinstance(result, torch.Tensor) and result.requires_grad else result
+
+    monkeypatch.setattr(ModuleTap, "_alias", perturbing)
+    out = tmp_path / "b.h5"
+    with pytest.raises(CaptureError, match=r"self-check: recording changed what the model computes in \d+ tensor"):
+        capture_run(build_tiny(), tiny_inputs(), out, self_check=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_reports_the_self_check(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """capture-run --self-check says it passed."""
+    import numpy as np
+
+    npz = tmp_path / "x.npz"
+    np.savez(npz, x=np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32))
+    result = CliRunner().invoke(
+        main, ["--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt), "--inputs", str(npz),
+               "--out", str(tmp_path / "b.h5"), "--self-check"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones" in (
+        result.stdout
+    )
