@@ -1,0 +1,59 @@
+"""The golden bundles' recipes, shared by scripts/make_golden_bundles.py and tests/test_golden.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.models import build_tiny, tiny_inputs
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def build_bf16() -> nn.Module:
+    """A small bf16 model: values stored as raw bits."""
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 2)).to(torch.bfloat16)
+
+
+def bf16_inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(3, 6, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16),)
+
+
+def logits_loss(outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return outputs["logits"].square().mean()
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    name: str
+    build: Callable[[], nn.Module]
+    inputs: Callable[[], Any]
+    seed: int = 42
+    loss: Callable[[Any], torch.Tensor] | None = None
+    selection: dict[str, Any] = field(default_factory=dict)
+    noise_floor: bool = False
+
+
+GOLDEN_CASES = (
+    GoldenCase("tiny-loss", build_tiny, tiny_inputs, seed=7, loss=logits_loss),
+    GoldenCase("bf16", build_bf16, bf16_inputs, seed=8),
+    GoldenCase(
+        "partial",
+        build_tiny,
+        tiny_inputs,
+        seed=9,
+        noise_floor=True,
+        selection={"skip_layers": ("blocks.1",), "max_tensor_bytes": 100},
+    ),
+)
+
+
+def golden_path(name: str, version: str) -> Path:
+    """``tests/data/golden-<version>-<name>.h5``."""
+    return DATA / f"golden-{version}-{name}.h5"
