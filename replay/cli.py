@@ -24,6 +24,7 @@ from replay.alignment import align_modules
 from replay.mapping import RenameMap, read_map
 from replay.markdown import render_markdown
 from replay.plot import plot_errors
+from replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from replay.progress import ProgressLine
 from replay.reader import BundleReader
 from replay.report import render_listing, render_proposal, render_result
@@ -217,11 +218,12 @@ def main(
             raise InputError(
                 f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
             )
-        verify = not no_verify
-        readers = (
-            [stack.enter_context(BundleReader(file, verify=verify)) for file in manifest.files] if manifest else []
-        )
-        reader = readers[rank] if manifest else stack.enter_context(BundleReader(bundle, verify=verify))
+
+        def open_bundle(file: str | Path) -> BundleReader:
+            return stack.enter_context(BundleReader(file, verify=not no_verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
+
+        readers = [open_bundle(file) for file in manifest.files] if manifest else []
+        reader = readers[rank] if manifest else open_bundle(bundle)
         data_parallel = (
             DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction) if manifest else None
         )

@@ -13,10 +13,11 @@ resident.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,12 +27,13 @@ import numpy as np
 import torch
 
 from common.dtypes import from_storage, storage_dtype, to_float64
-from common.errors import BundleFormatError, BundleNotFoundError
+from common.errors import BundleFormatError, BundleNotFoundError, ParityError
 from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE, RNG
 from common.migrations import migrate
 from common.packing import unpack
 from common.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
 from common.version import FORMAT_VERSION, check_compatible, parse_format_version
+from replay.preflight import preflight as walk_in_child
 
 __all__ = ["BundleReader", "rebuild"]
 
@@ -54,6 +56,9 @@ class BundleReader:
         path: the ``.h5`` bundle.
         verify: check each tensor's CRC-32 against the index the first time it is read (bundles
             written since format 1.2 carry them); a mismatch names the record.
+        preflight: first walk the file's HDF5 metadata in a child process for at most this many
+            seconds, so that a crafted file that hangs or crashes HDF5 is refused instead
+            (:mod:`replay.preflight`); None skips it (files this process or the user wrote).
 
     Raises:
         BundleNotFoundError: nothing at ``path``.
@@ -61,15 +66,18 @@ class BundleReader:
         BundleFormatError: not a bundle, or a part of it is missing or damaged.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, preflight: float | None = None) -> None:
         self.path = Path(path)
         self._verify = verify
         self._verified: set[str] = set()
+        if preflight is not None and self.path.is_file():
+            walk_in_child(self.path, seconds=preflight)
         self._file = _open_hdf5(self.path)
         try:
-            self.format_version, self.format_minor = self._check_version()
-            self.index = self._read_index()
-            self._validate_tensors()
+            with self._damage_guard("/"):
+                self.format_version, self.format_minor = self._check_version()
+                self.index = self._read_index()
+                self._validate_tensors()
         except BaseException:
             self._file.close()
             raise
@@ -141,12 +149,26 @@ class BundleReader:
 
     # ------------------------------------------------------------- access
 
+    @contextlib.contextmanager
+    def _damage_guard(self, where: str) -> Iterator[None]:
+        """Turn whatever h5py or HDF5 raises on a damaged file into one BundleFormatError naming the file."""
+        try:
+            yield
+        except ParityError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, OverflowError) as err:
+            message = str(err).replace("\n", " ")[:200]
+            raise BundleFormatError(
+                f"{self.path}:{where}: the file is damaged ({type(err).__name__}: {message}); copy or capture it again"
+            ) from err
+
     def provenance(self) -> dict[str, str]:
         """The capturing environment's provenance strings."""
-        group = self._file.get(PROVENANCE)
-        if not isinstance(group, h5py.Group):
-            return {}
-        return {key: (v.decode() if isinstance(v, bytes) else str(v)) for key, v in group.attrs.items()}
+        with self._damage_guard(PROVENANCE):
+            group = self._file.get(PROVENANCE)
+            if not isinstance(group, h5py.Group):
+                return {}
+            return {key: (v.decode() if isinstance(v, bytes) else str(v)) for key, v in group.attrs.items()}
 
     def summary(self, ref: TensorRef) -> dict[str, float | int] | None:
         """The statistics of a tensor recorded as statistics only, else None (its values are stored)."""
@@ -163,9 +185,19 @@ class BundleReader:
                 f"{self.path}:{ref.path}: recorded as statistics only (capture-run --summary-only or "
                 "--max-tensor-bytes), so its values cannot be read"
             )
+        with self._damage_guard(ref.path):
+            return self._read_array(ref, verify)
+
+    def _read_array(self, ref: TensorRef, verify: bool) -> np.ndarray:
         dataset = self._file[ref.path]
         offset = _contiguous_offset(dataset)
         if self._map is None or offset is None or dataset.size == 0:
+            nbytes = dataset.size * dataset.dtype.itemsize
+            if nbytes > _MAX_UNMAPPED_BYTES and nbytes > 100 * len(self._map or b"x"):
+                raise BundleFormatError(
+                    f"{self.path}:{ref.path}: declares {nbytes} bytes of data in a {self.path.stat().st_size}-byte "
+                    "file; refusing to decompress it"
+                )
             array = np.asarray(dataset[()])
             return self.verify(ref, array) if verify else array
         nbytes = dataset.size * dataset.dtype.itemsize
@@ -233,6 +265,10 @@ class BundleReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+_MAX_UNMAPPED_BYTES = 1 << 30
+"""A chunked or compressed dataset may be larger than its file, but not without bound."""
 
 
 def _map_file(path: Path) -> mmap.mmap | None:

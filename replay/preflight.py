@@ -1,0 +1,57 @@
+"""Walk a bundle's HDF5 metadata in a child process before this process touches it.
+
+HDF5 is not hardened against crafted files: a damaged object header can make it loop for
+minutes or crash the process, inside C code that no Python timeout can interrupt. The child
+walks every attribute, object and small non-contiguous dataset the reader would touch; if it
+hangs or crashes, the bundle is refused with one line, and this process never opens it. Any
+ordinary error the child meets is left for the reader, which reports it precisely. Costs one
+interpreter start with h5py (a few tenths of a second); the command-line tools use it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Final
+
+from common.errors import BundleFormatError
+
+__all__ = ["DEFAULT_PREFLIGHT_SECONDS", "preflight"]
+
+DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
+
+_WALK: Final = r"""
+import sys
+import h5py
+
+def touch(node):
+    for key in node.attrs:
+        node.attrs[key]
+    if isinstance(node, h5py.Dataset):
+        node.shape, node.dtype, node.chunks
+        if node.chunks is not None or node.id.get_offset() is None:
+            if node.size * node.dtype.itemsize <= (1 << 26):
+                node[()]
+
+with h5py.File(sys.argv[1], "r") as file:
+    touch(file)
+    file.visititems(lambda name, node: touch(node))
+"""
+
+
+def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS) -> None:
+    """Refuse ``path`` if walking its HDF5 metadata hangs or crashes a child process."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _WALK, str(path)], capture_output=True, timeout=seconds, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise BundleFormatError(
+            f"{path}: reading its HDF5 metadata did not finish within {seconds:.0f} s; the file is damaged or "
+            "crafted, and is not opened"
+        ) from None
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        raise BundleFormatError(f"{path}: HDF5 crashed ({name}) reading its metadata; the file is damaged or crafted")
