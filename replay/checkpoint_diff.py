@@ -24,6 +24,7 @@ from common.dtypes import tag_of
 from common.errors import CheckpointError
 from common.version import FORMAT_NAME
 from replay.mapping import RenameMap
+from replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from replay.reader import BundleReader
 
 __all__ = ["LAYER_TYPES", "CheckpointDiff", "TensorChange", "classify_changes", "diff_checkpoints", "load_tensors"]
@@ -56,7 +57,7 @@ def load_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) ->
         with h5py.File(file, "r") as probe:
             is_bundle = probe.attrs.get("format") == FORMAT_NAME
         if is_bundle:
-            with BundleReader(file) as reader:
+            with BundleReader(file, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
                 return {name: reader.read_tensor(ref) for name, ref in reader.index.params.items()}
     return lazy_tensors(file, trust_pickle=trust_pickle)
 
