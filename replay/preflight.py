@@ -10,6 +10,7 @@ interpreter start with h5py (a few tenths of a second); the command-line tools u
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
@@ -23,7 +24,10 @@ __all__ = ["DEFAULT_PREFLIGHT_SECONDS", "preflight"]
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
 
 _WALK: Final = r"""
+import signal
 import sys
+
+getattr(signal, "alarm", int)(int(sys.argv[2]))  # the kernel ends this process on time, even with its parent gone
 import h5py
 
 def touch(node):
@@ -45,13 +49,21 @@ def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS) -> None
     """Refuse ``path`` if walking its HDF5 metadata hangs or crashes a child process."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _WALK, str(path)], capture_output=True, timeout=seconds, check=False
+            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1)],
+            capture_output=True,
+            timeout=seconds,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         raise BundleFormatError(
             f"{path}: reading its HDF5 metadata did not finish within {seconds:.0f} s; the file is damaged or "
             "crafted, and is not opened"
         ) from None
+    if done.returncode == -signal.SIGALRM:
+        raise BundleFormatError(
+            f"{path}: reading its HDF5 metadata did not finish within {seconds:.0f} s; the file is damaged or "
+            "crafted, and is not opened"
+        )
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name
         raise BundleFormatError(f"{path}: HDF5 crashed ({name}) reading its metadata; the file is damaged or crafted")
