@@ -219,6 +219,11 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     help="Record module tensors, parameters and gradients as statistics + checksum only (first triage of huge models).",
 )
 @click.option(
+    "--no-checksums",
+    is_flag=True,
+    help="Do not record a CRC-32 per tensor (faster; readers then cannot detect damaged bytes).",
+)
+@click.option(
     "--self-check",
     is_flag=True,
     help="Also run the model without hooks and fail unless outputs and gradients match the recorded run bitwise.",
@@ -259,6 +264,7 @@ def main(
     summary_only: bool,
     max_tensor_bytes: str | None,
     wrap: str,
+    no_checksums: bool,
     self_check: bool,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
@@ -298,6 +304,7 @@ def main(
             noise_floor=noise_floor,
             selection=selection,
             self_check=self_check,
+            checksums=not no_checksums,
         )
     linked = f", {summary.linked} repeats stored as links" if summary.linked else ""
     click.echo(

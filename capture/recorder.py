@@ -220,6 +220,7 @@ def capture_run(
     noise_floor: bool = False,
     selection: Selection | None = None,
     self_check: bool = False,
+    checksums: bool = True,
 ) -> CaptureSummary:
     """Run ``model`` once forward and backward on ``inputs`` and record everything into ``out``.
 
@@ -239,6 +240,8 @@ def capture_run(
             (:class:`~common.selection.Selection`); everything in full by default.
         self_check: rerun the model without hooks and fail (no bundle) unless its outputs and
             gradients equal the recorded run's bit for bit (:mod:`capture.selfcheck`).
+        checksums: record a CRC-32 per tensor, which readers verify (about a quarter second of
+            a core per GB written); off, readers cannot tell a damaged bundle from a port bug.
 
     Inside a torch.distributed job of several ranks (torchrun), every rank calls this: each
     writes ``<out stem>.rank<r><suffix>`` and rank 0 then writes ``<out stem>.manifest.json``
@@ -253,12 +256,13 @@ def capture_run(
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
     if context is None:
         return _capture(model, inputs, Path(out), seed, forward, loss, train_mode, overwrite, run_info, provenance,
-                        noise_floor, selection, None, self_check=self_check)  # fmt: skip
+                        noise_floor, selection, None, self_check=self_check, checksums=checksums)  # fmt: skip
     target = rank_path(Path(out), context.rank)
     try:
         summary = _capture(model, inputs, target, seed, forward, loss, train_mode, overwrite,
                            {**(run_info or {}), "rank": context.rank, "world_size": context.world_size},
-                           provenance, noise_floor, selection, context, self_check=self_check)  # fmt: skip
+                           provenance, noise_floor, selection, context, self_check=self_check,
+                           checksums=checksums)  # fmt: skip
     except BaseException as err:
         report_and_write_manifest(Path(out), context, None, err, {})  # raises DistributedError on every rank
         raise
@@ -282,6 +286,7 @@ def _capture(
     context: RankContext | None,
     *,
     self_check: bool = False,
+    checksums: bool = True,
 ) -> CaptureSummary:
     started = time.perf_counter()
     info = dict(run_info or {})
@@ -291,7 +296,7 @@ def _capture(
         recorded = dataclasses.replace(
             selection, kinds=tuple(k for k in selection.kinds if k not in ("params", "param-grads"))
         )
-    with BundleWriter(out, overwrite=overwrite) as writer:
+    with BundleWriter(out, overwrite=overwrite, checksums=checksums) as writer:
         writer.write_provenance(
             {**snapshot(str(info.get("device", "cpu"))), **model_provenance(model), **(provenance or {})}
         )

@@ -8,7 +8,7 @@ so that peak memory belongs to that step alone:
 
 * bare: seeded forward + backward with a random cotangent on the logits, as capture drives it;
 * capture: ``capture.capture_run`` into a bundle (every module's inputs, outputs, grad_outputs and
-  grad_inputs, every parameter and gradient);
+  grad_inputs, every parameter and gradient), with and without CRC-32 checksums;
 * replay: ``replay.compare_run`` of the same model against that bundle at atol = rtol = 0;
 * replay of a "port" whose weights are off by a relative 1e-6, so that every record differs a
   little and takes the comparison's full float64 path instead of its bit-identical shortcut;
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-STEPS = ("bare", "capture", "replay", "replay-near", "capture-summary", "replay-summary")
+STEPS = ("bare", "capture", "capture-no-checksums", "replay", "replay-near", "capture-summary", "replay-summary")
 
 
 def build_model(layers: int, width: int, heads: int, vocab: int, context: int) -> Any:
@@ -149,12 +149,13 @@ def child(options: argparse.Namespace) -> None:
 
     elif options.child.startswith("capture"):
         selection = Selection(summary_only=options.child.endswith("summary"))
+        checksums = not options.child.endswith("no-checksums")
 
         def prepare() -> None:  # a capture writes a new file; deleting the last one is not its cost
             bundle.unlink(missing_ok=True)
 
         def step() -> None:
-            summary = capture_run(model, inputs, bundle, seed=42, selection=selection)
+            summary = capture_run(model, inputs, bundle, seed=42, selection=selection, checksums=checksums)
             extra.update(
                 tensors=summary.tensors,
                 tensor_bytes=summary.tensor_bytes,
@@ -212,7 +213,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=options.dir) as folder:
         bundle, summary_bundle = Path(folder) / "bench.h5", Path(folder) / "summary.h5"
-        figures = {step: run_child(step, options, bundle) for step in ("bare", "capture", "replay", "replay-near")}
+        figures = {step: run_child(step, options, bundle) for step in ("bare", "capture-no-checksums")}
+        figures |= {step: run_child(step, options, bundle) for step in ("capture", "replay", "replay-near")}
         size = bundle.stat().st_size
         bundle.unlink()
         figures |= {step: run_child(step, options, summary_bundle) for step in ("capture-summary", "replay-summary")}
@@ -237,6 +239,7 @@ def main() -> None:
     rows = [
         ("bare forward + backward", "bare", 0),
         ("capture-run", "capture", size),
+        ("capture-run --no-checksums", "capture-no-checksums", size),
         ("replay-compare (exact port)", "replay", size),
         ("replay-compare (port off 1e-6)", "replay-near", size),
         ("capture-run --summary-only", "capture-summary", 0),

@@ -444,3 +444,16 @@ def test_replay_cli_reports_a_damaged_tensor_in_one_line(tiny_bundle: Path, tiny
     result = CliRunner().invoke(main, [*args, "--no-verify"])
     assert result.exit_code == 0, result.output  # read anyway: the altered weight is reported as different
     assert "parameters differ from the reference's weights (head.weight)" in result.output
+
+
+def test_a_bundle_without_checksums_reads_unverified(tmp_path: Path) -> None:
+    """capture-run --no-checksums: the index has none, and readers read without verifying."""
+    from capture.recorder import capture_run
+
+    out = tmp_path / "plain.h5"
+    capture_run(build_tiny(), tiny_inputs(), out, checksums=False)
+    with BundleReader(out) as reader:
+        assert reader.index.checksums == {}
+        flipped = flip_data_byte(out, "params/head.weight")
+    with BundleReader(flipped) as reader:
+        reader.read_array(reader.index.params["head.weight"])  # damage goes unnoticed without checksums
