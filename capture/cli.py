@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import click
 
 from capture.adapters import Adapter, checkpoint_adapter, load_adapter, load_inputs_npz, model_factory_adapter
-from capture.distributed import WRAPS, init_from_environment, manifest_path, wrap_model
+from capture.distributed import WRAPS, init_from_environment, leave_job, manifest_path, wrap_model
 from capture.driving import to_device
 from capture.provenance import file_sha256
 from capture.recorder import capture_run
@@ -306,6 +306,8 @@ def main(
             self_check=self_check,
             checksums=not no_checksums,
         )
+        if context is not None:
+            leave_job()
     linked = f", {summary.linked} repeats stored as links" if summary.linked else ""
     click.echo(
         f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB{linked}, "

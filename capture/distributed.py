@@ -37,6 +37,7 @@ __all__ = [
     "current_rank",
     "find_manifest",
     "full_tensor",
+    "leave_job",
     "local_tensor",
     "manifest_path",
     "rank_path",
@@ -219,6 +220,15 @@ def init_from_environment(device: str) -> RankContext | None:
         if device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return current_rank()
+
+
+def leave_job() -> None:
+    """Wait for every rank, then leave the process group this process joined."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 WRAPS: Final = ("none", "ddp", "fsdp")

@@ -96,6 +96,13 @@ def _watch(tensor: torch.Tensor, tap: _GradTap) -> None:
         base.register_hook(_BaseFallback(tap, tensor, base))  # type: ignore[no-untyped-call]
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook torch.compile runs as Python instead of tracing it (a graph break per module call)."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return disable(hook) if disable is not None else hook
+
+
 class ModuleTap:
     """Context manager hooking every submodule of ``model`` (the root itself is not hooked).
 
@@ -127,8 +134,8 @@ class ModuleTap:
             if name is None:
                 continue
             self._names[id(module)] = name
-            self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._after, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(_eager(self._before), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_eager(self._after), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:

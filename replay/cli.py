@@ -24,6 +24,7 @@ from replay.alignment import align_modules
 from replay.mapping import RenameMap, read_map
 from replay.markdown import render_markdown
 from replay.plot import plot_errors
+from replay.precision import PRECISIONS, Precision
 from replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from replay.progress import ProgressLine
 from replay.reader import BundleReader
@@ -48,14 +49,19 @@ class Tol(click.ParamType):  # type: ignore[type-arg]
         return number
 
 
-def _tolerances(atol: float, rtol: float, equal_nan: bool, overrides: tuple[str, ...], preset: str) -> ToleranceTable:
+def _tolerances(
+    atol: float, rtol: float, equal_nan: bool, overrides: tuple[str, ...], preset: str, precision: Precision
+) -> ToleranceTable:
     by_glob = tuple(parse_override(spec, equal_nan=equal_nan) for spec in overrides)
-    if preset == "none":
-        return ToleranceTable(Tolerance(atol, rtol, equal_nan), by_glob)
     context = click.get_current_context()
     given = [
         f"--{name}" for name in ("atol", "rtol") if context.get_parameter_source(name) is ParameterSource.COMMANDLINE
     ]
+    if precision.active and preset == "none" and not given:  # the precision's own preset
+        chosen = precision.preset()
+        return ToleranceTable(Tolerance(chosen.atol, chosen.rtol, equal_nan), by_glob)
+    if preset == "none":
+        return ToleranceTable(Tolerance(atol, rtol, equal_nan), by_glob)
     if given:
         raise click.UsageError(f"--tolerance-preset {preset} sets atol and rtol per dtype; drop {' and '.join(given)}")
     return ToleranceTable.torch_preset(equal_nan, by_glob)
@@ -158,6 +164,32 @@ def write_atomically(path: str, text: str, option: str) -> None:
 )
 @click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
 @click.option(
+    "--dtype",
+    "cast_dtype",
+    type=click.Choice(list(PRECISIONS)),
+    help="Cast the port's floating weights and inputs to this precision (values compared upcast to float32).",
+)
+@click.option(
+    "--autocast",
+    "autocast_dtype",
+    type=click.Choice(["bf16", "fp16"]),
+    help="Run the port's forward under torch.autocast in this precision.",
+)
+@click.option(
+    "--compile",
+    "compile_backend",
+    is_flag=False,
+    flag_value="inductor",
+    default=None,
+    metavar="[BACKEND]",
+    help="torch.compile the port first (backend: inductor by default); module records are then not compared.",
+)
+@click.option(
+    "--compile-per-module",
+    is_flag=True,
+    help="With --compile: also compare module records (hooks on the compiled port).",
+)
+@click.option(
     "--no-verify", is_flag=True, help="Do not check each tensor's recorded CRC-32 when reading it (faster, trusting)."
 )
 @click.option(
@@ -197,6 +229,10 @@ def main(
     params_filter: str | None,
     resync: bool,
     list_only: bool,
+    cast_dtype: str | None,
+    autocast_dtype: str | None,
+    compile_backend: str | None,
+    compile_per_module: bool,
     no_verify: bool,
     rank: int,
 ) -> None:
@@ -230,7 +266,8 @@ def main(
         if list_only:
             click.echo(render_listing(reader))
             return
-        tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset)
+        precision = Precision(cast_dtype, autocast_dtype)
+        tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset, precision)
         if save_map and map_file != "auto":
             raise click.UsageError("--save-map needs --map auto")
         rename = read_map(map_file) if map_file and map_file != "auto" else RenameMap()
@@ -260,6 +297,9 @@ def main(
             mask_padding=mask_padding,
             layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
             data_parallel=data_parallel,
+            precision=precision,
+            compile_backend=compile_backend,
+            compiled_module_records=compile_per_module,
         )
         progress.close()
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]

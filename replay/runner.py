@@ -7,9 +7,10 @@ not kept, so memory stays at the model plus a few tensors.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from replay.isolation import InputAdapter, LayoutTransform, as_recorded
 from replay.isolation import isolate as isolate_modules
 from replay.mapping import RenameMap
 from replay.padding import padding_mask, recorded_lengths
+from replay.precision import Precision
 from replay.reader import BundleReader
 from replay.verdicts import apply_isolation
 from replay.wrappers import WrapperRenameMap, normalize_wrappers
@@ -218,6 +220,9 @@ def compare_run(
     mask_padding: bool = False,
     layers: Selection | None = None,
     data_parallel: DataParallelRuns | None = None,
+    precision: Precision | None = None,
+    compile_backend: str | None = None,
+    compiled_module_records: bool = False,
 ) -> ComparisonResult:
     """Run the port on the bundle's inputs, forward and backward, and compare every record.
 
@@ -245,6 +250,12 @@ def compare_run(
         data_parallel: ``reader`` is one rank of a data-parallel capture: also run the other
             ranks' inputs (in rank order, untapped) so that the accumulated gradients, divided
             as the capture's wrapper reduced them, compare with the gathered ones.
+        precision: run the port with its weights and inputs cast, or under autocast
+            (:mod:`replay.precision`); its values are compared upcast to float32.
+        compile_backend: ``torch.compile`` the port with this backend first. Hooks can change
+            what gets compiled, so module records are compared only with
+            ``compiled_module_records`` (hooks on the compiled model); outputs, parameters and
+            gradients always.
 
     Returns:
         A :class:`~replay.compare.ComparisonResult`, names in the bundle's naming.
@@ -269,9 +280,13 @@ def compare_run(
         replay_provenance={**snapshot(device), **model_provenance(model), **(provenance or {})},
     )
     target = torch.device(device)
-    inputs = to_device(reader.rebuild(index.inputs), target)
+    precision = precision or Precision()
+    precision.prepare(model)
+    inputs = precision.inputs(to_device(reader.rebuild(index.inputs), target))
     recorded = index.selection
-    transform = to_reference or as_recorded
+    transform = precision.upcast(to_reference or as_recorded) if precision.active else (to_reference or as_recorded)
+    port = model if compile_backend is None else cast(torch.nn.Module, torch.compile(model, backend=compile_backend))
+    module_records = compile_backend is None or compiled_module_records
     if weights.index.selection.records("params"):
         params = _mapped_parameters(model, rename, grads=False)
         result.param_values = _compare_named(
@@ -282,13 +297,14 @@ def compare_run(
     ranks = data_parallel.ranks if data_parallel else [reader]
     for run in ranks:
         if run is not reader:  # another rank's share of the gradients
-            _untapped_run(model, run, forward, loss, transform, target)
+            _untapped_run(port, run, forward, loss, transform, target, precision)
             continue
         seed_everything(index.run.seed)
         sink = _ComparingSink(reader, result, progress, transform, mask_padding)
         compared = _compared_modules(rename, recorded, layers)
-        with ModuleTap(model, sink, record_backward=recorded.records("grads"), rename=compared):
-            outputs = call_forward(model, inputs, forward)
+        tap = ModuleTap(model, sink, record_backward=recorded.records("grads"), rename=compared)
+        with precision.forward(target), tap if module_records else contextlib.nullcontext():
+            outputs = call_forward(port, inputs, forward)
         live_outputs = iter_live_tensors(outputs, "output")
         expected_outputs = _slots(index.outputs, "output")
         compared_outputs = _compare_named(
@@ -305,11 +321,19 @@ def compare_run(
         )
     wanted = layers or Selection()
     hidden = rename.hidden if isinstance(rename, WrapperRenameMap) else frozenset()
-    result.bundle_only.extend(
-        name
-        for name in _unvisited_module_records(reader, sink.seen)
-        if wanted.records_module(name.split("/")[0]) and name.split("/")[0] not in hidden
-    )
+    if module_records:
+        result.bundle_only.extend(
+            name
+            for name in _unvisited_module_records(reader, sink.seen)
+            if wanted.records_module(name.split("/")[0]) and name.split("/")[0] not in hidden
+        )
+    else:
+        result.notes.append(
+            f"torch.compile (backend {compile_backend}): outputs, parameters and gradients compared; module records "
+            "not compared, since hooks change what gets compiled (--compile-per-module compares them)"
+        )
+    if precision.active:
+        result.notes.append(f"precision: {precision.describe()}; values compared upcast to float32")
     if wrapper_note:
         result.notes.append(wrapper_note)
     _note_selection(result, reader, layers)
@@ -361,10 +385,12 @@ def _untapped_run(
     loss: LossFn | None,
     transform: LayoutTransform,
     device: torch.device,
+    precision: Precision,
 ) -> None:
     """Another rank's forward and backward on its recorded inputs: gradients accumulate, nothing is compared."""
     seed_everything(run.index.run.seed)
-    outputs = call_forward(model, to_device(run.rebuild(run.index.inputs), device), forward)
+    with precision.forward(device):
+        outputs = call_forward(model, precision.inputs(to_device(run.rebuild(run.index.inputs), device)), forward)
     scratch = ComparisonResult(tolerances=ToleranceTable())
     _backward(run, outputs, loss, scratch, transform)
 

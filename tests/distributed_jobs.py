@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -62,7 +63,11 @@ def main() -> None:
     model = wrap_model(model, "fsdp" if options.job == "fsdp" else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     capture_run(model, inputs if options.job != "fsdp" else (inputs["x"],), options.out, seed=42)
+    dist.barrier()
+    del model
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # past this point only interpreter teardown, where gloo's threads sometimes abort
 
 
 if __name__ == "__main__":

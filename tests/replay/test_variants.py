@@ -1,0 +1,123 @@
+"""Replay variants: reduced precision, torch.compile, another device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from capture.recorder import capture_run
+from common.errors import InputError
+from common.tolerances import Tolerance, ToleranceTable
+from replay.cli import main
+from replay.compare import ComparisonResult
+from replay.precision import Precision
+from replay.reader import BundleReader
+from replay.runner import compare_run
+from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
+from tests.models import build_tiny, tiny_inputs
+
+EXACT = ToleranceTable(Tolerance(1e-5, 1e-5))
+
+
+def build_smooth() -> nn.Module:
+    """A seeded model without kinks (no ReLU): reduced precision moves values, never flips a branch."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+@pytest.fixture
+def smooth_bundle(tmp_path: Path) -> Path:
+    out = tmp_path / "smooth.h5"
+    capture_run(build_smooth(), (torch.randn(8, 16, generator=torch.Generator().manual_seed(1)),), out)
+    return out
+
+
+def replay(bundle: Path, model: nn.Module, tolerances: ToleranceTable, **options: object) -> ComparisonResult:
+    with BundleReader(bundle) as reader:
+        return compare_run(model, reader, tolerances=tolerances, **options)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("precision", [Precision(autocast="bf16"), Precision(dtype="bf16"), Precision(dtype="fp16")])
+def test_reduced_precision_fails_float32_tolerances_and_passes_its_preset(
+    smooth_bundle: Path, precision: Precision
+) -> None:
+    """A float32 bundle replayed in bf16/fp16: out of tolerance at 1e-5, within the precision's preset."""
+    strict = replay(smooth_bundle, build_smooth(), EXACT, precision=precision)
+    assert not strict.match
+    assert all(r.diff.problem is None for r in strict.records)  # values differ; no dtype mismatch is claimed
+    preset = replay(smooth_bundle, build_smooth(), ToleranceTable(precision.preset()), precision=precision)
+    assert preset.match, [r.name for r in preset.records if not r.match]
+    assert f"precision: {precision.describe()}; values compared upcast to float32" in preset.notes
+
+
+def test_cli_uses_the_precision_preset_unless_tolerances_are_given(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """replay-compare --autocast bf16 applies the bf16 preset by default and the given --atol/--rtol otherwise."""
+    out = tmp_path / "b.h5"
+    capture_run(build_tiny(), tiny_inputs(), out)
+    args = ["--bundle", str(out), "--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt), "--quiet",
+            "--json", str(tmp_path / "r.json")]  # fmt: skip
+    for extra, atol in (([], 5e-2), (["--atol", "1e-3"], 1e-3)):
+        result = CliRunner().invoke(main, [*args, "--autocast", "bf16", *extra])
+        assert result.exit_code in (0, 1), result.output
+        assert "precision: forward under autocast(bf16); values compared upcast to float32" in result.output
+        assert f"atol={atol:g}" in result.output
+
+
+def test_bad_precision_is_refused() -> None:
+    """--autocast fp32 would change nothing: refused, saying what to use."""
+    with pytest.raises(InputError, match="--autocast fp32 changes nothing"):
+        Precision(autocast="fp32")
+
+
+@pytest.fixture(scope="module")
+def ref_bundle_with_floor(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path) -> Path:
+    """The example reference captured with its float32-vs-float64 noise floor."""
+    from capture.cli import main as capture_main
+
+    out = tmp_path_factory.mktemp("floor") / "ref.h5"
+    args = ["--ckpt", str(ref_checkpoint), "--adapter", str(REF_ADAPTER), "--out", str(out), "--noise-floor"]
+    assert CliRunner().invoke(capture_main, args).exit_code == 0
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_example_port_matches_the_eager_reference(ref_bundle_with_floor: Path, ref_checkpoint: Path) -> None:
+    """The example port under torch.compile (inductor, CPU) matches the eager float32 reference within 8x the
+    reference's own float32 rounding error per record; module records are left out and the report says so."""
+    result = replay_with_adapter(
+        ref_bundle_with_floor, ref_checkpoint, PORT_DIR / "adapter.py",
+        tolerances=ToleranceTable(Tolerance(1e-7, 0.0)), noise_factor=8, compile_backend="inductor",
+    )  # fmt: skip
+    assert result.match, [(r.name, r.diff.max_abs) for r in result.records if not r.match][:5]
+    counts = result.counts()
+    assert counts["output"][0] >= 1
+    assert counts["param_grad"] == (76, 76)
+    assert counts["forward"] == (0, 0)
+    assert not result.bundle_only
+    assert any("torch.compile (backend inductor)" in note for note in result.notes)
+
+
+def test_compiled_port_with_module_records(tmp_path: Path) -> None:
+    """--compile-per-module keeps the hooks: module records are compared too (eager backend, quick)."""
+    out = tmp_path / "b.h5"
+    capture_run(build_smooth(), (torch.randn(8, 16, generator=torch.Generator().manual_seed(1)),), out)
+    result = replay(out, build_smooth(), EXACT, compile_backend="eager", compiled_module_records=True)
+    assert result.match
+    assert result.counts()["forward"][0] > 0
+    assert not result.bundle_only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replay_on_cuda_matches_a_cpu_capture(tmp_path: Path) -> None:
+    """A CPU float32 capture replayed on CUDA (TF32 off) matches at float32 tolerances; comparison runs on the host."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = tmp_path / "b.h5"
+    capture_run(build_smooth(), (torch.randn(8, 16, generator=torch.Generator().manual_seed(1)),), out)
+    result = replay(out, build_smooth().cuda(), ToleranceTable(Tolerance(1e-5, 1e-4)), device="cuda")
+    assert result.match, [(r.name, r.diff.max_abs) for r in result.records if not r.match][:5]
+    assert result.replay_provenance["device"].startswith("cuda")
