@@ -18,6 +18,7 @@ after each isolated call.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,8 +103,11 @@ class _Isolator:
         device: torch.device,
         transform: LayoutTransform,
         param_names: dict[int, str],
+        cast: Callable[[Any], Any] = lambda value: value,
+        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
+        self.cast, self.context = cast, context
         self.param_names = param_names
         """id(parameter) -> its name in the bundle: a tied parameter sums every module's share."""
         self.outcome = Isolation()
@@ -124,7 +128,7 @@ class _Isolator:
         leaves: dict[str, torch.Tensor] = {}
         replacement: dict[int, torch.Tensor] = {}
         for slot, tensor in iter_live_call_inputs(args, kwargs):
-            moved = tensor.to(self.device)
+            moved = self.cast(tensor.to(self.device))
             if wants_grad.get(id(tensor)) and moved.is_floating_point():
                 leaves[slot] = moved.detach().requires_grad_(True)
                 moved = leaves[slot].clone()
@@ -148,7 +152,7 @@ class _Isolator:
             return
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()} if module.training else {}
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self.context():
                 outputs = module(*fed.args, **fed.kwargs)
         except Exception as err:  # a port whose signature differs from the reference's
             self.outcome.skipped.setdefault(
@@ -215,6 +219,8 @@ def isolate(
     isolation_inputs: InputAdapter | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     to_reference: LayoutTransform = as_recorded,
+    cast_inputs: Callable[[Any], Any] = lambda value: value,
+    forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Isolation:
     """Run every matched module call of ``model`` on the reference's recorded inputs.
 
@@ -227,6 +233,8 @@ def isolate(
         isolation_inputs: the adapter's translation of the reference's arguments to the port's signature.
         progress: called as ``progress("isolate", done, total)`` per module call.
         to_reference: the port's values in the reference's layout, by record name.
+        cast_inputs: applied to each recorded input tensor (a reduced-precision replay casts them).
+        forward_context: the context each isolated call runs in (autocast).
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -238,7 +246,7 @@ def isolate(
             modules[name] = module
     param_names = {id(p): rename.parameter(name) for name, p in model.named_parameters()}
     named = {key: value for key, value in param_names.items() if value is not None}
-    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference, named)
+    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference, named, cast_inputs, forward_context)
     for position, call in enumerate(reader.index.calls, start=1):
         if progress is not None:
             progress("isolate", position, len(reader.index.calls))

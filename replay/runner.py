@@ -8,6 +8,7 @@ not kept, so memory stays at the model plus a few tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -350,6 +351,8 @@ def compare_run(
             isolation_inputs=isolation_inputs,
             progress=progress,
             to_reference=transform,
+            cast_inputs=precision.inputs,
+            forward_context=functools.partial(precision.forward, target),
         )
         apply_isolation(result, isolation)
     return result

@@ -121,3 +121,15 @@ def test_replay_on_cuda_matches_a_cpu_capture(tmp_path: Path) -> None:
     result = replay(out, build_smooth().cuda(), ToleranceTable(Tolerance(1e-5, 1e-4)), device="cuda")
     assert result.match, [(r.name, r.diff.max_abs) for r in result.records if not r.match][:5]
     assert result.replay_provenance["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("precision", [Precision(dtype="bf16"), Precision(autocast="bf16")])
+def test_isolation_runs_modules_in_the_replay_precision(smooth_bundle: Path, precision: Precision) -> None:
+    """--isolate with --dtype/--autocast feeds each module the recorded inputs in that precision: every module
+    is isolated (none refused for a dtype clash) and, within the preset, nothing is an origin."""
+    result = replay(
+        smooth_bundle, build_smooth(), ToleranceTable(precision.preset()), precision=precision, isolate=True
+    )
+    assert result.isolated
+    assert result.not_isolated == {}
+    assert result.match
