@@ -9,6 +9,7 @@ whose bits are equal (the common case when a port is exact) skip everything but 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -167,11 +168,7 @@ class _Running:
             np.subtract(diff, scratch, out=scratch)
             candidate = float(np.max(scratch))
             if candidate > self.need_atol:
-                for _ in range(8):
-                    if _passes(diff, magnitude, candidate, rtol):
-                        break
-                    candidate = float(np.nextafter(candidate, math.inf))
-                self.need_atol = candidate
+                self.need_atol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, value, rtol))
         if self.rtol_hopeless or largest <= atol:  # within atol everywhere: no rtol needed here
             return
         if np.any((magnitude == 0) & (diff > atol)):
@@ -181,11 +178,16 @@ class _Running:
         np.divide(diff - atol, magnitude, out=scratch, where=magnitude > 0)
         candidate = float(np.max(scratch))
         if candidate > self.need_rtol:
-            for _ in range(8):
-                if _passes(diff, magnitude, atol, candidate):
-                    break
-                candidate = float(np.nextafter(candidate, math.inf))
-            self.need_rtol = candidate
+            self.need_rtol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, atol, value))
+
+
+def _nudge_up(candidate: float, passes: Callable[[float], bool]) -> float:
+    """``candidate`` raised one rounding step at a time (at most 8) until ``passes`` holds."""
+    for _ in range(8):
+        if passes(candidate):
+            break
+        candidate = float(np.nextafter(candidate, math.inf))
+    return candidate
 
 
 def _passes(diff: np.ndarray, magnitude: np.ndarray, atol: float, rtol: float) -> bool:
