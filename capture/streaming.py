@@ -178,6 +178,7 @@ class TensorStream:
         self._raise_pending()
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
+            self.checksums[name] = self._crc(b"")
             return
         self.bytes_written += nbytes
         if nbytes > self._capacity // 2:  # written now, from its memory, while the caller waits
@@ -210,6 +211,7 @@ class TensorStream:
             return
         array, _ = to_storage(tensor)
         if array.nbytes == 0:
+            self.checksums[name] = self._crc(b"")
             return
         self.bytes_written += array.nbytes
         item = _Stable(name, offset, _bytes_of(array), tensor)
