@@ -219,6 +219,11 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     help="Record module tensors, parameters and gradients as statistics + checksum only (first triage of huge models).",
 )
 @click.option(
+    "--shards",
+    is_flag=True,
+    help="Under torchrun: record each rank's local shards of parameters and gradients instead of gathering them.",
+)
+@click.option(
     "--no-checksums",
     is_flag=True,
     help="Do not record a CRC-32 per tensor (faster; readers then cannot detect damaged bytes).",
@@ -264,6 +269,7 @@ def main(
     summary_only: bool,
     max_tensor_bytes: str | None,
     wrap: str,
+    shards: bool,
     no_checksums: bool,
     self_check: bool,
 ) -> None:
@@ -305,6 +311,7 @@ def main(
             selection=selection,
             self_check=self_check,
             checksums=not no_checksums,
+            shards=shards,
         )
         if context is not None:
             leave_job()

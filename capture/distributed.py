@@ -3,7 +3,9 @@
 Every rank records what it sees into ``<out stem>.rank<r><suffix>``: its inputs, outputs,
 cotangent and module records (activations as that rank sees them; a DTensor activation as its
 local shard). Parameters and their gradients are gathered to full tensors (``DTensor.full_tensor``
-for FSDP2 / tensor parallel; DDP's are already full and averaged) and written by rank 0 only.
+for FSDP2 / tensor parallel; DDP's are already full and averaged) and written by rank 0 only, or,
+with ``shards``, written by every rank as its local shard with the dimension it is split along
+(``run.extra["shard_dims"]``), for replay to put back together.
 
 When every rank has committed its bundle, rank 0 writes ``<out stem>.manifest.json``: world
 size, backend, each rank's file with its size and SHA-256, and how gradients were reduced. The
@@ -28,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from common.errors import BundleFormatError, DistributedError
+from common.errors import BundleFormatError, DistributedError, InputError
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -38,6 +40,7 @@ __all__ = [
     "find_manifest",
     "full_tensor",
     "leave_job",
+    "local_shard",
     "local_tensor",
     "manifest_path",
     "rank_path",
@@ -56,6 +59,8 @@ class RankContext:
     rank: int
     world_size: int
     backend: str
+    shards: bool = False
+    """Record each rank's local shards of parameters and gradients instead of gathering them."""
 
 
 def current_rank() -> RankContext | None:
@@ -89,6 +94,24 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of a tensor: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """This rank's part of a parameter or gradient and the dimension it is split along (None: all of it).
+
+    A DTensor on a one-dimensional mesh, sharded (FSDP2: dim 0) or replicated; anything else is
+    held whole by every rank.
+    """
+    if not _is_dtensor(tensor):
+        return tensor, None
+    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
+    placement = placements[0]
+    if mesh.ndim != 1 or not (placement.is_shard() or placement.is_replicate()):
+        raise InputError(
+            f"recording local shards supports one-dimensional meshes with Shard or Replicate placements, got "
+            f"{placements} on a {mesh.ndim}-D mesh; record gathered tensors instead (drop --shards)"
+        )
+    return tensor.to_local(), (placement.dim if placement.is_shard() else None)  # type: ignore[attr-defined]
 
 
 def _sha256(path: Path) -> str:
@@ -155,6 +178,8 @@ class Manifest:
     files: tuple[Path, ...]
     grad_reduction: str
     params_from: int
+    shards: bool = False
+    """Parameters and gradients are each rank's local shards (``capture_run(shards=True)``)."""
 
     def rank_file(self, rank: int) -> Path:
         """The bundle of ``rank``; raises when the job had no such rank."""
@@ -206,6 +231,7 @@ def read_manifest(path: Path) -> Manifest:
         tuple(files),
         str(document.get("grad_reduction", "mean")),
         int(document.get("params_from", 0)),
+        document.get("params") == "local shards",
     )
 
 

@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from capture.distributed import RankContext, current_rank, full_tensor, rank_path, report_and_write_manifest
+from capture.distributed import (
+    RankContext,
+    current_rank,
+    full_tensor,
+    local_shard,
+    rank_path,
+    report_and_write_manifest,
+)
 from capture.driving import ForwardFn, LossFn, call_forward, make_cotangents, rng_state, seed_everything
 from capture.hooks import CallInfo, ModuleTap
 from capture.naming import encode_call_inputs, encode_value, iter_live_tensors
@@ -113,19 +120,26 @@ class CaptureSummary:
 
 
 def _write_params(
-    writer: BundleWriter, model: torch.nn.Module, selection: Selection, context: RankContext | None
+    writer: BundleWriter,
+    model: torch.nn.Module,
+    selection: Selection,
+    context: RankContext | None,
+    shard_dims: dict[str, int | None],
 ) -> dict[str, TensorRef]:
     """Parameters: unchanged until the capture ends, so written without a copy.
 
-    In a distributed job every rank gathers sharded parameters (a collective) and rank 0 writes.
+    In a distributed job every rank gathers sharded parameters (a collective) and rank 0 writes;
+    with ``shards`` every rank writes its local shard and ``shard_dims`` gets the split dimension.
     """
     if not selection.records("params"):
         return {}
     refs = {}
     for name, param in model.named_parameters():
-        value = param.detach() if context is None else full_tensor(param.detach())
-        if context is not None and context.rank != 0:
+        value, dim = _for_this_rank(param.detach(), context)
+        if value is None:
             continue
+        if context is not None and context.shards:
+            shard_dims[name] = dim
         path = f"{PARAMS}/{escape_dotted(name)}"
         if selection.as_statistics(_nbytes(value)):
             refs[name] = writer.write_summary(path, value)
@@ -176,14 +190,28 @@ class _GradientStream:
             if grad is None:
                 continue
             if self._context is not None:
-                grad = full_tensor(grad)
-                if self._context.rank != 0:
+                grad, _ = _for_this_rank(grad, self._context)
+                if grad is None:
                     continue
             if self._selection.as_statistics(_nbytes(grad)):
                 refs[name] = self._writer.write_summary(path, grad)
             else:
                 refs[name] = self._writer.write_provisional(path, grad)
         return refs
+
+
+def _for_this_rank(tensor: torch.Tensor, context: RankContext | None) -> tuple[torch.Tensor | None, int | None]:
+    """What this rank records of a parameter or gradient, and the dimension it is split along.
+
+    All of it when alone; with ``shards`` its local shard; otherwise the gathered tensor on
+    rank 0 and nothing elsewhere (gathering is a collective every rank takes part in).
+    """
+    if context is None:
+        return tensor, None
+    if context.shards:
+        return local_shard(tensor)
+    gathered = full_tensor(tensor)
+    return (gathered if context.rank == 0 else None), None
 
 
 def _run_backward(
@@ -221,6 +249,7 @@ def capture_run(
     selection: Selection | None = None,
     self_check: bool = False,
     checksums: bool = True,
+    shards: bool = False,
 ) -> CaptureSummary:
     """Run ``model`` once forward and backward on ``inputs`` and record everything into ``out``.
 
@@ -245,7 +274,9 @@ def capture_run(
 
     Inside a torch.distributed job of several ranks (torchrun), every rank calls this: each
     writes ``<out stem>.rank<r><suffix>`` and rank 0 then writes ``<out stem>.manifest.json``
-    (:mod:`capture.distributed`); the summary returned is this rank's.
+    (:mod:`capture.distributed`); the summary returned is this rank's. Parameters and gradients
+    are gathered and written by rank 0, or with ``shards`` written by every rank as its local
+    shard, with the dimension it is split along (no all-gather: for models too big to gather).
 
     Returns:
         A :class:`CaptureSummary`.
@@ -257,6 +288,7 @@ def capture_run(
     if context is None:
         return _capture(model, inputs, Path(out), seed, forward, loss, train_mode, overwrite, run_info, provenance,
                         noise_floor, selection, None, self_check=self_check, checksums=checksums)  # fmt: skip
+    context = dataclasses.replace(context, shards=shards)
     target = rank_path(Path(out), context.rank)
     try:
         summary = _capture(model, inputs, target, seed, forward, loss, train_mode, overwrite,
@@ -266,7 +298,8 @@ def capture_run(
     except BaseException as err:
         report_and_write_manifest(Path(out), context, None, err, {})  # raises DistributedError on every rank
         raise
-    report_and_write_manifest(Path(out), context, summary.path, None, {"grad_reduction": "mean", "params_from": 0})
+    extra = {"grad_reduction": "mean", "params_from": 0, "params": "local shards" if shards else "gathered"}
+    report_and_write_manifest(Path(out), context, summary.path, None, extra)
     return summary
 
 
@@ -292,7 +325,7 @@ def _capture(
     info = dict(run_info or {})
     # Rank 0 holds the gathered parameters and gradients; the others record what they alone see.
     recorded = selection
-    if context is not None and context.rank != 0:
+    if context is not None and context.rank != 0 and not context.shards:
         recorded = dataclasses.replace(
             selection, kinds=tuple(k for k in selection.kinds if k not in ("params", "param-grads"))
         )
@@ -306,7 +339,10 @@ def _capture(
         model.train(train_mode)
         model.zero_grad(set_to_none=True)
         input_tree = encode_value(inputs, "input", functools.partial(_store_at, writer, INPUTS))
-        params = _write_params(writer, model, selection, context)
+        shard_dims: dict[str, int | None] = {}
+        params = _write_params(writer, model, selection, context, shard_dims)
+        if shard_dims:
+            info["shard_dims"] = shard_dims
         recorder = BundleRecorder(writer, selection)
         rename = None if selection.is_everything else _selected_modules(selection)
         with ModuleTap(model, recorder, record_backward=selection.records("grads"), rename=rename):

@@ -261,7 +261,9 @@ def main(
         readers = [open_bundle(file) for file in manifest.files] if manifest else []
         reader = readers[rank] if manifest else open_bundle(bundle)
         data_parallel = (
-            DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction) if manifest else None
+            DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
+            if manifest
+            else None
         )
         if list_only:
             click.echo(render_listing(reader))

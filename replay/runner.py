@@ -24,7 +24,7 @@ from common.errors import AdapterError, InputError
 from common.schema import TensorRef, Tree, iter_tensors
 from common.selection import Selection
 from common.tolerances import ToleranceTable
-from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_record
+from replay.compare import ComparisonResult, RecordKind, RecordResult, diff_record, diff_tensor
 from replay.isolation import InputAdapter, LayoutTransform, as_recorded
 from replay.isolation import isolate as isolate_modules
 from replay.mapping import RenameMap
@@ -290,9 +290,12 @@ def compare_run(
     module_records = compile_backend is None or compiled_module_records
     if weights.index.selection.records("params"):
         params = _mapped_parameters(model, rename, grads=False)
-        result.param_values = _compare_named(
-            weights, result.tolerances, "param", params, weights.index.params, transform
-        )[0]
+        if data_parallel and data_parallel.shards:
+            result.param_values = data_parallel.compare("params", "param", params, result.tolerances, transform)[0]
+        else:
+            result.param_values = _compare_named(
+                weights, result.tolerances, "param", params, weights.index.params, transform
+            )[0]
     model.train(index.run.train_mode)
     model.zero_grad(set_to_none=True)
     ranks = data_parallel.ranks if data_parallel else [reader]
@@ -317,9 +320,12 @@ def compare_run(
         data_parallel.reduce_gradients(model, result)
     if weights.index.selection.records("param-grads"):
         grads = _mapped_parameters(model, rename, grads=True)
-        _add_named(
-            result, _compare_named(weights, result.tolerances, "param_grad", grads, weights.index.grads, transform)
-        )
+        if data_parallel and data_parallel.shards:
+            _add_named(result, data_parallel.compare("grads", "param_grad", grads, result.tolerances, transform))
+        else:
+            _add_named(
+                result, _compare_named(weights, result.tolerances, "param_grad", grads, weights.index.grads, transform)
+            )
     wanted = layers or Selection()
     hidden = rename.hidden if isinstance(rename, WrapperRenameMap) else frozenset()
     if module_records:
@@ -367,6 +373,40 @@ class DataParallelRuns:
     parameters: BundleReader
     """The rank whose bundle holds the gathered parameters and gradients."""
     grad_reduction: str = "mean"
+    shards: bool = False
+    """Every rank holds its local shard of each parameter and gradient, to be put back together."""
+
+    def assembled(self, kind: Literal["params", "grads"], name: str) -> tuple[np.ndarray, str] | None:
+        """A parameter or gradient put back together from every rank's shard, with its dtype tag."""
+        refs = [getattr(run.index, kind).get(name) for run in self.ranks]
+        if any(ref is None for ref in refs):
+            return None
+        dims = self.parameters.index.run.extra.get("shard_dims", {})
+        dim = dims.get(name) if isinstance(dims, dict) else None
+        arrays = [run.read_array(ref) for run, ref in zip(self.ranks, refs, strict=True)]
+        return (np.concatenate(arrays, axis=dim) if isinstance(dim, int) else arrays[0]), refs[0].tag
+
+    def compare(
+        self,
+        kind: Literal["params", "grads"],
+        record_kind: Literal["param", "param_grad"],
+        live: list[tuple[str, torch.Tensor]],
+        tolerances: ToleranceTable,
+        transform: LayoutTransform,
+    ) -> tuple[list[RecordResult], list[str], list[str]]:
+        """Compare live parameters or gradients with the ones put back together from the shards."""
+        records, replay_only = [], []
+        for position, (name, tensor) in enumerate(live):
+            found = self.assembled(kind, name)
+            if found is None:
+                replay_only.append(name)
+                continue
+            array, tag = found
+            diff = diff_tensor(array, tag, transform(name, tensor), tolerances.for_record(name, tag))
+            records.append(RecordResult(record_kind, name, diff, (0, position)))
+        seen = {record.name for record in records}
+        expected = getattr(self.parameters.index, kind)
+        return records, replay_only, [name for name in expected if name not in seen]
 
     def reduce_gradients(self, model: torch.nn.Module, result: ComparisonResult) -> None:
         """Reduce the gradients accumulated over every rank's run as the capture's wrapper did."""

@@ -4,8 +4,8 @@
 
 Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block runs twice), ``fsdp``
 (FSDP2 ``fully_shard`` on a stack without reuse: FSDP2 cannot run a module twice in one
-forward), ``dies`` (rank 1 exits in the middle of its forward pass). Each rank feeds its own
-inputs (seed 100 + rank).
+forward), ``fsdp-shards`` (the same, recording local shards instead of gathering), ``dies``
+(rank 1 exits in the middle of its forward pass). Each rank feeds its own inputs (seed 100 + rank).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def build_stack() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-BUILDERS = {"ddp": build_tiny, "fsdp": build_stack, "dies": build_tiny}
+BUILDERS = {"ddp": build_tiny, "fsdp": build_stack, "fsdp-shards": build_stack, "dies": build_tiny}
 
 
 def rank_inputs(rank: int) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ class DiesOnRank1(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("job", choices=["ddp", "fsdp", "dies"])
+    parser.add_argument("job", choices=["ddp", "fsdp", "fsdp-shards", "dies"])
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
@@ -60,9 +60,11 @@ def main() -> None:
     model = BUILDERS[options.job]()
     if options.job == "dies":
         model.inp = nn.Sequential(model.inp, DiesOnRank1())
-    model = wrap_model(model, "fsdp" if options.job == "fsdp" else "ddp", "cpu")
+    sharded = options.job.startswith("fsdp")
+    model = wrap_model(model, "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
-    capture_run(model, inputs if options.job != "fsdp" else (inputs["x"],), options.out, seed=42)
+    shards = options.job == "fsdp-shards"
+    capture_run(model, (inputs["x"],) if sharded else inputs, options.out, seed=42, shards=shards)
     dist.barrier()
     del model
     dist.destroy_process_group()

@@ -76,7 +76,7 @@ def replay_all_ranks(out: Path, build: Callable[[], torch.nn.Module], rank: int 
     manifest = read_manifest(manifest_path(out))
     readers = [BundleReader(file) for file in manifest.files]
     try:
-        runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction)
+        runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
         return compare_run(build(), readers[rank], tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)), data_parallel=runs)
     finally:
         for reader in readers:
@@ -108,6 +108,29 @@ def test_data_parallel_capture_replays_in_one_process(tmp_path: Path, job: str) 
         assert (result.bundle_only, result.replay_only) == ([], [])
         assert len(result.of_kind("param_grad")) == len(list(build().parameters()))
         assert any("data parallel: gradients accumulated over the 2 ranks" in note for note in result.notes)
+
+
+def test_local_shards_are_recorded_and_put_back_together(tmp_path: Path) -> None:
+    """shards=True: every rank writes its own half of each FSDP2 parameter and gradient (no all-gather);
+    one process puts them back together and everything matches."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("fsdp-shards", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    manifest = read_manifest(manifest_path(out))
+    assert manifest.shards
+    full = dict(BUILDERS["fsdp"]().named_parameters())
+    with BundleReader(manifest.files[0]) as rank0, BundleReader(manifest.files[1]) as rank1:
+        assert rank0.index.run.extra["shard_dims"]["0.weight"] == 0
+        for name, param in full.items():
+            shapes = [reader.index.params[name].shape[0] for reader in (rank0, rank1)]
+            assert sum(shapes) == param.shape[0], name  # each rank holds its part only
+            assert rank1.index.grads[name].shape[0] == shapes[1]
+    for rank in (0, 1):
+        result = replay_all_ranks(out, BUILDERS["fsdp"], rank)
+        assert result.match, [r.name for r in result.records if not r.match][:5]
+        assert (result.bundle_only, result.replay_only) == ([], [])
+        assert len(result.of_kind("param_grad")) == len(full)
+        assert all(r.match for r in result.param_values)
 
 
 def test_a_rank_that_dies_leaves_no_manifest(tmp_path: Path) -> None:
