@@ -11,16 +11,18 @@ import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NoReturn
 
 import click
 from click.core import ParameterSource
 
 from capture.cli import OneLineErrors, adapter_options, checkpoint_provenance, handle_errors, resolve_adapter
-from capture.distributed import find_manifest
+from capture.distributed import RankContext, find_manifest, init_from_environment, leave_job
 from common.errors import InputError
 from common.selection import Selection
 from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
 from replay.alignment import align_modules
+from replay.compare import ComparisonResult
 from replay.mapping import RenameMap, read_map
 from replay.markdown import render_markdown
 from replay.plot import plot_errors
@@ -247,9 +249,13 @@ def main(
             code = replay_training(driver, model, bundle, rename, (atol, rtol), resync, json_path, params_filter)
         sys.exit(code)
     with handle_errors("replay-compare", debug), ExitStack() as stack:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise InputError("replay-compare replays every rank of a capture in one process; start it without torchrun")
+        context = init_from_environment(device)  # under torchrun: this process's share of the ranks
         manifest = find_manifest(Path(bundle))
+        if context is not None and manifest is None:
+            raise InputError(
+                f"{bundle}: under torchrun, --bundle must name a multi-rank capture (X.manifest.json); "
+                "replay a single bundle without torchrun"
+            )
         if manifest and rank >= manifest.world_size:
             raise InputError(
                 f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
@@ -259,12 +265,29 @@ def main(
             return stack.enter_context(BundleReader(file, verify=not no_verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
 
         readers = [open_bundle(file) for file in manifest.files] if manifest else []
-        reader = readers[rank] if manifest else open_bundle(bundle)
+        assigned = list(range(len(readers)))
+        if context is not None:  # capture ranks dealt round-robin over the replay's processes
+            assigned = [r for r in assigned if r % context.world_size == context.rank]
+            rank = assigned[0] if assigned else -1
+        reader = (readers[rank] if rank >= 0 else None) if manifest else open_bundle(bundle)
         data_parallel = (
-            DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
+            DataParallelRuns(
+                [readers[r] for r in assigned],
+                readers[manifest.params_from],
+                manifest.grad_reduction,
+                manifest.shards,
+                captured=readers,
+                across_processes=context is not None,
+            )
             if manifest
             else None
         )
+        if reader is None:  # more replay processes than capture ranks: only take part in the reduction
+            assert context is not None
+            assert data_parallel is not None
+            model = resolve_adapter(adapter, model_spec, ckpt, trust_pickle).model(ckpt, device)
+            data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
+            _gather_verdicts(context, None, assigned)
         if list_only:
             click.echo(render_listing(reader))
             return
@@ -304,6 +327,8 @@ def main(
             compiled_module_records=compile_per_module,
         )
         progress.close()
+        if context is not None and context.rank != 0:  # rank 0 prints; the others report to it
+            _gather_verdicts(context, result, assigned)
         click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
         if json_path:
             write_atomically(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
@@ -311,4 +336,32 @@ def main(
             write_atomically(report_path, render_markdown(result, bundle), "--report")
         if plot_path:
             plot_errors(result, plot_path)
+        if context is not None:
+            _gather_verdicts(context, result, assigned)
     sys.exit(0 if result.match else 1)
+
+
+def _gather_verdicts(context: RankContext, result: ComparisonResult | None, assigned: list[int]) -> NoReturn:
+    """Every replay process's verdict to rank 0, which prints one line per process; exits with the code of all."""
+    import torch.distributed as dist
+
+    mine = (context.rank, assigned, None if result is None else result.match)
+    verdicts: list[tuple[int, list[int], bool | None] | None] = [None] * context.world_size
+    dist.all_gather_object(verdicts, mine)
+    leave_job()
+    if context.rank == 0:
+        for entry in verdicts:
+            assert entry is not None
+            process, ranks, match = entry
+            if match is None:
+                click.echo(f"replay process {process}: nothing to replay (the capture ran fewer ranks)")
+            else:
+                verdict = "MATCH" if match else "MISMATCH"
+                click.echo(
+                    f"replay process {process}: capture ranks {ranks}: {verdict} (module records of rank {ranks[0]})"
+                )
+    code = 0 if all(entry is not None and entry[2] is not False for entry in verdicts) else 1
+    # Leave now: gloo's threads can abort the interpreter's teardown (SIGABRT), turning a verdict into a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

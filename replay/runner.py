@@ -375,15 +375,20 @@ class DataParallelRuns:
     grad_reduction: str = "mean"
     shards: bool = False
     """Every rank holds its local shard of each parameter and gradient, to be put back together."""
+    captured: list[BundleReader] | None = None
+    """Every rank of the capture, when ``ranks`` is only this process's share of them (torchrun)."""
+    across_processes: bool = False
+    """The replay itself runs under torch.distributed: sum the gradients of every process first."""
 
     def assembled(self, kind: Literal["params", "grads"], name: str) -> tuple[np.ndarray, str] | None:
         """A parameter or gradient put back together from every rank's shard, with its dtype tag."""
-        refs = [getattr(run.index, kind).get(name) for run in self.ranks]
+        everyone = self.captured or self.ranks
+        refs = [getattr(run.index, kind).get(name) for run in everyone]
         if any(ref is None for ref in refs):
             return None
         dims = self.parameters.index.run.extra.get("shard_dims", {})
         dim = dims.get(name) if isinstance(dims, dict) else None
-        arrays = [run.read_array(ref) for run, ref in zip(self.ranks, refs, strict=True)]
+        arrays = [run.read_array(ref) for run, ref in zip(everyone, refs, strict=True)]
         return (np.concatenate(arrays, axis=dim) if isinstance(dim, int) else arrays[0]), refs[0].tag
 
     def compare(
@@ -410,15 +415,35 @@ class DataParallelRuns:
 
     def reduce_gradients(self, model: torch.nn.Module, result: ComparisonResult) -> None:
         """Reduce the gradients accumulated over every rank's run as the capture's wrapper did."""
+        world = len(self.captured or self.ranks)
+        if self.across_processes:
+            _sum_gradients_across_processes(model)
         if self.grad_reduction == "mean":
             with torch.no_grad():
                 for param in model.parameters():
                     if param.grad is not None:
-                        param.grad.div_(len(self.ranks))
+                        param.grad.div_(world)
         result.notes.append(
-            f"data parallel: gradients accumulated over the {len(self.ranks)} ranks' inputs, reduced by "
+            f"data parallel: gradients accumulated over the {world} ranks' inputs, reduced by "
             f"{self.grad_reduction}, compared with the gathered ones"
         )
+
+
+def _sum_gradients_across_processes(model: torch.nn.Module) -> None:
+    """All-reduce (sum) every parameter's gradient over the replay's processes; None stays None only
+    where no process has one."""
+    import torch.distributed as dist
+
+    params = [param for param in model.parameters() if param.requires_grad]
+    present = torch.tensor([param.grad is not None for param in params], dtype=torch.int32)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        for param, anywhere in zip(params, present.tolist(), strict=True):
+            if not anywhere:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)
 
 
 def _untapped_run(

@@ -212,3 +212,27 @@ def test_wrap_without_torchrun_is_a_one_line_error(tmp_path: Path, tiny_ckpt: Pa
     assert "--wrap ddp needs a distributed job: start capture-run with torchrun" in one_error_line(
         "capture-run", result
     )
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_replay_compare_under_torchrun(tmp_path: Path, tiny_ckpt: Path, processes: int) -> None:
+    """replay-compare under torchrun deals the capture's ranks over its processes, sums their gradients across
+    processes and prints one verdict per process on rank 0; a process without a capture rank says so."""
+    replay_script = Path(sys.executable).parent / "replay-compare"
+    if not replay_script.exists():
+        pytest.skip("replay-compare is not installed next to this interpreter")
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("ddp", out)] == [0, 0]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+        "--master-port", str(free_port()), "--no-python", str(replay_script), "--bundle", str(manifest_path(out)),
+        "--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt), "--atol", "1e-6", "--rtol", "1e-6", "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RESULT: MATCH" in done.stdout
+    assert "replay process 0: capture ranks [0]: MATCH (module records of rank 0)" in done.stdout
+    assert "replay process 1: capture ranks [1]: MATCH (module records of rank 1)" in done.stdout
+    if processes == 3:
+        assert "replay process 2: nothing to replay (the capture ran fewer ranks)" in done.stdout
