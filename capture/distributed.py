@@ -37,6 +37,7 @@ __all__ = [
     "Manifest",
     "RankContext",
     "current_rank",
+    "device_mesh",
     "find_manifest",
     "full_tensor",
     "leave_job",
@@ -94,6 +95,15 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of a tensor: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def device_mesh(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The device mesh the model's DTensor parameters live on (shape, dimension names), if any."""
+    for param in model.parameters():
+        if _is_dtensor(param):
+            mesh = param.device_mesh  # type: ignore[attr-defined]
+            return {"shape": list(mesh.shape), "dim_names": list(mesh.mesh_dim_names or [])}
+    return None
 
 
 def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:

@@ -16,6 +16,7 @@ import torch
 from capture.distributed import (
     RankContext,
     current_rank,
+    device_mesh,
     full_tensor,
     local_shard,
     rank_path,
@@ -298,7 +299,12 @@ def capture_run(
     except BaseException as err:
         report_and_write_manifest(Path(out), context, None, err, {})  # raises DistributedError on every rank
         raise
-    extra = {"grad_reduction": "mean", "params_from": 0, "params": "local shards" if shards else "gathered"}
+    extra = {
+        "grad_reduction": "mean",
+        "params_from": 0,
+        "params": "local shards" if shards else "gathered",
+        "mesh": device_mesh(model),
+    }
     report_and_write_manifest(Path(out), context, summary.path, None, extra)
     return summary
 

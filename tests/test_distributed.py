@@ -92,6 +92,7 @@ def test_data_parallel_capture_replays_in_one_process(tmp_path: Path, job: str) 
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     manifest = json.loads(manifest_path(out).read_text())
     assert manifest["world_size"] == 2
+    assert manifest["mesh"] == ({"shape": [2], "dim_names": []} if job == "fsdp" else None)
     assert [entry["file"] for entry in manifest["ranks"]] == ["bundle.rank0.h5", "bundle.rank1.h5"]
     assert not out.exists()
     build = BUILDERS[job]
