@@ -164,7 +164,6 @@ class TensorStream:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closing = False
-        self.bytes_written = 0
         self.checksums: dict[str, int] = {}
         """Name -> CRC-32 of the bytes written for it (the last write of a name wins)."""
 
@@ -180,7 +179,6 @@ class TensorStream:
         if nbytes == 0:
             self.checksums[name] = self._crc(b"")
             return
-        self.bytes_written += nbytes
         if nbytes > self._capacity // 2:  # written now, from its memory, while the caller waits
             array, _ = to_storage(tensor)
             data = _bytes_of(array)
@@ -213,7 +211,6 @@ class TensorStream:
         if array.nbytes == 0:
             self.checksums[name] = self._crc(b"")
             return
-        self.bytes_written += array.nbytes
         item = _Stable(name, offset, _bytes_of(array), tensor)
         self._submit(lambda: self._stables.append(item))
 
