@@ -6,11 +6,11 @@ Dependency-light on purpose: imports only torch, NumPy, h5py, msgpack and the st
 
 from __future__ import annotations
 
-from capture.adapters import Adapter, load_adapter, model_factory_adapter
-from capture.hooks import CallInfo, ModuleTap, TapSink
-from capture.recorder import BundleRecorder, CaptureSummary, capture_run
-from capture.training import TrainingRecorder
-from capture.writer import BundleWriter
+from parity_harness.capture.models.adapters import Adapter, load_adapter, model_factory_adapter
+from parity_harness.capture.observe.hooks import CallInfo, ModuleTap, TapSink
+from parity_harness.capture.record.recorder import BundleRecorder, CaptureSummary, capture_run
+from parity_harness.capture.record.training import TrainingRecorder
+from parity_harness.capture.storage.writer import BundleWriter
 
 __all__ = [
     "Adapter",

@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import torch
 
-from common.errors import BundleFormatError, DistributedError, InputError
+from parity_harness.common.errors import BundleFormatError, DistributedError, InputError
 
 __all__ = [
     "MANIFEST_FORMAT",

@@ -1,11 +1,11 @@
 """parity-harness common layer: the bundle format, tensor metrics, tolerances and errors.
 
-Imports only the standard library, NumPy, h5py, msgpack (and torch, in ``common.dtypes``).
+Imports only the standard library, NumPy, h5py, msgpack (and torch, in ``parity_harness.common.format.dtypes``).
 """
 
 from __future__ import annotations
 
-from common.errors import (
+from parity_harness.common.errors import (
     AdapterError,
     BundleError,
     BundleExistsError,
@@ -18,9 +18,9 @@ from common.errors import (
     ParityMismatch,
     UnsupportedBundleVersion,
 )
-from common.metrics import TensorDiff, diff_arrays
-from common.tolerances import Tolerance, ToleranceTable
-from common.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
+from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
+from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 
 __all__ = [
     "FORMAT_MINOR",

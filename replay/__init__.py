@@ -10,11 +10,11 @@ import importlib
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from replay.assertions import assert_parity
-    from replay.compare import ComparisonResult, RecordResult
-    from replay.mapping import RenameMap, parse_map, read_map
-    from replay.reader import BundleReader
-    from replay.runner import compare_run
+    from parity_harness.replay.assertions import assert_parity
+    from parity_harness.replay.compare.runner import compare_run
+    from parity_harness.replay.naming.mapping import RenameMap, parse_map, read_map
+    from parity_harness.replay.reader import BundleReader
+    from parity_harness.replay.result import ComparisonResult, RecordResult
 
 __all__ = [
     "BundleReader",
@@ -28,14 +28,14 @@ __all__ = [
 ]
 
 _HOMES: Final = {
-    "assert_parity": "replay.assertions",
-    "ComparisonResult": "replay.compare",
-    "RecordResult": "replay.compare",
-    "RenameMap": "replay.mapping",
-    "parse_map": "replay.mapping",
-    "read_map": "replay.mapping",
-    "BundleReader": "replay.reader",
-    "compare_run": "replay.runner",
+    "assert_parity": "parity_harness.replay.assertions",
+    "ComparisonResult": "parity_harness.replay.result",
+    "RecordResult": "parity_harness.replay.result",
+    "RenameMap": "parity_harness.replay.naming.mapping",
+    "parse_map": "parity_harness.replay.naming.mapping",
+    "read_map": "parity_harness.replay.naming.mapping",
+    "BundleReader": "parity_harness.replay.reader",
+    "compare_run": "parity_harness.replay.compare.runner",
 }
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Final
 
-from common.errors import BundleFormatError
+from parity_harness.common.errors import BundleFormatError
 
 __all__ = ["DEFAULT_PREFLIGHT_SECONDS", "preflight"]
 

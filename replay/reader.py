@@ -26,14 +26,22 @@ import h5py
 import numpy as np
 import torch
 
-from common.dtypes import from_storage, storage_dtype, to_float64
-from common.errors import BundleFormatError, BundleNotFoundError, ParityError
-from common.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, INDEX, PROVENANCE, RNG
-from common.migrations import migrate
-from common.packing import unpack
-from common.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
-from common.version import FORMAT_VERSION, check_compatible, parse_format_version
-from replay.preflight import preflight as walk_in_child
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError
+from parity_harness.common.format.bundle.layout import (
+    ATTR_DTYPE,
+    ATTR_FORMAT,
+    ATTR_MINOR,
+    ATTR_VERSION,
+    INDEX,
+    PROVENANCE,
+    RNG,
+)
+from parity_harness.common.format.bundle.migrations import migrate
+from parity_harness.common.format.bundle.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
+from parity_harness.common.format.bundle.version import FORMAT_VERSION, check_compatible, parse_format_version
+from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
+from parity_harness.common.format.packing import unpack
+from parity_harness.replay.preflight import preflight as walk_in_child
 
 __all__ = ["BundleReader", "rebuild"]
 
@@ -58,7 +66,7 @@ class BundleReader:
             written since format 1.2 carry them); a mismatch names the record.
         preflight: first walk the file's HDF5 metadata in a child process for at most this many
             seconds, so that a crafted file that hangs or crashes HDF5 is refused instead
-            (:mod:`replay.preflight`); None skips it (files this process or the user wrote).
+            (:mod:`parity_harness.replay.preflight`); None skips it (files this process or the user wrote).
 
     Raises:
         BundleNotFoundError: nothing at ``path``.

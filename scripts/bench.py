@@ -122,12 +122,12 @@ def child(options: argparse.Namespace) -> None:
     started = time.perf_counter()
     import torch
 
-    from capture.driving import make_cotangents, seed_everything
-    from capture.recorder import capture_run
-    from common.selection import Selection
-    from common.tolerances import Tolerance, ToleranceTable
-    from replay.reader import BundleReader
-    from replay.runner import compare_run
+    from parity_harness.capture.observe.driving import make_cotangents, seed_everything
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.common.format.bundle.selection import Selection
+    from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+    from parity_harness.replay.compare.runner import compare_run
+    from parity_harness.replay.reader import BundleReader
 
     model = build_model(options.layers, options.width, options.heads, options.vocab, options.seq_len)
     generator = torch.Generator().manual_seed(0)

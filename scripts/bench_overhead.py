@@ -24,11 +24,11 @@ sys.path.insert(0, str(ROOT / "examples" / "conformer_ref"))
 
 from nemo_like_conformer import ConformerCTCModel  # noqa: E402
 
-from capture.driving import make_cotangents, seed_everything  # noqa: E402
-from capture.recorder import capture_run  # noqa: E402
-from common.tolerances import Tolerance, ToleranceTable  # noqa: E402
-from replay.reader import BundleReader  # noqa: E402
-from replay.runner import compare_run  # noqa: E402
+from parity_harness.capture.observe.driving import make_cotangents, seed_everything  # noqa: E402
+from parity_harness.capture.record.recorder import capture_run  # noqa: E402
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable  # noqa: E402
+from parity_harness.replay.compare.runner import compare_run  # noqa: E402
+from parity_harness.replay.reader import BundleReader  # noqa: E402
 
 
 def median_seconds(step: Callable[[], object], repeat: int) -> float:

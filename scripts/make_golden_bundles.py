@@ -20,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from capture.recorder import capture_run  # noqa: E402
-from common.selection import Selection  # noqa: E402
-from common.version import FORMAT_MINOR, FORMAT_VERSION  # noqa: E402
+from parity_harness.capture.record.recorder import capture_run  # noqa: E402
+from parity_harness.common.format.bundle.selection import Selection  # noqa: E402
+from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION  # noqa: E402
 from tests.golden import GOLDEN_CASES, golden_path  # noqa: E402
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.adapters import load_adapter
-from capture.recorder import capture_run
-from replay.compare import ComparisonResult
-from replay.mapping import read_map
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.models.adapters import load_adapter
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.naming.mapping import read_map
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
 from tests.models import build_tiny, tiny_inputs
 
 pytest_plugins = ["pytester"]
@@ -71,7 +71,7 @@ def ref_bundle(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path) -
     """A capture of the example reference (batch 2, 16000 samples, seed 42), made through the CLI."""
     from click.testing import CliRunner
 
-    from capture.cli import main
+    from parity_harness.capture.cli.capture_run import main
 
     out = tmp_path_factory.mktemp("bundles") / "ref.h5"
     result = CliRunner().invoke(main, ["--ckpt", str(ref_checkpoint), "--adapter", str(REF_ADAPTER), "--out", str(out)])

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from capture.distributed import wrap_model
-from capture.recorder import capture_run
+from parity_harness.capture.distributed import wrap_model
+from parity_harness.capture.record.recorder import capture_run
 from tests.models import build_tiny
 
 

@@ -12,8 +12,8 @@ import faulthandler
 import sys
 from pathlib import Path
 
-from common.errors import ParityError
-from replay.reader import BundleReader
+from parity_harness.common.errors import ParityError
+from parity_harness.replay.reader import BundleReader
 
 
 def read_like_replay(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A capture killed with SIGKILL at random moments never leaves a damaged bundle at its output path."""
+"""A capture killed with SIGKILL never leaves a damaged bundle at its output path."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from capture.recorder import capture_run
-from replay.reader import BundleReader
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.replay.reader import BundleReader
+from tests.kill_worker import CALLS_PER_CAPTURE
 from tests.models import build_tiny, tiny_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-TRIALS = 20
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -37,44 +37,90 @@ def read_everything(path: Path) -> int:
     return len(refs)
 
 
-def kill_one(folder: Path, delay: float, earlier: str | None) -> tuple[str, float]:
-    """Start a capturing loop, SIGKILL it ``delay`` s into capturing, and judge what is left at the path."""
-    out = folder / "bundle.h5"
+def prepare(folder: Path, with_earlier: bool) -> str | None:
+    """An empty folder, or one holding an earlier bundle at the output path; returns that bundle's hash."""
+    folder.mkdir()
+    if not with_earlier:
+        return None
+    capture_run(build_tiny(), tiny_inputs(), folder / "bundle.h5")
+    return sha256(folder / "bundle.h5")
+
+
+def kill_worker(out: Path, *, pause_at: int | None = None, delay: float = 0.0) -> int:
+    """Run the capture loop, SIGKILL it at its pause point (or ``delay`` s in); return its commit count."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "tests.kill_worker", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
-    )
+    command = [sys.executable, "-m", "tests.kill_worker", str(out)]
+    if pause_at is not None:
+        command.append(str(pause_at))
+    worker = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert worker.stdout is not None
     assert worker.stdout.readline().strip() == "ready"
-    time.sleep(delay)
+    committed = 0
+    if pause_at is not None:
+        for line in worker.stdout:
+            if line.strip() == "paused":
+                break
+            committed += line.startswith("committed")
+        else:
+            pytest.fail(f"the worker ended before its pause point {pause_at}")
+    else:
+        time.sleep(delay)
     worker.send_signal(signal.SIGKILL)
-    worker.wait(timeout=30)
-    committed = sum(1 for line in worker.stdout if line.startswith("committed"))
+    worker.wait(timeout=60)
+    return committed + sum(1 for line in worker.stdout if line.startswith("committed"))
+
+
+def judge(out: Path, earlier: str | None) -> str:
+    """What a kill left at the output path; fails the test on anything but the three safe outcomes."""
     if not out.exists():
-        return "no file", delay
+        return "no file"
     read_everything(out)  # a complete, verified bundle or the test fails here
     if earlier is not None and sha256(out) == earlier:
-        return "earlier bundle intact", delay
-    return f"a complete bundle (after {committed} commits)", delay
+        return "earlier bundle intact"
+    return "a complete bundle"
 
 
+# Each case starts a worker (~4 s): one before and one after the first commit run by default, the
+# edges (first call, last call before a commit, first call after it, a third capture) with -m slow.
+PAUSE_POINTS = [
+    pytest.param(5, id="capture0"),
+    pytest.param(CALLS_PER_CAPTURE + 17, id="capture1"),
+    *(
+        pytest.param(n, id=f"call{n}", marks=pytest.mark.slow)
+        for n in (0, CALLS_PER_CAPTURE - 1, CALLS_PER_CAPTURE, 2 * CALLS_PER_CAPTURE + 30)
+    ),
+]
+
+
+@pytest.mark.parametrize("with_earlier", [False, True], ids=["empty", "over-earlier"])
+@pytest.mark.parametrize("pause_at", PAUSE_POINTS)
+def test_sigkill_at_a_known_moment_leaves_the_expected_file(tmp_path: Path, pause_at: int, with_earlier: bool) -> None:
+    """Killed inside capture k's forward: before any commit the path holds nothing (or the earlier bundle,
+    byte for byte), after one it holds the last committed bundle, complete and checksum-verified."""
+    earlier = prepare(tmp_path / "trial", with_earlier)
+    out = tmp_path / "trial" / "bundle.h5"
+    committed = kill_worker(out, pause_at=pause_at)
+    assert committed == pause_at // CALLS_PER_CAPTURE
+    outcome = judge(out, earlier)
+    if committed:
+        assert outcome == "a complete bundle"
+    else:
+        assert outcome == ("earlier bundle intact" if with_earlier else "no file")
+    assert not [p.name for p in out.parent.iterdir() if p.name not in {"bundle.h5"} and not p.name.startswith(".")]
+
+
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_leaves_a_damaged_bundle(tmp_path: Path) -> None:
-    """20 kills at random moments of a capture loop (half of them over an existing bundle): the output path
-    holds no file, the untouched earlier bundle, or a complete bundle whose every checksum verifies."""
+    """20 kills at random moments (half over an existing bundle), wherever they land (writer thread, rename,
+    teardown): the path holds no file, the untouched earlier bundle, or a complete bundle that verifies."""
     rng = random.Random(1234)
-    plans = []
-    for trial in range(TRIALS):
-        folder = tmp_path / f"trial{trial}"
-        folder.mkdir()
-        earlier = None
-        if trial % 2:
-            capture_run(build_tiny(), tiny_inputs(), folder / "bundle.h5")
-            earlier = sha256(folder / "bundle.h5")
-        plans.append((folder, rng.uniform(0.0, 1.5), earlier))
+    plans = [(tmp_path / f"trial{n}", n % 2 == 1, rng.uniform(0.0, 1.5)) for n in range(20)]
+
+    def trial(folder: Path, with_earlier: bool, delay: float) -> str:
+        earlier = prepare(folder, with_earlier)
+        kill_worker(folder / "bundle.h5", delay=delay)
+        return judge(folder / "bundle.h5", earlier)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        outcomes = list(pool.map(lambda plan: kill_one(*plan), plans))
-    kinds = {outcome.split(" (")[0] for outcome, _ in outcomes}
-    assert len(outcomes) == TRIALS
-    # The kills must have landed both before and after commits, or the test proved little.
-    assert "a complete bundle" in kinds
-    assert kinds & {"no file", "earlier bundle intact"}
+        outcomes = list(pool.map(lambda plan: trial(*plan), plans))
+    assert len(outcomes) == 20  # where the kills land depends on the machine's speed: the outcome kinds may not

@@ -14,14 +14,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture.distributed import manifest_path, rank_path, read_manifest
-from common.errors import BundleFormatError
-from common.schema import iter_tensors
-from common.tolerances import Tolerance, ToleranceTable
-from replay.cli import main as replay_main
-from replay.compare import ComparisonResult
-from replay.reader import BundleReader
-from replay.runner import DataParallelRuns, compare_run
+from parity_harness.capture.distributed import manifest_path, rank_path, read_manifest
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.cli.replay_compare import main as replay_main
+from parity_harness.replay.compare.runner import DataParallelRuns, compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
 from tests.distributed_jobs import BUILDERS, rank_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,7 +203,7 @@ def test_capture_run_under_torchrun(tmp_path: Path, tiny_ckpt: Path) -> None:
 
 def test_wrap_without_torchrun_is_a_one_line_error(tmp_path: Path, tiny_ckpt: Path) -> None:
     """--wrap ddp outside a distributed job says how to start one."""
-    from capture.cli import main as capture_main
+    from parity_harness.capture.cli.capture_run import main as capture_main
     from tests.cli_helpers import one_error_line
 
     result = CliRunner().invoke(

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from common.tolerances import Tolerance, ToleranceTable
-from replay.compare import ComparisonResult
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
 
 PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))

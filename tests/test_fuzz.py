@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from capture.recorder import capture_run
+from parity_harness.capture.record.recorder import capture_run
 from tests.models import build_tiny, tiny_inputs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,11 +8,11 @@ from pathlib import Path
 import h5py
 import pytest
 
-from capture.recorder import capture_run
-from common.packing import unpack
-from common.tolerances import Tolerance, ToleranceTable
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.packing import unpack
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
 from tests.golden import DATA, GOLDEN_CASES, logits_loss
 from tests.models import build_tiny, tiny_inputs
 

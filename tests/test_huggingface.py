@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from capture.cli import main as capture_main  # noqa: E402
-from replay.cli import main as replay_main  # noqa: E402
+from parity_harness.capture.cli.capture_run import main as capture_main  # noqa: E402
+from parity_harness.replay.cli.replay_compare import main as replay_main  # noqa: E402
 
 PORT = Path(__file__).resolve().parent / "gpt2_port.py"
 

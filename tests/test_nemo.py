@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from capture.checkpoints import load_checkpoint
-from replay.cli import main as replay_main
+from parity_harness.capture.models.checkpoints import load_checkpoint
+from parity_harness.replay.cli.replay_compare import main as replay_main
 from tests.conftest import ROOT
 
 NEMO_PYTHON = os.environ.get("PARITY_NEMO_PYTHON")
@@ -34,7 +34,7 @@ def _in_nemo_env(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def _capture(archive: Path, bundle: Path, *extra: str, cwd: Path) -> None:
     """capture-run --adapter nemo, in the NeMo environment."""
-    capture = "from capture.cli import main; main()"
+    capture = "from parity_harness.capture.cli.capture_run import main; main()"
     args = ["--adapter", "nemo", "--ckpt", str(archive), "--out", str(bundle), "--seq-len", "8000", *extra]
     _in_nemo_env("-c", capture, *args, cwd=cwd)
 

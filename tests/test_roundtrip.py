@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import REF_ADAPTER, ROOT
 
-CAPTURE = "from capture.cli import main; main()"
-REPLAY = "from replay.cli import main; main()"
+CAPTURE = "from parity_harness.capture.cli.capture_run import main; main()"
+REPLAY = "from parity_harness.replay.cli.replay_compare import main; main()"
 
 
 def _run(python: str, code: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from capture.training import TrainingRecorder
-from replay.training import TrainingRun, _parameter_filter, compare_training
-from replay.training_cli import main
+from parity_harness.capture.record.training import TrainingRecorder
+from parity_harness.replay.cli.train_diff import main
+from parity_harness.replay.training.compare import TrainingRun, _parameter_filter, compare_training
 from tests.conftest import ROOT
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -140,7 +140,7 @@ def test_csv_time_series(tmp_path: Path) -> None:
 KILLED_RUN = """
 import os, sys, torch
 from torch import nn
-from capture.training import TrainingRecorder
+from parity_harness.capture.record.training import TrainingRecorder
 torch.manual_seed(0)
 model = nn.Linear(4, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -167,7 +167,7 @@ def _square_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Te
 
 def test_run_killed_between_steps_stays_readable(tmp_path: Path) -> None:
     """A process killed after step 2 leaves steps 0-2 readable, and a port's training reruns on them."""
-    from replay.training import rerun_training
+    from parity_harness.replay.training.compare import rerun_training
 
     path = tmp_path / "killed.h5"
     done = subprocess.run(
@@ -203,7 +203,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[
 
 
 def _reference(tmp_path: Path, make: OptimizerFactory, every: int = 1) -> Path:
-    from capture.training import record_training
+    from parity_harness.capture.record.training import record_training
 
     model = _model()
     batches = [{"x": x, "y": y} for _, x, y in _batches()]
@@ -213,7 +213,7 @@ def _reference(tmp_path: Path, make: OptimizerFactory, every: int = 1) -> Path:
 
 
 def _rerun(reference: Path, tmp_path: Path, make: OptimizerFactory, resync: bool = False):
-    from replay.training import rerun_training
+    from parity_harness.replay.training.compare import rerun_training
 
     torch.manual_seed(123)  # the port starts from other weights: the rerun must load the reference's
     port = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -248,8 +248,8 @@ def test_optimizer_bug_drifts_and_resync_localises_it(tmp_path: Path) -> None:
 
 def test_rerun_needs_every_batch(tmp_path: Path) -> None:
     """A run that recorded only every other step's batch cannot be rerun, and says how to record one."""
-    from common.errors import InputError
-    from replay.training import rerun_training
+    from parity_harness.common.errors import InputError
+    from parity_harness.replay.training.compare import rerun_training
 
     sparse = train(tmp_path / "sparse.h5", sgd, every=2)
     model = _model()
@@ -290,8 +290,8 @@ def train_step(model, optimizer, batch):
 
 def test_cli_capture_and_rerun_training(tmp_path: Path) -> None:
     """capture-run --steps records a run; replay-compare --steps reruns a port on it, with and without --resync."""
-    from capture.cli import main as capture_main
-    from replay.cli import main as replay_main
+    from parity_harness.capture.cli.capture_run import main as capture_main
+    from parity_harness.replay.cli.replay_compare import main as replay_main
 
     for name, eps in (("reference", 1e-8), ("port_bug", 1e-3)):
         (tmp_path / f"{name}.py").write_text(TRAINING_ADAPTER.format(eps=eps))

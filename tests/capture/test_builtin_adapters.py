@@ -8,9 +8,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture.builtin import nemo
-from capture.cli import main
-from common.errors import AdapterError
+from parity_harness.capture.cli.capture_run import main
+from parity_harness.capture.models.builtin import nemo
+from parity_harness.common.errors import AdapterError
 from tests.cli_helpers import one_error_line
 
 TINY = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"

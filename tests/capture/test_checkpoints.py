@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from capture.adapters import checkpoint_adapter, model_factory_adapter
-from capture.checkpoints import load_checkpoint, read_safetensors
-from capture.cli import resolve_adapter
-from common.errors import AdapterError, CheckpointError
+from parity_harness.capture.cli.shared import resolve_adapter
+from parity_harness.capture.models.adapters import checkpoint_adapter, model_factory_adapter
+from parity_harness.capture.models.checkpoints import load_checkpoint, read_safetensors
+from parity_harness.common.errors import AdapterError, CheckpointError
 from tests.models import build_tiny, tiny_inputs
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")

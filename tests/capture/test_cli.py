@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from capture.cli import main
-from replay.reader import BundleReader
+from parity_harness.capture.cli.capture_run import main
+from parity_harness.replay.reader import BundleReader
 from tests.cli_helpers import one_error_line
 from tests.conftest import REF_ADAPTER
 from tests.models import TinyNet, build_tiny

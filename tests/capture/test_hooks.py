@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from capture.adapters import load_adapter
-from capture.driving import make_cotangents
-from capture.recorder import capture_run
-from common.schema import iter_tensors
-from replay.reader import BundleReader
+from parity_harness.capture.models.adapters import load_adapter
+from parity_harness.capture.observe.driving import make_cotangents
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.replay.reader import BundleReader
 from tests.conftest import REF_ADAPTER
 from tests.models import Block, TinyNet, build_tiny, tiny_inputs
 

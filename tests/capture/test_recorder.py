@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from capture.recorder import capture_run
-from common.errors import AdapterError
-from common.schema import iter_tensors
-from common.tolerances import Tolerance, ToleranceTable
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import AdapterError
+from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
 from tests.models import build_embed, build_tiny, tiny_inputs
 
 EXACT = ToleranceTable(Tolerance(0.0, 0.0))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from capture.cli import main
-from capture.hooks import ModuleTap
-from capture.recorder import capture_run
-from common.errors import CaptureError
+from parity_harness.capture.cli.capture_run import main
+from parity_harness.capture.observe.hooks import ModuleTap
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import CaptureError
 from tests.models import build_tiny, tiny_inputs
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture import streaming
-from capture.streaming import TensorStream
-from common.dtypes import to_storage
-from common.errors import BundleError
+from parity_harness.capture.storage import streaming
+from parity_harness.capture.storage.streaming import TensorStream
+from parity_harness.common.errors import BundleError
+from parity_harness.common.format.dtypes import to_storage
 
 
 def stored_bytes(tensor: torch.Tensor) -> bytes:

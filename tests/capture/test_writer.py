@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from capture import streaming
-from capture.recorder import capture_run
-from capture.writer import BundleWriter
-from common.errors import BundleError
-from replay.reader import BundleReader
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.capture.storage import streaming
+from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.errors import BundleError
+from parity_harness.replay.reader import BundleReader
 
 
 class Chain(nn.Module):
@@ -62,8 +62,8 @@ def test_a_tensor_recorded_twice_unchanged_is_stored_once(tmp_path: Path) -> Non
 
 def test_linked_and_streamed_bundle_replays_exactly(tmp_path: Path) -> None:
     """Whatever is linked or streamed, replaying the same model matches at atol = rtol = 0."""
-    from common.tolerances import Tolerance, ToleranceTable
-    from replay.runner import compare_run
+    from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+    from parity_harness.replay.compare.runner import compare_run
 
     out = tmp_path / "bundle.h5"
     capture_run(build_chain(), (torch.randn(3, 6),), out)
@@ -80,7 +80,7 @@ def test_gradients_of_a_module_called_twice_are_the_final_ones(tmp_path: Path) -
     out = tmp_path / "bundle.h5"
     capture_run(build_chain(), (inputs,), out, seed=3)
     plain = build_chain()
-    from capture.driving import make_cotangents, seed_everything
+    from parity_harness.capture.observe.driving import make_cotangents, seed_everything
 
     seed_everything(3)
     triples = make_cotangents(plain(inputs), 3)

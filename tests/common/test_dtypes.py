@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.dtypes import (
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.dtypes import (
     FLOAT_TAGS,
     TAGS,
     from_storage,
@@ -19,7 +20,6 @@ from common.dtypes import (
     to_storage,
     torch_dtype,
 )
-from common.errors import BundleFormatError
 
 
 def _supported(tag: str) -> bool:

@@ -9,8 +9,8 @@ import warnings
 import numpy as np
 import pytest
 
-from common.metrics import TensorDiff, diff_arrays
-from common.tolerances import Tolerance
+from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.tolerances import Tolerance
 
 INF, NAN = math.inf, math.nan
 
@@ -490,7 +490,7 @@ def test_chunked_statistics_equal_whole_array_ones(
     monkeypatch: pytest.MonkeyPatch, chunk: int, equal_nan: bool
 ) -> None:
     """Splitting the comparison into chunks changes no statistic, index or required tolerance."""
-    from common import metrics
+    from parity_harness.common.numerics import metrics
 
     expected, actual = _mixed_pair(3001, seed=chunk)
     tolerance = Tolerance(1e-6, 1e-5, equal_nan)
@@ -507,7 +507,7 @@ def test_chunked_statistics_equal_whole_array_ones(
 @pytest.mark.parametrize("chunk", [3, 1 << 16])
 def test_required_tolerances_pass_when_chunked(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     """The atol and rtol reported as needed pass the same comparison, chunk by chunk or whole."""
-    from common import metrics
+    from parity_harness.common.numerics import metrics
 
     monkeypatch.setattr(metrics, "_CHUNK", chunk)
     rng = np.random.default_rng(1)

@@ -8,9 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from common import packing
-from common.errors import BundleFormatError
-from common.packing import pack, unpack
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format import packing
+from parity_harness.common.format.packing import pack, unpack
 
 DOCUMENT = {
     "run": {"seed": 42, "train_mode": False, "backward": "cotangent", "batch_size": None},

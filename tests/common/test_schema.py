@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from common.errors import BundleFormatError
-from common.packing import pack, unpack
-from common.schema import BundleIndex, TensorRef, iter_tensors, parse_index, parse_tree
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.bundle.schema import BundleIndex, TensorRef, iter_tensors, parse_index, parse_tree
+from parity_harness.common.format.packing import pack, unpack
 
 
 def T(path: str, tag: str = "F32", shape: list[int] | None = None, requires_grad: bool = False) -> list[object]:
@@ -298,7 +298,7 @@ def test_very_deep_nesting_is_refused_not_a_recursion_error() -> None:
 def test_parse_tree_accepts_what_capture_writes_for_over_deep_values() -> None:
     """A value nested beyond capture's limit is recorded as an X node that the reader accepts."""
     torch = pytest.importorskip("torch")
-    from capture.naming import encode_value
+    from parity_harness.capture.observe.naming import encode_value
 
     value: object = torch.zeros(1)
     for _ in range(70):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import BundleFormatError, InputError
-from common.selection import RECORD_KINDS, Selection, parse_byte_size, parse_selection
+from parity_harness.common.errors import BundleFormatError, InputError
+from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection, parse_byte_size, parse_selection
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import zlib
 import numpy as np
 import pytest
 
-from common.errors import BundleFormatError
-from common.statistics import STATISTICS, array_statistics, diff_statistics, parse_statistics
-from common.tolerances import Tolerance
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.numerics.statistics import STATISTICS, array_statistics, diff_statistics, parse_statistics
+from parity_harness.common.numerics.tolerances import Tolerance
 
 
 def stats(values: np.ndarray) -> dict[str, float | int]:

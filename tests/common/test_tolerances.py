@@ -6,8 +6,14 @@ import math
 
 import pytest
 
-from common.errors import InputError
-from common.tolerances import DEFAULT_ATOL, DEFAULT_RTOL, Tolerance, ToleranceTable, parse_override
+from parity_harness.common.errors import InputError
+from parity_harness.common.numerics.tolerances import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    Tolerance,
+    ToleranceTable,
+    parse_override,
+)
 
 
 def test_default_tolerance() -> None:

@@ -7,8 +7,14 @@ import warnings
 import numpy as np
 import pytest
 
-from common.errors import BundleFormatError, UnsupportedBundleVersion
-from common.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION, check_compatible, parse_format_version
+from parity_harness.common.errors import BundleFormatError, UnsupportedBundleVersion
+from parity_harness.common.format.bundle.version import (
+    FORMAT_MINOR,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    check_compatible,
+    parse_format_version,
+)
 
 
 def test_format_constants() -> None:

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from replay.checkpoint_diff import diff_checkpoints, load_tensors
-from replay.checkpoint_diff_cli import main
+from parity_harness.replay.ckpt_diff.diff import diff_checkpoints, load_tensors
+from parity_harness.replay.cli.ckpt_diff import main
 from tests.cli_helpers import one_error_line
 
 
@@ -80,7 +80,7 @@ def test_epsilon_include_exclude_and_map() -> None:
     assert not diff_checkpoints(a, b).equal
     assert {c.name for c in diff_checkpoints(a, b, include=r"^head").tensors} == {"head.weight", "head.bias"}
     assert "embed.weight" not in {c.name for c in diff_checkpoints(a, b, exclude=r"embed").tensors}
-    from replay.mapping import parse_map
+    from parity_harness.replay.naming.mapping import parse_map
 
     renamed = {("tok_emb.weight" if k == "embed.weight" else k): v for k, v in a.items()}
     assert diff_checkpoints(a, renamed, rename=parse_map(r"^tok_emb$ => embed")).equal
@@ -153,7 +153,7 @@ def _layers(
 )
 def test_change_patterns(depth: float, only: str | None, expected: str) -> None:
     """The change pattern names how the change is spread: evenly, by depth, or by layer type."""
-    from replay.checkpoint_diff import classify_changes
+    from parity_harness.replay.ckpt_diff.diff import classify_changes
 
     a, b = _layers(depth, only)
     assert expected in classify_changes(diff_checkpoints(a, b))

@@ -14,8 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from common.version import FORMAT_MINOR, FORMAT_VERSION
-from replay.cli import main
+from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION
+from parity_harness.replay.cli.replay_compare import main
 from tests.cli_helpers import one_error_line
 from tests.conftest import REF_ADAPTER
 from tests.models import build_tiny

@@ -9,12 +9,12 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from capture.recorder import capture_run
-from common.tolerances import Tolerance, ToleranceTable
-from replay.cli import main
-from replay.compare import ComparisonResult
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.cli.replay_compare import main
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, PORT_MAP, replay_with_adapter
 from tests.models import build_tiny, tiny_inputs
 

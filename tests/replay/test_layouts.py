@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from capture.recorder import capture_run
-from common.tolerances import Tolerance, ToleranceTable
-from replay.alignment import align_modules
-from replay.mapping import RenameMap, parse_map
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.naming.alignment import align_modules
+from parity_harness.replay.naming.mapping import RenameMap, parse_map
+from parity_harness.replay.reader import BundleReader
 from tests.models import SPLIT_PORT_MAP, build_fused_ref, frames, split_port_from, split_port_to_reference
 
 TOLERANCE = ToleranceTable(Tolerance(1e-5, 1e-5))
@@ -95,8 +95,8 @@ def test_cli_map_auto_saves_a_map_equivalent_to_the_examples(
     """replay-compare --map auto on the example port passes and saves a map renaming like the hand-written one."""
     from click.testing import CliRunner
 
-    from replay.cli import main
-    from replay.mapping import read_map
+    from parity_harness.replay.cli.replay_compare import main
+    from parity_harness.replay.naming.mapping import read_map
     from tests.conftest import PORT_DIR, PORT_MAP
 
     saved = tmp_path / "auto.map"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import InputError, MapFileError
-from replay.mapping import RenameMap, parse_map, read_map
+from parity_harness.common.errors import InputError, MapFileError
+from parity_harness.replay.naming.mapping import RenameMap, parse_map, read_map
 
 MAP = r"""
 # port -> reference

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture.adapters import load_adapter
-from capture.recorder import capture_run
-from common.errors import InputError
-from common.schema import iter_tensors
-from common.tolerances import Tolerance, ToleranceTable
-from replay.compare import ComparisonResult
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.models.adapters import load_adapter
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import InputError
+from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
 
 

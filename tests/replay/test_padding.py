@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from capture.recorder import capture_run
-from common.tolerances import Tolerance, ToleranceTable
-from replay.padding import padding_mask
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.padding import padding_mask
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
 
 
 @pytest.mark.parametrize(

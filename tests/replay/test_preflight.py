@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import BundleFormatError
-from replay import preflight
-from replay.reader import BundleReader
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.replay import preflight
+from parity_harness.replay.reader import BundleReader
 
 
 def test_a_valid_bundle_passes(tiny_bundle: Path) -> None:

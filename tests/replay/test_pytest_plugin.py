@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.errors import ParityMismatch
-from replay.assertions import assert_parity
+from parity_harness.common.errors import ParityMismatch
+from parity_harness.replay.assertions import assert_parity
 from tests.conftest import ROOT
 from tests.models import build_tiny
 
@@ -90,7 +90,7 @@ def test_golden_captured_by_capture_run_in_another_process(pytester: pytest.Pyte
     golden.parent.mkdir()
     args = ["--model", f"{test_file}:build", "--out", str(golden), "--batch-size", "3", "--seq-len", "4"]
     done = subprocess.run(
-        [sys.executable, "-c", "from capture.cli import main; main()", *args],
+        [sys.executable, "-c", "from parity_harness.capture.cli.capture_run import main; main()", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -105,7 +105,7 @@ def test_plugin_loads_without_torch(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_cheap="import sys\n\ndef test_cheap(pytestconfig):\n"
         "    assert pytestconfig.pluginmanager.has_plugin('parity')\n"
-        "    assert 'replay.fixture' not in sys.modules and 'torch' not in sys.modules\n"
+        "    assert 'parity_harness.replay.testing.fixture' not in sys.modules and 'torch' not in sys.modules\n"
     )
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
 

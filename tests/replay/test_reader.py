@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
-from common.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
-from replay.reader import BundleReader
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
+from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
+from parity_harness.replay.reader import BundleReader
 from tests.models import build_tiny, tiny_inputs
 
 # --------------------------------------------------------------------------- helpers
@@ -434,7 +434,7 @@ def test_replay_cli_reports_a_damaged_tensor_in_one_line(tiny_bundle: Path, tiny
     """replay-compare on a bundle altered after capture: exit 2, one line naming the record."""
     from click.testing import CliRunner
 
-    from replay.cli import main
+    from parity_harness.replay.cli.replay_compare import main
     from tests.cli_helpers import one_error_line
 
     flipped = flip_data_byte(tiny_bundle, "params/head.weight")
@@ -448,7 +448,7 @@ def test_replay_cli_reports_a_damaged_tensor_in_one_line(tiny_bundle: Path, tiny
 
 def test_a_bundle_without_checksums_reads_unverified(tmp_path: Path) -> None:
     """capture-run --no-checksums: the index has none, and readers read without verifying."""
-    from capture.recorder import capture_run
+    from parity_harness.capture.record.recorder import capture_run
 
     out = tmp_path / "plain.h5"
     capture_run(build_tiny(), tiny_inputs(), out, checksums=False)

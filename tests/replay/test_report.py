@@ -10,10 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from replay.cli import main
-from replay.progress import ProgressLine
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.replay.cli.replay_compare import main
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.progress import ProgressLine
 from tests.models import build_tiny
 
 TINY = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"
@@ -79,7 +79,7 @@ def test_progress_counts_reach_the_bundle_totals(tiny_bundle: Path) -> None:
 def test_plot_writes_a_png(tiny_bundle: Path, tmp_path: Path) -> None:
     """--plot draws the per-record errors to a PNG file."""
     pytest.importorskip("matplotlib")
-    from replay.plot import plot_errors
+    from parity_harness.replay.report.plot import plot_errors
 
     model = build_tiny()
     with torch.no_grad():

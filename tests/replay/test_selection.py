@@ -8,13 +8,13 @@ import h5py
 import pytest
 import torch
 
-from capture.recorder import capture_run
-from common.errors import InputError
-from common.selection import Selection
-from common.tolerances import Tolerance, ToleranceTable
-from replay.compare import ComparisonResult
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import InputError
+from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
 from tests.models import build_tiny, tiny_inputs
 
 EXACT = ToleranceTable(Tolerance(0.0, 0.0))

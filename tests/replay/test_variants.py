@@ -9,14 +9,14 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from capture.recorder import capture_run
-from common.errors import InputError
-from common.tolerances import Tolerance, ToleranceTable
-from replay.cli import main
-from replay.compare import ComparisonResult
-from replay.precision import Precision
-from replay.reader import BundleReader
-from replay.runner import compare_run
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import InputError
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.cli.replay_compare import main
+from parity_harness.replay.compare.precision import Precision
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
 from tests.models import build_tiny, tiny_inputs
 
@@ -76,7 +76,7 @@ def test_bad_precision_is_refused() -> None:
 @pytest.fixture(scope="module")
 def ref_bundle_with_floor(tmp_path_factory: pytest.TempPathFactory, ref_checkpoint: Path) -> Path:
     """The example reference captured with its float32-vs-float64 noise floor."""
-    from capture.cli import main as capture_main
+    from parity_harness.capture.cli.capture_run import main as capture_main
 
     out = tmp_path_factory.mktemp("floor") / "ref.h5"
     args = ["--ckpt", str(ref_checkpoint), "--adapter", str(REF_ADAPTER), "--out", str(out), "--noise-floor"]

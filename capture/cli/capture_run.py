@@ -1,0 +1,226 @@
+"""``capture-run``: record one seeded forward and backward run of a reference model into a bundle."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from parity_harness.capture.cli.shared import (
+    OneLineErrors,
+    adapter_options,
+    checkpoint_provenance,
+    handle_errors,
+    resolve_adapter,
+)
+from parity_harness.capture.distributed import WRAPS, init_from_environment, leave_job, manifest_path, wrap_model
+from parity_harness.capture.models.adapters import Adapter, load_inputs_npz
+from parity_harness.capture.observe.driving import to_device
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.capture.record.training import record_training
+from parity_harness.common.errors import AdapterError, InputError
+from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection, parse_byte_size
+
+__all__ = ["main"]
+
+
+def _capture_training(
+    driver: Adapter,
+    model: Any,
+    out: str,
+    seed: int,
+    steps: int,
+    every: int,
+    batch_size: int,
+    seq_len: int,
+    overwrite: bool,
+) -> None:
+    make_optimizer, train_step = driver.training()
+    if driver.make_batches is None:
+        raise AdapterError(f"adapter {driver.name}: --steps needs make_batches(seed, steps, batch_size, seq_len)")
+    batches = list(driver.make_batches(seed, steps, batch_size, seq_len))
+    record_training(model, make_optimizer(model), batches, train_step, out, every=every, seed=seed, overwrite=overwrite)
+    click.echo(f"capture-run: wrote {out} ({len(batches)} training steps, weights every {every})")
+
+
+def _parse_lengths(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 16000,12000") from None
+
+
+@click.command("capture-run", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@adapter_options
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Bundle to write (.h5).")
+@click.option("--seed", default=42, show_default=True, type=int)
+@click.option("--batch-size", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--seq-len", default=16000, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--lengths",
+    callback=lambda ctx, param, value: _parse_lengths(value),
+    metavar="N,N,...",
+    help="Per-example valid lengths, for adapters whose make_inputs takes them (the nemo adapter does).",
+)
+@click.option(
+    "--inputs",
+    "inputs_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Feed these arrays (.npz) as keyword arguments instead of make_inputs.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    help="Record a training run of this many steps (adapter: make_optimizer, make_batches, train_step).",
+)
+@click.option(
+    "--every",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --steps: record weights every N steps.",
+)
+@click.option("--train-mode", is_flag=True, help="Run in train mode (dropout active); eval mode by default.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
+@click.option(
+    "--noise-floor", is_flag=True, help="Also run a float64 copy and store each record's float32-vs-float64 error."
+)
+@click.option(
+    "--layers",
+    multiple=True,
+    metavar="GLOB",
+    help="Record only modules whose path (or a parent's) matches, e.g. 'encoder.layers.1*'. Repeatable.",
+)
+@click.option(
+    "--skip-layers", multiple=True, metavar="GLOB", help="Do not record modules matching (with children). Repeatable."
+)
+@click.option(
+    "--record",
+    "record_kinds",
+    default=",".join(RECORD_KINDS),
+    show_default=True,
+    metavar="KINDS",
+    help="What to record, comma-separated: inputs, outputs, grads (per module), params, param-grads.",
+)
+@click.option(
+    "--summary-only",
+    is_flag=True,
+    help="Record module tensors, parameters and gradients as statistics + checksum only (first triage of huge models).",
+)
+@click.option(
+    "--shards",
+    is_flag=True,
+    help="Under torchrun: record each rank's local shards of parameters and gradients instead of gathering them.",
+)
+@click.option(
+    "--no-checksums",
+    is_flag=True,
+    help="Do not record a CRC-32 per tensor (faster; readers then cannot detect damaged bytes).",
+)
+@click.option(
+    "--self-check",
+    is_flag=True,
+    help="Also run the model without hooks and fail unless outputs and gradients match the recorded run bitwise.",
+)
+@click.option(
+    "--wrap",
+    type=click.Choice(WRAPS),
+    default="none",
+    show_default=True,
+    help="Under torchrun: wrap the model in DDP or FSDP2 (fully_shard) before capturing.",
+)
+@click.option(
+    "--max-tensor-bytes",
+    metavar="SIZE",
+    help="Record tensors larger than SIZE (e.g. 64MB) as statistics + checksum only.",
+)
+def main(
+    ckpt: str | None,
+    adapter: str | None,
+    model_spec: str | None,
+    device: str,
+    trust_pickle: bool,
+    debug: bool,
+    out: str,
+    seed: int,
+    batch_size: int,
+    seq_len: int,
+    lengths: list[int] | None,
+    inputs_file: str | None,
+    steps: int | None,
+    every: int,
+    train_mode: bool,
+    overwrite: bool,
+    noise_floor: bool,
+    layers: tuple[str, ...],
+    skip_layers: tuple[str, ...],
+    record_kinds: str,
+    summary_only: bool,
+    max_tensor_bytes: str | None,
+    wrap: str,
+    shards: bool,
+    no_checksums: bool,
+    self_check: bool,
+) -> None:
+    """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
+    with handle_errors("capture-run", debug):
+        selection = Selection(
+            kinds=tuple(kind.strip() for kind in record_kinds.split(",") if kind.strip()),
+            layers=layers,
+            skip_layers=skip_layers,
+            summary_only=summary_only,
+            max_tensor_bytes=None if max_tensor_bytes is None else parse_byte_size(max_tensor_bytes),
+        )
+        driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+        context = init_from_environment(device)
+        if wrap != "none" and context is None:
+            raise InputError(f"--wrap {wrap} needs a distributed job: start capture-run with torchrun")
+        model = driver.model(ckpt, device)
+        if steps is not None:
+            _capture_training(driver, model, out, seed, steps, every, batch_size, seq_len, overwrite)
+            return
+        # Data-parallel ranks see different data: rank r's inputs are drawn from seed + r.
+        input_seed = seed + (context.rank if context else 0)
+        inputs = (
+            load_inputs_npz(inputs_file) if inputs_file else driver.inputs(input_seed, batch_size, seq_len, lengths)
+        )
+        model = wrap_model(model, wrap, device)
+        summary = capture_run(
+            model,
+            to_device(inputs, device),
+            out,
+            seed=seed,
+            forward=driver.forward,
+            loss=driver.loss,
+            train_mode=train_mode,
+            overwrite=overwrite,
+            run_info={"batch_size": batch_size, "seq_len": seq_len, "device": device, "adapter": driver.name},
+            provenance=checkpoint_provenance(ckpt),
+            noise_floor=noise_floor,
+            selection=selection,
+            self_check=self_check,
+            checksums=not no_checksums,
+            shards=shards,
+        )
+        if context is not None:
+            leave_job()
+    linked = f", {summary.linked} repeats stored as links" if summary.linked else ""
+    click.echo(
+        f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB{linked}, "
+        f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
+    )
+    if self_check:
+        click.echo("capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones")
+    if not selection.is_everything:
+        click.echo(f"capture-run: selection: {selection.describe()}")
+    if context is not None and context.rank == 0:
+        click.echo(f"capture-run: wrote {manifest_path(Path(out))} ({context.world_size} ranks)")
+    if context is not None:  # gloo's threads can abort the interpreter's teardown: leave now, all written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

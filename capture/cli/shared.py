@@ -1,0 +1,155 @@
+"""What every command-line shell shares: one-line errors and exit code 2, the adapter options, the
+tolerance type and atomic report files. The only click user outside the commands themselves."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import click
+
+from parity_harness.capture.models.adapters import (
+    Adapter,
+    checkpoint_adapter,
+    load_adapter,
+    model_factory_adapter,
+)
+from parity_harness.capture.record.provenance import file_sha256
+from parity_harness.common.errors import ParityError
+from parity_harness.common.format.atomic import write_text_atomically
+
+__all__ = [
+    "OneLineErrors",
+    "Tol",
+    "adapter_options",
+    "checkpoint_provenance",
+    "fail",
+    "handle_errors",
+    "resolve_adapter",
+    "write_report",
+]
+
+
+def fail(program: str, message: str) -> NoReturn:
+    """Print one error line on stderr and exit with code 2."""
+    click.echo(f"{program}: error: {message}", err=True)
+    sys.exit(2)
+
+
+@contextmanager
+def handle_errors(program: str, debug: bool) -> Iterator[None]:
+    """Map failures to one line on stderr and exit code 2; ``--debug`` prints the traceback first."""
+    try:
+        yield
+    except click.ClickException:
+        raise  # usage errors: OneLineErrors formats them
+    except KeyboardInterrupt:
+        click.echo(f"{program}: interrupted", err=True)
+        sys.exit(130)
+    except Exception as err:
+        if debug:
+            traceback.print_exc()
+            sys.exit(2)
+        if isinstance(err, ParityError):
+            fail(program, str(err))
+        # The user's model or adapter raised: say what, and where to look.
+        fail(program, f"{type(err).__name__}: {err} (rerun with --debug for the traceback)")
+
+
+class OneLineErrors(click.Command):
+    """A click command whose usage errors are one line on stderr with exit code 2, like every other error."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        program = prog_name or self.name or "parity-harness"
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as err:
+            hint = " (see --help)" if isinstance(err, click.UsageError) else ""
+            click.echo(f"{program}: error: {err.format_message()}{hint}", err=True)
+            code = 2
+        except click.Abort:
+            code = 130
+        if standalone_mode:
+            sys.exit(code or 0)
+        return code
+
+
+def resolve_adapter(
+    adapter: str | None, model: str | None, ckpt: str | None = None, trust_pickle: bool = False
+) -> Adapter:
+    """The adapter named by ``--adapter`` or ``--model``; with neither, a TorchScript ``--ckpt`` is the model."""
+    if adapter is not None and model is not None:
+        raise click.UsageError("give one of --adapter and --model, not both")
+    if adapter is not None:
+        return load_adapter(adapter)
+    if model is not None:
+        return model_factory_adapter(model, trust_pickle=trust_pickle)
+    if ckpt is not None:
+        return checkpoint_adapter(ckpt, trust_pickle=trust_pickle)
+    raise click.UsageError("give --adapter FILE.py|MODULE|hf|nemo or --model MODULE:FACTORY (or a TorchScript --ckpt)")
+
+
+def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
+    """Provenance entries naming the checkpoint and its SHA-256."""
+    return {"checkpoint": str(ckpt or ""), "checkpoint_sha256": file_sha256(ckpt) if ckpt else ""}
+
+
+def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
+    """Options shared by both CLIs: how to load and drive the model."""
+    options = [
+        click.option(
+            "--ckpt",
+            type=click.Path(exists=True, dir_okay=True),
+            help="Checkpoint to load (optional when the adapter builds the model).",
+        ),
+        click.option(
+            "--adapter",
+            metavar="FILE.py|MODULE",
+            help="Adapter defining load_model(ckpt, device), make_inputs(...), [forward, loss].",
+        ),
+        click.option(
+            "--model",
+            "model_spec",
+            metavar="MODULE:FACTORY",
+            help="factory() builds the model; --ckpt holds its state dict.",
+        ),
+        click.option("--device", default="cpu", show_default=True, help="Device to run the model on."),
+        click.option(
+            "--trust-pickle",
+            is_flag=True,
+            help="Allow loading checkpoints that run code when unpickled (only for files you trust).",
+        ),
+        click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+class Tol(click.ParamType):  # type: ignore[type-arg]
+    """A tolerance: a finite number >= 0."""
+
+    name = "tolerance"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not 0 <= number < float("inf"):
+            self.fail(f"{value!r} must be a finite number >= 0", param, ctx)
+        return number
+
+
+def write_report(path: str, text: str, option: str) -> None:
+    """Write a report file so that a reader never sees half of it; a failure names the option."""
+    write_text_atomically(path, text, what=f"{option} {path}")

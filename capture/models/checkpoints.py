@@ -1,0 +1,326 @@
+"""Load checkpoints safely, recognised by content: state dicts, safetensors, TorchScript, ``.nemo``
+archives and Hugging Face folders.
+
+Nothing here unpickles with code execution unless the caller passes ``trust_pickle=True``
+(``--trust-pickle``): state dicts go through ``torch.load(weights_only=True)``, safetensors are
+parsed by a validating reader of their own, and ``.nemo`` archives are extracted with the
+tarfile ``data`` filter after a member-by-member check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tarfile
+import tempfile
+import zipfile
+from collections import ChainMap
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Final, Literal
+
+import numpy as np
+import torch
+
+from parity_harness.common.errors import BundleFormatError, CheckpointError
+from parity_harness.common.format.dtypes import TAGS, from_storage, storage_dtype
+
+__all__ = ["Checkpoint", "CheckpointKind", "LazySafetensors", "lazy_tensors", "load_checkpoint", "read_safetensors"]
+
+CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface", "pickled_module"]
+_STATE_DICT_KEYS: Final = ("state_dict", "model_state_dict", "model")
+_MAX_SAFETENSORS_HEADER: Final = 100 << 20
+_NEMO_CONFIG: Final = "model_config.yaml"
+_NEMO_WEIGHTS: Final = "model_weights.ckpt"
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds, whatever its format."""
+
+    kind: CheckpointKind
+    path: Path
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    """``.nemo``: the parsed ``model_config.yaml`` (needs PyYAML); Hugging Face: ``config.json``."""
+    config_text: str | None = None
+    """``.nemo``: the raw YAML, for when PyYAML is not installed."""
+    module: torch.nn.Module | None = None
+    """TorchScript, or a whole pickled module (with ``trust_pickle``): the model itself."""
+
+
+# ------------------------------------------------------------------ state dicts
+
+
+def _unwrap(loaded: object, path: Path) -> dict[str, torch.Tensor]:
+    while isinstance(loaded, Mapping):
+        nested = next((loaded[key] for key in _STATE_DICT_KEYS if isinstance(loaded.get(key), Mapping)), None)
+        if nested is None:
+            break
+        loaded = nested
+    if not isinstance(loaded, Mapping) or not any(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise CheckpointError(f"{path}: holds no state dict of tensors (got {type(loaded).__name__})")
+    return {str(k): v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def _torch_load(path: Path, trust_pickle: bool) -> object:
+    if trust_pickle:  # the user vouched for this file with --trust-pickle
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "weights_only" not in str(err).lower() and "weights only" not in str(err).lower():
+            raise CheckpointError(
+                f"{path}: not a checkpoint this tool can read ({type(err).__name__}: {first_line}); expected a state "
+                "dict, safetensors, TorchScript, a .nemo archive or a Hugging Face folder"
+            ) from err
+        raise CheckpointError(
+            f"{path}: cannot be loaded without running code from it (weights_only=True refused it: {first_line}); "
+            "save a plain state dict or safetensors, or pass --trust-pickle if you trust this file"
+        ) from err
+
+
+# ------------------------------------------------------------------ safetensors
+
+
+def _parse_safetensors_header(
+    raw: bytes, data_size: int, path: Path
+) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """Validate a whole safetensors header before any tensor is read."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: safetensors header is not JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if not isinstance(dtype, str) or dtype not in TAGS:
+            raise CheckpointError(f"{path}: tensor {name!r}: unknown or missing dtype {info!r:.80}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise CheckpointError(f"{path}: tensor {name!r}: invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointError(f"{path}: tensor {name!r}: invalid data_offsets {offsets!r}")
+        start, end = offsets
+        expected = math.prod(shape) * storage_dtype(dtype).itemsize  # Python ints: no overflow
+        if not 0 <= start <= end <= data_size or end - start != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: data_offsets {offsets} do not hold {expected} bytes of "
+                f"{dtype} {tuple(shape)} inside {data_size} bytes of data; the file is damaged"
+            )
+        entries[name] = (dtype, tuple(shape), start, end)
+    return entries
+
+
+class LazySafetensors(Mapping[str, torch.Tensor]):
+    """A ``.safetensors`` file's tensors, read one at a time on access.
+
+    The whole header is validated when the file is opened, before any tensor is read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with self.path.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: too short to be a safetensors file")
+            (header_size,) = struct.unpack("<Q", head)
+            if header_size > min(_MAX_SAFETENSORS_HEADER, size - 8):
+                raise CheckpointError(
+                    f"{self.path}: safetensors header claims {header_size} bytes; the file has {size}"
+                )
+            header = handle.read(header_size)
+        self._data_start = 8 + header_size
+        self._entries = _parse_safetensors_header(header, size - self._data_start, self.path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tag, shape, start, end = self._entries[name]
+        with self.path.open("rb") as handle:
+            handle.seek(self._data_start + start)
+            raw = handle.read(end - start)
+        try:
+            return from_storage(np.frombuffer(raw, dtype=storage_dtype(tag)).reshape(shape), tag)
+        except BundleFormatError as err:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: {err}") from err
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read a ``.safetensors`` file (validating its header first) into CPU tensors."""
+    return dict(LazySafetensors(path))
+
+
+def lazy_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Mapping[str, torch.Tensor]:
+    """A checkpoint's named tensors, loaded as late as the format allows (for one-pair-at-a-time diffs).
+
+    Safetensors files and sharded Hugging Face safetensors folders are read tensor by tensor; zip
+    ``torch.save`` files are memory-mapped; other formats are loaded whole.
+    """
+    file = Path(path)
+    if file.is_file():
+        with file.open("rb") as handle:
+            head = handle.read(16)
+        if _is_safetensors(head, file.stat().st_size):
+            return LazySafetensors(file)
+        if head.startswith(b"PK\x03\x04") and not _is_torchscript(file) and not trust_pickle:
+            try:
+                return _unwrap(torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
+            except Exception:
+                pass
+    elif (file / "config.json").is_file():
+        shards = _hf_weight_files(file)
+        if all(shard.suffix == ".safetensors" and shard.is_file() for shard in shards):
+            return ChainMap(*(LazySafetensors(shard) for shard in shards))  # type: ignore[arg-type]
+    return load_checkpoint(file, trust_pickle=trust_pickle).state_dict
+
+
+def _is_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    (header_size,) = struct.unpack("<Q", head[:8])
+    return 2 <= header_size <= size - 8 and head[8:9] == b"{"
+
+
+# ------------------------------------------------------------------ .nemo
+
+
+def _check_member(member: tarfile.TarInfo, path: Path) -> None:
+    name = PurePosixPath(member.name)
+    if name.is_absolute() or ".." in name.parts:
+        raise CheckpointError(f"{path}: archive member {member.name!r} points outside the archive; refusing to extract")
+    if member.issym() or member.islnk():
+        raise CheckpointError(f"{path}: archive member {member.name!r} is a link; .nemo archives hold plain files")
+    if not (member.isfile() or member.isdir()):
+        raise CheckpointError(f"{path}: archive member {member.name!r} is a device or special file; refusing")
+
+
+def _parse_yaml(text: str, path: Path) -> dict[str, Any] | None:
+    try:
+        import yaml
+    except ImportError:
+        return None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise CheckpointError(f"{path}: {_NEMO_CONFIG} is not valid YAML: {err}") from err
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
+    try:
+        return _extract_nemo(path, trust_pickle)
+    except tarfile.TarError as err:
+        raise CheckpointError(f"{path}: damaged .nemo archive ({err})") from err
+
+
+def _extract_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
+    with tarfile.open(path) as archive, tempfile.TemporaryDirectory(prefix="parity-nemo-") as folder:
+        members = archive.getmembers()
+        for member in members:
+            _check_member(member, path)
+        archive.extractall(folder, filter="data")
+        found = {PurePosixPath(m.name).name: Path(folder) / m.name for m in members if m.isfile()}
+        if _NEMO_WEIGHTS not in found:
+            raise CheckpointError(f"{path}: no {_NEMO_WEIGHTS} inside; is this a .nemo archive?")
+        text = found[_NEMO_CONFIG].read_text(encoding="utf-8") if _NEMO_CONFIG in found else None
+        weights = _unwrap(_torch_load(found[_NEMO_WEIGHTS], trust_pickle), path)
+    config = _parse_yaml(text, path) if text is not None else None
+    return Checkpoint("nemo", path, weights, config, text)
+
+
+# ------------------------------------------------------------------ Hugging Face folders
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
+
+
+def _hf_weight_files(folder: Path) -> list[Path]:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            document = _read_json(index)
+            weight_map = document.get("weight_map") if isinstance(document, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no weight_map object; the index is damaged")
+            shards = sorted({str(name) for name in weight_map.values()})
+            if any(PurePosixPath(s).is_absolute() or ".." in PurePosixPath(s).parts for s in shards):
+                raise CheckpointError(f"{index}: a shard path points outside the folder")
+            return [folder / shard for shard in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return [folder / single]
+    raise CheckpointError(f"{folder}: no model.safetensors, pytorch_model.bin or shard index in this folder")
+
+
+def _load_huggingface(folder: Path, trust_pickle: bool) -> Checkpoint:
+    config = _read_json(folder / "config.json")
+    state: dict[str, torch.Tensor] = {}
+    for file in _hf_weight_files(folder):
+        if not file.is_file():
+            raise CheckpointError(f"{file}: shard named by the index is missing")
+        state.update(
+            read_safetensors(file) if file.suffix == ".safetensors" else _unwrap(_torch_load(file, trust_pickle), file)
+        )
+    return Checkpoint("huggingface", folder, state, config if isinstance(config, dict) else None)
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _is_torchscript(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile as err:
+        raise CheckpointError(f"{path}: damaged zip archive, perhaps truncated ({err})") from err
+    return any("/code/" in name for name in names) and any(name.endswith("constants.pkl") for name in names)
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Checkpoint:
+    """Load any supported checkpoint, recognised by its content (the extension is only a hint).
+
+    Raises:
+        CheckpointError: missing, unrecognised, damaged, hostile, or needing code execution to load.
+    """
+    file = Path(path)
+    if file.is_dir():
+        if (file / "config.json").is_file():
+            return _load_huggingface(file, trust_pickle)
+        raise CheckpointError(f"{file}: a folder without config.json; expected a Hugging Face model folder")
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such checkpoint")
+    with file.open("rb") as handle:
+        head = handle.read(16)
+    size = file.stat().st_size
+    if _is_safetensors(head, size):
+        return Checkpoint("safetensors", file, read_safetensors(file))
+    if head.startswith(b"PK\x03\x04") and _is_torchscript(file):
+        try:
+            module = torch.jit.load(str(file), map_location="cpu")  # type: ignore[no-untyped-call]
+        except RuntimeError as err:
+            raise CheckpointError(f"{file}: damaged TorchScript archive ({str(err).strip().splitlines()[0]})") from err
+        return Checkpoint("torchscript", file, dict(module.state_dict()), module=module)
+    if tarfile.is_tarfile(file):
+        return _load_nemo(file, trust_pickle)
+    loaded = _torch_load(file, trust_pickle)
+    if isinstance(loaded, torch.nn.Module):  # only reachable with --trust-pickle: the file is the model
+        return Checkpoint("pickled_module", file, dict(loaded.state_dict()), module=loaded)
+    return Checkpoint("state_dict", file, _unwrap(loaded, file))

@@ -1,0 +1,1 @@
+"""Observing a model without changing its numbers: module hooks, slot naming and how one run is driven."""

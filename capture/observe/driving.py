@@ -1,0 +1,76 @@
+"""How one reference run is driven: seeding, the forward call, and the backward seed (cotangent).
+
+Replay drives the port through the same functions, so both environments run the same way.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity_harness.capture.observe.naming import iter_live_tensors
+
+__all__ = ["ForwardFn", "LossFn", "call_forward", "make_cotangents", "rng_state", "seed_everything", "to_device"]
+
+ForwardFn = Callable[[torch.nn.Module, Any], Any]
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (all devices) global generators."""
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> tuple[dict[str, object], np.ndarray]:
+    """Python and NumPy generator states as plain data, and torch's CPU state as bytes."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    plain: dict[str, object] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
+    return plain, torch.get_rng_state().numpy()
+
+
+def call_forward(model: torch.nn.Module, inputs: Any, forward: ForwardFn | None = None) -> Any:
+    """Run the model: the adapter's ``forward`` if given, else ``model(**inputs)`` / ``model(*inputs)``."""
+    if forward is not None:
+        return forward(model, inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def make_cotangents(outputs: Any, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """A seeded standard-normal cotangent for every real floating output that requires grad.
+
+    Returns ``(slot, output, cotangent)`` triples in slot order. Values are drawn in float64 on
+    the CPU from a private generator, then cast, so they do not depend on the device or on the
+    global RNG.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    triples = []
+    for slot, tensor in iter_live_tensors(outputs, "output"):
+        if tensor.requires_grad and tensor.is_floating_point():
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+            triples.append((slot, tensor, noise.to(dtype=tensor.dtype, device=tensor.device)))
+    return triples
+
+
+def to_device(value: Any, device: str | torch.device) -> Any:
+    """Move every tensor of a nested dict/list/tuple value to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(item, device) for item in value)
+    return value

@@ -1,0 +1,190 @@
+"""Module hooks that observe a model without changing its numbers.
+
+Forward values are observed with forward-pre and forward hooks. Gradients are observed with
+*tensor* hooks, not module full-backward hooks: those wrap inputs in a custom autograd function
+that breaks in-place ops and can reorder gradient accumulation.
+
+Two autograd facts shape this module:
+
+* To see the gradient a module contributes to each of its inputs (not the sum over every
+  consumer of that tensor), each input that requires grad is handed to the module as a
+  ``view_as`` alias that carries the hook.
+* A hook on a *view* dies when the view (or its base) is later modified in place: autograd
+  rebuilds the view's history and the hooked node leaves the graph. So every hooked view also
+  gets a fallback hook on its base, which slices the view's region out of the base's gradient
+  when the view's own hook did not fire first. For an input modified in place by the module
+  (``ReLU(inplace=True)``) the fallback sees the gradient of every consumer of the
+  pre-modification value, which after an in-place op is almost always this module alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from parity_harness.capture.observe.naming import grad_slot, iter_live_call_inputs, iter_live_tensors, type_name
+from parity_harness.common.format.bundle.layout import join_slot
+
+__all__ = ["CallInfo", "ModuleTap", "TapSink"]
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """One call of one module: its (possibly renamed) path and its call number for that path."""
+
+    module: str
+    call: int
+    module_type: str
+
+
+class TapSink(Protocol):
+    """What a :class:`ModuleTap` reports to: a bundle writer in capture, a comparer in replay."""
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A module is about to run on these arguments (before any in-place change)."""
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """A module returned ``outputs``."""
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Backward produced the gradient of slot ``slot`` (``grad_output.0``, ``grad_input.1``)."""
+
+
+class _GradTap:
+    """A tensor hook forwarding one slot's gradient to the sink, at most once."""
+
+    __slots__ = ("fired", "info", "sink", "slot")
+
+    def __init__(self, sink: TapSink, info: CallInfo, slot: str) -> None:
+        self.sink, self.info, self.slot, self.fired = sink, info, slot, False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if not self.fired:
+            self.fired = True
+            self.sink.on_grad(self.info, self.slot, grad)
+
+
+class _BaseFallback:
+    """A hook on a view's base that recovers the view's gradient if the view's own hook died."""
+
+    __slots__ = ("base_size", "base_stride", "offset", "size", "stride", "tap")
+
+    def __init__(self, tap: _GradTap, view: torch.Tensor, base: torch.Tensor) -> None:
+        self.tap = tap
+        self.size, self.stride = tuple(view.size()), tuple(view.stride())
+        self.offset = view.storage_offset() - base.storage_offset()
+        self.base_size, self.base_stride = tuple(base.size()), tuple(base.stride())
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.tap.fired:  # the view's hook runs before its base's whenever it is alive
+            return
+        laid_out = torch.empty_strided(self.base_size, self.base_stride, dtype=grad.dtype, device=grad.device)
+        laid_out.copy_(grad)
+        self.tap(laid_out.as_strided(self.size, self.stride, self.offset))
+
+
+def _watch(tensor: torch.Tensor, tap: _GradTap) -> None:
+    """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
+    tensor.register_hook(tap)  # type: ignore[no-untyped-call]
+    base = tensor._base
+    if base is not None and base.requires_grad and base.dtype == tensor.dtype:
+        base.register_hook(_BaseFallback(tap, tensor, base))  # type: ignore[no-untyped-call]
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook torch.compile runs as Python instead of tracing it (a graph break per module call)."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return disable(hook) if disable is not None else hook
+
+
+class ModuleTap:
+    """Context manager hooking every submodule of ``model`` (the root itself is not hooked).
+
+    Args:
+        model: the model to observe.
+        sink: receives inputs, outputs and gradients.
+        record_backward: register gradient hooks (forward-only observation when False).
+        rename: maps a module path to the name reported to the sink; ``None`` skips the module.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sink: TapSink,
+        *,
+        record_backward: bool = True,
+        rename: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self._model, self._sink, self._backward = model, sink, record_backward
+        self._rename = rename or (lambda path: path)
+        self._handles: list[RemovableHandle] = []
+        self._names: dict[int, str] = {}
+        self._calls: defaultdict[str, int] = defaultdict(int)
+        self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
+
+    def __enter__(self) -> ModuleTap:
+        for path, module in self._model.named_modules():
+            name = self._rename(path) if path else None
+            if name is None:
+                continue
+            self._names[id(module)] = name
+            self._handles.append(module.register_forward_pre_hook(_eager(self._before), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_eager(self._after), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _before(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        name = self._names[id(module)]
+        info = CallInfo(name, self._calls[name], type_name(module))
+        self._calls[name] += 1
+        self._sink.on_inputs(info, args, kwargs)
+        self._open[id(module)].append(info)
+        if not (self._backward and torch.is_grad_enabled()):
+            return None
+        return self._alias_inputs(info, args, kwargs)
+
+    def _alias_inputs(
+        self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        aliased: set[str] = set()
+        new_args = tuple(self._alias(info, value, join_slot("input", i), aliased) for i, value in enumerate(args))
+        new_kwargs = {k: self._alias(info, value, join_slot("input", k), aliased) for k, value in kwargs.items()}
+        for slot, tensor in iter_live_call_inputs(args, kwargs):
+            # Tensors inside containers we cannot rebuild get a plain hook (sum over consumers).
+            if tensor.requires_grad and slot not in aliased:
+                _watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
+        return (new_args, new_kwargs) if aliased else None
+
+    def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str]) -> Any:
+        if isinstance(value, torch.Tensor):
+            if not value.requires_grad or value.layout != torch.strided:
+                return value
+            alias = value.view_as(value)
+            _watch(alias, _GradTap(self._sink, info, grad_slot(slot)))
+            aliased.add(slot)
+            return alias
+        if type(value) in (list, tuple):
+            return type(value)(self._alias(info, v, join_slot(slot, i), aliased) for i, v in enumerate(value))
+        if type(value) is dict:
+            return {k: self._alias(info, v, join_slot(slot, k), aliased) for k, v in value.items()}
+        return value
+
+    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> None:
+        info = self._open[id(module)].pop()
+        self._sink.on_outputs(info, outputs)
+        if self._backward and torch.is_grad_enabled():
+            for slot, tensor in iter_live_tensors(outputs, "output"):
+                if tensor.requires_grad:
+                    _watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))

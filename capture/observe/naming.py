@@ -1,0 +1,119 @@
+"""Turning live Python values into bundle trees, and the slot names of their tensors.
+
+This is the one place that decides how a nested value (args, kwargs, outputs of any nesting,
+dataclasses, ``ModelOutput``-like mappings, named tuples) is named: capture writes with it and
+replay reads its own model's values with it, so both sides name every tensor the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Final
+
+import torch
+
+from parity_harness.common.format.bundle.layout import join_slot
+from parity_harness.common.format.bundle.schema import MAX_DEPTH, TensorRef, Tree
+
+__all__ = [
+    "StoreTensor",
+    "encode_call_inputs",
+    "encode_value",
+    "grad_slot",
+    "iter_live_call_inputs",
+    "iter_live_tensors",
+    "record_name",
+    "type_name",
+]
+
+StoreTensor = Callable[[str, torch.Tensor], TensorRef]
+"""Called once per tensor leaf with its slot; returns where the tensor was stored."""
+
+_PLAIN_SCALARS: Final = (bool, int, float, str, bytes)
+
+
+def type_name(value: object) -> str:
+    """``module.QualName`` of a value's class, used to label recorded objects."""
+    cls = type(value)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def record_name(module: str, call: int, slot: str) -> str:
+    """A per-module record's name, as reports show it: ``encoder.layers.0/0/output``."""
+    return f"{module}/{call}/{slot}"
+
+
+def grad_slot(slot: str) -> str:
+    """Slot of the gradient reaching a forward slot: ``output.0 -> grad_output.0``."""
+    return f"grad_{slot}"
+
+
+def _pairs(items: Iterator[tuple[object, object]], prefix: str, store: StoreTensor, depth: int) -> list[object]:
+    return [[key, encode_value(child, join_slot(prefix, key), store, depth + 1)] for key, child in items]
+
+
+def _plain_key(key: object) -> object:
+    return key if isinstance(key, (str, int, float, bool)) else str(key)
+
+
+def encode_value(value: object, slot: str, store: StoreTensor, depth: int = 0) -> Tree:
+    """Encode ``value`` as a tree, handing every tensor leaf to ``store`` with its slot name."""
+    if depth >= MAX_DEPTH:  # the reader accepts nodes up to MAX_DEPTH: stop one level before
+        return ["X", type_name(value), f"nested deeper than {MAX_DEPTH} levels"]
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_meta or value.is_quantized:
+            return ["X", type_name(value), f"{value.layout} / quantized / meta tensors are not recorded"]
+        return store(slot, value).to_tree()
+    if value is None:
+        return ["N"]
+    if isinstance(value, _PLAIN_SCALARS):
+        return ["S", value]
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # NumPy scalars
+        return ["S", value.item()]
+    if isinstance(value, Mapping):
+        items = ((_plain_key(k), v) for k, v in value.items())
+        if type(value) in (dict,) or type(value).__name__ == "OrderedDict":
+            return ["D", _pairs(items, slot, store, depth)]
+        return ["O", type_name(value), "mapping", _pairs(items, slot, store, depth)]
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        named = zip(value._fields, value, strict=True)
+        return ["O", type_name(value), "namedtuple", _pairs(named, slot, store, depth)]
+    if isinstance(value, (list, tuple)):
+        kind = "L" if isinstance(value, list) else "U"
+        return [kind, [encode_value(v, join_slot(slot, i), store, depth + 1) for i, v in enumerate(value)]]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+        return ["O", type_name(value), "dataclass", _pairs(fields, slot, store, depth)]
+    return ["X", type_name(value), "not a tensor, scalar or container"]
+
+
+def encode_call_inputs(args: tuple[object, ...], kwargs: Mapping[str, object], store: StoreTensor) -> Tree:
+    """Encode a call's arguments as one dict tree: int keys are positions, str keys keywords."""
+    pairs: list[tuple[object, object]] = [*enumerate(args), *kwargs.items()]
+    return ["D", _pairs(iter(pairs), "input", store, 0)]
+
+
+class _Collector:
+    """A ``StoreTensor`` that only remembers the tensors it was shown."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, torch.Tensor]] = []
+
+    def __call__(self, slot: str, tensor: torch.Tensor) -> TensorRef:
+        self.found.append((slot, tensor))
+        return TensorRef("/", "F32", ())
+
+
+def iter_live_tensors(value: object, slot: str) -> list[tuple[str, torch.Tensor]]:
+    """The ``(slot, tensor)`` leaves of a live value, named exactly as :func:`encode_value` names them."""
+    collector = _Collector()
+    encode_value(value, slot, collector)
+    return collector.found
+
+
+def iter_live_call_inputs(args: tuple[object, ...], kwargs: Mapping[str, object]) -> list[tuple[str, torch.Tensor]]:
+    """The ``(slot, tensor)`` leaves of a call's arguments, named as :func:`encode_call_inputs` names them."""
+    collector = _Collector()
+    encode_call_inputs(args, kwargs, collector)
+    return collector.found

@@ -1,0 +1,102 @@
+"""The reference's own rounding error: the same run in float64, compared with what was recorded.
+
+``capture-run --noise-floor`` reruns a float64 copy of the model on float64 copies of the inputs,
+backpropagates the recorded cotangent (or the loss), and stores for every record the largest
+absolute difference between the recorded value and its float64 counterpart. Replay can then
+judge a port's error against how far the reference itself is from exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, seed_everything
+from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
+from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
+from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
+
+__all__ = ["measure_noise_floor"]
+
+
+def _to_float64(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {key: _to_float64(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_float64(item) for item in value)
+    return value
+
+
+class _NoiseSink:
+    """A ``TapSink`` measuring each float64 tensor against the recorded one."""
+
+    def __init__(self, writer: BundleWriter, floors: dict[str, float]) -> None:
+        self._writer, self.floors = writer, floors
+
+    def measure(self, name: str, path: str, exact: torch.Tensor) -> None:
+        recorded = self._writer.read_float64(path)
+        if recorded is None or not exact.is_floating_point() or tuple(recorded.shape) != tuple(exact.shape):
+            return
+        values = exact.detach().to("cpu", torch.float64).numpy()
+        with np.errstate(invalid="ignore"):
+            error = np.abs(recorded - values)
+        self.floors[name] = float(np.max(error, initial=0.0, where=np.isfinite(error)))
+
+    def _measure_all(self, info: CallInfo, leaves: list[tuple[str, torch.Tensor]]) -> None:
+        group = call_group(info.module, info.call)
+        for slot, tensor in leaves:
+            self.measure(record_name(info.module, info.call, slot), tensor_path(group, slot), tensor)
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Measure a call's arguments."""
+        self._measure_all(info, iter_live_call_inputs(args, kwargs))
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """Measure a call's outputs."""
+        self._measure_all(info, iter_live_tensors(outputs, "output"))
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Measure a gradient."""
+        self._measure_all(info, [(slot, grad)])
+
+
+def measure_noise_floor(
+    model: torch.nn.Module,
+    inputs: Any,
+    writer: BundleWriter,
+    *,
+    seed: int,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+    train_mode: bool,
+) -> dict[str, float]:
+    """Rerun ``model`` in float64 and return, per record name, its distance to the recorded values.
+
+    Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
+    """
+    exact_model = copy.deepcopy(model).to(torch.float64).train(train_mode)
+    exact_model.zero_grad(set_to_none=True)
+    floors: dict[str, float] = {}
+    sink = _NoiseSink(writer, floors)
+    seed_everything(seed)
+    with ModuleTap(exact_model, sink):
+        outputs = call_forward(exact_model, _to_float64(inputs), forward)
+    for slot, tensor in iter_live_tensors(outputs, "output"):
+        sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
+    if loss is not None:
+        loss(outputs).backward()  # type: ignore[no-untyped-call]
+    else:
+        seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
+        pairs = [(t, writer.read_tensor(p).to(t.device, torch.float64)) for t, p in seeded if writer.has(p)]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
+    for name, param in exact_model.named_parameters():
+        if param.grad is not None:
+            sink.measure(name, f"{GRADS}/{escape_dotted(name)}", param.grad)
+    return floors

@@ -1,0 +1,219 @@
+"""Record a training run step by step: ``TrainingRecorder``, a few calls inside any training loop.
+
+    with TrainingRecorder("run.h5", model, optimizer, every=10) as recorder:
+        for step, (inputs, labels) in enumerate(loader):
+            loss = train_step(...)
+            recorder.step(step, {"inputs": inputs, "labels": labels}, loss=loss, sample_ids=ids)
+
+A training file is written in place and flushed after every recorded step, so a run killed
+between steps leaves every completed step readable; a step counts once its ``meta`` record (written
+last) exists. Layout: ``/initial/params/<name>``; ``/steps/<step>/{batch,params,grads,optimizer,
+predictions}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import h5py
+import torch
+
+from parity_harness.capture.observe.driving import seed_everything
+from parity_harness.capture.observe.naming import encode_value
+from parity_harness.common.errors import BundleError, BundleExistsError
+from parity_harness.common.format.bundle.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, escape_dotted
+from parity_harness.common.format.bundle.schema import TensorRef
+from parity_harness.common.format.dtypes import to_storage
+from parity_harness.common.format.packing import pack
+
+__all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "record_training"]
+
+TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
+"""``train_step(model, optimizer, batch) -> loss``: one optimisation step (zero_grad, backward, step)."""
+
+TRAINING_FORMAT: Final = "parity-harness-training"
+
+
+class TrainingRecorder:
+    """Stream selected steps of a training run to ``path``.
+
+    Args:
+        path: the training file (refused if it exists, unless ``overwrite``).
+        model: the model being trained.
+        optimizer: its optimizer (its hyper-parameters are recorded; its state with ``optimizer_state``).
+        every: record the steps whose number is a multiple of ``every``.
+        params, grads, optimizer_state: what to record per step (weights after the update, their
+            gradients, the optimizer's per-parameter state such as Adam moments).
+        all_batches: also record the batch (and loss) of the steps in between, so that a port's
+            training can be rerun on every batch (``replay-compare --steps``).
+        seed: the run's seed, recorded for reruns.
+        rename: records parameters under other names (a port's, mapped to the reference's).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        every: int = 1,
+        params: bool = True,
+        grads: bool = True,
+        optimizer_state: bool = False,
+        overwrite: bool = False,
+        all_batches: bool = False,
+        seed: int | None = None,
+        rename: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self.path, self._model, self._optimizer = Path(path), model, optimizer
+        self._all_batches = all_batches
+        self._rename = rename or (lambda name: name)
+        self._every, self._params, self._grads, self._state = max(1, every), params, grads, optimizer_state
+        if self.path.exists() and not overwrite:
+            raise BundleExistsError(f"{self.path}: file exists; pass overwrite=True to replace it")
+        try:
+            self._file = h5py.File(self.path, "w")
+        except OSError as err:
+            raise BundleError(f"{self.path}: cannot create the training file: {err}") from err
+        self._file.attrs.update({ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: 1, ATTR_MINOR: 0})
+        self._write_named("/initial/params", {n: p.detach() for n, p in model.named_parameters()})
+        order = [renamed for n, _ in model.named_parameters() if (renamed := self._rename(n)) is not None]
+        meta = {"optimizer": _hyper_parameters(optimizer), "seed": seed, "every": self._every, "parameters": order}
+        self._file.create_dataset("/initial/meta", data=pack(meta))
+        self._file.flush()
+
+    def _write(self, path: str, tensor: torch.Tensor) -> TensorRef:
+        array, tag = to_storage(tensor)
+        self._file.create_dataset(path, data=array).attrs[ATTR_DTYPE] = tag
+        return TensorRef(path, tag, tuple(array.shape))
+
+    def _write_named(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            renamed = self._rename(name)
+            if renamed is not None:
+                self._write(f"{group}/{escape_dotted(renamed)}", tensor)
+
+    def step(
+        self,
+        step: int,
+        batch: Any = None,
+        *,
+        loss: torch.Tensor | float | None = None,
+        metrics: dict[str, float] | None = None,
+        predictions: torch.Tensor | None = None,
+        sample_ids: list[Any] | None = None,
+        labels: torch.Tensor | None = None,
+        epoch: int | None = None,
+    ) -> bool:
+        """Record step ``step`` (after the optimizer's update) if it is one of the recorded steps.
+
+        Returns:
+            Whether the step was recorded in full (weights, gradients...).
+        """
+        full = step % self._every == 0
+        if not (full or self._all_batches):
+            return False
+        group = f"/steps/{step:09d}"
+        tree = encode_value(batch, "batch", functools.partial(self._store, f"{group}/batch"))
+        named = dict(self._model.named_parameters())
+        if full:
+            self._write_state(group, named, predictions)
+            if labels is not None:
+                self._write(f"{group}/labels", labels.detach())
+        meta = {
+            "step": step,
+            "epoch": epoch,
+            "full": full,
+            "loss": None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
+            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()},
+            "sample_ids": [str(i) for i in sample_ids] if sample_ids is not None else None,
+            "batch": tree,
+        }
+        self._file.create_dataset(f"{group}/meta", data=pack(meta))  # written last: marks the step complete
+        self._file.flush()
+        return full
+
+    def _write_state(self, group: str, named: dict[str, torch.nn.Parameter], predictions: torch.Tensor | None) -> None:
+        if self._params:
+            self._write_named(f"{group}/params", {n: p.detach() for n, p in named.items()})
+        if self._grads:
+            self._write_named(f"{group}/grads", {n: p.grad for n, p in named.items() if p.grad is not None})
+        if self._state and self._optimizer is not None:
+            self._write_optimizer_state(f"{group}/optimizer", named)
+        if predictions is not None:
+            self._write(f"{group}/predictions", predictions.detach())
+
+    def _store(self, group: str, slot: str, tensor: torch.Tensor) -> TensorRef:
+        return self._write(f"{group}/{slot}", tensor)
+
+    def _write_optimizer_state(self, group: str, named: dict[str, torch.nn.Parameter]) -> None:
+        assert self._optimizer is not None
+        names = {id(p): self._rename(n) for n, p in named.items()}
+        for param, state in self._optimizer.state.items():
+            name = names.get(id(param))
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and name is not None:
+                    self._write(f"{group}/{escape_dotted(name)}/{key}", value)
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if self._file.id.valid:
+            self._file.close()
+
+    def __enter__(self) -> TrainingRecorder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _hyper_parameters(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    if optimizer is None:
+        return None
+    groups = [
+        {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple, list))}
+        for group in optimizer.param_groups
+    ]
+    return {"class": type(optimizer).__name__, "param_groups": [_plain(g) for g in groups]}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def record_training(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Any],
+    train_step: TrainStep,
+    out: str | os.PathLike[str],
+    *,
+    every: int = 1,
+    seed: int = 42,
+    overwrite: bool = False,
+) -> int:
+    """Train on ``batches`` (one step each), recording every batch and every ``every``-th step in full.
+
+    Returns:
+        The number of steps run.
+    """
+    seed_everything(seed)
+    model.train()
+    recorder = TrainingRecorder(
+        out, model, optimizer, every=every, optimizer_state=True, overwrite=overwrite, all_batches=True, seed=seed
+    )
+    with recorder:
+        for step, batch in enumerate(batches):
+            recorder.step(step, batch, loss=train_step(model, optimizer, batch))
+    return len(batches)

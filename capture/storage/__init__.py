@@ -1,0 +1,1 @@
+"""Writing bundles: the atomic HDF5 writer and the background streaming of tensor bytes."""

@@ -1,0 +1,328 @@
+"""Tensor bytes to disk off the critical path: a staging ring and one writer thread.
+
+Two kinds of writes, both done by one background thread with ``os.pwrite`` (which releases the
+GIL, so disk writes overlap the model's compute):
+
+* ``write``: a snapshot. The main thread copies the tensor into a preallocated staging ring (a
+  memory copy at many GB/s; pinned memory and a non-blocking copy for CUDA tensors) and goes on.
+  The copy is what makes this safe for activations and gradients: a recorded tensor may be
+  changed in place a moment later (a residual ``x += ...``), and the bundle must hold the values
+  of the moment it was recorded. Tensors too large for the ring are written synchronously,
+  straight from their memory, while the main thread waits.
+* ``write_stable``: no copy at all, for tensors that stay unchanged until the capture ends
+  (parameters, final gradients). The thread writes from the tensor's own memory, in slices, after
+  any pending snapshot (so the ring never waits behind a large parameter); the caller proves
+  afterwards, with the tensor's version counter, that it was not modified meanwhile.
+
+Where the file system allows it, the 4 KiB-aligned middle of every write goes through a second
+descriptor opened with ``O_DIRECT``: the disk reads the bytes straight from memory, where a
+buffered write costs a CPU core copying them into the page cache (measured on a 2-core VM: 0.06 s
+of CPU per 1.7 GB instead of 0.7 s, or 3.4 s when the page cache must first grow). The bundle's
+datasets are laid out 4 KiB-aligned for this (:mod:`parity_harness.capture.storage.writer`); unaligned heads and tails,
+small tensors and file systems without ``O_DIRECT`` (tmpfs) use ordinary writes.
+
+The ring is a FIFO: space is reclaimed in the order it was handed out. A write error (a full
+disk) is kept and raised by the next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import mmap
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import torch
+
+from parity_harness.common.errors import BundleError
+from parity_harness.common.format.dtypes import to_storage
+
+__all__ = ["DEFAULT_STAGING_BYTES", "TensorStream"]
+
+DEFAULT_STAGING_BYTES: Final = 256 << 20
+BLOCK: Final = 4096
+"""Alignment of O_DIRECT writes (address, offset and length), and of ring slots."""
+_SLICE: Final = 8 << 20
+"""Bytes of a stable tensor written at a time, so that snapshots waiting for ring space go first."""
+
+
+def _no_crc(data: object, value: int = 0) -> int:
+    return 0
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """The bytes of a C-contiguous array as a flat uint8 array, without a copy."""
+    return array.reshape(-1).view(np.uint8)
+
+
+def _address(data: np.ndarray) -> int:
+    return int(data.__array_interface__["data"][0])
+
+
+def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = data.data
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+class _Disk:
+    """Puts bytes at file offsets: the aligned middle with O_DIRECT when possible, the rest buffered."""
+
+    def __init__(self, fd: int, direct_fd: int | None) -> None:
+        self._fd, self._direct_fd = fd, direct_fd
+        self._bounce: np.ndarray | None = None  # page-aligned, for sources that are not aligned
+        self._bounce_lock = threading.Lock()
+
+    def put(self, data: np.ndarray, offset: int) -> None:
+        start = -(-offset // BLOCK) * BLOCK
+        end = (offset + data.size) // BLOCK * BLOCK
+        if self._direct_fd is None or end - start < BLOCK:
+            _write_all(self._fd, data, offset)
+            return
+        head, middle, tail = data[: start - offset], data[start - offset : end - offset], data[end - offset :]
+        _write_all(self._fd, head, offset)
+        try:
+            self._put_direct(middle, start)
+        except OSError as err:
+            if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            self._direct_fd = None  # the file system refuses O_DIRECT after all: buffered from now on
+            _write_all(self._fd, middle, start)
+        _write_all(self._fd, tail, end)
+
+    def _put_direct(self, data: np.ndarray, offset: int) -> None:
+        assert self._direct_fd is not None
+        if _address(data) % BLOCK == 0:
+            _write_all(self._direct_fd, data, offset)
+            return
+        with self._bounce_lock:
+            if self._bounce is None:
+                self._bounce = np.frombuffer(mmap.mmap(-1, _SLICE), dtype=np.uint8)
+            for begin in range(0, data.size, _SLICE):
+                piece = data[begin : begin + _SLICE]
+                np.copyto(self._bounce[: piece.size], piece)
+                _write_all(self._direct_fd, self._bounce[: piece.size], offset + begin)
+
+
+@dataclass
+class _Snapshot:
+    name: str
+    offset: int
+    start: int
+    nbytes: int
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class _Stable:
+    name: str
+    offset: int
+    data: np.ndarray
+    tensor: torch.Tensor
+    """Kept so that the memory being written stays allocated."""
+    done: int = 0
+    crc: int = 0
+
+
+class TensorStream:
+    """Write tensors' exact bytes at given offsets of an open file, in the background.
+
+    Args:
+        fd: a file descriptor open for writing (the stream does not close it).
+        direct_fd: the same file opened with ``O_DIRECT``, if the file system allows it.
+        staging_bytes: size of the staging ring; 0 writes everything synchronously.
+        where: the file's name, for error messages.
+        checksums: compute each tensor's CRC-32 (:attr:`checksums`) as its bytes are written.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        *,
+        direct_fd: int | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        where: str = "",
+        checksums: bool = True,
+    ) -> None:
+        self._disk = _Disk(fd, direct_fd)
+        self._capacity, self._where = staging_bytes, where
+        self._crc = zlib.crc32 if checksums else _no_crc
+        self._ring: torch.Tensor | None = None
+        self._ring_bytes: np.ndarray | None = None
+        self._head = 0  # end of the newest slice handed out
+        self._in_use: collections.deque[tuple[int, int]] = collections.deque()  # (start, end), oldest first
+        self._snapshots: collections.deque[_Snapshot] = collections.deque()
+        self._stables: collections.deque[_Stable] = collections.deque()
+        self._busy = 0  # items taken by the thread and not finished
+        self._lock = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.checksums: dict[str, int] = {}
+        """Name -> CRC-32 of the bytes written for it (the last write of a name wins)."""
+
+    # ------------------------------------------------------------------ main thread
+
+    def write(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
+        """Write ``tensor``'s bytes (C order) at ``offset``; its values are taken before this returns.
+
+        The CRC-32 of the bytes lands in :attr:`checksums` under ``name`` once written.
+        """
+        self._raise_pending()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            self.checksums[name] = self._crc(b"")
+            return
+        if nbytes > self._capacity // 2:  # written now, from its memory, while the caller waits
+            array, _ = to_storage(tensor)
+            data = _bytes_of(array)
+            self._disk.put(data, offset)
+            with self._lock:
+                self.checksums[name] = self._crc(data.data)
+            return
+        start = self._reserve(nbytes, pinned=tensor.is_cuda)
+        assert self._ring is not None
+        slot = self._ring[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+        event = None
+        if tensor.is_cuda and self._ring.is_pinned():
+            slot.copy_(tensor.detach(), non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        else:
+            slot.copy_(tensor.detach())
+        self._submit(lambda: self._snapshots.append(_Snapshot(name, offset, start, nbytes, event)))
+
+    def write_stable(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
+        """Write ``tensor``'s bytes at ``offset`` from its own memory, later; it must not change before :meth:`drain`.
+
+        Tensors not in plain CPU memory are snapshotted as :meth:`write` does.
+        """
+        self._raise_pending()
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            self.write(offset, tensor, name)
+            return
+        array, _ = to_storage(tensor)
+        if array.nbytes == 0:
+            self.checksums[name] = self._crc(b"")
+            return
+        item = _Stable(name, offset, _bytes_of(array), tensor)
+        self._submit(lambda: self._stables.append(item))
+
+    def drain(self) -> None:
+        """Wait until every queued write reached the OS; raise the first error."""
+        with self._lock:
+            while (self._snapshots or self._stables or self._busy) and self._error is None:
+                self._lock.wait(timeout=0.5)
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Drain and stop the writer thread."""
+        try:
+            self.drain()
+        finally:
+            if self._thread is not None:
+                with self._lock:
+                    self._closing = True
+                    self._lock.notify_all()
+                self._thread.join()
+                self._thread = None
+
+    def _submit(self, enqueue: object) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="parity-bundle-writer", daemon=True)
+            self._thread.start()
+        with self._lock:
+            enqueue()  # type: ignore[operator]
+            self._lock.notify_all()
+
+    def _reserve(self, nbytes: int, *, pinned: bool) -> int:
+        """Space for ``nbytes`` in the ring, waiting for the writer to free some if needed."""
+        if self._ring is None:
+            pin = pinned and torch.cuda.is_available()
+            memory = torch.empty(self._capacity + BLOCK, dtype=torch.uint8, pin_memory=pin)
+            shift = -memory.data_ptr() % BLOCK  # slots start on BLOCK boundaries, ready for O_DIRECT
+            self._ring = memory[shift : shift + self._capacity]
+            self._ring_bytes = self._ring.numpy()
+        need = -(-nbytes // BLOCK) * BLOCK
+        with self._lock:
+            while True:
+                self._raise_pending()
+                start = self._fit(need)
+                if start is not None:
+                    self._in_use.append((start, start + need))
+                    self._head = start + need
+                    return start
+                self._lock.wait(timeout=0.5)
+
+    def _fit(self, need: int) -> int | None:
+        """Where ``need`` bytes fit after the newest slice without overrunning the oldest, if anywhere."""
+        if not self._in_use:
+            return 0
+        oldest, newest_end = self._in_use[0][0], self._head
+        if self._in_use[-1][0] >= oldest:  # not wrapped: free are [newest_end, capacity) and [0, oldest)
+            if newest_end + need <= self._capacity:
+                return newest_end
+            return 0 if need <= oldest else None
+        return newest_end if newest_end + need <= oldest else None  # wrapped: free is [newest_end, oldest)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise BundleError(f"{self._where}: writing the bundle failed: {self._error}") from self._error
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _next(self) -> _Snapshot | tuple[_Stable, np.ndarray, int] | None:
+        """The next piece of work: snapshots first (they hold ring space), then a slice of a stable tensor."""
+        with self._lock:
+            while not (self._snapshots or self._stables or self._closing):
+                self._lock.wait()
+            if self._snapshots:
+                self._busy += 1
+                return self._snapshots.popleft()
+            if self._stables:
+                item = self._stables[0]
+                piece = item.data[item.done : item.done + _SLICE]
+                offset = item.offset + item.done
+                item.done += len(piece)
+                if item.done >= len(item.data):
+                    self._stables.popleft()
+                self._busy += 1
+                return item, piece, offset
+            return None
+
+    def _run(self) -> None:
+        while (work := self._next()) is not None:
+            try:
+                if self._error is None:
+                    self._do(work)
+            except BaseException as err:  # handed to the main thread
+                self._error = err
+            with self._lock:
+                self._busy -= 1
+                if isinstance(work, _Snapshot):
+                    self._in_use.popleft()
+                self._lock.notify_all()
+
+    def _do(self, work: _Snapshot | tuple[_Stable, np.ndarray, int]) -> None:
+        if isinstance(work, _Snapshot):
+            if work.event is not None:
+                work.event.synchronize()
+            assert self._ring_bytes is not None
+            data = self._ring_bytes[work.start : work.start + work.nbytes]
+            self._disk.put(data, work.offset)
+            crc = self._crc(data.data)
+            with self._lock:
+                self.checksums[work.name] = crc
+            return
+        item, piece, offset = work
+        self._disk.put(piece, offset)
+        item.crc = self._crc(piece.data, item.crc)  # slices come in order: one running CRC per tensor
+        if offset + len(piece) == item.offset + len(item.data):  # the last slice
+            with self._lock:
+                self.checksums[item.name] = item.crc

@@ -1,0 +1,358 @@
+"""Streaming, atomic bundle writer.
+
+Tensors go to disk as they are produced, into a hidden temporary file beside the target; the
+index is written last and the file is moved into place only then. A crash leaves at most that
+temporary file behind, never a half-written bundle at the output path, and never touches a
+bundle that was already there.
+
+Each dataset is created by HDF5 with its space allocated at once (contiguous, never filled), and
+its bytes are written at that offset by a background thread (:mod:`parity_harness.capture.storage.streaming`), so disk
+writes overlap the run. A tensor recorded again unchanged (a module's output that is the next
+module's input, a gradient seen by a module and its last child) is stored once: the second
+record is an HDF5 hard link to the first dataset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from types import TracebackType
+
+import h5py
+import numpy as np
+import torch
+
+from parity_harness.capture.distributed import local_tensor
+from parity_harness.capture.storage.streaming import BLOCK, DEFAULT_STAGING_BYTES, TensorStream
+from parity_harness.common.errors import BundleError, BundleExistsError
+from parity_harness.common.format.atomic import commit, sibling_temp
+from parity_harness.common.format.bundle.layout import (
+    ATTR_DTYPE,
+    ATTR_FORMAT,
+    ATTR_MINOR,
+    ATTR_VERSION,
+    INDEX,
+    PROVENANCE,
+)
+from parity_harness.common.format.bundle.schema import BundleIndex, TensorRef
+from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
+from parity_harness.common.format.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_numeric, to_storage
+from parity_harness.common.format.packing import pack
+from parity_harness.common.numerics.statistics import array_statistics
+
+__all__ = ["BundleWriter"]
+
+_ALIGNED_FROM = 64 << 10
+"""Datasets of at least this many bytes start on a BLOCK boundary (a few KiB of padding each)."""
+_RECENT_TENSORS = 32
+"""How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
+
+_StorageKey = tuple[object, ...]
+
+
+def _storage_key(tensor: torch.Tensor) -> _StorageKey | None:
+    """What makes two tensors views of the same bytes with the same values, or None if unknown."""
+    if tensor.is_inference() or tensor.layout != torch.strided:
+        return None  # inference tensors have no version counter to prove the values unchanged
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened for writing past the page cache, or None where the OS or file system cannot."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None or os.environ.get("PARITY_NO_DIRECT_IO"):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError:
+        return None
+
+
+def _allocate_early() -> h5py.h5p.PropDCID:
+    """Dataset creation: space allocated at creation and never filled, so it can be written directly."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
+
+class BundleWriter:
+    """Write one bundle: ``write_tensor`` as the run goes, then ``commit(index)``.
+
+    Args:
+        path: final bundle path.
+        overwrite: replace an existing file at ``path`` (refused by default).
+        staging_bytes: size of the background writer's staging ring; 0 writes synchronously.
+        deduplicate: store a tensor recorded again unchanged once, as a hard link.
+        checksums: record each tensor's CRC-32 in the index (costs a core ~0.25 s per GB).
+
+    Raises:
+        BundleExistsError: ``path`` exists and ``overwrite`` is False.
+        BundleError: the output folder does not exist or is not writable.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        deduplicate: bool = True,
+        checksums: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self._overwrite = overwrite
+        if self.path.exists() and not overwrite:
+            raise BundleExistsError(f"{self.path}: file exists; pass --overwrite to replace it")
+        if not self.path.parent.is_dir():
+            raise BundleError(f"{self.path}: output folder {self.path.parent} does not exist; create it first")
+        self._tmp = sibling_temp(self.path)
+        try:
+            # Datasets from 64 KiB on start on 4 KiB boundaries, so their bytes can bypass the page cache.
+            self._file = h5py.File(self._tmp, "w-", alignment_threshold=_ALIGNED_FROM, alignment_interval=BLOCK)
+        except OSError as err:
+            raise BundleError(f"{self.path}: cannot create a file in {self.path.parent}: {err}") from err
+        self._file.attrs[ATTR_FORMAT] = FORMAT_NAME
+        self._file.attrs[ATTR_VERSION] = FORMAT_VERSION
+        self._file.attrs[ATTR_MINOR] = FORMAT_MINOR
+        self._fd = os.open(self._tmp, os.O_WRONLY)
+        self._direct_fd = _open_direct(self._tmp)
+        self._stream = TensorStream(
+            self._fd, direct_fd=self._direct_fd, staging_bytes=staging_bytes, where=str(self.path), checksums=checksums
+        )
+        self._with_checksums = checksums
+        self._dcpl = _allocate_early()
+        self._lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        self._lcpl.set_create_intermediate_group(True)
+        self._type_ids: dict[np.dtype[np.generic], h5py.h5t.TypeID] = {}
+        self._deduplicate = deduplicate
+        self._recent: OrderedDict[_StorageKey, tuple[torch.Tensor, int, str]] = OrderedDict()
+        self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
+        self._checksums: dict[str, int] = {}  # datasets written through HDF5
+        self._links: dict[str, str] = {}  # linked path -> the path written
+        self.tensor_bytes = 0
+        """Bytes of tensor data stored (a linked repeat adds nothing)."""
+        self.tensor_count = 0
+        """Tensors recorded, repeats included."""
+        self.linked_count = 0
+        """Records stored as links to an identical tensor recorded before."""
+        self.summaries: dict[str, dict[str, float | int]] = {}
+        """Path -> statistics of the tensors recorded as statistics only."""
+
+    def write_tensor(self, path: str, tensor: torch.Tensor, *, stable: bool = False) -> TensorRef:
+        """Store a tensor's exact bits at dataset ``path`` and return its reference.
+
+        The values are those of the moment of the call: the tensor may change right after. With
+        ``stable``, the caller promises it will not change before :meth:`commit` (parameters,
+        final gradients): it is then written from its own memory, without a copy, and a change
+        is detected and fails the capture.
+        """
+        tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
+        tag = tag_of(tensor.dtype)
+        ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
+        self.tensor_count += 1
+        key = _storage_key(tensor) if self._deduplicate else None
+        earlier = self._unchanged_earlier(key, tensor)
+        if earlier is not None and earlier not in self.summaries:
+            self._file[path] = self._file[earlier]  # a hard link: the same dataset under a second name
+            self._links[path] = earlier
+            self.linked_count += 1
+            return ref
+        self._store(path, tensor, stable=stable)
+        self._remember(key, tensor, path)
+        return ref
+
+    def _remember(self, key: _StorageKey | None, tensor: torch.Tensor, path: str) -> None:
+        """Keep a recently recorded tensor, to recognise it if it is recorded again unchanged."""
+        if key is not None:
+            self._recent[key] = (tensor, tensor._version, path)
+            if len(self._recent) > _RECENT_TENSORS:
+                self._recent.popitem(last=False)
+
+    def write_summary(self, path: str, tensor: torch.Tensor) -> TensorRef:
+        """Record a tensor as statistics only (``numerics.statistics``): no dataset, an index entry."""
+        tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
+        tag = tag_of(tensor.dtype)
+        self.tensor_count += 1
+        key = _storage_key(tensor) if self._deduplicate else None
+        earlier = self._unchanged_earlier(key, tensor)
+        if earlier is not None and earlier in self.summaries:  # a repeat: same statistics
+            self.summaries[path] = self.summaries[earlier]
+        else:
+            stored, tag = to_storage(tensor)
+            self.summaries[path] = array_statistics(stored, to_numeric(stored, tag))
+            self._remember(key, tensor, path)
+        return TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
+
+    def write_provisional(self, path: str, tensor: torch.Tensor) -> TensorRef:
+        """Start storing a tensor that may still change (a gradient while backward runs), from its memory.
+
+        Call again with the final value before :meth:`commit`: it is written again only if it
+        changed (another object, or its version counter moved) since the last call.
+        """
+        tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
+        tag = tag_of(tensor.dtype)
+        ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
+        if path not in self._stable:
+            self.tensor_count += 1
+            self._store(path, tensor, stable=True)
+            return ref
+        held, version = self._stable[path]
+        if held is not tensor or tensor._version != version:
+            dataset = self._file[path]
+            if tuple(dataset.shape) != ref.shape or str(dataset.attrs[ATTR_DTYPE]) != tag:
+                raise BundleError(f"{self.path}:{path}: the tensor changed shape or dtype while it was recorded")
+            self._stable[path] = (tensor, tensor._version)
+            offset = dataset.id.get_offset()
+            if offset is None:
+                self._write_through_hdf5(dataset, path, tensor)
+            else:
+                self._stream.write_stable(int(offset), tensor, path)
+        return ref
+
+    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> None:
+        tag = tag_of(tensor.dtype)
+        dataset = self._create_dataset(path, tuple(tensor.shape), storage_dtype(tag))
+        dataset.attrs[ATTR_DTYPE] = tag
+        offset = dataset.id.get_offset()
+        if stable:
+            self._stable[path] = (tensor, tensor._version)
+        if offset is None:  # HDF5 places some datasets (0-d, empty) only when written through it
+            self._write_through_hdf5(dataset, path, tensor)
+        elif stable:
+            self._stream.write_stable(int(offset), tensor, path)
+        else:
+            self._stream.write(int(offset), tensor, path)
+        self.tensor_bytes += tensor.numel() * tensor.element_size()
+
+    def _write_through_hdf5(self, dataset: h5py.Dataset, path: str, tensor: torch.Tensor) -> None:
+        array = to_storage(tensor)[0]
+        if array.size:
+            dataset[()] = array
+        self._checksums[path] = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+    def checksums(self) -> dict[str, int]:
+        """Dataset path -> CRC-32 of its stored bytes, for every dataset written (call after the writes drained)."""
+        sums = {**self._stream.checksums, **self._checksums}
+        sums.update({path: sums[target] for path, target in self._links.items()})
+        return sums
+
+    def _create_dataset(self, path: str, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> h5py.Dataset:
+        """An empty dataset with its space allocated (h5py's low level: a third of the high level's cost)."""
+        space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+        type_id = self._type_ids.get(dtype)
+        if type_id is None:
+            type_id = self._type_ids[dtype] = h5py.h5t.py_create(dtype)
+        try:
+            dataset_id = h5py.h5d.create(self._file.id, path.encode(), type_id, space, dcpl=self._dcpl, lcpl=self._lcpl)
+        except ValueError as err:  # HDF5's "name already exists"
+            raise BundleError(f"{self.path}: cannot create dataset {path}: {err}") from err
+        return h5py.Dataset(dataset_id)
+
+    def _check_stable(self) -> None:
+        """Tensors written from their own memory must not have changed since they were handed over."""
+        changed = [path for path, (tensor, version) in self._stable.items() if tensor._version != version]
+        if changed:
+            raise BundleError(
+                f"{self.path}: {changed[0]} ({len(changed)} tensor(s) in all) changed in place while the capture "
+                "was running, so the recorded value is not reliable; the model must not modify its parameters "
+                "or their gradients during forward and backward"
+            )
+
+    def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> str | None:
+        """The path of a recently written view of the same bytes, if neither changed since."""
+        if key is None or key not in self._recent:
+            return None
+        held, version, path = self._recent[key]
+        if held._version != version or tensor._version != version:
+            return None
+        self._recent.move_to_end(key)
+        return path
+
+    def has(self, path: str) -> bool:
+        """Whether something is already stored at ``path``."""
+        return path in self._file
+
+    def read_float64(self, path: str) -> np.ndarray | None:
+        """Values of a tensor already written (float64), or None when nothing is stored there."""
+        dataset = self._file.get(path)
+        if dataset is None:
+            return None
+        self._stream.drain()
+        return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
+
+    def read_tensor(self, path: str) -> torch.Tensor:
+        """A tensor already written, bit-exact."""
+        dataset = self._file[path]
+        self._stream.drain()
+        return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
+
+    def write_array(self, path: str, array: np.ndarray) -> None:
+        """Store a plain NumPy array (RNG states and other non-tensor data)."""
+        self._file.create_dataset(path, data=array)
+
+    def write_provenance(self, provenance: dict[str, str]) -> None:
+        """Store provenance as string attributes of ``/provenance``, readable with plain h5py."""
+        group = self._file.require_group(PROVENANCE)
+        for key, value in provenance.items():
+            group.attrs[key] = str(value)
+
+    def commit(self, index: BundleIndex) -> Path:
+        """Wait for the tensor writes, write the index, close the file and move it into place atomically."""
+        self._stream.close()
+        self._check_stable()
+        self._recent.clear()
+        self._stable.clear()
+        self._close_descriptors()
+        index = dataclasses.replace(index, checksums=self.checksums() if self._with_checksums else {})
+        self._file.create_dataset(INDEX, data=pack(index.to_dict()))
+        self._file.flush()
+        self._file.close()
+        self._move_into_place()
+        return self.path
+
+    def _move_into_place(self) -> None:
+        try:
+            commit(self._tmp, self.path, overwrite=self._overwrite)
+        except BundleExistsError:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Close and delete the temporary file; the output path is left as it was."""
+        with contextlib.suppress(BundleError):  # already failing: the first error is the one to report
+            self._stream.close()
+        self._recent.clear()
+        self._stable.clear()
+        self._close_descriptors()
+        if self._file.id.valid:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def _close_descriptors(self) -> None:
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._fd, self._direct_fd = -1, None
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.abort()

@@ -1,0 +1,388 @@
+"""The bundle index: typed records of what a bundle holds, with a ``parse_*`` validator per field.
+
+The index is one msgpack document stored at ``/index``. It names every tensor dataset and holds
+the structure of nested values as *trees*: msgpack lists whose first element is a node kind.
+
+=========  ===========================================  ===============================
+node       layout                                       Python value
+=========  ===========================================  ===============================
+``T``      ``["T", path, tag, shape, requires_grad]``   tensor stored at dataset ``path``
+``N``      ``["N"]``                                    ``None``
+``S``      ``["S", value]``                             bool, int, float, str or bytes
+``L``/``U````["L", [node, ...]]``                       list / tuple
+``D``      ``["D", [[key, node], ...]]``                dict (keys: str, int, float, bool)
+``O``      ``["O", class, flavor, [[field, node]...]]`` dataclass, namedtuple, mapping class
+``X``      ``["X", class, reason]``                     a value that could not be recorded
+=========  ===========================================  ===============================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final, Literal, cast
+
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.bundle.layout import join_slot
+from parity_harness.common.format.bundle.selection import Selection, parse_selection
+from parity_harness.common.format.dtypes import TAGS
+from parity_harness.common.numerics.statistics import parse_statistics
+
+__all__ = [
+    "MAX_DEPTH",
+    "BackwardMode",
+    "BundleIndex",
+    "ModuleCall",
+    "RunInfo",
+    "TensorRef",
+    "Tree",
+    "iter_tensors",
+    "parse_index",
+    "parse_tree",
+]
+
+Tree = list[object]
+BackwardMode = Literal["cotangent", "loss", "none"]
+OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
+MAX_DEPTH: Final = 64
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor dataset: where it is, its dtype tag and shape."""
+
+    path: str
+    tag: str
+    shape: tuple[int, ...]
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    def to_tree(self) -> Tree:
+        """Encode as a ``T`` tree node."""
+        return ["T", self.path, self.tag, list(self.shape), self.requires_grad]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """How the reference run was driven."""
+
+    seed: int
+    train_mode: bool
+    backward: BackwardMode
+    batch_size: int | None = None
+    seq_len: int | None = None
+    device: str = "cpu"
+    adapter: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form stored in the index."""
+        return {
+            "seed": self.seed,
+            "train_mode": self.train_mode,
+            "backward": self.backward,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "device": self.device,
+            "adapter": self.adapter,
+            "extra": self.extra,
+        }
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of one module: recorded inputs and outputs, and the gradients that reached them."""
+
+    module: str
+    call: int
+    type: str
+    inputs: Tree
+    outputs: Tree
+    grad_outputs: dict[str, TensorRef] = field(default_factory=dict)
+    grad_inputs: dict[str, TensorRef] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form stored in the index."""
+        return {
+            "module": self.module,
+            "call": self.call,
+            "type": self.type,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "grad_outputs": [[slot, ref.to_tree()] for slot, ref in self.grad_outputs.items()],
+            "grad_inputs": [[slot, ref.to_tree()] for slot, ref in self.grad_inputs.items()],
+        }
+
+
+@dataclass(frozen=True)
+class BundleIndex:
+    """Everything a bundle holds except the tensor bytes."""
+
+    run: RunInfo
+    inputs: Tree
+    outputs: Tree
+    cotangent: Tree | None
+    loss: Tree | None
+    params: dict[str, TensorRef]
+    grads: dict[str, TensorRef]
+    calls: list[ModuleCall]
+    forward_order: list[tuple[int, str]]
+    """Forward events in execution order: ``(index into calls, "inputs" | "outputs")``."""
+    backward_order: list[tuple[int, str]]
+    """Gradient records in the order backward produced them: ``(index into calls, slot)``."""
+    rng: dict[str, object] = field(default_factory=dict)
+    noise_floor: dict[str, float] = field(default_factory=dict)
+    """Record name -> max |recorded - float64 rerun| (format 1.1; ``capture-run --noise-floor``)."""
+    selection: Selection = field(default_factory=Selection)
+    """What was recorded (format 1.2; ``capture-run --layers/--record/--summary-only``)."""
+    summaries: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    """Tensor path -> statistics, for tensors recorded as statistics only (no dataset; format 1.2)."""
+    checksums: dict[str, int] = field(default_factory=dict)
+    """Tensor dataset path -> CRC-32 of its stored bytes, verified on read (format 1.2)."""
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-data form stored at ``/index``."""
+        return {
+            "run": self.run.to_dict(),
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "cotangent": self.cotangent,
+            "loss": self.loss,
+            "params": [[name, ref.to_tree()] for name, ref in self.params.items()],
+            "grads": [[name, ref.to_tree()] for name, ref in self.grads.items()],
+            "calls": [call.to_dict() for call in self.calls],
+            "forward_order": [list(event) for event in self.forward_order],
+            "backward_order": [list(event) for event in self.backward_order],
+            "rng": self.rng,
+            "noise_floor": self.noise_floor,
+            "selection": self.selection.to_dict(),
+            "summaries": self.summaries,
+            "checksums": self.checksums,
+        }
+
+    def tensor_refs(self) -> Iterator[TensorRef]:
+        """Every tensor the index references, once per reference."""
+        for tree in (self.inputs, self.outputs, self.cotangent, self.loss):
+            if tree is not None:
+                yield from (ref for _, ref in iter_tensors(tree, ""))
+        yield from self.params.values()
+        yield from self.grads.values()
+        for call in self.calls:
+            yield from (ref for _, ref in iter_tensors(call.inputs, "input"))
+            yield from (ref for _, ref in iter_tensors(call.outputs, "output"))
+            yield from call.grad_outputs.values()
+            yield from call.grad_inputs.values()
+
+
+def iter_tensors(tree: Tree, prefix: str) -> Iterator[tuple[str, TensorRef]]:
+    """Yield ``(slot, ref)`` for every tensor leaf of a validated tree, in order."""
+    kind = tree[0]
+    if kind == "T":
+        yield prefix, _tensor_ref(tree)
+    elif kind in ("L", "U"):
+        for position, child in enumerate(cast(list[Tree], tree[1])):
+            yield from iter_tensors(child, join_slot(prefix, position) if prefix else str(position))
+    elif kind in ("D", "O"):
+        for entry in cast(list[Tree], tree[-1]):
+            key, node = entry
+            yield from iter_tensors(cast(Tree, node), join_slot(prefix, key) if prefix else str(key))
+
+
+def _tensor_ref(node: Tree) -> TensorRef:
+    _, path, tag, shape, requires_grad = node
+    return TensorRef(cast(str, path), cast(str, tag), tuple(cast(list[int], shape)), bool(requires_grad))
+
+
+# ---------------------------------------------------------------- validators
+
+
+def _fail(where: str, what: str) -> BundleFormatError:
+    return BundleFormatError(f"bundle index, {where}: {what}; the bundle is damaged, capture it again")
+
+
+def _expect(value: object, kind: type | tuple[type, ...], where: str) -> object:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise _fail(where, f"expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _parse_map(obj: object, where: str) -> dict[str, object]:
+    mapping = cast(dict[object, object], _expect(obj, dict, where))
+    for key in mapping:
+        _expect(key, str, f"{where} key")
+    return cast(dict[str, object], mapping)
+
+
+def parse_tensor_ref(node: object, where: str) -> TensorRef:
+    """Validate one ``T`` node."""
+    items = cast(list[object], _expect(node, list, where))
+    if len(items) != 5 or items[0] != "T":
+        raise _fail(where, f"expected a tensor node ['T', path, tag, shape, requires_grad], got {items!r:.80}")
+    _, path, tag, shape, requires_grad = items
+    _expect(path, str, f"{where} path")
+    if not cast(str, path).startswith("/"):
+        raise _fail(where, f"tensor path {path!r} is not absolute")
+    if not isinstance(tag, str) or tag not in TAGS:
+        raise _fail(where, f"unknown dtype tag {tag!r}")
+    dims = cast(list[object], _expect(shape, list, f"{where} shape"))
+    for size in dims:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > 1 << 48:
+            raise _fail(where, f"shape {dims!r} has an invalid size")
+    _expect(requires_grad, bool, f"{where} requires_grad")
+    return TensorRef(cast(str, path), str(tag), tuple(cast(list[int], dims)), cast(bool, requires_grad))
+
+
+def parse_tree(node: object, where: str, depth: int = 0) -> Tree:
+    """Validate a value tree recursively and return it unchanged."""
+    if depth > MAX_DEPTH:
+        raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
+    items = cast(list[object], _expect(node, list, where))
+    kind = items[0] if items else None
+    if kind == "T":
+        parse_tensor_ref(items, where)
+    elif kind == "N" and len(items) == 1:
+        pass
+    elif kind == "S" and len(items) == 2:
+        _expect(items[1], (bool, int, float, str, bytes), where)
+    elif kind in ("L", "U") and len(items) == 2:
+        for position, child in enumerate(cast(list[object], _expect(items[1], list, where))):
+            parse_tree(child, f"{where}[{position}]", depth + 1)
+    elif kind == "D" and len(items) == 2:
+        _parse_pairs(items[1], where, depth)
+    elif kind == "O" and len(items) == 4 and items[2] in OBJECT_FLAVORS:
+        _expect(items[1], str, where)
+        _parse_pairs(items[3], where, depth)
+    elif kind == "X" and len(items) == 3:
+        _expect(items[1], str, where)
+        _expect(items[2], str, where)
+    else:
+        raise _fail(where, f"unknown value node {items!r:.80}")
+    return items
+
+
+def _parse_pairs(pairs: object, where: str, depth: int) -> None:
+    for pair in cast(list[object], _expect(pairs, list, where)):
+        key_child = cast(list[object], _expect(pair, list, where))
+        if len(key_child) != 2:
+            raise _fail(where, "a dict entry is not a [key, value] pair")
+        _expect(key_child[0], (str, int, float, bool), f"{where} key")
+        parse_tree(key_child[1], f"{where}.{key_child[0]}", depth + 1)
+
+
+def _parse_named_refs(obj: object, where: str) -> dict[str, TensorRef]:
+    refs: dict[str, TensorRef] = {}
+    for pair in cast(list[object], _expect(obj, list, where)):
+        items = cast(list[object], _expect(pair, list, where))
+        if len(items) != 2:
+            raise _fail(where, "an entry is not a [name, tensor] pair")
+        name = cast(str, _expect(items[0], str, where))
+        if name in refs:
+            raise _fail(where, f"name {name!r} appears twice")
+        refs[name] = parse_tensor_ref(items[1], f"{where}[{name!r}]")
+    return refs
+
+
+def _parse_floats(obj: object, where: str) -> dict[str, float]:
+    values = _parse_map(obj, where)
+    for name, value in values.items():
+        if not isinstance(value, float) or not value >= 0:
+            raise _fail(f"{where}[{name!r}]", f"expected a float >= 0, got {value!r}")
+    return cast(dict[str, float], values)
+
+
+def parse_run(obj: object) -> RunInfo:
+    """Validate the ``run`` section."""
+    run = _parse_map(obj, "run")
+    backward = run.get("backward")
+    if backward not in ("cotangent", "loss", "none"):
+        raise _fail("run.backward", f"expected 'cotangent', 'loss' or 'none', got {backward!r}")
+    for key in ("batch_size", "seq_len"):
+        if run.get(key) is not None:
+            _expect(run[key], int, f"run.{key}")
+    return RunInfo(
+        seed=cast(int, _expect(run.get("seed"), int, "run.seed")),
+        train_mode=cast(bool, _expect(run.get("train_mode"), bool, "run.train_mode")),
+        backward=backward,
+        batch_size=cast("int | None", run.get("batch_size")),
+        seq_len=cast("int | None", run.get("seq_len")),
+        device=cast(str, _expect(run.get("device", "cpu"), str, "run.device")),
+        adapter=cast(str, _expect(run.get("adapter", ""), str, "run.adapter")),
+        extra=_parse_map(run.get("extra", {}), "run.extra"),
+    )
+
+
+def parse_call(obj: object, position: int) -> ModuleCall:
+    """Validate one entry of ``calls``."""
+    where = f"calls[{position}]"
+    call = _parse_map(obj, where)
+    return ModuleCall(
+        module=cast(str, _expect(call.get("module"), str, f"{where}.module")),
+        call=cast(int, _expect(call.get("call"), int, f"{where}.call")),
+        type=cast(str, _expect(call.get("type"), str, f"{where}.type")),
+        inputs=parse_tree(call.get("inputs"), f"{where}.inputs"),
+        outputs=parse_tree(call.get("outputs"), f"{where}.outputs"),
+        grad_outputs=_parse_named_refs(call.get("grad_outputs", []), f"{where}.grad_outputs"),
+        grad_inputs=_parse_named_refs(call.get("grad_inputs", []), f"{where}.grad_inputs"),
+    )
+
+
+def _parse_order(obj: object, where: str, n_calls: int) -> list[tuple[int, str]]:
+    events: list[tuple[int, str]] = []
+    for event in cast(list[object], _expect(obj, list, where)):
+        items = cast(list[object], _expect(event, list, where))
+        position = items[0] if len(items) == 2 else None
+        if not isinstance(position, int) or isinstance(position, bool) or not isinstance(items[1], str):
+            raise _fail(where, f"expected [call index, slot], got {items!r:.80}")
+        if not 0 <= position < n_calls:
+            raise _fail(where, f"call index {position} is out of range (there are {n_calls} calls)")
+        events.append((position, items[1]))
+    return events
+
+
+def parse_index(obj: object) -> BundleIndex:
+    """Validate a decoded ``/index`` document and return it typed.
+
+    Raises:
+        BundleFormatError: a field is missing or has the wrong type or value.
+    """
+    index = _parse_map(obj, "index")
+    missing = sorted({"run", "inputs", "outputs", "params", "grads", "calls"} - set(index))
+    if missing:
+        raise _fail("index", f"missing fields {missing}")
+    calls = [parse_call(call, i) for i, call in enumerate(cast(list[object], _expect(index["calls"], list, "calls")))]
+    optional = {key: index.get(key) for key in ("cotangent", "loss")}
+    return BundleIndex(
+        run=parse_run(index["run"]),
+        inputs=parse_tree(index["inputs"], "inputs"),
+        outputs=parse_tree(index["outputs"], "outputs"),
+        cotangent=None if optional["cotangent"] is None else parse_tree(optional["cotangent"], "cotangent"),
+        loss=None if optional["loss"] is None else parse_tree(optional["loss"], "loss"),
+        params=_parse_named_refs(index["params"], "params"),
+        grads=_parse_named_refs(index["grads"], "grads"),
+        calls=calls,
+        forward_order=_parse_order(index.get("forward_order", []), "forward_order", len(calls)),
+        backward_order=_parse_order(index.get("backward_order", []), "backward_order", len(calls)),
+        rng=_parse_map(index.get("rng", {}), "rng"),
+        noise_floor=_parse_floats(index.get("noise_floor", {}), "noise_floor"),
+        selection=parse_selection(index.get("selection", {})),
+        summaries={
+            path: parse_statistics(stats, f"bundle index, summaries[{path!r}]")
+            for path, stats in _parse_map(index.get("summaries", {}), "summaries").items()
+        },
+        checksums=_parse_checksums(index.get("checksums", {})),
+    )
+
+
+def _parse_checksums(obj: object) -> dict[str, int]:
+    sums = _parse_map(obj, "checksums")
+    for path, value in sums.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
+            raise _fail(f"checksums[{path!r}]", f"expected a CRC-32 (an int in [0, 2**32)), got {value!r}")
+    return cast(dict[str, int], sums)

@@ -1,0 +1,59 @@
+"""msgpack encoding of a bundle's structural metadata: plain types only, never pickle or ext types."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgpack
+import numpy as np
+
+from parity_harness.common.errors import BundleFormatError
+
+__all__ = ["MAX_INDEX_BYTES", "pack", "unpack"]
+
+MAX_INDEX_BYTES: Final = 1 << 30
+"""Refuse metadata blobs over 1 GiB: a damaged size must not make the reader allocate without bound."""
+
+
+_PLAIN: Final = (str, bytes, int, float, bool, type(None))
+
+
+def _check_plain(obj: object, where: str) -> None:
+    """Refuse anything but plain data (msgpack itself packs ext types and decodes timestamps)."""
+    pending = [obj]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)) and type(item) in (list, tuple):  # msgpack.ExtType is a namedtuple
+            pending.extend(item)
+        elif not isinstance(item, _PLAIN):
+            raise BundleFormatError(f"{where}: metadata holds a {type(item).__name__}, not plain msgpack data")
+
+
+def pack(obj: object) -> np.ndarray:
+    """Encode plain data (dict, list, str, bytes, int, float, bool, None) as a uint8 array."""
+    _check_plain(obj, "pack")
+    try:
+        raw = msgpack.packb(obj, use_bin_type=True, strict_types=False)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise BundleFormatError(f"metadata is not plain msgpack data: {err}") from err
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _refuse_ext(code: int, data: bytes) -> object:
+    raise ValueError(f"msgpack ext type {code} is not allowed in a bundle")
+
+
+def unpack(blob: np.ndarray | bytes, *, where: str) -> object:
+    """Decode a blob written by :func:`pack`; any damage raises ``BundleFormatError`` naming ``where``."""
+    raw = blob.tobytes() if isinstance(blob, np.ndarray) else bytes(blob)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise BundleFormatError(f"{where}: metadata of {len(raw)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit")
+    try:
+        document = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, ext_hook=_refuse_ext)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as err:
+        raise BundleFormatError(f"{where}: metadata is not valid msgpack ({type(err).__name__}: {err})") from err
+    _check_plain(document, where)
+    return document

@@ -1,0 +1,1 @@
+"""Framework-neutral numerics on NumPy float64: the closeness rule, tolerances, metrics and statistics."""

@@ -1,0 +1,403 @@
+"""Elementwise comparison of one recorded tensor against its replayed counterpart.
+
+Framework-neutral: works on NumPy arrays of any numeric dtype, with ``expected`` the reference
+(bundle) value and ``actual`` the port's. Values are compared in float64 (complex128 for complex),
+a cache-sized chunk at a time: memory stays at a few chunks whatever the tensor's size, and chunks
+whose bits are equal (the common case when a port is exact) skip everything but the cosine sums.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from parity_harness.common.numerics.tolerances import Tolerance
+
+__all__ = ["TensorDiff", "diff_arrays"]
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one actual tensor differs from its expected value."""
+
+    match: bool
+    shape: tuple[int, ...]
+    dtype: str
+    """Expected dtype tag (``"F32"``); ``actual_dtype`` says what the port produced."""
+    actual_dtype: str
+    numel: int
+    mismatched: int
+    max_abs: float
+    max_abs_index: tuple[int, ...] | None
+    max_rel: float
+    max_rel_index: tuple[int, ...] | None
+    cosine: float
+    required_atol: float
+    """Smallest atol that would have passed at the tolerance's rtol."""
+    required_rtol: float
+    """Smallest rtol that would have passed at the tolerance's atol."""
+    nan_expected: int = 0
+    nan_actual: int = 0
+    problem: str | None = None
+    """Why the record cannot match regardless of values: a shape or dtype difference."""
+    basis: Literal["elements", "statistics"] = "elements"
+    """``statistics``: the reference was recorded as statistics only (:mod:`parity_harness.common.numerics.statistics`);
+    ``mismatched`` then counts statistics out of bounds and ``max_abs`` is a lower bound."""
+
+    @property
+    def mismatched_pct(self) -> float:
+        """Mismatched elements as a percentage of all elements."""
+        return 100.0 * self.mismatched / self.numel if self.numel else 0.0
+
+
+_CHUNK = 1 << 16
+"""Elements per pass: the float64 temporaries of one chunk stay in the CPU cache."""
+_SCAN = 1 << 20
+"""Elements per block of the bit-equality scan, which needs one boolean buffer."""
+
+
+def _index(flat_position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat_position, shape)) if shape else ()
+
+
+def _wide_type(*arrays: np.ndarray) -> type:
+    return np.complex128 if any(np.iscomplexobj(x) for x in arrays) else np.float64
+
+
+def _wide(values: np.ndarray) -> np.ndarray:
+    """float64 (complex128 for complex) values of a chunk; no copy when already wide."""
+    wide = np.complex128 if np.iscomplexobj(values) else np.float64
+    return np.asarray(values, dtype=wide)
+
+
+_DOT_PIECE = 8192
+"""OpenBLAS computes a dot product of up to 10000 elements on the calling thread; longer ones wake
+its thread pool, whose threads then spin and take the cores from the model's own threads (a
+40% slower forward pass, measured, when comparing while the port runs)."""
+
+
+def dot(x: np.ndarray, y: np.ndarray) -> float:
+    """Re(sum conj(x) * y) of two flat arrays, float64, without waking BLAS threads."""
+    total = 0.0
+    for begin in range(0, x.size, _DOT_PIECE):
+        total += float(np.real(np.vdot(x[begin : begin + _DOT_PIECE], y[begin : begin + _DOT_PIECE])))
+    return total
+
+
+class _Workspace:
+    """Chunk-sized buffers reused for every chunk: fresh large temporaries would cost page faults."""
+
+    def __init__(self, size: int, wide: type) -> None:
+        self.e: np.ndarray = np.empty(size, dtype=wide)
+        self.a: np.ndarray = np.empty(size, dtype=wide)
+        self.delta: np.ndarray = np.empty(size, dtype=wide)
+        self.diff: np.ndarray = np.empty(size)
+        self.magnitude: np.ndarray = np.empty(size)
+        self.scratch: np.ndarray = np.empty(size)
+        self.flags: np.ndarray = np.empty(size, dtype=bool)
+
+    def take(self, e: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Views of the buffers sized for a chunk, with the chunk's values copied in, widened."""
+        n = e.size
+        wide_e, wide_a = self.e[:n], self.a[:n]
+        np.copyto(wide_e, e, casting="unsafe")
+        np.copyto(wide_a, a, casting="unsafe")
+        return wide_e, wide_a, self.delta[:n], self.diff[:n], self.magnitude[:n], self.scratch[:n], self.flags[:n]
+
+
+@dataclass
+class _Running:
+    """Statistics accumulated over the chunks of one comparison, positions flat."""
+
+    tolerance: Tolerance
+    mismatched: int = 0
+    max_abs: float = -1.0
+    max_abs_at: int | None = None
+    max_rel: float = -1.0
+    max_rel_at: int | None = None
+    need_atol: float = 0.0
+    need_rtol: float = 0.0
+    rtol_hopeless: bool = False
+    """A difference against an exact zero exceeds atol: no rtol passes."""
+    dots: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Sums of e*e, a*a and e*a over elements finite on both sides."""
+    broken: int = 0
+    first_broken: int | None = None
+    nan_expected: int = 0
+    nan_actual: int = 0
+
+    def add_dots(self, e: np.ndarray, a: np.ndarray, same: bool = False) -> None:
+        ee = dot(e, e)
+        aa, ea = (ee, ee) if same else (dot(a, a), dot(e, a))
+        self.dots = (self.dots[0] + ee, self.dots[1] + aa, self.dots[2] + ea)
+
+    def add_zero(self, start: int) -> None:
+        """A chunk whose differences are all zero."""
+        if self.max_abs < 0.0:
+            self.max_abs, self.max_abs_at = 0.0, start
+        if self.max_rel < 0.0:
+            self.max_rel, self.max_rel_at = 0.0, start
+
+    def add_extremes(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, start: int, at: int) -> None:
+        """Fold in a chunk's largest absolute (at ``at``) and relative differences; first position wins ties."""
+        if diff[at] > self.max_abs:
+            self.max_abs, self.max_abs_at = float(diff[at]), start + at
+        if np.min(magnitude) > 0:
+            np.divide(diff, magnitude, out=scratch)
+        else:  # relative differences only where the reference is nonzero
+            scratch.fill(0.0)
+            np.divide(diff, magnitude, out=scratch, where=magnitude > 0)
+        at = int(np.argmax(scratch))
+        if scratch[at] > self.max_rel:
+            self.max_rel, self.max_rel_at = float(scratch[at]), start + at
+
+    def add_required(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, largest: float) -> None:
+        """Raise the required atol and rtol so that this chunk passes.
+
+        Each closed form can land one rounding step short, so it is nudged up until the rule,
+        evaluated exactly as the comparison evaluates it, passes on the chunk. Rounding is
+        monotonic, so the largest value any chunk needs passes every chunk.
+        """
+        atol, rtol = self.tolerance.atol, self.tolerance.rtol
+        if largest > self.need_atol:  # otherwise diff - rtol*|e| <= diff <= the atol already needed
+            np.multiply(magnitude, rtol, out=scratch)
+            np.subtract(diff, scratch, out=scratch)
+            candidate = float(np.max(scratch))
+            if candidate > self.need_atol:
+                self.need_atol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, value, rtol))
+        if self.rtol_hopeless or largest <= atol:  # within atol everywhere: no rtol needed here
+            return
+        if np.any((magnitude == 0) & (diff > atol)):
+            self.rtol_hopeless = True
+            return
+        scratch.fill(0.0)
+        np.divide(diff - atol, magnitude, out=scratch, where=magnitude > 0)
+        candidate = float(np.max(scratch))
+        if candidate > self.need_rtol:
+            self.need_rtol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, atol, value))
+
+
+def _nudge_up(candidate: float, passes: Callable[[float], bool]) -> float:
+    """``candidate`` raised one rounding step at a time (at most 8) until ``passes`` holds."""
+    for _ in range(8):
+        if passes(candidate):
+            break
+        candidate = float(np.nextafter(candidate, math.inf))
+    return candidate
+
+
+def _passes(diff: np.ndarray, magnitude: np.ndarray, atol: float, rtol: float) -> bool:
+    return bool(np.all(diff <= atol + rtol * magnitude))
+
+
+def _same_bits(e: np.ndarray, a: np.ndarray, flags: np.ndarray) -> bool:
+    """Whether two chunks of one dtype hold identical bytes (no allocation: ``flags`` is reused)."""
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(e.dtype.itemsize)
+    if width is None:  # complex: compare as float pairs
+        e, a, width = e.view(np.uint8), a.view(np.uint8), np.uint8
+        flags = np.empty(e.size, dtype=bool)
+    if not np.array_equal(e[:16].view(width), a[:16].view(width)):  # a port that differs, differs early
+        return False
+    np.not_equal(e.view(width), a.view(width), out=flags[: e.size])
+    return not flags[: e.size].any()
+
+
+def _identical_and_finite(e: np.ndarray, a: np.ndarray) -> bool:
+    """Whether two flat arrays hold the same bytes and only finite values (stops at the first difference)."""
+    if e.dtype != a.dtype or e.dtype.kind == "c":
+        return False
+    flags = np.empty(min(e.size, _SCAN), dtype=bool)
+    for begin in range(0, e.size, _SCAN):
+        e_block, a_block = e[begin : begin + _SCAN], a[begin : begin + _SCAN]
+        if not _same_bits(e_block, a_block, flags):
+            return False
+        if e.dtype.kind == "f":
+            np.isfinite(e_block, out=flags[: e_block.size])
+            if not flags[: e_block.size].all():
+                return False
+    return True
+
+
+def _identical(shape: tuple[int, ...], numel: int, tags: tuple[str, str]) -> TensorDiff:
+    at = None if numel == 0 else _index(0, shape)
+    return TensorDiff(
+        match=tags[0] == tags[1],
+        shape=shape,
+        dtype=tags[0],
+        actual_dtype=tags[1],
+        numel=numel,
+        mismatched=0,
+        max_abs=0.0,
+        max_abs_index=at,
+        max_rel=0.0,
+        max_rel_index=at,
+        cosine=1.0,
+        required_atol=0.0,
+        required_rtol=0.0,
+        problem=None if tags[0] == tags[1] else f"dtype {tags[1]} != expected {tags[0]}",
+    )
+
+
+def _fold_chunk(run: _Running, work: _Workspace, e_raw: np.ndarray, a_raw: np.ndarray, start: int) -> None:
+    """Fold one chunk of the raw arrays into the running statistics."""
+    tolerance = run.tolerance
+    same = e_raw.dtype == a_raw.dtype and _same_bits(e_raw, a_raw, work.flags)
+    e, a, delta, diff, magnitude, scratch, flags = work.take(e_raw, a_raw)
+    if same:
+        before = run.dots
+        run.add_dots(e, a, same=True)
+        if math.isfinite(run.dots[0]):  # finite sum of squares: every element finite, all differences zero
+            run.add_zero(start)
+            return
+        run.dots = before
+    np.subtract(a, e, out=delta)
+    np.abs(delta, out=diff)
+    np.abs(e, out=magnitude)
+    at = int(np.argmax(diff))
+    largest = float(diff[at])  # NaN if any difference is NaN
+    if math.isfinite(largest):
+        if largest > tolerance.atol:  # otherwise every element is within atol
+            np.multiply(magnitude, tolerance.rtol, out=scratch)
+            np.add(scratch, tolerance.atol, out=scratch)
+            np.less_equal(diff, scratch, out=flags)
+            run.mismatched += int(diff.size - np.count_nonzero(flags))
+        if largest == 0.0:
+            run.add_zero(start)
+        else:
+            run.add_extremes(diff, magnitude, scratch, start, at)
+            run.add_required(diff, magnitude, scratch, largest)
+        run.add_dots(e, a)
+        return
+    # NaN or infinity somewhere: non-finite positions count as 0 in the statistics.
+    finite = np.isfinite(e) & np.isfinite(a)
+    close = np.zeros(e.shape, dtype=bool)
+    close[finite] = diff[finite] <= tolerance.atol + tolerance.rtol * magnitude[finite]
+    close |= ~finite & (e == a)  # equal infinities of the same sign
+    if tolerance.equal_nan:
+        close |= np.isnan(e) & np.isnan(a)
+    broken = ~finite & ~close
+    run.mismatched += int(e.size - np.count_nonzero(close))
+    run.nan_expected += int(np.count_nonzero(np.isnan(e)))
+    run.nan_actual += int(np.count_nonzero(np.isnan(a)))
+    if broken.any():
+        run.broken += int(np.count_nonzero(broken))
+        if run.first_broken is None:
+            run.first_broken = start + int(np.argmax(broken))
+    diff, magnitude = np.where(finite, diff, 0.0), np.where(finite, magnitude, 0.0)
+    at = int(np.argmax(diff))
+    run.add_extremes(diff, magnitude, np.empty_like(diff), start, at)
+    run.add_required(diff, magnitude, np.empty_like(diff), float(diff[at]))
+    run.add_dots(np.where(finite, e, 0.0), np.where(finite, a, 0.0))
+
+
+def _cosine(run: _Running, e: np.ndarray, a: np.ndarray) -> float:
+    ee, aa, ea = run.dots
+    if 0.0 < ee < math.inf and 0.0 < aa < math.inf:
+        if ee == aa == ea:
+            return 1.0
+        similarity = ea / (math.sqrt(ee) * math.sqrt(aa))
+        if math.isfinite(similarity):
+            return similarity
+    return _scaled_cosine(e, a)
+
+
+def _scaled_cosine(e: np.ndarray, a: np.ndarray) -> float:
+    """Cosine of zero vectors, or of values near 1e±200 whose squares under- or overflow: scale first."""
+    scale = 0.0
+    for side in (e, a):
+        for begin in range(0, side.size, _CHUNK):
+            values = np.abs(_wide(side[begin : begin + _CHUNK]))
+            values = values[np.isfinite(values)]
+            scale = max(scale, float(np.max(values, initial=0.0)))
+    if scale == 0.0:
+        return 1.0
+    ee = aa = ea = 0.0
+    for begin in range(0, e.size, _CHUNK):
+        x, y = _wide(e[begin : begin + _CHUNK]), _wide(a[begin : begin + _CHUNK])
+        finite = np.isfinite(x) & np.isfinite(y)
+        x, y = np.where(finite, x, 0.0) / scale, np.where(finite, y, 0.0) / scale
+        ee, aa, ea = ee + dot(x, x), aa + dot(y, y), ea + dot(x, y)
+    norm = math.sqrt(ee) * math.sqrt(aa)
+    return 0.0 if norm == 0.0 else ea / norm
+
+
+def _shape_problem(expected: np.ndarray, actual: np.ndarray, tags: tuple[str, str]) -> TensorDiff:
+    nan = math.nan
+    return TensorDiff(
+        match=False,
+        shape=tuple(expected.shape),
+        dtype=tags[0],
+        actual_dtype=tags[1],
+        numel=int(expected.size),
+        mismatched=int(expected.size),
+        max_abs=nan,
+        max_abs_index=None,
+        max_rel=nan,
+        max_rel_index=None,
+        cosine=nan,
+        required_atol=math.inf,
+        required_rtol=math.inf,
+        problem=f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}",
+    )
+
+
+def diff_arrays(
+    expected: np.ndarray,
+    actual: np.ndarray,
+    tolerance: Tolerance,
+    *,
+    expected_dtype: str = "F64",
+    actual_dtype: str = "F64",
+) -> TensorDiff:
+    """Compare two arrays with the rule ``|actual - expected| <= atol + rtol * |expected|``.
+
+    Arrays may have any numeric NumPy dtype (bf16 and float8 decoded first, see
+    :func:`parity_harness.common.format.dtypes.to_numeric`); the arithmetic is float64. NaN matches NaN only with
+    ``tolerance.equal_nan``; infinities must be equal (same sign); a shape or dtype difference
+    makes the record a mismatch and is named in ``problem``.
+    """
+    if expected.shape != actual.shape:
+        return _shape_problem(expected, actual, (expected_dtype, actual_dtype))
+    shape = tuple(expected.shape)
+    e, a = np.ravel(expected), np.ravel(actual)
+    if _identical_and_finite(e, a):  # the common verdict of an exact port, at memory speed
+        return _identical(shape, int(e.size), (expected_dtype, actual_dtype))
+    run = _Running(tolerance)
+    work = _Workspace(min(e.size, _CHUNK), _wide_type(e, a))
+    with np.errstate(all="ignore"):  # extreme but finite values must give a report, not a warning
+        for begin in range(0, e.size, _CHUNK):
+            _fold_chunk(run, work, e[begin : begin + _CHUNK], a[begin : begin + _CHUNK], begin)
+        cosine = _cosine(run, e, a)
+    problems = [] if expected_dtype == actual_dtype else [f"dtype {actual_dtype} != expected {expected_dtype}"]
+    if run.broken:
+        problems.append(f"{run.broken} NaN/Inf element(s) differ")
+    if e.size == 0:
+        max_abs, max_abs_at, max_rel, max_rel_at, need_atol, need_rtol = 0.0, None, 0.0, None, 0.0, 0.0
+    elif run.broken:  # NaN against a number, or a moved infinity: no tolerance passes
+        max_abs_at = max_rel_at = run.first_broken
+        max_abs = max_rel = need_atol = need_rtol = math.inf
+    else:
+        max_abs, max_abs_at, max_rel, max_rel_at = run.max_abs, run.max_abs_at, run.max_rel, run.max_rel_at
+        need_atol, need_rtol = run.need_atol, math.inf if run.rtol_hopeless else run.need_rtol
+    return TensorDiff(
+        match=run.mismatched == 0 and not problems,
+        shape=shape,
+        dtype=expected_dtype,
+        actual_dtype=actual_dtype,
+        numel=int(e.size),
+        mismatched=run.mismatched,
+        max_abs=max_abs,
+        max_abs_index=None if max_abs_at is None else _index(max_abs_at, shape),
+        max_rel=max_rel,
+        max_rel_index=None if max_rel_at is None else _index(max_rel_at, shape),
+        cosine=cosine,
+        required_atol=need_atol,
+        required_rtol=need_rtol,
+        nan_expected=run.nan_expected,
+        nan_actual=run.nan_actual,
+        problem="; ".join(problems) or None,
+    )

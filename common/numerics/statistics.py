@@ -1,0 +1,160 @@
+"""Tensors recorded as statistics instead of values, and what comparing statistics can prove.
+
+``capture-run --summary-only`` (or ``--max-tensor-bytes``) stores, for a tensor too big or too
+many to dump, a handful of float64 statistics and a CRC32 of its stored bytes. Replay computes
+the same statistics of the port's tensor. Equal checksums prove bit-identical values. Otherwise
+each statistic is checked against the largest change the element rule
+``|a - e| <= atol + rtol * |e|`` allows for it: a statistic outside its bound proves a mismatch;
+all inside is *consistent* with a match, not a proof of one.
+
+Framework-neutral: works on stored NumPy arrays (see :func:`parity_harness.common.format.dtypes.to_numeric`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Final
+
+import numpy as np
+
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.numerics.metrics import TensorDiff, dot
+from parity_harness.common.numerics.tolerances import Tolerance
+
+__all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistics"]
+
+STATISTICS: Final = ("numel", "sum", "sum_abs", "sum_sq", "min", "max", "nan", "posinf", "neginf", "crc32")
+"""Keys of a summary; sums, minimum and maximum are over the finite elements, in float64."""
+_COUNTS: Final = ("numel", "nan", "posinf", "neginf", "crc32")
+_CHUNK: Final = 1 << 16
+
+
+def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float | int]:
+    """Statistics of a tensor: ``stored`` its bytes as stored in a bundle, ``values`` them as numbers.
+
+    Complex values count as their real and imaginary parts. Computed a cache-sized chunk at a
+    time in reused float64 buffers.
+    """
+    flat = np.ravel(values)
+    if np.iscomplexobj(flat):
+        flat = flat.view(flat.real.dtype)
+    total = {"sum": 0.0, "sum_abs": 0.0, "sum_sq": 0.0, "min": math.inf, "max": -math.inf}
+    counts = {"nan": 0, "posinf": 0, "neginf": 0}
+    wide, magnitude = np.empty(min(flat.size, _CHUNK)), np.empty(min(flat.size, _CHUNK))
+    for begin in range(0, flat.size, _CHUNK):
+        part = flat[begin : begin + _CHUNK]
+        chunk, scratch = wide[: part.size], magnitude[: part.size]
+        np.copyto(chunk, part, casting="unsafe")
+        if not math.isfinite(float(chunk.sum())):  # NaN or infinity here (or a float64 overflow)
+            counts["nan"] += int(np.count_nonzero(np.isnan(chunk)))
+            counts["posinf"] += int(np.count_nonzero(chunk == math.inf))
+            counts["neginf"] += int(np.count_nonzero(chunk == -math.inf))
+            chunk = chunk[np.isfinite(chunk)]
+            scratch = scratch[: chunk.size]
+            if not chunk.size:
+                continue
+        total["sum"] += float(chunk.sum())
+        total["sum_abs"] += float(np.abs(chunk, out=scratch).sum())
+        total["sum_sq"] += dot(chunk, chunk)
+        total["min"] = min(total["min"], float(chunk.min()))
+        total["max"] = max(total["max"], float(chunk.max()))
+    crc = zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
+    if total["min"] > total["max"]:  # no finite element
+        total["min"] = total["max"] = 0.0
+    return {"numel": int(flat.size), **total, **counts, "crc32": crc}
+
+
+def parse_statistics(obj: object, where: str) -> dict[str, float | int]:
+    """Validate a summary read from a bundle index."""
+    if not isinstance(obj, dict) or set(obj) != set(STATISTICS):
+        raise BundleFormatError(f"{where}: expected statistics with keys {list(STATISTICS)}, got {obj!r:.80}")
+    for key in STATISTICS:
+        value = obj[key]
+        if key in _COUNTS:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BundleFormatError(f"{where}.{key}: expected a count >= 0, got {value!r}")
+        elif not isinstance(value, float):
+            raise BundleFormatError(f"{where}.{key}: expected a float, got {value!r}")
+    return dict(obj)
+
+
+def diff_statistics(
+    expected: dict[str, float | int],
+    actual: dict[str, float | int],
+    tolerance: Tolerance,
+    *,
+    shape: tuple[int, ...],
+    expected_dtype: str,
+    actual_dtype: str,
+) -> TensorDiff:
+    """Compare a port's statistics with the reference's under the element rule's bounds.
+
+    ``mismatched`` counts statistics out of bounds; ``max_abs`` is a lower bound of the largest
+    element difference (no element moved less than the largest shift of min, max or mean).
+    """
+    problems = [] if expected_dtype == actual_dtype else [f"dtype {actual_dtype} != expected {expected_dtype}"]
+    n = int(expected["numel"])
+    if int(actual["numel"]) != n:
+        problems.append(f"{actual['numel']} elements != expected {n}")
+    # Same bytes: a match, unless they hold NaN, which matches nothing without equal_nan.
+    identical = not problems and expected["crc32"] == actual["crc32"] and (not expected["nan"] or tolerance.equal_nan)
+    failed: list[str] = []
+    if not identical and not problems:
+        failed = _out_of_bounds(expected, actual, tolerance, n)
+    shift = max(
+        abs(float(actual["min"]) - float(expected["min"])),
+        abs(float(actual["max"]) - float(expected["max"])),
+        abs(float(actual["sum"]) - float(expected["sum"])) / max(n, 1),
+    )
+    nan = math.nan
+    return TensorDiff(
+        match=not problems and not failed,
+        shape=shape,
+        dtype=expected_dtype,
+        actual_dtype=actual_dtype,
+        numel=n,
+        mismatched=len(failed) + len(problems),
+        max_abs=0.0 if identical else shift,
+        max_abs_index=None,
+        max_rel=0.0 if identical else nan,
+        max_rel_index=None,
+        cosine=1.0 if identical else nan,
+        required_atol=0.0 if identical else nan,
+        required_rtol=0.0 if identical else nan,
+        nan_expected=int(expected["nan"]),
+        nan_actual=int(actual["nan"]),
+        problem="; ".join(problems + failed) or None,
+        basis="statistics",
+    )
+
+
+def _out_of_bounds(
+    expected: dict[str, float | int], actual: dict[str, float | int], tolerance: Tolerance, n: int
+) -> list[str]:
+    """The statistics that moved more than any within-tolerance change of the elements could move them."""
+    atol, rtol = tolerance.atol, tolerance.rtol
+    failed = []
+    for key in ("posinf", "neginf"):
+        if actual[key] != expected[key]:
+            failed.append(f"{key} count {actual[key]} != {expected[key]}")
+    if expected["nan"] and not tolerance.equal_nan:
+        failed.append(f"{expected['nan']} NaN in the reference (NaN matches nothing without equal_nan)")
+    elif actual["nan"] != expected["nan"]:
+        failed.append(f"NaN count {actual['nan']} != {expected['nan']}")
+    s1, s2 = float(expected["sum_abs"]), float(expected["sum_sq"])
+    largest = max(abs(float(expected["min"])), abs(float(expected["max"])))
+    # Every element may move by d_i <= atol + rtol |e_i|; these bound what the statistics can move.
+    bounds = {
+        "sum": n * atol + rtol * s1,
+        "sum_abs": n * atol + rtol * s1,
+        "sum_sq": 2 * atol * s1 + 2 * rtol * s2 + n * atol * atol + 2 * atol * rtol * s1 + rtol * rtol * s2,
+        "min": atol + rtol * largest,
+        "max": atol + rtol * largest,
+    }
+    for key, bound in bounds.items():
+        moved = abs(float(actual[key]) - float(expected[key]))
+        slack = 1e-12 * max(abs(float(expected[key])), s1)  # float64 summation order
+        if not moved <= bound + slack:
+            failed.append(f"{key} moved by {moved:.3g} (at most {bound:.3g} within tolerance)")
+    return failed

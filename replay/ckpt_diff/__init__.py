@@ -1,0 +1,1 @@
+"""Checkpoint diff: two checkpoints compared tensor by tensor, with insights."""

@@ -1,0 +1,367 @@
+"""``replay-compare``: rerun the port on a bundle's inputs and print match tables.
+
+Exit codes: 0 every compared record matches, 1 a mismatch, 2 a usage, input, bundle or checkpoint
+error (one line on stderr; ``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import NoReturn
+
+import click
+from click.core import ParameterSource
+
+from parity_harness.capture.cli.shared import (
+    OneLineErrors,
+    Tol,
+    adapter_options,
+    checkpoint_provenance,
+    handle_errors,
+    resolve_adapter,
+    write_report,
+)
+from parity_harness.capture.distributed import RankContext, find_manifest, init_from_environment, leave_job
+from parity_harness.common.errors import InputError
+from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.numerics.tolerances import (
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    Tolerance,
+    ToleranceTable,
+    parse_override,
+)
+from parity_harness.replay.compare.precision import PRECISIONS, Precision
+from parity_harness.replay.compare.runner import DataParallelRuns, compare_run
+from parity_harness.replay.naming.alignment import align_modules
+from parity_harness.replay.naming.mapping import RenameMap, read_map
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.markdown import render_markdown
+from parity_harness.replay.report.plot import plot_errors
+from parity_harness.replay.report.progress import ProgressLine
+from parity_harness.replay.report.tables import render_listing, render_proposal, render_result
+from parity_harness.replay.report.training import render_table
+from parity_harness.replay.result import ComparisonResult
+from parity_harness.replay.training.compare import replay_training
+
+__all__ = ["main"]
+
+
+def _tolerances(
+    atol: float, rtol: float, equal_nan: bool, overrides: tuple[str, ...], preset: str, precision: Precision
+) -> ToleranceTable:
+    by_glob = tuple(parse_override(spec, equal_nan=equal_nan) for spec in overrides)
+    context = click.get_current_context()
+    given = [
+        f"--{name}" for name in ("atol", "rtol") if context.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+    if precision.active and preset == "none" and not given:  # the precision's own preset
+        chosen = precision.preset()
+        return ToleranceTable(Tolerance(chosen.atol, chosen.rtol, equal_nan), by_glob)
+    if preset == "none":
+        return ToleranceTable(Tolerance(atol, rtol, equal_nan), by_glob)
+    if given:
+        raise click.UsageError(f"--tolerance-preset {preset} sets atol and rtol per dtype; drop {' and '.join(given)}")
+    return ToleranceTable.torch_preset(equal_nan, by_glob)
+
+
+@click.command("replay-compare", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--bundle", required=True, type=click.Path(dir_okay=False), help="Bundle written by capture-run.")
+@adapter_options
+@click.option("--atol", default=DEFAULT_ATOL, show_default=True, type=Tol())
+@click.option("--rtol", default=DEFAULT_RTOL, show_default=True, type=Tol())
+@click.option("--equal-nan", is_flag=True, help="Count NaN == NaN as a match.")
+@click.option(
+    "--tol",
+    "overrides",
+    multiple=True,
+    metavar="GLOB=ATOL,RTOL",
+    help="Per-record tolerance by name pattern (repeatable, last match wins).",
+)
+@click.option(
+    "--map",
+    "map_file",
+    metavar="FILE|auto",
+    help="Rename rules (port module paths -> bundle names), or 'auto' to align the two runs' module calls.",
+)
+@click.option(
+    "--save-map",
+    type=click.Path(dir_okay=False),
+    help="With --map auto: write the proposed map here, to review and reuse.",
+)
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw per-record errors to this PNG (matplotlib)."
+)
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write a markdown report here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
+@click.option(
+    "--show",
+    type=click.Choice(["auto", "all", "mismatched"]),
+    default="auto",
+    show_default=True,
+    help="Table rows to print.",
+)
+@click.option(
+    "--max-rows",
+    default=40,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Rows per table before only mismatches are shown (0: no cap).",
+)
+@click.option(
+    "--tolerance-preset",
+    "preset",
+    type=click.Choice(["none", "torch"]),
+    default="none",
+    show_default=True,
+    help="torch: torch.testing.assert_close's atol/rtol per dtype instead of --atol/--rtol.",
+)
+@click.option(
+    "--isolate", is_flag=True, help="Also run each module on the reference's inputs: verdicts and first origin."
+)
+@click.option(
+    "--noise-floor",
+    "noise_factor",
+    type=Tol(),
+    metavar="K",
+    help="Judge each record by max|diff| <= K x the reference's own float64 error + atol (capture-run --noise-floor).",
+)
+@click.option(
+    "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
+)
+@click.option(
+    "--layers",
+    multiple=True,
+    metavar="GLOB",
+    help="Compare module records only of modules (bundle names) matching, or with a parent matching. Repeatable.",
+)
+@click.option("--skip-layers", multiple=True, metavar="GLOB", help="Do not compare module records of these modules.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
+@click.option(
+    "--steps", "training", is_flag=True, help="The bundle is a training run: rerun the port's training on its batches."
+)
+@click.option(
+    "--params", "params_filter", metavar="all|head|backbone|REGEX", help="With --steps: the weights compared."
+)
+@click.option(
+    "--resync",
+    is_flag=True,
+    help="With --steps: reset the port to the reference's weights and optimizer state before every step.",
+)
+@click.option("--list", "list_only", is_flag=True, help="Only list what the bundle holds; run nothing.")
+@click.option(
+    "--dtype",
+    "cast_dtype",
+    type=click.Choice(list(PRECISIONS)),
+    help="Cast the port's floating weights and inputs to this precision (values compared upcast to float32).",
+)
+@click.option(
+    "--autocast",
+    "autocast_dtype",
+    type=click.Choice(["bf16", "fp16"]),
+    help="Run the port's forward under torch.autocast in this precision.",
+)
+@click.option(
+    "--compile",
+    "compile_backend",
+    is_flag=False,
+    flag_value="inductor",
+    default=None,
+    metavar="[BACKEND]",
+    help="torch.compile the port first (backend: inductor by default); module records are then not compared.",
+)
+@click.option(
+    "--compile-per-module",
+    is_flag=True,
+    help="With --compile: also compare module records (hooks on the compiled port).",
+)
+@click.option(
+    "--no-verify", is_flag=True, help="Do not check each tensor's recorded CRC-32 when reading it (faster, trusting)."
+)
+@click.option(
+    "--rank",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Multi-rank capture (--bundle X.manifest.json): the rank whose module records are compared.",
+)
+def main(
+    bundle: str,
+    ckpt: str | None,
+    adapter: str | None,
+    model_spec: str | None,
+    device: str,
+    trust_pickle: bool,
+    debug: bool,
+    atol: float,
+    rtol: float,
+    equal_nan: bool,
+    overrides: tuple[str, ...],
+    map_file: str | None,
+    save_map: str | None,
+    plot_path: str | None,
+    report_path: str | None,
+    json_path: str | None,
+    show: str,
+    max_rows: int,
+    preset: str,
+    isolate: bool,
+    noise_factor: float | None,
+    mask_padding: bool,
+    layers: tuple[str, ...],
+    skip_layers: tuple[str, ...],
+    quiet: bool,
+    training: bool,
+    params_filter: str | None,
+    resync: bool,
+    list_only: bool,
+    cast_dtype: str | None,
+    autocast_dtype: str | None,
+    compile_backend: str | None,
+    compile_per_module: bool,
+    no_verify: bool,
+    rank: int,
+) -> None:
+    """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
+    if training or resync:
+        with handle_errors("replay-compare", debug):
+            rename = read_map(map_file) if map_file else RenameMap()
+            driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+            comparison = replay_training(
+                driver,
+                driver.model(ckpt, device),
+                bundle,
+                rename=rename,
+                atol=atol,
+                rtol=rtol,
+                resync=resync,
+                params=params_filter,
+            )
+            note = "resynced before every step: each step's error is its own\n" if resync else ""
+            click.echo(note + render_table(comparison))
+            if json_path:
+                document = {**comparison.to_json(), "resync": resync}
+                write_report(json_path, json.dumps(document, indent=2, allow_nan=False) + "\n", "--json")
+        sys.exit(0 if comparison.first_diverging_step is None else 1)
+    with handle_errors("replay-compare", debug), ExitStack() as stack:
+        context = init_from_environment(device)  # under torchrun: this process's share of the ranks
+        manifest = find_manifest(Path(bundle))
+        if context is not None and manifest is None:
+            raise InputError(
+                f"{bundle}: under torchrun, --bundle must name a multi-rank capture (X.manifest.json); "
+                "replay a single bundle without torchrun"
+            )
+        if manifest and rank >= manifest.world_size:
+            raise InputError(
+                f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
+            )
+
+        def open_bundle(file: str | Path) -> BundleReader:
+            return stack.enter_context(BundleReader(file, verify=not no_verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
+
+        readers = [open_bundle(file) for file in manifest.files] if manifest else []
+        assigned = list(range(len(readers)))
+        if context is not None:  # capture ranks dealt round-robin over the replay's processes
+            assigned = [r for r in assigned if r % context.world_size == context.rank]
+            rank = assigned[0] if assigned else -1
+        reader = (readers[rank] if rank >= 0 else None) if manifest else open_bundle(bundle)
+        data_parallel = (
+            DataParallelRuns(
+                [readers[r] for r in assigned],
+                readers[manifest.params_from],
+                manifest.grad_reduction,
+                manifest.shards,
+                captured=readers,
+                across_processes=context is not None,
+            )
+            if manifest
+            else None
+        )
+        if reader is None:  # more replay processes than capture ranks: only take part in the reduction
+            assert context is not None
+            assert data_parallel is not None
+            model = resolve_adapter(adapter, model_spec, ckpt, trust_pickle).model(ckpt, device)
+            data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
+            _gather_verdicts(context, None, assigned)
+        if list_only:
+            click.echo(render_listing(reader))
+            return
+        precision = Precision(cast_dtype, autocast_dtype)
+        tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset, precision)
+        if save_map and map_file != "auto":
+            raise click.UsageError("--save-map needs --map auto")
+        rename = read_map(map_file) if map_file and map_file != "auto" else RenameMap()
+        driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+        progress = ProgressLine("replay-compare", enabled=not quiet)
+        model = driver.model(ckpt, device)
+        if map_file == "auto":
+            proposal = align_modules(model, reader, forward=driver.forward, device=device)
+            click.echo(render_proposal(proposal))
+            if save_map:
+                write_report(save_map, proposal.to_text(), "--save-map")
+            rename = proposal.rename_map()
+        result = compare_run(
+            model,
+            reader,
+            forward=driver.forward,
+            loss=driver.loss,
+            tolerances=tolerances,
+            rename=rename,
+            device=device,
+            provenance=checkpoint_provenance(ckpt),
+            isolate=isolate,
+            isolation_inputs=driver.isolation_inputs,
+            to_reference=driver.to_reference,
+            progress=progress,
+            noise_factor=noise_factor,
+            mask_padding=mask_padding,
+            layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
+            data_parallel=data_parallel,
+            precision=precision,
+            compile_backend=compile_backend,
+            compiled_module_records=compile_per_module,
+        )
+        progress.close()
+        if context is not None and context.rank != 0:  # rank 0 prints; the others report to it
+            _gather_verdicts(context, result, assigned)
+        click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
+        if json_path:
+            write_report(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
+        if report_path:
+            write_report(report_path, render_markdown(result, bundle), "--report")
+        if plot_path:
+            plot_errors(result, plot_path)
+        if context is not None:
+            _gather_verdicts(context, result, assigned)
+    sys.exit(0 if result.match else 1)
+
+
+def _gather_verdicts(context: RankContext, result: ComparisonResult | None, assigned: list[int]) -> NoReturn:
+    """Every replay process's verdict to rank 0, which prints one line per process; exits with the code of all."""
+    import torch.distributed as dist
+
+    mine = (context.rank, assigned, None if result is None else result.match)
+    verdicts: list[tuple[int, list[int], bool | None] | None] = [None] * context.world_size
+    dist.all_gather_object(verdicts, mine)
+    leave_job()
+    if context.rank == 0:
+        for entry in verdicts:
+            assert entry is not None
+            process, ranks, match = entry
+            if match is None:
+                click.echo(f"replay process {process}: nothing to replay (the capture ran fewer ranks)")
+            else:
+                verdict = "MATCH" if match else "MISMATCH"
+                click.echo(
+                    f"replay process {process}: capture ranks {ranks}: {verdict} (module records of rank {ranks[0]})"
+                )
+    code = 0 if all(entry is not None and entry[2] is not False for entry in verdicts) else 1
+    # Leave now: gloo's threads can abort the interpreter's teardown (SIGABRT), turning a verdict into a crash.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

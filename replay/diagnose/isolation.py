@@ -1,0 +1,261 @@
+"""Teacher-forced isolation: each port module run on the reference's own recorded inputs.
+
+Chained comparison shows where an error is first *visible*; isolation shows where it *starts*.
+For every module call the bundle recorded and the port has (after renaming), the port's module
+is called on the reference's recorded arguments and its outputs are compared with the
+reference's outputs (local forward error); then the reference's recorded ``grad_output`` is
+backpropagated through that call alone and the gradients reaching its inputs and its own
+(direct) parameters are compared with the reference's (local backward error).
+
+Parameter gradients of a module called several times are the sum of the local gradients of all
+its calls, compared with the reference's gradient of that parameter; the two agree exactly only
+when the parameter is used by that module alone.
+
+Isolation runs after the chained replay and uses ``torch.autograd.grad``, so it changes neither
+the chained numbers nor the port's ``.grad``; module buffers (BatchNorm statistics) are restored
+after each isolated call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
+from parity_harness.common.format.bundle.schema import ModuleCall, Tree, iter_tensors
+from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.reader import BundleReader, rebuild
+from parity_harness.replay.result import diff_record
+
+__all__ = ["InputAdapter", "Isolation", "LayoutTransform", "as_recorded", "isolate"]
+
+LayoutTransform = Callable[[str, torch.Tensor], torch.Tensor]
+"""``to_reference(record, value)``: a port tensor in the reference's layout (differentiable)."""
+
+
+def as_recorded(record: str, value: torch.Tensor) -> torch.Tensor:
+    """The identity layout transform."""
+    return value
+
+
+InputAdapter = Callable[[str, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+"""``isolation_inputs(module, args, kwargs)``: the reference's arguments in the port's call signature."""
+
+
+@dataclass
+class Isolation:
+    """Local (teacher-forced) differences, by record name, and the modules that could not be isolated."""
+
+    local: dict[str, TensorDiff] = field(default_factory=dict)
+    param_local: dict[str, TensorDiff] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Module (bundle name) -> why it could not be isolated; said once per module."""
+
+
+def _not_recordable(tree: Tree) -> str | None:
+    """Why a recorded value cannot be fed back, or None when it can."""
+    kind = tree[0]
+    if kind == "X":
+        return f"an argument of type {tree[1]} was not recorded ({tree[2]})"
+    children: list[Any] = []
+    if kind in ("L", "U"):
+        children = list(tree[1])  # type: ignore[call-overload]
+    elif kind in ("D", "O"):
+        children = [node for _, node in tree[-1]]  # type: ignore[attr-defined]
+    return next((reason for child in children if (reason := _not_recordable(child))), None)
+
+
+def _split_arguments(value: dict[Any, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    positional = tuple(value[key] for key in sorted(k for k in value if isinstance(k, int)))
+    return positional, {key: item for key, item in value.items() if isinstance(key, str)}
+
+
+def _replace_tensors(value: Any, replacement: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return replacement.get(id(value), value)
+    if isinstance(value, dict):
+        return {key: _replace_tensors(item, replacement) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_tensors(item, replacement) for item in value)
+    return value
+
+
+@dataclass
+class _Arguments:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    leaves: dict[str, torch.Tensor]
+    """Input slot -> the leaf its gradient is taken against. The module is fed a clone, so a
+    module that modifies its input in place does not change what the gradient refers to."""
+
+
+class _Isolator:
+    def __init__(
+        self,
+        reader: BundleReader,
+        tolerances: ToleranceTable,
+        device: torch.device,
+        transform: LayoutTransform,
+        param_names: dict[int, str],
+        cast: Callable[[Any], Any] = lambda value: value,
+        context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
+        self.cast, self.context = cast, context
+        self.param_names = param_names
+        """id(parameter) -> its name in the bundle: a tied parameter sums every module's share."""
+        self.outcome = Isolation()
+        self.param_sums: dict[str, torch.Tensor] = {}
+
+    def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
+        return diff_record(self.reader, expected, actual, self.tolerances.for_record(name, expected.tag))
+
+    def arguments(self, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:
+        wants_grad: dict[int, bool] = {}
+
+        def load(ref: Any) -> torch.Tensor:
+            tensor = self.reader.read_tensor(ref)
+            wants_grad[id(tensor)] = ref.requires_grad
+            return tensor
+
+        args, kwargs = _split_arguments(rebuild(call.inputs, load))
+        leaves: dict[str, torch.Tensor] = {}
+        replacement: dict[int, torch.Tensor] = {}
+        for slot, tensor in iter_live_call_inputs(args, kwargs):
+            moved = self.cast(tensor.to(self.device))
+            if wants_grad.get(id(tensor)) and moved.is_floating_point():
+                leaves[slot] = moved.detach().requires_grad_(True)
+                moved = leaves[slot].clone()
+            replacement[id(tensor)] = moved
+        args, kwargs = _replace_tensors(args, replacement), _replace_tensors(kwargs, replacement)
+        if adapt is not None:
+            args, kwargs = adapt(call.module, args, kwargs)
+        return _Arguments(args, kwargs, leaves)
+
+    def run_call(self, module: torch.nn.Module, call: ModuleCall, adapt: InputAdapter | None) -> None:
+        if any(self.reader.summary(ref) is not None for _, ref in iter_tensors(call.inputs, "input")):
+            self.outcome.skipped.setdefault(
+                call.module,
+                "its inputs were recorded as statistics only (capture-run --summary-only/--max-tensor-bytes)",
+            )
+            return
+        try:
+            fed = self.arguments(call, adapt)
+        except Exception as err:  # the adapter's translation failed: say so once, go on
+            self.outcome.skipped.setdefault(call.module, f"isolation_inputs raised {type(err).__name__}: {err}")
+            return
+        buffers = {name: buffer.clone() for name, buffer in module.named_buffers()} if module.training else {}
+        try:
+            with torch.enable_grad(), self.context():
+                outputs = module(*fed.args, **fed.kwargs)
+        except Exception as err:  # a port whose signature differs from the reference's
+            self.outcome.skipped.setdefault(
+                call.module,
+                f"calling it with the reference's arguments raised {type(err).__name__}: {err}; "
+                "give the adapter an isolation_inputs(module, args, kwargs) to translate them",
+            )
+            return
+        finally:
+            for name, saved in buffers.items():
+                module.get_buffer(name).copy_(saved)
+        prefix = f"{call.module}/{call.call}/"
+        # Outputs in the reference's layout; backward seeds flow back through the transform.
+        live = {slot: self.transform(prefix + slot, t) for slot, t in iter_live_tensors(outputs, "output")}
+        for slot, ref in iter_tensors(call.outputs, "output"):
+            if slot in live:
+                self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, live[slot])
+        self._backward(module, call, live, fed.leaves)
+
+    def _backward(
+        self, module: torch.nn.Module, call: ModuleCall, live: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]
+    ) -> None:
+        seeds = [
+            (live[s[5:]], ref)
+            for s, ref in call.grad_outputs.items()
+            if s[5:] in live and live[s[5:]].requires_grad and self.reader.summary(ref) is None
+        ]
+        if not seeds:
+            return
+        inputs = [(f"grad_{slot}", leaf) for slot, leaf in leaves.items()]
+        params = [(name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not inputs and not params:
+            return
+        grads = torch.autograd.grad(
+            [out for out, _ in seeds],
+            [t for _, t in inputs] + [p for _, p in params],
+            [self.reader.read_tensor(ref).to(out.device, out.dtype) for out, ref in seeds],
+            allow_unused=True,
+        )
+        prefix = f"{call.module}/{call.call}/"
+        for (slot, _), grad in zip(inputs, grads[: len(inputs)], strict=True):
+            ref = call.grad_inputs.get(slot)
+            if ref is not None and grad is not None:
+                self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, grad)
+        for (_, param), grad in zip(params, grads[len(inputs) :], strict=True):
+            key = self.param_names.get(id(param))
+            if grad is not None and key is not None:
+                self.param_sums[key] = self.param_sums[key] + grad if key in self.param_sums else grad.detach()
+
+    def compare_params(self) -> None:
+        for name, total in self.param_sums.items():
+            ref = self.reader.index.grads.get(name)
+            if ref is not None:
+                self.outcome.param_local[name] = self._diff(name, ref, self.transform(name, total))
+
+
+def isolate(
+    model: torch.nn.Module,
+    reader: BundleReader,
+    *,
+    rename: RenameMap,
+    tolerances: ToleranceTable,
+    device: str = "cpu",
+    isolation_inputs: InputAdapter | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    to_reference: LayoutTransform = as_recorded,
+    cast_inputs: Callable[[Any], Any] = lambda value: value,
+    forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Isolation:
+    """Run every matched module call of ``model`` on the reference's recorded inputs.
+
+    Args:
+        model: the port (after the chained replay).
+        reader: the reference bundle.
+        rename: maps the port's module paths to the bundle's.
+        tolerances: per-record tolerances.
+        device: where the recorded inputs are moved.
+        isolation_inputs: the adapter's translation of the reference's arguments to the port's signature.
+        progress: called as ``progress("isolate", done, total)`` per module call.
+        to_reference: the port's values in the reference's layout, by record name.
+        cast_inputs: applied to each recorded input tensor (a reduced-precision replay casts them).
+        forward_context: the context each isolated call runs in (autocast).
+
+    Returns:
+        Local differences by record name (bundle naming) and the modules that could not be isolated.
+    """
+    modules = {}
+    for path, module in model.named_modules():
+        name = rename.module(path) if path else None
+        if name is not None:
+            modules[name] = module
+    param_names = {id(p): rename.parameter(name) for name, p in model.named_parameters()}
+    named = {key: value for key, value in param_names.items() if value is not None}
+    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference, named, cast_inputs, forward_context)
+    for position, call in enumerate(reader.index.calls, start=1):
+        if progress is not None:
+            progress("isolate", position, len(reader.index.calls))
+        if call.module not in modules or call.module in isolator.outcome.skipped:
+            continue
+        reason = _not_recordable(call.inputs)
+        if reason is not None:
+            isolator.outcome.skipped[call.module] = reason
+            continue
+        isolator.run_call(modules[call.module], call, isolation_inputs)
+    isolator.compare_params()
+    return isolator.outcome

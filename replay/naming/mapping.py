@@ -1,0 +1,93 @@
+"""``--map`` files: rename the port's module paths to the bundle's.
+
+One rule per line, ``REGEX => REPLACEMENT``; the first rule whose regex matches the *whole*
+path wins; ``\\1`` refers to groups; a replacement of ``-`` means "no counterpart in the
+bundle"; ``#`` starts a comment; a path no rule matches keeps its name. A parameter's name is its
+module's mapped path plus the parameter's own name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_harness.common.errors import MapFileError
+
+__all__ = ["RenameMap", "parse_map", "read_map"]
+
+_SEPARATOR = "=>"
+_NO_COUNTERPART = "-"
+
+
+@dataclass(frozen=True)
+class RenameMap:
+    """Ordered rename rules; an empty map renames nothing."""
+
+    rules: tuple[tuple[re.Pattern[str], str], ...] = field(default_factory=tuple)
+
+    def module(self, path: str) -> str | None:
+        """The bundle's name for a module path, or None when it has no counterpart."""
+        for pattern, replacement in self.rules:
+            match = pattern.fullmatch(path)
+            if match:
+                return None if replacement == _NO_COUNTERPART else match.expand(replacement)
+        return path
+
+    def parameter(self, name: str) -> str | None:
+        """The bundle's name for a parameter: its module's mapped path plus its own name."""
+        owner, _, leaf = name.rpartition(".")
+        if not owner:
+            return name
+        mapped = self.module(owner)
+        if mapped is None:
+            return None
+        return f"{mapped}.{leaf}" if mapped else leaf
+
+
+def _parse_rule(line: str, number: int, source: str) -> tuple[re.Pattern[str], str] | None:
+    text = line.split("#", 1)[0].strip()
+    if not text:
+        return None
+    pattern, sep, replacement = text.partition(_SEPARATOR)
+    pattern, replacement = pattern.strip(), replacement.strip()
+    if not sep or not pattern or not replacement:
+        raise MapFileError(
+            f"{source}:{number}: expected 'REGEX => REPLACEMENT' (or '=> -' for no counterpart), got {line.strip()!r}"
+        )
+    try:
+        compiled = re.compile(pattern)
+    except re.error as err:
+        raise MapFileError(f"{source}:{number}: invalid regular expression {pattern!r}: {err}") from err
+    if replacement != _NO_COUNTERPART:
+        _check_template(compiled, replacement, f"{source}:{number}")
+    return compiled, replacement
+
+
+def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> None:
+    """Expand the replacement once now; ``re`` would only complain at the first matching path."""
+    names = {index: name for name, index in compiled.groupindex.items()}
+    same_groups = "".join(f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, compiled.groups + 1))
+    try:
+        re.sub(same_groups, replacement, "", count=1)
+    except (re.error, IndexError) as err:
+        raise MapFileError(
+            f"{where}: replacement {replacement!r} is invalid for a regex with {compiled.groups} group(s): {err}"
+        ) from err
+
+
+def parse_map(text: str, source: str = "<map>") -> RenameMap:
+    """Parse the text of a map file."""
+    rules = [_parse_rule(line, n, source) for n, line in enumerate(text.splitlines(), start=1)]
+    return RenameMap(tuple(rule for rule in rules if rule is not None))
+
+
+def read_map(path: str | os.PathLike[str]) -> RenameMap:
+    """Read and parse a map file."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise MapFileError(f"{file}: cannot read the map file: {err}") from err
+    return parse_map(text, str(file))

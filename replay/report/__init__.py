@@ -1,0 +1,1 @@
+"""Rendering (the only tabulate and matplotlib users): pure functions of result objects."""

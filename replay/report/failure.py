@@ -1,0 +1,46 @@
+"""The message ``assert_parity`` and the ``parity`` fixture fail with: failing records, where it starts,
+and the tolerance that would have passed."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Final, Literal
+
+from tabulate import tabulate
+
+from parity_harness.replay.report.tables import record_headers, record_row
+from parity_harness.replay.result import ComparisonResult
+
+__all__ = ["failure_message"]
+
+_DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "backward")
+
+
+def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], max_rows: int = 15) -> str:
+    """Failing records (capped, the rest counted), where it diverges or starts, and what would pass."""
+    failing = [r for r in result.records if not r.match]
+    rows = [[r.kind, *record_row(r, result.isolated)] for r in failing[:max_rows]]
+    tolerance = result.tolerances.default
+    headline = (
+        f"port does not match {bundle}: {len(failing)} of {len(result.records)} records out of tolerance "
+        f"(atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+    )
+    lines = [
+        headline,
+        tabulate(rows, headers=["kind", *record_headers(result.isolated)], disable_numparse=True),
+    ]
+    if len(failing) > max_rows:
+        lines.append(f"... and {len(failing) - max_rows} more failing records")
+    for kind in _DIRECTIONS:
+        first = result.first_divergence(kind)
+        lines.append(
+            f"first divergence ({kind}): {first.module if first else 'none'}" + (f"  [{first.name}]" if first else "")
+        )
+        if result.isolated:
+            origin = result.first_origin(kind)
+            lines.append(f"first origin ({kind}): {origin.module if origin else 'none'}")
+    needed = max((r.diff.required_atol for r in failing), default=0.0)
+    if math.isfinite(needed):
+        lines.append(f"tolerance that would have passed: atol={needed:.3g} at rtol={tolerance.rtol:g}")
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""Render comparison results and bundle listings as text tables (the only module using tabulate)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Final, Literal
+
+from tabulate import tabulate
+
+from parity_harness.capture.observe.naming import record_name
+from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
+from parity_harness.replay.naming.alignment import ProposedMap
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult
+
+__all__ = [
+    "Show",
+    "record_headers",
+    "record_row",
+    "render_listing",
+    "render_provenance",
+    "render_result",
+    "result_line",
+]
+
+Show = Literal["auto", "all", "mismatched"]
+_TITLES: Final[dict[RecordKind, str]] = {
+    "output": "Final outputs",
+    "param_grad": "Parameter gradients",
+    "forward": "Forward, per module call (execution order)",
+    "backward": "Backward, per module call (backward order)",
+}
+_HEADERS: Final = [
+    "name",
+    "shape",
+    "dtype",
+    "match",
+    "max abs diff",
+    "max rel diff",
+    "mismatched",
+    "cosine",
+    "needs atol",
+]
+_VERDICT_ORDER: Final = ("origin", "input differs", "inherited", "not isolated", "ok")
+_PROVENANCE_NOISE: Final = {"created_utc", "command_line"}
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.2e}"
+
+
+def _is_fine(record: RecordResult) -> bool:
+    return record.match and record.verdict in (None, "ok")
+
+
+def record_headers(isolated: bool) -> list[str]:
+    """Column names of a record table."""
+    return _HEADERS + (["local max abs", "verdict"] if isolated else [])
+
+
+def record_row(record: RecordResult, isolated: bool) -> list[str]:
+    """One record as a table row."""
+    diff = record.diff
+    dtype = diff.dtype if diff.dtype == diff.actual_dtype else f"{diff.dtype}->{diff.actual_dtype}"
+    if diff.basis == "statistics":
+        mismatched = f"{diff.mismatched} stat(s)" if diff.mismatched else "0 (stats)"
+    else:
+        mismatched = f"{diff.mismatched} ({diff.mismatched_pct:.1f}%)" if diff.mismatched else "0"
+    return [
+        record.name,
+        "x".join(map(str, diff.shape)) or "scalar",
+        dtype,
+        "✓" if record.match else "✗",
+        _number(diff.max_abs),
+        _number(diff.max_rel),
+        mismatched,
+        f"{diff.cosine:.6f}" if not math.isnan(diff.cosine) else "-",
+        _number(diff.required_atol),
+    ] + ([_number(record.local.max_abs) if record.local else "-", record.verdict or "-"] if isolated else [])
+
+
+def _select(records: Sequence[RecordResult], show: Show, max_rows: int) -> tuple[list[RecordResult], str]:
+    """Rows to print and a note about the hidden ones."""
+    if show == "all" or (show == "auto" and len(records) <= max_rows):
+        return list(records), ""
+    failing = [r for r in records if not _is_fine(r)]
+    if max_rows and len(failing) > max_rows:  # keep the rows that say where errors start
+        telling = [r for r in failing if r.verdict in ("origin", "input differs")]
+        rest = [r for r in failing if r.verdict not in ("origin", "input differs")]
+        failing = sorted((telling + rest)[:max_rows], key=lambda r: r.order) + (telling + rest)[max_rows:]
+    shown = failing[:max_rows] if max_rows else failing
+    hidden_failing = len(failing) - len(shown)
+    hidden_matching = len(records) - len(failing)
+    parts = [f"{hidden_matching} matching"] + ([f"{hidden_failing} more mismatching"] if hidden_failing else [])
+    return shown, f"({' and '.join(parts)} rows not shown; --show all prints every row)"
+
+
+def _section(kind: RecordKind, records: Sequence[RecordResult], show: Show, max_rows: int, isolated: bool) -> list[str]:
+    matched = sum(r.match for r in records)
+    lines = [f"== {_TITLES[kind]}: {matched}/{len(records)} match =="]
+    if not records:
+        return [*lines, "(none compared)", ""]
+    rows, note = _select(records, show, max_rows)
+    if rows:
+        headers = record_headers(isolated)
+        lines.append(tabulate([record_row(r, isolated) for r in rows], headers=headers, disable_numparse=True))
+    if note:
+        lines.append(note)
+    for record in rows:
+        if record.diff.problem:
+            lines.append(f"  {record.name}: {record.diff.problem}")
+    return [*lines, ""]
+
+
+def _unmatched(label: str, names: Sequence[str], limit: int = 10) -> list[str]:
+    if not names:
+        return []
+    shown = ", ".join(sorted(names)[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    return [f"{label}: {len(names)} record(s) not compared: {shown}"]
+
+
+def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) -> str:
+    record = result.first_divergence(kind)
+    if record is None:
+        return f"first divergence ({kind}): none"
+    diff = record.diff
+    where = list(diff.max_abs_index or ())
+    needs = _number(diff.required_atol)
+    detail = diff.problem or f"max abs diff {_number(diff.max_abs)} at {where}, needs atol {needs}"
+    return f"first divergence ({kind}): {record.module}  [{record.name}: {detail}]"
+
+
+def _summary(result: ComparisonResult) -> list[str]:
+    rows = []
+    for kind, (compared, matched) in result.counts().items():
+        rate = f"{100.0 * matched / compared:.2f}%" if compared else "-"
+        rows.append([kind, compared, matched, compared - matched, rate])
+    lines = ["== Summary ==", tabulate(rows, headers=["kind", "compared", "matched", "mismatched", "match rate"])]
+    lines += _unmatched("only in the bundle", result.bundle_only)
+    lines += _unmatched("only in the replay", result.replay_only)
+    lines += [_divergence(result, "forward"), _divergence(result, "backward")]
+    if result.isolated:
+        lines += _isolation_summary(result)
+    return lines
+
+
+def _isolation_summary(result: ComparisonResult) -> list[str]:
+    counts = Counter(r.verdict for r in result.records if r.verdict)
+    lines = ["verdicts: " + ", ".join(f"{verdict} {counts[verdict]}" for verdict in _VERDICT_ORDER if counts[verdict])]
+    for kind in ("forward", "backward"):
+        record = result.first_origin(kind)
+        if record is None:
+            lines.append(f"first origin ({kind}): none")
+            continue
+        local = _number(record.local.max_abs if record.local else math.nan)
+        lines.append(
+            f"first origin ({kind}): {record.module}  [{record.name}: on the reference's inputs, max abs {local}]"
+        )
+    origins = [r.name for r in result.of_kind("param_grad") if r.verdict == "origin"]
+    if origins:
+        lines.append(f"parameter gradients wrong on the reference's inputs: {', '.join(origins[:10])}")
+    lines += [f"not isolated: {module}: {reason}" for module, reason in result.not_isolated.items()]
+    return lines
+
+
+def _param_values(result: ComparisonResult) -> list[str]:
+    differing = [r for r in result.param_values if not r.match]
+    if not result.param_values:
+        return ["parameter values: none paired with the bundle's (check --map)"]
+    if not differing:
+        return [f"parameter values: all {len(result.param_values)} equal the reference's within tolerance"]
+    names = ", ".join(r.name for r in differing[:5]) + (" ..." if len(differing) > 5 else "")
+    warning = (
+        f"WARNING: {len(differing)} of {len(result.param_values)} parameters differ from the reference's "
+        f"weights ({names}): different weights were loaded"
+    )
+    return [warning]
+
+
+def render_provenance(reference: dict[str, str], replay: dict[str, str]) -> str:
+    """Side-by-side table of the provenance keys whose values differ between the two runs."""
+    keys = sorted((set(reference) | set(replay)) - _PROVENANCE_NOISE)
+    rows = [[k, reference.get(k, "-"), replay.get(k, "-")] for k in keys if reference.get(k) != replay.get(k)]
+    if not rows:
+        return "environments: no provenance difference"
+    return "\n".join(["== Environments (where they differ) ==", tabulate(rows, headers=["", "reference", "replay"])])
+
+
+def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: int = 40) -> str:
+    """The full text report: four tables, a summary, and provenance on mismatch."""
+    lines: list[str] = []
+    for kind in _TITLES:
+        lines += _section(kind, result.of_kind(kind), show, max_rows, result.isolated)
+    lines += _summary(result)
+    lines += _param_values(result)
+    lines += result.notes
+    if not result.match:
+        lines += ["", render_provenance(result.reference_provenance, result.replay_provenance)]
+    lines += ["", result_line(result)]
+    return "\n".join(lines)
+
+
+def result_line(result: ComparisonResult) -> str:
+    """``RESULT: MATCH|MISMATCH (tolerances)``."""
+    tolerance = result.tolerances.default
+    verdict = "MATCH" if result.match else "MISMATCH"
+    if result.noise_factor is not None:
+        return (
+            f"RESULT: {verdict} (judged against {result.noise_factor:g} x the reference's float64 noise floor "
+            f"+ atol={tolerance.atol:g}; records without a floor: atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+        )
+    if result.tolerances.per_dtype is not None:
+        return f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"
+    return f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})"
+
+
+def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:
+    """The ``--map auto`` proposal: renamed modules with their evidence, and the unmatched ones."""
+    renamed = [
+        [port, bundle, proposal.votes[port], proposal.evidence[port]]
+        for port, bundle in proposal.pairs.items()
+        if port != bundle
+    ]
+    kept = len(proposal.pairs) - len(renamed)
+    lines = [
+        (
+            f"== Module map proposed by --map auto: {len(renamed)} renamed, {kept} same name, "
+            f"{len(proposal.unmatched)} without counterpart =="
+        )
+    ]
+    if renamed:
+        lines.append(tabulate(renamed[:limit], headers=["port module", "bundle module", "calls aligned", "evidence"]))
+    if len(renamed) > limit:
+        lines.append(f"({len(renamed) - limit} more; --save-map FILE writes the whole map)")
+    if proposal.unmatched:
+        shown = ", ".join(proposal.unmatched[:10]) + (" ..." if len(proposal.unmatched) > 10 else "")
+        lines.append(f"without counterpart: {shown}")
+    return "\n".join([*lines, ""])
+
+
+def _ref_rows(pairs: Iterable[tuple[str, TensorRef]]) -> list[list[str]]:
+    return [[name, "x".join(map(str, ref.shape)) or "scalar", ref.tag] for name, ref in pairs]
+
+
+def _backward_seed(cotangent: list[object] | None, loss: list[object] | None) -> Iterable[tuple[str, TensorRef]]:
+    if cotangent is not None:
+        return iter_tensors(cotangent, "")  # keyed by the output slot each cotangent seeds
+    return iter_tensors(loss, "loss") if loss is not None else []
+
+
+def render_listing(reader: BundleReader) -> str:
+    """What a bundle holds: format, run settings, provenance and every record's shape and dtype."""
+    index = reader.index
+    run = index.run.to_dict()
+    lines = [f"bundle: {reader.path} (format {reader.format_version}.{reader.format_minor})"]
+    lines += [f"  {key}: {value}" for key, value in run.items() if value not in (None, {}, "")]
+    lines += ["== Provenance ==", tabulate(sorted(reader.provenance().items()), tablefmt="plain")]
+    sections = {
+        "Inputs": iter_tensors(index.inputs, "input"),
+        "Outputs": iter_tensors(index.outputs, "output"),
+        "Backward seed": _backward_seed(index.cotangent, index.loss),
+        "Parameters": index.params.items(),
+    }
+    for title, pairs in sections.items():
+        rows = _ref_rows(pairs)
+        lines += [
+            f"== {title} ({len(rows)}) ==",
+            tabulate(rows, headers=["name", "shape", "dtype"]) if rows else "(none)",
+        ]
+    forward, backward = [], []
+    for call in index.calls:
+        forward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.inputs, "input"))
+        forward += _ref_rows(
+            (record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.outputs, "output")
+        )
+        grads = {**call.grad_outputs, **call.grad_inputs}
+        backward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in grads.items())
+    lines += [
+        f"== Module calls ({len(index.calls)}): forward records ({len(forward)}) ==",
+        tabulate(forward, headers=["name", "shape", "dtype"]),
+    ]
+    lines += [f"== Backward records ({len(backward)}) ==", tabulate(backward, headers=["name", "shape", "dtype"])]
+    lines.append(f"parameter gradients: {len(index.grads)}")
+    return "\n".join(lines)

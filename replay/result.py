@@ -1,0 +1,199 @@
+"""Comparison results: one record per compared tensor, their summary and the first divergences."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, Literal
+
+import numpy as np
+import torch
+
+from parity_harness.common.format.bundle.schema import TensorRef
+from parity_harness.common.format.dtypes import to_numeric, to_storage
+from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.statistics import array_statistics, diff_statistics
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+
+if TYPE_CHECKING:
+    from parity_harness.replay.reader import BundleReader
+
+__all__ = ["KINDS", "ComparisonResult", "RecordKind", "RecordResult", "diff_record", "diff_tensor"]
+
+RecordKind = Literal["output", "param_grad", "forward", "backward"]
+Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
+"""With ``--isolate``: ``origin`` the record's own module is out of tolerance on the reference's
+inputs; ``inherited`` out of tolerance only because its inputs already differed; ``input differs``
+the first difference is in what the port *fed* the module (glue code of its parent);
+``not isolated`` out of tolerance, but the module could not be run in isolation."""
+KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
+
+
+def diff_record(
+    reader: BundleReader, ref: TensorRef, actual: torch.Tensor, tolerance: Tolerance, ignore: np.ndarray | None = None
+) -> TensorDiff:
+    """Compare a live tensor with a bundle record: its values, or its statistics when only those were recorded."""
+    summary = reader.summary(ref)
+    if summary is None:
+        expected = reader.read_array(ref, verify=False)
+        diff = diff_tensor(expected, ref.tag, actual, tolerance, ignore)
+        if not (diff.max_abs == 0.0 and diff.problem is None):
+            # Damaged bytes can only show as a difference: a record equal to the port's value in
+            # every element needs no checksum, which keeps exact replays at memory speed.
+            reader.verify(ref, expected)
+        return diff
+    array, tag = to_storage(actual)
+    return diff_statistics(
+        summary,
+        array_statistics(array, to_numeric(array, tag)),
+        tolerance,
+        shape=ref.shape,
+        expected_dtype=ref.tag,
+        actual_dtype=tag,
+    )
+
+
+def diff_tensor(
+    expected: np.ndarray,
+    expected_tag: str,
+    actual: torch.Tensor,
+    tolerance: Tolerance,
+    ignore: np.ndarray | None = None,
+) -> TensorDiff:
+    """Compare a recorded tensor (its stored array, as :meth:`BundleReader.read_array` gives it, and its tag)
+    with a live one.
+
+    ``ignore`` marks positions left out (padding): they count as equal to the reference.
+    """
+    expected = to_numeric(expected, expected_tag)
+    array, tag = to_storage(actual)
+    values = to_numeric(array, tag)
+    if ignore is not None and values.shape == expected.shape:
+        values = np.where(ignore, expected, values)
+    return diff_arrays(expected, values, tolerance, expected_dtype=expected_tag, actual_dtype=tag)
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """One compared tensor, named in the bundle's naming."""
+
+    kind: RecordKind | Literal["param"]
+    name: str
+    diff: TensorDiff
+    order: tuple[int, int] = (0, 0)
+    """Position in execution order (forward) or backward order, for finding the first divergence."""
+    module: str | None = None
+    slot: str | None = None
+    local: TensorDiff | None = None
+    """The module's own error on the reference's inputs (``--isolate``)."""
+    verdict: Verdict | None = None
+
+    @property
+    def match(self) -> bool:
+        """Whether every element is within tolerance (and shape and dtype agree)."""
+        return self.diff.match
+
+    def to_json(self) -> dict[str, object]:
+        """The contract's per-record JSON object (plus a few extra fields)."""
+        diff = self.diff
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "match": diff.match,
+            "max_abs": _finite_or_none(diff.max_abs),
+            "max_rel": _finite_or_none(diff.max_rel),
+            "mismatched": diff.mismatched,
+            "numel": diff.numel,
+            "shape": list(diff.shape),
+            "dtype": diff.dtype,
+            "actual_dtype": diff.actual_dtype,
+            "cosine": _finite_or_none(diff.cosine),
+            "max_abs_index": None if diff.max_abs_index is None else list(diff.max_abs_index),
+            "required_atol": _finite_or_none(diff.required_atol),
+            "required_rtol": _finite_or_none(diff.required_rtol),
+            "problem": diff.problem,
+            "basis": diff.basis,
+            "module": self.module,
+            "verdict": self.verdict,
+            "local_match": None if self.local is None else self.local.match,
+            "local_max_abs": None if self.local is None else _finite_or_none(self.local.max_abs),
+        }
+
+
+def _finite_or_none(value: float) -> float | None:
+    """Strict JSON has no NaN or Infinity: a value that is not finite becomes null."""
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class ComparisonResult:
+    """Everything a replay found: compared records, unpaired names and the two environments."""
+
+    records: list[RecordResult] = field(default_factory=list)
+    param_values: list[RecordResult] = field(default_factory=list)
+    bundle_only: list[str] = field(default_factory=list)
+    replay_only: list[str] = field(default_factory=list)
+    tolerances: ToleranceTable = field(default_factory=ToleranceTable)
+    reference_provenance: dict[str, str] = field(default_factory=dict)
+    replay_provenance: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    noise_factor: float | None = None
+    """Set when records are judged against the reference's float64 noise floor (``--noise-floor``)."""
+    isolated: bool = False
+    """Whether ``--isolate`` ran: records then carry ``local`` and ``verdict``."""
+    not_isolated: dict[str, str] = field(default_factory=dict)
+    """Module -> why it could not be run in isolation."""
+
+    @property
+    def match(self) -> bool:
+        """True when every compared record matches."""
+        return all(record.match for record in self.records)
+
+    def of_kind(self, kind: RecordKind) -> list[RecordResult]:
+        """Records of one kind, in execution order."""
+        return sorted((r for r in self.records if r.kind == kind), key=lambda r: r.order)
+
+    def first_divergence(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
+        """The earliest mismatching record of a kind: forward execution order or backward order."""
+        return next((r for r in self.of_kind(kind) if not r.match), None)
+
+    def first_origin(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
+        """The earliest record of a kind whose own module is out of tolerance on the reference's inputs."""
+        return next((r for r in self.of_kind(kind) if r.verdict == "origin"), None)
+
+    def counts(self) -> dict[RecordKind, tuple[int, int]]:
+        """``{kind: (compared, matched)}``."""
+        return {kind: (len(rs), sum(r.match for r in rs)) for kind in KINDS for rs in [self.of_kind(kind)]}
+
+    def _record_json(self, record: RecordResult) -> dict[str, object]:
+        data = record.to_json()
+        if self.noise_factor is not None and self.tolerances.per_record is not None:
+            own = self.tolerances.per_record.get(record.name)
+            data["allowed_max_abs"] = own.atol if own is not None else None
+        return data
+
+    def to_json(self) -> dict[str, object]:
+        """The ``--json`` report (see the Contract in PRODUCT.md)."""
+        first = {kind: self.first_divergence(kind) for kind in ("forward", "backward")}
+        origin = {kind: self.first_origin(kind) for kind in ("forward", "backward")}
+        return {
+            "match": self.match,
+            "first_divergence": {kind: (r.module if r else None) for kind, r in first.items()},
+            "first_divergence_record": {kind: (r.name if r else None) for kind, r in first.items()},
+            "first_origin": {kind: (r.module if r else None) for kind, r in origin.items()},
+            "isolated": self.isolated,
+            "not_isolated": self.not_isolated,
+            "summary": {kind: {"compared": n, "matched": m} for kind, (n, m) in self.counts().items()},
+            "tolerance": {
+                "atol": self.tolerances.default.atol,
+                "rtol": self.tolerances.default.rtol,
+                "equal_nan": self.tolerances.default.equal_nan,
+                "preset": "torch" if self.tolerances.per_dtype is not None else None,
+                "noise_factor": self.noise_factor,
+            },
+            "records": [self._record_json(r) for kind in KINDS for r in self.of_kind(kind)],
+            "param_values": [r.to_json() for r in self.param_values],
+            "unmatched": {"bundle_only": sorted(self.bundle_only), "replay_only": sorted(self.replay_only)},
+            "notes": self.notes,
+            "provenance": {"reference": self.reference_provenance, "replay": self.replay_provenance},
+        }

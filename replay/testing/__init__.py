@@ -1,0 +1,1 @@
+"""The pytest plugin and the parity fixture (the only pytest users); loads without torch."""

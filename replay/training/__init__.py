@@ -1,0 +1,1 @@
+"""Training-run comparison: two recorded runs step by step, and reruns of a recorded training."""
