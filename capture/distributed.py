@@ -20,38 +20,27 @@ forward communicates is recorded with the values it returns on this rank.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
-from parity_harness.common.errors import BundleFormatError, DistributedError, InputError
+from parity_harness.common.errors import DistributedError, InputError
+from parity_harness.common.format.manifest import build_manifest, manifest_path, write_manifest
 
 __all__ = [
-    "MANIFEST_FORMAT",
-    "Manifest",
     "RankContext",
     "current_rank",
     "device_mesh",
-    "find_manifest",
     "full_tensor",
     "leave_job",
     "local_shard",
     "local_tensor",
-    "manifest_path",
-    "rank_path",
-    "read_manifest",
     "report_and_write_manifest",
 ]
-
-MANIFEST_FORMAT: Final = "parity-harness-manifest"
-MANIFEST_VERSION: Final = 1
-
 
 @dataclass(frozen=True)
 class RankContext:
@@ -71,16 +60,6 @@ def current_rank() -> RankContext | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     return RankContext(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
-
-
-def rank_path(out: Path, rank: int) -> Path:
-    """``bundle.h5`` -> ``bundle.rank3.h5``."""
-    return out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
-
-
-def manifest_path(out: Path) -> Path:
-    """``bundle.h5`` -> ``bundle.manifest.json``."""
-    return out.with_name(f"{out.stem}.manifest.json")
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -164,85 +143,8 @@ def report_and_write_manifest(
         )
     if context.rank != 0:
         return None
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
-        "world_size": context.world_size,
-        "backend": context.backend,
-        "ranks": statuses,
-        **extra,
-    }
-    path = manifest_path(out)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A multi-rank capture: its rank bundles, in rank order."""
-
-    path: Path
-    world_size: int
-    files: tuple[Path, ...]
-    grad_reduction: str
-    params_from: int
-    shards: bool = False
-    """Parameters and gradients are each rank's local shards (``capture_run(shards=True)``)."""
-
-    def rank_file(self, rank: int) -> Path:
-        """The bundle of ``rank``; raises when the job had no such rank."""
-        if not 0 <= rank < self.world_size:
-            raise BundleFormatError(f"{self.path}: the capture ran {self.world_size} ranks; there is no rank {rank}")
-        return self.files[rank]
-
-
-def find_manifest(path: Path) -> Manifest | None:
-    """The manifest ``path`` names (``X.manifest.json``, or ``X.h5`` when only its manifest exists), else None."""
-    if path.name.endswith(".manifest.json"):
-        return read_manifest(path)
-    if not path.exists() and manifest_path(path).is_file():
-        return read_manifest(manifest_path(path))
-    return None
-
-
-def read_manifest(path: Path) -> Manifest:
-    """Read and check a manifest: every rank's file must exist with the recorded size."""
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BundleFormatError(f"{path}: not a readable manifest ({err})") from err
-    if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
-        raise BundleFormatError(f"{path}: not a {MANIFEST_FORMAT} file")
-    if document.get("version") != MANIFEST_VERSION:
-        raise BundleFormatError(f"{path}: manifest version {document.get('version')!r}, expected {MANIFEST_VERSION}")
-    ranks = document.get("ranks")
-    world = document.get("world_size")
-    if not isinstance(world, int) or not isinstance(ranks, list) or len(ranks) != world:
-        raise BundleFormatError(f"{path}: world_size and ranks disagree")
-    files = []
-    for position, entry in enumerate(ranks):
-        if not isinstance(entry, dict) or entry.get("rank") != position or not isinstance(entry.get("file"), str):
-            raise BundleFormatError(f"{path}: ranks[{position}] is malformed")
-        name = Path(entry["file"])
-        if name.name != entry["file"]:  # a manifest names files beside itself, nothing else
-            raise BundleFormatError(f"{path}: ranks[{position}].file {entry['file']!r} is not a plain file name")
-        file = path.with_name(name.name)
-        if not file.is_file() or file.stat().st_size != entry.get("bytes"):
-            raise BundleFormatError(
-                f"{path}: rank {position}'s bundle {file} is missing or has another size than recorded; "
-                "copy every rank file with the manifest"
-            )
-        files.append(file)
-    return Manifest(
-        path,
-        world,
-        tuple(files),
-        str(document.get("grad_reduction", "mean")),
-        int(document.get("params_from", 0)),
-        document.get("params") == "local shards",
-    )
+    document = build_manifest(context.world_size, context.backend, statuses, **extra)  # type: ignore[arg-type]
+    return write_manifest(manifest_path(out), document)
 
 
 def init_from_environment(device: str) -> RankContext | None:

@@ -14,9 +14,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from parity_harness.capture.distributed import manifest_path, rank_path, read_manifest
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.common.format.manifest import manifest_path, rank_path, read_manifest
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.cli.replay_compare import main as replay_main
 from parity_harness.replay.compare.runner import DataParallelRuns, compare_run

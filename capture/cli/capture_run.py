@@ -16,13 +16,14 @@ from parity_harness.capture.cli.shared import (
     handle_errors,
     resolve_adapter,
 )
-from parity_harness.capture.distributed import WRAPS, init_from_environment, leave_job, manifest_path, wrap_model
+from parity_harness.capture.distributed import WRAPS, init_from_environment, leave_job, wrap_model
 from parity_harness.capture.models.adapters import Adapter, load_inputs_npz
 from parity_harness.capture.observe.driving import to_device
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.capture.record.training import record_training
 from parity_harness.common.errors import AdapterError, InputError
 from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection, parse_byte_size
+from parity_harness.common.format.manifest import manifest_path
 
 __all__ = ["main"]
 

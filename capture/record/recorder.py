@@ -19,7 +19,6 @@ from parity_harness.capture.distributed import (
     device_mesh,
     full_tensor,
     local_shard,
-    rank_path,
     report_and_write_manifest,
 )
 from parity_harness.capture.observe.driving import (
@@ -50,6 +49,7 @@ from parity_harness.common.format.bundle.layout import (
 )
 from parity_harness.common.format.bundle.schema import BackwardMode, BundleIndex, ModuleCall, RunInfo, TensorRef, Tree
 from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.format.manifest import rank_path
 
 __all__ = ["BundleRecorder", "CaptureSummary", "capture_run"]
 

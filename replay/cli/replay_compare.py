@@ -25,9 +25,10 @@ from parity_harness.capture.cli.shared import (
     resolve_adapter,
     write_report,
 )
-from parity_harness.capture.distributed import RankContext, find_manifest, init_from_environment, leave_job
+from parity_harness.capture.distributed import RankContext, init_from_environment, leave_job
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.numerics.tolerances import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
