@@ -32,8 +32,8 @@ WORLD = 2
 
 
 def golden_out(version: str) -> Path:
-    """``tests/data/golden-manifest-<version>.h5``: the capture's --out (its rank files and manifest beside it)."""
-    return ROOT / "tests" / "data" / f"golden-manifest-{version}.h5"
+    """``tests/data/manifest-golden-<version>.h5``: the capture's --out (its rank files and manifest beside it)."""
+    return ROOT / "tests" / "data" / f"manifest-golden-{version}.h5"
 
 
 def main() -> None:

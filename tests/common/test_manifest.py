@@ -27,7 +27,7 @@ from tests.cli_helpers import one_error_line
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MODELS = Path(__file__).resolve().parent.parent / "models.py"
-GOLDEN = sorted(DATA.glob("golden-manifest-*.manifest.json"))
+GOLDEN = sorted(DATA.glob("manifest-golden-*.manifest.json"))
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def edit(path: Path, change: Callable[[dict[str, Any]], object]) -> Path:
 
 def test_a_golden_manifest_exists_for_the_current_version() -> None:
     """Every released manifest version keeps a golden file; the current one is among them."""
-    assert DATA / f"golden-manifest-{MANIFEST_VERSION}.{MANIFEST_MINOR}.manifest.json" in GOLDEN
+    assert DATA / f"manifest-golden-{MANIFEST_VERSION}.{MANIFEST_MINOR}.manifest.json" in GOLDEN
 
 
 @pytest.mark.parametrize("golden", GOLDEN, ids=[p.name for p in GOLDEN])

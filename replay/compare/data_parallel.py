@@ -1,0 +1,118 @@
+"""Data-parallel captures replayed: every rank's inputs run, gradients reduced as the capture's wrapper did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
+from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.precision import Precision
+from parity_harness.replay.compare.records import backward_as_recorded
+from parity_harness.replay.diagnose.isolation import LayoutTransform
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult, RecordResult, diff_tensor
+
+__all__ = ["DataParallelRuns", "untapped_run"]
+
+
+@dataclass(frozen=True)
+class DataParallelRuns:
+    """The ranks of a data-parallel capture, for a single-process replay of all of them."""
+
+    ranks: list[BundleReader]
+    """Every rank's bundle, in rank order (the one compared record by record among them)."""
+    parameters: BundleReader
+    """The rank whose bundle holds the gathered parameters and gradients."""
+    grad_reduction: str = "mean"
+    shards: bool = False
+    """Every rank holds its local shard of each parameter and gradient, to be put back together."""
+    captured: list[BundleReader] | None = None
+    """Every rank of the capture, when ``ranks`` is only this process's share of them (torchrun)."""
+    across_processes: bool = False
+    """The replay itself runs under torch.distributed: sum the gradients of every process first."""
+
+    def assembled(self, kind: Literal["params", "grads"], name: str) -> tuple[np.ndarray, str] | None:
+        """A parameter or gradient put back together from every rank's shard, with its dtype tag."""
+        everyone = self.captured or self.ranks
+        refs = [getattr(run.index, kind).get(name) for run in everyone]
+        if any(ref is None for ref in refs):
+            return None
+        dims = self.parameters.index.run.extra.get("shard_dims", {})
+        dim = dims.get(name) if isinstance(dims, dict) else None
+        arrays = [run.read_array(ref) for run, ref in zip(everyone, refs, strict=True)]
+        return (np.concatenate(arrays, axis=dim) if isinstance(dim, int) else arrays[0]), refs[0].tag
+
+    def compare(
+        self,
+        kind: Literal["params", "grads"],
+        record_kind: Literal["param", "param_grad"],
+        live: list[tuple[str, torch.Tensor]],
+        tolerances: ToleranceTable,
+        transform: LayoutTransform,
+    ) -> tuple[list[RecordResult], list[str], list[str]]:
+        """Compare live parameters or gradients with the ones put back together from the shards."""
+        records, replay_only = [], []
+        for position, (name, tensor) in enumerate(live):
+            found = self.assembled(kind, name)
+            if found is None:
+                replay_only.append(name)
+                continue
+            array, tag = found
+            diff = diff_tensor(array, tag, transform(name, tensor), tolerances.for_record(name, tag))
+            records.append(RecordResult(record_kind, name, diff, (0, position)))
+        seen = {record.name for record in records}
+        expected = getattr(self.parameters.index, kind)
+        return records, replay_only, [name for name in expected if name not in seen]
+
+    def reduce_gradients(self, model: torch.nn.Module, result: ComparisonResult) -> None:
+        """Reduce the gradients accumulated over every rank's run as the capture's wrapper did."""
+        world = len(self.captured or self.ranks)
+        if self.across_processes:
+            _sum_gradients_across_processes(model)
+        if self.grad_reduction == "mean":
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.div_(world)
+        result.notes.append(
+            f"data parallel: gradients accumulated over the {world} ranks' inputs, reduced by "
+            f"{self.grad_reduction}, compared with the gathered ones"
+        )
+
+
+def _sum_gradients_across_processes(model: torch.nn.Module) -> None:
+    """All-reduce (sum) every parameter's gradient over the replay's processes; None stays None only
+    where no process has one."""
+    import torch.distributed as dist
+
+    params = [param for param in model.parameters() if param.requires_grad]
+    present = torch.tensor([param.grad is not None for param in params], dtype=torch.int32)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        for param, anywhere in zip(params, present.tolist(), strict=True):
+            if not anywhere:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)
+
+
+def untapped_run(
+    model: torch.nn.Module,
+    run: BundleReader,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+    transform: LayoutTransform,
+    device: torch.device,
+    precision: Precision,
+) -> None:
+    """Another rank's forward and backward on its recorded inputs: gradients accumulate, nothing is compared."""
+    seed_everything(run.index.run.seed)
+    with precision.forward(device):
+        outputs = call_forward(model, precision.inputs(to_device(run.rebuild(run.index.inputs), device)), forward)
+    scratch = ComparisonResult(tolerances=ToleranceTable())
+    backward_as_recorded(run, outputs, loss, scratch, transform)

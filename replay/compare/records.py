@@ -1,0 +1,230 @@
+"""Record-level comparison while the port runs: the comparing tap sink, named tensors (outputs, parameters,
+gradients) compared by name, and backward exactly as the reference did it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from parity_harness.capture.observe.driving import LossFn
+from parity_harness.capture.observe.hooks import CallInfo
+from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
+from parity_harness.common.errors import AdapterError, InputError
+from parity_harness.common.format.bundle.schema import TensorRef, Tree, iter_tensors
+from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.padding import padding_mask, recorded_lengths
+from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
+from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record
+
+__all__ = [
+    "ComparingSink",
+    "Progress",
+    "add_named",
+    "backward_as_recorded",
+    "compare_named",
+    "compared_modules",
+    "mapped_parameters",
+    "slots",
+    "unvisited_module_records",
+]
+
+Progress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``: told as records are compared (see ``report.progress.ProgressLine``)."""
+
+
+class ComparingSink:
+    """A :class:`~parity_harness.capture.observe.hooks.TapSink` comparing the port's tensors with the bundle's."""
+
+    def __init__(
+        self,
+        reader: BundleReader,
+        result: ComparisonResult,
+        progress: Progress | None,
+        transform: LayoutTransform,
+        mask_padding: bool,
+    ) -> None:
+        self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
+        recorded = reader.index.selection
+        self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
+        self._mask_padding = mask_padding
+        self._lengths: dict[int, tuple[np.ndarray | None, np.ndarray | None]] = {}
+        self.masked_records = 0
+        index = reader.index
+        self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
+        self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
+        self.seen: set[str] = set()
+        forward_total = sum(len(slots(c.inputs, "input")) + len(slots(c.outputs, "output")) for c in index.calls)
+        self._totals = {"forward": forward_total, "backward": len(index.backward_order)}
+        self._done = {"forward": 0, "backward": 0}
+
+    def _compare(
+        self,
+        kind: RecordKind,
+        info: CallInfo,
+        live: Iterable[tuple[str, torch.Tensor]],
+        expected: dict[str, TensorRef],
+        rank: int,
+    ) -> None:
+        for position, (slot, tensor) in enumerate(live):
+            name = record_name(info.module, info.call, slot)
+            ref = expected.get(slot)
+            if ref is None:
+                self._result.replay_only.append(name)
+                continue
+            self.seen.add(name)
+            tolerance = self._result.tolerances.for_record(name, ref.tag)
+            ignore = self._padding(info, slot, ref.shape)
+            self.masked_records += ignore is not None
+            diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
+            self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
+            if self._progress is not None:
+                self._done[kind] += 1
+                self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
+
+    def _padding(self, info: CallInfo, slot: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        """Padded positions of a record, from the lengths the reference recorded for this call."""
+        found = self._reader.find_call(info.module, info.call) if self._mask_padding else None
+        if found is None:
+            return None
+        position, call = found
+        if position not in self._lengths:  # read once per call, not once per record
+            inputs, outputs = (
+                recorded_lengths(self._reader, tree, p)
+                for tree, p in ((call.inputs, "input"), (call.outputs, "output"))
+            )
+            self._lengths[position] = (inputs, outputs if outputs is not None else inputs)
+        lengths_in, lengths_out = self._lengths[position]
+        return padding_mask(shape, lengths_in if slot.startswith(("input", "grad_input")) else lengths_out)
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Compare a call's arguments with the reference's."""
+        if not self._inputs:
+            return
+        found = self._reader.find_call(info.module, info.call)
+        expected = {} if found is None else dict(iter_tensors(found[1].inputs, "input"))
+        rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
+        self._compare("forward", info, iter_live_call_inputs(args, kwargs), expected, rank)
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """Compare a call's outputs with the reference's."""
+        if not self._outputs:
+            return
+        found = self._reader.find_call(info.module, info.call)
+        expected = {} if found is None else dict(iter_tensors(found[1].outputs, "output"))
+        rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
+        self._compare("forward", info, iter_live_tensors(outputs, "output"), expected, rank)
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Compare a gradient with the reference's as soon as backward produces it."""
+        found = self._reader.find_call(info.module, info.call)
+        expected = {} if found is None else {**found[1].grad_outputs, **found[1].grad_inputs}
+        rank = self._backward_rank.get((found[0], slot), -1) if found else -1
+        self._compare("backward", info, [(slot, grad)], expected, rank)
+
+
+def compare_named(
+    reader: BundleReader,
+    tolerances: ToleranceTable,
+    kind: RecordKind | Literal["param"],
+    live: Iterable[tuple[str, torch.Tensor]],
+    expected: dict[str, TensorRef],
+    transform: LayoutTransform = as_recorded,
+) -> tuple[list[RecordResult], list[str], list[str]]:
+    """Compare named tensors (outputs, parameters, gradients) by name.
+
+    Returns:
+        The compared records, the live names the bundle lacks, and the bundle names not seen.
+    """
+    records, replay_only = [], []
+    for position, (name, tensor) in enumerate(live):
+        ref = expected.get(name)
+        if ref is None:
+            replay_only.append(name)
+            continue
+        diff = diff_record(reader, ref, transform(name, tensor), tolerances.for_record(name, ref.tag))
+        records.append(RecordResult(kind, name, diff, (0, position)))
+    seen = {record.name for record in records}
+    return records, replay_only, [name for name in expected if name not in seen]
+
+
+def add_named(result: ComparisonResult, compared: tuple[list[RecordResult], list[str], list[str]]) -> None:
+    records, replay_only, bundle_only = compared
+    result.records += records
+    result.replay_only += replay_only
+    result.bundle_only += bundle_only
+
+
+def mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -> list[tuple[str, torch.Tensor]]:
+    pairs = []
+    for name, param in model.named_parameters():
+        mapped = rename.parameter(name)
+        value = param.grad if grads else param.detach()
+        if mapped is not None and value is not None:
+            pairs.append((mapped, value))
+    return pairs
+
+
+def backward_as_recorded(
+    reader: BundleReader, outputs: Any, loss: LossFn | None, result: ComparisonResult, transform: LayoutTransform
+) -> None:
+    """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss."""
+    index = reader.index
+    if index.run.backward == "loss":
+        if loss is None:
+            raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
+        value = loss(outputs)
+        assert index.loss is not None
+        add_named(
+            result, compare_named(reader, result.tolerances, "output", [("loss", value)], slots(index.loss, "loss"))
+        )
+        value.backward()  # type: ignore[no-untyped-call]
+        return
+    if index.run.backward == "none" or index.cotangent is None:
+        return
+    live = dict(iter_live_tensors(outputs, "output"))
+    tensors, cotangents = [], []
+    for slot, ref in iter_tensors(index.cotangent, ""):
+        if slot not in live:
+            raise InputError(
+                f"the reference backpropagated a cotangent into output {slot!r}, but the port has no such output "
+                f"(it has {sorted(live)}); make the port's forward return the same structure"
+            )
+        in_reference_layout = transform(slot, live[slot])  # the cotangent flows back through the transform
+        tensors.append(in_reference_layout)
+        cotangents.append(reader.read_tensor(ref).to(in_reference_layout.device, in_reference_layout.dtype))
+    torch.autograd.backward(tensors, cotangents)
+
+
+def compared_modules(rename: RenameMap, recorded: Selection, layers: Selection | None) -> Callable[[str], str | None]:
+    """The port's module path -> its bundle name, or None for modules not recorded or not asked for."""
+
+    def compared(path: str) -> str | None:
+        name = rename.module(path)
+        if name is None or not recorded.records_module(name):
+            return None
+        return name if layers is None or layers.records_module(name) else None
+
+    return compared
+
+
+def slots(tree: Tree, prefix: str) -> dict[str, TensorRef]:
+    return dict(iter_tensors(tree, prefix))
+
+
+def unvisited_module_records(reader: BundleReader, seen: set[str]) -> list[str]:
+    names = []
+    for call in reader.index.calls:
+        slots = [s for s, _ in iter_tensors(call.inputs, "input")] + [
+            s for s, _ in iter_tensors(call.outputs, "output")
+        ]
+        for slot in [*slots, *call.grad_outputs, *call.grad_inputs]:
+            name = record_name(call.module, call.call, slot)
+            if name not in seen:
+                names.append(name)
+    return names
