@@ -8,7 +8,8 @@
 A training file is written in place and flushed after every recorded step, so a run killed
 between steps leaves every completed step readable; a step counts once its ``meta`` record (written
 last) exists. Layout: ``/initial/params/<name>``; ``/steps/<step>/{batch,params,grads,optimizer,
-predictions}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree).
+predictions,labels}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree).
+Paths, documents and version live in ``common.format.training``; the spec is docs/training-file.md.
 """
 
 from __future__ import annotations
@@ -18,25 +19,44 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
 import h5py
 import torch
 
 from parity_harness.capture.observe.driving import seed_everything
 from parity_harness.capture.observe.naming import encode_value
-from parity_harness.common.errors import BundleError, BundleExistsError
-from parity_harness.common.format.bundle.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, escape_dotted
+from parity_harness.common.errors import BundleError, BundleExistsError, InputError
+from parity_harness.common.format.bundle.layout import escape_dotted
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.dtypes import to_storage
 from parity_harness.common.format.packing import pack
+from parity_harness.common.format.training import (
+    ATTR_DTYPE,
+    ATTR_FORMAT,
+    ATTR_MINOR,
+    ATTR_VERSION,
+    BATCH,
+    GRADS,
+    INITIAL_META,
+    INITIAL_PARAMS,
+    LABELS,
+    META,
+    OPTIMIZER,
+    PARAMS,
+    PREDICTIONS,
+    TRAINING_FORMAT,
+    TRAINING_MINOR,
+    TRAINING_VERSION,
+    build_initial_meta,
+    build_step_meta,
+    step_group,
+)
 
 __all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "record_training"]
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 """``train_step(model, optimizer, batch) -> loss``: one optimisation step (zero_grad, backward, step)."""
-
-TRAINING_FORMAT: Final = "parity-harness-training"
 
 
 class TrainingRecorder:
@@ -80,11 +100,15 @@ class TrainingRecorder:
             self._file = h5py.File(self.path, "w")
         except OSError as err:
             raise BundleError(f"{self.path}: cannot create the training file: {err}") from err
-        self._file.attrs.update({ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: 1, ATTR_MINOR: 0})
-        self._write_named("/initial/params", {n: p.detach() for n, p in model.named_parameters()})
+        self._file.attrs.update(
+            {ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: TRAINING_VERSION, ATTR_MINOR: TRAINING_MINOR}
+        )
+        self._write_named(INITIAL_PARAMS, {n: p.detach() for n, p in model.named_parameters()})
         order = [renamed for n, _ in model.named_parameters() if (renamed := self._rename(n)) is not None]
-        meta = {"optimizer": _hyper_parameters(optimizer), "seed": seed, "every": self._every, "parameters": order}
-        self._file.create_dataset("/initial/meta", data=pack(meta))
+        parts = ((PARAMS, params), (GRADS, grads), (OPTIMIZER, optimizer_state and optimizer is not None))
+        recorded = [name for name, on in parts if on]
+        meta = build_initial_meta(_hyper_parameters(optimizer), seed, self._every, order, recorded)
+        self._file.create_dataset(INITIAL_META, data=pack(meta))
         self._file.flush()
 
     def _write(self, path: str, tensor: torch.Tensor) -> TensorRef:
@@ -115,38 +139,45 @@ class TrainingRecorder:
         Returns:
             Whether the step was recorded in full (weights, gradients...).
         """
+        self._check_numbers(step, epoch)
         full = step % self._every == 0
         if not (full or self._all_batches):
             return False
-        group = f"/steps/{step:09d}"
-        tree = encode_value(batch, "batch", functools.partial(self._store, f"{group}/batch"))
+        group = step_group(step)
+        tree = encode_value(batch, BATCH, functools.partial(self._store, f"{group}/{BATCH}"))
         named = dict(self._model.named_parameters())
         if full:
             self._write_state(group, named, predictions)
             if labels is not None:
-                self._write(f"{group}/labels", labels.detach())
-        meta = {
-            "step": step,
-            "epoch": epoch,
-            "full": full,
-            "loss": None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
-            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()},
-            "sample_ids": [str(i) for i in sample_ids] if sample_ids is not None else None,
-            "batch": tree,
-        }
-        self._file.create_dataset(f"{group}/meta", data=pack(meta))  # written last: marks the step complete
+                self._write(f"{group}/{LABELS}", labels.detach())
+        meta = build_step_meta(
+            step,
+            epoch,
+            full,
+            None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss),
+            {str(k): float(v) for k, v in (metrics or {}).items()},
+            [str(i) for i in sample_ids] if sample_ids is not None else None,
+            tree,
+        )
+        self._file.create_dataset(f"{group}/{META}", data=pack(meta))  # written last: marks the step complete
         self._file.flush()
         return full
 
+    def _check_numbers(self, step: int, epoch: int | None) -> None:
+        """Refuse what a reader would refuse, now rather than when the run is compared."""
+        for name, value in (("step", step), ("epoch", epoch)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise InputError(f"{self.path}: {name} {value!r} is not an integer >= 0; pass the {name} number")
+
     def _write_state(self, group: str, named: dict[str, torch.nn.Parameter], predictions: torch.Tensor | None) -> None:
         if self._params:
-            self._write_named(f"{group}/params", {n: p.detach() for n, p in named.items()})
+            self._write_named(f"{group}/{PARAMS}", {n: p.detach() for n, p in named.items()})
         if self._grads:
-            self._write_named(f"{group}/grads", {n: p.grad for n, p in named.items() if p.grad is not None})
+            self._write_named(f"{group}/{GRADS}", {n: p.grad for n, p in named.items() if p.grad is not None})
         if self._state and self._optimizer is not None:
-            self._write_optimizer_state(f"{group}/optimizer", named)
+            self._write_optimizer_state(f"{group}/{OPTIMIZER}", named)
         if predictions is not None:
-            self._write(f"{group}/predictions", predictions.detach())
+            self._write(f"{group}/{PREDICTIONS}", predictions.detach())
 
     def _store(self, group: str, slot: str, tensor: torch.Tensor) -> TensorRef:
         return self._write(f"{group}/{slot}", tensor)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from parity_harness.common.errors import BundleFormatError, UnsupportedBundleVersion
+from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.atomic import write_text_atomically
+from parity_harness.common.format.gate import FormatGate
 
 __all__ = [
     "GRAD_REDUCTIONS",
@@ -176,25 +176,21 @@ def parse_manifest(document: object, path: Path) -> Manifest:
     )
 
 
+MANIFEST_GATE: Final = FormatGate(
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    MANIFEST_MINOR,
+    noun="manifest",
+    writer="a distributed capture-run (X.manifest.json)",
+    format_field="field 'format'",
+)
+
+
 def _check_version(document: dict[str, Any], path: Path) -> int:
-    if document.get("format") != MANIFEST_FORMAT:
-        raise BundleFormatError(
-            f"{path}: not a parity-harness manifest ('format' is {document.get('format')!r}, expected "
-            f"{MANIFEST_FORMAT!r}); pass the X.manifest.json a distributed capture-run wrote"
-        )
-    major = _parse_int(document, "version", path, low=0, high=None)
+    """The gate (format name, then major, then minor), before any other field is read."""
+    major = _parse_int(document, "version", path, low=0, high=None, default=0)
     minor = _parse_int(document, "minor", path, low=0, high=None, default=0)
-    if major != MANIFEST_VERSION:
-        raise UnsupportedBundleVersion(
-            f"{path}: manifest format version {major}.{minor} is not supported by this reader (it reads "
-            f"{MANIFEST_VERSION}.x); {'upgrade parity-harness' if major > MANIFEST_VERSION else 're-capture'}"
-        )
-    if minor > MANIFEST_MINOR:
-        warnings.warn(
-            f"{path}: manifest format {major}.{minor} is newer than this reader's {MANIFEST_VERSION}.{MANIFEST_MINOR};"
-            " fields added since are ignored",
-            stacklevel=3,
-        )
+    MANIFEST_GATE.check(document.get("format"), major, minor, where=str(path), stacklevel=4)
     return minor
 
 

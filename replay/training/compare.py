@@ -7,6 +7,8 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,20 @@ import torch
 
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.observe.driving import seed_everything
-from parity_harness.capture.record.training import TRAINING_FORMAT, TrainingRecorder, TrainStep
-from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError
-from parity_harness.common.format.bundle.layout import ATTR_DTYPE, ATTR_FORMAT
+from parity_harness.capture.record.training import TrainingRecorder, TrainStep
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError, ParityError
 from parity_harness.common.format.dtypes import from_storage, to_float64
-from parity_harness.common.format.packing import unpack
+from parity_harness.common.format.training import (
+    ATTR_DTYPE,
+    BATCH,
+    INITIAL_PARAMS,
+    OPTIMIZER,
+    PARAMS,
+    InitialMeta,
+    StepMeta,
+    read_header,
+    step_group,
+)
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import rebuild
 
@@ -37,7 +48,11 @@ __all__ = [
 
 
 class TrainingRun:
-    """A training file written by :class:`capture.TrainingRecorder`; only completed steps are visible."""
+    """A training file written by :class:`capture.TrainingRecorder`; only completed steps are visible.
+
+    Opening it checks the whole header (version, ``/initial``, every completed step's ``meta`` and
+    tensor datasets) before any data is read: a damaged file is one ``BundleFormatError``.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -46,62 +61,79 @@ class TrainingRun:
         try:
             self._file = h5py.File(self.path, "r")
         except OSError as err:
-            raise BundleFormatError(f"{self.path}: not an HDF5 file ({err})") from err
-        name = self._file.attrs.get(ATTR_FORMAT)
-        if name != TRAINING_FORMAT:
+            raise BundleFormatError(
+                f"{self.path}: not an HDF5 file, or a damaged one ({err}); pass a training file TrainingRecorder wrote"
+            ) from err
+        try:
+            with self._damage_guard("/"):
+                header = read_header(self._file, str(self.path))
+        except BaseException:
             self._file.close()
-            raise BundleFormatError(f"{self.path}: not a training file (format {name!r}, expected {TRAINING_FORMAT!r})")
-        steps = self._file.get("steps")
-        self.meta: dict[int, dict[str, Any]] = {}
-        for key in sorted(steps) if steps is not None else []:
-            if "meta" in steps[key]:  # a step without meta was cut short by a crash: not recorded
-                meta = unpack(steps[key]["meta"][()], where=f"{self.path}:/steps/{key}/meta")
-                self.meta[int(key)] = meta  # type: ignore[assignment]
+            raise
+        self.format_version, self.format_minor = header.major, header.minor
+        self.initial: InitialMeta = header.initial
+        self.meta: dict[int, StepMeta] = header.steps
+
+    @contextmanager
+    def _damage_guard(self, where: str) -> Iterator[None]:
+        """Turn whatever h5py or HDF5 raises on a damaged file into one BundleFormatError naming the file."""
+        try:
+            yield
+        except ParityError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, OverflowError) as err:
+            message = str(err).replace("\n", " ")[:200]
+            raise BundleFormatError(
+                f"{self.path}:{where}: the training file is damaged ({type(err).__name__}: {message}); "
+                "copy or record it again"
+            ) from err
 
     def tensors(self, step: int, group: str) -> dict[str, np.ndarray]:
         """``params`` / ``grads`` / ``optimizer`` / ``predictions`` of a step as float64, by (nested) name."""
-        node = self._file.get(f"steps/{step:09d}/{group}")
-        if isinstance(node, h5py.Dataset):
-            return {group: _float64(node)}
-        found: dict[str, np.ndarray] = {}
-        if isinstance(node, h5py.Group):
-            node.visititems(
-                lambda name, item: found.update({name: _float64(item)}) if isinstance(item, h5py.Dataset) else None
-            )
-        return found
+        path = f"{step_group(step)}/{group}"
+        with self._damage_guard(path):
+            node = self._file.get(path)
+            if isinstance(node, h5py.Dataset):
+                return {group: _float64(node)}
+            found: dict[str, np.ndarray] = {}
+            if isinstance(node, h5py.Group):
+                node.visititems(
+                    lambda name, item: found.update({name: _float64(item)}) if isinstance(item, h5py.Dataset) else None
+                )
+            return found
 
     def exact(self, path: str) -> dict[str, torch.Tensor]:
-        """The tensors under a group (``initial/params``, ``steps/<n>/params``), bit-exact, by name."""
-        node = self._file.get(path)
-        if not isinstance(node, h5py.Group):
-            return {}
-        return {name: _tensor(ds) for name, ds in node.items() if isinstance(ds, h5py.Dataset)}
+        """The tensors under a group (``/initial/params``, ``/steps/<n>/params``), bit-exact, by name."""
+        with self._damage_guard(path):
+            node = self._file.get(path)
+            if not isinstance(node, h5py.Group):
+                return {}
+            return {name: _tensor(ds) for name, ds in node.items() if isinstance(ds, h5py.Dataset)}
 
     def optimizer_state(self, step: int) -> dict[str, dict[str, torch.Tensor]]:
         """Per parameter, the optimizer state recorded after ``step``."""
-        node = self._file.get(f"steps/{step:09d}/optimizer")
-        return {} if node is None else {name: self.exact(f"steps/{step:09d}/optimizer/{name}") for name in node}
+        path = f"{step_group(step)}/{OPTIMIZER}"
+        with self._damage_guard(path):
+            names = list(self._file.get(path) or [])
+        return {name: self.exact(f"{path}/{name}") for name in names}
 
     def batch(self, step: int) -> Any:
         """The batch fed at ``step``."""
-        return rebuild(self.meta[step]["batch"], lambda ref: _tensor(self._file[ref.path]))
-
-    def _initial_meta(self) -> dict[str, Any]:
-        node = self._file.get("initial/meta")
-        meta = unpack(node[()], where=f"{self.path}:/initial/meta") if node is not None else {}
-        return meta if isinstance(meta, dict) else {}
+        tree = self.meta[step]["batch"]
+        with self._damage_guard(f"{step_group(step)}/{BATCH}"):
+            return rebuild(tree, lambda ref: _tensor(self._file[ref.path]))
 
     @property
     def seed(self) -> int:
         """The run's seed (0 when not recorded)."""
-        seed = self._initial_meta().get("seed")
-        return seed if isinstance(seed, int) else 0
+        seed = self.initial["seed"]
+        return 0 if seed is None else seed
 
     @property
     def parameter_names(self) -> list[str]:
         """Parameter names in the model's order (``named_parameters``)."""
-        names = self._initial_meta().get("parameters")
-        return [str(n) for n in names] if isinstance(names, list) else list(self.exact("initial/params"))
+        names = self.initial["parameters"]
+        return list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
 
     def close(self) -> None:
         """Close the file."""
@@ -109,7 +141,7 @@ class TrainingRun:
 
     def full_steps(self) -> list[int]:
         """Steps recorded with weights and gradients (not only their batch)."""
-        return [step for step, meta in sorted(self.meta.items()) if meta.get("full", True)]
+        return [step for step, meta in sorted(self.meta.items()) if meta["full"]]
 
     def __enter__(self) -> TrainingRun:
         return self
@@ -212,8 +244,7 @@ def prediction_rows(run_a: TrainingRun, run_b: TrainingRun) -> list[list[object]
         if preds_a is None or preds_b is None or preds_a.shape != preds_b.shape or preds_a.ndim == 0:
             continue
         labels = run_a.tensors(step, "labels").get("labels")
-        ids_a = run_a.meta[step].get("sample_ids") or [""] * len(preds_a)
-        ids_b = run_b.meta[step].get("sample_ids") or [""] * len(preds_b)
+        ids_a, ids_b = _sample_ids(run_a.meta[step], len(preds_a)), _sample_ids(run_b.meta[step], len(preds_b))
         for index, (a, b) in enumerate(
             zip(preds_a.reshape(len(preds_a), -1), preds_b.reshape(len(preds_b), -1), strict=True)
         ):
@@ -234,6 +265,12 @@ def prediction_rows(run_a: TrainingRun, run_b: TrainingRun) -> list[list[object]
                 ]
             )
     return rows
+
+
+def _sample_ids(meta: StepMeta, count: int) -> list[str]:
+    """A step's sample ids, padded with empty ones to ``count`` (the ids are the user's: any length)."""
+    ids = list(meta["sample_ids"] or [])
+    return ids + [""] * (count - len(ids))
 
 
 class _Names:
@@ -373,19 +410,20 @@ def rerun_training(
             f"{run.path}: holds the batches of steps {steps[:5]}...; a rerun needs every step's batch "
             "(record with capture-run --steps, or TrainingRecorder(all_batches=True))"
         )
-    _load_parameters(named, run.exact("initial/params"), f"{run.path}:/initial/params")
+    _load_parameters(named, run.exact(INITIAL_PARAMS), f"{run.path}:{INITIAL_PARAMS}")
     seed_everything(run.seed)
     model.train()
     recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=rename.parameter)
     with recorder:
         for step in steps:
             previous = step - 1
-            if resync and previous >= 0 and run.meta[previous].get("full", True):
-                _load_parameters(named, run.exact(f"steps/{previous:09d}/params"), f"{run.path}: step {previous}")
+            if resync and previous >= 0 and run.meta[previous]["full"]:
+                weights = run.exact(f"{step_group(previous)}/{PARAMS}")
+                _load_parameters(named, weights, f"{run.path}: step {previous}")
                 _load_optimizer(optimizer, named, run.optimizer_state(previous))
             batch = run.batch(step)
             loss = train_step(model, optimizer, batch)
-            if run.meta[step].get("full", True):
+            if run.meta[step]["full"]:
                 recorder.step(step, batch, loss=loss)
 
 

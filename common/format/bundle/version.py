@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Final
 
-from parity_harness.common.errors import BundleFormatError, UnsupportedBundleVersion
+from parity_harness.common.format.gate import FormatGate, parse_format_version
 
 __all__ = [
+    "BUNDLE_GATE",
     "FORMAT_MINOR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -23,17 +23,7 @@ FORMAT_MINOR: Final = 2
 """Minor version: bumped when fields are only added; older readers warn and go on."""
 
 
-def parse_format_version(value: object, *, where: str) -> int:
-    """Return a stored version attribute as a non-negative int, or raise ``BundleFormatError``."""
-    if isinstance(value, bool):
-        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected an integer")
-    try:
-        number: int = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError, OverflowError) as err:
-        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected an integer") from err
-    if number < 0 or number != value:
-        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected a non-negative integer")
-    return number
+BUNDLE_GATE: Final = FormatGate(FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR, noun="bundle", writer="capture-run")
 
 
 def check_compatible(name: object, major: int, minor: int, *, where: str) -> None:
@@ -43,22 +33,7 @@ def check_compatible(name: object, major: int, minor: int, *, where: str) -> Non
         BundleFormatError: ``name`` is not :data:`FORMAT_NAME`.
         UnsupportedBundleVersion: ``major`` is newer than :data:`FORMAT_VERSION`, or not positive.
     """
-    if name != FORMAT_NAME:
-        raise BundleFormatError(
-            f"{where}: not a parity-harness bundle (root attribute 'format' is {name!r}, "
-            f"expected {FORMAT_NAME!r}); pass a file written by capture-run"
-        )
-    if major > FORMAT_VERSION or major < 1:
-        raise UnsupportedBundleVersion(
-            f"{where}: bundle format version {major}.{minor} is not supported by this reader "
-            f"(it reads up to {FORMAT_VERSION}.x); upgrade parity-harness in this environment"
-        )
-    if major == FORMAT_VERSION and minor > FORMAT_MINOR:
-        warnings.warn(
-            f"{where}: bundle format {major}.{minor} is newer than this reader's "
-            f"{FORMAT_VERSION}.{FORMAT_MINOR}; fields added since are ignored",
-            stacklevel=2,
-        )
+    BUNDLE_GATE.check(name, major, minor, where=where, stacklevel=3)
 
 
 HARNESS_VERSION: Final = "0.1.0"
