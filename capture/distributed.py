@@ -42,6 +42,7 @@ __all__ = [
     "report_and_write_manifest",
 ]
 
+
 @dataclass(frozen=True)
 class RankContext:
     """This process's place in the job."""

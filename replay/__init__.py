@@ -41,5 +41,5 @@ _HOMES: Final = {
 
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
-        raise AttributeError(f"module 'replay' has no attribute {name!r}")
+        raise AttributeError(f"module 'parity_harness.replay' has no attribute {name!r}")
     return getattr(importlib.import_module(_HOMES[name]), name)

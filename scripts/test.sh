@@ -16,6 +16,8 @@ CAPTURE_VENV=${CAPTURE_VENV:-.venv-test-capture}
 [ -x "$CAPTURE_VENV/bin/python" ] || python3 -m venv "$CAPTURE_VENV"
 "$CAPTURE_VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0
 "$CAPTURE_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt numpy h5py msgpack click
+# The project itself, installed as a crowded reference environment gets it: no dependencies pulled.
+"$CAPTURE_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt --no-deps -e .
 export PARITY_CAPTURE_PYTHON=${PARITY_CAPTURE_PYTHON:-$PWD/$CAPTURE_VENV/bin/python}
 # With PARITY_WITH_NEMO=1 (CI sets it): a third environment with real NeMo (about 2.2 GB, a few
 # minutes to install) for tests/test_nemo.py; the replay side of those tests never imports NeMo.
@@ -25,6 +27,7 @@ if [ "${PARITY_WITH_NEMO:-0}" = 1 ]; then
   "$NEMO_VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0
   "$NEMO_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt \
     "nemo_toolkit[asr]==3.0.0" h5py msgpack click
+  "$NEMO_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt --no-deps -e .
   export PARITY_NEMO_PYTHON=${PARITY_NEMO_PYTHON:-$PWD/$NEMO_VENV/bin/python}
 fi
 exec "$VENV/bin/python" -m pytest "$@"

@@ -80,11 +80,12 @@ def judge(out: Path, earlier: str | None) -> str:
     return "a complete bundle"
 
 
-# Each case starts a worker (~4 s): one before and one after the first commit run by default, the
-# edges (first call, last call before a commit, first call after it, a third capture) with -m slow.
+# Each case starts a worker (~5 s): by default one kill inside the first capture over an earlier bundle
+# (it must stay byte for byte); with -m slow also an empty folder, a kill after a commit and the edges
+# (first call, last call before a commit, first call after it, a third capture).
 PAUSE_POINTS = [
     pytest.param(5, id="capture0"),
-    pytest.param(CALLS_PER_CAPTURE + 17, id="capture1"),
+    pytest.param(CALLS_PER_CAPTURE + 17, id="capture1", marks=pytest.mark.slow),
     *(
         pytest.param(n, id=f"call{n}", marks=pytest.mark.slow)
         for n in (0, CALLS_PER_CAPTURE - 1, CALLS_PER_CAPTURE, 2 * CALLS_PER_CAPTURE + 30)
@@ -92,7 +93,9 @@ PAUSE_POINTS = [
 ]
 
 
-@pytest.mark.parametrize("with_earlier", [False, True], ids=["empty", "over-earlier"])
+@pytest.mark.parametrize(
+    "with_earlier", [pytest.param(False, id="empty", marks=pytest.mark.slow), pytest.param(True, id="over-earlier")]
+)
 @pytest.mark.parametrize("pause_at", PAUSE_POINTS)
 def test_sigkill_at_a_known_moment_leaves_the_expected_file(tmp_path: Path, pause_at: int, with_earlier: bool) -> None:
     """Killed inside capture k's forward: before any commit the path holds nothing (or the earlier bundle,

@@ -83,6 +83,7 @@ def replay_all_ranks(out: Path, build: Callable[[], torch.nn.Module], rank: int 
             reader.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", ["ddp", "fsdp"])
 def test_data_parallel_capture_replays_in_one_process(tmp_path: Path, job: str) -> None:
     """Each rank writes its bundle, rank 0 the manifest; one process replays both ranks and everything matches:
@@ -111,6 +112,7 @@ def test_data_parallel_capture_replays_in_one_process(tmp_path: Path, job: str) 
         assert any("data parallel: gradients accumulated over the 2 ranks" in note for note in result.notes)
 
 
+@pytest.mark.slow
 def test_local_shards_are_recorded_and_put_back_together(tmp_path: Path) -> None:
     """shards=True: every rank writes its own half of each FSDP2 parameter and gradient (no all-gather);
     one process puts them back together and everything matches."""
@@ -134,6 +136,7 @@ def test_local_shards_are_recorded_and_put_back_together(tmp_path: Path) -> None
         assert all(r.match for r in result.param_values)
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_leaves_no_manifest(tmp_path: Path) -> None:
     """Rank 1 exits mid-forward: rank 0 fails with one clear error; no manifest or rank bundle exists.
 
@@ -149,6 +152,7 @@ def test_a_rank_that_dies_leaves_no_manifest(tmp_path: Path) -> None:
     assert all(name.startswith(".bundle.rank1.h5.") and name.endswith(".tmp") for name in left), left
 
 
+@pytest.mark.slow
 def test_replay_compare_cli_takes_the_manifest(tmp_path: Path, tiny_ckpt: Path) -> None:
     """replay-compare --bundle X.manifest.json (or the capture's --out path) replays every rank; --rank picks one."""
     out = tmp_path / "bundle.h5"
@@ -168,6 +172,7 @@ def test_replay_compare_cli_takes_the_manifest(tmp_path: Path, tiny_ckpt: Path) 
     assert "--rank 2: the capture ran 2 ranks (0..1)" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_manifest_with_a_missing_rank_file_is_refused(tmp_path: Path) -> None:
     """Copying the manifest without every rank file is a clear error naming the missing file."""
     out = tmp_path / "bundle.h5"
@@ -177,6 +182,7 @@ def test_a_manifest_with_a_missing_rank_file_is_refused(tmp_path: Path) -> None:
         read_manifest(manifest_path(out))
 
 
+@pytest.mark.slow
 def test_capture_run_under_torchrun(tmp_path: Path, tiny_ckpt: Path) -> None:
     """capture-run joins the job torchrun starts, wraps the model (--wrap ddp) and writes the manifest."""
     capture_run_script = Path(sys.executable).parent / "capture-run"
@@ -215,6 +221,7 @@ def test_wrap_without_torchrun_is_a_one_line_error(tmp_path: Path, tiny_ckpt: Pa
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [2, 3])
 def test_replay_compare_under_torchrun(tmp_path: Path, tiny_ckpt: Path, processes: int) -> None:
     """replay-compare under torchrun deals the capture's ranks over its processes, sums their gradients across

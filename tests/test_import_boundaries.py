@@ -212,3 +212,26 @@ def test_installed_packages_resolve_to_this_checkout(package: str) -> None:
     module = __import__(f"{NAMESPACE}.{package}", fromlist=["_"])
     assert module.__file__ is not None
     assert Path(module.__file__).resolve().parent == ROOT / package
+
+
+@pytest.mark.parametrize(
+    ("product", "absent"),
+    [
+        (
+            "replay.cli.ckpt_diff",
+            ("capture.record.recorder", "capture.storage", "capture.observe.hooks", "replay.compare"),
+        ),
+        ("replay.cli.train_diff", ("capture.record.recorder", "capture.storage", "replay.compare", "replay.diagnose")),
+        ("replay.testing.pytest_plugin", ("capture.record", "replay.compare", "torch")),
+    ],
+    ids=["ckpt-diff", "parity-train-diff", "pytest-plugin"],
+)
+def test_a_product_loads_only_what_it_uses(product: str, absent: tuple[str, ...]) -> None:
+    """Importing one product's entry point does not load another product's machinery (nor torch, for the plugin)."""
+    code = (
+        f"import sys, {NAMESPACE}.{product}; print('\\n'.join(n.removeprefix('parity_harness.') for n in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert [m for m in loaded if any(m == a or m.startswith(f"{a}.") for a in absent)] == []

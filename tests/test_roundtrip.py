@@ -44,11 +44,13 @@ def _assert_exact(report: dict) -> None:
     assert report["unmatched"] == {"bundle_only": [], "replay_only": []}
 
 
+@pytest.mark.slow
 def test_two_processes_match_exactly(tmp_path: Path, ref_checkpoint: Path) -> None:
     """capture-run in one process, replay-compare in another: every record matches with atol=rtol=0."""
     _assert_exact(_capture_then_replay(sys.executable, tmp_path, ref_checkpoint))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("PARITY_CAPTURE_PYTHON"), reason="set PARITY_CAPTURE_PYTHON to a second interpreter"
 )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -16,35 +15,12 @@ from parity_harness.capture.cli.shared import (
     handle_errors,
     resolve_adapter,
 )
-from parity_harness.capture.distributed import WRAPS, init_from_environment, leave_job, wrap_model
-from parity_harness.capture.models.adapters import Adapter, load_inputs_npz
-from parity_harness.capture.observe.driving import to_device
-from parity_harness.capture.record.recorder import capture_run
-from parity_harness.capture.record.training import record_training
-from parity_harness.common.errors import AdapterError, InputError
+from parity_harness.capture.distributed import WRAPS
+from parity_harness.capture.record.job import CaptureJob, CaptureOutcome, run_capture_job
+from parity_harness.capture.record.recorder import CaptureOptions
 from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection, parse_byte_size
-from parity_harness.common.format.manifest import manifest_path
 
 __all__ = ["main"]
-
-
-def _capture_training(
-    driver: Adapter,
-    model: Any,
-    out: str,
-    seed: int,
-    steps: int,
-    every: int,
-    batch_size: int,
-    seq_len: int,
-    overwrite: bool,
-) -> None:
-    make_optimizer, train_step = driver.training()
-    if driver.make_batches is None:
-        raise AdapterError(f"adapter {driver.name}: --steps needs make_batches(seed, steps, batch_size, seq_len)")
-    batches = list(driver.make_batches(seed, steps, batch_size, seq_len))
-    record_training(model, make_optimizer(model), batches, train_step, out, every=every, seed=seed, overwrite=overwrite)
-    click.echo(f"capture-run: wrote {out} ({len(batches)} training steps, weights every {every})")
 
 
 def _parse_lengths(value: str | None) -> list[int] | None:
@@ -177,30 +153,10 @@ def main(
             summary_only=summary_only,
             max_tensor_bytes=None if max_tensor_bytes is None else parse_byte_size(max_tensor_bytes),
         )
-        driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
-        context = init_from_environment(device)
-        if wrap != "none" and context is None:
-            raise InputError(f"--wrap {wrap} needs a distributed job: start capture-run with torchrun")
-        model = driver.model(ckpt, device)
-        if steps is not None:
-            _capture_training(driver, model, out, seed, steps, every, batch_size, seq_len, overwrite)
-            return
-        # Data-parallel ranks see different data: rank r's inputs are drawn from seed + r.
-        input_seed = seed + (context.rank if context else 0)
-        inputs = (
-            load_inputs_npz(inputs_file) if inputs_file else driver.inputs(input_seed, batch_size, seq_len, lengths)
-        )
-        model = wrap_model(model, wrap, device)
-        summary = capture_run(
-            model,
-            to_device(inputs, device),
-            out,
+        options = CaptureOptions(
             seed=seed,
-            forward=driver.forward,
-            loss=driver.loss,
             train_mode=train_mode,
             overwrite=overwrite,
-            run_info={"batch_size": batch_size, "seq_len": seq_len, "device": device, "adapter": driver.name},
             provenance=checkpoint_provenance(ckpt),
             noise_floor=noise_floor,
             selection=selection,
@@ -208,20 +164,33 @@ def main(
             checksums=not no_checksums,
             shards=shards,
         )
-        if context is not None:
-            leave_job()
+        driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+        job = CaptureJob(
+            driver, Path(out), ckpt, device, batch_size, seq_len, lengths, inputs_file, wrap, steps, every, options
+        )
+        outcome = run_capture_job(job)
+    _report(outcome, out, every, options)
+
+
+def _report(outcome: CaptureOutcome, out: str, every: int, options: CaptureOptions) -> None:
+    """What was written, in a few lines; a distributed job leaves right after (past gloo's teardown)."""
+    if outcome.training_steps is not None:
+        click.echo(f"capture-run: wrote {out} ({outcome.training_steps} training steps, weights every {every})")
+        return
+    summary = outcome.summary
+    assert summary is not None
     linked = f", {summary.linked} repeats stored as links" if summary.linked else ""
     click.echo(
         f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB{linked}, "
         f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
     )
-    if self_check:
+    if options.self_check:
         click.echo("capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones")
-    if not selection.is_everything:
-        click.echo(f"capture-run: selection: {selection.describe()}")
-    if context is not None and context.rank == 0:
-        click.echo(f"capture-run: wrote {manifest_path(Path(out))} ({context.world_size} ranks)")
-    if context is not None:  # gloo's threads can abort the interpreter's teardown: leave now, all written
+    if not options.selection.is_everything:
+        click.echo(f"capture-run: selection: {options.selection.describe()}")
+    if outcome.manifest is not None and outcome.context is not None:
+        click.echo(f"capture-run: wrote {outcome.manifest} ({outcome.context.world_size} ranks)")
+    if outcome.context is not None:  # gloo's threads can abort the interpreter's teardown: leave now, all written
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -6,10 +6,10 @@ error (one line on stderr; ``--debug`` shows the traceback).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import NoReturn
 
@@ -25,10 +25,9 @@ from parity_harness.capture.cli.shared import (
     resolve_adapter,
     write_report,
 )
-from parity_harness.capture.distributed import RankContext, init_from_environment, leave_job
-from parity_harness.common.errors import InputError
+from parity_harness.capture.distributed import leave_job
+from parity_harness.capture.models.adapters import Adapter
 from parity_harness.common.format.bundle.selection import Selection
-from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.numerics.tolerances import (
     DEFAULT_ATOL,
     DEFAULT_RTOL,
@@ -36,12 +35,12 @@ from parity_harness.common.numerics.tolerances import (
     ToleranceTable,
     parse_override,
 )
+from parity_harness.replay.compare.data_parallel import gather_verdicts
+from parity_harness.replay.compare.job import ReplayJob, ReplayOutcome, open_bundle_for_listing, run_replay_job
 from parity_harness.replay.compare.precision import PRECISIONS, Precision
-from parity_harness.replay.compare.runner import DataParallelRuns, compare_run
-from parity_harness.replay.naming.alignment import align_modules
-from parity_harness.replay.naming.mapping import RenameMap, read_map
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
-from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.compare.runner import ReplayOptions
+from parity_harness.replay.naming.alignment import ProposedMap
+from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.report.markdown import render_markdown
 from parity_harness.replay.report.plot import plot_errors
 from parity_harness.replay.report.progress import ProgressLine
@@ -229,139 +228,110 @@ def main(
     rank: int,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
-    if training or resync:
-        with handle_errors("replay-compare", debug):
-            rename = read_map(map_file) if map_file else RenameMap()
-            driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
-            comparison = replay_training(
-                driver,
-                driver.model(ckpt, device),
-                bundle,
-                rename=rename,
-                atol=atol,
-                rtol=rtol,
-                resync=resync,
-                params=params_filter,
-            )
-            note = "resynced before every step: each step's error is its own\n" if resync else ""
-            click.echo(note + render_table(comparison))
-            if json_path:
-                document = {**comparison.to_json(), "resync": resync}
-                write_report(json_path, json.dumps(document, indent=2, allow_nan=False) + "\n", "--json")
-        sys.exit(0 if comparison.first_diverging_step is None else 1)
-    with handle_errors("replay-compare", debug), ExitStack() as stack:
-        context = init_from_environment(device)  # under torchrun: this process's share of the ranks
-        manifest = find_manifest(Path(bundle))
-        if context is not None and manifest is None:
-            raise InputError(
-                f"{bundle}: under torchrun, --bundle must name a multi-rank capture (X.manifest.json); "
-                "replay a single bundle without torchrun"
-            )
-        if manifest and rank >= manifest.world_size:
-            raise InputError(
-                f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
-            )
-
-        def open_bundle(file: str | Path) -> BundleReader:
-            return stack.enter_context(BundleReader(file, verify=not no_verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
-
-        readers = [open_bundle(file) for file in manifest.files] if manifest else []
-        assigned = list(range(len(readers)))
-        if context is not None:  # capture ranks dealt round-robin over the replay's processes
-            assigned = [r for r in assigned if r % context.world_size == context.rank]
-            rank = assigned[0] if assigned else -1
-        reader = (readers[rank] if rank >= 0 else None) if manifest else open_bundle(bundle)
-        data_parallel = (
-            DataParallelRuns(
-                [readers[r] for r in assigned],
-                readers[manifest.params_from],
-                manifest.grad_reduction,
-                manifest.shards,
-                captured=readers,
-                across_processes=context is not None,
-            )
-            if manifest
-            else None
-        )
-        if reader is None:  # more replay processes than capture ranks: only take part in the reduction
-            assert context is not None
-            assert data_parallel is not None
-            model = resolve_adapter(adapter, model_spec, ckpt, trust_pickle).model(ckpt, device)
-            data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
-            _gather_verdicts(context, None, assigned)
+    if save_map and map_file != "auto":
+        raise click.UsageError("--save-map needs --map auto")
+    with handle_errors("replay-compare", debug):
         if list_only:
-            click.echo(render_listing(reader))
+            with open_bundle_for_listing(Path(bundle), rank=rank, verify=not no_verify) as reader:
+                click.echo(render_listing(reader))
             return
-        precision = Precision(cast_dtype, autocast_dtype)
-        tolerances = _tolerances(atol, rtol, equal_nan, overrides, preset, precision)
-        if save_map and map_file != "auto":
-            raise click.UsageError("--save-map needs --map auto")
-        rename = read_map(map_file) if map_file and map_file != "auto" else RenameMap()
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+        if training or resync:
+            sys.exit(
+                _replay_training(driver, ckpt, device, bundle, map_file, atol, rtol, resync, params_filter, json_path)
+            )
+        precision = Precision(cast_dtype, autocast_dtype)
         progress = ProgressLine("replay-compare", enabled=not quiet)
-        model = driver.model(ckpt, device)
-        if map_file == "auto":
-            proposal = align_modules(model, reader, forward=driver.forward, device=device)
-            click.echo(render_proposal(proposal))
-            if save_map:
-                write_report(save_map, proposal.to_text(), "--save-map")
-            rename = proposal.rename_map()
-        result = compare_run(
-            model,
-            reader,
-            forward=driver.forward,
-            loss=driver.loss,
-            tolerances=tolerances,
-            rename=rename,
+        options = ReplayOptions(
+            tolerances=_tolerances(atol, rtol, equal_nan, overrides, preset, precision),
             device=device,
             provenance=checkpoint_provenance(ckpt),
             isolate=isolate,
-            isolation_inputs=driver.isolation_inputs,
-            to_reference=driver.to_reference,
             progress=progress,
             noise_factor=noise_factor,
             mask_padding=mask_padding,
             layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
-            data_parallel=data_parallel,
             precision=precision,
             compile_backend=compile_backend,
             compiled_module_records=compile_per_module,
         )
+        job = ReplayJob(Path(bundle), driver, ckpt, options, map_file, verify=not no_verify, rank=rank)
+        outcome = run_replay_job(job, on_proposal=functools.partial(_show_proposal, save_map=save_map))
         progress.close()
-        if context is not None and context.rank != 0:  # rank 0 prints; the others report to it
-            _gather_verdicts(context, result, assigned)
-        click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
-        if json_path:
-            write_report(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
-        if report_path:
-            write_report(report_path, render_markdown(result, bundle), "--report")
-        if plot_path:
-            plot_errors(result, plot_path)
-        if context is not None:
-            _gather_verdicts(context, result, assigned)
-    sys.exit(0 if result.match else 1)
+        if outcome.result is not None and (outcome.context is None or outcome.context.rank == 0):
+            _render(outcome.result, bundle, show, max_rows, json_path, report_path, plot_path)
+    if outcome.context is not None:  # every process reports to rank 0, which prints one line per process
+        _finish_distributed(outcome)
+    sys.exit(0 if outcome.result is not None and outcome.result.match else 1)
 
 
-def _gather_verdicts(context: RankContext, result: ComparisonResult | None, assigned: list[int]) -> NoReturn:
-    """Every replay process's verdict to rank 0, which prints one line per process; exits with the code of all."""
-    import torch.distributed as dist
+def _show_proposal(proposal: ProposedMap, save_map: str | None) -> None:
+    click.echo(render_proposal(proposal))
+    if save_map:
+        write_report(save_map, proposal.to_text(), "--save-map")
 
-    mine = (context.rank, assigned, None if result is None else result.match)
-    verdicts: list[tuple[int, list[int], bool | None] | None] = [None] * context.world_size
-    dist.all_gather_object(verdicts, mine)
+
+def _render(
+    result: ComparisonResult,
+    bundle: str,
+    show: str,
+    max_rows: int,
+    json_path: str | None,
+    report_path: str | None,
+    plot_path: str | None,
+) -> None:
+    """The table on the terminal and every report file asked for."""
+    click.echo(render_result(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
+    if json_path:
+        write_report(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
+    if report_path:
+        write_report(report_path, render_markdown(result, bundle), "--report")
+    if plot_path:
+        plot_errors(result, plot_path)
+
+
+def _replay_training(
+    driver: Adapter,
+    ckpt: str | None,
+    device: str,
+    bundle: str,
+    map_file: str | None,
+    atol: float,
+    rtol: float,
+    resync: bool,
+    params: str | None,
+    json_path: str | None,
+) -> int:
+    """``--steps``: rerun the port's training on the recorded batches; the exit code."""
+    rename = read_map(map_file) if map_file else None
+    comparison = replay_training(
+        driver, driver.model(ckpt, device), bundle, rename=rename, atol=atol, rtol=rtol, resync=resync, params=params
+    )
+    note = "resynced before every step: each step's error is its own\n" if resync else ""
+    click.echo(note + render_table(comparison))
+    if json_path:
+        document = {**comparison.to_json(), "resync": resync}
+        write_report(json_path, json.dumps(document, indent=2, allow_nan=False) + "\n", "--json")
+    return 0 if comparison.first_diverging_step is None else 1
+
+
+def _finish_distributed(outcome: ReplayOutcome) -> NoReturn:
+    """Gather every replay process's verdict; rank 0 prints one line per process; exit with the code of all."""
+    context = outcome.context
+    assert context is not None
+    match = None if outcome.result is None else outcome.result.match
+    verdicts = gather_verdicts(context.rank, context.world_size, outcome.assigned, match)
     leave_job()
     if context.rank == 0:
-        for entry in verdicts:
-            assert entry is not None
-            process, ranks, match = entry
-            if match is None:
+        for process, ranks, matched in verdicts:
+            if matched is None:
                 click.echo(f"replay process {process}: nothing to replay (the capture ran fewer ranks)")
             else:
-                verdict = "MATCH" if match else "MISMATCH"
+                verdict = "MATCH" if matched else "MISMATCH"
                 click.echo(
                     f"replay process {process}: capture ranks {ranks}: {verdict} (module records of rank {ranks[0]})"
                 )
-    code = 0 if all(entry is not None and entry[2] is not False for entry in verdicts) else 1
+    code = 0 if len(verdicts) == context.world_size and all(v[2] is not False for v in verdicts) else 1
     # Leave now: gloo's threads can abort the interpreter's teardown (SIGABRT), turning a verdict into a crash.
     sys.stdout.flush()
     sys.stderr.flush()

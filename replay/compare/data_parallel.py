@@ -16,7 +16,10 @@ from parity_harness.replay.diagnose.isolation import LayoutTransform
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordResult, diff_tensor
 
-__all__ = ["DataParallelRuns", "untapped_run"]
+__all__ = ["DataParallelRuns", "Verdict", "gather_verdicts", "untapped_run"]
+
+Verdict = tuple[int, list[int], bool | None]
+"""A replay process's (process rank, capture ranks it replayed, match or None when it had none)."""
 
 
 @dataclass(frozen=True)
@@ -116,3 +119,12 @@ def untapped_run(
         outputs = call_forward(model, precision.inputs(to_device(run.rebuild(run.index.inputs), device)), forward)
     scratch = ComparisonResult(tolerances=ToleranceTable())
     backward_as_recorded(run, outputs, loss, scratch, transform)
+
+
+def gather_verdicts(process: int, world_size: int, assigned: list[int], match: bool | None) -> list[Verdict]:
+    """Every replay process's verdict, on every process (a collective: each process calls it once)."""
+    import torch.distributed as dist
+
+    verdicts: list[Verdict | None] = [None] * world_size
+    dist.all_gather_object(verdicts, (process, assigned, match))
+    return [verdict for verdict in verdicts if verdict is not None]

@@ -83,6 +83,7 @@ def test_marker_and_ini_tolerances(pytester: pytest.Pytester) -> None:
     pytester.runpytest().assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_golden_captured_by_capture_run_in_another_process(pytester: pytest.Pytester) -> None:
     """A golden bundle written by capture-run in another process is what the fixture compares with."""
     test_file = _write(pytester)

@@ -1,0 +1,147 @@
+"""Parameters, backward and gradients of a capture: parameters written from their own memory, the loss or
+seeded cotangent backpropagated, each gradient stored as soon as autograd accumulates it (gathered or
+sharded in a distributed job)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from parity_harness.capture.distributed import (
+    RankContext,
+    full_tensor,
+    local_shard,
+)
+from parity_harness.capture.observe.driving import (
+    LossFn,
+    make_cotangents,
+)
+from parity_harness.capture.record.sink import nbytes
+from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.errors import InputError
+from parity_harness.common.format.bundle.layout import (
+    BACKWARD,
+    GRADS,
+    PARAMS,
+    escape_dotted,
+)
+from parity_harness.common.format.bundle.schema import BackwardMode, TensorRef, Tree
+from parity_harness.common.format.bundle.selection import Selection
+
+__all__ = ["GradientStream", "run_backward", "write_params"]
+
+
+def write_params(
+    writer: BundleWriter,
+    model: torch.nn.Module,
+    selection: Selection,
+    context: RankContext | None,
+    shard_dims: dict[str, int | None],
+) -> dict[str, TensorRef]:
+    """Parameters: unchanged until the capture ends, so written without a copy.
+
+    In a distributed job every rank gathers sharded parameters (a collective) and rank 0 writes;
+    with ``shards`` every rank writes its local shard and ``shard_dims`` gets the split dimension.
+    """
+    if not selection.records("params"):
+        return {}
+    refs = {}
+    for name, param in model.named_parameters():
+        value, dim = _for_this_rank(param.detach(), context)
+        if value is None:
+            continue
+        if context is not None and context.shards:
+            shard_dims[name] = dim
+        path = f"{PARAMS}/{escape_dotted(name)}"
+        if selection.as_statistics(nbytes(value)):
+            refs[name] = writer.write_summary(path, value)
+        else:
+            refs[name] = writer.write_tensor(path, value, stable=True)
+    return refs
+
+
+class GradientStream:
+    """Store each parameter's gradient as soon as autograd has accumulated it, while backward goes on.
+
+    A parameter used several times accumulates several times; each accumulation hands the
+    gradient over again, and :meth:`finish` hands over the final ones, so only a gradient that
+    changed after its last hand-over is written twice. In a distributed job gradients are
+    reduced by the wrapper (DDP, FSDP) during backward: they are gathered after it, every rank
+    taking part, and rank 0 writes them.
+    """
+
+    def __init__(
+        self, writer: BundleWriter, model: torch.nn.Module, selection: Selection, context: RankContext | None
+    ) -> None:
+        self._writer, self._selection, self._context = writer, selection, context
+        self._params = list(model.named_parameters()) if selection.records("param-grads") else []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> GradientStream:
+        if self._context is not None:
+            return self
+        for name, param in self._params:
+            if param.requires_grad and not self._selection.as_statistics(nbytes(param)):
+                hook = functools.partial(self._hand_over, name)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _hand_over(self, name: str, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._writer.write_provisional(f"{GRADS}/{escape_dotted(name)}", param.grad)
+
+    def finish(self) -> dict[str, TensorRef]:
+        """The final gradients' references, in parameter order."""
+        refs = {}
+        for name, param in self._params:
+            grad, path = param.grad, f"{GRADS}/{escape_dotted(name)}"
+            if grad is None:
+                continue
+            if self._context is not None:
+                grad, _ = _for_this_rank(grad, self._context)
+                if grad is None:
+                    continue
+            if self._selection.as_statistics(nbytes(grad)):
+                refs[name] = self._writer.write_summary(path, grad)
+            else:
+                refs[name] = self._writer.write_provisional(path, grad)
+        return refs
+
+
+def _for_this_rank(tensor: torch.Tensor, context: RankContext | None) -> tuple[torch.Tensor | None, int | None]:
+    """What this rank records of a parameter or gradient, and the dimension it is split along.
+
+    All of it when alone; with ``shards`` its local shard; otherwise the gathered tensor on
+    rank 0 and nothing elsewhere (gathering is a collective every rank takes part in).
+    """
+    if context is None:
+        return tensor, None
+    if context.shards:
+        return local_shard(tensor)
+    gathered = full_tensor(tensor)
+    return (gathered if context.rank == 0 else None), None
+
+
+def run_backward(
+    writer: BundleWriter, outputs: Any, seed: int, loss: LossFn | None
+) -> tuple[BackwardMode, Tree | None, Tree | None]:
+    """Backpropagate the loss or a seeded cotangent; return the mode and what was used."""
+    if loss is not None:
+        value = loss(outputs)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise InputError(f"adapter loss(outputs) returned {type(value).__name__}, expected a scalar tensor")
+        tree = writer.write_tensor(f"{BACKWARD}/loss", value).to_tree()
+        value.backward()  # type: ignore[no-untyped-call]
+        return "loss", None, tree
+    triples = make_cotangents(outputs, seed)
+    if not triples:
+        return "none", None, None
+    pairs = [[slot, writer.write_tensor(f"{BACKWARD}/cotangent/{slot}", cot).to_tree()] for slot, _, cot in triples]
+    torch.autograd.backward([out for _, out, _ in triples], [cot for _, _, cot in triples])
+    return "cotangent", ["D", pairs], None

@@ -1,0 +1,161 @@
+"""The whole ``replay-compare`` job as one library call: open the bundle (or this process's share of a
+multi-rank capture), load the port through its adapter, align names if asked, and compare."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from parity_harness.capture.distributed import RankContext, init_from_environment
+from parity_harness.capture.models.adapters import Adapter
+from parity_harness.common.errors import InputError
+from parity_harness.common.format.manifest import Manifest, find_manifest
+from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.data_parallel import DataParallelRuns
+from parity_harness.replay.compare.runner import ReplayOptions, compare_run
+from parity_harness.replay.naming.alignment import ProposedMap, align_modules
+from parity_harness.replay.naming.mapping import read_map
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
+
+__all__ = ["RankPlan", "ReplayJob", "ReplayOutcome", "open_bundle_for_listing", "run_replay_job"]
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """What ``replay-compare`` was asked to do (everything but how to render it)."""
+
+    bundle: Path
+    """A bundle, or a multi-rank capture's ``X.manifest.json`` (or its ``X.h5`` when only the manifest exists)."""
+    adapter: Adapter
+    ckpt: str | None = None
+    options: ReplayOptions = field(default_factory=ReplayOptions)
+    map_spec: str | None = None
+    """A ``--map`` file, or ``auto`` to align the two runs' module calls."""
+    verify: bool = True
+    rank: int = 0
+    """Of a multi-rank capture: the rank whose module records are compared (single-process replay)."""
+
+
+@dataclass
+class ReplayOutcome:
+    """What a job produced: the comparison (None for a process with no capture rank to replay)."""
+
+    result: ComparisonResult | None
+    proposal: ProposedMap | None = None
+    context: RankContext | None = None
+    """Under torchrun: this process's place in the replay job."""
+    assigned: list[int] = field(default_factory=list)
+    """Under torchrun: the capture ranks this process replayed."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Which bundle this process compares record by record, and the data-parallel runs around it."""
+
+    reader: BundleReader | None
+    data_parallel: DataParallelRuns | None
+    context: RankContext | None
+    assigned: list[int]
+
+
+def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None] | None = None) -> ReplayOutcome:
+    """Replay the port on the job's bundle and compare every record.
+
+    Args:
+        job: the bundle, the port's adapter and the replay options.
+        on_proposal: told the ``--map auto`` proposal before the comparison runs (to show or save it).
+
+    Raises:
+        ParityError: a bundle, manifest, map, checkpoint or adapter problem (exit code 2 in the CLI).
+    """
+    device = job.options.device
+    with ExitStack() as stack:
+        plan = plan_ranks(job, stack)
+        model = job.adapter.model(job.ckpt, device)
+        if plan.reader is None:  # more replay processes than capture ranks: only take part in the reduction
+            assert plan.data_parallel is not None
+            plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
+            return ReplayOutcome(None, context=plan.context, assigned=plan.assigned)
+        options, proposal = _naming(job, model, plan.reader)
+        if proposal is not None and on_proposal is not None:
+            on_proposal(proposal)
+        options = dataclasses.replace(options, data_parallel=plan.data_parallel, **_adapter_hooks(job.adapter))
+        result = compare_run(model, plan.reader, options)
+        return ReplayOutcome(result, proposal, plan.context, plan.assigned)
+
+
+def _adapter_hooks(adapter: Adapter) -> dict[str, object]:
+    return {
+        "forward": adapter.forward,
+        "loss": adapter.loss,
+        "isolation_inputs": adapter.isolation_inputs,
+        "to_reference": adapter.to_reference,
+    }
+
+
+def _naming(job: ReplayJob, model: torch.nn.Module, reader: BundleReader) -> tuple[ReplayOptions, ProposedMap | None]:
+    """The rename map: read from ``--map FILE``, or proposed by aligning the two runs (``--map auto``)."""
+    if job.map_spec is None:
+        return job.options, None
+    if job.map_spec != "auto":
+        return dataclasses.replace(job.options, rename=read_map(job.map_spec)), None
+    proposal = align_modules(model, reader, forward=job.adapter.forward, device=job.options.device)
+    return dataclasses.replace(job.options, rename=proposal.rename_map()), proposal
+
+
+def plan_ranks(job: ReplayJob, stack: ExitStack) -> RankPlan:
+    """Open the bundle, or every rank of a multi-rank capture with this process's share dealt round-robin."""
+    context = init_from_environment(job.options.device)  # under torchrun: this process's share of the ranks
+    manifest = find_manifest(job.bundle)
+    _check_rank_request(job, manifest, context)
+    if manifest is None:
+        return RankPlan(_open(job, job.bundle, stack), None, None, [])
+    readers = [_open(job, file, stack) for file in manifest.files]
+    assigned = list(range(len(readers)))
+    rank = job.rank
+    if context is not None:  # capture ranks dealt round-robin over the replay's processes
+        assigned = [r for r in assigned if r % context.world_size == context.rank]
+        rank = assigned[0] if assigned else -1
+    data_parallel = DataParallelRuns(
+        [readers[r] for r in assigned],
+        readers[manifest.params_from],
+        manifest.grad_reduction,
+        manifest.shards,
+        captured=readers,
+        across_processes=context is not None,
+    )
+    return RankPlan(readers[rank] if rank >= 0 else None, data_parallel, context, assigned)
+
+
+def _check_rank_request(job: ReplayJob, manifest: Manifest | None, context: RankContext | None) -> None:
+    if context is not None and manifest is None:
+        raise InputError(
+            f"{job.bundle}: under torchrun, --bundle must name a multi-rank capture (X.manifest.json); "
+            "replay a single bundle without torchrun"
+        )
+    if manifest and job.rank >= manifest.world_size:
+        raise InputError(
+            f"--rank {job.rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
+        )
+
+
+def _open(job: ReplayJob, file: str | Path, stack: ExitStack) -> BundleReader:
+    return stack.enter_context(BundleReader(file, verify=job.verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
+
+
+@contextmanager
+def open_bundle_for_listing(bundle: Path, *, rank: int = 0, verify: bool = True) -> Iterator[BundleReader]:
+    """The bundle ``replay-compare --list`` shows: the file itself, or rank ``rank`` of a multi-rank capture."""
+    manifest = find_manifest(bundle)
+    if manifest is not None and rank >= manifest.world_size:
+        raise InputError(f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})")
+    path = manifest.rank_file(rank) if manifest is not None else bundle
+    with BundleReader(path, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
+        yield reader
