@@ -19,7 +19,10 @@ from parity_harness.replay.cli.replay_compare import main as replay_main
 from tests.conftest import ROOT
 
 NEMO_PYTHON = os.environ.get("PARITY_NEMO_PYTHON")
-pytestmark = pytest.mark.skipif(not NEMO_PYTHON, reason="set PARITY_NEMO_PYTHON to an interpreter with NeMo")
+pytestmark = [
+    pytest.mark.slow,  # NeMo's import alone takes ~20 s per subprocess
+    pytest.mark.skipif(not NEMO_PYTHON, reason="set PARITY_NEMO_PYTHON to an interpreter with NeMo"),
+]
 PORT = ROOT / "tests" / "nemo" / "nemo_ctc_port.py"
 
 
