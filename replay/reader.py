@@ -17,7 +17,7 @@ import contextlib
 import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 import torch
 
-from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError
 from parity_harness.common.format.bundle.layout import (
     ATTR_DTYPE,
     ATTR_FORMAT,
@@ -39,6 +39,7 @@ from parity_harness.common.format.bundle.layout import (
 from parity_harness.common.format.bundle.migrations import migrate
 from parity_harness.common.format.bundle.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
 from parity_harness.common.format.bundle.version import FORMAT_VERSION, check_compatible, parse_format_version
+from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.packing import unpack
 from parity_harness.replay.preflight import preflight as walk_in_child
@@ -157,18 +158,9 @@ class BundleReader:
 
     # ------------------------------------------------------------- access
 
-    @contextlib.contextmanager
-    def _damage_guard(self, where: str) -> Iterator[None]:
-        """Turn whatever h5py or HDF5 raises on a damaged file into one BundleFormatError naming the file."""
-        try:
-            yield
-        except ParityError:
-            raise
-        except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, OverflowError) as err:
-            message = str(err).replace("\n", " ")[:200]
-            raise BundleFormatError(
-                f"{self.path}:{where}: the file is damaged ({type(err).__name__}: {message}); copy or capture it again"
-            ) from err
+    def _damage_guard(self, where: str) -> contextlib.AbstractContextManager[None]:
+        """Whatever h5py raises on a damaged file, as one BundleFormatError naming the file."""
+        return damage_guard(self.path, where)
 
     def provenance(self) -> dict[str, str]:
         """The capturing environment's provenance strings."""

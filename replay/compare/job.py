@@ -86,18 +86,21 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         options, proposal = _naming(job, model, plan.reader)
         if proposal is not None and on_proposal is not None:
             on_proposal(proposal)
-        options = dataclasses.replace(options, data_parallel=plan.data_parallel, **_adapter_hooks(job.adapter))
+        options = _with_adapter(options, job.adapter, plan.data_parallel)
         result = compare_run(model, plan.reader, options)
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)
 
 
-def _adapter_hooks(adapter: Adapter) -> dict[str, object]:
-    return {
-        "forward": adapter.forward,
-        "loss": adapter.loss,
-        "isolation_inputs": adapter.isolation_inputs,
-        "to_reference": adapter.to_reference,
-    }
+def _with_adapter(options: ReplayOptions, adapter: Adapter, data_parallel: DataParallelRuns | None) -> ReplayOptions:
+    """The options with the port adapter's hooks and the data-parallel runs filled in."""
+    return dataclasses.replace(
+        options,
+        forward=adapter.forward,
+        loss=adapter.loss,
+        isolation_inputs=adapter.isolation_inputs,
+        to_reference=adapter.to_reference,
+        data_parallel=data_parallel,
+    )
 
 
 def _naming(job: ReplayJob, model: torch.nn.Module, reader: BundleReader) -> tuple[ReplayOptions, ProposedMap | None]:

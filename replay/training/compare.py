@@ -7,8 +7,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ import torch
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.observe.driving import seed_everything
 from parity_harness.capture.record.training import TrainingRecorder, TrainStep
-from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError, ParityError
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError
+from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_float64
 from parity_harness.common.format.training import (
     ATTR_DTYPE,
@@ -74,19 +74,9 @@ class TrainingRun:
         self.initial: InitialMeta = header.initial
         self.meta: dict[int, StepMeta] = header.steps
 
-    @contextmanager
-    def _damage_guard(self, where: str) -> Iterator[None]:
-        """Turn whatever h5py or HDF5 raises on a damaged file into one BundleFormatError naming the file."""
-        try:
-            yield
-        except ParityError:
-            raise
-        except (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, OverflowError) as err:
-            message = str(err).replace("\n", " ")[:200]
-            raise BundleFormatError(
-                f"{self.path}:{where}: the training file is damaged ({type(err).__name__}: {message}); "
-                "copy or record it again"
-            ) from err
+    def _damage_guard(self, where: str) -> AbstractContextManager[None]:
+        """Whatever h5py raises on a damaged file, as one BundleFormatError naming the file."""
+        return damage_guard(self.path, where, noun="training file", fix="copy or record it again")
 
     def tensors(self, step: int, group: str) -> dict[str, np.ndarray]:
         """``params`` / ``grads`` / ``optimizer`` / ``predictions`` of a step as float64, by (nested) name."""
