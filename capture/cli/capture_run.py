@@ -11,7 +11,6 @@ import click
 from parity_harness.capture.cli.shared import (
     OneLineErrors,
     adapter_options,
-    checkpoint_provenance,
     handle_errors,
     resolve_adapter,
 )
@@ -157,7 +156,6 @@ def main(
             seed=seed,
             train_mode=train_mode,
             overwrite=overwrite,
-            provenance=checkpoint_provenance(ckpt),
             noise_floor=noise_floor,
             selection=selection,
             self_check=self_check,

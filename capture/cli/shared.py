@@ -17,7 +17,6 @@ from parity_harness.capture.models.adapters import (
     load_adapter,
     model_factory_adapter,
 )
-from parity_harness.capture.record.provenance import file_sha256
 from parity_harness.common.errors import ParityError
 from parity_harness.common.format.atomic import write_text_atomically
 
@@ -25,7 +24,6 @@ __all__ = [
     "OneLineErrors",
     "Tol",
     "adapter_options",
-    "checkpoint_provenance",
     "fail",
     "handle_errors",
     "resolve_adapter",
@@ -98,11 +96,6 @@ def resolve_adapter(
     raise click.UsageError("give --adapter FILE.py|MODULE|hf|nemo or --model MODULE:FACTORY (or a TorchScript --ckpt)")
 
 
-def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
-    """Provenance entries naming the checkpoint and its SHA-256."""
-    return {"checkpoint": str(ckpt or ""), "checkpoint_sha256": file_sha256(ckpt) if ckpt else ""}
-
-
 def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     """Options shared by both CLIs: how to load and drive the model."""
     options = [
@@ -152,4 +145,4 @@ class Tol(click.ParamType):  # type: ignore[type-arg]
 
 def write_report(path: str, text: str, option: str) -> None:
     """Write a report file so that a reader never sees half of it; a failure names the option."""
-    write_text_atomically(path, text, what=f"{option} {path}")
+    write_text_atomically(path, text, what=f"{option} {path}", noun="report")

@@ -9,6 +9,7 @@ from pathlib import Path
 from parity_harness.capture.distributed import RankContext, init_from_environment, leave_job, wrap_model
 from parity_harness.capture.models.adapters import Adapter, load_inputs_npz
 from parity_harness.capture.observe.driving import to_device
+from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.capture.record.recorder import CaptureOptions, CaptureSummary, capture_run
 from parity_harness.capture.record.training import record_training
 from parity_harness.common.errors import AdapterError, InputError
@@ -78,11 +79,13 @@ def run_capture_job(job: CaptureJob) -> CaptureOutcome:
 
 
 def _adapter_fields(job: CaptureJob) -> dict[str, object]:
+    """The adapter's hooks, what the run was asked for, and the checkpoint's hash (read only now: it may be big)."""
     run_info = {"batch_size": job.batch_size, "seq_len": job.seq_len, "device": job.device, "adapter": job.adapter.name}
     return {
         "forward": job.adapter.forward,
         "loss": job.adapter.loss,
         "run_info": {**run_info, **job.options.run_info},
+        "provenance": {**checkpoint_provenance(job.ckpt), **job.options.provenance},
     }
 
 

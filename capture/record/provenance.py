@@ -17,7 +17,7 @@ import torch
 from parity_harness.common.format.bundle.version import HARNESS_VERSION
 from parity_harness.common.format.dtypes import tag_of
 
-__all__ = ["file_sha256", "model_provenance", "snapshot"]
+__all__ = ["checkpoint_provenance", "file_sha256", "model_provenance", "snapshot"]
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -65,3 +65,8 @@ def model_provenance(model: torch.nn.Module) -> dict[str, str]:
         "param_dtypes": ",".join(sorted({tag_of(p.dtype) for p in params})),
         "param_count": str(sum(p.numel() for p in params)),
     }
+
+
+def checkpoint_provenance(ckpt: str | None) -> dict[str, str]:
+    """Provenance entries naming the checkpoint and its SHA-256 (empty strings without one)."""
+    return {"checkpoint": str(ckpt or ""), "checkpoint_sha256": file_sha256(ckpt) if ckpt else ""}

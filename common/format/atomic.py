@@ -31,17 +31,17 @@ def commit(tmp: Path, target: Path, *, overwrite: bool) -> None:
         os.link(tmp, target)  # fails if the target appeared meanwhile: never clobber
     except FileExistsError as err:
         tmp.unlink(missing_ok=True)
-        raise BundleExistsError(f"{target}: already exists; pass --overwrite to replace it") from err
+        raise BundleExistsError(f"{target}: file appeared during capture; pass --overwrite") from err
     except OSError:  # a file system without hard links: the check and the rename are then two steps
         if target.exists():
             tmp.unlink(missing_ok=True)
-            raise BundleExistsError(f"{target}: already exists; pass --overwrite to replace it") from None
+            raise BundleExistsError(f"{target}: file exists; pass --overwrite to replace it") from None
         os.replace(tmp, target)
         return
     tmp.unlink()
 
 
-def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str) -> None:
+def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str, noun: str = "file") -> None:
     """Write ``text`` to ``path`` (replacing it) all at once.
 
     Raises:
@@ -53,4 +53,4 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str)
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise InputError(f"{what}: cannot write the file: {err}") from err
+        raise InputError(f"{what}: cannot write the {noun}: {err}") from err

@@ -20,7 +20,6 @@ from parity_harness.capture.cli.shared import (
     OneLineErrors,
     Tol,
     adapter_options,
-    checkpoint_provenance,
     handle_errors,
     resolve_adapter,
     write_report,
@@ -228,24 +227,24 @@ def main(
     rank: int,
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
-    if save_map and map_file != "auto":
-        raise click.UsageError("--save-map needs --map auto")
     with handle_errors("replay-compare", debug):
+        if training or resync:
+            driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
+            sys.exit(
+                _replay_training(driver, ckpt, device, bundle, map_file, atol, rtol, resync, params_filter, json_path)
+            )
         if list_only:
             with open_bundle_for_listing(Path(bundle), rank=rank, verify=not no_verify) as reader:
                 click.echo(render_listing(reader))
             return
+        if save_map and map_file != "auto":
+            raise click.UsageError("--save-map needs --map auto")
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
-        if training or resync:
-            sys.exit(
-                _replay_training(driver, ckpt, device, bundle, map_file, atol, rtol, resync, params_filter, json_path)
-            )
         precision = Precision(cast_dtype, autocast_dtype)
         progress = ProgressLine("replay-compare", enabled=not quiet)
         options = ReplayOptions(
             tolerances=_tolerances(atol, rtol, equal_nan, overrides, preset, precision),
             device=device,
-            provenance=checkpoint_provenance(ckpt),
             isolate=isolate,
             progress=progress,
             noise_factor=noise_factor,
@@ -260,8 +259,8 @@ def main(
         progress.close()
         if outcome.result is not None and (outcome.context is None or outcome.context.rank == 0):
             _render(outcome.result, bundle, show, max_rows, json_path, report_path, plot_path)
-    if outcome.context is not None:  # every process reports to rank 0, which prints one line per process
-        _finish_distributed(outcome)
+        if outcome.context is not None:  # every process reports to rank 0, which prints one line per process
+            _finish_distributed(outcome)
     sys.exit(0 if outcome.result is not None and outcome.result.match else 1)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from parity_harness.capture.distributed import RankContext, init_from_environment
 from parity_harness.capture.models.adapters import Adapter
+from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
@@ -86,19 +87,20 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         options, proposal = _naming(job, model, plan.reader)
         if proposal is not None and on_proposal is not None:
             on_proposal(proposal)
-        options = _with_adapter(options, job.adapter, plan.data_parallel)
+        options = _with_adapter(job, options, plan.data_parallel)
         result = compare_run(model, plan.reader, options)
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)
 
 
-def _with_adapter(options: ReplayOptions, adapter: Adapter, data_parallel: DataParallelRuns | None) -> ReplayOptions:
-    """The options with the port adapter's hooks and the data-parallel runs filled in."""
+def _with_adapter(job: ReplayJob, options: ReplayOptions, data_parallel: DataParallelRuns | None) -> ReplayOptions:
+    """The options with the port adapter's hooks, the data-parallel runs and the checkpoint's hash filled in."""
     return dataclasses.replace(
         options,
-        forward=adapter.forward,
-        loss=adapter.loss,
-        isolation_inputs=adapter.isolation_inputs,
-        to_reference=adapter.to_reference,
+        provenance={**checkpoint_provenance(job.ckpt), **(options.provenance or {})},
+        forward=job.adapter.forward,
+        loss=job.adapter.loss,
+        isolation_inputs=job.adapter.isolation_inputs,
+        to_reference=job.adapter.to_reference,
         data_parallel=data_parallel,
     )
 

@@ -16,7 +16,7 @@ from parity_harness.replay.ckpt_diff.diff import SYMBOLS, CheckpointDiff, Tensor
 
 __all__ = ["FORMATS", "SORT_KEYS", "render", "render_csv", "render_html", "render_markdown", "render_text"]
 
-FORMATS: Final = ("text", "json", "csv", "markdown", "html")
+FORMATS: Final = ("text", "json", "markdown", "csv", "html")
 
 SORT_KEYS: Final = ("relative_change", "l2", "max_abs", "fraction_changed", "name")
 

@@ -322,6 +322,22 @@ def test_list_shows_contents_without_a_model(tiny_bundle: Path) -> None:
     assert "== Module calls (14)" in out
 
 
+def test_list_ignores_comparison_only_options(tiny_bundle: Path, tmp_path: Path) -> None:
+    """--list runs nothing, so options of the comparison (--save-map without --map auto) do not stop it."""
+    result = replay("--bundle", tiny_bundle, "--list", "--save-map", tmp_path / "m.map")
+    assert result.exit_code == 0, result.output
+    assert "== Module calls (14)" in result.stdout
+
+
+def test_an_unwritable_report_is_one_line_naming_the_option(tiny_bundle: Path, tmp_path: Path) -> None:
+    """A --json path in a missing folder (after the table) is one error line naming the option and the report."""
+    target = tmp_path / "missing" / "r.json"
+    result = replay("--bundle", tiny_bundle, "--model", TINY, "--json", target)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(f"replay-compare: error: --json {target}: cannot write the report")
+
+
 def test_list_of_a_damaged_bundle_exits_2(tmp_path: Path) -> None:
     """--list on a file that is not a bundle is an error line, exit 2."""
     path = tmp_path / "notes.h5"
