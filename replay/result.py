@@ -18,7 +18,17 @@ from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 if TYPE_CHECKING:
     from parity_harness.replay.reader import BundleReader
 
-__all__ = ["KINDS", "ComparisonResult", "RecordKind", "RecordResult", "diff_record", "diff_tensor"]
+__all__ = [
+    "KINDS",
+    "ComparisonResult",
+    "KindCoverage",
+    "RecordKind",
+    "RecordResult",
+    "Verdict",
+    "diff_record",
+    "diff_tensor",
+    "kind_of_module_record",
+]
 
 RecordKind = Literal["output", "param_grad", "forward", "backward"]
 Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
@@ -27,6 +37,38 @@ inputs; ``inherited`` out of tolerance only because its inputs already differed;
 the first difference is in what the port *fed* the module (glue code of its parent);
 ``not isolated`` out of tolerance, but the module could not be run in isolation."""
 KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
+ResultVerdict = Literal["MATCH", "MISMATCH", "INCOMPLETE"]
+"""``INCOMPLETE``: every compared record matches, but recorded ones were left uncompared without a waiver."""
+
+
+def kind_of_module_record(name: str) -> RecordKind:
+    """``module/call/slot`` -> ``forward`` (inputs, outputs) or ``backward`` (grad_output, grad_input)."""
+    return "backward" if name.rsplit("/", 1)[-1].startswith("grad_") else "forward"
+
+
+@dataclass(frozen=True)
+class KindCoverage:
+    """How much of what the reference recorded of one kind was compared."""
+
+    compared: int
+    missing: tuple[str, ...] = ()
+    """Recorded, not compared, not waived: the run is incomplete."""
+    waived: tuple[tuple[str, str], ...] = ()
+    """Recorded and not compared on purpose: (name, why)."""
+
+    @property
+    def recorded(self) -> int:
+        """Everything of this kind the bundle holds (within the capture's own selection)."""
+        return self.compared + len(self.missing) + len(self.waived)
+
+    def to_json(self) -> dict[str, object]:
+        """The ``coverage`` entry of one kind in ``--json``."""
+        return {
+            "recorded": self.recorded,
+            "compared": self.compared,
+            "waived": len(self.waived),
+            "missing": sorted(self.missing),
+        }
 
 
 def diff_record(
@@ -143,11 +185,54 @@ class ComparisonResult:
     """Whether ``--isolate`` ran: records then carry ``local`` and ``verdict``."""
     not_isolated: dict[str, str] = field(default_factory=dict)
     """Module -> why it could not be run in isolation."""
+    missing_kinds: dict[str, RecordKind] = field(default_factory=dict)
+    """Kind of each bundle record left uncompared (the names of ``bundle_only``)."""
+    waived: dict[str, tuple[RecordKind, str]] = field(default_factory=dict)
+    """Bundle records not compared on purpose: name -> (kind, why)."""
+
+    def add_missing(self, kind: RecordKind, names: list[str]) -> None:
+        """Bundle records of ``kind`` the replay did not compare (unless waived later)."""
+        self.bundle_only.extend(names)
+        self.missing_kinds.update(dict.fromkeys(names, kind))
+
+    def waive(self, name: str, kind: RecordKind, why: str) -> None:
+        """Record that a bundle record is not compared on purpose (it no longer counts as missing)."""
+        self.waived[name] = (kind, why)
+        if name in self.missing_kinds:
+            del self.missing_kinds[name]
+            self.bundle_only.remove(name)
+
+    @property
+    def complete(self) -> bool:
+        """Every recorded tensor (within the capture's selection) was compared or explicitly waived."""
+        return not self.bundle_only
 
     @property
     def match(self) -> bool:
-        """True when every compared record matches."""
-        return all(record.match for record in self.records)
+        """True only when the run is complete and every compared record matches."""
+        return self.complete and all(record.match for record in self.records)
+
+    @property
+    def verdict(self) -> ResultVerdict:
+        """``MATCH``; ``MISMATCH`` when a compared record differs; ``INCOMPLETE`` when records went uncompared."""
+        if not all(record.match for record in self.records):
+            return "MISMATCH"
+        return "MATCH" if self.complete else "INCOMPLETE"
+
+    def coverage(self) -> dict[RecordKind, KindCoverage]:
+        """Per kind: compared, missing (unwaived) and waived records."""
+
+        def kind_of(name: str) -> RecordKind:
+            return self.missing_kinds.get(name) or kind_of_module_record(name)
+
+        return {
+            kind: KindCoverage(
+                compared=len(self.of_kind(kind)),
+                missing=tuple(n for n in self.bundle_only if kind_of(n) == kind),
+                waived=tuple((n, why) for n, (k, why) in self.waived.items() if k == kind),
+            )
+            for kind in KINDS
+        }
 
     def of_kind(self, kind: RecordKind) -> list[RecordResult]:
         """Records of one kind, in execution order."""
@@ -178,6 +263,9 @@ class ComparisonResult:
         origin = {kind: self.first_origin(kind) for kind in ("forward", "backward")}
         return {
             "match": self.match,
+            "verdict": self.verdict,
+            "complete": self.complete,
+            "coverage": {kind: coverage.to_json() for kind, coverage in self.coverage().items()},
             "first_divergence": {kind: (r.module if r else None) for kind, r in first.items()},
             "first_divergence_record": {kind: (r.name if r else None) for kind, r in first.items()},
             "first_origin": {kind: (r.module if r else None) for kind, r in origin.items()},

@@ -17,7 +17,7 @@ import numpy as np
 
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["TensorDiff", "diff_arrays"]
+__all__ = ["TensorDiff", "diff_arrays", "unmatchable"]
 
 
 @dataclass(frozen=True)
@@ -326,14 +326,20 @@ def _scaled_cosine(e: np.ndarray, a: np.ndarray) -> float:
 
 
 def _shape_problem(expected: np.ndarray, actual: np.ndarray, tags: tuple[str, str]) -> TensorDiff:
-    nan = math.nan
+    problem = f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    return unmatchable(tuple(expected.shape), tags[0], tags[1], problem)
+
+
+def unmatchable(shape: tuple[int, ...], dtype: str, actual_dtype: str, problem: str) -> TensorDiff:
+    """A record that cannot match whatever its values (another shape, no tensor at all): every element counts."""
+    nan, numel = math.nan, int(np.prod(shape, dtype=np.int64)) if shape else 1
     return TensorDiff(
         match=False,
-        shape=tuple(expected.shape),
-        dtype=tags[0],
-        actual_dtype=tags[1],
-        numel=int(expected.size),
-        mismatched=int(expected.size),
+        shape=shape,
+        dtype=dtype,
+        actual_dtype=actual_dtype,
+        numel=numel,
+        mismatched=numel,
         max_abs=nan,
         max_abs_index=None,
         max_rel=nan,
@@ -341,7 +347,7 @@ def _shape_problem(expected: np.ndarray, actual: np.ndarray, tags: tuple[str, st
         cosine=nan,
         required_atol=math.inf,
         required_rtol=math.inf,
-        problem=f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}",
+        problem=problem,
     )
 
 

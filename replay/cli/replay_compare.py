@@ -7,6 +7,7 @@ error (one line on stderr; ``--debug`` shows the traceback).
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import sys
@@ -140,6 +141,18 @@ def _tolerances(
     help="Compare module records only of modules (bundle names) matching, or with a parent matching. Repeatable.",
 )
 @click.option("--skip-layers", multiple=True, metavar="GLOB", help="Do not compare module records of these modules.")
+@click.option(
+    "--waive",
+    multiple=True,
+    metavar="GLOB",
+    help="Recorded tensors (bundle names) not to compare: counted as waived, not missing. Repeatable.",
+)
+@click.option(
+    "--waive-module",
+    multiple=True,
+    metavar="MODULE",
+    help="Waive one module's own records (bundle name), not its children's. Repeatable.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option(
     "--steps", "training", is_flag=True, help="The bundle is a training run: rerun the port's training on its batches."
@@ -214,6 +227,8 @@ def main(
     mask_padding: bool,
     layers: tuple[str, ...],
     skip_layers: tuple[str, ...],
+    waive: tuple[str, ...],
+    waive_module: tuple[str, ...],
     quiet: bool,
     training: bool,
     params_filter: str | None,
@@ -250,6 +265,7 @@ def main(
             noise_factor=noise_factor,
             mask_padding=mask_padding,
             layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
+            waive=(*waive, *(f"{glob.escape(module)}/*" for module in waive_module)),
             precision=precision,
             compile_backend=compile_backend,
             compiled_module_records=compile_per_module,

@@ -15,6 +15,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.common.errors import AdapterError, InputError
 from parity_harness.common.format.bundle.schema import TensorRef, Tree, iter_tensors
 from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import padding_mask, recorded_lengths
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
@@ -29,6 +30,7 @@ __all__ = [
     "backward_as_recorded",
     "compare_named",
     "compared_modules",
+    "gradient_presence",
     "mapped_parameters",
     "slots",
     "unvisited_module_records",
@@ -153,11 +155,34 @@ def compare_named(
     return records, replay_only, [name for name in expected if name not in seen]
 
 
-def add_named(result: ComparisonResult, compared: tuple[list[RecordResult], list[str], list[str]]) -> None:
+def add_named(
+    result: ComparisonResult, kind: RecordKind, compared: tuple[list[RecordResult], list[str], list[str]]
+) -> None:
+    """Compared records into the result; bundle names left unpaired count as missing records of ``kind``."""
     records, replay_only, bundle_only = compared
     result.records += records
     result.replay_only += replay_only
-    result.bundle_only += bundle_only
+    result.add_missing(kind, bundle_only)
+
+
+def gradient_presence(
+    model: torch.nn.Module, rename: RenameMap, grads: dict[str, TensorRef], params: dict[str, TensorRef]
+) -> list[RecordResult]:
+    """A mismatch record for each parameter with a gradient on one side only (frozen, detached or unused)."""
+    records = []
+    for name, param in model.named_parameters():
+        mapped = rename.parameter(name)
+        if mapped is None:
+            continue
+        ref = grads.get(mapped)
+        if ref is not None and param.grad is None:
+            problem = "no gradient in the port (requires_grad=False, detached or unused?)"
+            records.append(RecordResult("param_grad", mapped, unmatchable(ref.shape, ref.tag, "-", problem)))
+        elif ref is None and param.grad is not None and mapped in params and grads:
+            problem = "no gradient in the reference, but the port has one"
+            shape, tag = params[mapped].shape, params[mapped].tag
+            records.append(RecordResult("param_grad", mapped, unmatchable(shape, tag, tag, problem)))
+    return records
 
 
 def mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -> list[tuple[str, torch.Tensor]]:
@@ -180,9 +205,8 @@ def backward_as_recorded(
             raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
         value = loss(outputs)
         assert index.loss is not None
-        add_named(
-            result, compare_named(reader, result.tolerances, "output", [("loss", value)], slots(index.loss, "loss"))
-        )
+        loss_slots = slots(index.loss, "loss")
+        add_named(result, "output", compare_named(reader, result.tolerances, "output", [("loss", value)], loss_slots))
         value.backward()  # type: ignore[no-untyped-call]
         return
     if index.run.backward == "none" or index.cotangent is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 from dataclasses import dataclass
 from typing import Any, cast
@@ -31,6 +32,7 @@ from parity_harness.replay.compare.records import (
     backward_as_recorded,
     compare_named,
     compared_modules,
+    gradient_presence,
     mapped_parameters,
     slots,
     unvisited_module_records,
@@ -41,7 +43,7 @@ from parity_harness.replay.diagnose.verdicts import apply_isolation
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult
+from parity_harness.replay.result import ComparisonResult, kind_of_module_record
 
 __all__ = ["DataParallelRuns", "Progress", "ReplayOptions", "compare_run"]
 
@@ -77,6 +79,8 @@ class ReplayOptions:
             what gets compiled, so module records are compared only with
             ``compiled_module_records`` (hooks on the compiled model); outputs, parameters and
             gradients always.
+        waive: globs of bundle record names not to compare; they count as waived, not missing
+            (``MODULE/*`` waives a module's own records, not its children's).
     """
 
     forward: ForwardFn | None = None
@@ -96,6 +100,8 @@ class ReplayOptions:
     precision: Precision | None = None
     compile_backend: str | None = None
     compiled_module_records: bool = False
+    waive: tuple[str, ...] = ()
+    """Globs of bundle record names not to compare (``MODULE/*``: a module's own records, not its children's)."""
 
 
 def compare_run(
@@ -152,6 +158,7 @@ class _ReplaySession:
         self.port = model if backend is None else cast(torch.nn.Module, torch.compile(model, backend=backend))
         self.module_records = backend is None or options.compiled_module_records
         self.sink: ComparingSink | None = None
+        _check_layer_filters(options.layers, reader)
 
     def _tolerances(self) -> ToleranceTable:
         """The tolerance table, checked against what the bundle holds."""
@@ -199,15 +206,14 @@ class _ReplaySession:
         inputs = self.precision.inputs(to_device(self.reader.rebuild(self.index.inputs), self.target))
         seed_everything(self.index.run.seed)
         self.sink = ComparingSink(self.reader, self.result, options.progress, self.transform, options.mask_padding)
-        compared = compared_modules(self.rename, recorded, options.layers)
-        tap = ModuleTap(self.model, self.sink, record_backward=recorded.records("grads"), rename=compared)
+        wanted = compared_modules(self.rename, recorded, options.layers)
+        tap = ModuleTap(self.model, self.sink, record_backward=recorded.records("grads"), rename=wanted)
         with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
         expected = slots(self.index.outputs, "output")
-        add_named(
-            self.result, compare_named(self.reader, self.result.tolerances, "output", live, expected, self.transform)
-        )
+        compared = compare_named(self.reader, self.result.tolerances, "output", live, expected, self.transform)
+        add_named(self.result, "output", compared)
         backward_as_recorded(self.reader, outputs, options.loss, self.result, self.transform)
 
     def compare_gradients(self) -> None:
@@ -217,22 +223,55 @@ class _ReplaySession:
         grads = mapped_parameters(self.model, self.rename, grads=True)
         tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
         if data_parallel and data_parallel.shards:
-            add_named(self.result, data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform))
-            return
-        expected = self.weights.index.grads
-        add_named(self.result, compare_named(self.weights, tolerances, "param_grad", grads, expected, self.transform))
+            compared = data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform)
+        else:
+            expected = self.weights.index.grads
+            compared = compare_named(self.weights, tolerances, "param_grad", grads, expected, self.transform)
+        index = self.weights.index
+        one_sided = gradient_presence(self.model, self.rename, index.grads, index.params)
+        names = {record.name for record in one_sided}
+        records, replay_only, bundle_only = compared
+        add_named(
+            self.result,
+            "param_grad",
+            (
+                records + one_sided,
+                [n for n in replay_only if n not in names],
+                [n for n in bundle_only if n not in names],
+            ),
+        )
 
     def account_for_unvisited(self) -> None:
-        """Module records the port never produced, unless left out on purpose (layers, hidden wrappers)."""
-        if not self.module_records or self.sink is None:
+        """Module records the port never produced: missing, or waived when left out on purpose (--layers,
+        --skip-layers, wrappers the port does not have, --compile without module records)."""
+        if self.sink is None:
             return
         wanted = self.options.layers or Selection()
         hidden = self.rename.hidden if isinstance(self.rename, WrapperRenameMap) else frozenset()
-        self.result.bundle_only.extend(
-            name
-            for name in unvisited_module_records(self.reader, self.sink.seen)
-            if wanted.records_module(name.split("/")[0]) and name.split("/")[0] not in hidden
-        )
+        for name in unvisited_module_records(self.reader, self.sink.seen):
+            module, kind = name.split("/")[0], kind_of_module_record(name)
+            if not self.module_records:
+                self.result.waive(name, kind, "--compile compares no module records (--compile-per-module does)")
+            elif not wanted.records_module(module):
+                self.result.waive(name, kind, f"left out by {self.options.layers.describe()}")  # type: ignore[union-attr]
+            elif module in hidden:
+                self.result.waive(name, kind, "a wrapper the port does not have")
+            else:
+                self.result.add_missing(kind, [name])
+        self._apply_waivers()
+
+    def _apply_waivers(self) -> None:
+        """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error."""
+        for pattern in (*self.rename.waivers, *self.options.waive):
+            hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
+            if not hits and not any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
+                raise InputError(
+                    f"waiver {pattern!r} (--waive or a map's 'waive' line) matches no record left uncompared; the "
+                    "uncompared ones are "
+                    f"{sorted(self.result.bundle_only)[:5]}{' ...' if len(self.result.bundle_only) > 5 else ''}"
+                )
+            for name in hits:
+                self.result.waive(name, self.result.missing_kinds[name], f"waived by {pattern}")
 
     def note_what_was_left_out(self) -> None:
         """Notes on what was compared differently or not at all, for the report."""
@@ -268,6 +307,21 @@ class _ReplaySession:
             forward_context=functools.partial(self.precision.forward, self.target),
         )
         apply_isolation(self.result, isolation)
+
+
+def _check_layer_filters(layers: Selection | None, reader: BundleReader) -> None:
+    """A --layers or --skip-layers pattern that selects no recorded module is a mistake (a typo), not a pass."""
+    if layers is None:
+        return
+    modules = {call.module for call in reader.index.calls}
+    for option, patterns in (("--layers", layers.layers), ("--skip-layers", layers.skip_layers)):
+        for pattern in patterns:
+            if not any(Selection(layers=(pattern,)).records_module(module) for module in modules):
+                shown = ", ".join(sorted(modules)[:5]) + (" ..." if len(modules) > 5 else "")
+                raise InputError(
+                    f"{option} {pattern!r} matches no module recorded in {reader.path} (bundle names, e.g. {shown}); "
+                    "see replay-compare --list"
+                )
 
 
 def _note_selection(result: ComparisonResult, reader: BundleReader, layers: Selection | None) -> None:

@@ -4,6 +4,10 @@ One rule per line, ``REGEX => REPLACEMENT``; the first rule whose regex matches 
 path wins; ``\\1`` refers to groups; a replacement of ``-`` means "no counterpart in the
 bundle"; ``#`` starts a comment; a path no rule matches keeps its name. A parameter's name is its
 module's mapped path plus the parameter's own name.
+
+A line ``waive GLOB`` names bundle records (bundle naming, shell-style glob) that the port has no
+counterpart for: they are not compared and count as waived, not missing (``MODULE/*``: a module's own
+records, not its children's).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ __all__ = ["RenameMap", "parse_map", "read_map"]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
+_WAIVE = "waive"
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class RenameMap:
     """Ordered rename rules; an empty map renames nothing."""
 
     rules: tuple[tuple[re.Pattern[str], str], ...] = field(default_factory=tuple)
+    waivers: tuple[str, ...] = ()
+    """Globs of bundle record names the port has no counterpart for (``waive GLOB`` lines)."""
 
     def module(self, path: str) -> str | None:
         """The bundle's name for a module path, or None when it has no counterpart."""
@@ -77,10 +84,29 @@ def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> 
         ) from err
 
 
+def _parse_waiver(line: str, number: int, source: str) -> str | None:
+    """``waive GLOB``: the glob, or None when the line is not a waiver."""
+    text = line.split("#", 1)[0].strip()
+    keyword, _, glob = text.partition(" ")
+    if keyword != _WAIVE:
+        return None
+    if not glob.strip() or _SEPARATOR in glob:
+        raise MapFileError(
+            f"{source}:{number}: expected 'waive GLOB' (a bundle record name pattern), got {line.strip()!r}"
+        )
+    return glob.strip()
+
+
 def parse_map(text: str, source: str = "<map>") -> RenameMap:
-    """Parse the text of a map file."""
-    rules = [_parse_rule(line, n, source) for n, line in enumerate(text.splitlines(), start=1)]
-    return RenameMap(tuple(rule for rule in rules if rule is not None))
+    """Parse the text of a map file: rename rules and ``waive`` lines."""
+    rules, waivers = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        waiver = _parse_waiver(line, number, source)
+        if waiver is not None:
+            waivers.append(waiver)
+        elif (rule := _parse_rule(line, number, source)) is not None:
+            rules.append(rule)
+    return RenameMap(tuple(rules), tuple(waivers))
 
 
 def read_map(path: str | os.PathLike[str]) -> RenameMap:

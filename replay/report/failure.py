@@ -25,11 +25,11 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
     headline = (
         f"port does not match {bundle}: {len(failing)} of {len(result.records)} records out of tolerance "
         f"(atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+        + ("" if result.complete else f", {len(result.bundle_only)} recorded tensor(s) not compared")
     )
-    lines = [
-        headline,
-        tabulate(rows, headers=["kind", *record_headers(result.isolated)], disable_numparse=True),
-    ]
+    lines = [headline]
+    if rows:
+        lines.append(tabulate(rows, headers=["kind", *record_headers(result.isolated)], disable_numparse=True))
     if len(failing) > max_rows:
         lines.append(f"... and {len(failing) - max_rows} more failing records")
     for kind in _DIRECTIONS:
@@ -41,6 +41,20 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
             origin = result.first_origin(kind)
             lines.append(f"first origin ({kind}): {origin.module if origin else 'none'}")
     needed = max((r.diff.required_atol for r in failing), default=0.0)
-    if math.isfinite(needed):
+    if failing and math.isfinite(needed):
         lines.append(f"tolerance that would have passed: atol={needed:.3g} at rtol={tolerance.rtol:g}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *_uncompared(result, max_rows)])
+
+
+def _uncompared(result: ComparisonResult, max_rows: int) -> list[str]:
+    """The recorded tensors nobody compared: an incomplete run never passes."""
+    if result.complete:
+        return []
+    missing = sorted(result.bundle_only)
+    shown = ", ".join(missing[:max_rows]) + (
+        f", ... ({len(missing) - max_rows} more)" if len(missing) > max_rows else ""
+    )
+    return [
+        f"INCOMPLETE: {len(missing)} recorded tensor(s) were not compared: {shown}",
+        "pair them with map= (a map file), or waive them: waive=(GLOB, ...) or a 'waive GLOB' line in the map",
+    ]

@@ -57,7 +57,10 @@ def render_markdown(result: ComparisonResult, bundle: str) -> str:
         "",
         _table(summary, ["kind", "compared", "matched", "mismatched", "match rate"]),
         "",
-        f"Records only in the bundle: {len(result.bundle_only)}; only in the replay: {len(result.replay_only)}.",
+        (
+            f"Recorded but not compared: {len(result.bundle_only)}; waived: {len(result.waived)}; "
+            f"only in the replay: {len(result.replay_only)}."
+        ),
         "",
         *_where(result),
     ]

@@ -136,11 +136,15 @@ def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) 
 
 def _summary(result: ComparisonResult) -> list[str]:
     rows = []
+    coverage = result.coverage()
     for kind, (compared, matched) in result.counts().items():
         rate = f"{100.0 * matched / compared:.2f}%" if compared else "-"
-        rows.append([kind, compared, matched, compared - matched, rate])
-    lines = ["== Summary ==", tabulate(rows, headers=["kind", "compared", "matched", "mismatched", "match rate"])]
-    lines += _unmatched("only in the bundle", result.bundle_only)
+        cover = coverage[kind]
+        rows.append([kind, compared, matched, compared - matched, rate, len(cover.waived), len(cover.missing)])
+    headers = ["kind", "compared", "matched", "mismatched", "match rate", "waived", "not compared"]
+    lines = ["== Summary ==", tabulate(rows, headers=headers)]
+    for kind, cover in coverage.items():
+        lines += _unmatched(f"{kind}: recorded but", cover.missing)
     lines += _unmatched("only in the replay", result.replay_only)
     lines += [_divergence(result, "forward"), _divergence(result, "backward")]
     if result.isolated:
@@ -205,17 +209,25 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
 
 
 def result_line(result: ComparisonResult) -> str:
-    """``RESULT: MATCH|MISMATCH (tolerances)``."""
+    """``RESULT: MATCH|MISMATCH|INCOMPLETE (tolerances)``, and for INCOMPLETE what to do about it."""
     tolerance = result.tolerances.default
-    verdict = "MATCH" if result.match else "MISMATCH"
+    verdict = result.verdict
     if result.noise_factor is not None:
-        return (
-            f"RESULT: {verdict} (judged against {result.noise_factor:g} x the reference's float64 noise floor "
-            f"+ atol={tolerance.atol:g}; records without a floor: atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+        judged = (
+            f"judged against {result.noise_factor:g} x the reference's float64 noise floor "
+            f"+ atol={tolerance.atol:g}; records without a floor: atol={tolerance.atol:g}, rtol={tolerance.rtol:g}"
         )
-    if result.tolerances.per_dtype is not None:
-        return f"RESULT: {verdict} (torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan})"
-    return f"RESULT: {verdict} (atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan})"
+    elif result.tolerances.per_dtype is not None:
+        judged = f"torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan}"
+    else:
+        judged = f"atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan}"
+    line = f"RESULT: {verdict} ({judged})"
+    if verdict == "INCOMPLETE":
+        line += (
+            f"\n{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
+            "or waive them with --waive GLOB (or --layers/--skip-layers)"
+        )
+    return line
 
 
 def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:

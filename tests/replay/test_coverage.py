@@ -1,0 +1,165 @@
+"""Coverage is part of the verdict: every recorded tensor is compared or explicitly waived, else no MATCH."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from torch import nn
+from torch.nn import functional as F
+
+from parity_harness.common.errors import InputError, MapFileError, ParityMismatch
+from parity_harness.replay.assertions import assert_parity
+from parity_harness.replay.cli.replay_compare import main
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.naming.mapping import parse_map
+from parity_harness.replay.reader import BundleReader
+from tests.cli_helpers import one_error_line
+from tests.models import Block, build_tiny
+
+HERE = Path(__file__).resolve()
+
+
+class FunctionalBlock(Block):
+    """The same block computing ReLU as a function: the port has no ``act`` module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.lin(self.norm(x)))
+
+
+def build_functional() -> nn.Module:
+    """TinyNet whose blocks have no activation module (same weights, same numbers)."""
+    model = build_tiny()
+    for block in model.blocks:
+        block.__class__ = FunctionalBlock
+        del block.act
+    return model
+
+
+def build_frozen() -> nn.Module:
+    """TinyNet with the head's bias frozen: it gets no gradient."""
+    model = build_tiny()
+    model.head.bias.requires_grad_(False)
+    return model
+
+
+def replay(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_a_port_without_a_module_is_incomplete_not_a_match(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Records of a module the port lacks are listed as not compared; exit 1 and RESULT: INCOMPLETE, never MATCH."""
+    report = tmp_path / "r.json"
+    result = replay("--bundle", tiny_bundle, "--model", f"{HERE}:build_functional", "--json", report)
+    assert result.exit_code == 1, result.output
+    assert "RESULT: INCOMPLETE" in result.stdout
+    assert "RESULT: MATCH" not in result.stdout
+    document = json.loads(report.read_text())
+    assert (document["match"], document["complete"], document["verdict"]) == (False, False, "INCOMPLETE")
+    forward = document["coverage"]["forward"]
+    assert "blocks.0.act/0/output" in forward["missing"]
+    assert forward["recorded"] == forward["compared"] + forward["waived"] + len(forward["missing"])
+    assert all(record["match"] for record in document["records"])
+
+
+def test_waiving_the_missing_module_makes_it_a_match(tiny_bundle: Path, tmp_path: Path) -> None:
+    """--waive-module waives a module's own records: they count as waived and the verdict is MATCH."""
+    report = tmp_path / "r.json"
+    waivers = ["--waive-module", "blocks.0.act", "--waive-module", "blocks.1.act"]
+    result = replay("--bundle", tiny_bundle, "--model", f"{HERE}:build_functional", *waivers, "--json", report)
+    assert result.exit_code == 0, result.output
+    document = json.loads(report.read_text())
+    assert document["complete"]
+    assert document["verdict"] == "MATCH"
+    assert document["coverage"]["forward"]["waived"] > 0
+    assert document["coverage"]["forward"]["missing"] == []
+
+
+def test_waive_module_does_not_waive_its_children(tiny_bundle: Path) -> None:
+    """--waive-module blocks.0 covers blocks.0's own records, not its act child's: those stay missing (exit 2 here,
+    since blocks.0's own records were all compared and the waiver is stale)."""
+    result = replay("--bundle", tiny_bundle, "--model", f"{HERE}:build_functional", "--waive-module", "blocks.0")
+    assert "waiver 'blocks.0/*'" in one_error_line("replay-compare", result)
+    with BundleReader(tiny_bundle) as reader:
+        partial = compare_run(build_functional(), reader, waive=("blocks.1.act/*",))
+    assert partial.verdict == "INCOMPLETE"
+    assert {name.split("/")[0] for name in partial.bundle_only} == {"blocks.0.act"}
+
+
+def test_a_map_file_carries_waivers(tiny_bundle: Path) -> None:
+    """'waive GLOB' lines of a map file waive like --waive."""
+    rename = parse_map("# the port computes ReLU as a function\nwaive blocks.*.act/*\n")
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_functional(), reader, rename=rename)
+    assert result.match
+    assert all(why == "waived by blocks.*.act/*" for _, why in result.waived.values())
+
+
+@pytest.mark.parametrize("line", ["waive", "waive   # nothing", "waive a => b"], ids=["empty", "comment", "arrow"])
+def test_a_malformed_waive_line_is_a_map_error(line: str) -> None:
+    """A waive line without a glob (or with a rename arrow) is refused with its line number."""
+    with pytest.raises(MapFileError, match=r"<map>:1: expected 'waive GLOB'"):
+        parse_map(line)
+
+
+def test_a_waiver_that_matches_nothing_is_an_error(tiny_bundle: Path) -> None:
+    """A stale or misspelt waiver (nothing left uncompared matches it) is exit 2, not silently ignored."""
+    line = one_error_line(
+        "replay-compare", replay("--bundle", tiny_bundle, "--model", f"{HERE}:build_tiny_port", "--waive", "blokcs*")
+    )
+    assert "'blokcs*'" in line
+    assert "matches no record left uncompared" in line
+
+
+def build_tiny_port() -> nn.Module:
+    """The reference itself, as a port."""
+    return build_tiny()
+
+
+@pytest.mark.parametrize("option", ["--layers", "--skip-layers"])
+def test_a_layer_filter_that_selects_nothing_is_an_error(tiny_bundle: Path, option: str) -> None:
+    """A typo in --layers no longer compares zero module records and passes: exit 2 naming the pattern."""
+    result = replay("--bundle", tiny_bundle, "--model", f"{HERE}:build_tiny_port", option, "blokcs.*")
+    line = one_error_line("replay-compare", result)
+    assert f"{option} 'blokcs.*' matches no module recorded" in line
+
+
+def test_layer_filters_count_as_waived(tiny_bundle: Path) -> None:
+    """Module records left out by --layers are waived (with the reason), so the run is complete."""
+    from parity_harness.common.format.bundle.selection import Selection
+
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_tiny(), reader, layers=Selection(layers=("blocks.1",)))
+    assert result.match
+    assert result.complete
+    assert result.coverage()["forward"].waived
+    assert all("left out by modules matching blocks.1" in why for _, why in result.waived.values())
+
+
+def test_a_frozen_parameter_is_a_mismatch_of_its_own(tiny_bundle: Path, tmp_path: Path) -> None:
+    """A parameter with a gradient in the reference and none in the port is a failing record saying so."""
+    report = tmp_path / "r.json"
+    result = replay("--bundle", tiny_bundle, "--model", f"{HERE}:build_frozen", "--json", report)
+    assert result.exit_code == 1, result.output
+    records = {r["name"]: r for r in json.loads(report.read_text())["records"]}
+    assert records["head.bias"]["match"] is False
+    assert "no gradient in the port" in result.stdout
+    assert json.loads(report.read_text())["complete"]
+
+
+def test_assert_parity_fails_an_incomplete_run(tiny_bundle: Path) -> None:
+    """assert_parity (and so the parity fixture) raises on an incomplete run and lists what was not compared."""
+    with pytest.raises(ParityMismatch, match=r"INCOMPLETE: 12 recorded tensor\(s\) were not compared: blocks\.0\.act"):
+        assert_parity(build_functional(), tiny_bundle)
+    assert_parity(build_functional(), tiny_bundle, waive=("blocks.*.act/*",))
+
+
+def test_compare_run_raises_input_error_for_a_bad_filter(tiny_bundle: Path) -> None:
+    """The library raises InputError (the CLI's exit 2) for a filter that selects nothing."""
+    from parity_harness.common.format.bundle.selection import Selection
+
+    with BundleReader(tiny_bundle) as reader, pytest.raises(InputError, match="matches no module"):
+        compare_run(build_tiny(), reader, layers=Selection(skip_layers=("nope",)))
