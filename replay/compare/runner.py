@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -40,7 +42,7 @@ from parity_harness.replay.compare.records import (
 from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.verdicts import apply_isolation
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, kind_of_module_record
@@ -287,6 +289,17 @@ class _ReplaySession:
         if self.wrapper_note:
             notes.append(self.wrapper_note)
         _note_selection(self.result, self.reader, options.layers)
+        if options.data_parallel is None:
+            notes += _rank_file_warning(self.reader)
+        if options.rename is not None:
+            port_names = [
+                *(path for path, _ in self.model.named_modules()),
+                *(n for n, _ in self.model.named_parameters()),
+            ]
+            notes += [
+                f"WARNING: map rule '{rule}' matches no module or parameter of the port"
+                for rule in unused_rules(options.rename, port_names)
+            ]
         if options.mask_padding and self.sink is not None:
             notes.append(f"padding: positions past the recorded lengths left out of {self.sink.masked_records} records")
         _warn_if_mostly_unpaired(self.result)
@@ -322,6 +335,21 @@ def _check_layer_filters(layers: Selection | None, reader: BundleReader) -> None
                     f"{option} {pattern!r} matches no module recorded in {reader.path} (bundle names, e.g. {shown}); "
                     "see replay-compare --list"
                 )
+
+
+def _rank_file_warning(reader: BundleReader) -> list[str]:
+    """One rank of a multi-rank capture replayed on its own: say what it is and what to replay instead."""
+    extra = reader.index.run.extra
+    world, rank = extra.get("world_size"), extra.get("rank")
+    if not isinstance(world, int) or world < 2:
+        return []
+    stem = re.sub(r"\.rank\d+$", "", Path(reader.path).stem)
+    manifest = Path(reader.path).with_name(f"{stem}.manifest.json")
+    warning = (
+        f"WARNING: {reader.path} is rank {rank} of a {world}-rank capture: its parameter gradients were reduced "
+        f"over every rank's inputs, which this rank's alone do not reproduce; replay {manifest} (every rank) instead"
+    )
+    return [warning]
 
 
 def _note_selection(result: ComparisonResult, reader: BundleReader, layers: Selection | None) -> None:

@@ -3,7 +3,8 @@
 One rule per line, ``REGEX => REPLACEMENT``; the first rule whose regex matches the *whole*
 path wins; ``\\1`` refers to groups; a replacement of ``-`` means "no counterpart in the
 bundle"; ``#`` starts a comment; a path no rule matches keeps its name. A parameter's name is its
-module's mapped path plus the parameter's own name.
+module's mapped path plus the parameter's own name, unless a rule matches the whole parameter name
+(a parameter renamed on its own: ``^(.*)\\.bias_u$ => \\1.pos_bias_u``).
 
 A line ``waive GLOB`` names bundle records (bundle naming, shell-style glob) that the port has no
 counterpart for: they are not compared and count as waived, not missing (``MODULE/*``: a module's own
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_harness.common.errors import MapFileError
 
-__all__ = ["RenameMap", "parse_map", "read_map"]
+__all__ = ["RenameMap", "parse_map", "read_map", "unused_rules"]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
@@ -43,14 +45,30 @@ class RenameMap:
         return path
 
     def parameter(self, name: str) -> str | None:
-        """The bundle's name for a parameter: its module's mapped path plus its own name."""
+        """The bundle's name for a parameter: what the first rule matching the whole parameter name (and not
+        its module's path) gives, e.g. ``^attn\\.bias_u$ => attn.pos_bias_u``; else its module's mapped path
+        plus its own name."""
         owner, _, leaf = name.rpartition(".")
+        for pattern, replacement in self.rules:
+            match = pattern.fullmatch(name)
+            if match and not pattern.fullmatch(owner):  # a rule for modules that also fits the name: not a param rule
+                return None if replacement == _NO_COUNTERPART else match.expand(replacement)
         if not owner:
             return name
         mapped = self.module(owner)
         if mapped is None:
             return None
         return f"{mapped}.{leaf}" if mapped else leaf
+
+
+def unused_rules(rename: RenameMap, names: Iterable[str]) -> list[str]:
+    """The rules (as written) that match none of ``names`` (the port's module paths and parameter names)."""
+    seen = list(names)
+    return [
+        f"{pattern.pattern} => {replacement}"
+        for pattern, replacement in rename.rules
+        if not any(pattern.fullmatch(name) for name in seen)
+    ]
 
 
 def _parse_rule(line: str, number: int, source: str) -> tuple[re.Pattern[str], str] | None:

@@ -200,3 +200,11 @@ def test_layout_names_match_the_spec() -> None:
     assert MANIFEST_FORMAT in spec
     for key in (*document, "rank", "file", "bytes", "sha256", "host", "pid"):
         assert f"`{key}`" in spec, key
+
+
+def test_a_rank_file_replayed_alone_says_so(manifest: Path) -> None:
+    """Replaying one rank's bundle instead of the manifest warns what the file is and what to replay."""
+    rank_file = read_manifest(manifest).files[1]
+    result = CliRunner().invoke(replay_main, ["--bundle", str(rank_file), "--model", f"{MODELS}:build_tiny"])
+    assert "is rank 1 of a 2-rank capture" in result.output
+    assert f"replay {manifest} (every rank) instead" in result.output

@@ -163,3 +163,48 @@ def test_compare_run_raises_input_error_for_a_bad_filter(tiny_bundle: Path) -> N
 
     with BundleReader(tiny_bundle) as reader, pytest.raises(InputError, match="matches no module"):
         compare_run(build_tiny(), reader, layers=Selection(skip_layers=("nope",)))
+
+
+class Biased(nn.Module):
+    """A module with its own parameter, named ``pos_bias_u`` (reference) or ``bias_u`` (port)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.name = name
+        self.register_parameter(name, nn.Parameter(torch.linspace(-1.0, 1.0, 4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + getattr(self, self.name)
+
+
+def build_biased(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Biased(name), nn.Tanh())
+
+
+def test_a_map_rule_renames_a_parameter(tmp_path: Path) -> None:
+    """A rule matching a whole parameter name pairs a parameter whose own name differs (bias_u vs pos_bias_u)."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "b.h5"
+    inputs = (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),)
+    capture_run(build_biased("pos_bias_u"), inputs, bundle)
+    with BundleReader(bundle) as reader:
+        unmapped = compare_run(build_biased("bias_u"), reader)
+        mapped = compare_run(build_biased("bias_u"), reader, rename=parse_map(r"^0\.bias_u$ => 0.pos_bias_u"))
+    assert unmapped.verdict == "INCOMPLETE"
+    assert "0.pos_bias_u" in unmapped.coverage()["param_grad"].missing
+    assert mapped.match
+    assert "0.pos_bias_u" in {r.name for r in mapped.of_kind("param_grad")}
+
+
+def test_a_map_rule_that_matches_nothing_is_a_warning(tiny_bundle: Path) -> None:
+    """A rule matching no module or parameter of the port is named in a warning (a typo, or a stale map)."""
+    rename = parse_map("^blokcs\\.(\\d+)$ => blocks.\\1\n^head$ => head\n")
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_tiny(), reader, rename=rename)
+    warnings = [note for note in result.notes if note.startswith("WARNING: map rule")]
+    assert warnings == [
+        "WARNING: map rule '^blokcs\\.(\\d+)$ => blocks.\\1' matches no module or parameter of the port"
+    ]

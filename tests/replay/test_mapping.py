@@ -107,19 +107,26 @@ def test_whitespace_around_separator_is_ignored() -> None:
     [
         (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm1.weight", "h.3.ln_1.weight"),
         (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm2.weight", "layers.3.norm2.weight"),
-        (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm1", "layers.3.norm1"),
+        (r"^layers\.(\d+)\.norm1 => h.\1.ln_1", "layers.3.norm1", "h.3.ln_1"),
+        (r"^attn\.bias_u => attn.pos_bias_u", "attn.bias_u", "attn.pos_bias_u"),
+        ("^attn => mha\n^attn\\.bias_u => mha.pos_bias_u", "attn.bias_u", "mha.pos_bias_u"),
+        ("^attn => mha\n^attn\\.bias_u => mha.pos_bias_u", "attn.weight", "mha.weight"),
+        (r"^attn\.bias_u => -", "attn.bias_u", None),
         (r"^layers\.(\d+)\.drop => -", "layers.3.drop.mask", None),
         (r".* => everything", "weight", "weight"),
         (r"model(.*) => \1", "model.weight", "weight"),
         (r"^blocks\.0 => blocks.1", "blocks.0.attn.bias", "blocks.0.attn.bias"),
     ],
     ids=[
-        "module-renamed", "module-unmatched", "leaf-is-not-mapped", "module-without-counterpart",
+        "module-renamed", "module-unmatched", "rule-matching-the-whole-name", "param-renamed",
+        "param-rule-after-module-rule", "other-param-of-the-module", "param-without-counterpart",
+        "module-without-counterpart",
         "root-level-param-unchanged", "module-mapped-to-root", "only-the-owning-module-is-mapped",
     ],
 )  # fmt: skip
 def test_parameter(rules: str, name: str, expected: str | None) -> None:
-    """A parameter's bundle name is its owning module's mapped path plus its own name."""
+    """A parameter's bundle name is what a rule matching its whole name (not its module's) gives, else its owning
+    module's mapped path plus its own name."""
     assert parse_map(rules).parameter(name) == expected
 
 
