@@ -4,6 +4,7 @@ gradients) compared by name, and backward exactly as the reference did it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -25,6 +26,7 @@ from parity_harness.replay.result import ComparisonResult, RecordKind, RecordRes
 
 __all__ = [
     "ComparingSink",
+    "Padding",
     "Progress",
     "add_named",
     "backward_as_recorded",
@@ -33,6 +35,7 @@ __all__ = [
     "gradient_presence",
     "mapped_parameters",
     "slots",
+    "unpad",
     "unvisited_module_records",
 ]
 
@@ -183,6 +186,40 @@ def gradient_presence(
             shape, tag = params[mapped].shape, params[mapped].tag
             records.append(RecordResult("param_grad", mapped, unmatchable(shape, tag, tag, problem)))
     return records
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A port parameter (or gradient) larger than the reference's along one dimension (vocabulary padding)."""
+
+    name: str
+    dim: int
+    port_size: int
+    reference_size: int
+    extra_max_abs: float
+    """Largest magnitude in the part beyond the reference's size (a gradient there must be zero)."""
+
+
+def unpad(
+    live: list[tuple[str, torch.Tensor]], expected: dict[str, TensorRef]
+) -> tuple[list[tuple[str, torch.Tensor]], list[Padding]]:
+    """Each port tensor padded along exactly one dimension, cut to the reference's shape (the overlap is compared)."""
+    cut, padded = [], []
+    for name, tensor in live:
+        ref = expected.get(name)
+        dims = (
+            []
+            if ref is None or tensor.dim() != len(ref.shape)
+            else [d for d, (a, b) in enumerate(zip(tensor.shape, ref.shape, strict=True)) if a != b]
+        )
+        if len(dims) != 1 or tensor.shape[dims[0]] < ref.shape[dims[0]]:  # type: ignore[union-attr]
+            cut.append((name, tensor))
+            continue
+        dim, size = dims[0], ref.shape[dims[0]]  # type: ignore[union-attr]
+        extra = tensor.detach().narrow(dim, size, tensor.shape[dim] - size)
+        padded.append(Padding(name, dim, tensor.shape[dim], size, float(extra.abs().max()) if extra.numel() else 0.0))
+        cut.append((name, tensor.narrow(dim, 0, size)))
+    return cut, padded
 
 
 def mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -> list[tuple[str, torch.Tensor]]:

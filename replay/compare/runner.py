@@ -29,6 +29,7 @@ from parity_harness.replay.compare.data_parallel import DataParallelRuns, untapp
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.records import (
     ComparingSink,
+    Padding,
     Progress,
     add_named,
     backward_as_recorded,
@@ -37,6 +38,7 @@ from parity_harness.replay.compare.records import (
     gradient_presence,
     mapped_parameters,
     slots,
+    unpad,
     unvisited_module_records,
 )
 from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
@@ -45,7 +47,7 @@ from parity_harness.replay.diagnose.verdicts import apply_isolation
 from parity_harness.replay.naming.mapping import RenameMap, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult, kind_of_module_record
+from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
 
 __all__ = ["DataParallelRuns", "Progress", "ReplayOptions", "compare_run"]
 
@@ -187,7 +189,13 @@ class _ReplaySession:
             self.result.param_values = data_parallel.compare("params", "param", params, tolerances, self.transform)[0]
             return
         expected = self.weights.index.params
+        params, padded = unpad(params, expected)
         self.result.param_values = compare_named(self.weights, tolerances, "param", params, expected, self.transform)[0]
+        self.result.notes += [
+            f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
+            "compared on the overlap (its gradient beyond it must be zero)"
+            for p in padded
+        ]
 
     def run_every_rank(self) -> None:
         """Forward and backward on the recorded inputs: tapped for this bundle, untapped for other ranks."""
@@ -228,7 +236,9 @@ class _ReplaySession:
             compared = data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform)
         else:
             expected = self.weights.index.grads
+            grads, padded = unpad(grads, expected)
             compared = compare_named(self.weights, tolerances, "param_grad", grads, expected, self.transform)
+            _fail_nonzero_padding(compared[0], padded)
         index = self.weights.index
         one_sided = gradient_presence(self.model, self.rename, index.grads, index.params)
         names = {record.name for record in one_sided}
@@ -335,6 +345,17 @@ def _check_layer_filters(layers: Selection | None, reader: BundleReader) -> None
                     f"{option} {pattern!r} matches no module recorded in {reader.path} (bundle names, e.g. {shown}); "
                     "see replay-compare --list"
                 )
+
+
+def _fail_nonzero_padding(records: list[RecordResult], padded: list[Padding]) -> None:
+    """A padded parameter's gradient beyond the reference's size must be zero, or the record fails."""
+    nonzero = {p.name: p for p in padded if p.extra_max_abs != 0.0}
+    for position, record in enumerate(records):
+        if record.name in nonzero:
+            pad = nonzero[record.name]
+            problem = f"gradient beyond the reference's {pad.reference_size} along dim {pad.dim} is nonzero"
+            diff = dataclasses.replace(record.diff, match=False, problem=f"{problem} (max |g| {pad.extra_max_abs:.3g})")
+            records[position] = dataclasses.replace(record, diff=diff)
 
 
 def _rank_file_warning(reader: BundleReader) -> list[str]:

@@ -208,3 +208,43 @@ def test_a_map_rule_that_matches_nothing_is_a_warning(tiny_bundle: Path) -> None
     assert warnings == [
         "WARNING: map rule '^blokcs\\.(\\d+)$ => blocks.\\1' matches no module or parameter of the port"
     ]
+
+
+class Positions(nn.Module):
+    """A position table (``rows`` rows, 16 used) feeding a linear layer; ``leak`` touches the spare row."""
+
+    def __init__(self, rows: int, leak: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Embedding(16, 8)
+        self.out = nn.Linear(8, 2)
+        if rows > 16:
+            spare = torch.randn(rows - 16, 8, generator=torch.Generator().manual_seed(5))
+            self.pos.weight = nn.Parameter(torch.cat([self.pos.weight.detach(), spare]))
+        self.leak = leak
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.pos(ids)
+        if self.leak:  # same values, but a gradient flows into the spare row
+            spare = self.pos.weight[16].sum()
+            h = h + (spare - spare.detach())
+        return self.out(h)
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["spare-row-untouched", "spare-row-gets-a-gradient"])
+def test_a_padded_parameter_is_compared_on_the_overlap(tmp_path: Path, leak: bool) -> None:
+    """A port table with a spare row (vocabulary padding) matches on the overlap; a gradient in the spare row fails."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "pos.h5"
+    ids = (torch.arange(16).reshape(2, 8),)
+    capture_run(Positions(16), ids, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(Positions(17, leak=leak), reader)
+    grad = next(r for r in result.of_kind("param_grad") if r.name == "pos.weight")
+    assert any("padded parameter pos.weight: 17 against the reference's 16 along dim 0" in n for n in result.notes)
+    assert all(r.match for r in result.param_values)
+    assert grad.match is not leak
+    assert result.match is not leak
+    if leak:
+        assert "gradient beyond the reference's 16 along dim 0 is nonzero" in (grad.diff.problem or "")
