@@ -12,8 +12,9 @@ Two autograd facts shape this module:
 * A hook on a *view* dies when the view (or its base) is later modified in place: autograd
   rebuilds the view's history and the hooked node leaves the graph. So every hooked view also
   gets a fallback hook on its base, which slices the view's region out of the base's gradient
-  when the view's own hook did not fire first. For an input modified in place by the module
-  (``ReLU(inplace=True)``) the fallback sees the gradient of every consumer of the
+  when the view's own hook did not fire first and the view was modified in place since (its version
+  counter moved; an untouched view whose hook stayed silent got no gradient). For an input
+  modified in place by the module (``ReLU(inplace=True)``) the fallback sees the gradient of every consumer of the
   pre-modification value, which after an in-place op is almost always this module alone.
 """
 
@@ -72,16 +73,20 @@ class _GradTap:
 class _BaseFallback:
     """A hook on a view's base that recovers the view's gradient if the view's own hook died."""
 
-    __slots__ = ("base_size", "base_stride", "offset", "size", "stride", "tap")
+    __slots__ = ("base_size", "base_stride", "offset", "size", "stride", "tap", "version", "view")
 
     def __init__(self, tap: _GradTap, view: torch.Tensor, base: torch.Tensor) -> None:
-        self.tap = tap
+        self.tap, self.view, self.version = tap, view, view._version
         self.size, self.stride = tuple(view.size()), tuple(view.stride())
         self.offset = view.storage_offset() - base.storage_offset()
         self.base_size, self.base_stride = tuple(base.size()), tuple(base.stride())
 
     def __call__(self, grad: torch.Tensor) -> None:
         if self.tap.fired:  # the view's hook runs before its base's whenever it is alive
+            return
+        if self.view._version == self.version:
+            # Not modified in place since the call, so the view's own hook is alive: it did not fire because no
+            # gradient flows through this view (a detached branch), and the base's gradient belongs to others.
             return
         laid_out = torch.empty_strided(self.base_size, self.base_stride, dtype=grad.dtype, device=grad.device)
         laid_out.copy_(grad)

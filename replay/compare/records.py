@@ -64,6 +64,8 @@ class ComparingSink:
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
         self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
         self.seen: set[str] = set()
+        self._live_slots: dict[tuple[str, int], set[str]] = {}
+        """Per port call (bundle naming): the slots that held a tensor, so a gradient that never came is seen."""
         forward_total = sum(len(slots(c.inputs, "input")) + len(slots(c.outputs, "output")) for c in index.calls)
         self._totals = {"forward": forward_total, "backward": len(index.backward_order)}
         self._done = {"forward": 0, "backward": 0}
@@ -107,23 +109,52 @@ class ComparingSink:
         lengths_in, lengths_out = self._lengths[position]
         return padding_mask(shape, lengths_in if slot.startswith(("input", "grad_input")) else lengths_out)
 
+    def _note_live(self, info: CallInfo, live: list[tuple[str, torch.Tensor]]) -> None:
+        if torch.is_grad_enabled():
+            self._live_slots.setdefault((info.module, info.call), set()).update(slot for slot, _ in live)
+
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""
+        live = iter_live_call_inputs(args, kwargs)
+        self._note_live(info, live)
         if not self._inputs:
             return
         found = self._reader.find_call(info.module, info.call)
         expected = {} if found is None else dict(iter_tensors(found[1].inputs, "input"))
         rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
-        self._compare("forward", info, iter_live_call_inputs(args, kwargs), expected, rank)
+        self._compare("forward", info, live, expected, rank)
 
     def on_outputs(self, info: CallInfo, outputs: object) -> None:
         """Compare a call's outputs with the reference's."""
+        live = iter_live_tensors(outputs, "output")
+        self._note_live(info, live)
         if not self._outputs:
             return
         found = self._reader.find_call(info.module, info.call)
         expected = {} if found is None else dict(iter_tensors(found[1].outputs, "output"))
         rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
-        self._compare("forward", info, iter_live_tensors(outputs, "output"), expected, rank)
+        self._compare("forward", info, live, expected, rank)
+
+    def absent_gradients(self) -> list[RecordResult]:
+        """After backward: a failing record for each gradient the reference recorded for a call the port made, at
+        a slot that held a tensor in the port, that never reached the port (a detached branch, ``no_grad``).
+        Shown as "no gradient in the port", never as some other tensor's value."""
+        absent = []
+        for (module, call), live in self._live_slots.items():
+            found = self._reader.find_call(module, call)
+            if found is None:
+                continue
+            position, recorded = found
+            for slot, ref in {**recorded.grad_outputs, **recorded.grad_inputs}.items():
+                name = record_name(module, call, slot)
+                if name in self.seen or slot.removeprefix("grad_") not in live:
+                    continue
+                self.seen.add(name)
+                problem = "no gradient in the port (the port's backward never reached this tensor: detached?)"
+                diff = unmatchable(ref.shape, ref.tag, "-", problem)
+                rank = self._backward_rank.get((position, slot), -1)
+                absent.append(RecordResult("backward", name, diff, (rank, 0), module, slot))
+        return absent
 
     def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
         """Compare a gradient with the reference's as soon as backward produces it."""

@@ -258,6 +258,8 @@ class _ReplaySession:
         --skip-layers, wrappers the port does not have, --compile without module records)."""
         if self.sink is None:
             return
+        if self.index.selection.records("grads") and self.index.run.backward != "none":
+            self.result.records += self.sink.absent_gradients()
         wanted = self.options.layers or Selection()
         hidden = self.rename.hidden if isinstance(self.rename, WrapperRenameMap) else frozenset()
         for name in unvisited_module_records(self.reader, self.sink.seen):

@@ -164,3 +164,34 @@ def test_backward_order_follows_autograd(tiny_bundle: Path) -> None:
     for module in modules:
         counts[module] += 1
     assert counts["blocks.0"] == 4  # two calls x (grad_output, grad_input)
+
+
+class _DetachedBranchBlock(Block):
+    """The residual branch's output detached: norm, lin and act receive no gradient at all."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.lin(self.norm(x))).detach()
+
+
+class _DetachedInputBlock(Block):
+    """The branch's input detached: the branch gets gradients, but none flows back into ``x`` through it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.lin(self.norm(x.detach())))
+
+
+@pytest.mark.parametrize("block", [_DetachedBranchBlock, _DetachedInputBlock])
+def test_no_gradient_is_recorded_where_none_flows(tmp_path: Path, block: type[Block]) -> None:
+    """A module input or output that backward never reaches has no gradient record: not a slice of some other
+    tensor's gradient (a view's base collects every consumer's gradient)."""
+    model = build_tiny()
+    model.blocks[1].__class__ = block
+    path = tmp_path / "detached.h5"
+    capture_run(model, tiny_inputs(), path, seed=3)
+    recorded = _recorded_grads(path)
+    assert ("blocks.1.norm", "grad_input.0") not in recorded
+    assert ("blocks.0.norm", "grad_input.0") in recorded  # the intact block still has its gradients
+    if block is _DetachedBranchBlock:
+        assert not {key for key in recorded if key[0] in ("blocks.1.lin", "blocks.1.act", "blocks.1.norm")}
+    else:
+        assert ("blocks.1.lin", "grad_input.0") in recorded

@@ -248,3 +248,59 @@ def test_a_padded_parameter_is_compared_on_the_overlap(tmp_path: Path, leak: boo
     assert result.match is not leak
     if leak:
         assert "gradient beyond the reference's 16 along dim 0 is nonzero" in (grad.diff.problem or "")
+
+
+class DetachedBranchBlock(Block):
+    """The port detaches the residual branch: its modules get no gradient at all."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.lin(self.norm(x))).detach()
+
+
+class DetachedInputBlock(Block):
+    """The port detaches the branch's input: no gradient flows into ``x`` through the branch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.lin(self.norm(x.detach())))
+
+
+def build_detached_branch() -> nn.Module:
+    model = build_tiny()
+    model.blocks[1].__class__ = DetachedBranchBlock
+    return model
+
+
+def build_detached_input() -> nn.Module:
+    model = build_tiny()
+    model.blocks[1].__class__ = DetachedInputBlock
+    return model
+
+
+@pytest.mark.parametrize(
+    ("factory", "absent"),
+    [
+        (
+            "build_detached_branch",
+            {f"blocks.1.{m}/0/grad_{s}" for m in ("norm", "lin", "act") for s in ("input.0", "output")},
+        ),
+        ("build_detached_input", {"blocks.1.norm/0/grad_input.0"}),
+    ],
+)
+def test_a_gradient_the_port_never_computes_is_shown_as_absent(
+    tiny_bundle: Path, tmp_path: Path, factory: str, absent: set[str]
+) -> None:
+    """Module gradients the port's backward never reaches are failing records saying "no gradient in the port",
+    never a value borrowed from another tensor and never merely "not compared"."""
+    report = tmp_path / "r.json"
+    result = replay("--bundle", tiny_bundle, "--model", f"{HERE}:{factory}", "--isolate", "--json", report)
+    assert result.exit_code == 1, result.output
+    document = json.loads(report.read_text())
+    assert document["verdict"] == "MISMATCH"
+    assert document["coverage"]["backward"]["missing"] == []
+    records = {record["name"]: record for record in document["records"]}
+    for name in absent:
+        assert not records[name]["match"], name
+        assert "no gradient in the port" in records[name]["problem"], name
+        assert records[name]["max_abs"] is None, name
+    shown = {name for name, record in records.items() if "no gradient in the port" in (record["problem"] or "")}
+    assert {name for name in shown if "/" in name} == absent
