@@ -11,7 +11,7 @@ import torch
 
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.dtypes import to_numeric, to_storage
-from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays, unmatchable
 from parity_harness.common.numerics.statistics import array_statistics, diff_statistics
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 
@@ -26,6 +26,7 @@ __all__ = [
     "RecordResult",
     "Verdict",
     "diff_record",
+    "diff_sum",
     "diff_tensor",
     "kind_of_module_record",
 ]
@@ -93,6 +94,23 @@ def diff_record(
         expected_dtype=ref.tag,
         actual_dtype=tag,
     )
+
+
+def diff_sum(
+    reader: BundleReader, refs: list[TensorRef], actual: torch.Tensor, tolerance: Tolerance, ignore: np.ndarray | None
+) -> TensorDiff:
+    """Compare a live tensor with the sum of several records (one port gradient for several reference slots that
+    held the same tensor); the sum is taken in float64 and stored in the records' dtype, as autograd would."""
+    first = refs[0]
+    if any(reader.summary(ref) is not None for ref in refs) or any(
+        (ref.shape, ref.tag) != (first.shape, first.tag) for ref in refs
+    ):
+        problem = "cannot sum these records (statistics only, or their shapes or dtypes differ)"
+        return unmatchable(first.shape, first.tag, to_storage(actual)[1], problem)
+    parts = [reader.read_tensor(ref) for ref in refs]
+    total = torch.stack([part.to(torch.float64) for part in parts]).sum(0)
+    expected, tag = to_storage(total.to(parts[0].dtype))
+    return diff_tensor(expected, tag, actual, tolerance, ignore)
 
 
 def diff_tensor(

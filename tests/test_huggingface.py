@@ -58,22 +58,25 @@ def _replay_hf_exactly(folder: Path, bundle: Path, tmp_path: Path) -> tuple[int,
     return _replay(*args, report=tmp_path / "r.json")
 
 
-# What transformers records that the plain-torch port has no module or argument for: waived, not missing.
-GPT2_PORT_WAIVERS = (
-    "*dropout/*",  # dropout modules: the identity in eval mode, absent from the port
-    "transformer.drop/*",
-    "transformer.h.*.mlp.act/*",  # an activation module in HF, a function call in the port
-    "*/0/input.position_ids",  # keyword arguments the port does not take
-    "transformer/0/input.attention_mask",
-    "transformer/0/*.last_hidden_state",  # a ModelOutput field in HF, a plain tensor in the port
-)
+# The map a user of the plain-torch port writes: same module names, other argument names, and what
+# transformers records that the port has no module or argument for (waived, not missing).
+GPT2_PORT_MAP = """
+slots transformer.h.* x=hidden_states       # HF calls its blocks, attention and MLP with hidden_states
+waive *dropout/*                             # dropout modules: the identity in eval mode, absent from the port
+waive transformer.drop/*
+waive transformer.h.*.mlp.act/*              # an activation module in HF, a function call in the port
+waive */0/input.position_ids                 # keyword arguments the port does not take
+waive transformer/0/input.attention_mask
+waive transformer/0/*.last_hidden_state      # a ModelOutput field in HF, a plain tensor in the port
+"""
 
 
 def _replay_port(factory: str, folder: Path, bundle: Path, tmp_path: Path) -> tuple[int, dict]:
-    """replay-compare --isolate through a --model factory of the GPT-2 port."""
+    """replay-compare --isolate --map through a --model factory of the GPT-2 port."""
+    port_map = tmp_path / "gpt2_port.map"
+    port_map.write_text(GPT2_PORT_MAP)
     args = ["--model", f"{PORT}:{factory}", "--ckpt", str(folder), "--bundle", str(bundle), "--isolate"]
-    waivers = [arg for glob in GPT2_PORT_WAIVERS for arg in ("--waive", glob)]
-    return _replay(*args, *waivers, report=tmp_path / "r.json")
+    return _replay(*args, "--map", str(port_map), report=tmp_path / "r.json")
 
 
 def test_hf_replays_itself_exactly(gpt2_folder: Path, gpt2_bundle: Path, tmp_path: Path) -> None:

@@ -28,7 +28,13 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from parity_harness.capture.observe.naming import grad_slot, iter_live_call_inputs, iter_live_tensors, type_name
+from parity_harness.capture.observe.naming import (
+    grad_slot,
+    iter_live_call_inputs,
+    iter_live_tensors,
+    positional_names,
+    type_name,
+)
 from parity_harness.common.format.bundle.layout import join_slot
 
 __all__ = ["CallInfo", "ModuleTap", "TapSink"]
@@ -41,6 +47,9 @@ class CallInfo:
     module: str
     call: int
     module_type: str
+    arg_names: tuple[str, ...] = ()
+    """The names the call's positional arguments bind to (``naming.positional_names``); empty when slots are
+    named by position (bundles before format 1.3)."""
 
 
 class TapSink(Protocol):
@@ -116,6 +125,8 @@ class ModuleTap:
         sink: receives inputs, outputs and gradients.
         record_backward: register gradient hooks (forward-only observation when False).
         rename: maps a module path to the name reported to the sink; ``None`` skips the module.
+        by_signature: name positional arguments after the forward's parameters (format 1.3 bundles), else by
+            position.
     """
 
     def __init__(
@@ -125,11 +136,13 @@ class ModuleTap:
         *,
         record_backward: bool = True,
         rename: Callable[[str], str | None] | None = None,
+        by_signature: bool = True,
     ) -> None:
-        self._model, self._sink, self._backward = model, sink, record_backward
+        self._model, self._sink, self._backward, self._by_signature = model, sink, record_backward, by_signature
         self._rename = rename or (lambda path: path)
         self._handles: list[RemovableHandle] = []
         self._names: dict[int, str] = {}
+        self._arg_names: dict[int, tuple[str, ...]] = {}
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
 
@@ -139,6 +152,7 @@ class ModuleTap:
             if name is None:
                 continue
             self._names[id(module)] = name
+            self._arg_names[id(module)] = positional_names(module) if self._by_signature else ()
             self._handles.append(module.register_forward_pre_hook(_eager(self._before), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_eager(self._after), with_kwargs=True))
         return self
@@ -152,7 +166,7 @@ class ModuleTap:
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         name = self._names[id(module)]
-        info = CallInfo(name, self._calls[name], type_name(module))
+        info = CallInfo(name, self._calls[name], type_name(module), self._arg_names[id(module)])
         self._calls[name] += 1
         self._sink.on_inputs(info, args, kwargs)
         self._open[id(module)].append(info)
@@ -164,9 +178,13 @@ class ModuleTap:
         self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         aliased: set[str] = set()
-        new_args = tuple(self._alias(info, value, join_slot("input", i), aliased) for i, value in enumerate(args))
+        names = info.arg_names
+        new_args = tuple(
+            self._alias(info, value, join_slot("input", names[i] if i < len(names) else i), aliased)
+            for i, value in enumerate(args)
+        )
         new_kwargs = {k: self._alias(info, value, join_slot("input", k), aliased) for k, value in kwargs.items()}
-        for slot, tensor in iter_live_call_inputs(args, kwargs):
+        for slot, tensor in iter_live_call_inputs(args, kwargs, names):
             # Tensors inside containers we cannot rebuild get a plain hook (sum over consumers).
             if tensor.requires_grad and slot not in aliased:
                 _watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))

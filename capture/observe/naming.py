@@ -7,9 +7,11 @@ replay reads its own model's values with it, so both sides name every tensor the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from typing import Final
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final
 
 import torch
 
@@ -23,6 +25,7 @@ __all__ = [
     "grad_slot",
     "iter_live_call_inputs",
     "iter_live_tensors",
+    "positional_names",
     "record_name",
     "type_name",
 ]
@@ -88,10 +91,49 @@ def encode_value(value: object, slot: str, store: StoreTensor, depth: int = 0) -
     return ["X", type_name(value), "not a tensor, scalar or container"]
 
 
-def encode_call_inputs(args: tuple[object, ...], kwargs: Mapping[str, object], store: StoreTensor) -> Tree:
-    """Encode a call's arguments as one dict tree: int keys are positions, str keys keywords."""
-    pairs: list[tuple[object, object]] = [*enumerate(args), *kwargs.items()]
-    return ["D", _pairs(iter(pairs), "input", store, 0)]
+_POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_SIGNATURES: dict[Any, tuple[str, ...]] = {}
+
+
+def positional_names(module: object) -> tuple[str, ...]:
+    """The parameter names of ``module.forward`` that positional arguments bind to, in order (up to a ``*args``),
+    so ``layer(x, m)`` and ``layer(x=x, mask=m)`` name their tensors alike; ``()`` when there is no signature."""
+    forward = getattr(module, "forward", None)
+    if forward is None:
+        return ()
+    key = getattr(forward, "__func__", forward)  # one look-up per forward function, not per call
+    try:
+        return _SIGNATURES[key]
+    except (KeyError, TypeError):
+        pass
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # builtins, C extensions: positions stay positions
+        parameters = []
+    names = []
+    for parameter in parameters:
+        if parameter.kind not in _POSITIONAL:
+            break
+        names.append(parameter.name)
+    with_names = tuple(names)
+    with contextlib.suppress(TypeError):  # an unhashable forward: looked up again next time
+        _SIGNATURES[key] = with_names
+    return with_names
+
+
+def _argument_pairs(
+    args: tuple[object, ...], kwargs: Mapping[str, object], names: Sequence[str]
+) -> list[tuple[object, object]]:
+    """Positional arguments keyed by the parameter they bind to (their position past ``names``), then keywords."""
+    return [*((names[i] if i < len(names) else i, value) for i, value in enumerate(args)), *kwargs.items()]
+
+
+def encode_call_inputs(
+    args: tuple[object, ...], kwargs: Mapping[str, object], store: StoreTensor, names: Sequence[str] = ()
+) -> Tree:
+    """Encode a call's arguments as one dict tree: a positional argument is keyed by the parameter name it binds to
+    (``names``, from :func:`positional_names`) or by its position when it has none; keywords by their name."""
+    return ["D", _pairs(iter(_argument_pairs(args, kwargs, names)), "input", store, 0)]
 
 
 class _Collector:
@@ -112,8 +154,10 @@ def iter_live_tensors(value: object, slot: str) -> list[tuple[str, torch.Tensor]
     return collector.found
 
 
-def iter_live_call_inputs(args: tuple[object, ...], kwargs: Mapping[str, object]) -> list[tuple[str, torch.Tensor]]:
+def iter_live_call_inputs(
+    args: tuple[object, ...], kwargs: Mapping[str, object], names: Sequence[str] = ()
+) -> list[tuple[str, torch.Tensor]]:
     """The ``(slot, tensor)`` leaves of a call's arguments, named as :func:`encode_call_inputs` names them."""
     collector = _Collector()
-    encode_call_inputs(args, kwargs, collector)
+    encode_call_inputs(args, kwargs, collector, names)
     return collector.found

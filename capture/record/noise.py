@@ -55,7 +55,7 @@ class _NoiseSink:
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Measure a call's arguments."""
-        self._measure_all(info, iter_live_call_inputs(args, kwargs))
+        self._measure_all(info, iter_live_call_inputs(args, kwargs, info.arg_names))
 
     def on_outputs(self, info: CallInfo, outputs: object) -> None:
         """Measure a call's outputs."""

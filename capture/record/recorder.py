@@ -261,6 +261,7 @@ class _CaptureRun:
             device=str(info.pop("device", "cpu")),
             adapter=str(info.pop("adapter", "")),
             extra=info,
+            arguments="by-signature",
         )
 
     def _recorded_selection(self) -> Selection:

@@ -63,7 +63,9 @@ class BundleRecorder:
         store = SelectiveStore(self._writer, call_group(info.module, info.call), self._selection)
         position = len(self._drafts)
         self._position[(info.module, info.call)] = position
-        recorded: Tree = encode_call_inputs(args, kwargs, store) if self._selection.records("inputs") else ["D", []]
+        recorded: Tree = (
+            encode_call_inputs(args, kwargs, store, info.arg_names) if self._selection.records("inputs") else ["D", []]
+        )
         self._drafts.append(_CallDraft(info, recorded))
         self.forward_order.append((position, "inputs"))
 

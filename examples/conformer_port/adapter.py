@@ -32,13 +32,12 @@ def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
 def isolation_inputs(
     module: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """For ``--isolate``: the reference's recorded arguments of ``module`` in the port's signature.
+    """For ``--isolate``: the reference's recorded arguments of ``module``, already renamed by the map's
+    ``slots`` lines (``x`` is the reference's ``query``), in the port's signature.
 
-    The reference passes masks by keyword (``att_mask``, ``pad_mask``, attention's
-    ``query/key/value/mask``); the port's blocks, convolution and attention take ``(x, pad)``.
+    The port's attention takes a (batch, time) padding mask where the reference's takes a
+    (batch, time, time) one: derive it. (Arguments the port does not take are left out by the tool.)
     """
-    if re.fullmatch(r"encoder\.layers\.\d+\.self_attn", module):  # (query=, key=, value=, mask=) -> (x, pad)
-        return (kwargs["query"], kwargs["mask"].all(dim=1)), {}
-    if re.fullmatch(r"encoder\.layers\.\d+(\.conv)?", module):  # (x, [att_mask=], pad_mask=) -> (x, pad)
-        return (args[0], kwargs["pad_mask"]), {}
+    if re.fullmatch(r"encoder\.layers\.\d+\.self_attn", module):
+        return args, {"x": kwargs["x"], "pad": kwargs["mask"].all(dim=1)}
     return args, kwargs

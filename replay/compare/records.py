@@ -21,8 +21,9 @@ from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import padding_mask, recorded_lengths
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record
+from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record, diff_sum
 
 __all__ = [
     "ComparingSink",
@@ -53,8 +54,12 @@ class ComparingSink:
         progress: Progress | None,
         transform: LayoutTransform,
         mask_padding: bool,
+        rename: RenameMap,
     ) -> None:
         self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
+        self._rename = rename
+        self.summed: list[str] = []
+        """Gradient records compared as a sum of the reference's slots (a map's ``a=b+c``), described."""
         recorded = reader.index.selection
         self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
         self._mask_padding = mask_padding
@@ -79,20 +84,53 @@ class ComparingSink:
         rank: int,
     ) -> None:
         for position, (slot, tensor) in enumerate(live):
-            name = record_name(info.module, info.call, slot)
-            ref = expected.get(slot)
-            if ref is None:
-                self._result.replay_only.append(name)
+            targets = bundle_slots(self._rename, info.module, slot, expected)
+            if not targets:
+                self._result.replay_only.append(record_name(info.module, info.call, slot))
                 continue
+            if kind == "backward" and len(targets) > 1:  # one port tensor for several equal reference ones
+                self._compare_sum(info, targets, tensor, expected, (rank, position))
+                continue
+            for target in targets:
+                self._compare_one(kind, info, target, tensor, expected[target], (rank, position))
+
+    def _compare_one(
+        self, kind: RecordKind, info: CallInfo, slot: str, tensor: torch.Tensor, ref: TensorRef, order: tuple[int, int]
+    ) -> None:
+        name = record_name(info.module, info.call, slot)
+        self.seen.add(name)
+        tolerance = self._result.tolerances.for_record(name, ref.tag)
+        ignore = self._padding(info, slot, ref.shape)
+        self.masked_records += ignore is not None
+        diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
+        self._add(RecordResult(kind, name, diff, order, info.module, slot))
+
+    def _compare_sum(
+        self,
+        info: CallInfo,
+        slots: list[str],
+        grad: torch.Tensor,
+        expected: dict[str, TensorRef],
+        order: tuple[int, int],
+    ) -> None:
+        """The port's gradient against the sum of the reference's gradients of the slots it stands for; each of
+        those records gets the result."""
+        names = [record_name(info.module, info.call, slot) for slot in slots]
+        refs = [expected[slot] for slot in slots]
+        tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
+        ignore = self._padding(info, slots[0], refs[0].shape)
+        diff = diff_sum(self._reader, refs, self._transform(names[0], grad), tolerance, ignore)
+        for name, slot in zip(names, slots, strict=True):
             self.seen.add(name)
-            tolerance = self._result.tolerances.for_record(name, ref.tag)
-            ignore = self._padding(info, slot, ref.shape)
-            self.masked_records += ignore is not None
-            diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
-            self._result.records.append(RecordResult(kind, name, diff, (rank, position), info.module, slot))
-            if self._progress is not None:
-                self._done[kind] += 1
-                self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
+            self._add(RecordResult("backward", name, diff, order, info.module, slot))
+        self.summed.append(f"{names[0]} = {' + '.join(slots)}")
+
+    def _add(self, record: RecordResult) -> None:
+        self._result.records.append(record)
+        if self._progress is not None:
+            kind = record.kind
+            self._done[kind] += 1
+            self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
 
     def _padding(self, info: CallInfo, slot: str, shape: tuple[int, ...]) -> np.ndarray | None:
         """Padded positions of a record, from the lengths the reference recorded for this call."""
@@ -109,31 +147,32 @@ class ComparingSink:
         lengths_in, lengths_out = self._lengths[position]
         return padding_mask(shape, lengths_in if slot.startswith(("input", "grad_input")) else lengths_out)
 
-    def _note_live(self, info: CallInfo, live: list[tuple[str, torch.Tensor]]) -> None:
+    def _note_live(self, info: CallInfo, live: list[tuple[str, torch.Tensor]], expected: dict[str, TensorRef]) -> None:
+        """Remember which of the call's bundle slots held a tensor in the port (for :meth:`absent_gradients`)."""
         if torch.is_grad_enabled():
-            self._live_slots.setdefault((info.module, info.call), set()).update(slot for slot, _ in live)
+            held = self._live_slots.setdefault((info.module, info.call), set())
+            for slot, _ in live:
+                held.update(bundle_slots(self._rename, info.module, slot, expected))
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""
-        live = iter_live_call_inputs(args, kwargs)
-        self._note_live(info, live)
-        if not self._inputs:
-            return
+        live = iter_live_call_inputs(args, kwargs, info.arg_names)
         found = self._reader.find_call(info.module, info.call)
         expected = {} if found is None else dict(iter_tensors(found[1].inputs, "input"))
-        rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
-        self._compare("forward", info, live, expected, rank)
+        self._note_live(info, live, expected)
+        if self._inputs:
+            rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
+            self._compare("forward", info, live, expected, rank)
 
     def on_outputs(self, info: CallInfo, outputs: object) -> None:
         """Compare a call's outputs with the reference's."""
         live = iter_live_tensors(outputs, "output")
-        self._note_live(info, live)
-        if not self._outputs:
-            return
         found = self._reader.find_call(info.module, info.call)
         expected = {} if found is None else dict(iter_tensors(found[1].outputs, "output"))
-        rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
-        self._compare("forward", info, live, expected, rank)
+        self._note_live(info, live, expected)
+        if self._outputs:
+            rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
+            self._compare("forward", info, live, expected, rank)
 
     def absent_gradients(self) -> list[RecordResult]:
         """After backward: a failing record for each gradient the reference recorded for a call the port made, at
@@ -159,9 +198,15 @@ class ComparingSink:
     def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
         """Compare a gradient with the reference's as soon as backward produces it."""
         found = self._reader.find_call(info.module, info.call)
-        expected = {} if found is None else {**found[1].grad_outputs, **found[1].grad_inputs}
-        rank = self._backward_rank.get((found[0], slot), -1) if found else -1
-        self._compare("backward", info, [(slot, grad)], expected, rank)
+        if found is None:
+            self._result.replay_only.append(record_name(info.module, info.call, slot))
+            return
+        expected = {**found[1].grad_outputs, **found[1].grad_inputs}
+        # Ordered as the reference's backward produced the slot(s) this gradient is compared with.
+        ranks = [
+            self._backward_rank.get((found[0], t), -1) for t in bundle_slots(self._rename, info.module, slot, expected)
+        ]
+        self._compare("backward", info, [(slot, grad)], expected, min(ranks, default=-1))
 
 
 def compare_named(

@@ -215,9 +215,14 @@ class _ReplaySession:
         options, recorded = self.options, self.index.selection
         inputs = self.precision.inputs(to_device(self.reader.rebuild(self.index.inputs), self.target))
         seed_everything(self.index.run.seed)
-        self.sink = ComparingSink(self.reader, self.result, options.progress, self.transform, options.mask_padding)
+        self.sink = ComparingSink(
+            self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename
+        )
         wanted = compared_modules(self.rename, recorded, options.layers)
-        tap = ModuleTap(self.model, self.sink, record_backward=recorded.records("grads"), rename=wanted)
+        by_signature = self.index.run.arguments == "by-signature"
+        tap = ModuleTap(
+            self.model, self.sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
+        )
         with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
@@ -312,6 +317,12 @@ class _ReplaySession:
                 f"WARNING: map rule '{rule}' matches no module or parameter of the port"
                 for rule in unused_rules(options.rename, port_names)
             ]
+        if self.sink is not None and self.sink.summed:
+            summed = self.sink.summed
+            notes.append(
+                f"{len(summed)} gradient(s) compared with a sum of the reference's slots (the map's 'slots' lines), "
+                f"e.g. {summed[0]}"
+            )
         if options.mask_padding and self.sink is not None:
             notes.append(f"padding: positions past the recorded lengths left out of {self.sink.masked_records} records")
         _warn_if_mostly_unpaired(self.result)

@@ -19,6 +19,7 @@ after each isolated call.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +27,14 @@ from typing import Any
 import torch
 
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
+from parity_harness.common.format.bundle.layout import join_slot
 from parity_harness.common.format.bundle.schema import ModuleCall, Tree, iter_tensors
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader, rebuild
-from parity_harness.replay.result import diff_record
+from parity_harness.replay.result import diff_record, diff_sum
 
 __all__ = ["InputAdapter", "Isolation", "LayoutTransform", "as_recorded", "isolate"]
 
@@ -76,6 +79,19 @@ def _split_arguments(value: dict[Any, Any]) -> tuple[tuple[Any, ...], dict[str, 
     return positional, {key: item for key, item in value.items() if isinstance(key, str)}
 
 
+def _port_arguments(rename: RenameMap, module: str, recorded: dict[Any, Any]) -> dict[Any, Any]:
+    """The reference's arguments keyed by the port's names (the map's ``slots`` lines); the second and later
+    slots of a sum are dropped (the port takes one tensor for them)."""
+    renamed: dict[Any, Any] = {}
+    for key, value in recorded.items():
+        port = rename.port_slot(module, join_slot("input", key))
+        if port is None:
+            continue
+        name = port.removeprefix("input.")
+        renamed[int(name) if isinstance(key, int) and name == str(key) else name] = value
+    return renamed
+
+
 def _replace_tensors(value: Any, replacement: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return replacement.get(id(value), value)
@@ -84,6 +100,19 @@ def _replace_tensors(value: Any, replacement: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_replace_tensors(item, replacement) for item in value)
     return value
+
+
+def _accepted(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments the port module's forward takes: one it has no parameter for (the reference's
+    ``att_mask`` where the port builds its mask inside) is left out, as the port's own calls leave it out."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL}
+    return {key: value for key, value in kwargs.items() if key in names}
 
 
 @dataclass
@@ -103,10 +132,12 @@ class _Isolator:
         device: torch.device,
         transform: LayoutTransform,
         param_names: dict[int, str],
+        rename: RenameMap,
         cast: Callable[[Any], Any] = lambda value: value,
         context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
+        self.rename = rename
         self.cast, self.context = cast, context
         self.param_names = param_names
         """id(parameter) -> its name in the bundle: a tied parameter sums every module's share."""
@@ -116,7 +147,7 @@ class _Isolator:
     def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
         return diff_record(self.reader, expected, actual, self.tolerances.for_record(name, expected.tag))
 
-    def arguments(self, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:
+    def arguments(self, module: torch.nn.Module, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:
         wants_grad: dict[int, bool] = {}
 
         def load(ref: Any) -> torch.Tensor:
@@ -124,7 +155,7 @@ class _Isolator:
             wants_grad[id(tensor)] = ref.requires_grad
             return tensor
 
-        args, kwargs = _split_arguments(rebuild(call.inputs, load))
+        args, kwargs = _split_arguments(_port_arguments(self.rename, call.module, rebuild(call.inputs, load)))
         leaves: dict[str, torch.Tensor] = {}
         replacement: dict[int, torch.Tensor] = {}
         for slot, tensor in iter_live_call_inputs(args, kwargs):
@@ -136,7 +167,7 @@ class _Isolator:
         args, kwargs = _replace_tensors(args, replacement), _replace_tensors(kwargs, replacement)
         if adapt is not None:
             args, kwargs = adapt(call.module, args, kwargs)
-        return _Arguments(args, kwargs, leaves)
+        return _Arguments(args, _accepted(module, kwargs), leaves)
 
     def run_call(self, module: torch.nn.Module, call: ModuleCall, adapt: InputAdapter | None) -> None:
         if any(self.reader.summary(ref) is not None for _, ref in iter_tensors(call.inputs, "input")):
@@ -146,7 +177,7 @@ class _Isolator:
             )
             return
         try:
-            fed = self.arguments(call, adapt)
+            fed = self.arguments(module, call, adapt)
         except Exception as err:  # the adapter's translation failed: say so once, go on
             self.outcome.skipped.setdefault(call.module, f"isolation_inputs raised {type(err).__name__}: {err}")
             return
@@ -158,7 +189,8 @@ class _Isolator:
             self.outcome.skipped.setdefault(
                 call.module,
                 f"calling it with the reference's arguments raised {type(err).__name__}: {err}; "
-                "give the adapter an isolation_inputs(module, args, kwargs) to translate them",
+                "name the port's arguments in a map 'slots' line (PORT=REF), or give the adapter an "
+                "isolation_inputs(module, args, kwargs) to translate them",
             )
             return
         finally:
@@ -166,8 +198,13 @@ class _Isolator:
                 module.get_buffer(name).copy_(saved)
         prefix = f"{call.module}/{call.call}/"
         # Outputs in the reference's layout; backward seeds flow back through the transform.
-        live = {slot: self.transform(prefix + slot, t) for slot, t in iter_live_tensors(outputs, "output")}
-        for slot, ref in iter_tensors(call.outputs, "output"):
+        recorded = dict(iter_tensors(call.outputs, "output"))
+        live = {
+            target: self.transform(prefix + target, t)
+            for slot, t in iter_live_tensors(outputs, "output")
+            for target in bundle_slots(self.rename, call.module, slot, recorded)
+        }
+        for slot, ref in recorded.items():
             if slot in live:
                 self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, live[slot])
         self._backward(module, call, live, fed.leaves)
@@ -194,9 +231,19 @@ class _Isolator:
         )
         prefix = f"{call.module}/{call.call}/"
         for (slot, _), grad in zip(inputs, grads[: len(inputs)], strict=True):
-            ref = call.grad_inputs.get(slot)
-            if ref is not None and grad is not None:
-                self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, grad)
+            targets = bundle_slots(self.rename, call.module, slot, call.grad_inputs)
+            if grad is None or not targets:
+                continue
+            refs = [call.grad_inputs[target] for target in targets]
+            tolerance = self.tolerances.for_record(prefix + targets[0], refs[0].tag)
+            single = len(refs) == 1
+            diff = (
+                diff_record(self.reader, refs[0], grad, tolerance)
+                if single
+                else diff_sum(self.reader, refs, grad, tolerance, None)
+            )
+            for target in targets:
+                self.outcome.local[prefix + target] = diff
         for (_, param), grad in zip(params, grads[len(inputs) :], strict=True):
             key = self.param_names.get(id(param))
             if grad is not None and key is not None:
@@ -246,7 +293,9 @@ def isolate(
             modules[name] = module
     param_names = {id(p): rename.parameter(name) for name, p in model.named_parameters()}
     named = {key: value for key, value in param_names.items() if value is not None}
-    isolator = _Isolator(reader, tolerances, torch.device(device), to_reference, named, cast_inputs, forward_context)
+    isolator = _Isolator(
+        reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
+    )
     for position, call in enumerate(reader.index.calls, start=1):
         if progress is not None:
             progress("isolate", position, len(reader.index.calls))

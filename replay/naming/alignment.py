@@ -14,6 +14,7 @@ the bundle module its calls were paired with most often, one to one.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -28,13 +29,14 @@ from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.format.dtypes import tag_of
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, SlotRule
 from parity_harness.replay.reader import BundleReader
 
 __all__ = ["CallSignature", "ProposedMap", "align_modules"]
 
 Shapes = tuple[tuple[tuple[int, ...], str], ...]
 Fingerprint = tuple[float, float, float]
+Argument = tuple[str, tuple[int, ...], Fingerprint]
 _NO_MATCH: Final = -1.0
 _CLOSE: Final = 1e-3
 
@@ -65,6 +67,8 @@ class CallSignature:
     outputs: Shapes
     values: tuple[Fingerprint, ...] = ()
     input_values: tuple[Fingerprint, ...] = ()
+    arguments: tuple[Argument, ...] = ()
+    """Each top-level argument tensor: its name, sorted dims and fingerprint (for proposing ``slots`` lines)."""
 
 
 def _other_boundaries(bundle: CallSignature, port: CallSignature) -> bool:
@@ -75,8 +79,17 @@ def _other_boundaries(bundle: CallSignature, port: CallSignature) -> bool:
     return comparable and not _close(bundle.input_values, port.input_values)
 
 
+def _first_output(bundle: CallSignature, port: CallSignature) -> CallSignature:
+    """The port's call seen through its first output where it returns ``(out, extras...)`` and the reference
+    ``out`` alone (replay pairs them the same way)."""
+    if len(bundle.outputs) != 1 or len(port.outputs) <= 1 or not port.values:
+        return port
+    return dataclasses.replace(port, outputs=port.outputs[:1], values=port.values[:1])
+
+
 def _score(bundle: CallSignature, port: CallSignature) -> float:
     """How well two calls correspond; ``_NO_MATCH`` when their outputs cannot be the same tensors."""
+    port = _first_output(bundle, port)
     if not bundle.outputs or len(bundle.outputs) != len(port.outputs):
         return _NO_MATCH
     if _close(bundle.values, port.values):
@@ -136,7 +149,12 @@ def bundle_signatures(reader: BundleReader) -> list[CallSignature]:
         values = _recorded_fingerprints(reader, call.outputs, "output")
         input_values = _recorded_fingerprints(reader, call.inputs, "input")
         inputs, outputs = _shapes_of_refs(call.inputs, "input"), _shapes_of_refs(call.outputs, "output")
-        signatures.append(CallSignature(call.module, call.type, inputs, outputs, values, input_values))
+        arguments = tuple(
+            (slot, tuple(sorted(ref.shape)), fingerprint(reader.read_float64(ref)))
+            for slot, ref in iter_tensors(call.inputs, "input")
+            if slot.count(".") == 1 and ref.tag not in ("C64", "C128")
+        )
+        signatures.append(CallSignature(call.module, call.type, inputs, outputs, values, input_values, arguments))
     return signatures
 
 
@@ -160,10 +178,20 @@ class _SignatureSink:
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Note the call's argument shapes (outputs follow)."""
         self._position[(info.module, info.call)] = len(self._started)
-        leaves = iter_live_call_inputs(args, kwargs)
+        leaves = iter_live_call_inputs(args, kwargs, info.arg_names)
+        arguments = tuple(
+            (slot, tuple(sorted(t.shape)), fingerprint(t.detach().to("cpu", torch.float64).numpy()))
+            for slot, t in leaves
+            if slot.count(".") == 1 and not t.is_complex()
+        )
         self._started.append(
             CallSignature(
-                info.module, info.module_type, _live_shapes(leaves), (), input_values=_live_fingerprints(leaves)
+                info.module,
+                info.module_type,
+                _live_shapes(leaves),
+                (),
+                input_values=_live_fingerprints(leaves),
+                arguments=arguments,
             )
         )
 
@@ -178,6 +206,7 @@ class _SignatureSink:
             _live_shapes(leaves),
             _live_fingerprints(leaves),
             started.input_values,
+            started.arguments,
         )
         self.calls.append(signature)
 
@@ -197,12 +226,14 @@ class ProposedMap:
     """Port module path -> ``"values"`` (outputs numerically equal) or ``"shapes"`` (signatures only)."""
     unmatched: list[str]
     """Port modules with no counterpart."""
+    slot_rules: tuple[SlotRule, ...] = ()
+    """Arguments the two sides name differently, found by their values (``slots`` lines)."""
 
     def rename_map(self) -> RenameMap:
         """The proposal as rules (exact paths; unmatched modules map to "no counterpart")."""
         rules = [(re.compile(re.escape(port)), bundle.replace("\\", "\\\\")) for port, bundle in self.pairs.items()]
         rules += [(re.compile(re.escape(port)), "-") for port in self.unmatched]
-        return RenameMap(tuple(rules))
+        return RenameMap(tuple(rules), (), self.slot_rules)
 
     def to_text(self) -> str:
         """The proposal as a map file, for review and reuse with ``--map``."""
@@ -213,6 +244,11 @@ class ProposedMap:
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + f" => {bundle}    # {note}")
         for port in self.unmatched:
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + " => -")
+        if self.slot_rules:
+            lines += ["", "# Arguments named differently, paired by their values: slots BUNDLE_MODULE PORT=REF"]
+        for rule in self.slot_rules:
+            refs = "+".join(ref.removeprefix("input.") for ref in rule.refs)
+            lines.append(f"slots {rule.modules} {rule.port.removeprefix('input.')}={refs}")
         return "\n".join(lines) + "\n"
 
 
@@ -235,12 +271,14 @@ def align_modules(
     inputs = to_device(reader.rebuild(reader.index.inputs), torch.device(device))
     model.train(reader.index.run.train_mode)
     seed_everything(reader.index.run.seed)
-    with torch.no_grad(), ModuleTap(model, sink, record_backward=False):
+    by_signature = reader.index.run.arguments == "by-signature"
+    with torch.no_grad(), ModuleTap(model, sink, record_backward=False, by_signature=by_signature):
         call_forward(model, inputs, forward)
     bundle, port = bundle_signatures(reader), sink.calls
     votes: Counter[tuple[str, str]] = Counter()
     by_values: set[tuple[str, str]] = set()
-    for i, j in _align(bundle, port):
+    aligned = _align(bundle, port)
+    for i, j in aligned:
         votes[(port[j].module, bundle[i].module)] += 1
         if _close(bundle[i].values, port[j].values):
             by_values.add((port[j].module, bundle[i].module))
@@ -254,7 +292,41 @@ def align_modules(
         votes={module: votes[(module, chosen[module])] for module in chosen},
         evidence={module: "values" if (module, chosen[module]) in by_values else "shapes" for module in chosen},
         unmatched=[module for module in all_port if module not in chosen],
+        slot_rules=_propose_slots(
+            [(bundle[i], port[j]) for i, j in aligned if chosen.get(port[j].module) == bundle[i].module]
+        ),
     )
+
+
+def _renamed_arguments(bundle: CallSignature, port: CallSignature) -> dict[str, tuple[str, ...]]:
+    """Port argument -> the bundle arguments of another name holding the same values (several: the port passes
+    one tensor where the reference passed equal ones, ``x=query+key+value``)."""
+    named = {slot for slot, _, _ in port.arguments}
+    proposed = {}
+    for slot, dims, values in port.arguments:
+        if any(slot == other for other, _, _ in bundle.arguments):
+            continue
+        refs = tuple(
+            other
+            for other, other_dims, other_values in bundle.arguments
+            if other not in named and other_dims == dims and _close((other_values,), (values,))
+        )
+        if refs:
+            proposed[slot] = refs
+    return proposed
+
+
+def _propose_slots(pairs: list[tuple[CallSignature, CallSignature]]) -> tuple[SlotRule, ...]:
+    """One ``slots`` rule per (bundle module, port argument), as most of the module's aligned calls agree."""
+    votes: Counter[tuple[str, str, tuple[str, ...]]] = Counter()
+    for bundle, port in pairs:
+        for slot, refs in _renamed_arguments(bundle, port).items():
+            votes[(bundle.module, slot, refs)] += 1
+    chosen: dict[tuple[str, str], tuple[str, ...]] = {}
+    for (module, slot, refs), _ in votes.most_common():
+        chosen.setdefault((module, slot), refs)
+    escape = str.maketrans({"[": "[[]", "*": "[*]", "?": "[?]"})
+    return tuple(SlotRule(module.translate(escape), slot, refs) for (module, slot), refs in chosen.items())
 
 
 def _same_role_as_wrappers(chosen: dict[str, str], wrappers: set[str], value_mapped: set[str]) -> list[str]:

@@ -9,10 +9,18 @@ module's mapped path plus the parameter's own name, unless a rule matches the wh
 A line ``waive GLOB`` names bundle records (bundle naming, shell-style glob) that the port has no
 counterpart for: they are not compared and count as waived, not missing (``MODULE/*``: a module's own
 records, not its children's).
+
+A line ``slots GLOB PORT=REF ...`` renames the slots of the calls of the bundle modules matching GLOB
+(bundle naming, shell-style glob): ``hidden_states=query`` says the port's argument ``hidden_states`` is
+the reference's ``query`` (their gradients too); ``output.0=output`` does the same for output slots;
+``hidden_states=query+key+value`` says the port passes one tensor where the reference passed three
+equal ones: its value is compared with each, its gradient with their sum. The first line whose glob
+matches a module and whose PORT starts the slot is used.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from collections.abc import Iterable
@@ -21,11 +29,27 @@ from pathlib import Path
 
 from parity_harness.common.errors import MapFileError
 
-__all__ = ["RenameMap", "parse_map", "read_map", "unused_rules"]
+__all__ = ["RenameMap", "SlotRule", "parse_map", "read_map", "unused_rules"]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
 _WAIVE = "waive"
+_SLOTS = "slots"
+_GRAD = "grad_"
+
+
+@dataclass(frozen=True)
+class SlotRule:
+    """One ``PORT=REF[+REF...]`` of a ``slots`` line: the port's slot ``port`` is the reference's ``refs``."""
+
+    modules: str
+    """Shell-style glob over bundle module names."""
+    port: str
+    refs: tuple[str, ...]
+
+    def applies(self, module: str, slot: str) -> bool:
+        """Whether this rule renames ``slot`` (a forward slot, no ``grad_``) of a call of ``module``."""
+        return (slot == self.port or slot.startswith(self.port + ".")) and fnmatch.fnmatchcase(module, self.modules)
 
 
 @dataclass(frozen=True)
@@ -35,6 +59,30 @@ class RenameMap:
     rules: tuple[tuple[re.Pattern[str], str], ...] = field(default_factory=tuple)
     waivers: tuple[str, ...] = ()
     """Globs of bundle record names the port has no counterpart for (``waive GLOB`` lines)."""
+    slot_rules: tuple[SlotRule, ...] = ()
+    """``slots`` lines, in order."""
+
+    def slots(self, module: str, slot: str) -> tuple[str, ...]:
+        """The bundle's slot(s) for the port's ``slot`` of a call of bundle module ``module`` (``grad_`` slots
+        follow their forward slot); several when the port passes one tensor for several of the reference's."""
+        grad = slot.startswith(_GRAD)
+        forward = slot.removeprefix(_GRAD) if grad else slot
+        for rule in self.slot_rules:
+            if rule.applies(module, forward):
+                rest = forward[len(rule.port) :]
+                return tuple(f"{_GRAD if grad else ''}{ref}{rest}" for ref in rule.refs)
+        return (slot,)
+
+    def port_slot(self, module: str, ref_slot: str) -> str | None:
+        """The port's forward slot for the reference's ``ref_slot``; None for the second and later slots of a sum
+        (the port has one tensor for all of them)."""
+        for rule in self.slot_rules:
+            if not fnmatch.fnmatchcase(module, rule.modules):
+                continue
+            for position, ref in enumerate(rule.refs):
+                if ref_slot == ref or ref_slot.startswith(ref + "."):
+                    return None if position else rule.port + ref_slot[len(ref) :]
+        return ref_slot
 
     def module(self, path: str) -> str | None:
         """The bundle's name for a module path, or None when it has no counterpart."""
@@ -115,16 +163,48 @@ def _parse_waiver(line: str, number: int, source: str) -> str | None:
     return glob.strip()
 
 
+_SLOT_NAME = re.compile(r"[^\s=+]+")
+
+
+def _slot_path(name: str) -> str:
+    """``hidden_states`` -> ``input.hidden_states``; ``output...`` stays as written."""
+    return name if name == "output" or name.startswith("output.") else f"input.{name}"
+
+
+def _parse_slots(line: str, number: int, source: str) -> list[SlotRule] | None:
+    """``slots GLOB PORT=REF[+REF...] ...``: its rules, or None when the line is not a slots line."""
+    words = line.split("#", 1)[0].split()
+    if not words or words[0] != _SLOTS:
+        return None
+    expected = "expected 'slots MODULE_GLOB PORT=REF[+REF...] ...' (e.g. 'slots layers.*.attn hidden_states=query')"
+    if len(words) < 3 or any(_SEPARATOR in word for word in words):
+        raise MapFileError(f"{source}:{number}: {expected}, got {line.strip()!r}")
+    rules = []
+    for pair in words[2:]:
+        port, sep, refs = pair.partition("=")
+        names = refs.split("+")
+        if not sep or not _SLOT_NAME.fullmatch(port) or not all(_SLOT_NAME.fullmatch(n) for n in names):
+            raise MapFileError(f"{source}:{number}: {expected}; {pair!r} is not PORT=REF[+REF...]")
+        kinds = {_slot_path(n).startswith("output") for n in (port, *names)}
+        if len(kinds) != 1:
+            raise MapFileError(f"{source}:{number}: {pair!r} pairs an input with an output slot")
+        rules.append(SlotRule(words[1], _slot_path(port), tuple(_slot_path(n) for n in names)))
+    return rules
+
+
 def parse_map(text: str, source: str = "<map>") -> RenameMap:
-    """Parse the text of a map file: rename rules and ``waive`` lines."""
-    rules, waivers = [], []
+    """Parse the text of a map file: rename rules, ``waive`` and ``slots`` lines."""
+    rules, waivers, slot_rules = [], [], []
     for number, line in enumerate(text.splitlines(), start=1):
         waiver = _parse_waiver(line, number, source)
+        slots = _parse_slots(line, number, source) if waiver is None else None
         if waiver is not None:
             waivers.append(waiver)
+        elif slots is not None:
+            slot_rules += slots
         elif (rule := _parse_rule(line, number, source)) is not None:
             rules.append(rule)
-    return RenameMap(tuple(rules), tuple(waivers))
+    return RenameMap(tuple(rules), tuple(waivers), tuple(slot_rules))
 
 
 def read_map(path: str | os.PathLike[str]) -> RenameMap:

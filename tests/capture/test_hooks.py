@@ -11,6 +11,7 @@ from torch import nn
 
 from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.observe.driving import make_cotangents
+from parity_harness.capture.observe.naming import positional_names
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.replay.reader import BundleReader
@@ -48,8 +49,8 @@ def _full_backward_hook_grads(model: nn.Module, x: torch.Tensor, seed: int) -> d
     def hook(name: str):
         def record(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
             found[(name, "grad_output")] = grad_output[0]
-            if grad_input[0] is not None:
-                found[(name, "grad_input.0")] = grad_input[0]
+            if grad_input[0] is not None:  # positional argument 0, named as capture binds it to forward
+                found[(name, f"grad_input.{positional_names(module)[0]}")] = grad_input[0]
 
         return record
 
@@ -75,7 +76,7 @@ def test_grads_are_each_modules_own_contribution(tmp_path: Path) -> None:
     for key, value in expected.items():
         torch.testing.assert_close(recorded[key], value, rtol=0, atol=0, msg=f"{key}")
     total = recorded[("inp", "grad_output")]
-    assert not torch.equal(recorded[("block", "grad_input.0")], total)  # the skip path is not included
+    assert not torch.equal(recorded[("block", "grad_input.input")], total)  # the skip path is not included
 
 
 def _inplace_twin(inplace: bool) -> TinyNet:
@@ -95,7 +96,7 @@ def test_inplace_activation_loses_no_gradient(tmp_path: Path) -> None:
     plain, inplace = _recorded_grads(paths[False]), _recorded_grads(paths[True])
     assert sorted(plain) == sorted(inplace)
     assert ("blocks.0.lin", "grad_output") in inplace
-    assert ("blocks.0.act", "grad_input.0") in inplace
+    assert ("blocks.0.act", "grad_input.input") in inplace  # ReLU.forward(self, input)
     for key in plain:
         assert torch.equal(plain[key], inplace[key]), key
 
@@ -106,10 +107,10 @@ def test_module_called_twice_gets_two_records(tiny_bundle: Path) -> None:
         calls = [c for c in reader.index.calls if c.module == "blocks.0"]
         assert [c.call for c in calls] == [0, 1]
         for call in calls:
-            assert [s for s, _ in iter_tensors(call.inputs, "input")] == ["input.0"]
+            assert [s for s, _ in iter_tensors(call.inputs, "input")] == ["input.x"]  # Block.forward(self, x)
             assert [s for s, _ in iter_tensors(call.outputs, "output")] == ["output"]
             assert set(call.grad_outputs) == {"grad_output"}
-            assert set(call.grad_inputs) == {"grad_input.0"}
+            assert set(call.grad_inputs) == {"grad_input.x"}
         first, second = (reader.read_tensor(dict(iter_tensors(c.outputs, "output"))["output"]) for c in calls)
         assert not torch.equal(first, second)
 
@@ -189,9 +190,9 @@ def test_no_gradient_is_recorded_where_none_flows(tmp_path: Path, block: type[Bl
     path = tmp_path / "detached.h5"
     capture_run(model, tiny_inputs(), path, seed=3)
     recorded = _recorded_grads(path)
-    assert ("blocks.1.norm", "grad_input.0") not in recorded
-    assert ("blocks.0.norm", "grad_input.0") in recorded  # the intact block still has its gradients
+    assert ("blocks.1.norm", "grad_input.input") not in recorded
+    assert ("blocks.0.norm", "grad_input.input") in recorded  # the intact block still has its gradients
     if block is _DetachedBranchBlock:
         assert not {key for key in recorded if key[0] in ("blocks.1.lin", "blocks.1.act", "blocks.1.norm")}
     else:
-        assert ("blocks.1.lin", "grad_input.0") in recorded
+        assert ("blocks.1.lin", "grad_input.input") in recorded

@@ -42,7 +42,7 @@ def test_integer_inputs_keywords_and_dataclass_output(capture_model) -> None:
     result = _self_replay(path, build_embed())
     assert result.match
     assert result.counts()["output"] == (3, 3)
-    assert "embed/0/input.0" in {r.name for r in result.records}
+    assert "embed/0/input.input" in {r.name for r in result.records}
 
 
 @pytest.mark.parametrize(("dtype", "tag"), [(torch.bfloat16, "BF16"), (torch.float16, "F16")], ids=["bf16", "fp16"])

@@ -136,7 +136,7 @@ def test_json_report_locates_the_perturbed_module(mismatch_report: tuple[Result,
     grads = {r["name"]: r for r in document["records"] if r["kind"] == "param_grad"}
     assert set(grads) == {name for name, _ in build_tiny().named_parameters()}
     forward = {r["name"]: r["match"] for r in document["records"] if r["kind"] == "forward"}
-    assert forward["blocks.1.lin/0/input.0"] is True
+    assert forward["blocks.1.lin/0/input.input"] is True
     assert forward["blocks.1.lin/0/output"] is False
 
 

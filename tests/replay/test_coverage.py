@@ -281,9 +281,9 @@ def build_detached_input() -> nn.Module:
     [
         (
             "build_detached_branch",
-            {f"blocks.1.{m}/0/grad_{s}" for m in ("norm", "lin", "act") for s in ("input.0", "output")},
+            {f"blocks.1.{m}/0/grad_{s}" for m in ("norm", "lin", "act") for s in ("input.input", "output")},
         ),
-        ("build_detached_input", {"blocks.1.norm/0/grad_input.0"}),
+        ("build_detached_input", {"blocks.1.norm/0/grad_input.input"}),
     ],
 )
 def test_a_gradient_the_port_never_computes_is_shown_as_absent(

@@ -45,7 +45,7 @@ def test_bug_inside_attention_is_attributed_to_attention(ref_bundle: Path, ref_c
     first = result.first_divergence("forward")
     assert first is not None
     assert first.module == "encoder.layers.1.self_attn.linear_out"
-    assert _verdict(result, "encoder.layers.1.self_attn.linear_out/0/input.0") == "input differs"
+    assert _verdict(result, "encoder.layers.1.self_attn.linear_out/0/input.input") == "input differs"
     assert _verdict(result, "encoder.layers.1.self_attn.linear_out/0/output") == "inherited"
     assert _verdict(result, "encoder.layers.1.self_attn/0/output") == "origin"
     assert result.to_json()["first_origin"]["forward"] == "encoder.layers.1.self_attn"
@@ -57,7 +57,7 @@ def test_backward_only_bug_is_the_backward_origin(ref_bundle: Path, ref_checkpoi
     report = result.to_json()
     assert report["first_origin"] == {"forward": None, "backward": "encoder.layers.1.conv.activation"}
     assert {r.verdict for r in result.of_kind("forward")} == {"ok"}
-    record = next(r for r in report["records"] if r["name"] == "encoder.layers.1.conv.activation/0/grad_input.0")
+    record = next(r for r in report["records"] if r["name"] == "encoder.layers.1.conv.activation/0/grad_input.x")
     assert record["verdict"] == "origin"
     assert record["local_match"] is False
     assert record["local_max_abs"] > 1e-2
@@ -66,7 +66,7 @@ def test_backward_only_bug_is_the_backward_origin(ref_bundle: Path, ref_checkpoi
 def test_bug_in_parent_glue_shows_input_differs(ref_bundle: Path, ref_checkpoint: Path) -> None:
     """A wrong residual factor in the block's own code: its child sees other inputs, the block is the origin."""
     result = _replay_port(ref_bundle, ref_checkpoint, "adapter_bug_glue.py")
-    assert _verdict(result, "encoder.layers.1.norm_out/0/input.0") == "input differs"
+    assert _verdict(result, "encoder.layers.1.norm_out/0/input.input") == "input differs"
     assert _verdict(result, "encoder.layers.1.norm_out/0/output") == "inherited"
     origin = result.first_origin("forward")
     assert origin is not None

@@ -38,7 +38,7 @@ def test_floor_is_recorded_per_record(noise_bundle: Path) -> None:
     with BundleReader(noise_bundle) as reader:
         floors = reader.index.noise_floor
         assert reader.format_minor >= 1
-    assert floors["preprocessor/0/input.0"] == 0.0
+    assert floors["preprocessor/0/input.input_signal"] == 0.0
     assert floors["encoder.layers.1/0/output"] > 0.0
     assert floors["encoder.layers.0.conv.depthwise_conv.weight"] > 0.0
     assert "output.1" not in floors  # encoded lengths are integers

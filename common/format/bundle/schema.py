@@ -43,6 +43,7 @@ __all__ = [
 
 Tree = list[object]
 BackwardMode = Literal["cotangent", "loss", "none"]
+ArgumentNaming = Literal["by-signature", "by-position"]
 OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
 MAX_DEPTH: Final = 64
 
@@ -81,6 +82,9 @@ class RunInfo:
     device: str = "cpu"
     adapter: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    arguments: ArgumentNaming = "by-position"
+    """How module call arguments are keyed: ``by-signature`` (1.3: a positional argument by the parameter it binds
+    to) or ``by-position`` (bundles before 1.3: positions as called)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored in the index."""
@@ -93,6 +97,7 @@ class RunInfo:
             "device": self.device,
             "adapter": self.adapter,
             "extra": self.extra,
+            "arguments": self.arguments,
         }
 
 
@@ -306,6 +311,9 @@ def parse_run(obj: object) -> RunInfo:
     for key in ("batch_size", "seq_len"):
         if run.get(key) is not None:
             _expect(run[key], int, f"run.{key}")
+    arguments = run.get("arguments", "by-position")  # absent before format 1.3
+    if arguments not in ("by-signature", "by-position"):
+        raise _fail("run.arguments", f"expected 'by-signature' or 'by-position', got {arguments!r}")
     return RunInfo(
         seed=cast(int, _expect(run.get("seed"), int, "run.seed")),
         train_mode=cast(bool, _expect(run.get("train_mode"), bool, "run.train_mode")),
@@ -315,6 +323,7 @@ def parse_run(obj: object) -> RunInfo:
         device=cast(str, _expect(run.get("device", "cpu"), str, "run.device")),
         adapter=cast(str, _expect(run.get("adapter", ""), str, "run.adapter")),
         extra=_parse_map(run.get("extra", {}), "run.extra"),
+        arguments=arguments,
     )
 
 

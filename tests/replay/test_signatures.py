@@ -1,0 +1,223 @@
+"""Pairing across call signatures: arguments bound to forward's parameter names, slots renamed by the map
+(one port tensor for several equal reference ones), and output structure normalised."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from torch import nn
+
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import MapFileError
+from parity_harness.replay.cli.replay_compare import main
+from parity_harness.replay.naming.mapping import parse_map
+from tests.cli_helpers import one_error_line
+
+HERE = Path(__file__).resolve()
+
+
+class RefAttention(nn.Module):
+    """NeMo-style: separate query/key/value arguments, returns a tensor."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.linear_q, self.linear_k, self.linear_v = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.linear_q(query), self.linear_k(key), self.linear_v(value)
+        return torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+class RefLayer(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.self_attn = RefAttention(width)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + scale * self.self_attn(query=h, key=h, value=h)
+
+
+class RefNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.layer = RefLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.layer(x=h, scale=torch.full((1,), 0.5))  # keywords, as NeMo calls its layers
+
+
+class PortAttention(nn.Module):
+    """transformers-style: one hidden_states argument, returns (output, weights)."""
+
+    def __init__(self, width: int = 8, wrong_scale: bool = False) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, width) for _ in range(3))
+        self.wrong_scale = wrong_scale
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        scale = 1.0 / q.shape[-1] if self.wrong_scale else 1.0 / math.sqrt(q.shape[-1])
+        weights = torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1)
+        return weights @ v, weights
+
+
+class PortLayer(nn.Module):
+    def __init__(self, wrong_scale: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.self_attn = PortAttention(8, wrong_scale)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + scale * self.self_attn(self.norm(x))[0]
+
+
+class PortNet(nn.Module):
+    def __init__(self, wrong_scale: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.layer = PortLayer(wrong_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.inp(x), torch.full((1,), 0.5))  # positionally
+
+
+PORT_MAP = """
+^(.*)\\.q_proj$ => \\1.linear_q
+^(.*)\\.k_proj$ => \\1.linear_k
+^(.*)\\.v_proj$ => \\1.linear_v
+slots layer.self_attn hidden_states=query+key+value
+"""
+
+
+def build_reference() -> RefNet:
+    torch.manual_seed(0)
+    model = RefNet()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.5)
+    return model
+
+
+def _port(wrong_scale: bool) -> PortNet:
+    port = PortNet(wrong_scale)
+    state = {
+        key.replace("linear_q", "q_proj").replace("linear_k", "k_proj").replace("linear_v", "v_proj"): value
+        for key, value in build_reference().state_dict().items()
+    }
+    port.load_state_dict(state)
+    return port
+
+
+def build_port() -> PortNet:
+    return _port(wrong_scale=False)
+
+
+def build_port_attention_bug() -> PortNet:
+    return _port(wrong_scale=True)
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Path:
+    out = tmp_path / "ref.h5"
+    capture_run(build_reference(), {"x": torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(3))}, out, seed=1)
+    return out
+
+
+def replay(
+    bundle: Path, factory: str, tmp_path: Path, *extra: str, map_text: str | None = PORT_MAP
+) -> tuple[Result, dict]:
+    report = tmp_path / "r.json"
+    args = ["--bundle", str(bundle), "--model", f"{HERE}:{factory}", "--json", str(report), *extra]
+    if map_text is not None:
+        (tmp_path / "port.map").write_text(map_text)
+        args += ["--map", str(tmp_path / "port.map")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (0, 1), result.output
+    return result, json.loads(report.read_text())
+
+
+def test_keyword_and_positional_calls_pair_by_parameter_name(bundle: Path, tmp_path: Path) -> None:
+    """The reference calls its layer with keywords, the port positionally: both record input.x and input.scale."""
+    _, report = replay(bundle, "build_port", tmp_path)
+    names = {record["name"] for record in report["records"]}
+    assert {"layer/0/input.x", "layer/0/input.scale", "layer/0/grad_input.x"} <= names
+    assert {"inp/0/input.input", "layer.norm/0/grad_input.input"} <= names
+
+
+def test_one_port_argument_for_three_equal_reference_ones(bundle: Path, tmp_path: Path) -> None:
+    """hidden_states=query+key+value: its value is compared with each, its gradient with their sum; the port's
+    (out, weights) pairs its first element with the reference's single output; the run is complete."""
+    result, report = replay(bundle, "build_port", tmp_path, "--isolate")
+    assert result.exit_code == 0, result.output
+    assert (report["verdict"], report["complete"]) == ("MATCH", True)
+    records = {record["name"]: record for record in report["records"]}
+    for slot in ("query", "key", "value"):
+        assert records[f"layer.self_attn/0/input.{slot}"]["match"]
+        assert records[f"layer.self_attn/0/grad_input.{slot}"]["match"]
+        assert records[f"layer.self_attn/0/grad_input.{slot}"]["verdict"] == "ok"
+    assert records["layer.self_attn/0/output"]["match"]
+    assert records["layer.self_attn/0/grad_output"]["match"]
+    assert "layer.self_attn/0/output.1" in report["unmatched"]["replay_only"]  # the port's weights: listed
+    assert any("sum" in note for note in report["notes"])
+
+
+def test_the_sum_is_what_is_compared(bundle: Path, tmp_path: Path) -> None:
+    """Pairing the port's gradient with the query slot alone (no '+') fails: it is the sum of three paths."""
+    text = PORT_MAP.replace("hidden_states=query+key+value", "hidden_states=query")
+    text += "waive layer.self_attn/0/*input.key\nwaive layer.self_attn/0/*input.value\n"
+    result, report = replay(bundle, "build_port", tmp_path, map_text=text)
+    assert result.exit_code == 1
+    records = {record["name"]: record for record in report["records"]}
+    assert records["layer.self_attn/0/input.query"]["match"]
+    assert not records["layer.self_attn/0/grad_input.query"]["match"]
+
+
+def test_without_the_slots_line_the_arguments_are_listed_not_silently_passed(bundle: Path, tmp_path: Path) -> None:
+    """No slots line: the reference's query/key/value stay uncompared and the run is INCOMPLETE, never MATCH."""
+    text = PORT_MAP.replace("slots layer.self_attn hidden_states=query+key+value", "")
+    result, report = replay(bundle, "build_port", tmp_path, "--isolate", map_text=text)
+    assert result.exit_code == 1
+    assert report["verdict"] == "INCOMPLETE"
+    assert "layer.self_attn/0/input.query" in report["coverage"]["forward"]["missing"]
+    assert "slots" in report["not_isolated"]["layer.self_attn"]  # the hint names the fix
+
+
+def test_a_bug_inside_attention_is_blamed_on_attention(bundle: Path, tmp_path: Path) -> None:
+    """With the arguments paired, --isolate names the attention module itself as the origin, both directions."""
+    result, report = replay(bundle, "build_port_attention_bug", tmp_path, "--isolate")
+    assert result.exit_code == 1
+    assert report["first_origin"] == {"forward": "layer.self_attn", "backward": "layer.self_attn"}
+
+
+def test_map_auto_proposes_the_slots_line(bundle: Path, tmp_path: Path) -> None:
+    """--map auto pairs the arguments by their values and saves the slots line a user would write."""
+    saved = tmp_path / "auto.map"
+    result, report = replay(bundle, "build_port", tmp_path, "--map", "auto", "--save-map", str(saved), map_text=None)
+    assert result.exit_code == 0, result.output
+    assert "slots layer.self_attn hidden_states=query+key+value" in saved.read_text()
+    assert report["complete"], report["coverage"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["slots layer.self_attn", "slots layer hidden_states", "slots layer a=b=c", "slots layer x=output", "slots a => b"],
+)
+def test_a_malformed_slots_line_is_a_one_line_error(line: str) -> None:
+    """A slots line that is not 'slots GLOB PORT=REF[+REF...]' is refused naming the line."""
+    with pytest.raises(MapFileError, match="<map>:1"):
+        parse_map(line)
+
+
+def test_a_malformed_slots_line_exits_2(bundle: Path, tmp_path: Path) -> None:
+    (tmp_path / "bad.map").write_text("slots layer hidden_states\n")
+    args = ["--bundle", str(bundle), "--model", f"{HERE}:build_port", "--map", str(tmp_path / "bad.map")]
+    assert "bad.map:1" in one_error_line("replay-compare", CliRunner().invoke(main, args))
