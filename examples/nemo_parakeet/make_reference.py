@@ -15,15 +15,41 @@ from nemo.collections.asr.models import EncDecCTCModel
 from omegaconf import OmegaConf
 
 LABELS = [" "] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["'"]
-PREPROCESSOR = {"_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor", "sample_rate": 16000,
-                "features": 80, "n_fft": 512, "window_size": 0.025, "window_stride": 0.01, "window": "hann",
-                "normalize": "per_feature", "dither": 0.0, "pad_to": 0}
-ENCODER = {"_target_": "nemo.collections.asr.modules.ConformerEncoder", "feat_in": 80, "n_layers": 2, "d_model": 64,
-           "n_heads": 4, "ff_expansion_factor": 4, "subsampling": "dw_striding", "subsampling_factor": 8,
-           "subsampling_conv_channels": 32, "self_attention_model": "rel_pos", "xscaling": True,
-           "untie_biases": True, "conv_kernel_size": 9, "conv_norm_type": "batch_norm", "att_context_size": [-1, -1]}
-DECODER = {"_target_": "nemo.collections.asr.modules.ConvASRDecoder", "feat_in": 64, "num_classes": len(LABELS),
-           "vocabulary": LABELS}
+PREPROCESSOR = {
+    "_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
+    "sample_rate": 16000,
+    "features": 80,
+    "n_fft": 512,
+    "window_size": 0.025,
+    "window_stride": 0.01,
+    "window": "hann",
+    "normalize": "per_feature",
+    "dither": 0.0,
+    "pad_to": 0,
+}
+ENCODER = {
+    "_target_": "nemo.collections.asr.modules.ConformerEncoder",
+    "feat_in": 80,
+    "n_layers": 2,
+    "d_model": 64,
+    "n_heads": 4,
+    "ff_expansion_factor": 4,
+    "subsampling": "dw_striding",
+    "subsampling_factor": 8,
+    "subsampling_conv_channels": 32,
+    "self_attention_model": "rel_pos",
+    "xscaling": True,
+    "untie_biases": True,
+    "conv_kernel_size": 9,
+    "conv_norm_type": "batch_norm",
+    "att_context_size": [-1, -1],
+}
+DECODER = {
+    "_target_": "nemo.collections.asr.modules.ConvASRDecoder",
+    "feat_in": 64,
+    "num_classes": len(LABELS),
+    "vocabulary": LABELS,
+}
 CONFIG = {"sample_rate": 16000, "labels": LABELS, "preprocessor": PREPROCESSOR, "encoder": ENCODER, "decoder": DECODER}
 
 if __name__ == "__main__":
