@@ -147,6 +147,8 @@ class RecordResult:
     local: TensorDiff | None = None
     """The module's own error on the reference's inputs (``--isolate``)."""
     verdict: Verdict | None = None
+    masked: str = ""
+    """What ``--mask-padding`` left out of this record (empty: nothing)."""
 
     @property
     def match(self) -> bool:
@@ -172,6 +174,7 @@ class RecordResult:
             "required_atol": _finite_or_none(diff.required_atol),
             "required_rtol": _finite_or_none(diff.required_rtol),
             "problem": diff.problem,
+            "masked": self.masked or None,
             "basis": diff.basis,
             "module": self.module,
             "verdict": self.verdict,

@@ -120,23 +120,75 @@ def test_padding_mask_ignores_what_the_port_leaves_in_padding(nemo_bundle: tuple
 PARAKEET = ROOT / "examples" / "nemo_parakeet"
 
 
-def test_transformers_parakeet_matches_nemo_fastconformer(tmp_path: Path) -> None:
-    """The worked example: NeMo's FastConformer-CTC (randomised, saved by NeMo) against transformers'
-    ParakeetForCTC through the example's adapter and map: complete coverage and MATCH at the default tolerances,
-    every module isolated ok. 16160 samples give whole subsampled frames (no padding, see issue 16 item 4)."""
-    archive, bundle = tmp_path / "ref.nemo", tmp_path / "ref.h5"
-    _in_nemo_env(str(PARAKEET / "make_reference.py"), str(archive), cwd=tmp_path)
-    capture = "from parity_harness.capture.cli.capture_run import main; main()"
-    _in_nemo_env("-c", capture, "--adapter", "nemo", "--ckpt", str(archive), "--out", str(bundle),
-                 "--seq-len", "16160", cwd=tmp_path)  # fmt: skip
-    report = tmp_path / "r.json"
-    args = ["--adapter", str(PARAKEET / "port_adapter.py"), "--ckpt", str(archive), "--bundle", str(bundle),
-            "--map", str(PARAKEET / "port_to_ref.map"), "--isolate", "--quiet", "--json", str(report)]  # fmt: skip
+@pytest.fixture(scope="module")
+def parakeet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """NeMo's FastConformer-CTC saved by NeMo (randomised) and captured with NeMo at equal lengths (16160
+    samples: whole subsampled frames) and at unequal ones (16000 and 12000 samples)."""
+    folder = tmp_path_factory.mktemp("parakeet")
+    archive = folder / "ref.nemo"
+    _in_nemo_env(str(PARAKEET / "make_reference.py"), str(archive), cwd=folder)
+    _capture(archive, folder / "equal.h5", "--seq-len", "16160", cwd=folder)
+    _capture(archive, folder / "unequal.h5", "--seq-len", "16000", "--lengths", "16000,12000", cwd=folder)
+    return archive, folder / "equal.h5", folder / "unequal.h5"
+
+
+def _replay_parakeet(archive: Path, bundle: Path, adapter: Path, report: Path, *extra: str) -> tuple[int, dict]:
+    args = ["--adapter", str(adapter), "--ckpt", str(archive), "--bundle", str(bundle), "--map",
+            str(PARAKEET / "port_to_ref.map"), "--isolate", "--quiet", "--json", str(report), *extra]  # fmt: skip
     result = CliRunner().invoke(replay_main, args)
-    document = json.loads(report.read_text())
-    assert result.exit_code == 0, (result.output[-3000:], document["coverage"])
-    assert (document["verdict"], document["complete"]) == ("MATCH", True)
-    assert document["coverage"]["param_grad"]["compared"] == document["coverage"]["param_grad"]["recorded"] > 80
-    assert document["first_origin"] == {"forward": None, "backward": None}
-    verdicts = {record["verdict"] for record in document["records"] if "/" in record["name"]}
-    assert verdicts == {"ok"}
+    assert result.exit_code in (0, 1), result.output[-3000:]
+    return result.exit_code, json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("which", ["equal", "unequal"])
+def test_transformers_parakeet_matches_nemo_fastconformer(
+    parakeet: tuple[Path, Path, Path], tmp_path: Path, which: str
+) -> None:
+    """The worked example: transformers' ParakeetForCTC through the example's adapter and map matches NeMo
+    with complete coverage at the default tolerances, every module isolated ok; with unequal lengths too
+    (--mask-padding: the port leaves other values in padded frames)."""
+    archive, equal, unequal = parakeet
+    bundle, extra = (equal, []) if which == "equal" else (unequal, ["--mask-padding"])
+    code, report = _replay_parakeet(archive, bundle, PARAKEET / "port_adapter.py", tmp_path / "r.json", *extra)
+    assert code == 0, ([r["name"] for r in report["records"] if not r["match"]][:10], report["coverage"])
+    assert (report["verdict"], report["complete"]) == ("MATCH", True)
+    assert report["coverage"]["param_grad"]["compared"] == report["coverage"]["param_grad"]["recorded"] > 80
+    assert report["first_origin"] == {"forward": None, "backward": None}
+    assert {record["verdict"] for record in report["records"] if "/" in record["name"]} == {"ok"}
+
+
+@pytest.mark.parametrize(
+    ("bug", "origin"),
+    [
+        ("forward", {"forward": "encoder.layers.1.norm_conv"}),
+        ("backward", {"forward": None, "backward": "encoder.layers.1.conv.activation"}),
+        ("attention", {"forward": "encoder.layers.1.self_attn"}),
+    ],
+)
+def test_planted_bug_in_the_parakeet_port_is_the_first_origin(
+    parakeet: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: str, origin: dict
+) -> None:
+    """A forward-only, a backward-only and an inside-attention bug are each named as the first origin."""
+    monkeypatch.setenv("PARAKEET_BUG", bug)
+    archive, equal, _ = parakeet
+    code, report = _replay_parakeet(
+        archive, equal, ROOT / "tests" / "nemo" / "parakeet_variants.py", tmp_path / "r.json"
+    )
+    assert code == 1
+    for direction, module in origin.items():
+        assert report["first_origin"][direction] == module, report["first_origin"]
+
+
+def test_a_frozen_parameter_in_the_parakeet_port_fails(
+    parakeet: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter left frozen in the port has no gradient: a failing record of its own, never a MATCH."""
+    monkeypatch.setenv("PARAKEET_BUG", "frozen")
+    archive, equal, _ = parakeet
+    code, report = _replay_parakeet(
+        archive, equal, ROOT / "tests" / "nemo" / "parakeet_variants.py", tmp_path / "r.json"
+    )
+    assert code == 1
+    record = next(r for r in report["records"] if r["name"] == "encoder.layers.0.feed_forward1.linear1.bias")
+    assert not record["match"]
+    assert "no gradient in the port" in record["problem"]

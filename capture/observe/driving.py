@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from parity_harness.capture.observe.naming import iter_live_tensors
+from parity_harness.common.numerics.padding import padding_mask
 
 __all__ = ["ForwardFn", "LossFn", "call_forward", "make_cotangents", "rng_state", "seed_everything", "to_device"]
 
@@ -49,18 +50,33 @@ def call_forward(model: torch.nn.Module, inputs: Any, forward: ForwardFn | None 
     return model(inputs)
 
 
+def output_lengths(outputs: Any) -> np.ndarray | None:
+    """The per-example lengths among a model's outputs (the first integer ``(batch,)`` tensor), if any."""
+    for _, tensor in iter_live_tensors(outputs, "output"):
+        if tensor.dtype in (torch.int64, torch.int32) and tensor.dim() == 1 and tensor.numel() > 0:
+            return tensor.detach().to("cpu", torch.int64).numpy()
+    return None
+
+
 def make_cotangents(outputs: Any, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """A seeded standard-normal cotangent for every real floating output that requires grad.
 
     Returns ``(slot, output, cotangent)`` triples in slot order. Values are drawn in float64 on
     the CPU from a private generator, then cast, so they do not depend on the device or on the
-    global RNG.
+    global RNG. When the outputs carry per-example lengths (an integer ``(batch,)`` tensor, as NeMo's
+    ``encoded_len``), the cotangent is zero past each example's length along the output's time axis
+    (:mod:`parity_harness.common.numerics.padding`): what a model leaves in padded frames then reaches
+    no gradient, parameter gradients included.
     """
     generator = torch.Generator().manual_seed(seed)
+    lengths = output_lengths(outputs)
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and tensor.is_floating_point():
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+            padded = padding_mask(tuple(tensor.shape), lengths)
+            if padded is not None:
+                noise[torch.from_numpy(np.ascontiguousarray(padded))] = 0.0
             triples.append((slot, tensor, noise.to(dtype=tensor.dtype, device=tensor.device)))
     return triples
 

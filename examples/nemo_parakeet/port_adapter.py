@@ -109,6 +109,10 @@ def isolation_inputs(
     """--isolate: NeMo's recorded arguments, already under the port's names (the map's slots lines), in the
     port's layouts. NeMo's masks are True where padded and its position embedding is (1, 2T-1, D); the port's
     masks are (B, 1, T, T), True where attended, and its embedding (B, 2T-1, D)."""
+    if module == "encoder.pre_encode":  # NeMo's lengths -> the port's (B, T) mask, True where valid
+        features = kwargs["input_features"]
+        valid = torch.arange(features.shape[1], device=features.device)[None] < kwargs["lengths"][:, None]
+        return args, {"input_features": features, "attention_mask": valid}
     if module == "decoder.decoder_layers.0":  # (B, D, T) -> (B, T, D)
         return args, {"hidden_states": kwargs["hidden_states"].transpose(1, 2)}
     if re.fullmatch(r"encoder\.layers\.\d+(\.self_attn)?", module):

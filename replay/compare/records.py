@@ -18,7 +18,7 @@ from parity_harness.common.format.bundle.schema import TensorRef, Tree, iter_ten
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.padding import padding_mask, recorded_lengths
+from parity_harness.replay.compare.padding import PaddingPlan
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
@@ -62,8 +62,7 @@ class ComparingSink:
         """Gradient records compared as a sum of the reference's slots (a map's ``a=b+c``), described."""
         recorded = reader.index.selection
         self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
-        self._mask_padding = mask_padding
-        self._lengths: dict[int, tuple[np.ndarray | None, np.ndarray | None]] = {}
+        self._padding_plan = PaddingPlan(reader) if mask_padding else None
         self.masked_records = 0
         index = reader.index
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
@@ -100,10 +99,9 @@ class ComparingSink:
         name = record_name(info.module, info.call, slot)
         self.seen.add(name)
         tolerance = self._result.tolerances.for_record(name, ref.tag)
-        ignore = self._padding(info, slot, ref.shape)
-        self.masked_records += ignore is not None
+        ignore, masked = self._padding(info, slot, ref.shape)
         diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
-        self._add(RecordResult(kind, name, diff, order, info.module, slot))
+        self._add(RecordResult(kind, name, diff, order, info.module, slot, masked=masked))
 
     def _compare_sum(
         self,
@@ -118,11 +116,11 @@ class ComparingSink:
         names = [record_name(info.module, info.call, slot) for slot in slots]
         refs = [expected[slot] for slot in slots]
         tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
-        ignore = self._padding(info, slots[0], refs[0].shape)
+        ignore, masked = self._padding(info, slots[0], refs[0].shape)
         diff = diff_sum(self._reader, refs, self._transform(names[0], grad), tolerance, ignore)
         for name, slot in zip(names, slots, strict=True):
             self.seen.add(name)
-            self._add(RecordResult("backward", name, diff, order, info.module, slot))
+            self._add(RecordResult("backward", name, diff, order, info.module, slot, masked=masked))
         self.summed.append(f"{names[0]} = {' + '.join(slots)}")
 
     def _add(self, record: RecordResult) -> None:
@@ -132,20 +130,23 @@ class ComparingSink:
             self._done[kind] += 1
             self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
 
-    def _padding(self, info: CallInfo, slot: str, shape: tuple[int, ...]) -> np.ndarray | None:
-        """Padded positions of a record, from the lengths the reference recorded for this call."""
-        found = self._reader.find_call(info.module, info.call) if self._mask_padding else None
-        if found is None:
-            return None
-        position, call = found
-        if position not in self._lengths:  # read once per call, not once per record
-            inputs, outputs = (
-                recorded_lengths(self._reader, tree, p)
-                for tree, p in ((call.inputs, "input"), (call.outputs, "output"))
-            )
-            self._lengths[position] = (inputs, outputs if outputs is not None else inputs)
-        lengths_in, lengths_out = self._lengths[position]
-        return padding_mask(shape, lengths_in if slot.startswith(("input", "grad_input")) else lengths_out)
+    def _padding(self, info: CallInfo, slot: str, shape: tuple[int, ...]) -> tuple[np.ndarray | None, str]:
+        """Padded positions of a record (``--mask-padding``), from the lengths the reference recorded."""
+        found = self._reader.find_call(info.module, info.call) if self._padding_plan else None
+        if self._padding_plan is None or found is None:
+            return None, ""
+        event = "inputs" if slot.startswith(("input", "grad_input")) else "outputs"
+        ignore, masked = self._padding_plan.mask(shape, found[0], event)
+        self.masked_records += ignore is not None
+        return ignore, masked
+
+    def output_padding(self, shape: tuple[int, ...]) -> tuple[np.ndarray | None, str]:
+        """Padded positions of one of the model's outputs (``--mask-padding``)."""
+        if self._padding_plan is None:
+            return None, ""
+        ignore, masked = self._padding_plan.mask(shape, None, "outputs")
+        self.masked_records += ignore is not None
+        return ignore, masked
 
     def _note_live(self, info: CallInfo, live: list[tuple[str, torch.Tensor]], expected: dict[str, TensorRef]) -> None:
         """Remember which of the call's bundle slots held a tensor in the port (for :meth:`absent_gradients`)."""
@@ -216,8 +217,10 @@ def compare_named(
     live: Iterable[tuple[str, torch.Tensor]],
     expected: dict[str, TensorRef],
     transform: LayoutTransform = as_recorded,
+    padding: Callable[[tuple[int, ...]], tuple[np.ndarray | None, str]] | None = None,
 ) -> tuple[list[RecordResult], list[str], list[str]]:
-    """Compare named tensors (outputs, parameters, gradients) by name.
+    """Compare named tensors (outputs, parameters, gradients) by name; ``padding`` gives each record's padded
+    positions (``--mask-padding`` on the model's outputs).
 
     Returns:
         The compared records, the live names the bundle lacks, and the bundle names not seen.
@@ -228,8 +231,9 @@ def compare_named(
         if ref is None:
             replay_only.append(name)
             continue
-        diff = diff_record(reader, ref, transform(name, tensor), tolerances.for_record(name, ref.tag))
-        records.append(RecordResult(kind, name, diff, (0, position)))
+        ignore, masked = (None, "") if padding is None else padding(ref.shape)
+        diff = diff_record(reader, ref, transform(name, tensor), tolerances.for_record(name, ref.tag), ignore)
+        records.append(RecordResult(kind, name, diff, (0, position), masked=masked))
     seen = {record.name for record in records}
     return records, replay_only, [name for name in expected if name not in seen]
 

@@ -227,7 +227,8 @@ class _ReplaySession:
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
         expected = slots(self.index.outputs, "output")
-        compared = compare_named(self.reader, self.result.tolerances, "output", live, expected, self.transform)
+        padding = self.sink.output_padding if options.mask_padding else None
+        compared = compare_named(self.reader, self.result.tolerances, "output", live, expected, self.transform, padding)
         add_named(self.result, "output", compared)
         backward_as_recorded(self.reader, outputs, options.loss, self.result, self.transform)
 
@@ -341,6 +342,7 @@ class _ReplaySession:
             to_reference=self.transform,
             cast_inputs=self.precision.inputs,
             forward_context=functools.partial(self.precision.forward, self.target),
+            mask_padding=options.mask_padding,
         )
         apply_isolation(self.result, isolation)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
@@ -31,6 +32,7 @@ from parity_harness.common.format.bundle.layout import join_slot
 from parity_harness.common.format.bundle.schema import ModuleCall, Tree, iter_tensors
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.padding import PaddingPlan
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader, rebuild
@@ -138,6 +140,9 @@ class _Isolator:
     ) -> None:
         self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
         self.rename = rename
+        self.padding: PaddingPlan | None = None
+        self.position: int | None = None
+        """The bundle position of the call being isolated (for padding masks)."""
         self.cast, self.context = cast, context
         self.param_names = param_names
         """id(parameter) -> its name in the bundle: a tied parameter sums every module's share."""
@@ -145,7 +150,16 @@ class _Isolator:
         self.param_sums: dict[str, torch.Tensor] = {}
 
     def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
-        return diff_record(self.reader, expected, actual, self.tolerances.for_record(name, expected.tag))
+        tolerance = self.tolerances.for_record(name, expected.tag)
+        return diff_record(self.reader, expected, actual, tolerance, self._ignore(name, expected))
+
+    def _ignore(self, name: str, expected: Any) -> np.ndarray | None:
+        """Padded positions of a module record (``--mask-padding``), as the chained comparison leaves them out."""
+        if self.padding is None or "/" not in name:
+            return None
+        slot = name.rsplit("/", 1)[1]
+        event = "inputs" if slot.startswith(("input", "grad_input")) else "outputs"
+        return self.padding.mask(expected.shape, self.position, event)[0]
 
     def arguments(self, module: torch.nn.Module, call: ModuleCall, adapt: InputAdapter | None) -> _Arguments:
         wants_grad: dict[int, bool] = {}
@@ -237,10 +251,11 @@ class _Isolator:
             refs = [call.grad_inputs[target] for target in targets]
             tolerance = self.tolerances.for_record(prefix + targets[0], refs[0].tag)
             single = len(refs) == 1
+            ignore = self._ignore(prefix + targets[0], refs[0])
             diff = (
-                diff_record(self.reader, refs[0], grad, tolerance)
+                diff_record(self.reader, refs[0], grad, tolerance, ignore)
                 if single
-                else diff_sum(self.reader, refs, grad, tolerance, None)
+                else diff_sum(self.reader, refs, grad, tolerance, ignore)
             )
             for target in targets:
                 self.outcome.local[prefix + target] = diff
@@ -268,6 +283,7 @@ def isolate(
     to_reference: LayoutTransform = as_recorded,
     cast_inputs: Callable[[Any], Any] = lambda value: value,
     forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    mask_padding: bool = False,
 ) -> Isolation:
     """Run every matched module call of ``model`` on the reference's recorded inputs.
 
@@ -282,6 +298,7 @@ def isolate(
         to_reference: the port's values in the reference's layout, by record name.
         cast_inputs: applied to each recorded input tensor (a reduced-precision replay casts them).
         forward_context: the context each isolated call runs in (autocast).
+        mask_padding: leave padded positions out, as ``--mask-padding`` does in the chained comparison.
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -296,6 +313,7 @@ def isolate(
     isolator = _Isolator(
         reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
     )
+    isolator.padding = PaddingPlan(reader) if mask_padding else None
     for position, call in enumerate(reader.index.calls, start=1):
         if progress is not None:
             progress("isolate", position, len(reader.index.calls))
@@ -305,6 +323,7 @@ def isolate(
         if reason is not None:
             isolator.outcome.skipped[call.module] = reason
             continue
+        isolator.position = position - 1
         isolator.run_call(modules[call.module], call, isolation_inputs)
     isolator.compare_params()
     return isolator.outcome

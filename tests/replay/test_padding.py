@@ -11,7 +11,7 @@ from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.padding import padding_mask
+from parity_harness.replay.compare.padding import padding_mask, subsampled_lengths
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 
@@ -83,3 +83,113 @@ def test_padding_garbage_is_ignored_but_real_differences_are_not(tmp_path: Path)
     assert _replay(bundle, _Net(zero_padding=False), mask=True)
     torch.manual_seed(0)
     assert not _replay(bundle, _Net(zero_padding=False, scale=1.001), mask=True)
+
+
+# --------------------------------------------------------------------------- padding end to end
+
+
+class _FillingReLU(nn.ReLU):
+    """ReLU that writes ``fill`` at the padded frames it is told about: what the port's activation leaves there."""
+
+    valid: torch.Tensor | None = None
+    fill: float = 0.0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input)
+        return out if self.valid is None else out.where(self.valid, self.fill)
+
+
+class _Subsampling(nn.Module):
+    """Two strided convolutions; the modules inside never get the lengths as arguments (as NeMo's pre_encode)."""
+
+    def __init__(self, port: bool) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv1d(5, 5, 3, 2, 1), nn.Conv1d(5, 5, 3, 2, 1)
+        self.act1, self.act2 = _FillingReLU(), nn.ReLU()
+        self.port = port
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = (lengths + 1) // 2
+        valid = torch.arange((x.shape[-1] + 1) // 2)[None, None] < first[:, None, None]
+        if self.port:  # the port's activation leaves garbage in padded frames; valid frames agree
+            self.act1.valid, self.act1.fill = valid, 5.0
+        h = self.act1(self.conv1(x)).where(valid, 0.0)
+        h = self.act2(self.conv2(h))
+        return h, (first + 1) // 2
+
+
+class _PaddedNet(nn.Module):
+    """(audio-like input, lengths) -> (frames at a quarter of the rate, their lengths), NeMo-style."""
+
+    def __init__(self, port: bool = False, bug: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.sub = _Subsampling(port)
+        self.head = nn.Conv1d(5, 7, 1)
+        self.port, self.bug = port, bug
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, out_lengths = self.sub(x, lengths)
+        logits = self.head(h) * self.bug
+        valid = torch.arange(logits.shape[-1])[None, None] < out_lengths[:, None, None]
+        return (logits if self.port else logits.where(valid, 0.0)), out_lengths  # the port leaves padding as is
+
+
+@pytest.fixture
+def padded_bundle(tmp_path: Path) -> Path:
+    bundle = tmp_path / "padded.h5"
+    inputs = (torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(1)), torch.tensor([24, 15]))
+    capture_run(_PaddedNet(), inputs, bundle, seed=3)
+    return bundle
+
+
+def test_default_cotangent_is_zero_past_each_length(padded_bundle: Path) -> None:
+    """The outputs carry lengths [6, 4]: the seeded cotangent is zero past them, random elsewhere."""
+    with BundleReader(padded_bundle) as reader:
+        assert reader.index.cotangent is not None
+        cotangent = reader.rebuild(reader.index.cotangent)["output.0"]
+    assert cotangent.shape == (2, 7, 6)
+    assert torch.count_nonzero(cotangent[1, :, 4:]) == 0
+    assert torch.count_nonzero(cotangent[0]) == cotangent[0].numel()
+    assert torch.count_nonzero(cotangent[1, :, :4]) == cotangent[1, :, :4].numel()
+
+
+def test_parameter_gradients_do_not_depend_on_padding(padded_bundle: Path) -> None:
+    """A correct port that leaves garbage in padded frames matches every parameter gradient without any mask."""
+    with BundleReader(padded_bundle) as reader:
+        result = compare_run(_PaddedNet(port=True), reader, tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)))
+    grads = [record for record in result.records if record.kind == "param_grad"]
+    assert len(grads) == 6
+    assert all(record.match for record in grads)
+    assert not result.match  # unmasked, the padded frames of its outputs and activations differ
+
+
+def test_mask_padding_carries_lengths_into_modules_that_have_none(padded_bundle: Path) -> None:
+    """With --mask-padding the correct port matches everywhere: the activations inside the subsampling are
+    masked with the lengths subsampled from the call around them, the outputs with their own, and each
+    masked record says what was left out; a real difference still fails."""
+    with BundleReader(padded_bundle) as reader:
+        tolerances = ToleranceTable(Tolerance(1e-6, 1e-6))
+        result = compare_run(_PaddedNet(port=True), reader, tolerances=tolerances, mask_padding=True, isolate=True)
+        buggy = compare_run(_PaddedNet(port=True, bug=1.001), reader, tolerances=tolerances, mask_padding=True)
+    assert result.match, [(r.name, r.diff.max_abs) for r in result.records if not r.match]
+    records = {record.name: record for record in result.records}
+    assert "subsampled" in records["sub.act1/0/output"].masked
+    assert "[12, 8]" in records["sub.act1/0/output"].masked
+    assert "[6, 4]" in records["output.0"].masked
+    assert records["sub.act1/0/output"].verdict == "ok"  # isolation is masked the same way
+    assert not buggy.match
+
+
+@pytest.mark.parametrize(
+    ("shape", "after", "expected"),
+    [((2, 32, 51, 40), [13, 10], [50, 38]), ((2, 32, 26, 20), [13, 10], [25, 19]), ((2, 32, 26, 20), None, None)],
+    ids=["first-stride", "second-stride", "ambiguous-without-later-lengths"],
+)
+def test_subsampled_lengths_follow_strided_convolutions(
+    shape: tuple[int, ...], after: list[int] | None, expected: list[int] | None
+) -> None:
+    """NeMo's dw_striding: 100/76 frames -> 50/38 -> 25/19 -> 13/10; the time axis is the one that divides
+    down consistently, and an axis that could be time or features is left unmasked."""
+    found = subsampled_lengths(shape, np.array([100, 76]), None if after is None else np.array(after))
+    assert (None if found is None else found.tolist()) == expected
