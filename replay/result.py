@@ -69,6 +69,7 @@ class KindCoverage:
             "compared": self.compared,
             "waived": len(self.waived),
             "missing": sorted(self.missing),
+            "waived_why": dict(sorted(self.waived)),
         }
 
 

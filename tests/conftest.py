@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # (see below)
 
 from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.record.recorder import capture_run
@@ -18,6 +19,9 @@ from parity_harness.replay.result import ComparisonResult
 from tests.models import build_tiny, tiny_inputs
 
 pytest_plugins = ["pytester"]
+# Imported up front: an in-process pytester run drops the modules first imported inside it from
+# sys.modules, and torch._dynamo's operator libraries cannot be registered a second time when a
+# later test imports it again (RuntimeError: Only a single TORCH_LIBRARY ... _inductor_test).
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

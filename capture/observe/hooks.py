@@ -29,6 +29,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from parity_harness.capture.observe.naming import (
+    ArgumentNames,
+    argument_key,
     grad_slot,
     iter_live_call_inputs,
     iter_live_tensors,
@@ -47,7 +49,7 @@ class CallInfo:
     module: str
     call: int
     module_type: str
-    arg_names: tuple[str, ...] = ()
+    arg_names: ArgumentNames = ()
     """The names the call's positional arguments bind to (``naming.positional_names``); empty when slots are
     named by position (bundles before format 1.3)."""
 
@@ -142,7 +144,7 @@ class ModuleTap:
         self._rename = rename or (lambda path: path)
         self._handles: list[RemovableHandle] = []
         self._names: dict[int, str] = {}
-        self._arg_names: dict[int, tuple[str, ...]] = {}
+        self._arg_names: dict[int, ArgumentNames] = {}
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
 
@@ -180,7 +182,7 @@ class ModuleTap:
         aliased: set[str] = set()
         names = info.arg_names
         new_args = tuple(
-            self._alias(info, value, join_slot("input", names[i] if i < len(names) else i), aliased)
+            self._alias(info, value, join_slot("input", argument_key(names, i)), aliased)
             for i, value in enumerate(args)
         )
         new_kwargs = {k: self._alias(info, value, join_slot("input", k), aliased) for k, value in kwargs.items()}

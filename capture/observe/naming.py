@@ -7,10 +7,9 @@ replay reads its own model's values with it, so both sides name every tensor the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
 
 import torch
@@ -19,7 +18,9 @@ from parity_harness.common.format.bundle.layout import join_slot
 from parity_harness.common.format.bundle.schema import MAX_DEPTH, TensorRef, Tree
 
 __all__ = [
+    "ArgumentNames",
     "StoreTensor",
+    "argument_key",
     "encode_call_inputs",
     "encode_value",
     "grad_slot",
@@ -91,45 +92,75 @@ def encode_value(value: object, slot: str, store: StoreTensor, depth: int = 0) -
     return ["X", type_name(value), "not a tensor, scalar or container"]
 
 
-_POSITIONAL: Final = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_SIGNATURES: dict[Any, tuple[str, ...]] = {}
+_WRAPPERS: Final = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")
+"""Where torch.compile, activation checkpointing, FSDP1 and DDP keep the module they forward to."""
+_SIGNATURES: dict[type, tuple[str | None, ...]] = {}
+"""Per class, for forwards defined on the class (never keyed by an instance's own callable)."""
+
+ArgumentNames = tuple[str | None, ...]
+"""Per position: the parameter a positional argument binds to, or None where it keeps its position."""
 
 
-def positional_names(module: object) -> tuple[str, ...]:
-    """The parameter names of ``module.forward`` that positional arguments bind to, in order (up to a ``*args``),
-    so ``layer(x, m)`` and ``layer(x=x, mask=m)`` name their tensors alike; ``()`` when there is no signature."""
-    forward = getattr(module, "forward", None)
-    if forward is None:
-        return ()
-    key = getattr(forward, "__func__", forward)  # one look-up per forward function, not per call
+def _variadic_only(forward: Any) -> bool:
     try:
-        return _SIGNATURES[key]
-    except (KeyError, TypeError):
-        pass
+        kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
+    except (TypeError, ValueError):
+        return False
+    return kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+
+
+def _read_names(forward: Any) -> ArgumentNames:
     try:
         parameters = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):  # builtins, C extensions: positions stay positions
-        parameters = []
-    names = []
+        return ()
+    names: list[str | None] = []
     for parameter in parameters:
-        if parameter.kind not in _POSITIONAL:
+        if parameter.kind == inspect.Parameter.POSITIONAL_ONLY:
+            names.append(None)  # cannot be passed by name, and its name may also be a keyword's
+        elif parameter.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            names.append(parameter.name)
+        else:
             break
-        names.append(parameter.name)
-    with_names = tuple(names)
-    with contextlib.suppress(TypeError):  # an unhashable forward: looked up again next time
-        _SIGNATURES[key] = with_names
-    return with_names
+    return tuple(names)
+
+
+def positional_names(module: Any) -> ArgumentNames:
+    """The parameter names of ``module.forward`` that positional arguments bind to, in order (up to a ``*args``;
+    None for positional-only ones), so ``layer(x, m)`` and ``layer(x=x, mask=m)`` name their tensors alike. A
+    wrapper whose forward only takes ``*args, **kwargs`` (torch.compile, checkpoint_wrapper, FSDP1, DDP) is read
+    through to the module it wraps; ``()`` when there is no signature."""
+    forward = getattr(module, "forward", None)
+    if forward is None:
+        return ()
+    for attribute in _WRAPPERS:
+        inner = getattr(module, attribute, None)
+        if isinstance(inner, torch.nn.Module) and inner is not module and _variadic_only(forward):
+            return positional_names(inner)
+    if "forward" in getattr(module, "__dict__", {}):  # set on the instance: read it, never cache it
+        return _read_names(forward)
+    cls = type(module)
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = _read_names(forward)
+    return _SIGNATURES[cls]
+
+
+def argument_key(names: ArgumentNames, position: int) -> str | int:
+    """The key of the positional argument at ``position``: its parameter's name, or its position."""
+    name = names[position] if position < len(names) else None
+    return position if name is None else name
 
 
 def _argument_pairs(
-    args: tuple[object, ...], kwargs: Mapping[str, object], names: Sequence[str]
+    args: tuple[object, ...], kwargs: Mapping[str, object], names: ArgumentNames
 ) -> list[tuple[object, object]]:
-    """Positional arguments keyed by the parameter they bind to (their position past ``names``), then keywords."""
-    return [*((names[i] if i < len(names) else i, value) for i, value in enumerate(args)), *kwargs.items()]
+    """Positional arguments keyed by the parameter they bind to (their position where they have none), then
+    keywords."""
+    return [*((argument_key(names, i), value) for i, value in enumerate(args)), *kwargs.items()]
 
 
 def encode_call_inputs(
-    args: tuple[object, ...], kwargs: Mapping[str, object], store: StoreTensor, names: Sequence[str] = ()
+    args: tuple[object, ...], kwargs: Mapping[str, object], store: StoreTensor, names: ArgumentNames = ()
 ) -> Tree:
     """Encode a call's arguments as one dict tree: a positional argument is keyed by the parameter name it binds to
     (``names``, from :func:`positional_names`) or by its position when it has none; keywords by their name."""
@@ -155,7 +186,7 @@ def iter_live_tensors(value: object, slot: str) -> list[tuple[str, torch.Tensor]
 
 
 def iter_live_call_inputs(
-    args: tuple[object, ...], kwargs: Mapping[str, object], names: Sequence[str] = ()
+    args: tuple[object, ...], kwargs: Mapping[str, object], names: ArgumentNames = ()
 ) -> list[tuple[str, torch.Tensor]]:
     """The ``(slot, tensor)`` leaves of a call's arguments, named as :func:`encode_call_inputs` names them."""
     collector = _Collector()

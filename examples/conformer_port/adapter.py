@@ -36,8 +36,11 @@ def isolation_inputs(
     ``slots`` lines (``x`` is the reference's ``query``), in the port's signature.
 
     The port's attention takes a (batch, time) padding mask where the reference's takes a
-    (batch, time, time) one: derive it. (Arguments the port does not take are left out by the tool.)
+    (batch, time, time) one: derive it. The port's block builds its attention mask itself: drop the
+    reference's ``att_mask`` (the tool never drops a tensor argument on its own).
     """
     if re.fullmatch(r"encoder\.layers\.\d+\.self_attn", module):
         return args, {"x": kwargs["x"], "pad": kwargs["mask"].all(dim=1)}
+    if re.fullmatch(r"encoder\.layers\.\d+", module):  # the port's block builds the attention mask itself
+        return args, {key: value for key, value in kwargs.items() if key != "att_mask"}
     return args, kwargs

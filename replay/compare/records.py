@@ -20,7 +20,7 @@ from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import PaddingPlan
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, SlotRule
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record, diff_sum
@@ -59,6 +59,8 @@ class ComparingSink:
         self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
         self._rename = rename
         self.summed: list[str] = []
+        self.used_slot_rules: set[SlotRule] = set()
+        """The map's ``slots`` rules that renamed at least one slot of a call."""
         """Gradient records compared as a sum of the reference's slots (a map's ``a=b+c``), described."""
         recorded = reader.index.selection
         self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
@@ -97,6 +99,9 @@ class ComparingSink:
         self, kind: RecordKind, info: CallInfo, slot: str, tensor: torch.Tensor, ref: TensorRef, order: tuple[int, int]
     ) -> None:
         name = record_name(info.module, info.call, slot)
+        if name in self.seen:  # already paired with another port tensor of this call: compared once, never twice
+            self._result.replay_only.append(name)
+            return
         self.seen.add(name)
         tolerance = self._result.tolerances.for_record(name, ref.tag)
         ignore, masked = self._padding(info, slot, ref.shape)
@@ -115,6 +120,11 @@ class ComparingSink:
         those records gets the result."""
         names = [record_name(info.module, info.call, slot) for slot in slots]
         refs = [expected[slot] for slot in slots]
+        if any(self._reader.summary(ref) is not None for ref in refs):  # sums of statistics are not statistics
+            for name in names:
+                self.seen.add(name)
+                self._result.waive(name, "backward", "recorded as statistics only: a sum of them cannot be compared")
+            return
         tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
         ignore, masked = self._padding(info, slots[0], refs[0].shape)
         diff = diff_sum(self._reader, refs, self._transform(names[0], grad), tolerance, ignore)
@@ -150,10 +160,16 @@ class ComparingSink:
 
     def _note_live(self, info: CallInfo, live: list[tuple[str, torch.Tensor]], expected: dict[str, TensorRef]) -> None:
         """Remember which of the call's bundle slots held a tensor in the port (for :meth:`absent_gradients`)."""
+        for slot, _ in live:
+            rule = self._rename.slot_rule(info.module, slot)
+            if rule is not None:
+                self.used_slot_rules.add(rule)
         if torch.is_grad_enabled():
             held = self._live_slots.setdefault((info.module, info.call), set())
             for slot, _ in live:
-                held.update(bundle_slots(self._rename, info.module, slot, expected))
+                # Unrecorded forward slots (a capture without inputs) still name where a gradient should arrive.
+                targets = bundle_slots(self._rename, info.module, slot, expected) if expected else []
+                held.update(targets or self._rename.slots(info.module, slot))
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Compare a call's arguments with the reference's."""

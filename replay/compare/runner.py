@@ -23,6 +23,7 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.common.errors import InputError
+from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.data_parallel import DataParallelRuns, untapped_run
@@ -44,9 +45,9 @@ from parity_harness.replay.compare.records import (
 from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.verdicts import apply_isolation
-from parity_harness.replay.naming.mapping import RenameMap, unused_rules
+from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
-from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
 
 __all__ = ["DataParallelRuns", "Progress", "ReplayOptions", "compare_run"]
@@ -213,7 +214,7 @@ class _ReplaySession:
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
         options, recorded = self.options, self.index.selection
-        inputs = self.precision.inputs(to_device(self.reader.rebuild(self.index.inputs), self.target))
+        inputs = self.precision.inputs(to_device(rebuild(self.index.inputs, self._input_tensor), self.target))
         seed_everything(self.index.run.seed)
         self.sink = ComparingSink(
             self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename
@@ -231,6 +232,11 @@ class _ReplaySession:
         compared = compare_named(self.reader, self.result.tolerances, "output", live, expected, self.transform, padding)
         add_named(self.result, "output", compared)
         backward_as_recorded(self.reader, outputs, options.loss, self.result, self.transform)
+
+    def _input_tensor(self, ref: TensorRef) -> torch.Tensor:
+        """A recorded model input, requiring grad where the reference's did (its gradient is part of the run)."""
+        tensor = self.reader.read_tensor(ref)
+        return tensor.requires_grad_(True) if ref.requires_grad and tensor.is_floating_point() else tensor
 
     def compare_gradients(self) -> None:
         """Every parameter's gradient against the reference's (gathered, or put back together from shards)."""
@@ -317,6 +323,13 @@ class _ReplaySession:
             notes += [
                 f"WARNING: map rule '{rule}' matches no module or parameter of the port"
                 for rule in unused_rules(options.rename, port_names)
+            ]
+        if self.sink is not None and options.rename is not None:
+            notes += [
+                f"WARNING: map line '{describe_slot_rule(rule)}' renamed nothing (no call of a module matching "
+                f"'{rule.modules}' has {rule.port!r})"
+                for rule in options.rename.slot_rules
+                if rule not in self.sink.used_slot_rules
             ]
         if self.sink is not None and self.sink.summed:
             summed = self.sink.summed

@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
+from parity_harness.capture.observe.naming import (
+    ArgumentNames,
+    iter_live_call_inputs,
+    iter_live_tensors,
+    positional_names,
+)
 from parity_harness.common.format.bundle.layout import join_slot
 from parity_harness.common.format.bundle.schema import ModuleCall, Tree, iter_tensors
 from parity_harness.common.numerics.metrics import TensorDiff
@@ -76,9 +81,19 @@ def _not_recordable(tree: Tree) -> str | None:
     return next((reason for child in children if (reason := _not_recordable(child))), None)
 
 
-def _split_arguments(value: dict[Any, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    positional = tuple(value[key] for key in sorted(k for k in value if isinstance(k, int)))
-    return positional, {key: item for key, item in value.items() if isinstance(key, str)}
+def _split_arguments(value: dict[Any, Any], names: ArgumentNames) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments from recorded keys: integer keys are positions; when there are any (a
+    ``*args``, a positional-only parameter), the named parameters before them go by position too."""
+    numbered = sorted(k for k in value if isinstance(k, int))
+    named = [name for name in names if name is not None]
+    if not numbered or any(name not in value for name in named[: numbered[0]]):
+        return tuple(value[k] for k in numbered), {k: v for k, v in value.items() if isinstance(k, str)}
+    slots: dict[int, Any] = {position: value[name] for position, name in enumerate(names) if name in value}
+    slots.update({k: value[k] for k in numbered})
+    if sorted(slots) != list(range(len(slots))):  # a gap: leave it to the call to complain
+        return tuple(value[k] for k in numbered), {k: v for k, v in value.items() if isinstance(k, str)}
+    kwargs = {k: v for k, v in value.items() if isinstance(k, str) and k not in names}
+    return tuple(slots[position] for position in range(len(slots))), kwargs
 
 
 def _port_arguments(rename: RenameMap, module: str, recorded: dict[Any, Any]) -> dict[Any, Any]:
@@ -104,9 +119,14 @@ def _replace_tensors(value: Any, replacement: dict[int, torch.Tensor]) -> Any:
     return value
 
 
+class _Unfed(Exception):
+    """The reference's arguments cannot be given to the port module as they are."""
+
+
 def _accepted(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments the port module's forward takes: one it has no parameter for (the reference's
-    ``att_mask`` where the port builds its mask inside) is left out, as the port's own calls leave it out."""
+    """The keyword arguments the port module's forward takes. One it has no parameter for is left out when it
+    holds no tensor (``cache=None``); a tensor (a mask) is never dropped silently: running without it would
+    blame the module for the difference."""
     try:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
@@ -114,6 +134,13 @@ def _accepted(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]
     if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
         return kwargs
     names = {p.name for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL}
+    unknown = [key for key in kwargs if key not in names]
+    holding = [key for key in unknown if iter_live_tensors(kwargs[key], "input")]
+    if holding:
+        raise _Unfed(
+            f"the port's forward takes no {', '.join(map(repr, holding))} (it takes {sorted(names)}); pair them in "
+            "a map 'slots' line, or translate or drop them in the adapter's isolation_inputs"
+        )
     return {key: value for key, value in kwargs.items() if key in names}
 
 
@@ -169,10 +196,11 @@ class _Isolator:
             wants_grad[id(tensor)] = ref.requires_grad
             return tensor
 
-        args, kwargs = _split_arguments(_port_arguments(self.rename, call.module, rebuild(call.inputs, load)))
+        recorded = _port_arguments(self.rename, call.module, rebuild(call.inputs, load))
+        args, kwargs = _split_arguments(recorded, positional_names(module))
         leaves: dict[str, torch.Tensor] = {}
         replacement: dict[int, torch.Tensor] = {}
-        for slot, tensor in iter_live_call_inputs(args, kwargs):
+        for slot, tensor in iter_live_call_inputs(args, kwargs, positional_names(module)):
             moved = self.cast(tensor.to(self.device))
             if wants_grad.get(id(tensor)) and moved.is_floating_point():
                 leaves[slot] = moved.detach().requires_grad_(True)
@@ -192,6 +220,9 @@ class _Isolator:
             return
         try:
             fed = self.arguments(module, call, adapt)
+        except _Unfed as err:
+            self.outcome.skipped.setdefault(call.module, str(err))
+            return
         except Exception as err:  # the adapter's translation failed: say so once, go on
             self.outcome.skipped.setdefault(call.module, f"isolation_inputs raised {type(err).__name__}: {err}")
             return

@@ -29,7 +29,7 @@ from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.format.dtypes import tag_of
-from parity_harness.replay.naming.mapping import RenameMap, SlotRule
+from parity_harness.replay.naming.mapping import RenameMap, SlotRule, describe_slot_rule
 from parity_harness.replay.reader import BundleReader
 
 __all__ = ["CallSignature", "ProposedMap", "align_modules"]
@@ -246,9 +246,7 @@ class ProposedMap:
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + " => -")
         if self.slot_rules:
             lines += ["", "# Arguments named differently, paired by their values: slots BUNDLE_MODULE PORT=REF"]
-        for rule in self.slot_rules:
-            refs = "+".join(ref.removeprefix("input.") for ref in rule.refs)
-            lines.append(f"slots {rule.modules} {rule.port.removeprefix('input.')}={refs}")
+        lines += [describe_slot_rule(rule) for rule in self.slot_rules]
         return "\n".join(lines) + "\n"
 
 
@@ -313,7 +311,9 @@ def _renamed_arguments(bundle: CallSignature, port: CallSignature) -> dict[str, 
         )
         if refs:
             proposed[slot] = refs
-    return proposed
+    claims = Counter(ref for refs in proposed.values() for ref in refs)
+    # A reference slot that several port arguments hold (the reverse of a sum) has no one counterpart: none.
+    return {slot: refs for slot, refs in proposed.items() if all(claims[ref] == 1 for ref in refs)}
 
 
 def _propose_slots(pairs: list[tuple[CallSignature, CallSignature]]) -> tuple[SlotRule, ...]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from parity_harness.common.errors import MapFileError
 
-__all__ = ["RenameMap", "SlotRule", "parse_map", "read_map", "unused_rules"]
+__all__ = ["RenameMap", "SlotRule", "describe_slot_rule", "parse_map", "read_map", "unused_rules"]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
@@ -62,16 +62,20 @@ class RenameMap:
     slot_rules: tuple[SlotRule, ...] = ()
     """``slots`` lines, in order."""
 
+    def slot_rule(self, module: str, slot: str) -> SlotRule | None:
+        """The ``slots`` rule that renames the port's ``slot`` of a call of bundle module ``module``, if any."""
+        forward = slot.removeprefix(_GRAD)
+        return next((rule for rule in self.slot_rules if rule.applies(module, forward)), None)
+
     def slots(self, module: str, slot: str) -> tuple[str, ...]:
         """The bundle's slot(s) for the port's ``slot`` of a call of bundle module ``module`` (``grad_`` slots
         follow their forward slot); several when the port passes one tensor for several of the reference's."""
-        grad = slot.startswith(_GRAD)
-        forward = slot.removeprefix(_GRAD) if grad else slot
-        for rule in self.slot_rules:
-            if rule.applies(module, forward):
-                rest = forward[len(rule.port) :]
-                return tuple(f"{_GRAD if grad else ''}{ref}{rest}" for ref in rule.refs)
-        return (slot,)
+        rule = self.slot_rule(module, slot)
+        if rule is None:
+            return (slot,)
+        grad = _GRAD if slot.startswith(_GRAD) else ""
+        rest = slot.removeprefix(_GRAD)[len(rule.port) :]
+        return tuple(f"{grad}{ref}{rest}" for ref in rule.refs)
 
     def port_slot(self, module: str, ref_slot: str) -> str | None:
         """The port's forward slot for the reference's ``ref_slot``; None for the second and later slots of a sum
@@ -107,6 +111,12 @@ class RenameMap:
         if mapped is None:
             return None
         return f"{mapped}.{leaf}" if mapped else leaf
+
+
+def describe_slot_rule(rule: SlotRule) -> str:
+    """A ``slots`` rule as a map file writes it."""
+    refs = "+".join(ref.removeprefix("input.") for ref in rule.refs)
+    return f"slots {rule.modules} {rule.port.removeprefix('input.')}={refs}"
 
 
 def unused_rules(rename: RenameMap, names: Iterable[str]) -> list[str]:
@@ -173,13 +183,14 @@ def _slot_path(name: str) -> str:
 
 def _parse_slots(line: str, number: int, source: str) -> list[SlotRule] | None:
     """``slots GLOB PORT=REF[+REF...] ...``: its rules, or None when the line is not a slots line."""
-    words = line.split("#", 1)[0].split()
-    if not words or words[0] != _SLOTS:
+    text = line.split("#", 1)[0]
+    words = text.split()
+    if not words or words[0] != _SLOTS or _SEPARATOR in text:  # '^slots => x' renames a module named slots
         return None
     expected = "expected 'slots MODULE_GLOB PORT=REF[+REF...] ...' (e.g. 'slots layers.*.attn hidden_states=query')"
-    if len(words) < 3 or any(_SEPARATOR in word for word in words):
+    if len(words) < 3 or "=" in words[1]:
         raise MapFileError(f"{source}:{number}: {expected}, got {line.strip()!r}")
-    rules = []
+    rules: list[SlotRule] = []
     for pair in words[2:]:
         port, sep, refs = pair.partition("=")
         names = refs.split("+")
@@ -188,7 +199,14 @@ def _parse_slots(line: str, number: int, source: str) -> list[SlotRule] | None:
         kinds = {_slot_path(n).startswith("output") for n in (port, *names)}
         if len(kinds) != 1:
             raise MapFileError(f"{source}:{number}: {pair!r} pairs an input with an output slot")
-        rules.append(SlotRule(words[1], _slot_path(port), tuple(_slot_path(n) for n in names)))
+        rule = SlotRule(words[1], _slot_path(port), tuple(_slot_path(n) for n in names))
+        claimed = [ref for other in rules for ref in other.refs]
+        if len(set(rule.refs)) != len(rule.refs) or set(rule.refs) & set(claimed):
+            raise MapFileError(
+                f"{source}:{number}: {pair!r} names a reference slot twice; each of the reference's slots pairs with "
+                "one port slot (PORT=A+B says one port tensor stands for several reference ones, not the reverse)"
+            )
+        rules.append(rule)
     return rules
 
 

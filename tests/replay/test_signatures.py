@@ -209,7 +209,7 @@ def test_map_auto_proposes_the_slots_line(bundle: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    ["slots layer.self_attn", "slots layer hidden_states", "slots layer a=b=c", "slots layer x=output", "slots a => b"],
+    ["slots layer.self_attn", "slots layer hidden_states", "slots layer a=b=c", "slots layer x=output"],
 )
 def test_a_malformed_slots_line_is_a_one_line_error(line: str) -> None:
     """A slots line that is not 'slots GLOB PORT=REF[+REF...]' is refused naming the line."""
@@ -221,3 +221,131 @@ def test_a_malformed_slots_line_exits_2(bundle: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.map").write_text("slots layer hidden_states\n")
     args = ["--bundle", str(bundle), "--model", f"{HERE}:build_port", "--map", str(tmp_path / "bad.map")]
     assert "bad.map:1" in one_error_line("replay-compare", CliRunner().invoke(main, args))
+
+
+# --------------------------------------------------------------------------- signatures of every shape
+
+
+class _VarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + sum(rest)
+
+
+class _PositionalOnly(nn.Module):
+    def forward(self, x: torch.Tensor, /, **extra: torch.Tensor) -> torch.Tensor:
+        return x * 2 + extra["x"]
+
+
+class _Shapes(nn.Module):
+    """A ``*args`` forward, a positional-only one whose name is also a keyword, and a checkpoint-wrapped block."""
+
+    def __init__(self, wrap: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.mix, self.posonly, self.block = _VarArgs(), _PositionalOnly(), nn.Linear(4, 4)
+        if wrap:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            self.block = checkpoint_wrapper(self.block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(x, x * 2)
+        return self.block(self.posonly(h, x=h * 3))
+
+
+def build_shapes_wrapped() -> nn.Module:
+    return _Shapes(wrap=True)
+
+
+def test_varargs_positional_only_and_wrapped_forwards(tmp_path: Path) -> None:
+    """``forward(x, *rest)`` names x and keeps rest's positions (and isolates); a positional-only ``x`` next to a
+    keyword ``x`` records both; a checkpoint-wrapped port module is read through to the module's own signature."""
+    bundle = tmp_path / "shapes.h5"
+    capture_run(_Shapes(), {"x": torch.randn(2, 4, requires_grad=True)}, bundle, seed=2)
+    result, report = replay(bundle, "build_shapes_wrapped", tmp_path, "--isolate", map_text=None)
+    assert result.exit_code == 0, result.output
+    assert report["complete"]
+    names = {record["name"] for record in report["records"]}
+    assert {"mix/0/input.x", "mix/0/input.1", "posonly/0/input.0", "posonly/0/input.x", "block/0/input.input"} <= names
+    assert report["not_isolated"] == {}
+
+
+def test_summed_statistics_only_records_are_waived_not_failed(tmp_path: Path) -> None:
+    """A sum cannot be formed from statistics: those records are waived with the reason, and a correct port
+    still matches."""
+    from parity_harness.common.format.bundle.selection import Selection
+
+    bundle = tmp_path / "summary.h5"
+    inputs = {"x": torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(3))}
+    capture_run(build_reference(), inputs, bundle, seed=1, selection=Selection(summary_only=True))
+    result, report = replay(bundle, "build_port", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "statistics only" in report["coverage"]["backward"]["waived_why"]["layer.self_attn/0/grad_input.key"]
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).masked_fill(mask, 0.0)
+
+
+class _PortMaskedBlock(_MaskedBlock):
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.lin(x).masked_fill(attn_mask, 0.0)
+
+
+class _MaskedNet(nn.Module):
+    def __init__(self, port: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.blk = _PortMaskedBlock() if port else _MaskedBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blk(x, x > 0)
+
+
+def build_masked_port() -> nn.Module:
+    return _MaskedNet(port=True)
+
+
+def test_a_tensor_argument_the_port_does_not_take_is_never_dropped_silently(tmp_path: Path) -> None:
+    """Isolation does not run the port module without the reference's mask (that would blame it for the
+    difference): the module is 'not isolated', naming the argument and the fix."""
+    bundle = tmp_path / "masked.h5"
+    capture_run(_MaskedNet(), {"x": torch.randn(3, 4, requires_grad=True)}, bundle, seed=1)
+    _, report = replay(bundle, "build_masked_port", tmp_path, "--isolate", map_text="waive blk/*/input.mask\n")
+    assert "'mask'" in report["not_isolated"]["blk"]
+    assert "slots" in report["not_isolated"]["blk"]
+    assert report["first_origin"] == {"forward": None, "backward": None}
+    _, paired = replay(bundle, "build_masked_port", tmp_path, "--isolate", map_text="slots blk attn_mask=mask\n")
+    assert paired["not_isolated"] == {}
+    assert paired["complete"]
+
+
+def test_a_slots_line_that_renames_nothing_is_a_warning(bundle: Path, tmp_path: Path) -> None:
+    """A typo in a slots line's glob leaves it unused: a named WARNING note, besides the missing records."""
+    text = PORT_MAP.replace("slots layer.self_attn", "slots layer.self_atn")
+    _, report = replay(bundle, "build_port", tmp_path, map_text=text)
+    assert any("WARNING" in note and "self_atn" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(
+    ("text", "rename"),
+    [("^slots$ => layers", True), ("slots m q=h k=h", False), ("slots m x=x+x", False), ("slots a=b c=d", False)],
+    ids=["module-named-slots", "one-reference-slot-twice", "repeated-in-a-sum", "glob-forgotten"],
+)
+def test_slots_lines_that_cannot_mean_one_thing(text: str, rename: bool) -> None:
+    """A rename rule for a module called ``slots`` stays a rename rule; a reference slot claimed twice, or a
+    line whose glob is missing, is refused."""
+    if rename:
+        assert parse_map(text).module("slots") == "layers"
+    else:
+        with pytest.raises(MapFileError, match="<map>:1"):
+            parse_map(text)
