@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from parity_harness.capture.cli.capture_run import main as capture_main  # noqa: E402
 from parity_harness.replay.cli.replay_compare import main as replay_main  # noqa: E402
+from parity_harness.replay.reader import BundleReader  # noqa: E402
 
 PORT = Path(__file__).resolve().parent / "gpt2_port.py"
 
@@ -162,3 +163,17 @@ def test_hf_adapter_feeds_images_and_audio(build, main_input: str, tmp_path: Pat
     assert all(record["max_abs"] == 0 for record in report["records"])
     listing = CliRunner().invoke(replay_main, ["--bundle", str(bundle), "--list"])
     assert f"input.{main_input}" in listing.stdout
+
+
+def test_noise_floor_on_a_transformers_model(gpt2_folder: Path, tmp_path: Path) -> None:
+    """capture-run --adapter hf --noise-floor: the float64 rerun works on a real transformers model (no deep copy)
+    and records a floor for outputs, module records and parameter gradients."""
+    out = tmp_path / "noise.h5"
+    args = ["--adapter", "hf", "--ckpt", str(gpt2_folder), "--out", str(out), "--seq-len", "16", "--noise-floor"]
+    result = CliRunner().invoke(capture_main, args)
+    assert result.exit_code == 0, result.output
+    with BundleReader(out) as reader:
+        floors = reader.index.noise_floor
+    assert floors["output.logits"] > 0.0
+    assert floors["transformer.h.0.attn/0/output.0"] > 0.0
+    assert floors["transformer.wte.weight"] > 0.0

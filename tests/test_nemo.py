@@ -192,3 +192,20 @@ def test_a_frozen_parameter_in_the_parakeet_port_fails(
     record = next(r for r in report["records"] if r["name"] == "encoder.layers.0.feed_forward1.linear1.bias")
     assert not record["match"]
     assert "no gradient in the port" in record["problem"]
+
+
+def test_noise_floor_on_a_real_nemo_model(parakeet: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """capture-run --adapter nemo --noise-floor on NeMo's FastConformer (which cannot be deep-copied) records the
+    reference's own float64 distance, and the correct port replays against it."""
+    archive, bundle = parakeet[0], tmp_path / "noise.h5"
+    _capture(archive, bundle, "--seq-len", "16160", "--noise-floor", cwd=tmp_path)
+    from parity_harness.replay.reader import BundleReader
+
+    with BundleReader(bundle) as reader:
+        floors = reader.index.noise_floor
+    assert floors["encoder.layers.1/0/output"] > 0.0
+    assert floors["encoder.layers.0.self_attn.linear_q.weight"] > 0.0
+    code, report = _replay_parakeet(
+        archive, bundle, PARAKEET / "port_adapter.py", tmp_path / "r.json", "--noise-floor", "8"
+    )
+    assert code == 0, [(r["name"], r["max_abs"]) for r in report["records"] if not r["match"]][:10]

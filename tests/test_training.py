@@ -358,3 +358,13 @@ def test_training_curves_png(tmp_path: Path) -> None:
     image = tmp_path / "curves.png"
     assert CliRunner().invoke(main, [str(a), str(b), "--plot", str(image)]).exit_code == 1
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_diff_wants_atol_and_rtol_together() -> None:
+    """parity-train-diff --atol alone is a usage error (exit 2), as in replay-compare."""
+    from parity_harness.replay.cli.train_diff import main as train_diff
+    from tests.cli_helpers import one_error_line
+
+    golden = Path(__file__).resolve().parent / "data" / "training-golden-1.1.h5"
+    result = CliRunner().invoke(train_diff, [str(golden), str(golden), "--atol", "0"])
+    assert "--atol given without --rtol" in one_error_line("parity-train-diff", result)

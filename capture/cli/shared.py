@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import click
+from click.core import ParameterSource
 
 from parity_harness.capture.models.adapters import (
     Adapter,
@@ -27,6 +28,7 @@ __all__ = [
     "fail",
     "handle_errors",
     "resolve_adapter",
+    "tolerances_given",
     "write_report",
 ]
 
@@ -141,6 +143,19 @@ class Tol(click.ParamType):  # type: ignore[type-arg]
         if not 0 <= number < float("inf"):
             self.fail(f"{value!r} must be a finite number >= 0", param, ctx)
         return number
+
+
+def tolerances_given() -> list[str]:
+    """``--atol``/``--rtol`` as given on the command line; one without the other is a usage error (as in
+    torch.testing: it would silently keep the other's default)."""
+    context = click.get_current_context()
+    given = [
+        f"--{name}" for name in ("atol", "rtol") if context.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+    if len(given) == 1:
+        other = "--rtol" if given == ["--atol"] else "--atol"
+        raise click.UsageError(f"{given[0]} given without {other}: give both (e.g. --atol 1e-6 --rtol 0) or neither")
+    return given
 
 
 def write_report(path: str, text: str, option: str) -> None:

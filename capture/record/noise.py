@@ -1,14 +1,19 @@
 """The reference's own rounding error: the same run in float64, compared with what was recorded.
 
-``capture-run --noise-floor`` reruns a float64 copy of the model on float64 copies of the inputs,
+``capture-run --noise-floor`` reruns the model in float64 on float64 copies of the inputs,
 backpropagates the recorded cotangent (or the loss), and stores for every record the largest
 absolute difference between the recorded value and its float64 counterpart. Replay can then
 judge a port's error against how far the reference itself is from exact arithmetic.
+
+The float64 run uses the model itself, its parameters and buffers swapped for float64 copies for the
+duration and put back afterwards (the very same tensors, bit for bit): real models (NeMo's, with
+proxies and typed-tensor machinery) cannot always be deep-copied.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -66,6 +71,35 @@ class _NoiseSink:
         self._measure_all(info, [(slot, grad)])
 
 
+@contextlib.contextmanager
+def _in_float64(model: torch.nn.Module, train_mode: bool) -> Iterator[torch.nn.Module]:
+    """``model`` with float64 copies of its floating parameters and buffers (other buffers copied as they are)
+    and no gradients, in ``train_mode``; on exit every original tensor, gradient and mode is back in place."""
+    params = [(param, param.data, param.grad) for param in model.parameters()]
+    buffers = [
+        (module, name, buffer)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        for param, data, _ in params:
+            param.grad = None
+            if data.is_floating_point():
+                param.data = data.to(torch.float64)
+        for module, name, buffer in buffers:  # a BatchNorm update (statistics, batch count) lands on the copy
+            module._buffers[name] = buffer.to(torch.float64) if buffer.is_floating_point() else buffer.clone()
+        yield model.train(train_mode)
+    finally:
+        for param, data, grad in params:
+            param.data, param.grad = data, grad
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+        for module, training in modes:
+            module.training = training
+
+
 def measure_noise_floor(
     model: torch.nn.Module,
     inputs: Any,
@@ -80,8 +114,19 @@ def measure_noise_floor(
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
     """
-    exact_model = copy.deepcopy(model).to(torch.float64).train(train_mode)
-    exact_model.zero_grad(set_to_none=True)
+    with _in_float64(model, train_mode) as exact_model:
+        return _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
+
+
+def _float64_run(
+    exact_model: torch.nn.Module,
+    inputs: Any,
+    writer: BundleWriter,
+    *,
+    seed: int,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+) -> dict[str, float]:
     floors: dict[str, float] = {}
     sink = _NoiseSink(writer, floors)
     seed_everything(seed)

@@ -23,6 +23,7 @@ from parity_harness.capture.cli.shared import (
     adapter_options,
     handle_errors,
     resolve_adapter,
+    tolerances_given,
     write_report,
 )
 from parity_harness.capture.distributed import leave_job
@@ -60,13 +61,14 @@ def _tolerances(
     given = [
         f"--{name}" for name in ("atol", "rtol") if context.get_parameter_source(name) is ParameterSource.COMMANDLINE
     ]
+    if preset != "none" and given:
+        raise click.UsageError(f"--tolerance-preset {preset} sets atol and rtol per dtype; drop {' and '.join(given)}")
+    tolerances_given()
     if precision.active and preset == "none" and not given:  # the precision's own preset
         chosen = precision.preset()
         return ToleranceTable(Tolerance(chosen.atol, chosen.rtol, equal_nan), by_glob)
     if preset == "none":
         return ToleranceTable(Tolerance(atol, rtol, equal_nan), by_glob)
-    if given:
-        raise click.UsageError(f"--tolerance-preset {preset} sets atol and rtol per dtype; drop {' and '.join(given)}")
     return ToleranceTable.torch_preset(equal_nan, by_glob)
 
 

@@ -11,7 +11,8 @@ import sys
 
 import click
 
-from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, write_report
+from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, tolerances_given, write_report
+from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.report.training import render_csv, render_predictions_csv, render_table
 from parity_harness.replay.training.compare import TrainingRun, compare_training
 
@@ -21,8 +22,8 @@ __all__ = ["main"]
 @click.command("parity-train-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_a", type=click.Path(dir_okay=False))
 @click.argument("run_b", type=click.Path(dir_okay=False))
-@click.option("--atol", default=1e-5, show_default=True, type=Tol())
-@click.option("--rtol", default=1e-5, show_default=True, type=Tol())
+@click.option("--atol", default=DEFAULT_ATOL, show_default=True, type=Tol())
+@click.option("--rtol", default=DEFAULT_RTOL, show_default=True, type=Tol())
 @click.option("--params", "params_regex", metavar="all|head|backbone|REGEX", help="The weights compared (default all).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the per-step time series here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
@@ -48,6 +49,7 @@ def main(
     debug: bool,
 ) -> None:
     """Compare two training runs recorded with capture.TrainingRecorder, step by step."""
+    tolerances_given()
     with handle_errors("parity-train-diff", debug), TrainingRun(run_a) as a, TrainingRun(run_b) as b:
         result = compare_training(a, b, atol=atol, rtol=rtol, params=params_regex)
         click.echo(render_table(result))

@@ -62,4 +62,6 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation) -> None:
         judged[("output", record.name)] = replace(record, verdict=final)
     result.records = [judged[(r.kind, r.name)] for r in result.records]
     result.isolated = True
-    result.not_isolated = dict(isolation.skipped)
+    compared_modules = {record.module for record in result.records if record.module is not None}
+    # A module none of whose records is compared (a waived wrapper) needs no isolation, nor a note saying so.
+    result.not_isolated = {module: why for module, why in isolation.skipped.items() if module in compared_modules}

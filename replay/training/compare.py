@@ -33,6 +33,7 @@ from parity_harness.common.format.training import (
     read_header,
     step_group,
 )
+from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import rebuild
 
@@ -302,7 +303,12 @@ def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
 
 
 def compare_training(
-    run_a: TrainingRun, run_b: TrainingRun, *, atol: float = 1e-5, rtol: float = 1e-5, params: str | None = None
+    run_a: TrainingRun,
+    run_b: TrainingRun,
+    *,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    params: str | None = None,
 ) -> TrainingComparison:
     """Compare two runs at their common recorded steps.
 
@@ -423,8 +429,8 @@ def replay_training(
     bundle: str | os.PathLike[str],
     *,
     rename: RenameMap | None = None,
-    atol: float = 1e-5,
-    rtol: float = 1e-5,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
     resync: bool = False,
     params: str | None = None,
 ) -> TrainingComparison:

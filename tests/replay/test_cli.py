@@ -411,6 +411,13 @@ def test_default_max_rows_hides_matching_rows_of_a_big_model(ref_bundle: Path, r
     assert f"({compared} matching rows not shown; --show all prints every row)" in result.stdout
 
 
+@pytest.mark.parametrize(("given", "missing"), [("--atol", "--rtol"), ("--rtol", "--atol")])
+def test_atol_and_rtol_come_together(tiny_bundle: Path, given: str, missing: str) -> None:
+    """One tolerance without the other would silently keep the other's default: a usage error, exit 2."""
+    line = one_error_line("replay-compare", replay("--bundle", tiny_bundle, "--model", TINY, given, "0"))
+    assert f"{given} given without {missing}" in line
+
+
 def test_tolerance_preset_excludes_explicit_atol(tiny_bundle: Path) -> None:
     """--tolerance-preset torch with --atol is a usage error (the preset sets atol per dtype)."""
     line = one_error_line(

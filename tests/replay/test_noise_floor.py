@@ -87,3 +87,43 @@ def test_noise_judging_needs_a_floor(tiny_bundle: Path) -> None:
 
     with BundleReader(tiny_bundle) as reader, pytest.raises(InputError, match="capture-run --noise-floor"):
         compare_run(build_tiny(), reader, noise_factor=2.0)
+
+
+class _NoCopy(torch.nn.Module):
+    """A model that refuses to be deep-copied (as NeMo's proxies do), with a BatchNorm and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin, self.norm = torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise NotImplementedError("object proxy must define __deepcopy__()")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_noise_floor_needs_no_copy_and_leaves_the_model_as_it_was(tmp_path: Path, train_mode: bool) -> None:
+    """The float64 rerun swaps the model's own tensors and puts the very same ones back: afterwards parameters,
+    gradients, BatchNorm statistics and mode are bit-identical to a twin captured without it, same objects."""
+    plain, measured = _NoCopy().train(train_mode), _NoCopy().train(train_mode)
+    storage = {name: p.data_ptr() for name, p in measured.named_parameters()}
+    x = torch.randn(5, 4)
+    capture_run(plain, (x,), tmp_path / "plain.h5", seed=1, train_mode=train_mode)
+    capture_run(measured, (x,), tmp_path / "noise.h5", seed=1, train_mode=train_mode, noise_floor=True)
+    with BundleReader(tmp_path / "noise.h5") as reader:
+        floors = reader.index.noise_floor
+    assert floors["lin/0/output"] > 0.0
+    assert floors["lin.weight"] > 0.0
+    assert measured.training is train_mode
+    assert all(p.data_ptr() == storage[name] for name, p in measured.named_parameters())  # the same memory
+    twin = dict(plain.named_parameters())
+    for name, param in measured.named_parameters():
+        assert param.dtype == torch.float32
+        assert (param.grad is None) == (twin[name].grad is None), name
+        assert param.grad is None or torch.equal(param.grad, twin[name].grad), name
+    for (name, tensor), other in zip(measured.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(tensor, other), name  # BatchNorm updates of the float64 run landed on copies

@@ -60,7 +60,7 @@ def test_cli_uses_the_precision_preset_unless_tolerances_are_given(tmp_path: Pat
     capture_run(build_tiny(), tiny_inputs(), out)
     args = ["--bundle", str(out), "--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt), "--quiet",
             "--json", str(tmp_path / "r.json")]  # fmt: skip
-    for extra, atol in (([], 5e-2), (["--atol", "1e-3"], 1e-3)):
+    for extra, atol in (([], 5e-2), (["--atol", "1e-3", "--rtol", "1e-3"], 1e-3)):
         result = CliRunner().invoke(main, [*args, "--autocast", "bf16", *extra])
         assert result.exit_code in (0, 1), result.output
         assert "precision: forward under autocast(bf16); values compared upcast to float32" in result.output
