@@ -6,14 +6,14 @@ Replay drives the port through the same functions, so both environments run the 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from parity_harness.capture.observe.naming import iter_live_tensors
-from parity_harness.common.numerics.padding import padding_mask
+from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask
 
 __all__ = ["ForwardFn", "LossFn", "call_forward", "make_cotangents", "rng_state", "seed_everything", "to_device"]
 
@@ -50,33 +50,42 @@ def call_forward(model: torch.nn.Module, inputs: Any, forward: ForwardFn | None 
     return model(inputs)
 
 
-def output_lengths(outputs: Any) -> np.ndarray | None:
-    """The per-example lengths among a model's outputs (the first integer ``(batch,)`` tensor), if any."""
+def output_lengths(outputs: Any, declared: Sequence[int]) -> list[np.ndarray]:
+    """The integer ``(batch,)`` outputs that are the declared lengths after framing or subsampling (NeMo's
+    ``encoded_len``), in slot order."""
+    root = np.asarray(declared, dtype=np.int64)
+    found = []
     for _, tensor in iter_live_tensors(outputs, "output"):
-        if tensor.dtype in (torch.int64, torch.int32) and tensor.dim() == 1 and tensor.numel() > 0:
-            return tensor.detach().to("cpu", torch.int64).numpy()
-    return None
+        if tensor.dtype in (torch.int64, torch.int32) and tensor.dim() == 1 and tensor.numel() == len(root):
+            vector = tensor.detach().to("cpu", torch.int64).numpy()
+            if lengths_like(vector, root):
+                found.append(vector)
+    return found
 
 
-def make_cotangents(outputs: Any, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def make_cotangents(
+    outputs: Any, seed: int, lengths: Sequence[int] | None = None
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """A seeded standard-normal cotangent for every real floating output that requires grad.
 
     Returns ``(slot, output, cotangent)`` triples in slot order. Values are drawn in float64 on
     the CPU from a private generator, then cast, so they do not depend on the device or on the
-    global RNG. When the outputs carry per-example lengths (an integer ``(batch,)`` tensor, as NeMo's
-    ``encoded_len``), the cotangent is zero past each example's length along the output's time axis
-    (:mod:`parity_harness.common.numerics.padding`): what a model leaves in padded frames then reaches
-    no gradient, parameter gradients included.
+    global RNG. With the batch's declared ``lengths`` (``capture-run --lengths``), each output's
+    cotangent is zero past each example's length on its time axis, taken from the first output that
+    carries those lengths and fits it (:mod:`parity_harness.common.numerics.padding`): what a model
+    leaves in padded frames then reaches no gradient, parameter gradients included.
     """
     generator = torch.Generator().manual_seed(seed)
-    lengths = output_lengths(outputs)
+    carried = output_lengths(outputs, lengths) if lengths is not None else []
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and tensor.is_floating_point():
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
-            padded = padding_mask(tuple(tensor.shape), lengths)
+            shape = tuple(tensor.shape)
+            fitting = next((vector for vector in carried if padding_axis(shape, vector) is not None), None)
+            padded = padding_mask(shape, fitting)
             if padded is not None:
-                noise[torch.from_numpy(np.ascontiguousarray(padded))] = 0.0
+                noise[torch.from_numpy(padded)] = 0.0
             triples.append((slot, tensor, noise.to(dtype=tensor.dtype, device=tensor.device)))
     return triples
 

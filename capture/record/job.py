@@ -84,6 +84,7 @@ def _adapter_fields(job: CaptureJob) -> dict[str, object]:
     return {
         "forward": job.adapter.forward,
         "loss": job.adapter.loss,
+        "lengths": None if job.lengths is None else tuple(job.lengths),
         "run_info": {**run_info, **job.options.run_info},
         "provenance": {**checkpoint_provenance(job.ckpt), **job.options.provenance},
     }

@@ -52,6 +52,8 @@ class CaptureOptions:
             a core per GB written); off, readers cannot tell a damaged bundle from a port bug.
         shards: in a distributed job, every rank records its local shard of each parameter and
             gradient with the dimension it is split along (no all-gather).
+        lengths: the batch's per-example valid lengths (``capture-run --lengths``): stored as ``run.lengths``,
+            and the seeded cotangent is zero past them on each output's time axis.
     """
 
     seed: int = 42
@@ -66,6 +68,7 @@ class CaptureOptions:
     self_check: bool = False
     checksums: bool = True
     shards: bool = False
+    lengths: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ class _CaptureRun:
         options = self.options
         with GradientStream(self.writer, self.model, options.selection, self.context) as gradients:
             self.mode, self.trees["cotangent"], self.trees["loss"] = run_backward(
-                self.writer, outputs, options.seed, options.loss
+                self.writer, outputs, options.seed, options.loss, options.lengths
             )
         self.grads = gradients.finish()
 
@@ -224,7 +227,7 @@ class _CaptureRun:
         """The observer self-check and the float64 noise floor, when asked for."""
         options = self.options
         if options.self_check:
-            _observer_check(self.model, self.inputs, options.seed, options.forward, options.loss, outputs)
+            _observer_check(self.model, self.inputs, options, outputs)
         if options.noise_floor:
             self.floors = measure_noise_floor(
                 self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
@@ -262,6 +265,7 @@ class _CaptureRun:
             adapter=str(info.pop("adapter", "")),
             extra=info,
             arguments="by-signature",
+            lengths=self.options.lengths,
         )
 
     def _recorded_selection(self) -> Selection:
@@ -274,14 +278,13 @@ class _CaptureRun:
         )
 
 
-def _observer_check(
-    model: torch.nn.Module, inputs: Any, seed: int, forward: ForwardFn | None, loss: LossFn | None, outputs: Any
-) -> None:
+def _observer_check(model: torch.nn.Module, inputs: Any, options: CaptureOptions, outputs: Any) -> None:
     hooked_outputs = [(slot, t.detach().clone()) for slot, t in iter_live_tensors(outputs, "output")]
     hooked_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     problems = observer_differences(
-        model, inputs, seed=seed, forward=forward, loss=loss, hooked_outputs=hooked_outputs, hooked_grads=hooked_grads
-    )
+        model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, lengths=options.lengths,
+        hooked_outputs=hooked_outputs, hooked_grads=hooked_grads,
+    )  # fmt: skip
     if problems:
         raise CaptureError(
             f"self-check: recording changed what the model computes in {len(problems)} tensor(s), e.g. {problems[0]}; "

@@ -37,6 +37,7 @@ def observer_differences(
     seed: int,
     forward: ForwardFn | None,
     loss: LossFn | None,
+    lengths: tuple[int, ...] | None = None,
     hooked_outputs: list[tuple[str, torch.Tensor]],
     hooked_grads: dict[str, torch.Tensor],
 ) -> list[str]:
@@ -51,7 +52,7 @@ def observer_differences(
     if loss is not None:
         loss(outputs).backward()  # type: ignore[no-untyped-call]
     else:
-        triples = make_cotangents(outputs, seed)
+        triples = make_cotangents(outputs, seed, lengths)
         if triples:
             torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
     with torch.no_grad():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["padding_axis", "padding_mask"]
+__all__ = ["lengths_like", "padding_axis", "padding_mask"]
 
 
 def padding_axis(shape: tuple[int, ...], lengths: np.ndarray) -> int | None:
@@ -27,6 +27,19 @@ def padding_axis(shape: tuple[int, ...], lengths: np.ndarray) -> int | None:
     return min(reversed(axes), key=lambda candidate: shape[candidate] - longest)
 
 
+def lengths_like(vector: np.ndarray, declared: np.ndarray) -> bool:
+    """Whether an integer vector can be the declared per-example lengths after framing or subsampling: one
+    entry per example, each example's share of the longest the same as declared, within a frame (NeMo's
+    16000/12000 samples -> 101/76 frames -> 13/10). Class ids or token ids of a batch rarely are."""
+    if vector.shape != declared.shape or vector.ndim != 1 or int(vector.min(initial=0)) < 0:
+        return False
+    longest, declared_longest = int(vector.max(initial=0)), int(declared.max(initial=0))
+    if longest < 1 or declared_longest < 1:
+        return False
+    shares, declared_shares = vector / longest, declared / declared_longest
+    return bool(np.all(np.abs(shares - declared_shares) <= 1.0 / longest + 0.02))
+
+
 def padding_mask(shape: tuple[int, ...], lengths: np.ndarray | None) -> np.ndarray | None:
     """True at the padded positions of a ``(batch, ...)`` record; None when there are none or it cannot tell."""
     axis = None if lengths is None else padding_axis(shape, lengths)
@@ -35,5 +48,5 @@ def padding_mask(shape: tuple[int, ...], lengths: np.ndarray | None) -> np.ndarr
     padded = np.arange(shape[axis])[None, :] >= lengths[:, None]
     view = [1] * len(shape)
     view[0], view[axis] = shape[0], shape[axis]
-    mask = np.broadcast_to(padded.reshape(view), shape)
+    mask = np.array(np.broadcast_to(padded.reshape(view), shape))  # a writable array of its own
     return mask if mask.any() else None

@@ -10,10 +10,12 @@ move the boundary.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from parity_harness.common.format.bundle.schema import Tree, iter_tensors
-from parity_harness.common.numerics.padding import padding_axis, padding_mask
+from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask
 from parity_harness.replay.reader import BundleReader
 
 __all__ = ["PaddingPlan", "padding_mask", "recorded_lengths", "subsampled_lengths"]
@@ -24,51 +26,85 @@ _LENGTH_TAGS = ("I64", "I32")
 def recorded_lengths(reader: BundleReader, tree: Tree, prefix: str) -> np.ndarray | None:
     """The first integer vector among a recorded value's tensors (per-example lengths), if any."""
     for _, ref in iter_tensors(tree, prefix):
-        if ref.tag in _LENGTH_TAGS and len(ref.shape) == 1 and ref.shape[0] > 0:
+        if ref.tag in _LENGTH_TAGS and len(ref.shape) == 1 and ref.shape[0] > 0 and reader.summary(ref) is None:
             return np.asarray(reader.read_array(ref), dtype=np.int64)
     return None
 
 
 class PaddingPlan:
-    """Where the reference's batch is padded, for every record: lengths carried through the model.
+    """Where the reference's batch is padded, for every record.
 
-    Every per-example length vector the reference recorded (the model's inputs and outputs, any module
-    call's arguments or results) is placed in forward order. A record takes the nearest vector, before or
-    after its own call in that order, that fits one of its axes (:func:`padding_axis`): a module that does
-    not receive lengths itself is masked with its neighbours' (a convolution inside the subsampling with the
-    subsampling's output lengths, when their time sizes agree). A record no vector fits is not masked.
+    With lengths declared at capture (``capture-run --lengths``, ``run.lengths``): every integer vector the
+    reference recorded that carries those lengths (each example's share of the longest as declared, within a
+    frame: see :func:`lengths_like`) is placed in forward order, and a record takes the nearest one, before
+    or after its own call, that fits one of its axes (:func:`padding_axis`); a record inside a subsampling
+    stack, between two such calls, takes the earlier lengths divided down (:func:`subsampled_lengths`).
+    Without declared lengths (bundles before 1.3), only a call's own length vector masks its records.
     """
 
     def __init__(self, reader: BundleReader) -> None:
         index = reader.index
+        declared = None if index.run.lengths is None else np.asarray(index.run.lengths, dtype=np.int64)
+        self._carry = declared is not None
         self._events: list[tuple[int, np.ndarray, str]] = []
-        inputs = recorded_lengths(reader, index.inputs, "input")
-        if inputs is not None:
-            self._events.append((-1, inputs, "the model's inputs"))
+        self._own: dict[tuple[int | None, str], np.ndarray] = {}
+        if declared is not None:
+            self._events.append((-1, declared, "the declared lengths"))
         self._rank = {event: rank for rank, event in enumerate(index.forward_order)}
         for rank, (position, event) in enumerate(index.forward_order):
             call = index.calls[position]
             tree, prefix = (call.inputs, "input") if event == "inputs" else (call.outputs, "output")
             lengths = recorded_lengths(reader, tree, prefix)
-            if lengths is not None:
-                self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
+            if lengths is None or (declared is not None and not lengths_like(lengths, declared)):
+                continue
+            self._own[(position, event)] = lengths
+            self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
         self._end = len(index.forward_order)
         outputs = recorded_lengths(reader, index.outputs, "output")
-        if outputs is not None:
+        if outputs is not None and (declared is None or lengths_like(outputs, declared)):
+            self._own[(None, "outputs")] = outputs
             self._events.append((self._end, outputs, "the model's outputs"))
+        self._ranks = [rank for rank, _, _ in self._events]
+        self._by_longest: dict[int, list[int]] = {}
+        """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
+        for position, (_, lengths, _) in enumerate(self._events):
+            self._by_longest.setdefault(int(lengths.max()), []).append(position)
+        self._cache: dict[tuple[tuple[int, ...], int, str], tuple[np.ndarray | None, str]] = {}
 
     def mask(self, shape: tuple[int, ...], position: int | None, event: str) -> tuple[np.ndarray | None, str]:
         """The padded positions of a record of call ``position`` (None: the model's outputs) at forward
         ``event`` (``inputs``/``outputs``), and what was masked (empty when nothing)."""
         rank = self._end if position is None else self._rank.get((position, event), self._end)
-        for _, lengths, source in sorted(self._events, key=lambda item: (abs(item[0] - rank), item[0] > rank)):
-            if padding_axis(shape, lengths) is not None:
-                return _described(shape, lengths, f"from {source}")
-        before = [(lengths, source) for at, lengths, source in self._events if at <= rank]
-        after = [lengths for at, lengths, _ in self._events if at > rank]
-        if before:
-            lengths, source = before[-1]
-            scaled = subsampled_lengths(shape, lengths, after[0] if after else None)
+        key = (shape, rank, event)
+        if key not in self._cache:
+            self._cache[key] = self._find(shape, position, event, rank)
+        return self._cache[key]
+
+    def _find(
+        self, shape: tuple[int, ...], position: int | None, event: str, rank: int
+    ) -> tuple[np.ndarray | None, str]:
+        if not self._carry:  # only a module call's own lengths (its inputs' for its outputs when it returns none)
+            if position is None:
+                return None, ""
+            own = self._own.get((position, event))
+            own = own if own is not None else self._own.get((position, "inputs"))
+            if own is not None and padding_axis(shape, own) is not None:
+                return _described(shape, own, "its own lengths")
+            return None, ""
+        candidates = [
+            event
+            for longest, events in self._by_longest.items()
+            if padding_axis(shape, np.full(shape[:1], longest)) is not None
+            for event in events
+        ]
+        if candidates:
+            nearest = min(candidates, key=lambda event: (abs(self._ranks[event] - rank), self._ranks[event] > rank))
+            _, lengths, source = self._events[nearest]
+            return _described(shape, lengths, f"from {source}")
+        split = bisect.bisect_right(self._ranks, rank)
+        if 0 < split < len(self._events) and len(shape) >= 3:  # inside a stack, between two length-carrying calls
+            _, before, source = self._events[split - 1]
+            scaled = subsampled_lengths(shape, before, self._events[split][1])
             if scaled is not None:
                 return _described(shape, scaled, f"from {source}, subsampled")
         return None, ""
@@ -84,12 +120,12 @@ def _fits(size: int, longest: int) -> bool:
     return longest <= size <= longest + 1
 
 
-def subsampled_lengths(shape: tuple[int, ...], before: np.ndarray, after: np.ndarray | None) -> np.ndarray | None:
+def subsampled_lengths(shape: tuple[int, ...], before: np.ndarray, after: np.ndarray) -> np.ndarray | None:
     """Lengths for a record inside a subsampling stack (strided convolutions between two calls that carry
     lengths): its time axis is the one axis whose size is the earlier longest length divided by a whole
-    factor (rounded up, as a 'same'-padded strided convolution does, one frame of framing slack) and, when
-    later lengths are known, divides down to them the same way. The earlier lengths, divided the same way,
-    are the record's. None when no axis, or more than one, fits."""
+    factor (rounded up, as a 'same'-padded strided convolution does, one frame of framing slack) that also
+    divides down to the later lengths the same way. The earlier lengths, divided the same way, are the
+    record's. None when no axis, or more than one, fits."""
     longest = int(before.max())
     found = []
     for axis in range(1, len(shape)):
@@ -98,11 +134,7 @@ def subsampled_lengths(shape: tuple[int, ...], before: np.ndarray, after: np.nda
         if factor < 2:
             continue
         scaled = -(-before // factor)
-        if not _fits(size, int(scaled.max())):
-            continue
-        if after is not None and after.shape == before.shape:
-            onward = max(1, round(size / max(int(after.max()), 1)))
-            if not _fits(-(-int(scaled.max()) // onward), int(after.max())):
-                continue
-        found.append(scaled)
+        onward = max(1, round(size / max(int(after.max()), 1)))
+        if _fits(size, int(scaled.max())) and _fits(-(-int(scaled.max()) // onward), int(after.max())):
+            found.append(scaled)
     return found[0] if len(found) == 1 else None

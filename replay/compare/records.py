@@ -104,7 +104,7 @@ class ComparingSink:
             return
         self.seen.add(name)
         tolerance = self._result.tolerances.for_record(name, ref.tag)
-        ignore, masked = self._padding(info, slot, ref.shape)
+        ignore, masked = self._padding(info, slot, ref)
         diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
         self._add(RecordResult(kind, name, diff, order, info.module, slot, masked=masked))
 
@@ -126,7 +126,7 @@ class ComparingSink:
                 self._result.waive(name, "backward", "recorded as statistics only: a sum of them cannot be compared")
             return
         tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
-        ignore, masked = self._padding(info, slots[0], refs[0].shape)
+        ignore, masked = self._padding(info, slots[0], refs[0])
         diff = diff_sum(self._reader, refs, self._transform(names[0], grad), tolerance, ignore)
         for name, slot in zip(names, slots, strict=True):
             self.seen.add(name)
@@ -140,21 +140,22 @@ class ComparingSink:
             self._done[kind] += 1
             self._progress(kind, self._done[kind], max(self._totals[kind], self._done[kind]))
 
-    def _padding(self, info: CallInfo, slot: str, shape: tuple[int, ...]) -> tuple[np.ndarray | None, str]:
-        """Padded positions of a record (``--mask-padding``), from the lengths the reference recorded."""
+    def _padding(self, info: CallInfo, slot: str, ref: TensorRef) -> tuple[np.ndarray | None, str]:
+        """Padded positions of a record (``--mask-padding``), from the lengths the reference recorded; none for
+        a record kept as statistics only (its statistics cover every position)."""
         found = self._reader.find_call(info.module, info.call) if self._padding_plan else None
-        if self._padding_plan is None or found is None:
+        if self._padding_plan is None or found is None or self._reader.summary(ref) is not None:
             return None, ""
         event = "inputs" if slot.startswith(("input", "grad_input")) else "outputs"
-        ignore, masked = self._padding_plan.mask(shape, found[0], event)
+        ignore, masked = self._padding_plan.mask(ref.shape, found[0], event)
         self.masked_records += ignore is not None
         return ignore, masked
 
-    def output_padding(self, shape: tuple[int, ...]) -> tuple[np.ndarray | None, str]:
-        """Padded positions of one of the model's outputs (``--mask-padding``)."""
-        if self._padding_plan is None:
+    def output_padding(self, ref: TensorRef) -> tuple[np.ndarray | None, str]:
+        """Padded positions of one of the model's outputs (``--mask-padding``; none for statistics only)."""
+        if self._padding_plan is None or self._reader.summary(ref) is not None:
             return None, ""
-        ignore, masked = self._padding_plan.mask(shape, None, "outputs")
+        ignore, masked = self._padding_plan.mask(ref.shape, None, "outputs")
         self.masked_records += ignore is not None
         return ignore, masked
 
@@ -233,7 +234,7 @@ def compare_named(
     live: Iterable[tuple[str, torch.Tensor]],
     expected: dict[str, TensorRef],
     transform: LayoutTransform = as_recorded,
-    padding: Callable[[tuple[int, ...]], tuple[np.ndarray | None, str]] | None = None,
+    padding: Callable[[TensorRef], tuple[np.ndarray | None, str]] | None = None,
 ) -> tuple[list[RecordResult], list[str], list[str]]:
     """Compare named tensors (outputs, parameters, gradients) by name; ``padding`` gives each record's padded
     positions (``--mask-padding`` on the model's outputs).
@@ -247,7 +248,7 @@ def compare_named(
         if ref is None:
             replay_only.append(name)
             continue
-        ignore, masked = (None, "") if padding is None else padding(ref.shape)
+        ignore, masked = (None, "") if padding is None else padding(ref)
         diff = diff_record(reader, ref, transform(name, tensor), tolerances.for_record(name, ref.tag), ignore)
         records.append(RecordResult(kind, name, diff, (0, position), masked=masked))
     seen = {record.name for record in records}

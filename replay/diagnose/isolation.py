@@ -182,7 +182,7 @@ class _Isolator:
 
     def _ignore(self, name: str, expected: Any) -> np.ndarray | None:
         """Padded positions of a module record (``--mask-padding``), as the chained comparison leaves them out."""
-        if self.padding is None or "/" not in name:
+        if self.padding is None or "/" not in name or self.reader.summary(expected) is not None:
             return None
         slot = name.rsplit("/", 1)[1]
         event = "inputs" if slot.startswith(("input", "grad_input")) else "outputs"

@@ -25,7 +25,7 @@ def good_index() -> dict[str, Any]:
         "run": {
             "seed": 42, "train_mode": False, "backward": "cotangent", "batch_size": 2, "seq_len": None,
             "device": "cpu", "adapter": "examples/adapter.py", "extra": {"note": "hand-built"},
-            "arguments": "by-position",
+            "arguments": "by-position", "lengths": [5, 3],
         },
         "inputs": ["D", [[0, T("/inputs/input.0")], ["mask", ["N"]], ["scale", ["S", 0.5]]]],
         "outputs": ["U", [T("/outputs/output.0", requires_grad=True), T("/outputs/output.1", "BF16", [2])]],
@@ -107,7 +107,7 @@ def test_optional_fields_default() -> None:
     optional = ("cotangent", "loss", "forward_order", "backward_order", "rng", "noise_floor", "selection", "summaries")
     for key in (*optional, "checksums"):
         del document[key]
-    for key in ("batch_size", "seq_len", "device", "adapter", "extra", "arguments"):
+    for key in ("batch_size", "seq_len", "device", "adapter", "extra", "arguments", "lengths"):
         del document["run"][key]
     for call in document["calls"]:
         del call["grad_outputs"], call["grad_inputs"]
@@ -116,6 +116,7 @@ def test_optional_fields_default() -> None:
     assert (index.forward_order, index.backward_order) == ([], [])
     assert (index.run.device, index.run.adapter, index.run.extra, index.run.batch_size) == ("cpu", "", {}, None)
     assert index.run.arguments == "by-position"  # a bundle before 1.3 named arguments by position
+    assert index.run.lengths is None
     assert index.calls[0].grad_outputs == {}
     assert index.selection.is_everything
     assert index.summaries == {}

@@ -139,7 +139,7 @@ class _PaddedNet(nn.Module):
 def padded_bundle(tmp_path: Path) -> Path:
     bundle = tmp_path / "padded.h5"
     inputs = (torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(1)), torch.tensor([24, 15]))
-    capture_run(_PaddedNet(), inputs, bundle, seed=3)
+    capture_run(_PaddedNet(), inputs, bundle, seed=3, lengths=(24, 15))
     return bundle
 
 
@@ -183,13 +183,55 @@ def test_mask_padding_carries_lengths_into_modules_that_have_none(padded_bundle:
 
 @pytest.mark.parametrize(
     ("shape", "after", "expected"),
-    [((2, 32, 51, 40), [13, 10], [50, 38]), ((2, 32, 26, 20), [13, 10], [25, 19]), ((2, 32, 26, 20), None, None)],
-    ids=["first-stride", "second-stride", "ambiguous-without-later-lengths"],
+    [((2, 32, 51, 40), [13, 10], [50, 38]), ((2, 32, 26, 20), [13, 10], [25, 19]), ((2, 26, 26, 20), [13, 10], None)],
+    ids=["first-stride", "second-stride", "two-axes-fit"],
 )
 def test_subsampled_lengths_follow_strided_convolutions(
-    shape: tuple[int, ...], after: list[int] | None, expected: list[int] | None
+    shape: tuple[int, ...], after: list[int], expected: list[int] | None
 ) -> None:
     """NeMo's dw_striding: 100/76 frames -> 50/38 -> 25/19 -> 13/10; the time axis is the one that divides
-    down consistently, and an axis that could be time or features is left unmasked."""
-    found = subsampled_lengths(shape, np.array([100, 76]), None if after is None else np.array(after))
+    down consistently; when two axes could be time, nothing is masked."""
+    found = subsampled_lengths(shape, np.array([100, 76]), np.array(after))
     assert (None if found is None else found.tolist()) == expected
+
+
+class _Classifier(nn.Module):
+    """Logits and their argmax: an integer (batch,) output that is not lengths."""
+
+    def __init__(self, bump: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.head = nn.Linear(5, 10)
+        self.bump = bump
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(x)
+        logits = logits + self.bump * (torch.arange(10) == 9)
+        return logits, logits.argmax(-1)
+
+
+def test_class_ids_are_never_taken_for_lengths(tmp_path: Path) -> None:
+    """Without declared lengths the cotangent is the plain seeded one, and --mask-padding masks nothing on a
+    classifier whose outputs and inputs hold integer (batch,) vectors: a difference on the last class fails."""
+    bundle = tmp_path / "classes.h5"
+    x, labels = torch.randn(6, 5, generator=torch.Generator().manual_seed(2)), torch.tensor([3, 8, 1, 5, 9, 9])
+    capture_run(_Classifier(), (x, labels), bundle, seed=3)
+    with BundleReader(bundle) as reader:
+        assert reader.index.run.lengths is None
+        cotangent = reader.rebuild(reader.index.cotangent)["output.0"]
+        buggy = compare_run(_Classifier(bump=1e-3), reader, mask_padding=True)
+    assert torch.count_nonzero(cotangent) == cotangent.numel()
+    assert not buggy.match
+    assert not any(record.masked for record in buggy.records)
+
+
+def test_declared_lengths_are_stored_and_only_vectors_that_carry_them_count(tmp_path: Path) -> None:
+    """capture_run(lengths=...) stores run.lengths; an integer output whose shares differ from the declared
+    lengths' (class ids) does not zero the cotangent."""
+    bundle = tmp_path / "declared.h5"
+    x, labels = torch.randn(6, 5, generator=torch.Generator().manual_seed(2)), torch.tensor([3, 8, 1, 5, 9, 9])
+    capture_run(_Classifier(), (x, labels), bundle, seed=3, lengths=(10, 10, 10, 10, 10, 10))
+    with BundleReader(bundle) as reader:
+        assert reader.index.run.lengths == (10, 10, 10, 10, 10, 10)
+        cotangent = reader.rebuild(reader.index.cotangent)["output.0"]
+    assert torch.count_nonzero(cotangent) == cotangent.numel()

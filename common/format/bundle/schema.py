@@ -85,6 +85,8 @@ class RunInfo:
     arguments: ArgumentNaming = "by-position"
     """How module call arguments are keyed: ``by-signature`` (1.3: a positional argument by the parameter it binds
     to) or ``by-position`` (bundles before 1.3: positions as called)."""
+    lengths: tuple[int, ...] | None = None
+    """Per-example valid lengths of a padded batch, as declared at capture (``capture-run --lengths``; 1.3)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored in the index."""
@@ -98,6 +100,7 @@ class RunInfo:
             "adapter": self.adapter,
             "extra": self.extra,
             "arguments": self.arguments,
+            "lengths": None if self.lengths is None else list(self.lengths),
         }
 
 
@@ -311,6 +314,11 @@ def parse_run(obj: object) -> RunInfo:
     for key in ("batch_size", "seq_len"):
         if run.get(key) is not None:
             _expect(run[key], int, f"run.{key}")
+    lengths = run.get("lengths")
+    if lengths is not None and (
+        not isinstance(lengths, list) or not lengths or not all(isinstance(n, int) and n >= 0 for n in lengths)
+    ):
+        raise _fail("run.lengths", f"expected a non-empty list of integers >= 0 or nil, got {lengths!r}")
     arguments = run.get("arguments", "by-position")  # absent before format 1.3
     if arguments not in ("by-signature", "by-position"):
         raise _fail("run.arguments", f"expected 'by-signature' or 'by-position', got {arguments!r}")
@@ -324,6 +332,7 @@ def parse_run(obj: object) -> RunInfo:
         adapter=cast(str, _expect(run.get("adapter", ""), str, "run.adapter")),
         extra=_parse_map(run.get("extra", {}), "run.extra"),
         arguments=arguments,
+        lengths=None if lengths is None else tuple(lengths),
     )
 
 
