@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from parity_harness.capture.observe.driving import ForwardFn, LossFn
-from parity_harness.common.errors import ParityMismatch
+from parity_harness.common.errors import InputError, ParityMismatch
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import RenameMap, read_map
@@ -24,8 +24,8 @@ def assert_parity(
     model: torch.nn.Module,
     bundle: str | os.PathLike[str],
     *,
-    atol: float = 1e-5,
-    rtol: float = 1e-5,
+    atol: float | None = None,
+    rtol: float | None = None,
     equal_nan: bool = False,
     map: str | os.PathLike[str] | RenameMap | None = None,
     isolate: bool = False,
@@ -38,7 +38,9 @@ def assert_parity(
     Args:
         model: the port.
         bundle: a bundle written by ``capture-run`` or ``capture_run``.
-        atol, rtol, equal_nan: the closeness rule.
+        atol, rtol, equal_nan: the closeness rule: both or neither. Neither: atol = rtol = 1e-5 (the
+            defaults), with the rounding check for float32 records that fail narrowly
+            (``compare.rounding``); both: exactly that rule.
         map: a ``--map`` file (or a parsed :class:`RenameMap`) renaming the port's modules.
         isolate: also give each record a verdict and name the first origin in the message.
         forward, loss: as in adapters.
@@ -49,7 +51,13 @@ def assert_parity(
     """
     __tracebackhide__ = True
     rename = map if isinstance(map, RenameMap) else (read_map(map) if map is not None else None)
-    tolerances = ToleranceTable(Tolerance(atol, rtol, equal_nan))
+    if (atol is None) != (rtol is None):
+        raise InputError(f"assert_parity: atol={atol!r}, rtol={rtol!r}: give both (e.g. atol=1e-6, rtol=0) or neither")
+    if atol is None or rtol is None:
+        tolerances = ToleranceTable(Tolerance(equal_nan=equal_nan)) if equal_nan else None
+        options.setdefault("rounding", True)
+    else:
+        tolerances = ToleranceTable(Tolerance(atol, rtol, equal_nan))
     with BundleReader(Path(bundle)) as reader:
         result = compare_run(
             model, reader, forward=forward, loss=loss, tolerances=tolerances, rename=rename, isolate=isolate, **options

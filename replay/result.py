@@ -24,6 +24,7 @@ __all__ = [
     "KindCoverage",
     "RecordKind",
     "RecordResult",
+    "RoundingCheck",
     "Verdict",
     "diff_record",
     "diff_sum",
@@ -135,6 +136,24 @@ def diff_tensor(
 
 
 @dataclass(frozen=True)
+class RoundingCheck:
+    """A record out of atol/rtol judged again by the rounding rule (``compare.rounding``)."""
+
+    level: float | None
+    """The rounding level: the port's own float32 error on the record (or the reference's, if larger)."""
+    allowed: float
+    """Largest difference the rule allows beyond atol/rtol (``ROUNDING_FACTOR x level``)."""
+    passed: bool
+    why: str
+    """One line for the report: why it passed, or why it could not."""
+
+    def to_json(self) -> dict[str, object]:
+        """The ``rounding`` entry of a record in ``--json``."""
+        level = None if self.level is None else _finite_or_none(self.level)
+        return {"passed": self.passed, "level": level, "allowed_max_abs": self.allowed, "why": self.why}
+
+
+@dataclass(frozen=True)
 class RecordResult:
     """One compared tensor, named in the bundle's naming."""
 
@@ -150,11 +169,18 @@ class RecordResult:
     verdict: Verdict | None = None
     masked: str = ""
     """What ``--mask-padding`` left out of this record (empty: nothing)."""
+    rounding: RoundingCheck | None = None
+    """Set when the record failed atol/rtol and the rounding rule judged it again."""
 
     @property
     def match(self) -> bool:
-        """Whether every element is within tolerance (and shape and dtype agree)."""
-        return self.diff.match
+        """Whether every element is within tolerance (and shape and dtype agree), by atol/rtol or by rounding."""
+        return self.diff.match or (self.rounding is not None and self.rounding.passed)
+
+    @property
+    def rule(self) -> str:
+        """What judged the record: ``atol/rtol`` or ``rounding`` (passed only by the rounding rule)."""
+        return "rounding" if not self.diff.match and self.match else "atol/rtol"
 
     def to_json(self) -> dict[str, object]:
         """The contract's per-record JSON object (plus a few extra fields)."""
@@ -162,7 +188,9 @@ class RecordResult:
         return {
             "kind": self.kind,
             "name": self.name,
-            "match": diff.match,
+            "match": self.match,
+            "rule": self.rule,
+            "rounding": None if self.rounding is None else self.rounding.to_json(),
             "max_abs": _finite_or_none(diff.max_abs),
             "max_rel": _finite_or_none(diff.max_rel),
             "mismatched": diff.mismatched,
@@ -203,6 +231,8 @@ class ComparisonResult:
     notes: list[str] = field(default_factory=list)
     noise_factor: float | None = None
     """Set when records are judged against the reference's float64 noise floor (``--noise-floor``)."""
+    rounding_factor: float | None = None
+    """Set when float32 records out of atol/rtol were judged again by the rounding rule (``compare.rounding``)."""
     isolated: bool = False
     """Whether ``--isolate`` ran: records then carry ``local`` and ``verdict``."""
     not_isolated: dict[str, str] = field(default_factory=dict)
@@ -277,6 +307,7 @@ class ComparisonResult:
         if self.noise_factor is not None and self.tolerances.per_record is not None:
             own = self.tolerances.per_record.get(record.name)
             data["allowed_max_abs"] = own.atol if own is not None else None
+            data["rule"] = "noise floor" if own is not None else data["rule"]
         return data
 
     def to_json(self) -> dict[str, object]:
@@ -300,6 +331,7 @@ class ComparisonResult:
                 "equal_nan": self.tolerances.default.equal_nan,
                 "preset": "torch" if self.tolerances.per_dtype is not None else None,
                 "noise_factor": self.noise_factor,
+                "rounding_factor": self.rounding_factor,
             },
             "records": [self._record_json(r) for kind in KINDS for r in self.of_kind(kind)],
             "param_values": [r.to_json() for r in self.param_values],

@@ -25,7 +25,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
 
-__all__ = ["measure_noise_floor"]
+__all__ = ["in_float64", "measure_noise_floor"]
 
 
 def _to_float64(value: Any) -> Any:
@@ -72,7 +72,7 @@ class _NoiseSink:
 
 
 @contextlib.contextmanager
-def _in_float64(model: torch.nn.Module, train_mode: bool) -> Iterator[torch.nn.Module]:
+def in_float64(model: torch.nn.Module, train_mode: bool) -> Iterator[torch.nn.Module]:
     """``model`` with float64 copies of its floating parameters and buffers (other buffers copied as they are)
     and no gradients, in ``train_mode``; on exit every original tensor, gradient and mode is back in place."""
     params = [(param, param.data, param.grad) for param in model.parameters()]
@@ -114,7 +114,7 @@ def measure_noise_floor(
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
     """
-    with _in_float64(model, train_mode) as exact_model:
+    with in_float64(model, train_mode) as exact_model:
         return _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
 
 

@@ -67,6 +67,12 @@ class ToleranceTable:
                 chosen = tolerance
         return chosen
 
+    def by_default(self, name: str) -> bool:
+        """Whether a record is judged by the default tolerance: no override, floor or per-dtype entry names it."""
+        if self.per_dtype is not None or (self.per_record is not None and name in self.per_record):
+            return False
+        return not any(fnmatch.fnmatchcase(name, pattern) for pattern, _ in self.overrides)
+
     def with_noise_floor(self, floors: dict[str, float], factor: float) -> ToleranceTable:
         """Judge each record with a floor by ``max |port - reference| <= factor * floor + atol``.
 

@@ -63,7 +63,7 @@ def _tolerances(
     ]
     if preset != "none" and given:
         raise click.UsageError(f"--tolerance-preset {preset} sets atol and rtol per dtype; drop {' and '.join(given)}")
-    tolerances_given()
+    tolerances_given()  # one of the two alone is a usage error
     if precision.active and preset == "none" and not given:  # the precision's own preset
         chosen = precision.preset()
         return ToleranceTable(Tolerance(chosen.atol, chosen.rtol, equal_nan), by_glob)
@@ -132,6 +132,12 @@ def _tolerances(
     type=Tol(),
     metavar="K",
     help="Judge each record by max|diff| <= K x the reference's own float64 error + atol (capture-run --noise-floor).",
+)
+@click.option(
+    "--no-rounding-check",
+    is_flag=True,
+    help="At the default tolerances, judge every record by atol/rtol alone: no float64 rerun of the port to tell "
+    "its float32 rounding from a difference (given --atol/--rtol always mean exactly that rule).",
 )
 @click.option(
     "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
@@ -226,6 +232,7 @@ def main(
     preset: str,
     isolate: bool,
     noise_factor: float | None,
+    no_rounding_check: bool,
     mask_padding: bool,
     layers: tuple[str, ...],
     skip_layers: tuple[str, ...],
@@ -265,6 +272,7 @@ def main(
             isolate=isolate,
             progress=progress,
             noise_factor=noise_factor,
+            rounding=not (no_rounding_check or tolerances_given() or preset != "none"),
             mask_padding=mask_padding,
             layers=Selection(layers=layers, skip_layers=skip_layers) if layers or skip_layers else None,
             waive=(*waive, *(f"{glob.escape(module)}/*" for module in waive_module)),

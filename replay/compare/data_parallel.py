@@ -117,8 +117,7 @@ def untapped_run(
     seed_everything(run.index.run.seed)
     with precision.forward(device):
         outputs = call_forward(model, precision.inputs(to_device(run.rebuild(run.index.inputs), device)), forward)
-    scratch = ComparisonResult(tolerances=ToleranceTable())
-    backward_as_recorded(run, outputs, loss, scratch, transform)
+    backward_as_recorded(run, outputs, loss, transform)
 
 
 def gather_verdicts(process: int, world_size: int, assigned: list[int], match: bool | None) -> list[Verdict]:

@@ -19,6 +19,7 @@ from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import PaddingPlan
+from parity_harness.replay.compare.rounding import NearMisses
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule
 from parity_harness.replay.naming.slots import bundle_slots
@@ -55,9 +56,10 @@ class ComparingSink:
         transform: LayoutTransform,
         mask_padding: bool,
         rename: RenameMap,
+        near: NearMisses | None = None,
     ) -> None:
         self._reader, self._result, self._progress, self._transform = reader, result, progress, transform
-        self._rename = rename
+        self._rename, self._near = rename, near
         self.summed: list[str] = []
         self.used_slot_rules: set[SlotRule] = set()
         """The map's ``slots`` rules that renamed at least one slot of a call."""
@@ -105,8 +107,11 @@ class ComparingSink:
         self.seen.add(name)
         tolerance = self._result.tolerances.for_record(name, ref.tag)
         ignore, masked = self._padding(info, slot, ref)
-        diff = diff_record(self._reader, ref, self._transform(name, tensor), tolerance, ignore)
+        compared = self._transform(name, tensor)
+        diff = diff_record(self._reader, ref, compared, tolerance, ignore)
         self._add(RecordResult(kind, name, diff, order, info.module, slot, masked=masked))
+        if self._near is not None:
+            self._near.offer("module", name, ref, compared, diff, ignore)
 
     def _compare_sum(
         self,
@@ -235,9 +240,11 @@ def compare_named(
     expected: dict[str, TensorRef],
     transform: LayoutTransform = as_recorded,
     padding: Callable[[TensorRef], tuple[np.ndarray | None, str]] | None = None,
+    near: NearMisses | None = None,
 ) -> tuple[list[RecordResult], list[str], list[str]]:
     """Compare named tensors (outputs, parameters, gradients) by name; ``padding`` gives each record's padded
-    positions (``--mask-padding`` on the model's outputs).
+    positions (``--mask-padding`` on the model's outputs); ``near`` keeps the port's values of narrow failures
+    for the rounding check.
 
     Returns:
         The compared records, the live names the bundle lacks, and the bundle names not seen.
@@ -249,8 +256,11 @@ def compare_named(
             replay_only.append(name)
             continue
         ignore, masked = (None, "") if padding is None else padding(ref)
-        diff = diff_record(reader, ref, transform(name, tensor), tolerances.for_record(name, ref.tag), ignore)
+        compared = transform(name, tensor)
+        diff = diff_record(reader, ref, compared, tolerances.for_record(name, ref.tag), ignore)
         records.append(RecordResult(kind, name, diff, (0, position), masked=masked))
+        if near is not None:
+            near.offer(kind, name, ref, compared, diff, ignore)
     seen = {record.name for record in records}
     return records, replay_only, [name for name in expected if name not in seen]
 
@@ -330,17 +340,21 @@ def mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) ->
 
 
 def backward_as_recorded(
-    reader: BundleReader, outputs: Any, loss: LossFn | None, result: ComparisonResult, transform: LayoutTransform
+    reader: BundleReader,
+    outputs: Any,
+    loss: LossFn | None,
+    transform: LayoutTransform,
+    on_loss: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss."""
+    """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss (shown to ``on_loss``
+    first)."""
     index = reader.index
     if index.run.backward == "loss":
         if loss is None:
             raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
         value = loss(outputs)
-        assert index.loss is not None
-        loss_slots = slots(index.loss, "loss")
-        add_named(result, "output", compare_named(reader, result.tolerances, "output", [("loss", value)], loss_slots))
+        if on_loss is not None:
+            on_loss(value)
         value.backward()  # type: ignore[no-untyped-call]
         return
     if index.run.backward == "none" or index.cotangent is None:

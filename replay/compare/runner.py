@@ -42,6 +42,7 @@ from parity_harness.replay.compare.records import (
     unpad,
     unvisited_module_records,
 )
+from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge
 from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.verdicts import apply_isolation
@@ -86,6 +87,10 @@ class ReplayOptions:
             gradients always.
         waive: globs of bundle record names not to compare; they count as waived, not missing
             (``MODULE/*`` waives a module's own records, not its children's).
+        rounding: judge float32 records that fail atol/rtol narrowly again by the rounding rule
+            (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
+            is not given, i.e. at the defaults; never with a noise floor, another precision or data
+            parallelism, and never for records a tolerance override judges.
     """
 
     forward: ForwardFn | None = None
@@ -107,6 +112,7 @@ class ReplayOptions:
     compiled_module_records: bool = False
     waive: tuple[str, ...] = ()
     """Globs of bundle record names not to compare (``MODULE/*``: a module's own records, not its children's)."""
+    rounding: bool | None = None
 
 
 def compare_run(
@@ -132,6 +138,7 @@ def compare_run(
     session.compare_parameters()
     session.run_every_rank()
     session.compare_gradients()
+    session.recheck_rounding()
     session.account_for_unvisited()
     session.note_what_was_left_out()
     if options.isolate:
@@ -163,7 +170,14 @@ class _ReplaySession:
         self.port = model if backend is None else cast(torch.nn.Module, torch.compile(model, backend=backend))
         self.module_records = backend is None or options.compiled_module_records
         self.sink: ComparingSink | None = None
+        self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
+        self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         _check_layer_filters(options.layers, reader)
+
+    def _rounding_applies(self) -> bool:
+        options = self.options
+        wanted = options.tolerances is None if options.rounding is None else options.rounding
+        return wanted and options.noise_factor is None and not self.precision.active and options.data_parallel is None
 
     def _tolerances(self) -> ToleranceTable:
         """The tolerance table, checked against what the bundle holds."""
@@ -217,7 +231,7 @@ class _ReplaySession:
         inputs = self.precision.inputs(to_device(rebuild(self.index.inputs, self._input_tensor), self.target))
         seed_everything(self.index.run.seed)
         self.sink = ComparingSink(
-            self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename
+            self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename, self.near
         )
         wanted = compared_modules(self.rename, recorded, options.layers)
         by_signature = self.index.run.arguments == "by-signature"
@@ -229,9 +243,18 @@ class _ReplaySession:
         live = iter_live_tensors(outputs, "output")
         expected = slots(self.index.outputs, "output")
         padding = self.sink.output_padding if options.mask_padding else None
-        compared = compare_named(self.reader, self.result.tolerances, "output", live, expected, self.transform, padding)
+        tolerances = self.result.tolerances
+        compared = compare_named(self.reader, tolerances, "output", live, expected, self.transform, padding, self.near)
         add_named(self.result, "output", compared)
-        backward_as_recorded(self.reader, outputs, options.loss, self.result, self.transform)
+        backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=self._compare_loss)
+
+    def _compare_loss(self, value: torch.Tensor) -> None:
+        assert self.index.loss is not None
+        expected = slots(self.index.loss, "loss")
+        compared = compare_named(
+            self.reader, self.result.tolerances, "output", [("loss", value)], expected, near=self.near
+        )
+        add_named(self.result, "output", compared)
 
     def _input_tensor(self, ref: TensorRef) -> torch.Tensor:
         """A recorded model input, requiring grad where the reference's did (its gradient is part of the run)."""
@@ -249,7 +272,9 @@ class _ReplaySession:
         else:
             expected = self.weights.index.grads
             grads, padded = unpad(grads, expected)
-            compared = compare_named(self.weights, tolerances, "param_grad", grads, expected, self.transform)
+            compared = compare_named(
+                self.weights, tolerances, "param_grad", grads, expected, self.transform, near=self.near
+            )
             _fail_nonzero_padding(compared[0], padded)
         index = self.weights.index
         one_sided = gradient_presence(self.model, self.rename, index.grads, index.params)
@@ -264,6 +289,57 @@ class _ReplaySession:
                 [n for n in bundle_only if n not in names],
             ),
         )
+
+    def recheck_rounding(self) -> None:
+        """Records that failed atol/rtol narrowly, judged again against the port's own float32 rounding."""
+        near, notes = self.near, self.result.notes
+        if near is None:
+            return
+        if near.over_budget:
+            notes.append(f"rounding check: {near.over_budget} failing record(s) too large to keep; judged by atol/rtol")
+        if not near.kept:
+            return
+        compared = compared_modules(self.rename, self.index.selection, self.options.layers)
+        run = RoundingRun(self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64)
+        failure = run.measure(near)
+        if failure is not None:
+            notes.append(
+                f"rounding check: the port could not rerun in float64 ({failure}); records out of atol/rtol are "
+                "judged by atol/rtol alone"
+            )
+            return
+        rejudge(self.result, self.reader, near, self.index.noise_floor or {})
+        near.kept.clear()
+        passed = [record for record in self.result.records if record.rule == "rounding"]
+        if passed:
+            example = passed[0]
+            notes.append(
+                f"rounding rule: {len(passed)} record(s) out of atol/rtol passed as float32 rounding (every element "
+                f"within atol/rtol or within {ROUNDING_FACTOR:g} x the port's own float32 error on the record, "
+                f"measured by a float64 rerun; --no-rounding-check turns this off), e.g. {example.name}: "
+                f"{example.rounding.why if example.rounding else ''}"
+            )
+
+    def _rerun_in_float64(self, exact: torch.nn.Module, tap: ModuleTap, report: Any) -> None:
+        """The replayed run again, on float64 copies of the recorded inputs, telling ``report(kind, name, value)``
+        every output, the loss and every parameter gradient (bundle names)."""
+        inputs = to_device(rebuild(self.index.inputs, self._float64_input), self.target)
+        seed_everything(self.index.run.seed)
+        with tap:
+            outputs = call_forward(exact, inputs, self.options.forward)
+        for slot, tensor in iter_live_tensors(outputs, "output"):
+            report("output", slot, tensor)
+        on_loss = functools.partial(report, "output", "loss")
+        backward_as_recorded(self.reader, outputs, self.options.loss, self.transform, on_loss=on_loss)
+        grads, _ = unpad(mapped_parameters(exact, self.rename, grads=True), self.weights.index.grads)
+        for name, grad in grads:
+            report("param_grad", name, grad)
+
+    def _float64_input(self, ref: TensorRef) -> torch.Tensor:
+        tensor = self.reader.read_tensor(ref)
+        if not tensor.is_floating_point():
+            return tensor
+        return tensor.to(torch.float64).requires_grad_(ref.requires_grad)
 
     def account_for_unvisited(self) -> None:
         """Module records the port never produced: missing, or waived when left out on purpose (--layers,

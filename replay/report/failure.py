@@ -24,7 +24,9 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
     tolerance = result.tolerances.default
     headline = (
         f"port does not match {bundle}: {len(failing)} of {len(result.records)} records out of tolerance "
-        f"(atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+        f"(atol={tolerance.atol:g}, rtol={tolerance.rtol:g}"
+        + (", or float32 rounding" if result.rounding_factor is not None else "")
+        + ")"
         + ("" if result.complete else f", {len(result.bundle_only)} recorded tensor(s) not compared")
     )
     lines = [headline]

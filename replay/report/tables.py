@@ -74,7 +74,7 @@ def record_row(record: RecordResult, isolated: bool) -> list[str]:
         record.name,
         "x".join(map(str, diff.shape)) or "scalar",
         dtype,
-        "✓" if record.match else "✗",
+        "≈" if record.rule == "rounding" else ("✓" if record.match else "✗"),
         _number(diff.max_abs),
         _number(diff.max_rel),
         mismatched,
@@ -113,7 +113,18 @@ def _section(kind: RecordKind, records: Sequence[RecordResult], show: Show, max_
     for record in rows:
         if record.diff.problem:
             lines.append(f"  {record.name}: {record.diff.problem}")
-    return [*lines, ""]
+    return [*lines, *_rounding_lines(rows), ""]
+
+
+def _rounding_lines(rows: Sequence[RecordResult], limit: int = 5) -> list[str]:
+    """Why the rounding rule passed a shown record, or why it could not (the first few of each)."""
+    lines = []
+    for passed, mark, label in ((True, "≈", "float32 rounding"), (False, "✗", "not float32 rounding")):
+        judged = [r for r in rows if r.rounding is not None and r.rounding.passed == passed]
+        lines += [f"  {mark} {r.name}: {label}: {r.rounding.why}" for r in judged[:limit] if r.rounding]
+        if len(judged) > limit:
+            lines.append(f"  {mark} ... and {len(judged) - limit} more ({label}; --json has each one's reason)")
+    return lines
 
 
 def _unmatched(label: str, names: Sequence[str], limit: int = 10) -> list[str]:
@@ -221,6 +232,8 @@ def result_line(result: ComparisonResult) -> str:
         judged = f"torch.testing tolerances per dtype, equal_nan={tolerance.equal_nan}"
     else:
         judged = f"atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan}"
+    if result.rounding_factor is not None:
+        judged += f"; float32 near misses: or within {result.rounding_factor:g} x the port's own rounding"
     line = f"RESULT: {verdict} ({judged})"
     if verdict == "INCOMPLETE":
         line += (

@@ -35,14 +35,29 @@ class ParityFixture:
         name = self._request.node.name.replace("/", "_").replace("[", "-").replace("]", "")
         return folder / test_file.stem / f"{name}.h5"
 
-    def _tolerances(self, atol: float | None, rtol: float | None) -> tuple[float, float]:
+    def _tolerances(self, atol: float | None, rtol: float | None) -> tuple[float | None, float | None]:
+        """The first of the call, the ``parity`` marker and the ini that gives atol and rtol (each must give both or
+        neither); neither anywhere: the defaults, with the rounding check."""
         marker = self._request.node.get_closest_marker("parity")
         marked = marker.kwargs if marker else {}
         config = self._request.config
-        return (
-            float(atol if atol is not None else marked.get("atol", config.getini("parity_atol"))),
-            float(rtol if rtol is not None else marked.get("rtol", config.getini("parity_rtol"))),
-        )
+        sources = [
+            ("parity.check()", atol, rtol),
+            ("@pytest.mark.parity", marked.get("atol"), marked.get("rtol")),
+            (
+                "the parity_atol/parity_rtol ini options",
+                config.getini("parity_atol") or None,
+                config.getini("parity_rtol") or None,
+            ),
+        ]
+        for where, given_atol, given_rtol in sources:
+            if (given_atol is None) != (given_rtol is None):
+                pytest.fail(
+                    f"{where} gives atol={given_atol!r}, rtol={given_rtol!r}: give both or neither", pytrace=False
+                )
+            if given_atol is not None:
+                return float(given_atol), float(given_rtol)  # type: ignore[arg-type]
+        return None, None
 
     def check(
         self,

@@ -24,8 +24,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="Capture the golden bundles from the given models instead of comparing.",
     )
-    parser.addini("parity_atol", "Default atol of the parity fixture.", default="1e-5")
-    parser.addini("parity_rtol", "Default rtol of the parity fixture.", default="1e-5")
+    parser.addini("parity_atol", "atol of the parity fixture (with parity_rtol; unset: the defaults).", default="")
+    parser.addini("parity_rtol", "rtol of the parity fixture (with parity_atol; unset: the defaults).", default="")
     parser.addini("parity_bundle_dir", "Folder of golden bundles (default: beside each test file).", default="")
 
 

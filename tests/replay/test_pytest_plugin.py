@@ -79,8 +79,26 @@ def test_marker_and_ini_tolerances(pytester: pytest.Pytester) -> None:
     pytester.runpytest().assert_outcomes(passed=1)
     _write(pytester, delta=0.01)
     pytester.runpytest().assert_outcomes(failed=1)
-    pytester.makeini("[pytest]\nparity_atol = 1.0\n")
+    pytester.makeini("[pytest]\nparity_atol = 1.0\nparity_rtol = 0\n")
     pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_atol_without_rtol_is_refused_everywhere(pytester: pytest.Pytester) -> None:
+    """One of atol/rtol alone would silently keep the other's default: in the ini, the marker or the call, the
+    test fails saying to give both."""
+    _write(pytester)
+    pytester.runpytest("--parity-regen").assert_outcomes(passed=1, warnings=1)
+    pytester.makeini("[pytest]\nparity_atol = 1.0\n")
+    ini = pytester.runpytest()
+    ini.assert_outcomes(failed=1)
+    ini.stdout.fnmatch_lines(
+        ["*parity_atol/parity_rtol ini options gives atol='1.0', rtol=None: give both or neither*"]
+    )
+    pytester.makeini("[pytest]\n")
+    _write(pytester, marker="@pytest.mark.parity(rtol=0.1)")
+    marked = pytester.runpytest()
+    marked.assert_outcomes(failed=1)
+    marked.stdout.fnmatch_lines(["*@pytest.mark.parity gives atol=None, rtol=0.1: give both or neither*"])
 
 
 @pytest.mark.slow

@@ -1,0 +1,257 @@
+"""The rounding check: is a float32 record that fails atol/rtol only the port's float32 rounding?
+
+Two correct float32 implementations of one function (reductions in another order, fused against split
+projections, another attention kernel) differ by their rounding, and on a few elements of a large sum
+(a weight gradient, values that cancel) that exceeds any fixed atol/rtol worth having. So, at the default
+tolerances, each float32 record that fails the plain rule narrowly is kept, the port is rerun once in
+float64 on the same inputs and cotangent, and the port's own float32 error on that record is measured:
+``level = max |port32 - port64|``. An element then passes when it is within atol/rtol *or* within
+``ROUNDING_FACTOR * level`` of the reference, provided ``level`` is plausible as rounding: at most
+``MAX_RELATIVE_LEVEL`` of the record's largest magnitude, or larger than the exact (float64) value itself,
+as for a sum that cancels to zero (a key bias's gradient under softmax), whose float32 value is pure
+rounding on both sides. A random stream that the rerun draws differently is neither.
+
+A bug is in the port's arithmetic, not in its rounding: it survives the float64 rerun, so ``level``
+stays at the rounding size while the difference does not. A difference the plain rule flags that is
+more than ``ROUNDING_FACTOR + 2`` times the port's rounding (the two sides' rounding can add up) always
+fails. What this cannot see: a reference whose rounding is far worse than the port's (the check measures
+the port's; ``capture-run --noise-floor`` measures the reference's, and is used too when recorded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
+from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
+from parity_harness.capture.record.noise import in_float64
+from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
+from parity_harness.common.format.dtypes import to_numeric
+from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.slots import bundle_slots
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult, RoundingCheck
+
+__all__ = ["MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "NearMisses", "RoundingRun", "rejudge"]
+
+ROUNDING_FACTOR: Final = 4.0
+"""An element passes the rounding rule within this many times the port's own float32 error on the record."""
+MAX_RELATIVE_LEVEL: Final = 2.0**-10
+"""A float32 error above this fraction of the record's largest magnitude is not rounding (a random stream or
+a data-dependent branch that the float64 rerun took differently)."""
+_KEEP_BUDGET: Final = 1 << 29
+"""Bytes of port values kept for the check; records failing past it stay failed (and the report says so)."""
+
+
+@dataclass
+class _Kept:
+    ref: TensorRef
+    value: torch.Tensor
+    """The port's float32 value, as compared (after the layout transform), on the CPU."""
+    ignore: np.ndarray | None
+    level: float | None = None
+    exact_scale: float = 0.0
+    """Largest magnitude of the float64 rerun's value."""
+
+
+class NearMisses:
+    """Float32 records that failed atol/rtol by little enough to be rounding, with the port's values."""
+
+    def __init__(self, tolerances: ToleranceTable, budget: int = _KEEP_BUDGET) -> None:
+        self._tolerances, self._budget = tolerances, budget
+        self.kept: dict[tuple[str, str], _Kept] = {}
+        """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
+        self.over_budget = 0
+
+    def offer(
+        self, kind: str, name: str, ref: TensorRef, value: torch.Tensor, diff: TensorDiff, ignore: np.ndarray | None
+    ) -> None:
+        """Keep a failed record's port value if the rounding rule could pass it (``kind``: ``module`` for module
+        records, else the record's kind)."""
+        key = ("module" if kind in ("forward", "backward") else kind, name)
+        if diff.match or not _eligible(ref, value, diff) or key in self.kept:
+            return
+        if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
+            return
+        size = value.numel() * value.element_size()
+        if size > self._budget:
+            self.over_budget += 1
+            return
+        self._budget -= size
+        self.kept[key] = _Kept(ref, value.detach().to("cpu", copy=True), ignore)
+
+    def measure(self, kind: str, name: str, exact: torch.Tensor) -> None:
+        """The port's float32 error on a kept record: its distance to the float64 rerun's value."""
+        kept = self.kept.get((kind, name))
+        if kept is None or not exact.is_floating_point() or tuple(exact.shape) != tuple(kept.value.shape):
+            return
+        exact_values = exact.detach().to("cpu", torch.float64).numpy()
+        error = np.abs(kept.value.double().numpy() - exact_values)
+        magnitude = np.abs(exact_values)
+        if kept.ignore is not None:
+            error, magnitude = np.where(kept.ignore, 0.0, error), np.where(kept.ignore, 0.0, magnitude)
+        level = float(np.max(error, initial=0.0, where=np.isfinite(error)))
+        kept.level = level if kept.level is None else max(kept.level, level)
+        kept.exact_scale = max(kept.exact_scale, float(np.max(magnitude, initial=0.0, where=np.isfinite(magnitude))))
+
+    def modules(self) -> set[str]:
+        """Bundle names of the modules whose records were kept."""
+        return {name.split("/")[0] for kind, name in self.kept if kind == "module"}
+
+    def wants(self, kind: str, name: str) -> bool:
+        """Whether a record of ``kind`` was kept."""
+        return (kind, name) in self.kept
+
+
+def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff) -> bool:
+    """Float32 on both sides, compared element by element, no shape or NaN problem."""
+    return (
+        ref.tag == "F32"
+        and value.dtype == torch.float32
+        and diff.basis == "elements"
+        and diff.problem is None
+        and diff.nan_expected == 0
+        and diff.nan_actual == 0
+        and math.isfinite(diff.max_abs)
+    )
+
+
+@dataclass(frozen=True)
+class RoundingRun:
+    """What the float64 rerun needs to drive the port as the replay did."""
+
+    model: torch.nn.Module
+    reader: BundleReader
+    rename: RenameMap
+    compared: Callable[[str], str | None]
+    """The port's module path -> bundle name (as the replay's tap used it)."""
+    transform: Callable[[str, torch.Tensor], torch.Tensor]
+    run: Callable[[torch.nn.Module, ModuleTap, Callable[[str, str, torch.Tensor], None]], None]
+    """Forward and backward of the (float64) model under the tap; reports outputs and the loss (kind
+    ``output``) and parameter gradients (``param_grad``), bundle names, to the callback."""
+
+    def measure(self, near: NearMisses) -> str | None:
+        """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run."""
+        wanted = near.modules()
+        index = self.reader.index
+
+        def hooked(path: str) -> str | None:
+            name = self.compared(path)
+            return name if name in wanted else None
+
+        sink = _LevelSink(self.reader, self.rename, near, self.transform)
+        try:
+            with in_float64(self.model, index.run.train_mode) as exact:
+                tap = ModuleTap(
+                    exact,
+                    sink,
+                    record_backward=index.selection.records("grads"),
+                    rename=hooked,
+                    by_signature=index.run.arguments == "by-signature",
+                )
+                self.run(exact, tap, lambda kind, name, value: near.measure(kind, name, self.transform(name, value)))
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            return f"{type(err).__name__}: {first}"[:200]
+        return None
+
+
+class _LevelSink:
+    """A ``TapSink`` measuring the float64 rerun's module records against the kept float32 values."""
+
+    def __init__(
+        self,
+        reader: BundleReader,
+        rename: RenameMap,
+        near: NearMisses,
+        transform: Callable[[str, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self._reader, self._rename, self._near, self._transform = reader, rename, near, transform
+
+    def _measure(self, info: CallInfo, live: Iterable[tuple[str, torch.Tensor]], expected: dict[str, Any]) -> None:
+        for slot, tensor in live:
+            for target in bundle_slots(self._rename, info.module, slot, expected):
+                name = record_name(info.module, info.call, target)
+                if self._near.wants("module", name):
+                    self._near.measure("module", name, self._transform(name, tensor))
+
+    def _expected(self, info: CallInfo, event: str) -> dict[str, Any]:
+        found = self._reader.find_call(info.module, info.call)
+        if found is None:
+            return {}
+        call = found[1]
+        if event == "inputs":
+            return dict(iter_tensors(call.inputs, "input"))
+        if event == "outputs":
+            return dict(iter_tensors(call.outputs, "output"))
+        return {**call.grad_outputs, **call.grad_inputs}
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Measure a call's arguments."""
+        self._measure(info, iter_live_call_inputs(args, kwargs, info.arg_names), self._expected(info, "inputs"))
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """Measure a call's outputs."""
+        self._measure(info, iter_live_tensors(outputs, "output"), self._expected(info, "outputs"))
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Measure a gradient."""
+        self._measure(info, [(slot, grad)], self._expected(info, "grads"))
+
+
+def rejudge(result: ComparisonResult, reader: BundleReader, near: NearMisses, floors: dict[str, float]) -> None:
+    """Judge each kept record again with the rounding rule; the ones it passes match, with the reason attached.
+
+    ``floors``: the reference's own float64 error per record, when the bundle has a noise floor (the larger
+    of the two rounding levels is used).
+    """
+    widened: dict[str, Tolerance] = {}
+    for position, record in enumerate(result.records):
+        kept = near.kept.get(("module" if record.kind in ("forward", "backward") else record.kind, record.name))
+        if kept is None or record.match:
+            continue
+        tolerance = result.tolerances.for_record(record.name, kept.ref.tag)
+        check = _check(reader, kept, tolerance, floors.get(record.name))
+        result.records[position] = dataclasses.replace(record, rounding=check)
+        if check.passed:
+            widened[record.name] = Tolerance(max(tolerance.atol, check.allowed), tolerance.rtol, tolerance.equal_nan)
+    if widened:  # --isolate judges these records' local differences by the same allowance
+        table = result.tolerances
+        per_record = {**(table.per_record or {}), **widened}
+        result.tolerances = ToleranceTable(table.default, table.overrides, table.per_dtype, per_record)
+
+
+def _check(reader: BundleReader, kept: _Kept, tolerance: Tolerance, floor: float | None) -> RoundingCheck:
+    """The rounding rule on one record: every element within atol/rtol or within ROUNDING_FACTOR x the level."""
+    if kept.level is None:
+        return RoundingCheck(None, 0.0, False, "the float64 rerun did not produce this record")
+    level = max(kept.level, floor or 0.0)
+    expected = to_numeric(reader.read_array(kept.ref), kept.ref.tag).astype(np.float64, copy=False)
+    actual = kept.value.double().numpy()
+    error = np.abs(actual - expected)
+    if kept.ignore is not None:
+        error = np.where(kept.ignore, 0.0, error)
+    scale = float(np.max(np.abs(expected), initial=0.0))
+    allowed = ROUNDING_FACTOR * level
+    beyond = error > tolerance.atol + tolerance.rtol * np.abs(expected)
+    worst = float(np.max(error[beyond], initial=0.0))
+    count = int(np.count_nonzero(beyond))
+    source = "the port's own float32 error (float64 rerun)" + (" or the reference's noise floor" if floor else "")
+    noise = kept.exact_scale <= level / 4  # the exact value is below the float32 computation's resolution
+    if level > MAX_RELATIVE_LEVEL * scale and not noise:
+        why = f"float32 vs float64 rerun differ by {level:.2e} on values up to {scale:.2e}: not rounding"
+        return RoundingCheck(level, allowed, False, why)
+    if worst > allowed:
+        why = f"max |diff| {worst:.2e} beyond atol/rtol > {ROUNDING_FACTOR:g} x {level:.2e}, {source}"
+        return RoundingCheck(level, allowed, False, why)
+    why = f"{count} element(s) beyond atol/rtol, max |diff| {worst:.2e} <= {ROUNDING_FACTOR:g} x {level:.2e}, {source}"
+    return RoundingCheck(level, allowed, True, why)

@@ -1,0 +1,218 @@
+"""The rounding check: a correct independent float32 port passes at the default tolerances, a bug never does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.nn import functional as F
+
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import InputError, ParityMismatch
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.assertions import assert_parity
+from parity_harness.replay.cli.replay_compare import main as replay_main
+from parity_harness.replay.compare.rounding import ROUNDING_FACTOR
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
+from tests.independent_port import build, token_ids
+
+PORT = Path(__file__).resolve().parent.parent / "independent_port.py"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference (torch's fused kernels) captured on 4 x 48 tokens."""
+    path = tmp_path_factory.mktemp("rounding") / "reference.h5"
+    capture_run(build(), token_ids(), path, seed=0)
+    return path
+
+
+def _replay(model: torch.nn.Module, bundle: Path, **options: object) -> ComparisonResult:
+    with BundleReader(bundle) as reader:
+        return compare_run(model, reader, **options)  # type: ignore[arg-type]
+
+
+def test_correct_port_passes_at_defaults_and_says_why(bundle: Path) -> None:
+    """Out of atol/rtol at 1e-5 by float32 rounding alone (so the test is not vacuous), MATCH at the defaults;
+    each record the rounding rule passed carries its level and reason, in the JSON too."""
+    plain = _replay(build(manual=True), bundle, rounding=False)
+    assert plain.verdict == "MISMATCH"
+    assert plain.rounding_factor is None
+    failed_plainly = {r.name for r in plain.records if not r.match}
+    assert len(failed_plainly) > 10
+    assert all(r.diff.cosine > 0.999 or r.diff.max_abs < 1e-3 for r in plain.records)
+
+    result = _replay(build(manual=True), bundle)
+    assert result.verdict == "MATCH"
+    assert result.rounding_factor == ROUNDING_FACTOR
+    by_rounding = [r for r in result.records if r.rule == "rounding"]
+    assert {r.name for r in by_rounding} == failed_plainly
+    for record in by_rounding:
+        assert record.rounding is not None
+        assert record.rounding.passed
+        assert record.rounding.level > 0
+        assert record.diff.max_abs <= max(record.rounding.allowed, 1e-5 + 1e-5 * 1e4)
+    assert any("rounding rule:" in note for note in result.notes)
+    kinds = {r.kind for r in by_rounding}
+    assert {"forward", "backward", "param_grad"} <= kinds, kinds
+    data = result.to_json()
+    assert data["tolerance"]["rounding_factor"] == ROUNDING_FACTOR
+    judged = {r["name"]: r for r in data["records"]}
+    example = judged[by_rounding[0].name]
+    assert example["match"] is True
+    assert example["rule"] == "rounding"
+    assert example["rounding"]["passed"] is True
+
+
+def test_cancelling_sums_pass_as_rounding(bundle: Path) -> None:
+    """A key bias's gradient is exactly zero under softmax: both sides hold only rounding, far above 1e-5 of it."""
+    result = _replay(build(manual=True), bundle)
+    bias = next(r for r in result.records if r.name == "blocks.0.attn.k.bias")
+    assert bias.rule == "rounding"
+    assert bias.rounding is not None
+    assert bias.rounding.level > 1e-6
+
+
+@pytest.mark.parametrize(
+    ("bug", "first"),
+    [
+        ("eps", "blocks.1.norm1"),
+        ("scale", "blocks.1.attn.o"),
+        ("gelu", "blocks.1.fc2"),
+        ("float64_branch", "blocks.1.norm1"),
+    ],
+)
+def test_planted_bugs_still_fail_where_they_start(bundle: Path, bug: str, first: str) -> None:
+    """Each bug fails at the defaults, its first divergence where it is planted (not at an earlier near miss)."""
+    result = _replay(build(manual=True, bug=bug), bundle)
+    assert result.verdict == "MISMATCH"
+    divergence = result.first_divergence("forward")
+    assert divergence is not None
+    assert divergence.module == first
+    assert divergence.rounding is not None
+    assert not divergence.rounding.passed
+
+
+def test_a_rerun_that_computes_something_else_is_not_rounding(bundle: Path) -> None:
+    """The float64 rerun takes another branch: its distance to the float32 run is no rounding level."""
+    result = _replay(build(manual=True, bug="float64_branch"), bundle)
+    after_branch = next(r for r in result.records if r.name == "blocks.1/0/output")
+    assert not after_branch.match
+    assert after_branch.rounding is not None
+    assert "not rounding" in after_branch.rounding.why
+
+
+def _with_offset(model: torch.nn.Module, module: str, offset: float) -> torch.nn.Module:
+    """The port, ``offset`` added to the smallest element of ``module``'s output (in float32 and float64 alike)."""
+
+    def shift(_module: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        flat = output.reshape(-1)
+        where = int(flat.detach().abs().argmin())
+        bump = torch.zeros_like(flat)
+        bump[where] = offset
+        return (flat + bump).view_as(output)
+
+    model.get_submodule(module).register_forward_hook(shift)
+    return model
+
+
+def test_a_difference_ten_times_the_rounding_level_fails(bundle: Path) -> None:
+    """The issue's limit: a difference the plain rule flags, at 10x the record's rounding level, never passes."""
+    correct = _replay(build(manual=True), bundle)
+    record = next(
+        r for r in correct.records if r.rule == "rounding" and r.name.endswith("/output") and r.kind == "forward"
+    )
+    assert record.rounding is not None
+    assert record.module is not None
+    offset = 10 * record.rounding.level
+    result = _replay(_with_offset(build(manual=True), record.module, offset), bundle)
+    bumped = next(r for r in result.records if r.name == record.name)
+    assert not bumped.match, bumped.rounding
+    assert result.first_divergence("forward").name == record.name  # type: ignore[union-attr]
+
+
+def test_explicit_tolerances_mean_exactly_that_rule(bundle: Path) -> None:
+    """Given atol/rtol (even equal to the defaults), no rerun and no second rule; a --tol override likewise
+    judges its records by itself alone."""
+    explicit = _replay(build(manual=True), bundle, tolerances=ToleranceTable(Tolerance(1e-5, 1e-5)))
+    assert explicit.verdict == "MISMATCH"
+    assert explicit.rounding_factor is None
+    assert not any(r.rounding for r in explicit.records)
+    overridden = ToleranceTable(overrides=(("blocks.0.fc2/*", Tolerance(1e-5, 1e-5)),))
+    result = _replay(build(manual=True), bundle, tolerances=overridden, rounding=True)
+    failing = {r.name for r in result.records if not r.match}
+    assert failing
+    assert all(name.startswith("blocks.0.fc2/") for name in failing)
+
+
+def test_a_port_that_cannot_run_in_float64_keeps_the_plain_verdict(bundle: Path) -> None:
+    """The head insists on float32 weights: the rerun fails, the report says so, nothing passes by rounding,
+    and the port is left exactly as it was."""
+    port = build(manual=True)
+    port.head.forward = lambda x: F.linear(x, port.head.weight.float(), port.head.bias.float())  # type: ignore[method-assign]
+    before = {name: value.clone() for name, value in port.state_dict().items()}
+    result = _replay(port, bundle)
+    assert result.verdict == "MISMATCH"
+    assert any("could not rerun in float64" in note for note in result.notes)
+    assert not any(r.rule == "rounding" for r in result.records)
+    for name, value in port.state_dict().items():
+        assert value.dtype == before[name].dtype, name
+        assert torch.equal(value, before[name]), name
+
+
+def test_the_rerun_leaves_the_port_as_the_replay_did(bundle: Path) -> None:
+    """Weights, dtypes, gradients and modes after the check are those of a replay without it, bit for bit."""
+    checked, plain = build(manual=True).train(False), build(manual=True).train(False)
+    _replay(checked, bundle)
+    _replay(plain, bundle, rounding=False)
+    assert checked.training == plain.training
+    for (name, a), (_, b) in zip(checked.named_parameters(), plain.named_parameters(), strict=True):
+        assert a.dtype == torch.float32, name
+        assert torch.equal(a, b), name
+        assert a.grad is not None, name
+        assert b.grad is not None, name
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_isolation_at_defaults_names_no_origin_on_a_correct_port(bundle: Path) -> None:
+    """--isolate judges local differences of records passed as rounding by the same allowance."""
+    result = _replay(build(manual=True), bundle, isolate=True)
+    assert result.verdict == "MATCH"
+    assert result.first_origin("forward") is None
+    assert result.first_origin("backward") is None
+
+
+def test_cli_defaults_pass_given_tolerances_do_not(bundle: Path, tmp_path: Path) -> None:
+    """replay-compare: exit 0 at the defaults (the table marks rounding with ≈), 1 with --atol/--rtol given or
+    --no-rounding-check, 2 with one of --atol/--rtol alone."""
+    model = ["--bundle", str(bundle), "--model", f"{PORT}:build_port", "--quiet"]
+    report = tmp_path / "report.json"
+    runner = CliRunner()
+    passed = runner.invoke(replay_main, [*model, "--show", "all", "--json", str(report)])
+    assert passed.exit_code == 0, passed.output
+    assert "≈" in passed.output
+    assert "float32 rounding" in passed.output
+    assert "RESULT: MATCH" in passed.output
+    assert any(r["rule"] == "rounding" for r in json.loads(report.read_text())["records"])
+    assert runner.invoke(replay_main, [*model, "--atol", "1e-5", "--rtol", "1e-5"]).exit_code == 1
+    assert runner.invoke(replay_main, [*model, "--no-rounding-check"]).exit_code == 1
+    alone = runner.invoke(replay_main, [*model, "--atol", "1e-5"])
+    assert alone.exit_code == 2
+    assert "--atol given without --rtol" in alone.output
+    buggy = runner.invoke(replay_main, ["--bundle", str(bundle), "--model", f"{PORT}:build_port_eps_bug", "--quiet"])
+    assert buggy.exit_code == 1
+    assert "first divergence (forward): blocks.1.norm1" in buggy.output
+
+
+def test_assert_parity_defaults_and_both_or_neither(bundle: Path) -> None:
+    """assert_parity: neither atol nor rtol is the defaults with the check; both is that rule; one is an error."""
+    assert assert_parity(build(manual=True), bundle).match
+    with pytest.raises(ParityMismatch):
+        assert_parity(build(manual=True), bundle, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InputError, match="give both"):
+        assert_parity(build(manual=True), bundle, atol=1e-4)
