@@ -237,6 +237,12 @@ class ComparisonResult:
     """Whether ``--isolate`` ran: records then carry ``local`` and ``verdict``."""
     not_isolated: dict[str, str] = field(default_factory=dict)
     """Module -> why it could not be run in isolation."""
+    alignment_uncertain: list[str] = field(default_factory=list)
+    """Bundle modules that ``--map auto`` paired on shapes alone (their records may be compared with the wrong
+    module)."""
+    origins_below_tolerance: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    """Direction -> (module or None, why), for a divergence with no origin (``--isolate``): where a difference
+    within tolerance but beyond the module's own rounding starts, or why none could be named."""
     missing_kinds: dict[str, RecordKind] = field(default_factory=dict)
     """Kind of each bundle record left uncompared (the names of ``bundle_only``)."""
     waived: dict[str, tuple[RecordKind, str]] = field(default_factory=dict)
@@ -323,6 +329,8 @@ class ComparisonResult:
             "first_divergence_record": {kind: (r.name if r else None) for kind, r in first.items()},
             "first_origin": {kind: (r.module if r else None) for kind, r in origin.items()},
             "isolated": self.isolated,
+            "alignment_uncertain": self.alignment_uncertain,
+            "origin_below_tolerance": {kind: module for kind, (module, _) in self.origins_below_tolerance.items()},
             "not_isolated": self.not_isolated,
             "summary": {kind: {"compared": n, "matched": m} for kind, (n, m) in self.counts().items()},
             "tolerance": {

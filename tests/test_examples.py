@@ -10,6 +10,7 @@ from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
 
+
 def _replay(
     bundle: Path, ckpt: Path, adapter_file: Path, tolerances: ToleranceTable | None = None, with_map: bool = True
 ) -> ComparisonResult:

@@ -132,9 +132,16 @@ def parakeet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path
     return archive, folder / "equal.h5", folder / "unequal.h5"
 
 
-def _replay_parakeet(archive: Path, bundle: Path, adapter: Path, report: Path, *extra: str) -> tuple[int, dict]:
-    args = ["--adapter", str(adapter), "--ckpt", str(archive), "--bundle", str(bundle), "--map",
-            str(PARAKEET / "port_to_ref.map"), "--isolate", "--quiet", "--json", str(report), *extra]  # fmt: skip
+def _replay_parakeet(
+    archive: Path,
+    bundle: Path,
+    adapter: Path,
+    report: Path,
+    *extra: str,
+    map_arg: str = str(PARAKEET / "port_to_ref.map"),
+) -> tuple[int, dict]:
+    args = ["--adapter", str(adapter), "--ckpt", str(archive), "--bundle", str(bundle), "--map", map_arg,
+            "--isolate", "--quiet", "--json", str(report), *extra]  # fmt: skip
     result = CliRunner().invoke(replay_main, args)
     assert result.exit_code in (0, 1), result.output[-3000:]
     return result.exit_code, json.loads(report.read_text())
@@ -177,6 +184,29 @@ def test_planted_bug_in_the_parakeet_port_is_the_first_origin(
     assert code == 1
     for direction, module in origin.items():
         assert report["first_origin"][direction] == module, report["first_origin"]
+
+
+@pytest.mark.parametrize("bug", [None, "forward", "backward", "attention"])
+def test_map_auto_on_the_parakeet_pair_finds_what_the_hand_map_finds(
+    parakeet: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bug: str | None
+) -> None:
+    """--map auto (with the hand map's waivers, which say what the port leaves out on purpose) on the correct port
+    and on each planted bug: the same verdict, first divergences and first origins as the hand-written map, and
+    no module paired on shapes alone where weights or values could decide."""
+    archive, equal, _ = parakeet
+    adapter = PARAKEET / "port_adapter.py"
+    if bug is not None:
+        monkeypatch.setenv("PARAKEET_BUG", bug)
+        adapter = ROOT / "tests" / "nemo" / "parakeet_variants.py"
+    lines = (PARAKEET / "port_to_ref.map").read_text().splitlines()
+    waivers = [arg for line in lines if line.startswith("waive ") for arg in ("--waive", line.split()[1])]
+    hand_code, hand = _replay_parakeet(archive, equal, adapter, tmp_path / "hand.json")
+    auto_code, auto = _replay_parakeet(archive, equal, adapter, tmp_path / "auto.json", *waivers, map_arg="auto")
+    assert (auto_code, auto["verdict"]) == (hand_code, hand["verdict"]), auto["coverage"]
+    assert auto["first_divergence"] == hand["first_divergence"]
+    assert auto["first_origin"] == hand["first_origin"]
+    if bug is None:
+        assert auto["alignment_uncertain"] == []
 
 
 def test_a_frozen_parameter_in_the_parakeet_port_fails(

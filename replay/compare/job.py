@@ -89,7 +89,22 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
             on_proposal(proposal)
         options = _with_adapter(job, options, plan.data_parallel)
         result = compare_run(model, plan.reader, options)
+        if proposal is not None:
+            _note_uncertain_pairs(result, proposal)
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)
+
+
+def _note_uncertain_pairs(result: ComparisonResult, proposal: ProposedMap) -> None:
+    """Pairs ``--map auto`` made on shapes alone are named, and the verdict line says the alignment is uncertain."""
+    uncertain = {port: proposal.pairs[port] for port in proposal.uncertain}
+    if not uncertain:
+        return
+    result.alignment_uncertain = sorted(set(uncertain.values()))
+    shown = ", ".join(f"{port} => {bundle}" for port, bundle in list(uncertain.items())[:5])
+    result.notes.append(
+        f"WARNING: --map auto paired {len(uncertain)} module(s) on shapes alone ({shown}"
+        f"{' ...' if len(uncertain) > 5 else ''}): check them, or give --map FILE (--save-map writes the proposal)"
+    )
 
 
 def _with_adapter(job: ReplayJob, options: ReplayOptions, data_parallel: DataParallelRuns | None) -> ReplayOptions:
@@ -111,7 +126,10 @@ def _naming(job: ReplayJob, model: torch.nn.Module, reader: BundleReader) -> tup
         return job.options, None
     if job.map_spec != "auto":
         return dataclasses.replace(job.options, rename=read_map(job.map_spec)), None
-    proposal = align_modules(model, reader, forward=job.adapter.forward, device=job.options.device)
+    adapter = job.adapter
+    proposal = align_modules(
+        model, reader, forward=adapter.forward, device=job.options.device, to_reference=adapter.to_reference
+    )
     return dataclasses.replace(job.options, rename=proposal.rename_map()), proposal
 
 

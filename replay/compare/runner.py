@@ -45,7 +45,8 @@ from parity_harness.replay.compare.records import (
 from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge
 from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
-from parity_harness.replay.diagnose.verdicts import apply_isolation
+from parity_harness.replay.diagnose.local_rounding import local_levels
+from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
 from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
@@ -433,7 +434,28 @@ class _ReplaySession:
             forward_context=functools.partial(self.precision.forward, self.target),
             mask_padding=options.mask_padding,
         )
-        apply_isolation(self.result, isolation)
+        levels = self._local_levels(needs_levels(self.result, isolation))
+        apply_isolation(self.result, isolation, levels if self.near is not None else None)
+        if levels is not None:
+            find_origins_below_tolerance(self.result, levels)
+
+    def _local_levels(self, modules: set[str]) -> dict[str, float] | None:
+        """The port's own float32 rounding on the isolated calls of ``modules`` (None: not measurable)."""
+        if not modules or self.precision.active:
+            return None
+        try:
+            return local_levels(
+                self.model,
+                self.reader,
+                modules,
+                rename=self.rename,
+                transform=self.transform,
+                device=self.options.device,
+                isolation_inputs=self.options.isolation_inputs,
+            )
+        except Exception as err:
+            self.result.notes.append(f"isolation: the modules could not rerun in float64 ({type(err).__name__})")
+            return None
 
 
 def _check_layer_filters(layers: Selection | None, reader: BundleReader) -> None:

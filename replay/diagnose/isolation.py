@@ -43,7 +43,7 @@ from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import diff_record, diff_sum
 
-__all__ = ["InputAdapter", "Isolation", "LayoutTransform", "as_recorded", "isolate"]
+__all__ = ["InputAdapter", "Isolation", "Isolator", "LayoutTransform", "as_recorded", "isolate", "not_recordable"]
 
 LayoutTransform = Callable[[str, torch.Tensor], torch.Tensor]
 """``to_reference(record, value)``: a port tensor in the reference's layout (differentiable)."""
@@ -68,7 +68,7 @@ class Isolation:
     """Module (bundle name) -> why it could not be isolated; said once per module."""
 
 
-def _not_recordable(tree: Tree) -> str | None:
+def not_recordable(tree: Tree) -> str | None:
     """Why a recorded value cannot be fed back, or None when it can."""
     kind = tree[0]
     if kind == "X":
@@ -78,7 +78,7 @@ def _not_recordable(tree: Tree) -> str | None:
         children = list(tree[1])  # type: ignore[call-overload]
     elif kind in ("D", "O"):
         children = [node for _, node in tree[-1]]  # type: ignore[attr-defined]
-    return next((reason for child in children if (reason := _not_recordable(child))), None)
+    return next((reason for child in children if (reason := not_recordable(child))), None)
 
 
 def _split_arguments(value: dict[Any, Any], names: ArgumentNames) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -153,7 +153,9 @@ class _Arguments:
     module that modifies its input in place does not change what the gradient refers to."""
 
 
-class _Isolator:
+class Isolator:
+    """Runs module calls on the reference's recorded inputs and judges their local values."""
+
     def __init__(
         self,
         reader: BundleReader,
@@ -179,6 +181,13 @@ class _Isolator:
     def _diff(self, name: str, expected: Any, actual: torch.Tensor) -> TensorDiff:
         tolerance = self.tolerances.for_record(name, expected.tag)
         return diff_record(self.reader, expected, actual, tolerance, self._ignore(name, expected))
+
+    def judge(self, name: str, refs: list[Any], actual: torch.Tensor) -> TensorDiff:
+        """A local value against the reference's record (or the sum of several)."""
+        if len(refs) == 1:
+            return self._diff(name, refs[0], actual)
+        tolerance = self.tolerances.for_record(name, refs[0].tag)
+        return diff_sum(self.reader, refs, actual, tolerance, self._ignore(name, refs[0]))
 
     def _ignore(self, name: str, expected: Any) -> np.ndarray | None:
         """Padded positions of a module record (``--mask-padding``), as the chained comparison leaves them out."""
@@ -251,7 +260,7 @@ class _Isolator:
         }
         for slot, ref in recorded.items():
             if slot in live:
-                self.outcome.local[prefix + slot] = self._diff(prefix + slot, ref, live[slot])
+                self.outcome.local[prefix + slot] = self.judge(prefix + slot, [ref], live[slot])
         self._backward(module, call, live, fed.leaves)
 
     def _backward(
@@ -279,15 +288,7 @@ class _Isolator:
             targets = bundle_slots(self.rename, call.module, slot, call.grad_inputs)
             if grad is None or not targets:
                 continue
-            refs = [call.grad_inputs[target] for target in targets]
-            tolerance = self.tolerances.for_record(prefix + targets[0], refs[0].tag)
-            single = len(refs) == 1
-            ignore = self._ignore(prefix + targets[0], refs[0])
-            diff = (
-                diff_record(self.reader, refs[0], grad, tolerance, ignore)
-                if single
-                else diff_sum(self.reader, refs, grad, tolerance, ignore)
-            )
+            diff = self.judge(prefix + targets[0], [call.grad_inputs[target] for target in targets], grad)
             for target in targets:
                 self.outcome.local[prefix + target] = diff
         for (_, param), grad in zip(params, grads[len(inputs) :], strict=True):
@@ -299,7 +300,7 @@ class _Isolator:
         for name, total in self.param_sums.items():
             ref = self.reader.index.grads.get(name)
             if ref is not None:
-                self.outcome.param_local[name] = self._diff(name, ref, self.transform(name, total))
+                self.outcome.param_local[name] = self.judge(name, [ref], self.transform(name, total))
 
 
 def isolate(
@@ -341,7 +342,7 @@ def isolate(
             modules[name] = module
     param_names = {id(p): rename.parameter(name) for name, p in model.named_parameters()}
     named = {key: value for key, value in param_names.items() if value is not None}
-    isolator = _Isolator(
+    isolator = Isolator(
         reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
     )
     isolator.padding = PaddingPlan(reader) if mask_padding else None
@@ -350,7 +351,7 @@ def isolate(
             progress("isolate", position, len(reader.index.calls))
         if call.module not in modules or call.module in isolator.outcome.skipped:
             continue
-        reason = _not_recordable(call.inputs)
+        reason = not_recordable(call.inputs)
         if reason is not None:
             isolator.outcome.skipped[call.module] = reason
             continue

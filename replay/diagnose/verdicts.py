@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Final, Literal
 
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.replay.diagnose.isolation import Isolation
 from parity_harness.replay.result import ComparisonResult, RecordResult, Verdict
 
-__all__ = ["apply_isolation"]
+__all__ = ["LOCAL_ROUNDING_FACTOR", "apply_isolation", "find_origins_below_tolerance", "needs_levels"]
+
+LOCAL_ROUNDING_FACTOR: Final = 4.0
+"""A local difference within this many times the module's own float32 rounding is rounding, not an origin."""
 
 # Slots that a module is *fed* (forward inputs, and the gradient arriving at its outputs):
 # a difference there cannot be the module's own doing.
@@ -27,29 +31,37 @@ def _verdict(chained_ok: bool, local: TensorDiff | None, fed: bool, earlier_mism
     return "inherited" if local is not None and isolated else "not isolated"
 
 
+def _local_verdict_input(name: str, local: TensorDiff | None, levels: dict[str, float] | None) -> TensorDiff | None:
+    """``local`` as the verdict sees it: a failure within the module's own rounding counts as a match."""
+    if local is None or local.match or levels is None or name not in levels:
+        return local
+    return replace(local, match=True) if local.max_abs <= LOCAL_ROUNDING_FACTOR * levels[name] else local
+
+
 def _judge_in_order(
-    records: list[RecordResult], isolation: Isolation, earlier_mismatch: bool
+    records: list[RecordResult], isolation: Isolation, earlier_mismatch: bool, levels: dict[str, float] | None
 ) -> dict[str, RecordResult]:
     """Verdicts for one kind's records, in execution (or backward) order."""
     judged: dict[str, RecordResult] = {}
     for record in records:
-        local = isolation.local.get(record.name)
+        local = _local_verdict_input(record.name, isolation.local.get(record.name), levels)
         fed = (record.slot or "").startswith(_FED_PREFIXES)
         isolated = record.module not in isolation.skipped
         verdict = _verdict(record.match, local, fed, earlier_mismatch, isolated)
-        judged[record.name] = replace(record, local=local, verdict=verdict)
+        judged[record.name] = replace(record, local=isolation.local.get(record.name), verdict=verdict)
         earlier_mismatch |= not record.match
     return judged
 
 
-def apply_isolation(result: ComparisonResult, isolation: Isolation) -> None:
-    """Attach local differences and verdicts to every record of ``result``."""
+def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict[str, float] | None = None) -> None:
+    """Attach local differences and verdicts to every record of ``result``; ``levels`` (the port's own float32
+    rounding per local record) excuse local differences within ``LOCAL_ROUNDING_FACTOR`` of it."""
     judged: dict[tuple[str, str], RecordResult] = {}
-    forward = _judge_in_order(result.of_kind("forward"), isolation, earlier_mismatch=False)
+    forward = _judge_in_order(result.of_kind("forward"), isolation, earlier_mismatch=False, levels=levels)
     # Once the forward pass differs, backward differences may come from the forward activations:
     # "input differs" in backward then only means something when the forward matched.
     forward_differs = any(not r.match for r in result.records if r.kind in ("forward", "output"))
-    backward = _judge_in_order(result.of_kind("backward"), isolation, earlier_mismatch=forward_differs)
+    backward = _judge_in_order(result.of_kind("backward"), isolation, earlier_mismatch=forward_differs, levels=levels)
     judged.update({("forward", name): record for name, record in forward.items()})
     judged.update({("backward", name): record for name, record in backward.items()})
     for record in result.of_kind("param_grad"):
@@ -65,3 +77,53 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation) -> None:
     compared_modules = {record.module for record in result.records if record.module is not None}
     # A module none of whose records is compared (a waived wrapper) needs no isolation, nor a note saying so.
     result.not_isolated = {module: why for module, why in isolation.skipped.items() if module in compared_modules}
+
+
+def needs_levels(result: ComparisonResult, isolation: Isolation) -> set[str]:
+    """Modules whose own rounding the verdicts need: those failing on the reference's inputs, and every module
+    up to the first divergence of a direction (where a difference below tolerance may start)."""
+    modules = {
+        r.module for r in result.records if r.module and (local := isolation.local.get(r.name)) and not local.match
+    }
+    for kind in _DIRECTIONS:
+        first = result.first_divergence(kind)
+        if first is not None:
+            modules |= {r.module for r in result.of_kind(kind) if r.module and r.order <= first.order}
+    return modules
+
+
+_DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "backward")
+
+
+def find_origins_below_tolerance(result: ComparisonResult, levels: dict[str, float]) -> None:
+    """For a direction that diverges with no origin: the earliest module, up to the divergence, whose difference on
+    the reference's inputs is within atol/rtol but beyond ``LOCAL_ROUNDING_FACTOR`` x its own float32 rounding."""
+    for kind in _DIRECTIONS:
+        first = result.first_divergence(kind)
+        if first is None or result.first_origin(kind) is not None:
+            continue
+        for record in result.of_kind(kind):
+            if record.order > first.order:
+                break
+            local, level = record.local, levels.get(record.name)
+            if record.slot is None or record.slot.startswith(_FED_PREFIXES) or local is None or level is None:
+                continue
+            if local.max_abs > LOCAL_ROUNDING_FACTOR * level and local.max_abs > 0:
+                ratio = "inf" if level == 0 else f"{local.max_abs / level:.0f}"
+                result.origins_below_tolerance[kind] = (
+                    record.module or record.name,
+                    (
+                        f"{record.name}: on the reference's inputs it differs by {local.max_abs:.2e}, within atol/rtol "
+                        f"but {ratio} x its own float32 rounding ({level:.2e}); the divergence at {first.module} grows "
+                        "from it"
+                    ),
+                )
+                break
+        else:
+            result.origins_below_tolerance[kind] = (
+                None,
+                (
+                    f"the divergence at {first.module} is inherited, and no module up to it differs on the reference's "
+                    f"inputs by more than {LOCAL_ROUNDING_FACTOR:g} x its own float32 rounding: origin not isolated"
+                ),
+            )

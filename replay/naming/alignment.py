@@ -1,23 +1,27 @@
-"""``--map auto``: propose a module map by aligning the two runs' module calls.
+"""``--map auto``: propose a module map, by the weights first and the two runs' module calls second.
 
-Both sides are reduced to their sequence of module calls in completion order (a parent after
-its children, so a wrapper that also holds what the other side keeps beside it does not cross
-the alignment), each with a tensor
-signature (input and output shapes and dtypes) and a fingerprint of its output values (norm,
-sum, largest magnitude: the port runs on the reference's recorded inputs, so corresponding
-outputs are numerically close, and the fingerprint ignores layout). A weighted
-longest-common-subsequence alignment pairs calls whose outputs can correspond, preferring equal
-values, then equal shapes, then equal inputs and class names; calls present on one side only
-(wrappers, fused versus split projections) stay unpaired. Each port module is then mapped to
-the bundle module its calls were paired with most often, one to one.
+Weights survive a bug: a port loads the reference's numbers, so modules holding the same parameters
+(layout-insensitive prints, fused against split projections recognised as concatenations;
+``naming.weights``) pair with certainty, and so do containers of the same parameters. The rest
+(activations, dropout, wrappers) is found by aligning the two sequences of module calls in
+completion order (a parent after its children), cut at the calls the weights pair and constrained by
+them: a module inside a paired container pairs only with one inside its counterpart. Each call has a
+tensor signature (input and output shapes and dtypes) and a fingerprint of its output values (the port
+runs on the reference's recorded inputs); a weighted longest-common-subsequence alignment prefers
+equal values, then equal shapes, inputs and class names. A parameterless bundle module called several
+times (one activation object reused) may take several port modules (their calls are numbered in
+execution order under the shared name). Every pair says its evidence; pairs on shapes alone are
+uncertain and the report says so.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -30,6 +34,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.format.dtypes import tag_of
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule, describe_slot_rule
+from parity_harness.replay.naming.weights import ParamPrint, WeightPairs, pair_by_weights
 from parity_harness.replay.reader import BundleReader
 
 __all__ = ["CallSignature", "ProposedMap", "align_modules"]
@@ -68,7 +73,8 @@ class CallSignature:
     values: tuple[Fingerprint, ...] = ()
     input_values: tuple[Fingerprint, ...] = ()
     arguments: tuple[Argument, ...] = ()
-    """Each top-level argument tensor: its name, sorted dims and fingerprint (for proposing ``slots`` lines)."""
+    """Each top-level argument tensor: its name, shape and fingerprint (for proposing ``slots`` lines: equal
+    values in another layout would need the adapter's ``to_reference``, so the shape must be equal too)."""
 
 
 def _other_boundaries(bundle: CallSignature, port: CallSignature) -> bool:
@@ -106,18 +112,24 @@ def _score(bundle: CallSignature, port: CallSignature) -> float:
     return score + (0.5 if bundle.kind.rsplit(".", 1)[-1] == port.kind.rsplit(".", 1)[-1] else 0.0)
 
 
-def _align(bundle: Sequence[CallSignature], port: Sequence[CallSignature]) -> list[tuple[int, int]]:
+Score = Callable[[CallSignature, CallSignature], float]
+
+
+def _align(
+    bundle: Sequence[CallSignature], port: Sequence[CallSignature], score: Score = _score
+) -> list[tuple[int, int]]:
     """Index pairs of a maximum-score order-preserving alignment (gaps are free)."""
     rows, cols = len(bundle), len(port)
+    table = [[score(b, p) for p in port] for b in bundle]
     best = [[0.0] * (cols + 1) for _ in range(rows + 1)]
     for i in range(rows - 1, -1, -1):
         for j in range(cols - 1, -1, -1):
-            pair = _score(bundle[i], port[j])
+            pair = table[i][j]
             take = best[i + 1][j + 1] + pair if pair != _NO_MATCH else _NO_MATCH
             best[i][j] = max(take, best[i + 1][j], best[i][j + 1])
     pairs, i, j = [], 0, 0
     while i < rows and j < cols:
-        pair = _score(bundle[i], port[j])
+        pair = table[i][j]
         if pair != _NO_MATCH and best[i][j] == best[i + 1][j + 1] + pair:
             pairs.append((i, j))
             i, j = i + 1, j + 1
@@ -150,7 +162,7 @@ def bundle_signatures(reader: BundleReader) -> list[CallSignature]:
         input_values = _recorded_fingerprints(reader, call.inputs, "input")
         inputs, outputs = _shapes_of_refs(call.inputs, "input"), _shapes_of_refs(call.outputs, "output")
         arguments = tuple(
-            (slot, tuple(sorted(ref.shape)), fingerprint(reader.read_float64(ref)))
+            (slot, tuple(ref.shape), fingerprint(reader.read_float64(ref)))
             for slot, ref in iter_tensors(call.inputs, "input")
             if slot.count(".") == 1 and ref.tag not in ("C64", "C128")
         )
@@ -180,7 +192,7 @@ class _SignatureSink:
         self._position[(info.module, info.call)] = len(self._started)
         leaves = iter_live_call_inputs(args, kwargs, info.arg_names)
         arguments = tuple(
-            (slot, tuple(sorted(t.shape)), fingerprint(t.detach().to("cpu", torch.float64).numpy()))
+            (slot, tuple(t.shape), fingerprint(t.detach().to("cpu", torch.float64).numpy()))
             for slot, t in leaves
             if slot.count(".") == 1 and not t.is_complex()
         )
@@ -219,52 +231,191 @@ class ProposedMap:
     """A proposed rename map with the evidence for each entry."""
 
     pairs: dict[str, str]
-    """Port module path -> bundle module path."""
+    """Port module path -> bundle module path (several port modules may share a bundle module called as often)."""
     votes: dict[str, int]
     """Port module path -> number of calls aligned with its bundle module."""
     evidence: dict[str, str]
-    """Port module path -> ``"values"`` (outputs numerically equal) or ``"shapes"`` (signatures only)."""
+    """Port module path -> ``weights`` (the same direct parameters), ``weights below`` (a container of the same
+    parameters), ``values`` (outputs numerically equal), ``place`` (the one call between the same two
+    weight-paired calls on both sides), ``type and shapes`` or ``shapes``."""
     unmatched: list[str]
     """Port modules with no counterpart."""
     slot_rules: tuple[SlotRule, ...] = ()
     """Arguments the two sides name differently, found by their values (``slots`` lines)."""
+    fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Reference parameter -> the port parameters whose concatenation it is (fused against split)."""
+    params: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Port parameter -> reference parameter, where the weights pair them under another name than the module
+    map gives (``bias_u`` against ``pos_bias_u``)."""
+
+    @property
+    def uncertain(self) -> list[str]:
+        """Port modules paired on shapes alone: not to be trusted without review."""
+        return [port for port, why in self.evidence.items() if why == "shapes"]
 
     def rename_map(self) -> RenameMap:
         """The proposal as rules (exact paths; unmatched modules map to "no counterpart")."""
-        rules = [(re.compile(re.escape(port)), bundle.replace("\\", "\\\\")) for port, bundle in self.pairs.items()]
+        rules = [(re.compile(re.escape(port)), bundle.replace("\\", "\\\\")) for port, bundle in self.params.items()]
+        rules += [(re.compile(re.escape(port)), bundle.replace("\\", "\\\\")) for port, bundle in self.pairs.items()]
         rules += [(re.compile(re.escape(port)), "-") for port in self.unmatched]
         return RenameMap(tuple(rules), (), self.slot_rules)
 
     def to_text(self) -> str:
         """The proposal as a map file, for review and reuse with ``--map``."""
         lines = ["# Proposed by replay-compare --map auto: port module => bundle module (review before reuse).", ""]
-        width = max((len(re.escape(p)) for p in [*self.pairs, *self.unmatched]), default=0) + 2
+        width = max((len(re.escape(p)) for p in [*self.params, *self.pairs, *self.unmatched]), default=0) + 2
+        for port, bundle in self.params.items():
+            lines.append(f"^{re.escape(port)}$".ljust(width + 2) + f" => {bundle}    # parameter, by its weights")
         for port, bundle in self.pairs.items():
             note = f"{self.votes[port]} call(s) aligned by {self.evidence[port]}"
+            note += "  LOW CONFIDENCE: check it" if port in self.uncertain else ""
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + f" => {bundle}    # {note}")
         for port in self.unmatched:
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + " => -")
+        lines += [f"# {ref} is the concatenation of {', '.join(parts)}" for ref, parts in self.fused.items()]
         if self.slot_rules:
             lines += ["", "# Arguments named differently, paired by their values: slots BUNDLE_MODULE PORT=REF"]
         lines += [describe_slot_rule(rule) for rule in self.slot_rules]
         return "\n".join(lines) + "\n"
 
 
-def _choose(votes: Counter[tuple[str, str]]) -> dict[str, str]:
-    """One bundle module per port module and vice versa, most aligned calls first."""
+def _choose(votes: Counter[tuple[str, str]], shared: set[str]) -> dict[str, str]:
+    """One bundle module per port module, most aligned calls first; a bundle module in ``shared`` (parameterless,
+    called several times: one activation object reused) may take several port modules."""
     chosen: dict[str, str] = {}
     taken: set[str] = set()
     for (port, bundle), _ in votes.most_common():
-        if port not in chosen and bundle not in taken:
+        if port not in chosen and (bundle not in taken or bundle in shared):
             chosen[port] = bundle
             taken.add(bundle)
     return chosen
 
 
+def _weight_evidence(model: torch.nn.Module, reader: BundleReader) -> WeightPairs:
+    """What the two sides' weights say (nothing when the bundle holds no parameter values)."""
+    index = reader.index
+    bundle = {
+        name: ParamPrint.of(reader.read_float64(ref))
+        for name, ref in index.params.items()
+        if reader.summary(ref) is None and ref.tag not in ("BOOL", "C64", "C128")
+    }
+    port = {
+        name: ParamPrint.of(param.detach().to("cpu", torch.float64).numpy())
+        for name, param in model.named_parameters()
+        if param.is_floating_point() and not param.is_complex()
+    }
+    bundle_modules = {call.module for call in index.calls}
+    for name in bundle:
+        parts = name.split(".")[:-1]
+        bundle_modules.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
+    port_modules = {path for path, _ in model.named_modules() if path}
+    return pair_by_weights(bundle, port, bundle_modules, port_modules)
+
+
+class _Constraints:
+    """What the weights fix before any call is scored: paired modules pair only with each other, split parts of a
+    fused parameter with nothing, a module holding weights below it only with one holding the same, and a
+    module inside a paired container only with one inside its counterpart."""
+
+    def __init__(self, weights: WeightPairs, bundle: Sequence[CallSignature]) -> None:
+        self.weights = weights
+        self.anchors, self.targets = weights.modules, set(weights.modules.values())
+        self.parts = {part.rpartition(".")[0] for parts in weights.fused.values() for part in parts}
+        counts = Counter(call.module for call in bundle)
+        self.shared = {module for module, count in counts.items() if count > 1}
+
+    def _container(self, port_module: str) -> str | None:
+        parts = port_module.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            found = self.anchors.get(".".join(parts[:end]))
+            if found is not None:
+                return found
+        return None
+
+    def score(self, bundle: CallSignature, port: CallSignature) -> float:
+        """``_score`` within the constraints; a pair the weights made scores above anything else."""
+        anchor = self.anchors.get(port.module)
+        if anchor is not None:
+            return 10.0 if anchor == bundle.module else _NO_MATCH
+        if bundle.module in self.targets or port.module in self.parts:
+            return _NO_MATCH
+        if not self.weights.may_pair(port.module, bundle.module):  # weights below that the other does not hold
+            return _NO_MATCH
+        container = self._container(port.module)
+        inside = container is None or bundle.module.startswith(f"{container}.") or bundle.module in self.shared
+        return _score(bundle, port) if inside else _NO_MATCH
+
+
+def _anchored_alignment(
+    bundle: Sequence[CallSignature], port: Sequence[CallSignature], constraints: _Constraints
+) -> tuple[list[tuple[int, int]], set[tuple[int, int]]]:
+    """The alignment, cut at the calls the weights pair (the k-th call of paired modules, in an order both sides
+    keep): each stretch between two such calls is aligned on its own, so the cost follows the stretches, not the
+    whole runs. Also returns the pairs that were alone in their stretch (one call on each side: their place
+    between two weight-paired calls says who they are)."""
+    ordinal_b, ordinal_p = _ordinals(bundle), _ordinals(port)
+    where = {(b.module, ordinal_b[i]): i for i, b in enumerate(bundle)}
+    candidates = [
+        (where[key], j)
+        for j, p in enumerate(port)
+        if (anchor := constraints.anchors.get(p.module)) is not None and (key := (anchor, ordinal_p[j])) in where
+    ]
+    pairs: list[tuple[int, int]] = []
+    alone: set[tuple[int, int]] = set()
+    last_i, last_j = -1, -1
+    for i, j in [*_increasing(candidates), (len(bundle), len(port))]:
+        stretch = _align(bundle[last_i + 1 : i], port[last_j + 1 : j], constraints.score)
+        found = [(last_i + 1 + a, last_j + 1 + b) for a, b in stretch]
+        if i - last_i == 2 and j - last_j == 2 and last_i >= 0 and i < len(bundle):
+            alone.update(found)
+        pairs += found
+        if i < len(bundle):
+            pairs.append((i, j))
+        last_i, last_j = i, j
+    return pairs, alone
+
+
+def _ordinals(calls: Sequence[CallSignature]) -> list[int]:
+    seen: Counter[str] = Counter()
+    ordinals = []
+    for call in calls:
+        ordinals.append(seen[call.module])
+        seen[call.module] += 1
+    return ordinals
+
+
+def _increasing(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The longest chain of pairs increasing on both sides (patience sorting on the second index)."""
+    pairs = sorted(pairs)
+    tails: list[int] = []
+    tail_at: list[int] = []
+    previous = [-1] * len(pairs)
+    for position, (_, j) in enumerate(pairs):
+        slot = bisect.bisect_left(tails, j)
+        if slot == len(tails):
+            tails.append(j)
+            tail_at.append(position)
+        else:
+            tails[slot], tail_at[slot] = j, position
+        previous[position] = tail_at[slot - 1] if slot else -1
+    chain, at = [], tail_at[-1] if tail_at else -1
+    while at != -1:
+        chain.append(pairs[at])
+        at = previous[at]
+    return chain[::-1]
+
+
 def align_modules(
-    model: torch.nn.Module, reader: BundleReader, *, forward: ForwardFn | None = None, device: str = "cpu"
+    model: torch.nn.Module,
+    reader: BundleReader,
+    *,
+    forward: ForwardFn | None = None,
+    device: str = "cpu",
+    to_reference: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> ProposedMap:
-    """Run the port once on the recorded inputs (no grad) and align its module calls with the bundle's."""
+    """Pair the port's modules with the bundle's: by their weights first, then by aligning the two runs' module
+    calls (run the port once on the recorded inputs, no grad) within what the weights fixed. ``to_reference``
+    (the adapter's) tells which arguments in another layout still compare (for ``slots`` lines)."""
     sink = _SignatureSink()
     inputs = to_device(reader.rebuild(reader.index.inputs), torch.device(device))
     model.train(reader.index.run.train_mode)
@@ -273,60 +424,169 @@ def align_modules(
     with torch.no_grad(), ModuleTap(model, sink, record_backward=False, by_signature=by_signature):
         call_forward(model, inputs, forward)
     bundle, port = bundle_signatures(reader), sink.calls
+    weights = _weight_evidence(model, reader)
+    constraints = _Constraints(weights, bundle)
     votes: Counter[tuple[str, str]] = Counter()
     by_values: set[tuple[str, str]] = set()
-    aligned = _align(bundle, port)
+    aligned, alone = _anchored_alignment(bundle, port, constraints)
+    by_place: set[tuple[str, str]] = set()
     for i, j in aligned:
         votes[(port[j].module, bundle[i].module)] += 1
         if _close(bundle[i].values, port[j].values):
             by_values.add((port[j].module, bundle[i].module))
-    chosen = _choose(votes)
-    wrappers = {p.module for p in port if any(_other_boundaries(b, p) for b in bundle)}
-    for module in _same_role_as_wrappers(chosen, wrappers, {p for p, _ in by_values}):
+        if (i, j) in alone:
+            by_place.add((port[j].module, bundle[i].module))
+    parameterless = constraints.shared - _owners(reader.index.params)
+    chosen = _choose(votes, parameterless)
+    called = {call.module for call in port} | _owners(dict(model.named_parameters()))
+    chosen.update({p: b for p, b in weights.modules.items() if p in called})  # owners paired even if never called
+    wrappers = _wrappers(bundle, [call for call in port if call.module not in weights.modules])
+    anchored = set(weights.modules)
+    for module in _same_role_as_wrappers(chosen, wrappers, {p for p, _ in by_values} | anchored):
         del chosen[module]
-    all_port = list(dict.fromkeys(call.module for call in port))
+    kinds = ({call.module: call.kind for call in port}, {call.module: call.kind for call in bundle})
+    all_port = list(dict.fromkeys([*(call.module for call in port), *(p for p in weights.modules if p in called)]))
     return ProposedMap(
         pairs={module: chosen[module] for module in all_port if module in chosen},
         votes={module: votes[(module, chosen[module])] for module in chosen},
-        evidence={module: "values" if (module, chosen[module]) in by_values else "shapes" for module in chosen},
+        evidence={
+            module: _evidence(module, chosen[module], weights, (by_values, by_place), kinds) for module in chosen
+        },
         unmatched=[module for module in all_port if module not in chosen],
         slot_rules=_propose_slots(
-            [(bundle[i], port[j]) for i, j in aligned if chosen.get(port[j].module) == bundle[i].module]
+            [(bundle[i], port[j]) for i, j in aligned if chosen.get(port[j].module) == bundle[i].module],
+            layout_check(to_reference),
         ),
+        fused=weights.fused,
+        params=_renamed_parameters(weights, chosen),
     )
 
 
-def _renamed_arguments(bundle: CallSignature, port: CallSignature) -> dict[str, tuple[str, ...]]:
-    """Port argument -> the bundle arguments of another name holding the same values (several: the port passes
-    one tensor where the reference passed equal ones, ``x=query+key+value``)."""
-    named = {slot for slot, _, _ in port.arguments}
-    proposed = {}
-    for slot, dims, values in port.arguments:
-        if any(slot == other for other, _, _ in bundle.arguments):
+def _renamed_parameters(weights: WeightPairs, chosen: dict[str, str]) -> dict[str, str]:
+    """Parameters the weights pair under another name than their module's mapping gives."""
+    renamed = {}
+    for port, bundle in weights.params.items():
+        owner, _, leaf = port.rpartition(".")
+        mapped = chosen.get(owner)
+        if mapped is None or f"{mapped}.{leaf}" != bundle:
+            renamed[port] = bundle
+    return renamed
+
+
+def _wrappers(bundle: Sequence[CallSignature], port: Sequence[CallSignature]) -> set[str]:
+    """Port modules with a call giving a bundle call's outputs from other inputs (``_other_boundaries``); bundle
+    calls are looked up by the size of their first output, so the cost follows the calls, not their product."""
+    by_norm: dict[int, list[CallSignature]] = {}
+    for call in bundle:
+        if call.values:
+            by_norm.setdefault(_norm_key(call.values[0][0]), []).append(call)
+    found = set()
+    for call in port:
+        if not call.values or call.module in found:
             continue
+        key = _norm_key(call.values[0][0])
+        nearby = [b for k in (key - 1, key, key + 1) for b in by_norm.get(k, [])]
+        if any(_other_boundaries(b, call) for b in nearby):
+            found.add(call.module)
+    return found
+
+
+def _norm_key(norm: float) -> int:
+    """Buckets of 1% in the norm: values within ``_CLOSE`` of each other fall in the same or a neighbouring one."""
+    return round(math.log(norm) / math.log1p(0.01)) if norm > 0 else -(10**9)
+
+
+def _owners(params: dict[str, Any]) -> set[str]:
+    """Modules holding a parameter directly."""
+    return {name.rpartition(".")[0] for name in params}
+
+
+def _evidence(
+    port: str,
+    bundle: str,
+    weights: WeightPairs,
+    found: tuple[set[tuple[str, str]], set[tuple[str, str]]],
+    kinds: tuple[dict[str, str], ...],
+) -> str:
+    """The strongest evidence for a pair (``ProposedMap.evidence``)."""
+    by_values, by_place = found
+    if port in weights.evidence:
+        return weights.evidence[port]
+    if (port, bundle) in by_values:
+        return "values"
+    if (port, bundle) in by_place:
+        return "place"
+    same_type = kinds[0].get(port, "").rsplit(".", 1)[-1] == kinds[1].get(bundle, "?").rsplit(".", 1)[-1]
+    return "type and shapes" if same_type else "shapes"
+
+
+def _renamed_arguments(bundle: CallSignature, port: CallSignature, layout: LayoutCheck) -> dict[str, tuple[str, ...]]:
+    """Port argument -> the bundle arguments of another name holding the same values (several: the port passes
+    one tensor where the reference passed equal ones, ``x=query+key+value``), in the same shape (or one the
+    adapter's ``to_reference`` gives). An argument left over on each side that only each other's shape fits
+    (values changed by an upstream bug, or by a broadcast the adapter undoes) pairs too."""
+    named = {slot for slot, _, _ in port.arguments}
+    known = {other for other, _, _ in bundle.arguments}
+    fits = {
+        (slot, other)
+        for slot, dims, _ in port.arguments
+        for other, other_dims, _ in bundle.arguments
+        if slot not in known and other not in named and layout(f"{bundle.module}/0/{other}", dims, other_dims)
+    }
+    proposed = {}
+    for slot, _, values in port.arguments:
         refs = tuple(
             other
-            for other, other_dims, other_values in bundle.arguments
-            if other not in named and other_dims == dims and _close((other_values,), (values,))
+            for other, _, other_values in bundle.arguments
+            if (slot, other) in fits and _close((other_values,), (values,))
         )
         if refs:
             proposed[slot] = refs
     claims = Counter(ref for refs in proposed.values() for ref in refs)
     # A reference slot that several port arguments hold (the reverse of a sum) has no one counterpart: none.
-    return {slot: refs for slot, refs in proposed.items() if all(claims[ref] == 1 for ref in refs)}
+    proposed = {slot: refs for slot, refs in proposed.items() if all(claims[ref] == 1 for ref in refs)}
+    taken = {ref for refs in proposed.values() for ref in refs}
+    left = [(slot, other) for slot, other in fits if slot not in proposed and other not in taken]
+    for slot, other in left:
+        if sum(a == slot for a, _ in left) == 1 and sum(b == other for _, b in left) == 1:
+            proposed[slot] = (other,)
+    return proposed
 
 
-def _propose_slots(pairs: list[tuple[CallSignature, CallSignature]]) -> tuple[SlotRule, ...]:
-    """One ``slots`` rule per (bundle module, port argument), as most of the module's aligned calls agree."""
+LayoutCheck = Callable[[str, tuple[int, ...], tuple[int, ...]], bool]
+"""``layout(record, port_shape, reference_shape)``: whether the port's tensor compares with the reference's."""
+
+
+def layout_check(to_reference: Callable[[str, torch.Tensor], torch.Tensor] | None) -> LayoutCheck:
+    """Equal shapes, or the shape the adapter's ``to_reference`` makes of the port's (tried on a meta tensor)."""
+
+    def fits(record: str, port: tuple[int, ...], reference: tuple[int, ...]) -> bool:
+        if port == reference:
+            return True
+        if to_reference is None:
+            return False
+        try:
+            return tuple(to_reference(record, torch.empty(port, device="meta")).shape) == reference
+        except Exception:
+            return False
+
+    return fits
+
+
+def _propose_slots(pairs: list[tuple[CallSignature, CallSignature]], layout: LayoutCheck) -> tuple[SlotRule, ...]:
+    """One ``slots`` rule per role of bundle module (its path with block numbers as ``*``: what one block's calls
+    show holds for its repeats, whose values a bug upstream may have changed) and port argument, as most of the
+    role's aligned calls agree."""
+    escape = str.maketrans({"[": "[[]", "*": "[*]", "?": "[?]"})
     votes: Counter[tuple[str, str, tuple[str, ...]]] = Counter()
     for bundle, port in pairs:
-        for slot, refs in _renamed_arguments(bundle, port).items():
-            votes[(bundle.module, slot, refs)] += 1
+        role = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", bundle.module.translate(escape))
+        for slot, refs in _renamed_arguments(bundle, port, layout).items():
+            votes[(role, slot, refs)] += 1
     chosen: dict[tuple[str, str], tuple[str, ...]] = {}
-    for (module, slot, refs), _ in votes.most_common():
-        chosen.setdefault((module, slot), refs)
-    escape = str.maketrans({"[": "[[]", "*": "[*]", "?": "[?]"})
-    return tuple(SlotRule(module.translate(escape), slot, refs) for (module, slot), refs in chosen.items())
+    for (role, slot, refs), _ in votes.most_common():
+        chosen.setdefault((role, slot), refs)
+    return tuple(SlotRule(role, slot, refs) for (role, slot), refs in chosen.items())
 
 
 def _same_role_as_wrappers(chosen: dict[str, str], wrappers: set[str], value_mapped: set[str]) -> list[str]:

@@ -42,6 +42,9 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
         if result.isolated:
             origin = result.first_origin(kind)
             lines.append(f"first origin ({kind}): {origin.module if origin else 'none'}")
+            if kind in result.origins_below_tolerance:
+                module, why = result.origins_below_tolerance[kind]
+                lines.append(f"origin below tolerance ({kind}): {module or 'none'}  [{why}]")
     needed = max((r.diff.required_atol for r in failing), default=0.0)
     if failing and math.isfinite(needed):
         lines.append(f"tolerance that would have passed: atol={needed:.3g} at rtol={tolerance.rtol:g}")

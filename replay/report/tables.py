@@ -175,6 +175,8 @@ def _isolation_summary(result: ComparisonResult) -> list[str]:
         lines.append(
             f"first origin ({kind}): {record.module}  [{record.name}: on the reference's inputs, max abs {local}]"
         )
+    for kind, (module, why) in result.origins_below_tolerance.items():
+        lines.append(f"origin below tolerance ({kind}): {module or 'none'}  [{why}]")
     origins = [r.name for r in result.of_kind("param_grad") if r.verdict == "origin"]
     if origins:
         lines.append(f"parameter gradients wrong on the reference's inputs: {', '.join(origins[:10])}")
@@ -188,12 +190,20 @@ def _param_values(result: ComparisonResult) -> list[str]:
         return ["parameter values: none paired with the bundle's (check --map)"]
     if not differing:
         return [f"parameter values: all {len(result.param_values)} equal the reference's within tolerance"]
-    names = ", ".join(r.name for r in differing[:5]) + (" ..." if len(differing) > 5 else "")
-    warning = (
-        f"WARNING: {len(differing)} of {len(result.param_values)} parameters differ from the reference's "
-        f"weights ({names}): different weights were loaded"
-    )
-    return [warning]
+    unsure = set(result.alignment_uncertain)
+    misaligned = [r for r in differing if r.name.rpartition(".")[0] in unsure]
+    differing = [r for r in differing if r not in misaligned]
+    lines = []
+    if differing:
+        names = ", ".join(r.name for r in differing[:5]) + (" ..." if len(differing) > 5 else "")
+        lines.append(
+            f"WARNING: {len(differing)} of {len(result.param_values)} parameters differ from the reference's "
+            f"weights ({names}): different weights were loaded"
+        )
+    if misaligned:
+        names = ", ".join(r.name for r in misaligned[:5]) + (" ..." if len(misaligned) > 5 else "")
+        lines.append(f"parameters of modules paired on shapes alone differ ({names}): probably paired wrongly")
+    return lines
 
 
 def render_provenance(reference: dict[str, str], replay: dict[str, str]) -> str:
@@ -235,6 +245,8 @@ def result_line(result: ComparisonResult) -> str:
     if result.rounding_factor is not None:
         judged += f"; float32 near misses: or within {result.rounding_factor:g} x the port's own rounding"
     line = f"RESULT: {verdict} ({judged})"
+    if result.alignment_uncertain:
+        line += f"\nalignment uncertain: {len(result.alignment_uncertain)} module(s) paired on shapes alone (see above)"
     if verdict == "INCOMPLETE":
         line += (
             f"\n{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
@@ -259,6 +271,9 @@ def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:
     ]
     if renamed:
         lines.append(tabulate(renamed[:limit], headers=["port module", "bundle module", "calls aligned", "evidence"]))
+    if proposal.uncertain:
+        lines.append(f"LOW CONFIDENCE (shapes alone): {', '.join(proposal.uncertain[:10])}")
+    lines += [f"{ref} = concatenation of {', '.join(parts)}" for ref, parts in list(proposal.fused.items())[:10]]
     if len(renamed) > limit:
         lines.append(f"({len(renamed) - limit} more; --save-map FILE writes the whole map)")
     if proposal.unmatched:

@@ -89,7 +89,9 @@ def test_map_auto_proposes_the_hand_written_map(fused_bundle: Path) -> None:
         "classifier": "head",
     }
     assert sorted(proposal.unmatched) == ["attention.k", "attention.q", "attention.v"]
-    assert proposal.evidence["mix"] == "values"
+    assert proposal.evidence["mix"] == "weights below"  # a container of the same weights
+    assert proposal.evidence["attention.o"] == "weights"
+    assert proposal.fused["attn.qkv.weight"] == ("attention.q.weight", "attention.k.weight", "attention.v.weight")
     assert _replay(fused_bundle, proposal.rename_map()).match
 
 

@@ -216,3 +216,30 @@ def test_assert_parity_defaults_and_both_or_neither(bundle: Path) -> None:
         assert_parity(build(manual=True), bundle, atol=1e-5, rtol=1e-5)
     with pytest.raises(InputError, match="give both"):
         assert_parity(build(manual=True), bundle, atol=1e-4)
+
+
+def test_a_bug_below_tolerance_in_its_module_is_found_where_it_starts(bundle: Path) -> None:
+    """LayerNorm eps 3e-4 instead of 1e-5: within atol/rtol at the norm itself, visible only after attention. The
+    forward divergence has no origin at atol/rtol; the report names the norm as where it starts (its own
+    difference far beyond its float32 rounding), and the backward origin is not the attention whose local
+    difference is only another kernel's rounding."""
+    port = build(manual=True)
+    port.blocks[1].norm1.eps = 3e-4
+    result = _replay(port, bundle, isolate=True)
+    assert result.verdict == "MISMATCH"
+    norm = next(r for r in result.records if r.name == "blocks.1.norm1/0/output")
+    assert norm.match  # within tolerance where the bug is
+    assert result.first_origin("forward") is None
+    module, why = result.origins_below_tolerance["forward"]
+    assert module == "blocks.1.norm1", why
+    assert "float32 rounding" in why
+    backward = result.first_origin("backward")
+    assert backward is not None
+    assert backward.module in ("blocks.1", "blocks.1.norm1")
+    assert result.to_json()["origin_below_tolerance"] == {"forward": "blocks.1.norm1"}
+
+
+def test_a_correct_port_has_no_origin_below_tolerance(bundle: Path) -> None:
+    """Nothing diverges: nothing to trace, and the check costs no float64 isolation."""
+    result = _replay(build(manual=True), bundle, isolate=True)
+    assert result.origins_below_tolerance == {}

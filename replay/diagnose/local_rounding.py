@@ -1,0 +1,87 @@
+"""The port's own float32 rounding on isolated module calls: each call run on the reference's inputs in float32
+and again in float64, ``level = max |local32 - local64|`` per record.
+
+Isolation's verdicts use it two ways (``diagnose.verdicts``): a local difference within ``ROUNDING_FACTOR``
+times the module's own rounding is not an origin (two kernels round differently), and when a divergence has
+no origin at all, the earliest module whose local difference is *beyond* that, though within atol/rtol, is
+where a difference too small to cross the tolerance in its own module starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity_harness.capture.record.noise import in_float64
+from parity_harness.common.numerics.metrics import TensorDiff, unmatchable
+from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.diagnose.isolation import InputAdapter, Isolator, LayoutTransform, not_recordable
+from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.reader import BundleReader
+
+__all__ = ["local_levels"]
+
+_PLACEHOLDER: TensorDiff = unmatchable((), "F32", "F32", "kept, not compared")
+
+
+class _Collector(Isolator):
+    """An isolator that keeps each local value (float64, on the CPU) instead of comparing it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.values: dict[str, torch.Tensor] = {}
+
+    def judge(self, name: str, refs: list[Any], actual: torch.Tensor) -> TensorDiff:
+        """Keep ``actual``; the placeholder returned is never read."""
+        self.values[name] = actual.detach().to("cpu", torch.float64)
+        return _PLACEHOLDER
+
+
+def _to_float64(value: Any) -> Any:
+    return value.to(torch.float64) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def local_levels(
+    model: torch.nn.Module,
+    reader: BundleReader,
+    modules: set[str],
+    *,
+    rename: RenameMap,
+    transform: LayoutTransform,
+    device: str,
+    isolation_inputs: InputAdapter | None,
+) -> dict[str, float]:
+    """Per local record of the calls of ``modules`` (bundle names): the port's float32 rounding on it."""
+    by_name = {rename.module(path): module for path, module in model.named_modules() if path}
+    calls = [
+        call
+        for call in reader.index.calls
+        if call.module in modules and by_name.get(call.module) is not None and not_recordable(call.inputs) is None
+    ]
+    runs = []
+    for exact in (False, True):
+        collector = _Collector(
+            reader, ToleranceTable(), torch.device(device), transform, {}, rename, _to_float64 if exact else _same
+        )
+        for call in calls:
+            module = by_name[call.module]
+            assert module is not None
+            swapped = in_float64(module, module.training) if exact else contextlib.nullcontext()
+            with swapped:
+                collector.run_call(module, call, isolation_inputs)
+        runs.append(collector.values)
+    single, double = runs
+    levels = {}
+    for name, value in single.items():
+        other = double.get(name)
+        if other is not None and other.shape == value.shape:
+            error = (value - other).abs().numpy()
+            levels[name] = float(np.max(error, initial=0.0, where=np.isfinite(error)))
+    return levels
+
+
+def _same(value: Any) -> Any:
+    return value
