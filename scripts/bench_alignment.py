@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parity_harness.capture.record.recorder import capture_run  # noqa: E402
-from parity_harness.replay.naming.alignment import _weight_evidence, align_modules  # noqa: E402
-from parity_harness.replay.naming.mapping import parse_map  # noqa: E402
-from parity_harness.replay.reader import BundleReader  # noqa: E402
-from tests import renamed_port  # noqa: E402
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.replay.naming.alignment import _weight_evidence, align_modules
+from parity_harness.replay.naming.mapping import parse_map
+from parity_harness.replay.reader import BundleReader
+from tests import renamed_port
 
 
 def _deep(blocks: int) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -68,7 +68,8 @@ def main() -> None:
             whole = time.perf_counter() - start
     hand = parse_map(renamed_port.HAND_MAP)
     modules = [path for path, _ in port.named_modules() if path and path != "layers"]
-    agree = sum(proposal.rename_map().module(path) == hand.module(path) for path in modules)
+    auto = proposal.rename_map()
+    agree = sum(auto.module(path) == hand.module(path) for path in modules)
     print(f"module calls: {calls} in the bundle; port modules: {len(modules)}")
     print(f"pairing by weights: {by_weights:.2f} s ({len(weights.modules)} modules paired, {len(weights.fused)} fused)")
     print(f"align_modules (port forward, weights, anchored call alignment): {whole:.2f} s")

@@ -255,10 +255,9 @@ class ProposedMap:
 
     def rename_map(self) -> RenameMap:
         """The proposal as rules (exact paths; unmatched modules map to "no counterpart")."""
-        rules = [(re.compile(re.escape(port)), bundle.replace("\\", "\\\\")) for port, bundle in self.params.items()]
-        rules += [(re.compile(re.escape(port)), bundle.replace("\\", "\\\\")) for port, bundle in self.pairs.items()]
-        rules += [(re.compile(re.escape(port)), "-") for port in self.unmatched]
-        return RenameMap(tuple(rules), (), self.slot_rules)
+        exact: list[tuple[str, str | None]] = [*self.params.items(), *self.pairs.items()]
+        exact += [(port, None) for port in self.unmatched]
+        return RenameMap(slot_rules=self.slot_rules, exact=tuple(exact))
 
     def to_text(self) -> str:
         """The proposal as a map file, for review and reuse with ``--map``."""

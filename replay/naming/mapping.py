@@ -61,6 +61,12 @@ class RenameMap:
     """Globs of bundle record names the port has no counterpart for (``waive GLOB`` lines)."""
     slot_rules: tuple[SlotRule, ...] = ()
     """``slots`` lines, in order."""
+    exact: tuple[tuple[str, str | None], ...] = ()
+    """Literal renames of whole module paths or parameter names (None: no counterpart), looked up before the
+    rules in constant time: ``--map auto`` writes one per module, thousands on a large model."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_lookup", dict(self.exact))
 
     def slot_rule(self, module: str, slot: str) -> SlotRule | None:
         """The ``slots`` rule that renames the port's ``slot`` of a call of bundle module ``module``, if any."""
@@ -90,6 +96,9 @@ class RenameMap:
 
     def module(self, path: str) -> str | None:
         """The bundle's name for a module path, or None when it has no counterpart."""
+        lookup: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
+        if path in lookup:
+            return lookup[path]
         for pattern, replacement in self.rules:
             match = pattern.fullmatch(path)
             if match:
@@ -101,6 +110,9 @@ class RenameMap:
         its module's path) gives, e.g. ``^attn\\.bias_u$ => attn.pos_bias_u``; else its module's mapped path
         plus its own name."""
         owner, _, leaf = name.rpartition(".")
+        lookup: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
+        if name in lookup:
+            return lookup[name]
         for pattern, replacement in self.rules:
             match = pattern.fullmatch(name)
             if match and not pattern.fullmatch(owner):  # a rule for modules that also fits the name: not a param rule

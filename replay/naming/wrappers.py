@@ -112,6 +112,15 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
         described.append(f"{side}: {', '.join(parts) or 'none'}")
     note = "wrapper names normalised on both sides (" + "; ".join(described) + ")"
     return (
-        WrapperRenameMap(rename.rules, rename.waivers, rename.slot_rules, port_roots, modules, params, hidden),
+        WrapperRenameMap(
+            rename.rules,
+            rename.waivers,
+            rename.slot_rules,
+            rename.exact,
+            port_roots=port_roots,
+            bundle_modules=modules,
+            bundle_params=params,
+            hidden=hidden,
+        ),
         note,
     )
