@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.naming.alignment import align_modules
+from parity_harness.replay.naming.mapping import read_map
+from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
-from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
+from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER, replay_with_adapter
 
 
 def _replay(
@@ -60,3 +65,37 @@ def test_planted_bug_found_at_its_module(
     if bug == "backward":  # a backward-only bug leaves every forward record intact
         assert result.first_divergence("forward") is None
     assert result.to_json()["first_divergence"][kind] == module
+
+
+@pytest.mark.parametrize("adapter", ["adapter.py", "adapter_bug_forward.py", "adapter_bug_backward.py",
+                                     "adapter_bug_attention.py", "adapter_bug_glue.py"])  # fmt: skip
+def test_map_auto_finds_what_the_hand_map_finds(ref_bundle: Path, ref_checkpoint: Path, adapter: str) -> None:
+    """--map auto (with the hand map's waivers) on the correct port and on each planted bug: the same verdict,
+    first divergences and first origins as the hand-written map (the weights pin every module holding them)."""
+    port = load_adapter(str(PORT_DIR / adapter))
+    waivers = tuple(line.split()[1] for line in PORT_MAP.read_text().splitlines() if line.startswith("waive "))
+    with BundleReader(ref_bundle) as reader:
+        model = port.model(str(ref_checkpoint), "cpu")
+        proposal = align_modules(model, reader, forward=port.forward, to_reference=port.to_reference)
+        auto = compare_run(
+            model,
+            reader,
+            forward=port.forward,
+            isolation_inputs=port.isolation_inputs,
+            rename=proposal.rename_map(),
+            waive=waivers,
+            isolate=True,
+        )
+    with BundleReader(ref_bundle) as reader:
+        hand = compare_run(
+            port.model(str(ref_checkpoint), "cpu"),
+            reader,
+            forward=port.forward,
+            isolation_inputs=port.isolation_inputs,
+            rename=read_map(PORT_MAP),
+            isolate=True,
+        )
+    assert auto.verdict == hand.verdict
+    for kind in ("forward", "backward"):
+        assert auto.to_json()["first_divergence"][kind] == hand.to_json()["first_divergence"][kind]
+        assert auto.to_json()["first_origin"][kind] == hand.to_json()["first_origin"][kind]
