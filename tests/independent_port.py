@@ -8,7 +8,10 @@ on a few elements of large sums. ``bug`` plants a real difference in block 1 of 
 - ``scale``: attention scores scaled by 1/d instead of 1/sqrt(d);
 - ``gelu``: the tanh approximation of GELU instead of the exact one;
 - ``float64_branch``: the eps bug, plus a branch taken only in float64 (the rounding check's rerun then
-  computes something else, which it must not take for rounding).
+  computes something else, which it must not take for rounding);
+- ``float32_only``: block 1 scales its attention residual by 1.001 in float32 only (the rerun does not see it);
+- ``float16``: block 1's fc1 runs under float16 autocast (float64 is never autocast);
+- ``between_modules``: the model scales the embedding by 1.001 in its own forward, outside any submodule.
 """
 
 from __future__ import annotations
@@ -78,9 +81,13 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
+        if self.bug == "float32_only" and x.dtype == torch.float32:
+            x = x * 1.001
         if self.bug == "float64_branch" and x.dtype == torch.float64:
             x = x + 1.0
-        hidden = F.gelu(self.fc1(self.norm2(x)), approximate="tanh" if self.bug == "gelu" else "none")
+        with torch.autocast("cpu", dtype=torch.float16, enabled=self.bug == "float16"):
+            hidden = self.fc1(self.norm2(x))
+        hidden = F.gelu(hidden.to(x.dtype), approximate="tanh" if self.bug == "gelu" else "none")
         return x + self.fc2(hidden)
 
 
@@ -88,12 +95,15 @@ class Model(nn.Module):
     def __init__(self, manual: bool = False, bug: str | None = None, width: int = 64, heads: int = 4) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, width)
+        self.bug = bug
         self.blocks = nn.ModuleList(Block(width, heads, manual, bug if i == 1 else None) for i in range(2))
         self.norm = Norm(width, manual=manual)
         self.head = Proj(width, VOCAB, manual)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
+        if self.bug == "between_modules":
+            x = x * 1.001
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

@@ -42,7 +42,7 @@ from parity_harness.replay.compare.records import (
     unpad,
     unvisited_module_records,
 )
-from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge
+from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge, snapshot_buffers
 from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
@@ -172,6 +172,7 @@ class _ReplaySession:
         self.module_records = backend is None or options.compiled_module_records
         self.sink: ComparingSink | None = None
         self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
+        self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         _check_layer_filters(options.layers, reader)
 
@@ -301,7 +302,9 @@ class _ReplaySession:
         if not near.kept:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
-        run = RoundingRun(self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64)
+        run = RoundingRun(
+            self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, self.initial_buffers
+        )
         failure = run.measure(near)
         if failure is not None:
             notes.append(
@@ -311,6 +314,7 @@ class _ReplaySession:
             return
         rejudge(self.result, self.reader, near, self.index.noise_floor or {})
         near.kept.clear()
+        self.initial_buffers = ()
         passed = [record for record in self.result.records if record.rule == "rounding"]
         if passed:
             example = passed[0]

@@ -9,7 +9,6 @@ where a difference too small to cross the tolerance in its own module starts.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.numerics.metrics import TensorDiff, unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.rounding import plausible_level
 from parity_harness.replay.diagnose.isolation import InputAdapter, Isolator, LayoutTransform, not_recordable
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import BundleReader
@@ -54,33 +54,43 @@ def local_levels(
     device: str,
     isolation_inputs: InputAdapter | None,
 ) -> dict[str, float]:
-    """Per local record of the calls of ``modules`` (bundle names): the port's float32 rounding on it."""
+    """Per local record of the calls of ``modules`` (bundle names): the port's float32 rounding on it (records
+    whose float32 and float64 values differ by more than rounding can be are left out)."""
     by_name = {rename.module(path): module for path, module in model.named_modules() if path}
     calls = [
         call
         for call in reader.index.calls
         if call.module in modules and by_name.get(call.module) is not None and not_recordable(call.inputs) is None
     ]
-    runs = []
-    for exact in (False, True):
-        collector = _Collector(
-            reader, ToleranceTable(), torch.device(device), transform, {}, rename, _to_float64 if exact else _same
-        )
-        for call in calls:
-            module = by_name[call.module]
-            assert module is not None
-            swapped = in_float64(module, module.training) if exact else contextlib.nullcontext()
-            with swapped:
-                collector.run_call(module, call, isolation_inputs)
-        runs.append(collector.values)
-    single, double = runs
-    levels = {}
-    for name, value in single.items():
-        other = double.get(name)
-        if other is not None and other.shape == value.shape:
-            error = (value - other).abs().numpy()
-            levels[name] = float(np.max(error, initial=0.0, where=np.isfinite(error)))
+    single = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _same)
+    double = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _to_float64)
+    levels: dict[str, float] = {}
+    for call in calls:  # one call at a time: what is kept is one call's values, whatever the model's size
+        module = by_name[call.module]
+        assert module is not None
+        single.run_call(module, call, isolation_inputs)
+        with in_float64(module, module.training):
+            double.run_call(module, call, isolation_inputs)
+        for name, value in single.values.items():
+            level = _level(value, double.values.get(name))
+            if level is not None:
+                levels[name] = level
+        single.values.clear()
+        double.values.clear()
     return levels
+
+
+def _level(value: torch.Tensor, exact: torch.Tensor | None) -> float | None:
+    """``max |value - exact|`` where that is plausible as float32 rounding (else None: not rounding, excuses
+    nothing)."""
+    if exact is None or exact.shape != value.shape:
+        return None
+    values, exact_values = value.numpy(), exact.numpy()
+    error = np.abs(values - exact_values)
+    level = float(np.max(error, initial=0.0, where=np.isfinite(error)))
+    scale = float(np.max(np.abs(values), initial=0.0, where=np.isfinite(values)))
+    exact_scale = float(np.max(np.abs(exact_values), initial=0.0, where=np.isfinite(exact_values)))
+    return level if plausible_level(level, scale, exact_scale) else None
 
 
 def _same(value: Any) -> Any:

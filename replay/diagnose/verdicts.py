@@ -102,23 +102,18 @@ def find_origins_below_tolerance(result: ComparisonResult, levels: dict[str, flo
         first = result.first_divergence(kind)
         if first is None or result.first_origin(kind) is not None:
             continue
-        for record in result.of_kind(kind):
-            if record.order > first.order:
-                break
-            local, level = record.local, levels.get(record.name)
-            if record.slot is None or record.slot.startswith(_FED_PREFIXES) or local is None or level is None:
-                continue
-            if local.max_abs > LOCAL_ROUNDING_FACTOR * level and local.max_abs > 0:
-                ratio = "inf" if level == 0 else f"{local.max_abs / level:.0f}"
-                result.origins_below_tolerance[kind] = (
-                    record.module or record.name,
-                    (
-                        f"{record.name}: on the reference's inputs it differs by {local.max_abs:.2e}, within atol/rtol "
-                        f"but {ratio} x its own float32 rounding ({level:.2e}); the divergence at {first.module} grows "
-                        "from it"
-                    ),
-                )
-                break
+        found = _earliest_beyond_rounding(result, kind, levels)
+        if found is not None:
+            record, difference, level = found
+            ratio = "inf" if level == 0 else f"{difference / level:.0f}"
+            result.origins_below_tolerance[kind] = (
+                record.module or record.name,
+                (
+                    f"{record.name}: on the reference's inputs it differs by {difference:.2e}, within "
+                    f"atol/rtol but {ratio} x its own float32 rounding ({level:.2e}); the divergence at "
+                    f"{first.module} grows from it"
+                ),
+            )
         else:
             result.origins_below_tolerance[kind] = (
                 None,
@@ -127,3 +122,21 @@ def find_origins_below_tolerance(result: ComparisonResult, levels: dict[str, flo
                     f"inputs by more than {LOCAL_ROUNDING_FACTOR:g} x its own float32 rounding: origin not isolated"
                 ),
             )
+
+
+def _earliest_beyond_rounding(
+    result: ComparisonResult, kind: Literal["forward", "backward"], levels: dict[str, float]
+) -> tuple[RecordResult, float, float] | None:
+    """The first record of ``kind`` up to its first divergence whose local difference exceeds
+    ``LOCAL_ROUNDING_FACTOR`` x its own rounding: the record, that difference and that rounding."""
+    first = result.first_divergence(kind)
+    assert first is not None
+    for record in result.of_kind(kind):
+        if record.order > first.order:
+            return None
+        local, level = record.local, levels.get(record.name)
+        if record.slot is None or record.slot.startswith(_FED_PREFIXES) or local is None or level is None:
+            continue
+        if local.max_abs > LOCAL_ROUNDING_FACTOR * level and local.max_abs > 0:
+            return record, local.max_abs, level
+    return None

@@ -85,15 +85,19 @@ def test_cancelling_sums_pass_as_rounding(bundle: Path) -> None:
         ("scale", "blocks.1.attn.o"),
         ("gelu", "blocks.1.fc2"),
         ("float64_branch", "blocks.1.norm1"),
+        ("float16", "blocks.1.fc1"),
+        ("float32_only", "blocks.1"),
     ],
 )
 def test_planted_bugs_still_fail_where_they_start(bundle: Path, bug: str, first: str) -> None:
-    """Each bug fails at the defaults, its first divergence where it is planted (not at an earlier near miss)."""
+    """Each bug fails at the defaults, its first divergence where it is planted (not at an earlier near miss),
+    including arithmetic the float64 rerun does not repeat (float16 autocast, a float32-only branch): the
+    distance it puts between the float32 and float64 runs is too large for float32 rounding."""
     result = _replay(build(manual=True, bug=bug), bundle)
     assert result.verdict == "MISMATCH"
     divergence = result.first_divergence("forward")
     assert divergence is not None
-    assert divergence.module == first
+    assert divergence.module == first or (bug == "float32_only" and divergence.name == "blocks.1.norm2/0/input.x")
     assert divergence.rounding is not None
     assert not divergence.rounding.passed
 
@@ -104,7 +108,7 @@ def test_a_rerun_that_computes_something_else_is_not_rounding(bundle: Path) -> N
     after_branch = next(r for r in result.records if r.name == "blocks.1/0/output")
     assert not after_branch.match
     assert after_branch.rounding is not None
-    assert "not rounding" in after_branch.rounding.why
+    assert "not float32 rounding" in after_branch.rounding.why
 
 
 def _with_offset(model: torch.nn.Module, module: str, offset: float) -> torch.nn.Module:
@@ -243,3 +247,102 @@ def test_a_correct_port_has_no_origin_below_tolerance(bundle: Path) -> None:
     """Nothing diverges: nothing to trace, and the check costs no float64 isolation."""
     result = _replay(build(manual=True), bundle, isolate=True)
     assert result.origins_below_tolerance == {}
+
+
+@pytest.mark.parametrize("bug", ["float16", "float32_only"])
+def test_isolation_does_not_excuse_arithmetic_the_rerun_skips(bundle: Path, bug: str) -> None:
+    """--isolate measures each module's own rounding by a float64 rerun too; a module whose float32 and float64
+    runs differ by more than rounding can (float16, a float32-only branch) is the origin, not excused."""
+    result = _replay(build(manual=True, bug=bug), bundle, isolate=True)
+    origin = result.first_origin("forward")
+    assert origin is not None
+    assert origin.module == "blocks.1"  # the block runs fc1 under autocast, or has the branch
+
+
+def test_a_divergence_from_code_between_modules_says_origin_not_isolated(bundle: Path) -> None:
+    """The model's own forward scales the embedding: no module differs on its recorded inputs, so the report says
+    the origin is not isolated rather than naming a module."""
+    result = _replay(build(manual=True, bug="between_modules"), bundle, isolate=True)
+    assert result.verdict == "MISMATCH"
+    assert result.first_origin("forward") is None
+    module, why = result.origins_below_tolerance["forward"]
+    assert module is None
+    assert "origin not isolated" in why
+
+
+def _counting(model: torch.nn.Module, module: str, step: float) -> torch.nn.Module:
+    """``module`` adds ``step`` x (its earlier calls) to its output, counted in a buffer: a replay's first call is
+    unchanged; a rerun starting from the replay's buffers would see a changed model."""
+    target = model.get_submodule(module)
+    target.register_buffer("calls", torch.zeros(()))
+
+    def count(hooked: torch.nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        calls = hooked.calls.clone()
+        hooked.calls += 1
+        return output + calls * step
+
+    target.register_forward_hook(count)
+    return model
+
+
+def test_the_rerun_starts_from_the_buffers_the_replay_started_from(bundle: Path) -> None:
+    """A buffer the replay's forward updates is put back for the float64 rerun: the level measured is the same as
+    without the buffer, and a 10x-rounding bug is not excused by a level the changed buffer inflated."""
+    correct = _replay(build(manual=True), bundle)
+    record = next(
+        r for r in correct.records if r.rule == "rounding" and r.name.endswith("/output") and r.kind == "forward"
+    )
+    assert record.rounding is not None
+    assert record.module is not None
+    port = _counting(build(manual=True), record.module, 100 * record.rounding.level)
+    counted = next(r for r in _replay(port, bundle).records if r.name == record.name)
+    assert counted.rounding is not None
+    assert counted.rounding.level == pytest.approx(record.rounding.level, rel=0.5)
+    buggy = _counting(_with_offset(build(manual=True), record.module, 10 * record.rounding.level), record.module, 0.0)
+    port = _counting(buggy, record.module, 100 * record.rounding.level)
+    bumped = next(r for r in _replay(port, bundle).records if r.name == record.name)
+    assert not bumped.match, bumped.rounding
+
+
+class _Table(torch.nn.Module):
+    """A position table with ``rows`` rows (16 used) feeding a linear layer; the port's float32 gradient of the
+    table is off by 2e-5 of its largest magnitude on one element (a near miss the float64 rerun calls rounding), and ``leak`` sends a
+    gradient into the spare row."""
+
+    def __init__(self, rows: int = 16, leak: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos, self.out, self.leak = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 2), leak
+        if rows > 16:
+            spare = torch.randn(rows - 16, 8, generator=torch.Generator().manual_seed(5))
+            self.pos.weight = torch.nn.Parameter(torch.cat([self.pos.weight.detach(), spare]))
+            self.pos.weight.register_hook(self._nudge)
+
+    @staticmethod
+    def _nudge(grad: torch.Tensor) -> torch.Tensor:
+        if grad.dtype != torch.float32:
+            return grad
+        bump = torch.zeros_like(grad)
+        bump[0, 0] = 2e-5 * float(grad.abs().max())
+        return grad + bump
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.pos(ids)
+        if self.leak:
+            spare = self.pos.weight[16].sum()
+            h = h + (spare - spare.detach())
+        return self.out(h) * 100
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["spare-row-untouched", "spare-row-gets-a-gradient"])
+def test_a_failure_with_a_problem_is_not_passed_as_rounding(tmp_path: Path, leak: bool) -> None:
+    """A padded parameter whose overlap passes by the rounding rule still fails when its gradient beyond the
+    reference's size is nonzero: a record failing for a reason other than its values is never rounding."""
+    bundle = tmp_path / "table.h5"
+    capture_run(_Table(), (torch.arange(16).reshape(2, 8),), bundle)
+    result = _replay(_Table(17, leak=leak), bundle)
+    grad = next(r for r in result.of_kind("param_grad") if r.name == "pos.weight")
+    assert grad.rounding is not None or leak  # the overlap's near miss went to the rounding rule
+    assert grad.match is not leak
+    if leak:
+        assert "is nonzero" in (grad.diff.problem or "")
