@@ -133,15 +133,27 @@ class Port(nn.Module):
         return self.lm(self.final(x))
 
 
-def build_reference() -> Reference:
-    """The reference with seeded weights (norms around one, nothing left at its init constant)."""
+def build_reference(untrained_norms: bool = False) -> Reference:
+    """The reference with seeded weights (norms around one, nothing left at its init constant; with
+    ``untrained_norms``, every LayerNorm at its init: ones and zeros, shared by all of them)."""
     model = Reference().eval()
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, param in model.named_parameters():
             centre = 1.0 if "norm" in name and name.endswith("weight") else 0.0
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + centre)
+            noise = 0.0 if untrained_norms and "norm" in name else 0.3
+            param.copy_(torch.randn(param.shape, generator=generator) * noise + centre)
     return model
+
+
+def swap_layers(port: Port) -> Port:
+    """The port with its two layers' weights swapped (a conversion that numbered them the wrong way round)."""
+    swapped = {}
+    for name, value in port.state_dict().items():
+        layer = {"layers.0.": "layers.1.", "layers.1.": "layers.0."}.get(name[:9])
+        swapped[f"{layer}{name[9:]}" if layer else name] = value.clone()  # clones: loading overwrites in place
+    port.load_state_dict(swapped)
+    return port
 
 
 def port_from(reference: Reference, bug: str | None = None) -> Port:

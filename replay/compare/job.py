@@ -19,7 +19,7 @@ from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
 from parity_harness.replay.compare.runner import ReplayOptions, compare_run
-from parity_harness.replay.naming.alignment import ProposedMap, align_modules
+from parity_harness.replay.naming.alignment import OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.reader import BundleReader
@@ -95,16 +95,24 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
 
 
 def _note_uncertain_pairs(result: ComparisonResult, proposal: ProposedMap) -> None:
-    """Pairs ``--map auto`` made on shapes alone are named, and the verdict line says the alignment is uncertain."""
+    """Pairs ``--map auto`` made on weak evidence are named, and the verdict line says the alignment is uncertain."""
     uncertain = {port: proposal.pairs[port] for port in proposal.uncertain}
     if not uncertain:
         return
     result.alignment_uncertain = sorted(set(uncertain.values()))
-    shown = ", ".join(f"{port} => {bundle}" for port, bundle in list(uncertain.items())[:5])
-    result.notes.append(
-        f"WARNING: --map auto paired {len(uncertain)} module(s) on shapes alone ({shown}"
-        f"{' ...' if len(uncertain) > 5 else ''}): check them, or give --map FILE (--save-map writes the proposal)"
-    )
+    by_shapes = [f"{port} => {uncertain[port]}" for port in uncertain if proposal.evidence[port] == "shapes"]
+    swapped = [f"{port} => {uncertain[port]}" for port in uncertain if proposal.evidence[port] == OUT_OF_ORDER]
+    if by_shapes:
+        result.notes.append(
+            f"WARNING: --map auto paired {len(by_shapes)} module(s) on shapes alone ({', '.join(by_shapes[:5])}"
+            f"{' ...' if len(by_shapes) > 5 else ''}): check them, or give --map FILE (--save-map writes the proposal)"
+        )
+    if swapped:
+        result.notes.append(
+            f"WARNING: {len(swapped)} port module(s) hold the weights of a reference module called in another order, "
+            f"with other values ({', '.join(swapped[:5])}{' ...' if len(swapped) > 5 else ''}): weights loaded into "
+            "the wrong module? Check the conversion, or give --map FILE"
+        )
 
 
 def _with_adapter(job: ReplayJob, options: ReplayOptions, data_parallel: DataParallelRuns | None) -> ReplayOptions:

@@ -3,7 +3,7 @@ gradients) compared by name, and backward exactly as the reference did it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +21,7 @@ from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import PaddingPlan
 from parity_harness.replay.compare.rounding import NearMisses
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
-from parity_harness.replay.naming.mapping import RenameMap, SlotRule
+from parity_harness.replay.naming.mapping import RenameMap, SlotRule, bundle_parameters
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record, diff_sum
@@ -280,10 +280,7 @@ def gradient_presence(
 ) -> list[RecordResult]:
     """A mismatch record for each parameter with a gradient on one side only (frozen, detached or unused)."""
     records = []
-    for name, param in model.named_parameters():
-        mapped = rename.parameter(name)
-        if mapped is None:
-            continue
+    for mapped, param in bundle_parameters(model, rename, params.keys() | grads.keys()):
         ref = grads.get(mapped)
         if ref is not None and param.grad is None:
             problem = "no gradient in the port (requires_grad=False, detached or unused?)"
@@ -329,12 +326,15 @@ def unpad(
     return cut, padded
 
 
-def mapped_parameters(model: torch.nn.Module, rename: RenameMap, grads: bool) -> list[tuple[str, torch.Tensor]]:
+def mapped_parameters(
+    model: torch.nn.Module, rename: RenameMap, grads: bool, known: Collection[str] = ()
+) -> list[tuple[str, torch.Tensor]]:
+    """The port's parameters (or their gradients, where they have one) under their bundle names (``known``: the
+    bundle's, which a shared parameter's names are matched against)."""
     pairs = []
-    for name, param in model.named_parameters():
-        mapped = rename.parameter(name)
+    for mapped, param in bundle_parameters(model, rename, known):
         value = param.grad if grads else param.detach()
-        if mapped is not None and value is not None:
+        if value is not None:
             pairs.append((mapped, value))
     return pairs
 

@@ -200,7 +200,7 @@ class _ReplaySession:
         """The port's weights against the reference's (a mismatch means other weights were loaded)."""
         if not self.weights.index.selection.records("params"):
             return
-        params = mapped_parameters(self.model, self.rename, grads=False)
+        params = mapped_parameters(self.model, self.rename, grads=False, known=self.weights.index.params)
         tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
         if data_parallel and data_parallel.shards:
             self.result.param_values = data_parallel.compare("params", "param", params, tolerances, self.transform)[0]
@@ -267,7 +267,7 @@ class _ReplaySession:
         """Every parameter's gradient against the reference's (gathered, or put back together from shards)."""
         if not self.weights.index.selection.records("param-grads"):
             return
-        grads = mapped_parameters(self.model, self.rename, grads=True)
+        grads = mapped_parameters(self.model, self.rename, grads=True, known=self.weights.index.grads)
         tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
         if data_parallel and data_parallel.shards:
             compared = data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform)
@@ -336,7 +336,8 @@ class _ReplaySession:
             report("output", slot, tensor)
         on_loss = functools.partial(report, "output", "loss")
         backward_as_recorded(self.reader, outputs, self.options.loss, self.transform, on_loss=on_loss)
-        grads, _ = unpad(mapped_parameters(exact, self.rename, grads=True), self.weights.index.grads)
+        expected = self.weights.index.grads
+        grads, _ = unpad(mapped_parameters(exact, self.rename, grads=True, known=expected), expected)
         for name, grad in grads:
             report("param_grad", name, grad)
 

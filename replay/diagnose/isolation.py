@@ -38,7 +38,7 @@ from parity_harness.common.format.bundle.schema import ModuleCall, Tree, iter_te
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import PaddingPlan
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import diff_record, diff_sum
@@ -340,8 +340,7 @@ def isolate(
         name = rename.module(path) if path else None
         if name is not None:
             modules[name] = module
-    param_names = {id(p): rename.parameter(name) for name, p in model.named_parameters()}
-    named = {key: value for key, value in param_names.items() if value is not None}
+    named = {id(param): name for name, param in bundle_parameters(model, rename, reader.index.params)}
     isolator = Isolator(
         reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
     )

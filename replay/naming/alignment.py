@@ -37,12 +37,14 @@ from parity_harness.replay.naming.mapping import RenameMap, SlotRule, describe_s
 from parity_harness.replay.naming.weights import ParamPrint, WeightPairs, pair_by_weights
 from parity_harness.replay.reader import BundleReader
 
-__all__ = ["CallSignature", "ProposedMap", "align_modules"]
+__all__ = ["OUT_OF_ORDER", "CallSignature", "ProposedMap", "align_modules"]
 
 Shapes = tuple[tuple[tuple[int, ...], str], ...]
 Fingerprint = tuple[float, float, float]
 Argument = tuple[str, tuple[int, ...], Fingerprint]
 _NO_MATCH: Final = -1.0
+OUT_OF_ORDER: Final = "weights, called out of order"
+"""Evidence of a weights pair whose calls cross the order of the others with other values: swapped weights."""
 _CLOSE: Final = 1e-3
 
 
@@ -145,7 +147,10 @@ def _shapes_of_refs(tree: list[object], prefix: str) -> Shapes:
 
 
 def _recorded_fingerprints(reader: BundleReader, tree: list[object], prefix: str) -> tuple[Fingerprint, ...]:
+    """Fingerprints of a call's recorded values; none when one was recorded as statistics only."""
     refs = [ref for _, ref in iter_tensors(tree, prefix) if ref.tag not in ("BOOL", "C64", "C128")]
+    if any(reader.summary(ref) is not None for ref in refs):
+        return ()
     return tuple(fingerprint(reader.read_float64(ref)) for ref in refs)
 
 
@@ -164,7 +169,7 @@ def bundle_signatures(reader: BundleReader) -> list[CallSignature]:
         arguments = tuple(
             (slot, tuple(ref.shape), fingerprint(reader.read_float64(ref)))
             for slot, ref in iter_tensors(call.inputs, "input")
-            if slot.count(".") == 1 and ref.tag not in ("C64", "C128")
+            if slot.count(".") == 1 and ref.tag not in ("C64", "C128") and reader.summary(ref) is None
         )
         signatures.append(CallSignature(call.module, call.type, inputs, outputs, values, input_values, arguments))
     return signatures
@@ -237,7 +242,8 @@ class ProposedMap:
     evidence: dict[str, str]
     """Port module path -> ``weights`` (the same direct parameters), ``weights below`` (a container of the same
     parameters), ``values`` (outputs numerically equal), ``place`` (the one call between the same two
-    weight-paired calls on both sides), ``type and shapes`` or ``shapes``."""
+    weight-paired calls on both sides), ``type and shapes``, ``shapes``, or ``OUT_OF_ORDER`` (the same weights, but
+    called in another order than the other weight-paired modules, with other values)."""
     unmatched: list[str]
     """Port modules with no counterpart."""
     slot_rules: tuple[SlotRule, ...] = ()
@@ -250,8 +256,9 @@ class ProposedMap:
 
     @property
     def uncertain(self) -> list[str]:
-        """Port modules paired on shapes alone: not to be trusted without review."""
-        return [port for port, why in self.evidence.items() if why == "shapes"]
+        """Port modules paired on shapes alone, or by weights whose calls come in another order with other values
+        (weights loaded into another module?): not to be trusted without review."""
+        return [port for port, why in self.evidence.items() if why in ("shapes", OUT_OF_ORDER)]
 
     def rename_map(self) -> RenameMap:
         """The proposal as rules (exact paths; unmatched modules map to "no counterpart")."""
@@ -298,10 +305,15 @@ def _weight_evidence(model: torch.nn.Module, reader: BundleReader) -> WeightPair
         for name, ref in index.params.items()
         if reader.summary(ref) is None and ref.tag not in ("BOOL", "C64", "C128")
     }
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    # A parameter shared by several modules (a tied embedding and output head) says nothing about which of
+    # them is which, whatever order registered them: it pairs no module.
     port = {
-        name: ParamPrint.of(param.detach().to("cpu", torch.float64).numpy())
-        for name, param in model.named_parameters()
-        if param.is_floating_point() and not param.is_complex()
+        found[0]: ParamPrint.of(param.detach().to("cpu", torch.float64).numpy())
+        for param in model.parameters()
+        if len(found := names[id(param)]) == 1 and param.is_floating_point() and not param.is_complex()
     }
     bundle_modules = {call.module for call in index.calls}
     for name in bundle:
@@ -345,13 +357,23 @@ class _Constraints:
         return _score(bundle, port) if inside else _NO_MATCH
 
 
+@dataclass(frozen=True)
+class _Aligned:
+    pairs: list[tuple[int, int]]
+    """(bundle call, port call) index pairs."""
+    alone: set[tuple[int, int]]
+    """Pairs alone in their stretch (one call on each side: their place between two weight-paired calls says who
+    they are)."""
+    out_of_order: list[tuple[int, int]]
+    """Calls the weights pair that cross the order the other weight-paired calls keep."""
+
+
 def _anchored_alignment(
     bundle: Sequence[CallSignature], port: Sequence[CallSignature], constraints: _Constraints
-) -> tuple[list[tuple[int, int]], set[tuple[int, int]]]:
+) -> _Aligned:
     """The alignment, cut at the calls the weights pair (the k-th call of paired modules, in an order both sides
     keep): each stretch between two such calls is aligned on its own, so the cost follows the stretches, not the
-    whole runs. Also returns the pairs that were alone in their stretch (one call on each side: their place
-    between two weight-paired calls says who they are)."""
+    whole runs."""
     ordinal_b, ordinal_p = _ordinals(bundle), _ordinals(port)
     where = {(b.module, ordinal_b[i]): i for i, b in enumerate(bundle)}
     candidates = [
@@ -359,10 +381,11 @@ def _anchored_alignment(
         for j, p in enumerate(port)
         if (anchor := constraints.anchors.get(p.module)) is not None and (key := (anchor, ordinal_p[j])) in where
     ]
+    chain = _increasing(candidates)
     pairs: list[tuple[int, int]] = []
     alone: set[tuple[int, int]] = set()
     last_i, last_j = -1, -1
-    for i, j in [*_increasing(candidates), (len(bundle), len(port))]:
+    for i, j in [*chain, (len(bundle), len(port))]:
         stretch = _align(bundle[last_i + 1 : i], port[last_j + 1 : j], constraints.score)
         found = [(last_i + 1 + a, last_j + 1 + b) for a, b in stretch]
         if i - last_i == 2 and j - last_j == 2 and last_i >= 0 and i < len(bundle):
@@ -371,7 +394,30 @@ def _anchored_alignment(
         if i < len(bundle):
             pairs.append((i, j))
         last_i, last_j = i, j
-    return pairs, alone
+    return _Aligned(pairs, alone, _crossing(candidates, chain))
+
+
+def _crossing(candidates: list[tuple[int, int]], chain: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Candidates left out of the chain, and the chain's pairs that cross one of them (swapped weights put both
+    sides of the swap out of order, not only the side the chain happened to drop)."""
+    kept = set(chain)
+    dropped = [pair for pair in candidates if pair not in kept]
+    chain_i, chain_j = [i for i, _ in chain], [j for _, j in chain]
+    marks = [0] * (len(chain) + 1)  # ranges of chain positions crossing a dropped pair, as differences
+    for i, j in dropped:
+        for low, high in (
+            (bisect.bisect_right(chain_j, j), bisect.bisect_left(chain_i, i)),  # earlier in the bundle, later here
+            (bisect.bisect_right(chain_i, i), bisect.bisect_left(chain_j, j)),  # later in the bundle, earlier here
+        ):
+            if low < high:
+                marks[low] += 1
+                marks[high] -= 1
+    crossing, depth = [], 0
+    for position, pair in enumerate(chain):
+        depth += marks[position]
+        if depth > 0:
+            crossing.append(pair)
+    return [*dropped, *crossing]
 
 
 def _ordinals(calls: Sequence[CallSignature]) -> list[int]:
@@ -427,14 +473,16 @@ def align_modules(
     constraints = _Constraints(weights, bundle)
     votes: Counter[tuple[str, str]] = Counter()
     by_values: set[tuple[str, str]] = set()
-    aligned, alone = _anchored_alignment(bundle, port, constraints)
+    alignment = _anchored_alignment(bundle, port, constraints)
+    aligned = alignment.pairs
     by_place: set[tuple[str, str]] = set()
     for i, j in aligned:
         votes[(port[j].module, bundle[i].module)] += 1
         if _close(bundle[i].values, port[j].values):
             by_values.add((port[j].module, bundle[i].module))
-        if (i, j) in alone:
+        if (i, j) in alignment.alone:
             by_place.add((port[j].module, bundle[i].module))
+    out_of_order = {port[j].module for i, j in alignment.out_of_order if not _close(bundle[i].values, port[j].values)}
     parameterless = constraints.shared - _owners(reader.index.params)
     chosen = _choose(votes, parameterless)
     called = {call.module for call in port} | _owners(dict(model.named_parameters()))
@@ -449,7 +497,10 @@ def align_modules(
         pairs={module: chosen[module] for module in all_port if module in chosen},
         votes={module: votes[(module, chosen[module])] for module in chosen},
         evidence={
-            module: _evidence(module, chosen[module], weights, (by_values, by_place), kinds) for module in chosen
+            module: OUT_OF_ORDER
+            if module in out_of_order
+            else _evidence(module, chosen[module], weights, (by_values, by_place), kinds)
+            for module in chosen
         },
         unmatched=[module for module in all_port if module not in chosen],
         slot_rules=_propose_slots(
@@ -513,9 +564,9 @@ def _evidence(
         return weights.evidence[port]
     if (port, bundle) in by_values:
         return "values"
-    if (port, bundle) in by_place:
-        return "place"
     same_type = kinds[0].get(port, "").rsplit(".", 1)[-1] == kinds[1].get(bundle, "?").rsplit(".", 1)[-1]
+    if (port, bundle) in by_place and same_type:  # another class in the same place: another computation
+        return "place"
     return "type and shapes" if same_type else "shapes"
 
 

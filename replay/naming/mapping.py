@@ -23,13 +23,15 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from parity_harness.common.errors import MapFileError
 
-__all__ = ["RenameMap", "SlotRule", "describe_slot_rule", "parse_map", "read_map", "unused_rules"]
+__all__ = ["RenameMap", "SlotRule", "bundle_parameters", "describe_slot_rule", "parse_map", "read_map", "unused_rules"]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
@@ -245,3 +247,18 @@ def read_map(path: str | os.PathLike[str]) -> RenameMap:
     except (OSError, UnicodeDecodeError) as err:
         raise MapFileError(f"{file}: cannot read the map file: {err}") from err
     return parse_map(text, str(file))
+
+
+def bundle_parameters(
+    model: torch.nn.Module, rename: RenameMap, known: Collection[str] = ()
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """Each parameter of ``model`` once, under its bundle name. A parameter shared by several modules (a tied
+    embedding and output head) has several names, and each side's recorder kept the first it registered: it
+    takes the first of its names whose mapping is in ``known`` (the bundle's), else its first name's mapping.
+    Parameters mapped to no counterpart are left out."""
+    aliases: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        mapped = rename.parameter(name)
+        if mapped is not None:
+            aliases.setdefault(id(param), (param, []))[1].append(mapped)
+    return [(next((n for n in names if n in known), names[0]), param) for param, names in aliases.values()]

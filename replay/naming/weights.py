@@ -100,17 +100,36 @@ class WeightPairs:
     evidence: dict[str, str] = field(default_factory=dict)
     """Port module -> ``weights`` or ``weights below``."""
     port_below: dict[str, frozenset[str]] = field(default_factory=dict)
-    """Port module -> the reference parameters its parameters below stand for (empty: some have no counterpart)."""
+    """Port module -> the port parameters below it."""
     bundle_below: dict[str, frozenset[str]] = field(default_factory=dict)
     """Reference module -> its parameters below."""
+    _translated: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def image(self) -> set[str]:
+        """Reference parameters some port parameter (or concatenation of them) stands for."""
+        return {*self.params.values(), *self.fused}
+
+    def translated(self, port_module: str) -> frozenset[str]:
+        """The reference parameters the port module's parameters below stand for (those without a counterpart,
+        an untrained norm's ones say, stand for nothing; nor does one split projection without its siblings)."""
+        found = self._translated.get(port_module)
+        if found is None:
+            below = self.port_below.get(port_module, frozenset())
+            parts = {part: ref for ref, joined in self.fused.items() for part in joined if set(joined) <= below}
+            found = frozenset(
+                self.params.get(name) or parts[name] for name in below if name in self.params or name in parts
+            )
+            self._translated[port_module] = found
+        return found
 
     def may_pair(self, port_module: str, bundle_module: str) -> bool:
-        """False when the weights rule the pair out: the reference module holds weights (below it) that the port
-        module does not hold."""
-        held = self.bundle_below.get(bundle_module)
-        if not held:
-            return True
-        return self.port_below.get(port_module) == held
+        """False when the weights rule the pair out: the port module holds weights (below it) that the reference
+        module does not, or the reference module holds weights the port holds elsewhere. Weights without a
+        counterpart rule nothing out."""
+        translated = self.translated(port_module)
+        held = self.bundle_below.get(bundle_module, frozenset())
+        return translated <= held and held & self.image <= translated
 
 
 def _module_of(name: str) -> str:
@@ -183,15 +202,35 @@ def pair_by_weights(
     pairs = WeightPairs(params=_unique_pairs(bundle, port))
     pairs.fused = _fused(bundle, port, pairs.params)
     direct_b, direct_p = _by_module(bundle), _by_module(port)
+    paired_refs = set(pairs.params.values())
     for module, names in direct_p.items():
         targets = {_module_of(pairs.params[n]) for n in names if n in pairs.params}
-        if len(targets) != 1 or not all(n in pairs.params for n in names):
+        if len(targets) != 1:
             continue
         target = targets.pop()
-        if {pairs.params[n] for n in names} == set(direct_b.get(target, ())):
+        if _same_direct_params(names, direct_b.get(target, []), pairs, paired_refs, (port, bundle)):
             pairs.modules[module], pairs.evidence[module] = target, "weights"
     _pair_containers(pairs, bundle, port, set(bundle_modules), set(port_modules))
     return pairs
+
+
+def _same_direct_params(
+    names: list[str],
+    held: list[str],
+    pairs: WeightPairs,
+    paired_refs: set[str],
+    prints: tuple[Mapping[str, ParamPrint], Mapping[str, ParamPrint]],
+) -> bool:
+    """Whether a port module's direct parameters ``names`` are the reference module's ``held``: the paired ones
+    the same, and any without a counterpart constant on either side (an untrained norm, a zero bias); one with
+    values of its own and no counterpart means the modules differ."""
+    port, bundle = prints
+    mapped = {pairs.params[n] for n in names if n in pairs.params}
+    return (
+        all(n in pairs.params or port[n].constant for n in names)
+        and all(r in paired_refs or bundle[r].constant for r in held)
+        and mapped == {r for r in held if r in paired_refs}
+    )
 
 
 def _by_module(params: Mapping[str, ParamPrint]) -> dict[str, list[str]]:
@@ -218,24 +257,20 @@ def _pair_containers(
     bundle_modules: set[str],
     port_modules: set[str],
 ) -> None:
-    """Modules without direct parameters (or not paired by them) whose parameters below are the same set: the
-    outermost with the outermost where wrappers nest on both sides."""
-    mapped_parts = {part: ref for ref, parts in pairs.fused.items() for part in parts}
-    below_b, below_p = _below(bundle), _below(port)
-    pairs.bundle_below = below_b
-    pairs.port_below = {module: _translated(below, pairs, mapped_parts) for module, below in below_p.items()}
+    """Modules without direct parameters (or not paired by them) whose parameters below stand for the same
+    reference parameters: the outermost with the outermost where wrappers nest on both sides."""
+    pairs.bundle_below, pairs.port_below = _below(bundle), _below(port)
+    image = pairs.image
     paired = set(pairs.modules.values())
     by_set_b: defaultdict[frozenset[str], list[str]] = defaultdict(list)
     for module in bundle_modules:
-        if module in below_b and module not in paired:
-            by_set_b[below_b[module]].append(module)
+        held = pairs.bundle_below.get(module, frozenset()) & image
+        if held and module not in paired:
+            by_set_b[held].append(module)
     by_set_p: defaultdict[frozenset[str], list[str]] = defaultdict(list)
     for module in port_modules:
-        below = below_p.get(module)
-        if not below or module in pairs.modules:
-            continue
-        translated = pairs.port_below[module]
-        if translated:
+        translated = pairs.translated(module)
+        if translated and module not in pairs.modules:
             by_set_p[translated].append(module)
     for key, port_side in by_set_p.items():
         bundle_side = by_set_b.get(key, [])
@@ -245,17 +280,3 @@ def _pair_containers(
             strict=False,
         ):
             pairs.modules[port_module], pairs.evidence[port_module] = bundle_module, "weights below"
-
-
-def _translated(below: frozenset[str], pairs: WeightPairs, mapped_parts: dict[str, str]) -> frozenset[str]:
-    """The reference parameters a port module's parameters below stand for; empty when one has no counterpart or a
-    fused parameter has parts outside (one of the split projections is not the fused one)."""
-    translated = set()
-    for name in below:
-        if name in pairs.params:
-            translated.add(pairs.params[name])
-        elif name in mapped_parts and set(pairs.fused[mapped_parts[name]]) <= below:
-            translated.add(mapped_parts[name])
-        else:
-            return frozenset()
-    return frozenset(translated)

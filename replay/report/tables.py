@@ -246,7 +246,9 @@ def result_line(result: ComparisonResult) -> str:
         judged += f"; float32 near misses: or within {result.rounding_factor:g} x the port's own rounding"
     line = f"RESULT: {verdict} ({judged})"
     if result.alignment_uncertain:
-        line += f"\nalignment uncertain: {len(result.alignment_uncertain)} module(s) paired on shapes alone (see above)"
+        line += (
+            f"\nalignment uncertain: {len(result.alignment_uncertain)} module(s) paired on weak evidence (see above)"
+        )
     if verdict == "INCOMPLETE":
         line += (
             f"\n{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
@@ -272,7 +274,7 @@ def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:
     if renamed:
         lines.append(tabulate(renamed[:limit], headers=["port module", "bundle module", "calls aligned", "evidence"]))
     if proposal.uncertain:
-        lines.append(f"LOW CONFIDENCE (shapes alone): {', '.join(proposal.uncertain[:10])}")
+        lines.append(f"LOW CONFIDENCE (shapes alone, or weights out of order): {', '.join(proposal.uncertain[:10])}")
     lines += [f"{ref} = concatenation of {', '.join(parts)}" for ref, parts in list(proposal.fused.items())[:10]]
     if len(renamed) > limit:
         lines.append(f"({len(renamed) - limit} more; --save-map FILE writes the whole map)")

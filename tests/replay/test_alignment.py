@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.replay.compare.job import _note_uncertain_pairs
 from parity_harness.replay.compare.runner import compare_run
-from parity_harness.replay.naming.alignment import ProposedMap, align_modules
+from parity_harness.replay.naming.alignment import OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import RenameMap, parse_map
 from parity_harness.replay.naming.weights import ParamPrint, pair_by_weights
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.tables import render_result
 from parity_harness.replay.result import ComparisonResult
-from tests.renamed_port import FUSED, HAND_MAP, build_reference, port_from, token_ids
+from tests.renamed_port import FUSED, HAND_MAP, build_reference, port_from, swap_layers, token_ids
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,134 @@ def test_uncertain_pairs_are_named_and_the_verdict_says_so() -> None:
     assert any("on shapes alone" in note for note in result.notes)
     assert "alignment uncertain: 1 module(s)" in render_result(result)
     assert result.to_json()["alignment_uncertain"] == ["layers.0.relu"]
+
+
+def _assert_pairs_as_hand_map(port: torch.nn.Module, proposal: ProposedMap) -> None:
+    hand = parse_map(HAND_MAP)
+    for path, _ in port.named_modules():
+        if path and path != "layers":
+            assert proposal.rename_map().module(path) == hand.module(path), (path, proposal.evidence.get(path))
+
+
+def test_untrained_norms_and_zero_biases_rule_nothing_out(tmp_path: Path) -> None:
+    """Every LayerNorm at its init (ones and zeros, the same in every norm) and a zero bias: those parameters have
+    no unique counterpart, which must not forbid their blocks, containers or modules any pair. The proposal is the
+    hand map, and the replay compares every record and passes."""
+    reference = build_reference(untrained_norms=True)
+    with torch.no_grad():
+        reference.blocks[0].mlp.fc1.bias.zero_()
+    bundle = tmp_path / "untrained.h5"
+    capture_run(reference, token_ids(), bundle, seed=0)
+    port = port_from(reference)
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(port, reader)
+    _assert_pairs_as_hand_map(port, proposal)
+    assert proposal.evidence["layers.0.ffn.up"] == "weights"
+    assert proposal.evidence["layers.0"] == "weights below"
+    result = _replay(port, bundle, proposal.rename_map())
+    assert result.verdict == "MATCH", result.bundle_only
+    assert not result.bundle_only
+
+
+class _Tied(torch.nn.Module):
+    """An embedding, a body and an output head sharing the embedding's weight; ``head_first`` registers the head
+    before the embedding (``named_parameters`` then names the shared weight after the head)."""
+
+    def __init__(self, head_first: bool) -> None:
+        super().__init__()
+        if head_first:
+            self.lm = torch.nn.Linear(16, 40, bias=False)
+            self.embed = torch.nn.Embedding(40, 16)
+        else:
+            self.embed = torch.nn.Embedding(40, 16)
+            self.lm = torch.nn.Linear(16, 40, bias=False)
+        self.body = torch.nn.Linear(16, 16)
+        self.lm.weight = self.embed.weight
+        torch.manual_seed(3)
+        for param in self.parameters():
+            torch.nn.init.normal_(param)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(torch.tanh(self.body(self.embed(ids))))
+
+
+def test_a_tied_weight_pairs_neither_of_its_modules(tmp_path: Path) -> None:
+    """The shared weight is named after whichever module registered first, on each side: it pairs no module, the
+    calls pair the embedding with the embedding and the head with the head, and the replay compares the shared
+    weight and its gradient under the bundle's name."""
+    bundle = tmp_path / "tied.h5"
+    capture_run(_Tied(head_first=False), (torch.arange(12).reshape(2, 6),), bundle, seed=0)
+    port = _Tied(head_first=True)
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(port, reader)
+    assert proposal.pairs["embed"] == "embed"
+    assert proposal.pairs["lm"] == "lm"
+    assert proposal.evidence["body"] == "weights"
+    with BundleReader(bundle) as reader:
+        result = compare_run(port, reader, rename=proposal.rename_map(), isolate=True)
+    assert result.verdict == "MATCH"
+    assert {r.name for r in result.param_values} == {"embed.weight", "body.weight", "body.bias"}
+
+
+def test_weights_loaded_into_the_wrong_layer_are_named(bundle: Path) -> None:
+    """Layer 0 holds block 1's weights and layer 1 block 0's: the weights pair them crosswise, but their calls come
+    in the other order with other values. Both layers' pairs are low confidence, the notes say weights were loaded
+    into the wrong module, and the verdict says the alignment is uncertain."""
+    port = swap_layers(port_from(build_reference()))
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(port, reader)
+    assert proposal.evidence["layers.0.ffn.up"] == OUT_OF_ORDER
+    assert proposal.evidence["layers.1.ffn.up"] == OUT_OF_ORDER
+    assert {"layers.0.ffn.up", "layers.1.ffn.up", "layers.0", "layers.1"} <= set(proposal.uncertain)
+    assert proposal.evidence["embed"] == "weights"  # the rest keeps its certainty
+    result = _replay(port, bundle, proposal.rename_map())
+    _note_uncertain_pairs(result, proposal)
+    assert result.verdict == "MISMATCH"
+    assert any("wrong module" in note for note in result.notes)
+    assert "alignment uncertain" in render_result(result)
+
+
+def test_a_correct_port_has_no_pair_out_of_order(bundle: Path) -> None:
+    """The weights-paired calls of a correct port keep one order on both sides."""
+    port = port_from(build_reference())
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(port, reader)
+    assert OUT_OF_ORDER not in proposal.evidence.values()
+
+
+def test_statistics_only_activations_still_align(tmp_path: Path) -> None:
+    """A bundle whose larger tensors were recorded as statistics only: their values cannot be fingerprinted, the
+    alignment goes on with the weights and shapes it has."""
+    bundle = tmp_path / "summaries.h5"
+    reference = build_reference()
+    capture_run(reference, token_ids(), bundle, seed=0, selection=Selection(max_tensor_bytes=2048))
+    port = port_from(reference)
+    with BundleReader(bundle) as reader:
+        assert reader.index.summaries
+        proposal = align_modules(port, reader)
+    assert proposal.pairs["layers.1.ffn.down"] == "blocks.1.mlp.fc2"
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, act: torch.nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.up, self.act, self.down = torch.nn.Linear(8, 16), act, torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+def test_another_class_in_the_same_place_is_low_confidence(tmp_path: Path) -> None:
+    """The one call between two weight-paired calls pairs by its place only when it is the same class (or gives
+    the same values): a Tanh where the reference has a LeakyReLU, values different, is paired on shapes alone."""
+    bundle = tmp_path / "mlp.h5"
+    inputs = (torch.randn(3, 8, generator=torch.Generator().manual_seed(1)),)
+    capture_run(_Mlp(torch.nn.LeakyReLU(0.1)), inputs, bundle)
+    with BundleReader(bundle) as reader:
+        same = align_modules(_Mlp(torch.nn.LeakyReLU(0.3)), reader)
+        other = align_modules(_Mlp(torch.nn.Tanh()), reader)
+    assert same.evidence["act"] == "place"
+    assert other.pairs["act"] == "act"
+    assert other.evidence["act"] == "shapes"
+    assert other.uncertain == ["act"]

@@ -306,8 +306,8 @@ def test_the_rerun_starts_from_the_buffers_the_replay_started_from(bundle: Path)
 
 class _Table(torch.nn.Module):
     """A position table with ``rows`` rows (16 used) feeding a linear layer; the port's float32 gradient of the
-    table is off by 2e-5 of its largest magnitude on one element (a near miss the float64 rerun calls rounding), and ``leak`` sends a
-    gradient into the spare row."""
+    table is off by 2e-5 of its largest magnitude on one element (a near miss the float64 rerun calls rounding),
+    and ``leak`` sends a gradient into the spare row."""
 
     def __init__(self, rows: int = 16, leak: bool = False) -> None:
         super().__init__()
