@@ -1,10 +1,12 @@
 """What ``--map auto`` costs on a model with thousands of module calls, in one run.
 
-    python scripts/bench_alignment.py [--blocks 250]
+    python scripts/bench_alignment.py [--blocks 250] [--without-params]
 
 Builds the fused-qkv reference of ``tests/renamed_port.py`` deepened to ``--blocks`` blocks (13 module calls
 each) and its split, renamed port, captures the reference, then times ``align_modules`` as a whole and its
 pairing by weights alone, and prints whether every module was renamed as the hand-written map renames it.
+``--without-params`` captures no parameter values: nothing cuts the runs, and the call alignment works alone
+(within a band around the diagonal past 250,000 call pairs).
 Run from the repository root.
 """
 
@@ -21,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection
 from parity_harness.replay.naming.alignment import _weight_evidence, align_modules
 from parity_harness.replay.naming.mapping import parse_map
 from parity_harness.replay.reader import BundleReader
@@ -53,11 +56,13 @@ def _deep(blocks: int) -> tuple[torch.nn.Module, torch.nn.Module]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=250)
+    parser.add_argument("--without-params", action="store_true", help="capture no parameter values")
     args = parser.parse_args()
+    kinds = tuple(k for k in RECORD_KINDS if not (args.without_params and k in ("params", "param-grads")))
     reference, port = _deep(args.blocks)
     with tempfile.TemporaryDirectory() as folder:
         bundle = Path(folder) / "deep.h5"
-        capture_run(reference, renamed_port.token_ids(), bundle, seed=0)
+        capture_run(reference, renamed_port.token_ids(), bundle, seed=0, selection=Selection(kinds=kinds))
         with BundleReader(bundle) as reader:
             calls = len(reader.index.calls)
             start = time.perf_counter()

@@ -19,7 +19,7 @@ from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
 from parity_harness.replay.compare.runner import ReplayOptions, compare_run
-from parity_harness.replay.naming.alignment import OUT_OF_ORDER, ProposedMap, align_modules
+from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.reader import BundleReader
@@ -100,19 +100,21 @@ def _note_uncertain_pairs(result: ComparisonResult, proposal: ProposedMap) -> No
     if not uncertain:
         return
     result.alignment_uncertain = sorted(set(uncertain.values()))
-    by_shapes = [f"{port} => {uncertain[port]}" for port in uncertain if proposal.evidence[port] == "shapes"]
-    swapped = [f"{port} => {uncertain[port]}" for port in uncertain if proposal.evidence[port] == OUT_OF_ORDER]
-    if by_shapes:
-        result.notes.append(
-            f"WARNING: --map auto paired {len(by_shapes)} module(s) on shapes alone ({', '.join(by_shapes[:5])}"
-            f"{' ...' if len(by_shapes) > 5 else ''}): check them, or give --map FILE (--save-map writes the proposal)"
-        )
-    if swapped:
-        result.notes.append(
-            f"WARNING: {len(swapped)} port module(s) hold the weights of a reference module called in another order, "
-            f"with other values ({', '.join(swapped[:5])}{' ...' if len(swapped) > 5 else ''}): weights loaded into "
-            "the wrong module? Check the conversion, or give --map FILE"
-        )
+    for evidence, why in _DOUBTS.items():
+        pairs = [f"{port} => {bundle}" for port, bundle in uncertain.items() if proposal.evidence[port] == evidence]
+        if pairs:
+            shown = f"{', '.join(pairs[:5])}{' ...' if len(pairs) > 5 else ''}"
+            result.notes.append(f"WARNING: --map auto: {len(pairs)} module(s) {why} ({shown}); {_CHECK}")
+
+
+_CHECK = "check them, or give --map FILE (--save-map writes the proposal)"
+_DOUBTS = {
+    "shapes": "paired on shapes alone",
+    OUT_OF_ORDER: "hold the weights of a reference module called in another order, with other values: weights "
+    "loaded into the wrong module?",
+    OTHER_BOUNDARIES: "hold the same weights as a reference container whose output differs on the same inputs "
+    "while every module inside agrees: the containers end at another step, or the port's own code in it differs",
+}
 
 
 def _with_adapter(job: ReplayJob, options: ReplayOptions, data_parallel: DataParallelRuns | None) -> ReplayOptions:

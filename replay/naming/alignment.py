@@ -37,7 +37,7 @@ from parity_harness.replay.naming.mapping import RenameMap, SlotRule, describe_s
 from parity_harness.replay.naming.weights import ParamPrint, WeightPairs, pair_by_weights
 from parity_harness.replay.reader import BundleReader
 
-__all__ = ["OUT_OF_ORDER", "CallSignature", "ProposedMap", "align_modules"]
+__all__ = ["OTHER_BOUNDARIES", "OUT_OF_ORDER", "CallSignature", "ProposedMap", "align_modules"]
 
 Shapes = tuple[tuple[tuple[int, ...], str], ...]
 Fingerprint = tuple[float, float, float]
@@ -45,6 +45,9 @@ Argument = tuple[str, tuple[int, ...], Fingerprint]
 _NO_MATCH: Final = -1.0
 OUT_OF_ORDER: Final = "weights, called out of order"
 """Evidence of a weights pair whose calls cross the order of the others with other values: swapped weights."""
+OTHER_BOUNDARIES: Final = "weights below, output differs"
+"""Evidence of a container pair by weights whose output differs on the same inputs though every call inside it
+agrees: the two containers end at another step."""
 _CLOSE: Final = 1e-3
 
 
@@ -120,26 +123,49 @@ Score = Callable[[CallSignature, CallSignature], float]
 def _align(
     bundle: Sequence[CallSignature], port: Sequence[CallSignature], score: Score = _score
 ) -> list[tuple[int, int]]:
-    """Index pairs of a maximum-score order-preserving alignment (gaps are free)."""
+    """Index pairs of a maximum-score order-preserving alignment (gaps are free). A stretch of more than
+    ``_MAX_CELLS`` call pairs (no weights to cut it: a bundle without parameters) is aligned within a band
+    around its diagonal, so the cost stays linear in the calls."""
     rows, cols = len(bundle), len(port)
-    table = [[score(b, p) for p in port] for b in bundle]
-    best = [[0.0] * (cols + 1) for _ in range(rows + 1)]
+    band = _band(rows, cols)
+    scores: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], float] = {}
     for i in range(rows - 1, -1, -1):
-        for j in range(cols - 1, -1, -1):
-            pair = table[i][j]
-            take = best[i + 1][j + 1] + pair if pair != _NO_MATCH else _NO_MATCH
-            best[i][j] = max(take, best[i + 1][j], best[i][j + 1])
+        low, high = band(i)
+        for j in range(high - 1, low - 1, -1):
+            pair = scores[(i, j)] = score(bundle[i], port[j])
+            take = best.get((i + 1, j + 1), 0.0) + pair if pair != _NO_MATCH else _NO_MATCH
+            best[(i, j)] = max(take, best.get((i + 1, j), 0.0), best.get((i, j + 1), 0.0))
     pairs, i, j = [], 0, 0
     while i < rows and j < cols:
-        pair = table[i][j]
-        if pair != _NO_MATCH and best[i][j] == best[i + 1][j + 1] + pair:
+        pair, here = scores.get((i, j), _NO_MATCH), best.get((i, j))
+        if here is None:  # outside the band: step towards it
+            i, j = (i, j + 1) if j < band(i)[0] else (i + 1, j)
+        elif pair != _NO_MATCH and here == best.get((i + 1, j + 1), 0.0) + pair:
             pairs.append((i, j))
             i, j = i + 1, j + 1
-        elif best[i][j] == best[i + 1][j]:
+        elif here == best.get((i + 1, j), 0.0):
             i += 1
         else:
             j += 1
     return pairs
+
+
+_MAX_CELLS: Final = 250_000
+"""Call pairs scored in one stretch at most (about 4 s); beyond, a band around the diagonal."""
+
+
+def _band(rows: int, cols: int) -> Callable[[int], tuple[int, int]]:
+    """Row -> the columns scored for it: all of them, or a band around the diagonal of ``_MAX_CELLS`` cells."""
+    if rows * cols <= _MAX_CELLS:
+        return lambda _: (0, cols)
+    half = max(_MAX_CELLS // (2 * rows), 2)
+
+    def columns(row: int) -> tuple[int, int]:
+        centre = row * cols // max(rows, 1)
+        return max(0, centre - half), min(cols, centre + half + 1)
+
+    return columns
 
 
 def _shapes_of_refs(tree: list[object], prefix: str) -> Shapes:
@@ -242,8 +268,7 @@ class ProposedMap:
     evidence: dict[str, str]
     """Port module path -> ``weights`` (the same direct parameters), ``weights below`` (a container of the same
     parameters), ``values`` (outputs numerically equal), ``place`` (the one call between the same two
-    weight-paired calls on both sides), ``type and shapes``, ``shapes``, or ``OUT_OF_ORDER`` (the same weights, but
-    called in another order than the other weight-paired modules, with other values)."""
+    weight-paired calls on both sides), ``type and shapes``, ``shapes``, ``OUT_OF_ORDER`` or ``OTHER_BOUNDARIES``."""
     unmatched: list[str]
     """Port modules with no counterpart."""
     slot_rules: tuple[SlotRule, ...] = ()
@@ -256,9 +281,9 @@ class ProposedMap:
 
     @property
     def uncertain(self) -> list[str]:
-        """Port modules paired on shapes alone, or by weights whose calls come in another order with other values
-        (weights loaded into another module?): not to be trusted without review."""
-        return [port for port, why in self.evidence.items() if why in ("shapes", OUT_OF_ORDER)]
+        """Port modules paired on shapes alone, or by weights the calls cast doubt on (``OUT_OF_ORDER``,
+        ``OTHER_BOUNDARIES``): not to be trusted without review."""
+        return [port for port, why in self.evidence.items() if why in ("shapes", OUT_OF_ORDER, OTHER_BOUNDARIES)]
 
     def rename_map(self) -> RenameMap:
         """The proposal as rules (exact paths; unmatched modules map to "no counterpart")."""
@@ -482,7 +507,7 @@ def align_modules(
             by_values.add((port[j].module, bundle[i].module))
         if (i, j) in alignment.alone:
             by_place.add((port[j].module, bundle[i].module))
-    out_of_order = {port[j].module for i, j in alignment.out_of_order if not _close(bundle[i].values, port[j].values)}
+    weak = _weak_weight_pairs(bundle, port, alignment, weights)
     parameterless = constraints.shared - _owners(reader.index.params)
     chosen = _choose(votes, parameterless)
     called = {call.module for call in port} | _owners(dict(model.named_parameters()))
@@ -497,9 +522,7 @@ def align_modules(
         pairs={module: chosen[module] for module in all_port if module in chosen},
         votes={module: votes[(module, chosen[module])] for module in chosen},
         evidence={
-            module: OUT_OF_ORDER
-            if module in out_of_order
-            else _evidence(module, chosen[module], weights, (by_values, by_place), kinds)
+            module: weak.get(module) or _evidence(module, chosen[module], weights, (by_values, by_place), kinds)
             for module in chosen
         },
         unmatched=[module for module in all_port if module not in chosen],
@@ -510,6 +533,31 @@ def align_modules(
         fused=weights.fused,
         params=_renamed_parameters(weights, chosen),
     )
+
+
+def _weak_weight_pairs(
+    bundle: Sequence[CallSignature], port: Sequence[CallSignature], alignment: _Aligned, weights: WeightPairs
+) -> dict[str, str]:
+    """Weight pairs the calls cast doubt on: ``OUT_OF_ORDER`` (calls crossing the others' order, with other
+    values: swapped weights), and ``OTHER_BOUNDARIES`` (a container of the same weights whose output differs on
+    the same inputs while every call inside it agrees: one side's container does a step the other leaves to
+    its parent, or the port's own code in it differs)."""
+    weak = {
+        port[j].module: OUT_OF_ORDER for i, j in alignment.out_of_order if not _close(bundle[i].values, port[j].values)
+    }
+    containers = {module for module, why in weights.evidence.items() if why == "weights below"}
+    own_differs: set[str] = set()
+    inside_differs: set[str] = set()
+    for i, j in alignment.pairs:
+        if _close(bundle[i].values, port[j].values):
+            continue
+        module = port[j].module
+        if module in containers and _close(bundle[i].input_values, port[j].input_values):
+            own_differs.add(module)
+        parts = module.split(".")
+        inside_differs.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    weak.update({module: OTHER_BOUNDARIES for module in own_differs - inside_differs if module not in weak})
+    return weak
 
 
 def _renamed_parameters(weights: WeightPairs, chosen: dict[str, str]) -> dict[str, str]:

@@ -104,6 +104,7 @@ class WeightPairs:
     bundle_below: dict[str, frozenset[str]] = field(default_factory=dict)
     """Reference module -> its parameters below."""
     _translated: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
+    _translated_parts: dict[str, str] | None = field(default=None, repr=False)
 
     @property
     def image(self) -> set[str]:
@@ -116,11 +117,20 @@ class WeightPairs:
         found = self._translated.get(port_module)
         if found is None:
             below = self.port_below.get(port_module, frozenset())
-            parts = {part: ref for ref, joined in self.fused.items() for part in joined if set(joined) <= below}
+            part_of = self._part_of()
             found = frozenset(
-                self.params.get(name) or parts[name] for name in below if name in self.params or name in parts
+                self.params[name] if name in self.params else part_of[name]
+                for name in below
+                if name in self.params or (name in part_of and set(self.fused[part_of[name]]) <= below)
             )
             self._translated[port_module] = found
+        return found
+
+    def _part_of(self) -> dict[str, str]:
+        """Port parameter -> the fused reference parameter it is a part of."""
+        found = self._translated_parts
+        if found is None:
+            found = self._translated_parts = {part: ref for ref, parts in self.fused.items() for part in parts}
         return found
 
     def may_pair(self, port_module: str, bundle_module: str) -> bool:

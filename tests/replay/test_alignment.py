@@ -12,7 +12,7 @@ from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.replay.compare.job import _note_uncertain_pairs
 from parity_harness.replay.compare.runner import compare_run
-from parity_harness.replay.naming.alignment import OUT_OF_ORDER, ProposedMap, align_modules
+from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import RenameMap, parse_map
 from parity_harness.replay.naming.weights import ParamPrint, pair_by_weights
 from parity_harness.replay.reader import BundleReader
@@ -234,3 +234,72 @@ def test_another_class_in_the_same_place_is_low_confidence(tmp_path: Path) -> No
     assert other.pairs["act"] == "act"
     assert other.evidence["act"] == "shapes"
     assert other.uncertain == ["act"]
+
+
+class _Block(torch.nn.Sequential):
+    """A norm and a linear layer; with ``residual``, adding its input to its output."""
+
+    def __init__(self, residual: bool) -> None:
+        super().__init__(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x) if self.residual else super().forward(x)
+
+
+class _Residual(torch.nn.Module):
+    """Two blocks with residual connections, added inside the blocks (``inside``) or by the model."""
+
+    def __init__(self, inside: bool) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.blocks, self.inside = torch.nn.ModuleList(_Block(inside) for _ in range(2)), inside
+        for param in self.parameters():
+            torch.nn.init.normal_(param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if self.inside else x + block(x)
+        return x
+
+
+def test_containers_of_the_same_weights_with_other_boundaries_are_low_confidence(tmp_path: Path) -> None:
+    """The reference's blocks add their residual inside, the port's leave it to the model: the same weights below,
+    the same values for every module inside, other outputs on the same inputs. The pair is low confidence and the
+    notes say why, rather than a certain pair failing a correct port at the block."""
+    bundle = tmp_path / "residual.h5"
+    capture_run(_Residual(inside=True), (torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(2)),), bundle)
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(_Residual(inside=False), reader)
+        same = align_modules(_Residual(inside=True), reader)
+    assert proposal.pairs["blocks.0"] == "blocks.0"
+    assert proposal.evidence["blocks.0"] == OTHER_BOUNDARIES
+    assert proposal.evidence["blocks.0.1"] == "weights"
+    assert "blocks.0" in proposal.uncertain
+    assert same.evidence["blocks.0"] == "weights below"
+    result = ComparisonResult()
+    _note_uncertain_pairs(result, proposal)
+    assert any("end at another step" in note for note in result.notes)
+
+
+def test_a_long_stretch_is_aligned_within_a_band() -> None:
+    """Past _MAX_CELLS call pairs (nothing to cut the runs: no weights recorded) the alignment scores a band
+    around the diagonal only, and still finds every pair when the port's extra calls shift it along the way."""
+    from parity_harness.replay.naming import alignment
+
+    bundle = [alignment.CallSignature(f"m{i}", "Linear", (), ()) for i in range(600)]
+    port: list[alignment.CallSignature] = []
+    for i, call in enumerate(bundle):
+        port.append(call)
+        if i % 6 == 0:
+            port.append(alignment.CallSignature(f"extra{i}", "Dropout", (), ()))
+    assert len(bundle) * len(port) > alignment._MAX_CELLS
+    scored: list[int] = []
+
+    def same_module(b: alignment.CallSignature, p: alignment.CallSignature) -> float:
+        scored.append(1)
+        return 1.0 if b.module == p.module else alignment._NO_MATCH
+
+    pairs = alignment._align(bundle, port, same_module)
+    assert [(bundle[i].module, port[j].module) for i, j in pairs] == [(c.module, c.module) for c in bundle]
+    assert len(scored) <= alignment._MAX_CELLS + 2 * len(bundle)
