@@ -2,8 +2,10 @@
 
 HDF5 is not hardened against crafted files: a damaged object header can make it loop for
 minutes or crash the process, inside C code that no Python timeout can interrupt. The child
-walks every attribute, object and small non-contiguous dataset the reader would touch; if it
-hangs or crashes, the bundle is refused with one line, and this process never opens it. Any
+first checks that the file reads nothing outside its own bytes (``common.format.containment``: no
+link or storage leaves it, so nothing can block on a FIFO), then walks every attribute, object and
+compact dataset the reader would touch; if it refuses, hangs or crashes, the bundle is refused with
+one line, and this process never opens it. Any
 ordinary error the child meets is left for the reader, which reports it precisely. Costs one
 interpreter start with h5py (a few tenths of a second); the command-line tools use it.
 """
@@ -23,6 +25,9 @@ __all__ = ["DEFAULT_PREFLIGHT_SECONDS", "preflight"]
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
 
+_REFUSED: Final = 3
+"""The child's exit code when the file breaks the containment rule (its message on stderr)."""
+
 _WALK: Final = r"""
 import signal
 import sys
@@ -30,26 +35,34 @@ import sys
 getattr(signal, "alarm", int)(int(sys.argv[2]))  # the kernel ends this process on time, even with its parent gone
 import h5py
 
+from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.containment import check_contained
+
 def touch(node):
     for key in node.attrs:
         node.attrs[key]
     if isinstance(node, h5py.Dataset):
         node.shape, node.dtype, node.chunks
-        if node.chunks is not None or node.id.get_offset() is None:
-            if node.size * node.dtype.itemsize <= (1 << 26):
-                node[()]
+        if node.id.get_offset() is None and node.size * node.dtype.itemsize <= (1 << 16):
+            node[()]  # compact: the data is in the object header
 
 with h5py.File(sys.argv[1], "r") as file:
+    try:
+        check_contained(file, sys.argv[1], sys.argv[3])  # links and storage first: nothing outside is ever opened
+    except BundleFormatError as err:
+        print(err, file=sys.stderr)
+        sys.exit(3)
     touch(file)
     file.visititems(lambda name, node: touch(node))
 """
 
 
-def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS) -> None:
-    """Refuse ``path`` if walking its HDF5 metadata hangs or crashes a child process."""
+def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle") -> None:
+    """Refuse ``path`` (a ``noun``) if it breaks the containment rule, or walking its HDF5 metadata hangs or
+    crashes a child process."""
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1)],
+            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun],
             capture_output=True,
             timeout=seconds,
             check=False,
@@ -64,6 +77,9 @@ def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS) -> None
             f"{path}: reading its HDF5 metadata did not finish within {seconds:.0f} s; the file is damaged or "
             "crafted, and is not opened"
         )
+    if done.returncode == _REFUSED:
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        raise BundleFormatError(lines[-1] if lines else f"{path}: refused by the metadata walk")
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name
         raise BundleFormatError(f"{path}: HDF5 crashed ({name}) reading its metadata; the file is damaged or crafted")

@@ -1,8 +1,10 @@
-"""Fuzzing the reader: 300 damaged or malicious bundles, each refused with one BundleError-family error.
+"""Fuzzing the reader: 324 damaged or malicious bundles, each refused with one BundleError-family error.
 
 Damage kinds: random bit flips anywhere, truncations, altered root attributes, altered index
 documents (wrong types, lying shapes, huge sizes, deep nesting, unknown nodes), datasets replaced
-by ones of another shape or dtype, and deleted datasets or groups. Every file is read in a worker
+by ones of another shape or dtype, deleted datasets or groups, and datasets replaced by hostile layouts
+(external storage or links to a secret file, virtual datasets, soft-link loops, fill-value and gzip bombs,
+unknown filters: ``tests/hostile.py``). Every file is read in a worker
 process as replay reads a bundle (open, validate, rebuild the inputs, read every tensor); a file
 that crashes the worker, takes longer than the time limit, or raises anything but a ParityError
 fails the test, named.
@@ -27,6 +29,7 @@ import numpy as np
 import pytest
 
 from parity_harness.capture.record.recorder import capture_run
+from tests.hostile import CRAFTS, replace_in_place
 from tests.models import build_tiny, tiny_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +141,17 @@ def alter_dtype_attribute(path: Path, rng: random.Random) -> None:
         file[name].attrs["dtype"] = rng.choice(["F16", "I64", "BOOL", "", "F8_E4M3", 3, b"F32"])
 
 
+def craft_storage(path: Path, rng: random.Random) -> None:
+    """A dataset replaced by one that reads another file (a secret next to the bundle), loops or fills from
+    nothing (``tests/hostile.py``)."""
+    with h5py.File(path, "r") as file:
+        name = rng.choice(_datasets(file))
+    secret = path.with_suffix(".secret")
+    secret.write_bytes(b"SECRET" * 1000)
+    craft, _ = rng.choice(list(CRAFTS.values()))
+    replace_in_place(path, name, craft, secret)
+
+
 MUTATIONS: list[tuple[Mutation, int]] = [
     (flip_bits, 100),
     (truncate, 40),
@@ -146,6 +160,7 @@ MUTATIONS: list[tuple[Mutation, int]] = [
     (replace_dataset, 20),
     (delete_something, 20),
     (alter_dtype_attribute, 20),
+    (craft_storage, 24),
 ]
 
 

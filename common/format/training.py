@@ -19,6 +19,7 @@ import numpy as np
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE, ATTR_FORMAT, ATTR_MINOR, ATTR_VERSION, escape_dotted
 from parity_harness.common.format.bundle.schema import Tree, iter_tensors, parse_tree
+from parity_harness.common.format.containment import check_contained
 from parity_harness.common.format.dtypes import TAGS, storage_dtype
 from parity_harness.common.format.gate import FormatGate, parse_format_version
 from parity_harness.common.format.packing import unpack
@@ -301,7 +302,8 @@ def read_version(attrs: h5py.AttributeManager, where: str) -> tuple[int, int]:
 
 
 def read_header(file: h5py.File, where: str) -> TrainingHeader:
-    """Check a training file before its data is read: version, ``/initial``, and every completed step.
+    """Check a training file before its data is read: version, that it reads nothing outside its own bytes
+    (``common.format.containment``), ``/initial``, and every completed step.
 
     Every step's ``meta`` is validated, and every tensor dataset must carry a known dtype tag, the
     storage dtype of that tag, and the shape its ``meta`` (batch) or ``/initial/params`` (weights,
@@ -311,6 +313,7 @@ def read_header(file: h5py.File, where: str) -> TrainingHeader:
         BundleFormatError: the first fault found, naming the file and the HDF5 path.
     """
     major, minor = read_version(file.attrs, where)
+    check_contained(file, where, "training file")
     initial = parse_initial_meta(_read_document(file, INITIAL_META, where), f"{where}:{INITIAL_META}")
     shapes = _check_initial_params(file, initial, where)
     steps: dict[int, StepMeta] = {}

@@ -35,6 +35,8 @@ from parity_harness.common.format.training import (
 )
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import rebuild
 
 __all__ = [
@@ -51,14 +53,20 @@ __all__ = [
 class TrainingRun:
     """A training file written by :class:`capture.TrainingRecorder`; only completed steps are visible.
 
-    Opening it checks the whole header (version, ``/initial``, every completed step's ``meta`` and
-    tensor datasets) before any data is read: a damaged file is one ``BundleFormatError``.
+    Opening it walks its metadata in a child process (``preflight`` seconds at most; None for a file this
+    process wrote), then checks the whole header (version, containment, ``/initial``, every completed
+    step's ``meta`` and tensor datasets) before any data is read: a damaged or crafted file is one
+    ``BundleFormatError``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, preflight: float | None = DEFAULT_PREFLIGHT_SECONDS) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             raise BundleNotFoundError(f"{self.path}: no such training file")
+        if not self.path.is_file():
+            raise BundleFormatError(f"{self.path}: not a regular file; pass a training file TrainingRecorder wrote")
+        if preflight is not None:  # a file from elsewhere: its metadata walked in a child first (replay.preflight)
+            walk_in_child(self.path, seconds=preflight, noun="training file")
         try:
             self._file = h5py.File(self.path, "r")
         except OSError as err:
@@ -439,5 +447,5 @@ def replay_training(
     with TrainingRun(bundle) as run, tempfile.TemporaryDirectory(prefix="parity-train-") as folder:
         port_path = Path(folder) / "port.h5"
         rerun_training(model, make_optimizer(model), train_step, run, port_path, resync=resync, rename=rename)
-        with TrainingRun(port_path) as port:
+        with TrainingRun(port_path, preflight=None) as port:
             return compare_training(run, port, atol=atol, rtol=rtol, params=params)
