@@ -68,7 +68,8 @@ class BundleReader:
     Args:
         path: the ``.h5`` bundle.
         verify: check each tensor's CRC-32 against the index the first time it is read (bundles
-            written since format 1.2 carry them); a mismatch names the record.
+            written since format 1.2 carry them; the RNG state's too, at open, where recorded); a mismatch
+            names the record, and a bundle without checksums is refused as unverified.
         preflight: first walk the file's HDF5 metadata in a child process for at most this many
             seconds, so that a crafted file that hangs or crashes HDF5 is refused instead
             (:mod:`parity_harness.replay.preflight`); None skips it (files this process or the user wrote).
@@ -91,6 +92,7 @@ class BundleReader:
                 self.format_version, self.format_minor = self._check_version()
                 check_contained(self._file, self.path, "bundle")
                 self.index = self._read_index()
+                self._require_checksums()
                 self._validate_tensors()
         except BaseException:
             self._file.close()
@@ -141,11 +143,41 @@ class BundleReader:
                 orphans.append(name)
 
         self._file.visititems(visit)
+        self._verify_auxiliary()
         if orphans:
             raise BundleFormatError(
                 f"{self.path}: {len(orphans)} dataset(s) not named by the index, e.g. /{orphans[0]}; "
                 "the bundle was altered after capture"
             )
+
+    def _require_checksums(self) -> None:
+        """A bundle holding tensors but no checksums cannot be verified: refused unless verification is off."""
+        stored = any(ref.path not in self.index.summaries for ref in self.index.tensor_refs())
+        if self._verify and stored and not self.index.checksums:
+            raise BundleFormatError(
+                f"{self.path}: unverified: the bundle has no checksums (captured with --no-checksums, or they were "
+                "removed), so altered or damaged bytes would go unnoticed; pass --no-verify to read it anyway, or "
+                "capture it again with checksums"
+            )
+
+    def _verify_auxiliary(self) -> None:
+        """The RNG state's checksum (bundles written since it is recorded; a few kilobytes, checked at once)."""
+        sums = self.index.checksums
+        for name in (path for path in sums if path.startswith(RNG + "/")):
+            node = self._file.get(name)
+            if not isinstance(node, h5py.Dataset):
+                raise BundleFormatError(f"{self.path}:{name}: has a checksum in the index but is missing")
+            array = np.asarray(node[()])
+            if self._verify and zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data) != sums[name]:
+                raise BundleFormatError(
+                    f"{self.path}:{name}: checksum mismatch: the stored RNG state changed after capture; copy the "
+                    "bundle again (or pass --no-verify to read it anyway)"
+                )
+
+    @property
+    def verified(self) -> bool:
+        """Whether tensors are checked against recorded checksums as they are read."""
+        return self._verify and bool(self.index.checksums)
 
     def _check_dataset(self, ref: TensorRef) -> None:
         node = self._file.get(ref.path)

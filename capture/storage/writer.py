@@ -301,8 +301,9 @@ class BundleWriter:
         return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
 
     def write_array(self, path: str, array: np.ndarray) -> None:
-        """Store a plain NumPy array (RNG states and other non-tensor data)."""
+        """Store a plain NumPy array (RNG states and other non-tensor data), with its CRC-32 like a tensor's."""
         self._file.create_dataset(path, data=array)
+        self._checksums[path] = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
     def write_provenance(self, provenance: dict[str, str]) -> None:
         """Store provenance as string attributes of ``/provenance``, readable with plain h5py."""

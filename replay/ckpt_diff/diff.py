@@ -55,8 +55,11 @@ LAYER_TYPES: Final[tuple[tuple[str, str], ...]] = (
 """Default layer-type patterns (first match wins; ``other`` otherwise), searched in the tensor name."""
 
 
-def load_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Mapping[str, torch.Tensor]:
-    """The named tensors of any supported checkpoint, an ``.npz`` or a parity bundle's parameters."""
+def load_tensors(
+    path: str | os.PathLike[str], *, trust_pickle: bool = False, verify: bool = True
+) -> Mapping[str, torch.Tensor]:
+    """The named tensors of any supported checkpoint, an ``.npz`` or a parity bundle's parameters (``verify``: check
+    a bundle's checksums, and refuse one without)."""
     file = Path(path)
     if file.suffix == ".npz" and file.is_file():
         with np.load(file, allow_pickle=False) as archive:
@@ -65,7 +68,7 @@ def load_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) ->
         with h5py.File(file, "r") as probe:
             is_bundle = probe.attrs.get("format") == FORMAT_NAME
         if is_bundle:
-            with BundleReader(file, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
+            with BundleReader(file, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
                 return {name: reader.read_tensor(ref) for name, ref in reader.index.params.items()}
     return lazy_tensors(file, trust_pickle=trust_pickle)
 
@@ -270,6 +273,7 @@ def diff_checkpoint_files(
     path_b: str | os.PathLike[str],
     *,
     trust_pickle: bool = False,
+    verify: bool = True,
     map_file: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> CheckpointDiff:
@@ -279,8 +283,8 @@ def diff_checkpoint_files(
         CheckpointError: a checkpoint cannot be read or holds no tensors.
         MapFileError: ``map_file`` is malformed.
     """
-    tensors_a = require_tensors(load_tensors(path_a, trust_pickle=trust_pickle), str(path_a))
-    tensors_b = require_tensors(load_tensors(path_b, trust_pickle=trust_pickle), str(path_b))
+    tensors_a = require_tensors(load_tensors(path_a, trust_pickle=trust_pickle, verify=verify), str(path_a))
+    tensors_b = require_tensors(load_tensors(path_b, trust_pickle=trust_pickle, verify=verify), str(path_b))
     rename = read_map(map_file) if map_file else None
     return diff_checkpoints(tensors_a, tensors_b, rename=rename, **options)
 

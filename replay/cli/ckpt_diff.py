@@ -67,6 +67,9 @@ def _layer_types(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 @click.option(
     "--trust-pickle", is_flag=True, help="Allow checkpoints that run code when unpickled (only files you trust)."
 )
+@click.option(
+    "--no-verify", is_flag=True, help="Read parity bundles without checking their checksums (or without any)."
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(
     checkpoint_a: str,
@@ -82,6 +85,7 @@ def main(
     show_unchanged: bool,
     layer_type_specs: tuple[str, ...],
     trust_pickle: bool,
+    no_verify: bool,
     debug: bool,
 ) -> None:
     """Compare two checkpoints tensor by tensor: statistics, distances and what changed where."""
@@ -90,6 +94,7 @@ def main(
             checkpoint_a,
             checkpoint_b,
             trust_pickle=trust_pickle,
+            verify=not no_verify,
             map_file=map_file,
             epsilon=epsilon,
             include=include,

@@ -395,6 +395,12 @@ class _ReplaySession:
         if self.wrapper_note:
             notes.append(self.wrapper_note)
         _note_selection(self.result, self.reader, options.layers)
+        if not self.reader.verified:
+            notes.append(
+                "WARNING: unverified bundle: "
+                + ("it has no checksums" if not self.index.checksums else "checksums not checked (--no-verify)")
+                + ", so bytes altered or damaged since capture would not be noticed"
+            )
         if options.data_parallel is None:
             notes += _rank_file_warning(self.reader)
         if options.rename is not None:

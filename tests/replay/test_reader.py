@@ -405,14 +405,15 @@ def flip_data_byte(bundle: Path, record: str) -> Path:
 
 
 def test_every_tensor_has_a_checksum_that_matches(tiny_bundle: Path) -> None:
-    """A fresh bundle records a CRC-32 per tensor dataset, each equal to the CRC-32 of its bytes."""
+    """A fresh bundle records a CRC-32 per tensor dataset and for the RNG state, each equal to the CRC-32 of its
+    bytes."""
     import zlib
 
     with BundleReader(tiny_bundle) as reader, h5py.File(tiny_bundle, "r") as file:
-        refs = [ref for ref in reader.index.tensor_refs()]
-        assert {ref.path for ref in refs} == set(reader.index.checksums)
-        for ref in refs:
-            assert reader.index.checksums[ref.path] == zlib.crc32(file[ref.path][()].tobytes()), ref.path
+        paths = [ref.path for ref in reader.index.tensor_refs()] + ["/rng/torch_cpu"]
+        assert set(paths) == set(reader.index.checksums)
+        for path in paths:
+            assert reader.index.checksums[path] == zlib.crc32(file[path][()].tobytes()), path
 
 
 def test_a_flipped_bit_in_tensor_data_is_caught_and_named(tiny_bundle: Path) -> None:
@@ -446,14 +447,38 @@ def test_replay_cli_reports_a_damaged_tensor_in_one_line(tiny_bundle: Path, tiny
     assert "parameters differ from the reference's weights (head.weight)" in result.output
 
 
-def test_a_bundle_without_checksums_reads_unverified(tmp_path: Path) -> None:
-    """capture-run --no-checksums: the index has none, and readers read without verifying."""
+def test_a_bundle_without_checksums_is_unverified(tmp_path: Path) -> None:
+    """capture-run --no-checksums (or checksums removed by hand): refused as unverified unless verification is off;
+    read with verify=False, damage goes unnoticed, and replay-compare --no-verify says the bundle is unverified."""
+    from click.testing import CliRunner
+
     from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.cli.replay_compare import main
+    from tests.cli_helpers import one_error_line
 
     out = tmp_path / "plain.h5"
     capture_run(build_tiny(), tiny_inputs(), out, checksums=False)
-    with BundleReader(out) as reader:
+    with pytest.raises(BundleFormatError, match="unverified: the bundle has no checksums"):
+        BundleReader(out)
+    with BundleReader(out, verify=False) as reader:
         assert reader.index.checksums == {}
+        assert not reader.verified
         flipped = flip_data_byte(out, "params/head.weight")
-    with BundleReader(flipped) as reader:
+    with BundleReader(flipped, verify=False) as reader:
         reader.read_array(reader.index.params["head.weight"])  # damage goes unnoticed without checksums
+    args = ["--bundle", str(out), "--model", "tests.models:build_tiny", "--quiet"]
+    assert "unverified" in one_error_line("replay-compare", CliRunner().invoke(main, args))
+    result = CliRunner().invoke(main, [*args[:-1], "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert "WARNING: unverified bundle: it has no checksums" in result.output
+
+
+def test_the_rng_state_is_checksummed(tiny_bundle: Path) -> None:
+    """The stored RNG state carries a checksum like every tensor; altered, the bundle is refused at open."""
+    with BundleReader(tiny_bundle) as reader:
+        assert any(path.startswith("/rng/") for path in reader.index.checksums)
+    with h5py.File(tiny_bundle, "r+") as file:
+        file["rng/torch_cpu"][0] ^= 1
+    with pytest.raises(BundleFormatError, match="rng/torch_cpu: checksum mismatch"):
+        BundleReader(tiny_bundle)
+    BundleReader(tiny_bundle, verify=False).close()
