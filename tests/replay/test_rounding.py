@@ -346,3 +346,34 @@ def test_a_failure_with_a_problem_is_not_passed_as_rounding(tmp_path: Path, leak
     assert grad.match is not leak
     if leak:
         assert "is nonzero" in (grad.diff.problem or "")
+
+
+class _Residual(torch.nn.Module):
+    """``residual + lin(x) + offset``: with one residual element of 3e4 (a massive activation), whose float32
+    rounding (~2e-3) dwarfs that of every other element (~1e-7)."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.offset = torch.nn.Linear(16, 16), offset
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self.lin(x) + self.offset
+
+
+@pytest.mark.parametrize("offset", [1e-4, 1e-3])
+def test_an_outlier_elements_rounding_excuses_no_bug_elsewhere(tmp_path: Path, offset: float) -> None:
+    """A constant offset on every element, ~1000x their rounding: fails, though it is within the rounding of the
+    one massive element (the level is measured on elements of the failing ones' size)."""
+    generator = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(4, 16, generator=generator), torch.randn(4, 16, generator=generator)
+    residual[0, 0] = 30000.123
+    bundle = tmp_path / "outlier.h5"
+    capture_run(_Residual(), (x, residual), bundle, seed=0)
+    assert _replay(_Residual(), bundle).verdict == "MATCH"
+    result = _replay(_Residual(offset), bundle)
+    assert result.verdict == "MISMATCH"
+    output = next(r for r in result.records if r.kind == "output")
+    assert output.rounding is not None
+    assert not output.rounding.passed
+    assert output.rounding.level < 1e-5
