@@ -6,6 +6,9 @@ An adapter is a Python file or importable module defining ``load_model(ckpt, dev
 for ``replay-compare --isolate``, ``isolation_inputs(module, args, kwargs)``.
 ``--model module:factory`` is the short form for a model whose factory takes no arguments and
 whose checkpoint is a plain state dict.
+
+Adapter code runs under :func:`~parity_harness.capture.models.guard.no_exit`: ``sys.exit`` at import or in a
+hook is an ``AdapterError`` naming the adapter and the hook, never a silent exit 0.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from parity_harness.capture.models.checkpoints import load_checkpoint
+from parity_harness.capture.models.guard import guarded, no_exit
 from parity_harness.capture.observe.driving import ForwardFn, LossFn
 from parity_harness.common.errors import AdapterError, CheckpointError, InputError
 
@@ -93,6 +97,8 @@ class Adapter:
             inputs = (
                 make(seed, batch_size, seq_len, lengths=lengths) if takes_lengths else make(seed, batch_size, seq_len)
             )
+        except AdapterError:
+            raise
         except Exception as err:
             raise AdapterError(f"adapter {self.name}: make_inputs failed: {type(err).__name__}: {err}") from err
         if not isinstance(inputs, (Mapping, tuple, list)):
@@ -142,8 +148,10 @@ def _import(spec: str) -> ModuleType:
         if spec.endswith(".py") or path.is_file():
             if not path.is_file():
                 raise AdapterError(f"adapter {spec}: no such file")
-            return _import_file(path)
-        return importlib.import_module(spec)
+            with no_exit(spec, "import"):
+                return _import_file(path)
+        with no_exit(spec, "import"):
+            return importlib.import_module(spec)
     except AdapterError:
         raise
     except Exception as err:
@@ -178,6 +186,7 @@ def load_adapter(spec: str) -> Adapter:
     for name, function in functions.items():
         if function is not None and not callable(function):
             raise AdapterError(f"adapter {spec}: {name} is a {type(function).__name__}, expected a function")
+        functions[name] = guarded(function, spec, name)
     if functions["load_model"] is None:
         raise AdapterError(
             f"adapter {spec}: defines no load_model(ckpt, device); see the adapter protocol in the README"
@@ -197,7 +206,7 @@ def model_factory_adapter(spec: str, *, trust_pickle: bool = False) -> Adapter:
     factory = getattr(_import(module_spec), attribute, None)
     if not callable(factory):
         raise AdapterError(f"--model {spec!r}: {module_spec} has no callable {attribute!r}")
-    return Adapter(spec, _FactoryLoader(factory, trust_pickle))
+    return Adapter(spec, _FactoryLoader(guarded(factory, spec, attribute), trust_pickle))  # type: ignore[arg-type]
 
 
 def _parameter_names(function: Callable[..., object]) -> set[str]:

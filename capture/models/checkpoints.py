@@ -3,12 +3,15 @@ archives and Hugging Face folders.
 
 Nothing here unpickles with code execution unless the caller passes ``trust_pickle=True``
 (``--trust-pickle``): state dicts go through ``torch.load(weights_only=True)``, safetensors are
-parsed by a validating reader of their own, and ``.nemo`` archives are extracted with the
-tarfile ``data`` filter after a member-by-member check.
+parsed by a validating reader of their own, and of a ``.nemo`` archive only the two members used
+(config and weights) are extracted, after a check of every member's name, kind and declared size, into a
+temporary folder removed on every path. A Hugging Face folder's shard indexes may name files inside the
+folder only.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -16,6 +19,7 @@ import struct
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from collections import ChainMap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,16 +29,34 @@ from typing import Any, Final, Literal
 import numpy as np
 import torch
 
-from parity_harness.common.errors import BundleFormatError, CheckpointError
+from parity_harness.common.errors import BundleFormatError, CheckpointError, InputError
+from parity_harness.common.format.bundle.selection import parse_byte_size
 from parity_harness.common.format.dtypes import TAGS, from_storage, storage_dtype
 
-__all__ = ["Checkpoint", "CheckpointKind", "LazySafetensors", "lazy_tensors", "load_checkpoint", "read_safetensors"]
+__all__ = [
+    "NEMO_LIMIT_VARIABLE",
+    "Checkpoint",
+    "CheckpointKind",
+    "LazySafetensors",
+    "check_hf_folder",
+    "lazy_tensors",
+    "load_checkpoint",
+    "nemo_limit",
+    "read_safetensors",
+]
 
 CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface", "pickled_module"]
 _STATE_DICT_KEYS: Final = ("state_dict", "model_state_dict", "model")
 _MAX_SAFETENSORS_HEADER: Final = 100 << 20
 _NEMO_CONFIG: Final = "model_config.yaml"
 _NEMO_WEIGHTS: Final = "model_weights.ckpt"
+NEMO_LIMIT_VARIABLE: Final = "PARITY_NEMO_MAX_BYTES"
+"""Environment variable overriding :func:`nemo_limit` (a byte count: 4096, 64MB, 20G)."""
+_NEMO_MIN_LIMIT: Final = 1 << 30
+_NEMO_EXPANSION: Final = 4
+_NEMO_MAX_CONFIG: Final = 16 << 20
+_NEMO_MAX_MEMBERS: Final = 10_000
+_COPY_CHUNK: Final = 1 << 20
 
 
 @dataclass
@@ -220,26 +242,101 @@ def _parse_yaml(text: str, path: Path) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
+def nemo_limit(archive_size: int) -> int:
+    """The most bytes a ``.nemo``'s members may declare in all: ``PARITY_NEMO_MAX_BYTES`` if set, else the
+    larger of 1 GiB and 4x the archive's size (NeMo writes uncompressed archives: members fill it 1x)."""
+    given = os.environ.get(NEMO_LIMIT_VARIABLE)
+    if given is None or not given.strip():
+        return max(_NEMO_MIN_LIMIT, _NEMO_EXPANSION * archive_size)
+    try:
+        return parse_byte_size(given)
+    except InputError as err:
+        raise CheckpointError(f"{NEMO_LIMIT_VARIABLE}={given!r}: {err}") from err
+
+
 def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
     try:
         return _extract_nemo(path, trust_pickle)
-    except tarfile.TarError as err:
-        raise CheckpointError(f"{path}: damaged .nemo archive ({err})") from err
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise CheckpointError(f"{path}: damaged .nemo archive ({type(err).__name__}: {err})") from err
 
 
 def _extract_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
+    """Extract the config and the weights (nothing else), size-checked, and load them."""
     with tarfile.open(path) as archive, tempfile.TemporaryDirectory(prefix="parity-nemo-") as folder:
-        members = archive.getmembers()
-        for member in members:
-            _check_member(member, path)
-        archive.extractall(folder, filter="data")
-        found = {PurePosixPath(m.name).name: Path(folder) / m.name for m in members if m.isfile()}
-        if _NEMO_WEIGHTS not in found:
+        used = _used_nemo_members(archive, path, nemo_limit(path.stat().st_size))
+        if _NEMO_WEIGHTS not in used:
             raise CheckpointError(f"{path}: no {_NEMO_WEIGHTS} inside; is this a .nemo archive?")
-        text = found[_NEMO_CONFIG].read_text(encoding="utf-8") if _NEMO_CONFIG in found else None
-        weights = _unwrap(_torch_load(found[_NEMO_WEIGHTS], trust_pickle), path)
+        text = None
+        if _NEMO_CONFIG in used:
+            text = _extract_member(archive, used[_NEMO_CONFIG], Path(folder) / _NEMO_CONFIG).read_text("utf-8")
+        weights_file = _extract_member(archive, used[_NEMO_WEIGHTS], Path(folder) / _NEMO_WEIGHTS)
+        weights = _unwrap(_torch_load(weights_file, trust_pickle), path)
     config = _parse_yaml(text, path) if text is not None else None
     return Checkpoint("nemo", path, weights, config, text)
+
+
+def _used_nemo_members(archive: tarfile.TarFile, path: Path, limit: int) -> dict[str, tarfile.TarInfo]:
+    """The config and weights members, by base name, after checking every member's name, kind and size.
+
+    Reads headers only; stops at the first member past the limits, before anything is written.
+    """
+    used: dict[str, list[tarfile.TarInfo]] = {_NEMO_CONFIG: [], _NEMO_WEIGHTS: []}
+    total = 0
+    for count, member in enumerate(archive, start=1):
+        _check_member(member, path)
+        total += member.size
+        if count > _NEMO_MAX_MEMBERS or total > limit:
+            raise CheckpointError(_too_big_message(path, count, total, limit))
+        base = PurePosixPath(member.name).name
+        if member.isfile() and base in used:
+            used[base].append(member)
+    chosen = {base: _single(path, base, members) for base, members in used.items() if members}
+    if _NEMO_CONFIG in chosen and chosen[_NEMO_CONFIG].size > _NEMO_MAX_CONFIG:
+        raise CheckpointError(
+            f"{path}: {_NEMO_CONFIG} declares {chosen[_NEMO_CONFIG].size} bytes, over the {_NEMO_MAX_CONFIG} "
+            "a model config may have; the archive is damaged or hostile"
+        )
+    return chosen
+
+
+def _too_big_message(path: Path, count: int, total: int, limit: int) -> str:
+    if count > _NEMO_MAX_MEMBERS:
+        return f"{path}: more than {_NEMO_MAX_MEMBERS} archive members; a .nemo holds a few files: refusing"
+    return (
+        f"{path}: archive members declare more than {limit} bytes ({total} so far, from a "
+        f"{path.stat().st_size}-byte archive); refusing to extract a possible tar bomb. If this archive is "
+        f"genuine, set {NEMO_LIMIT_VARIABLE} higher (e.g. {NEMO_LIMIT_VARIABLE}=64G)"
+    )
+
+
+def _depth(member: tarfile.TarInfo) -> int:
+    return len([part for part in PurePosixPath(member.name).parts if part != "."])
+
+
+def _single(path: Path, base: str, members: list[tarfile.TarInfo]) -> tarfile.TarInfo:
+    """The one member with this base name: the top-level one when there are several."""
+    candidates = members if len(members) == 1 else [m for m in members if _depth(m) == 1]
+    if len(candidates) == 1:
+        return candidates[0]
+    names = ", ".join(repr(m.name) for m in members[:4])
+    raise CheckpointError(
+        f"{path}: {len(members)} members named {base} ({names}); expected one (a model-parallel archive "
+        "is not supported: merge it into a single model_weights.ckpt)"
+    )
+
+
+def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> Path:
+    """Copy one member's bytes to ``target``, never more than its declared (and checked) size."""
+    source = archive.extractfile(member)
+    if source is None:  # not reached: only regular files are extracted
+        raise CheckpointError(f"archive member {member.name!r} has no data; expected a regular file")
+    remaining = member.size
+    with source, target.open("xb") as sink:
+        while remaining > 0 and (chunk := source.read(min(_COPY_CHUNK, remaining))):
+            sink.write(chunk)
+            remaining -= len(chunk)
+    return target
 
 
 # ------------------------------------------------------------------ Hugging Face folders
@@ -252,18 +349,41 @@ def _read_json(path: Path) -> object:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from err
 
 
+def _index_shards(index: Path, folder: Path) -> list[Path]:
+    """The shard files one index names, each checked to lie inside ``folder`` (by name: links are followed,
+    as in the Hugging Face cache, whose snapshot files link to its blobs)."""
+    document = _read_json(index)
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no weight_map object; the index is damaged")
+    shards: set[str] = set()
+    for tensor, shard in weight_map.items():
+        parts = PurePosixPath(shard).parts if isinstance(shard, str) else ()
+        if not parts or PurePosixPath(shard).is_absolute() or ".." in parts or "\\" in shard:
+            raise CheckpointError(
+                f"{index}: weight_map entry {str(tensor)!r:.80} names shard {shard!r:.120}, which points outside "
+                f"the folder {folder}; expected a file name inside it: fix the index (refusing to read it)"
+            )
+        shards.add(shard)
+    return [folder / shard for shard in sorted(shards)]
+
+
+def check_hf_folder(folder: str | os.PathLike[str]) -> None:
+    """Check that every shard index (``*.index.json``) of a Hugging Face folder names files inside it.
+
+    Raises:
+        CheckpointError: an index is damaged or names a shard outside the folder (``../x``, ``/x``).
+    """
+    root = Path(folder)
+    for index in sorted(root.glob("*.index.json")):
+        _index_shards(index, root)
+
+
 def _hf_weight_files(folder: Path) -> list[Path]:
+    check_hf_folder(folder)
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = folder / index_name
-        if index.is_file():
-            document = _read_json(index)
-            weight_map = document.get("weight_map") if isinstance(document, dict) else None
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: no weight_map object; the index is damaged")
-            shards = sorted({str(name) for name in weight_map.values()})
-            if any(PurePosixPath(s).is_absolute() or ".." in PurePosixPath(s).parts for s in shards):
-                raise CheckpointError(f"{index}: a shard path points outside the folder")
-            return [folder / shard for shard in shards]
+        if (folder / index_name).is_file():
+            return _index_shards(folder / index_name, folder)
     for single in ("model.safetensors", "pytorch_model.bin"):
         if (folder / single).is_file():
             return [folder / single]

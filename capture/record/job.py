@@ -8,6 +8,7 @@ from pathlib import Path
 
 from parity_harness.capture.distributed import RankContext, init_from_environment, leave_job, wrap_model
 from parity_harness.capture.models.adapters import Adapter, load_inputs_npz
+from parity_harness.capture.models.guard import no_exit
 from parity_harness.capture.observe.driving import to_device
 from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.capture.record.recorder import CaptureOptions, CaptureSummary, capture_run
@@ -96,7 +97,8 @@ def _capture_training(job: CaptureJob, model: object) -> int:
     if job.adapter.make_batches is None:
         raise AdapterError(f"adapter {job.adapter.name}: --steps needs make_batches(seed, steps, batch_size, seq_len)")
     assert job.steps is not None
-    batches = list(job.adapter.make_batches(job.options.seed, job.steps, job.batch_size, job.seq_len))
+    with no_exit(job.adapter.name, "make_batches"):  # a generator's body runs only now
+        batches = list(job.adapter.make_batches(job.options.seed, job.steps, job.batch_size, job.seq_len))
     record_training(
         model, make_optimizer(model), batches, train_step, job.out,  # type: ignore[arg-type]
         every=job.every, seed=job.options.seed, overwrite=job.options.overwrite,

@@ -1,6 +1,7 @@
 """``--adapter hf``: a Hugging Face model folder (``config.json`` + weights), built by transformers.
 
-Loads with ``local_files_only=True``: nothing is downloaded. Inputs follow the model's
+Loads with ``local_files_only=True``: nothing is downloaded, and a shard index naming a file outside
+the folder is refused before transformers reads it. Inputs follow the model's
 ``main_input_name``: token ids drawn from the config's vocabulary (``input_ids`` and an all-ones
 ``attention_mask``, ``seq_len`` capped at the model's maximum positions), standard-normal images
 (``pixel_values``, ``(batch, num_channels, image_size, image_size)``) or raw audio
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from parity_harness.capture.models.checkpoints import check_hf_folder
 from parity_harness.common.errors import AdapterError
 
 _state: dict[str, Any] = {}
@@ -36,6 +38,7 @@ def load_model(ckpt: str | None, device: str) -> torch.nn.Module:
     """Build the model class named in ``config.json`` (``architectures``) from the folder."""
     if ckpt is None or not Path(ckpt).is_dir():
         raise AdapterError(f"the hf adapter needs --ckpt pointing at a model folder with config.json, got {ckpt!r}")
+    check_hf_folder(ckpt)  # transformers would follow an index entry '../../x.safetensors' out of the folder
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(ckpt, local_files_only=True)
     architecture = (getattr(config, "architectures", None) or [None])[0]
