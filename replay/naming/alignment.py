@@ -31,7 +31,7 @@ import torch
 from parity_harness.capture.observe.driving import ForwardFn, call_forward, seed_everything, to_device
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors
-from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
 from parity_harness.common.format.dtypes import tag_of
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule, describe_slot_rule
 from parity_harness.replay.naming.weights import ParamPrint, WeightPairs, pair_by_weights
@@ -49,6 +49,7 @@ OTHER_BOUNDARIES: Final = "weights below, output differs"
 """Evidence of a container pair by weights whose output differs on the same inputs though every call inside it
 agrees: the two containers end at another step."""
 _CLOSE: Final = 1e-3
+_NOT_REAL: Final = ("BOOL", "C64", "C128")
 
 
 def fingerprint(values: np.ndarray) -> Fingerprint:
@@ -173,11 +174,28 @@ def _shapes_of_refs(tree: list[object], prefix: str) -> Shapes:
 
 
 def _recorded_fingerprints(reader: BundleReader, tree: list[object], prefix: str) -> tuple[Fingerprint, ...]:
-    """Fingerprints of a call's recorded values; none when one was recorded as statistics only."""
+    """Fingerprints of a call's recorded values (from their statistics where recorded as statistics only)."""
     refs = [ref for _, ref in iter_tensors(tree, prefix) if ref.tag not in ("BOOL", "C64", "C128")]
-    if any(reader.summary(ref) is not None for ref in refs):
-        return ()
-    return tuple(fingerprint(reader.read_float64(ref)) for ref in refs)
+    return tuple(_recorded_fingerprint(reader, ref) for ref in refs)
+
+
+def _recorded_fingerprint(reader: BundleReader, ref: TensorRef) -> Fingerprint:
+    summary = reader.summary(ref)
+    if summary is None:
+        return fingerprint(reader.read_float64(ref))
+    largest = max(abs(float(summary["min"])), abs(float(summary["max"])))
+    return math.sqrt(max(float(summary["sum_sq"]), 0.0)), float(summary["sum"]), largest
+
+
+def _recorded_print(reader: BundleReader, ref: TensorRef) -> ParamPrint | None:
+    """A parameter's print, from its values or its recorded statistics (None: NaN or Inf in them)."""
+    summary = reader.summary(ref)
+    if summary is None:
+        return ParamPrint.of(reader.read_float64(ref))
+    if summary["nan"] or summary["posinf"] or summary["neginf"]:
+        return None
+    fields = ("sum", "sum_sq", "sum_abs", "min", "max")
+    return ParamPrint(int(summary["numel"]), *(float(summary[key]) for key in fields))
 
 
 def _live_fingerprints(leaves: list[tuple[str, torch.Tensor]]) -> tuple[Fingerprint, ...]:
@@ -193,9 +211,9 @@ def bundle_signatures(reader: BundleReader) -> list[CallSignature]:
         input_values = _recorded_fingerprints(reader, call.inputs, "input")
         inputs, outputs = _shapes_of_refs(call.inputs, "input"), _shapes_of_refs(call.outputs, "output")
         arguments = tuple(
-            (slot, tuple(ref.shape), fingerprint(reader.read_float64(ref)))
+            (slot, tuple(ref.shape), _recorded_fingerprint(reader, ref))
             for slot, ref in iter_tensors(call.inputs, "input")
-            if slot.count(".") == 1 and ref.tag not in ("C64", "C128") and reader.summary(ref) is None
+            if slot.count(".") == 1 and ref.tag not in ("C64", "C128")
         )
         signatures.append(CallSignature(call.module, call.type, inputs, outputs, values, input_values, arguments))
     return signatures
@@ -325,11 +343,8 @@ def _choose(votes: Counter[tuple[str, str]], shared: set[str]) -> dict[str, str]
 def _weight_evidence(model: torch.nn.Module, reader: BundleReader) -> WeightPairs:
     """What the two sides' weights say (nothing when the bundle holds no parameter values)."""
     index = reader.index
-    bundle = {
-        name: ParamPrint.of(reader.read_float64(ref))
-        for name, ref in index.params.items()
-        if reader.summary(ref) is None and ref.tag not in ("BOOL", "C64", "C128")
-    }
+    recorded = {name: _recorded_print(reader, ref) for name, ref in index.params.items() if ref.tag not in _NOT_REAL}
+    bundle = {name: found for name, found in recorded.items() if found is not None}
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -391,6 +406,8 @@ class _Aligned:
     they are)."""
     out_of_order: list[tuple[int, int]]
     """Calls the weights pair that cross the order the other weight-paired calls keep."""
+    banded: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    """Pairs from a stretch too long to align whole (``_MAX_CELLS``): aligned within a band, so on order alone."""
 
 
 def _anchored_alignment(
@@ -407,19 +424,61 @@ def _anchored_alignment(
         if (anchor := constraints.anchors.get(p.module)) is not None and (key := (anchor, ordinal_p[j])) in where
     ]
     chain = _increasing(candidates)
+    cuts = _increasing([*chain, *_between(_value_anchors(bundle, port, constraints), chain)])
     pairs: list[tuple[int, int]] = []
     alone: set[tuple[int, int]] = set()
+    banded: set[tuple[int, int]] = set()
     last_i, last_j = -1, -1
-    for i, j in [*chain, (len(bundle), len(port))]:
+    for i, j in [*cuts, (len(bundle), len(port))]:
         stretch = _align(bundle[last_i + 1 : i], port[last_j + 1 : j], constraints.score)
         found = [(last_i + 1 + a, last_j + 1 + b) for a, b in stretch]
+        if (i - last_i - 1) * (j - last_j - 1) > _MAX_CELLS:
+            banded.update(found)
         if i - last_i == 2 and j - last_j == 2 and last_i >= 0 and i < len(bundle):
             alone.update(found)
         pairs += found
         if i < len(bundle):
             pairs.append((i, j))
         last_i, last_j = i, j
-    return _Aligned(pairs, alone, _crossing(candidates, chain))
+    return _Aligned(pairs, alone, _crossing(candidates, chain), banded)
+
+
+def _value_anchors(
+    bundle: Sequence[CallSignature], port: Sequence[CallSignature], constraints: _Constraints
+) -> list[tuple[int, int]]:
+    """Calls whose outputs equal each other's and no other call's on either side: pairs as sure as the weights'
+    (a correct stretch of a port, or one before a bug), which cut long stretches where no weights do. Bundle
+    calls are looked up by the norm of their first output."""
+    by_norm: dict[int, list[int]] = {}
+    for i, call in enumerate(bundle):
+        if call.values:
+            by_norm.setdefault(_norm_key(call.values[0][0]), []).append(i)
+    claims: Counter[int] = Counter()
+    found = []
+    for j, call in enumerate(port):
+        if not call.values:
+            continue
+        key = _norm_key(call.values[0][0])
+        close = [
+            i for k in (key - 1, key, key + 1) for i in by_norm.get(k, []) if _close(bundle[i].values, call.values)
+        ]
+        claims.update(close)
+        if len(close) == 1:
+            found.append((close[0], j))
+    return [(i, j) for i, j in found if claims[i] == 1 and constraints.score(bundle[i], port[j]) != _NO_MATCH]
+
+
+def _between(anchors: list[tuple[int, int]], chain: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The anchors lying strictly between two consecutive pairs of ``chain`` on both sides (none contradicts it)."""
+    chain_i = [i for i, _ in chain]
+    bounds = [(-1, -1), *chain, (1 << 62, 1 << 62)]
+    kept = []
+    for i, j in anchors:
+        gap = bisect.bisect_left(chain_i, i)
+        (low_i, low_j), (high_i, high_j) = bounds[gap], bounds[gap + 1]
+        if low_i < i < high_i and low_j < j < high_j:
+            kept.append((i, j))
+    return kept
 
 
 def _crossing(candidates: list[tuple[int, int]], chain: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -501,12 +560,15 @@ def align_modules(
     alignment = _anchored_alignment(bundle, port, constraints)
     aligned = alignment.pairs
     by_place: set[tuple[str, str]] = set()
+    by_band: set[tuple[str, str]] = set()
     for i, j in aligned:
         votes[(port[j].module, bundle[i].module)] += 1
         if _close(bundle[i].values, port[j].values):
             by_values.add((port[j].module, bundle[i].module))
         if (i, j) in alignment.alone:
             by_place.add((port[j].module, bundle[i].module))
+        if (i, j) in alignment.banded:
+            by_band.add((port[j].module, bundle[i].module))
     weak = _weak_weight_pairs(bundle, port, alignment, weights)
     parameterless = constraints.shared - _owners(reader.index.params)
     chosen = _choose(votes, parameterless)
@@ -522,7 +584,8 @@ def align_modules(
         pairs={module: chosen[module] for module in all_port if module in chosen},
         votes={module: votes[(module, chosen[module])] for module in chosen},
         evidence={
-            module: weak.get(module) or _evidence(module, chosen[module], weights, (by_values, by_place), kinds)
+            module: weak.get(module)
+            or _evidence(module, chosen[module], weights, (by_values, by_place, by_band), kinds)
             for module in chosen
         },
         unmatched=[module for module in all_port if module not in chosen],
@@ -542,9 +605,7 @@ def _weak_weight_pairs(
     values: swapped weights), and ``OTHER_BOUNDARIES`` (a container of the same weights whose output differs on
     the same inputs while every call inside it agrees: one side's container does a step the other leaves to
     its parent, or the port's own code in it differs)."""
-    weak = {
-        port[j].module: OUT_OF_ORDER for i, j in alignment.out_of_order if not _close(bundle[i].values, port[j].values)
-    }
+    weak = {port[j].module: OUT_OF_ORDER for j in _swapped_calls(bundle, port, alignment.out_of_order)}
     containers = {module for module, why in weights.evidence.items() if why == "weights below"}
     own_differs: set[str] = set()
     inside_differs: set[str] = set()
@@ -558,6 +619,27 @@ def _weak_weight_pairs(
         inside_differs.update(".".join(parts[:end]) for end in range(1, len(parts)))
     weak.update({module: OTHER_BOUNDARIES for module in own_differs - inside_differs if module not in weak})
     return weak
+
+
+def _swapped_calls(
+    bundle: Sequence[CallSignature], port: Sequence[CallSignature], out_of_order: list[tuple[int, int]]
+) -> list[int]:
+    """Port calls out of order with other values than their counterparts', except parallel branches taken in
+    another order (a sibling module out of order too, fed the same inputs: ``k`` computed before ``q``, whose
+    values a bug upstream changed)."""
+    by_parent: dict[str, list[int]] = {}
+    for _, j in out_of_order:
+        by_parent.setdefault(port[j].module.rpartition(".")[0], []).append(j)
+    swapped = []
+    for i, j in out_of_order:
+        if _close(bundle[i].values, port[j].values):
+            continue
+        siblings = by_parent[port[j].module.rpartition(".")[0]]
+        if not any(
+            port[k].module != port[j].module and _close(port[k].input_values, port[j].input_values) for k in siblings
+        ):
+            swapped.append(j)
+    return swapped
 
 
 def _renamed_parameters(weights: WeightPairs, chosen: dict[str, str]) -> dict[str, str]:
@@ -603,15 +685,18 @@ def _evidence(
     port: str,
     bundle: str,
     weights: WeightPairs,
-    found: tuple[set[tuple[str, str]], set[tuple[str, str]]],
+    found: tuple[set[tuple[str, str]], ...],
     kinds: tuple[dict[str, str], ...],
 ) -> str:
-    """The strongest evidence for a pair (``ProposedMap.evidence``)."""
-    by_values, by_place = found
+    """The strongest evidence for a pair (``ProposedMap.evidence``): a pair only aligned within a band (a long
+    stretch, nothing to cut it) is on shapes alone, whatever the class."""
+    by_values, by_place, by_band = found
     if port in weights.evidence:
         return weights.evidence[port]
     if (port, bundle) in by_values:
         return "values"
+    if (port, bundle) in by_band:
+        return "shapes"
     same_type = kinds[0].get(port, "").rsplit(".", 1)[-1] == kinds[1].get(bundle, "?").rsplit(".", 1)[-1]
     if (port, bundle) in by_place and same_type:  # another class in the same place: another computation
         return "place"

@@ -303,3 +303,84 @@ def test_a_long_stretch_is_aligned_within_a_band() -> None:
     pairs = alignment._align(bundle, port, same_module)
     assert [(bundle[i].module, port[j].module) for i, j in pairs] == [(c.module, c.module) for c in bundle]
     assert len(scored) <= alignment._MAX_CELLS + 2 * len(bundle)
+
+
+def test_parallel_branches_in_another_order_are_no_swap(tmp_path: Path) -> None:
+    """The port computes k before q (a legitimate reordering) and has a LayerNorm bug upstream, so their values
+    differ: siblings fed the same input, taken in another order, are not weights in the wrong module."""
+    from tests import independent_port
+
+    class KeyFirst(independent_port.Attention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            k, q, v = self.k(x), self.q(x), self.v(x)
+            q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+    bundle = tmp_path / "reference.h5"
+    capture_run(independent_port.build(), independent_port.token_ids(), bundle, seed=0)
+    port = independent_port.build()
+    port.blocks[1].norm1.eps = 0.1
+    for block in port.blocks:
+        block.attn.__class__ = KeyFirst
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(port, reader)
+    assert OUT_OF_ORDER not in proposal.evidence.values()
+    assert proposal.pairs["blocks.1.attn.k"] == "blocks.1.attn.k"
+
+
+def test_a_statistics_only_bundle_pairs_by_its_statistics(tmp_path: Path) -> None:
+    """capture-run --summary-only records sums, extremes and counts: the weights' prints and the calls'
+    fingerprints come from those, and the proposal is the hand map (no pair on shapes alone)."""
+    bundle = tmp_path / "summary.h5"
+    reference = build_reference()
+    capture_run(reference, token_ids(), bundle, seed=0, selection=Selection(summary_only=True))
+    port = port_from(reference)
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(port, reader)
+    _assert_pairs_as_hand_map(port, proposal)
+    assert proposal.evidence["layers.0.attention.wo"] == "weights"
+    assert proposal.uncertain == []
+
+
+class _Chain(torch.nn.Module):
+    """``layers`` x (Linear, Tanh); ``extra`` Identity calls in one place (before layer ``layers // 2``); ``other``
+    weights: values that match nothing of the reference."""
+
+    def __init__(self, layers: int, extra: int = 0, other: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(1 if other else 0)
+        self.lin = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+        self.act = torch.nn.ModuleList(torch.nn.Tanh() for _ in range(layers))
+        self.pre = torch.nn.ModuleList(torch.nn.Identity() for _ in range(extra))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for position, (lin, act) in enumerate(zip(self.lin, self.act, strict=True)):
+            if position == len(self.lin) // 2:
+                for identity in self.pre:
+                    x = identity(x)
+            x = act(lin(x))
+        return x
+
+
+@pytest.mark.parametrize("other", [False, True], ids=["same-weights", "other-weights"])
+def test_a_long_stretch_without_weights_is_cut_by_values_or_marked_uncertain(tmp_path: Path, other: bool) -> None:
+    """No parameter values recorded, 1000 reference calls against 1300 (300 extra in one place): calls whose values
+    match uniquely cut the stretch and every module pairs right; where no value matches (other weights), what
+    the band aligns on order alone is low confidence, never a silent wrong pair."""
+    bundle = tmp_path / "chain.h5"
+    kinds = ("inputs", "outputs", "grads", "param-grads")
+    capture_run(
+        _Chain(500),
+        (torch.randn(2, 8, generator=torch.Generator().manual_seed(1)),),
+        bundle,
+        selection=Selection(kinds=kinds),
+    )
+    with BundleReader(bundle) as reader:
+        proposal = align_modules(_Chain(500, extra=300, other=other), reader)
+    wrong = {p: b for p, b in proposal.pairs.items() if p != b}
+    if not other:
+        assert wrong == {}
+        assert len(proposal.pairs) == 1000
+    assert set(wrong) <= set(proposal.uncertain)
