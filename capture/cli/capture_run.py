@@ -188,6 +188,8 @@ def _report(outcome: CaptureOutcome, out: str, every: int, options: CaptureOptio
         click.echo(f"capture-run: selection: {options.selection.describe()}")
     if outcome.manifest is not None and outcome.context is not None:
         click.echo(f"capture-run: wrote {outcome.manifest} ({outcome.context.world_size} ranks)")
+    for stale in outcome.stale:
+        click.echo(f"capture-run: warning: {stale} was left by a capture that was killed; remove it: rm '{stale}'")
     if outcome.context is not None:  # gloo's threads can abort the interpreter's teardown: leave now, all written
         sys.stdout.flush()
         sys.stderr.flush()

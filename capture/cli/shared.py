@@ -34,8 +34,9 @@ __all__ = [
 
 
 def fail(program: str, message: str) -> NoReturn:
-    """Print one error line on stderr and exit with code 2."""
-    click.echo(f"{program}: error: {message}", err=True)
+    """Print one error line on stderr and exit with code 2 (a message spanning lines is joined into one)."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    click.echo(f"{program}: error: {line}", err=True)
     sys.exit(2)
 
 

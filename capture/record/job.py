@@ -14,6 +14,7 @@ from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.capture.record.recorder import CaptureOptions, CaptureSummary, capture_run
 from parity_harness.capture.record.training import record_training
 from parity_harness.common.errors import AdapterError, InputError
+from parity_harness.common.format.atomic import check_output, stale_temporaries
 from parity_harness.common.format.manifest import manifest_path
 
 __all__ = ["CaptureJob", "CaptureOutcome", "run_capture_job"]
@@ -50,6 +51,8 @@ class CaptureOutcome:
     context: RankContext | None = None
     manifest: Path | None = None
     """The multi-rank manifest (written by rank 0 of a distributed job)."""
+    stale: list[Path] = field(default_factory=list)
+    """Hidden temporaries of the output left by killed captures."""
 
 
 def run_capture_job(job: CaptureJob) -> CaptureOutcome:
@@ -61,6 +64,8 @@ def run_capture_job(job: CaptureJob) -> CaptureOutcome:
     context = init_from_environment(job.device)
     if job.wrap != "none" and context is None:
         raise InputError(f"--wrap {job.wrap} needs a distributed job: start capture-run with torchrun")
+    if context is None:  # before the model loads: a run must not end in a path it cannot write
+        check_output(job.out, what="--out", overwrite=job.options.overwrite)
     model = job.adapter.model(job.ckpt, job.device)
     if job.steps is not None:
         return CaptureOutcome(training_steps=_capture_training(job, model))
@@ -76,7 +81,7 @@ def run_capture_job(job: CaptureJob) -> CaptureOutcome:
     if context is not None:
         leave_job()
     written = manifest_path(job.out) if context is not None and context.rank == 0 else None
-    return CaptureOutcome(summary=summary, context=context, manifest=written)
+    return CaptureOutcome(summary=summary, context=context, manifest=written, stale=stale_temporaries(job.out))
 
 
 def _adapter_fields(job: CaptureJob) -> dict[str, object]:

@@ -319,9 +319,15 @@ class BundleWriter:
         self._stable.clear()
         self._close_descriptors()
         index = dataclasses.replace(index, checksums=self.checksums() if self._with_checksums else {})
-        self._file.create_dataset(INDEX, data=pack(index.to_dict()))
-        self._file.flush()
-        self._file.close()
+        try:
+            self._file.create_dataset(INDEX, data=pack(index.to_dict()))
+            self._file.flush()
+            self._file.close()
+        except (OSError, RuntimeError) as err:  # HDF5's own writes: a full disk, a vanished folder
+            reason = str(err).replace("\n", " ")
+            if "errno = 28" in reason or "No space left" in reason:
+                reason = "no space left on the device"
+            raise BundleError(f"{self.path}: writing the bundle failed: {reason[:300]}") from err
         self._move_into_place()
         return self.path
 
@@ -333,15 +339,20 @@ class BundleWriter:
             raise
 
     def abort(self) -> None:
-        """Close and delete the temporary file; the output path is left as it was."""
-        with contextlib.suppress(BundleError):  # already failing: the first error is the one to report
-            self._stream.close()
-        self._recent.clear()
-        self._stable.clear()
-        self._close_descriptors()
-        if self._file.id.valid:
-            self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        """Close and delete the temporary file, whatever closing it raises (a full disk); the output path is
+        left as it was."""
+        try:
+            with contextlib.suppress(Exception):  # already failing: the first error is the one to report
+                self._stream.close()
+            self._recent.clear()
+            self._stable.clear()
+            with contextlib.suppress(OSError):
+                self._close_descriptors()
+            if self._file.id.valid:
+                with contextlib.suppress(Exception):
+                    self._file.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
 
     def _close_descriptors(self) -> None:
         for fd in (self._fd, self._direct_fd):

@@ -4,12 +4,13 @@ complete, so that a reader (or a crash) never sees half of one. Every format and
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 
 from parity_harness.common.errors import BundleExistsError, InputError
 
-__all__ = ["commit", "sibling_temp", "write_text_atomically"]
+__all__ = ["check_output", "commit", "sibling_temp", "stale_temporaries", "write_text_atomically"]
 
 
 def sibling_temp(path: str | os.PathLike[str]) -> Path:
@@ -54,3 +55,49 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str,
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise InputError(f"{what}: cannot write the {noun}: {err}") from err
+
+
+def check_output(path: str | os.PathLike[str], *, what: str, overwrite: bool | None = None) -> None:
+    """Refuse, before any work is done, an output path that cannot be written: its folder missing or not writable,
+    a folder at the path, or (``overwrite`` False) a file already there. ``what`` names the option.
+
+    Raises:
+        InputError: the folder or the path is unusable.
+        BundleExistsError: a file is there and ``overwrite`` is False.
+    """
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise InputError(f"{what} {target}: the folder {folder} does not exist; create it first")
+    if target.is_dir():
+        raise InputError(f"{what} {target}: is a folder; give a file path")
+    if overwrite is False and target.exists():
+        raise BundleExistsError(f"{target}: file exists; pass --overwrite to replace it")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {target}: the folder {folder} is not writable")
+
+
+def stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Hidden temporaries of ``path`` (``sibling_temp``) whose process is gone: left by a killed run."""
+    target = Path(path)
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    stale = []
+    try:
+        candidates = list(target.parent.iterdir())
+    except OSError:
+        return []
+    for candidate in candidates:
+        match = pattern.fullmatch(candidate.name)
+        if match and not _alive(int(match.group(1))):
+            stale.append(candidate)
+    return sorted(stale)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

@@ -8,6 +8,7 @@ import sys
 import click
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, write_report
+from parity_harness.common.format.atomic import check_output
 from parity_harness.replay.ckpt_diff.diff import LAYER_TYPES, diff_checkpoint_files
 from parity_harness.replay.report.ckpt_diff import FORMATS, SORT_KEYS, render
 
@@ -90,6 +91,8 @@ def main(
 ) -> None:
     """Compare two checkpoints tensor by tensor: statistics, distances and what changed where."""
     with handle_errors("ckpt-diff", debug):
+        if out:  # before reading the checkpoints: a run must not end in a path it cannot write
+            check_output(out, what="--out")
         diff = diff_checkpoint_files(
             checkpoint_a,
             checkpoint_b,

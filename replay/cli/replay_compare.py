@@ -28,6 +28,7 @@ from parity_harness.capture.cli.shared import (
 )
 from parity_harness.capture.distributed import leave_job
 from parity_harness.capture.models.adapters import Adapter
+from parity_harness.common.format.atomic import check_output
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import (
     DEFAULT_ATOL,
@@ -252,6 +253,10 @@ def main(
 ) -> None:
     """Replay a port on a bundle's recorded inputs and compare with the reference, record by record."""
     with handle_errors("replay-compare", debug):
+        outputs = {"--json": json_path, "--report": report_path, "--plot": plot_path, "--save-map": save_map}
+        for option, path in outputs.items():
+            if path:  # before anything runs: a run must not end in a path it cannot write
+                check_output(path, what=option)
         if training or resync:
             driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
             sys.exit(
