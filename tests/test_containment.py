@@ -112,3 +112,27 @@ def test_a_fifo_given_as_the_bundle_is_refused(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(BundleFormatError, match="not a regular file"):
         BundleReader(fifo)
+
+
+def test_an_npz_that_decompresses_beyond_its_size_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ckpt-diff on an .npz: an array header declaring more than its member holds, or members decompressing past
+    the limit (a zip bomb), is refused from the headers, before any array is decompressed."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    lying = tmp_path / "lying.npz"
+    with zipfile.ZipFile(lying, "w") as archive:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (1 << 30,)})
+        archive.writestr("w.npy", header.getvalue() + b"\0" * 64)
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(lying), str(lying)]))
+    assert "w: declares 4294967296 bytes of array" in line
+    bomb = tmp_path / "bomb.npz"
+    np.savez_compressed(bomb, w=np.zeros(1 << 22, np.float32))  # 16 MiB of zeros in a few KiB
+    monkeypatch.setenv("PARITY_NEMO_MAX_BYTES", "1M")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(bomb), str(bomb)]))
+    assert "refused as a zip bomb" in line
+    monkeypatch.delenv("PARITY_NEMO_MAX_BYTES")
+    assert CliRunner().invoke(ckpt_diff_main, [str(bomb), str(bomb)]).exit_code == 0

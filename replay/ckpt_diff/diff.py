@@ -23,6 +23,7 @@ from parity_harness.capture.models.checkpoints import lazy_tensors
 from parity_harness.common.errors import CheckpointError
 from parity_harness.common.format.bundle.version import FORMAT_NAME
 from parity_harness.common.format.dtypes import tag_of
+from parity_harness.replay.ckpt_diff.sources import BundleParameters, NpzArrays
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.reader import BundleReader
@@ -58,18 +59,16 @@ LAYER_TYPES: Final[tuple[tuple[str, str], ...]] = (
 def load_tensors(
     path: str | os.PathLike[str], *, trust_pickle: bool = False, verify: bool = True
 ) -> Mapping[str, torch.Tensor]:
-    """The named tensors of any supported checkpoint, an ``.npz`` or a parity bundle's parameters (``verify``: check
-    a bundle's checksums, and refuse one without)."""
+    """The named tensors of any supported checkpoint, an ``.npz`` or a parity bundle's parameters, each read when
+    asked for where the format allows (``verify``: check a bundle's checksums, and refuse one without)."""
     file = Path(path)
     if file.suffix == ".npz" and file.is_file():
-        with np.load(file, allow_pickle=False) as archive:
-            return {name: torch.from_numpy(np.array(archive[name])) for name in archive.files}
+        return NpzArrays(file)
     if file.is_file() and h5py.is_hdf5(file):
         with h5py.File(file, "r") as probe:
             is_bundle = probe.attrs.get("format") == FORMAT_NAME
         if is_bundle:
-            with BundleReader(file, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
-                return {name: reader.read_tensor(ref) for name, ref in reader.index.params.items()}
+            return BundleParameters(BundleReader(file, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
     return lazy_tensors(file, trust_pickle=trust_pickle)
 
 
