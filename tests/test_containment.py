@@ -136,3 +136,19 @@ def test_an_npz_that_decompresses_beyond_its_size_is_refused(tmp_path: Path, mon
     assert "refused as a zip bomb" in line
     monkeypatch.delenv("PARITY_NEMO_MAX_BYTES")
     assert CliRunner().invoke(ckpt_diff_main, [str(bomb), str(bomb)]).exit_code == 0
+
+
+def test_a_fifo_given_as_a_manifest_or_training_file_is_refused(tmp_path: Path) -> None:
+    """The other formats' readers refuse a FIFO unopened too (opening one for reading would block)."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("needs FIFOs")
+    from parity_harness.common.format.manifest import read_manifest
+    from parity_harness.replay.training.compare import TrainingRun
+
+    manifest, training = tmp_path / "run.manifest.json", tmp_path / "run.h5"
+    os.mkfifo(manifest)
+    os.mkfifo(training)
+    with pytest.raises(BundleFormatError, match="not a regular file"):
+        read_manifest(manifest)
+    with pytest.raises(BundleFormatError, match="not a regular file"):
+        TrainingRun(training)

@@ -57,7 +57,15 @@ def handle_errors(program: str, debug: bool) -> Iterator[None]:
         if isinstance(err, ParityError):
             fail(program, str(err))
         # The user's model or adapter raised: say what, and where to look.
-        fail(program, f"{type(err).__name__}: {err} (rerun with --debug for the traceback)")
+        fail(program, f"{describe_error(err)} (rerun with --debug for the traceback)")
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message``, readable also where the message is empty, repeats the type or is a bare key."""
+    name, text = type(err).__name__, str(err).strip()
+    if isinstance(err, KeyError) and err.args:
+        text = f"no entry {err.args[0]!r}"
+    return name if not text or text == name else f"{name}: {text}"
 
 
 class OneLineErrors(click.Command):

@@ -139,6 +139,8 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def _load_json(path: Path) -> object:
+    if path.exists() and not path.is_file():  # a FIFO would block the read, a device never end it
+        raise BundleFormatError(f"{path}: not a regular file; pass the manifest capture-run wrote")
     try:
         size = path.stat().st_size
         if size > MAX_MANIFEST_BYTES:

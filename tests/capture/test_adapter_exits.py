@@ -218,12 +218,19 @@ def test_outside_the_main_thread_an_interrupt_is_the_users() -> None:
     assert [type(err) for err in caught] == [KeyboardInterrupt]
 
 
-def test_ctrl_c_during_capture_exits_130(tmp_path: Path) -> None:
-    """A real SIGINT while the adapter's forward runs: exit 130, 'interrupted', no traceback, no bundle."""
+@pytest.mark.parametrize("program", ["capture-run", "replay-compare"])
+def test_ctrl_c_during_a_run_exits_130(tmp_path: Path, bundle: Path, program: str) -> None:
+    """A real SIGINT while the adapter's forward runs: exit 130, 'interrupted', no traceback, nothing written."""
     adapter = write_adapter(tmp_path, "forward", "sleep")
-    code = "from parity_harness.capture.cli.capture_run import main; main()"
+    module = {"capture-run": "capture.cli.capture_run", "replay-compare": "replay.cli.replay_compare"}[program]
+    code = f"from parity_harness.{module} import main; main()"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-c", code, "--adapter", str(adapter), "--out", str(tmp_path / "o.h5")]
+    output = (
+        ["--out", str(tmp_path / "o.h5")]
+        if program == "capture-run"
+        else ["--bundle", str(bundle), "--json", str(tmp_path / "o.json")]
+    )
+    command = [sys.executable, "-c", code, "--adapter", str(adapter), *output]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     started = adapter.with_suffix(".started")
     deadline = time.monotonic() + 120
@@ -233,6 +240,6 @@ def test_ctrl_c_during_capture_exits_130(tmp_path: Path) -> None:
     process.send_signal(signal.SIGINT)
     _stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
-    assert stderr.strip().splitlines()[-1] == "capture-run: interrupted"
+    assert stderr.strip().splitlines()[-1] == f"{program}: interrupted"
     assert "Traceback" not in stderr
-    assert contents(tmp_path) == [started.name]
+    assert contents(tmp_path) == [started.name, "reference"]  # the bundle fixture's folder

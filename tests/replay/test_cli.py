@@ -330,12 +330,13 @@ def test_list_ignores_comparison_only_options(tiny_bundle: Path, tmp_path: Path)
 
 
 def test_an_unwritable_report_is_one_line_naming_the_option(tiny_bundle: Path, tmp_path: Path) -> None:
-    """A --json path in a missing folder (after the table) is one error line naming the option and the report."""
+    """A --json path in a missing folder is one error line naming the option, before anything runs (no table)."""
     target = tmp_path / "missing" / "r.json"
     result = replay("--bundle", tiny_bundle, "--model", TINY, "--json", target)
     assert result.exit_code == 2, result.output
+    assert result.stdout == ""
     assert result.stderr.splitlines() == [result.stderr.strip()]
-    assert result.stderr.startswith(f"replay-compare: error: --json {target}: cannot write the report")
+    assert result.stderr.startswith(f"replay-compare: error: --json {target}: the folder {target.parent} does not")
 
 
 def test_list_of_a_damaged_bundle_exits_2(tmp_path: Path) -> None:
