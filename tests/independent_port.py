@@ -63,7 +63,7 @@ class Attention(nn.Module):
         if self.manual:
             head = d // self.heads
             scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * (1 / head if self.bug == "scale" else head**-0.5)
-            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), -math.inf)
             y = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
