@@ -262,8 +262,9 @@ class ComparisonResult:
 
     @property
     def complete(self) -> bool:
-        """Every recorded tensor (within the capture's selection) was compared or explicitly waived."""
-        return not self.bundle_only
+        """Every recorded tensor (within the capture's selection) was compared or explicitly waived, and at least
+        one was compared (a bundle with nothing this port produced proves nothing)."""
+        return not self.bundle_only and bool(self.records)
 
     @property
     def match(self) -> bool:

@@ -113,3 +113,41 @@ def test_temporaries_of_killed_captures_are_reported(tmp_path: Path, factory: tu
     assert result.exit_code == 0, result.output
     assert f"warning: {dead} was left by a capture that was killed; remove it: rm '{dead}'" in result.output
     assert str(live) not in result.output
+
+
+def test_a_report_path_that_is_a_link_or_a_fifo_is_written_through(tmp_path: Path, tiny_bundle: Path) -> None:
+    """--out through a symbolic link writes the link's target and keeps the link; --out /dev/stdout-like special
+    files are written into, never replaced by a regular file; a bundle --out that is a link is refused."""
+    target = tmp_path / "real.txt"
+    target.write_text("old")
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    result = CliRunner().invoke(ckpt_diff_main, [str(tiny_bundle), str(tiny_bundle), "--out", str(link)])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink()
+    assert "EQUAL" in target.read_text() or "equal" in target.read_text()
+    null = CliRunner().invoke(ckpt_diff_main, [str(tiny_bundle), str(tiny_bundle), "--out", os.devnull])
+    assert null.exit_code == 0, null.output
+    assert Path(os.devnull).is_char_device()
+    bundle_link = tmp_path / "bundle.h5"
+    bundle_link.symlink_to(tmp_path / "elsewhere.h5")
+    line = one_error_line(
+        "capture-run", CliRunner().invoke(capture_main, _capture("tests.models:build_tiny", bundle_link))
+    )
+    assert "not a regular file" in line
+
+
+def test_capture_inputs_npz_gets_the_npz_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """capture-run --inputs: a FIFO is refused unopened and a zip bomb from its headers, one line each."""
+    import numpy as np
+
+    fifo = tmp_path / "inputs.npz"
+    os.mkfifo(fifo)
+    args = ["--model", "tests.models:build_tiny", "--out", str(tmp_path / "o.h5"), "--inputs", str(fifo)]
+    assert "not a regular file" in one_error_line("capture-run", CliRunner().invoke(capture_main, args))
+    bomb = tmp_path / "bomb.npz"
+    np.savez_compressed(bomb, x=np.zeros(1 << 22, np.float32))
+    monkeypatch.setenv("PARITY_NEMO_MAX_BYTES", "1M")
+    args[-1] = str(bomb)
+    assert "refused as a zip bomb" in one_error_line("capture-run", CliRunner().invoke(capture_main, args))
+    assert not (tmp_path / "o.h5").exists()

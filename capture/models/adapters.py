@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from parity_harness.capture.models.checkpoints import load_checkpoint
+from parity_harness.capture.models.checkpoints import check_npz_sizes, load_checkpoint
 from parity_harness.capture.models.guard import guarded, no_exit
 from parity_harness.capture.observe.driving import ForwardFn, LossFn
 from parity_harness.common.errors import AdapterError, CheckpointError, InputError
@@ -274,8 +275,13 @@ class _Preloaded:
 def load_inputs_npz(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Read ``--inputs FILE.npz`` (no pickled objects allowed) as keyword-argument tensors."""
     file = Path(path)
+    if not file.is_file():  # a FIFO would block, a device never end
+        raise InputError(f"{file}: not a regular file; expected an .npz of arrays (numpy.savez)")
     try:
         with np.load(file, allow_pickle=False) as archive:
+            check_npz_sizes(archive, file)
             return {name: torch.from_numpy(np.array(archive[name])) for name in archive.files}
-    except (OSError, ValueError) as err:
+    except CheckpointError as err:
+        raise InputError(f"--inputs {err}") from err
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
         raise InputError(f"{file}: cannot read inputs: {err}; expected an .npz of arrays (numpy.savez)") from err

@@ -15,6 +15,7 @@ import gzip
 import json
 import math
 import os
+import re
 import struct
 import tarfile
 import tempfile
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointKind",
     "LazySafetensors",
     "check_hf_folder",
+    "check_npz_sizes",
     "lazy_tensors",
     "load_checkpoint",
     "nemo_limit",
@@ -89,21 +91,44 @@ def _unwrap(loaded: object, path: Path) -> dict[str, torch.Tensor]:
 
 
 def _torch_load(path: Path, trust_pickle: bool) -> object:
+    _check_zip_members(path)
     if trust_pickle:  # the user vouched for this file with --trust-pickle
         return torch.load(path, map_location="cpu", weights_only=False)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "weights_only" not in str(err).lower() and "weights only" not in str(err).lower():
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        refusal = [line for line in lines if "GLOBAL" in line]  # "Unsupported operand": bytes that are no pickle
+        if refusal:  # the restricted unpickler met something that would run code
             raise CheckpointError(
-                f"{path}: not a checkpoint this tool can read ({type(err).__name__}: {first_line}); expected a state "
-                "dict, safetensors, TorchScript, a .nemo archive or a Hugging Face folder"
+                f"{path}: cannot be loaded without running code from it (weights_only=True refused it: "
+                f"{refusal[0][:200]}); save a plain state dict or safetensors, or pass --trust-pickle if you trust "
+                "this file"
             ) from err
+        said = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(err))  # torch's reason, past its boilerplate
+        reason = said.group(1) if said else (lines[-1] if lines else "")
+        detail = f"{type(err).__name__}: {reason[:200]}" if reason else type(err).__name__
         raise CheckpointError(
-            f"{path}: cannot be loaded without running code from it (weights_only=True refused it: {first_line}); "
-            "save a plain state dict or safetensors, or pass --trust-pickle if you trust this file"
+            f"{path}: not a checkpoint this tool can read (damaged, truncated or another format; {detail}); expected "
+            "a state dict, safetensors, TorchScript, a .nemo archive or a Hugging Face folder"
         ) from err
+
+
+def _check_zip_members(path: Path) -> None:
+    """A zip ``torch.save`` file stores its members uncompressed: a compressed one is crafted (it could decompress
+    to far more than the file), and is refused before torch reads it."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CheckpointError(f"{path}: damaged zip checkpoint ({type(err).__name__}: {err})") from err
+    if packed:
+        raise CheckpointError(
+            f"{path}: member {packed[0]!r} is compressed; torch.save stores every member as is, so this file was "
+            "crafted or repacked (it could decompress without bound); save it again with torch.save"
+        )
 
 
 # ------------------------------------------------------------------ safetensors
@@ -115,8 +140,8 @@ def _parse_safetensors_header(
     """Validate a whole safetensors header before any tensor is read."""
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: safetensors header is not JSON ({err})") from err
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{path}: safetensors header is not JSON ({type(err).__name__}: {err})") from err
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
@@ -254,6 +279,37 @@ def nemo_limit(archive_size: int) -> int:
         raise CheckpointError(f"{NEMO_LIMIT_VARIABLE}={given!r}: {err}") from err
 
 
+def check_npz_sizes(archive: Any, path: Path) -> None:
+    """An open ``np.load`` archive's members, from their headers: each array no larger than its member declares,
+    all together within :func:`nemo_limit` of the file (a zip bomb is refused before anything decompresses).
+
+    Raises:
+        CheckpointError: a member is no array, lies about its size, or the whole decompresses past the limit.
+    """
+    limit, total = nemo_limit(path.stat().st_size), 0
+    members = set(archive.zip.namelist())
+    for name in archive.files:
+        if f"{name}.npy" not in members:
+            raise CheckpointError(f"{path}:{name}: not an array (.npy) member")
+        info = archive.zip.getinfo(f"{name}.npy")
+        with archive.zip.open(info) as member:  # the header only (numpy bounds its size)
+            version = np.lib.format.read_magic(member)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(member)
+        declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if declared > info.file_size:
+            raise CheckpointError(
+                f"{path}:{name}: declares {declared} bytes of array in a {info.file_size}-byte member; the file is "
+                "damaged or crafted"
+            )
+        total += info.file_size
+        if total > limit:
+            raise CheckpointError(
+                f"{path}: its arrays decompress to more than {limit} bytes (from a {path.stat().st_size}-byte file); "
+                f"refused as a zip bomb (set {NEMO_LIMIT_VARIABLE} to allow more)"
+            )
+
+
 def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
     try:
         return _extract_nemo(path, trust_pickle)
@@ -342,11 +398,23 @@ def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, target: P
 # ------------------------------------------------------------------ Hugging Face folders
 
 
+_MAX_JSON_BYTES: Final = 64 << 20
+"""A config or shard index larger than this is no Hugging Face file."""
+
+
 def _read_json(path: Path) -> object:
+    """A small JSON file of a checkpoint folder: a regular file (a FIFO would block, ``/dev/zero`` never end) of at
+    most ``_MAX_JSON_BYTES``."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file; a checkpoint folder's JSON files are plain files")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
+        with path.open("rb") as handle:
+            raw = handle.read(_MAX_JSON_BYTES + 1)
+        if len(raw) > _MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: larger than {_MAX_JSON_BYTES >> 20} MiB; not a config or index file")
+        return json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from err
 
 
 def _index_shards(index: Path, folder: Path) -> list[Path]:

@@ -43,15 +43,26 @@ def commit(tmp: Path, target: Path, *, overwrite: bool) -> None:
 
 
 def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str, noun: str = "file") -> None:
-    """Write ``text`` to ``path`` (replacing it) all at once.
+    """Write ``text`` to ``path`` (replacing it) all at once; through a symbolic link to its target, and straight
+    into a FIFO or device (``/dev/stdout``), which are never replaced.
 
     Raises:
         InputError: the file cannot be written; the message starts with ``what``.
     """
-    tmp = sibling_temp(path)
+    target = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # a link stays, its target is written
+    if target.exists() and not target.is_file():  # /dev/stdout, a FIFO, a terminal: written through, never replaced
+        if target.is_dir():
+            raise InputError(f"{what}: is a folder; give a file path")
+        try:
+            with target.open("w", encoding="utf-8") as handle:
+                handle.write(text)
+        except OSError as err:
+            raise InputError(f"{what}: cannot write the {noun}: {err}") from err
+        return
+    tmp = sibling_temp(target)
     try:
         tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise InputError(f"{what}: cannot write the {noun}: {err}") from err
@@ -59,7 +70,8 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str,
 
 def check_output(path: str | os.PathLike[str], *, what: str, overwrite: bool | None = None) -> None:
     """Refuse, before any work is done, an output path that cannot be written: its folder missing or not writable,
-    a folder at the path, or (``overwrite`` False) a file already there. ``what`` names the option.
+    a folder at the path, or, for a bundle (``overwrite`` given), anything but a regular file and (``overwrite``
+    False) a file already there. ``what`` names the option.
 
     Raises:
         InputError: the folder or the path is unusable.
@@ -71,6 +83,8 @@ def check_output(path: str | os.PathLike[str], *, what: str, overwrite: bool | N
         raise InputError(f"{what} {target}: the folder {folder} does not exist; create it first")
     if target.is_dir():
         raise InputError(f"{what} {target}: is a folder; give a file path")
+    if overwrite is not None and (target.is_symlink() or (target.exists() and not target.is_file())):
+        raise InputError(f"{what} {target}: not a regular file (a link, FIFO or device); give the bundle's own path")
     if overwrite is False and target.exists():
         raise BundleExistsError(f"{target}: file exists; pass --overwrite to replace it")
     if not os.access(folder, os.W_OK | os.X_OK):

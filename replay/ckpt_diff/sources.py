@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parity_harness.capture.models.checkpoints import nemo_limit
+from parity_harness.capture.models.checkpoints import check_npz_sizes
 from parity_harness.common.errors import CheckpointError
 from parity_harness.replay.reader import BundleReader
 
@@ -49,35 +49,9 @@ class NpzArrays(Mapping[str, torch.Tensor]):
         self.path = Path(path)
         try:
             self._archive = np.load(self.path, allow_pickle=False)
-            self._check_sizes()
+            check_npz_sizes(self._archive, self.path)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise CheckpointError(f"{self.path}: not a readable .npz ({type(err).__name__}: {err})") from err
-
-    def _check_sizes(self) -> None:
-        limit, total = nemo_limit(self.path.stat().st_size), 0
-        members = set(self._archive.zip.namelist())
-        for name in self._archive.files:
-            if f"{name}.npy" not in members:
-                raise CheckpointError(f"{self.path}:{name}: not an array (.npy) member")
-            info = self._archive.zip.getinfo(f"{name}.npy")
-            with self._archive.zip.open(info) as member:  # the header only (numpy bounds its size)
-                version = np.lib.format.read_magic(member)
-                read_header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read_header(member)
-            declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
-            if declared > info.file_size:
-                raise CheckpointError(
-                    f"{self.path}:{name}: declares {declared} bytes of array in a {info.file_size}-byte member; the "
-                    "file is damaged or crafted"
-                )
-            total += info.file_size
-            if total > limit:
-                raise CheckpointError(
-                    f"{self.path}: its arrays decompress to more than {limit} bytes (from a {self.path.stat().st_size}"
-                    f"-byte file); refused as a zip bomb (set PARITY_NEMO_MAX_BYTES to allow more)"
-                )
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return torch.from_numpy(np.array(self._archive[name]))

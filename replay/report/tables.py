@@ -249,7 +249,9 @@ def result_line(result: ComparisonResult) -> str:
         line += (
             f"\nalignment uncertain: {len(result.alignment_uncertain)} module(s) paired on weak evidence (see above)"
         )
-    if verdict == "INCOMPLETE":
+    if verdict == "INCOMPLETE" and not result.records:
+        line += "\nnothing was compared: the bundle holds no record of what this port produced (check the bundle)"
+    elif verdict == "INCOMPLETE":
         line += (
             f"\n{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
             "or waive them with --waive GLOB (or --layers/--skip-layers)"
@@ -285,7 +287,14 @@ def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:
 
 
 def _ref_rows(pairs: Iterable[tuple[str, TensorRef]]) -> list[list[str]]:
-    return [[name, "x".join(map(str, ref.shape)) or "scalar", ref.tag] for name, ref in pairs]
+    return [[printable(name), "x".join(map(str, ref.shape)) or "scalar", printable(ref.tag)] for name, ref in pairs]
+
+
+def printable(value: object) -> str:
+    """Text from a bundle, shown as is but for control characters (escaped): a crafted name or provenance string
+    cannot start a line of its own (a forged ``RESULT: MATCH``) or drive the terminal."""
+    text = str(value)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _backward_seed(cotangent: list[object] | None, loss: list[object] | None) -> Iterable[tuple[str, TensorRef]]:
@@ -299,8 +308,9 @@ def render_listing(reader: BundleReader) -> str:
     index = reader.index
     run = index.run.to_dict()
     lines = [f"bundle: {reader.path} (format {reader.format_version}.{reader.format_minor})"]
-    lines += [f"  {key}: {value}" for key, value in run.items() if value not in (None, {}, "")]
-    lines += ["== Provenance ==", tabulate(sorted(reader.provenance().items()), tablefmt="plain")]
+    lines += [f"  {printable(key)}: {printable(value)}" for key, value in run.items() if value not in (None, {}, "")]
+    provenance = sorted((printable(key), printable(value)) for key, value in reader.provenance().items())
+    lines += ["== Provenance ==", tabulate(provenance, tablefmt="plain")]
     sections = {
         "Inputs": iter_tensors(index.inputs, "input"),
         "Outputs": iter_tensors(index.outputs, "output"),

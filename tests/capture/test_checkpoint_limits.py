@@ -258,3 +258,40 @@ def test_escaping_shard_is_never_opened(tmp_path: Path, module: str, args: list[
     audit = json.loads(record.read_text())
     assert audit == {"opened": [], "transformers": False}
     assert not out.exists()
+
+
+def test_a_fifo_or_device_as_a_folder_json_file_is_refused_unread(tmp_path: Path) -> None:
+    """An index that is a FIFO (reading would block) or a link to /dev/zero (reading would never end): refused by
+    every reader in one line, in seconds, before anything is read."""
+    folder, _ = escaping_folder(tmp_path, "model-00001-of-00002.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.unlink()
+    os.mkfifo(index)
+    for read in (load_checkpoint, lazy_tensors, lambda f: hf.load_model(str(f), "cpu")):
+        with pytest.raises(CheckpointError, match="not a regular file"):
+            read(folder)
+    index.unlink()
+    index.symlink_to("/dev/zero")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(folder), str(folder)]))
+    assert "not a regular file" in line
+
+
+def test_a_compressed_torch_zip_is_refused_before_torch_reads_it(tmp_path: Path) -> None:
+    """torch.save stores members as they are; a repacked file whose storage is deflated (a small file that would
+    decompress to far more) is refused from its zip directory, and a damaged file is called damaged, not code."""
+    import zipfile
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(1 << 16)}, plain)
+    packed = tmp_path / "packed.pt"
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info))
+    assert packed.stat().st_size < plain.stat().st_size // 10
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(packed), str(plain)]))
+    assert "is compressed; torch.save stores every member as is" in line
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint at all\n")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(text), str(plain)]))
+    assert "not a checkpoint this tool can read (damaged, truncated or another format" in line
+    assert "--trust-pickle" not in line

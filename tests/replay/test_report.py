@@ -102,3 +102,31 @@ def test_plot_without_matplotlib_says_how_to_get_it(
     )
     assert result.exit_code == 2
     assert "pip install 'parity-harness[plot]'" in result.stderr
+
+
+def test_a_result_with_nothing_compared_is_never_a_match() -> None:
+    """A bundle holding nothing the port produced (crafted, or emptied) compares no record: INCOMPLETE, not MATCH,
+    and the RESULT line says nothing was compared."""
+    from parity_harness.replay.report.tables import result_line
+    from parity_harness.replay.result import ComparisonResult
+
+    empty = ComparisonResult()
+    assert empty.verdict == "INCOMPLETE"
+    assert not empty.match
+    assert "nothing was compared" in result_line(empty)
+
+
+def test_listing_escapes_control_characters_from_the_bundle(tiny_bundle: Path) -> None:
+    """A provenance string with a terminal escape and a newline cannot drive the terminal or forge a line."""
+    import h5py
+
+    from parity_harness.replay.reader import BundleReader
+    from parity_harness.replay.report.tables import render_listing
+
+    with h5py.File(tiny_bundle, "r+") as file:
+        file["provenance"].attrs["host"] = "box\x1b]0;owned\x07\nRESULT: MATCH (forged)"
+    with BundleReader(tiny_bundle) as reader:
+        listing = render_listing(reader)
+    assert "\x1b" not in listing
+    assert not any(line.startswith("RESULT:") for line in listing.splitlines())
+    assert "box\\x1b]0;owned\\x07\\nRESULT: MATCH (forged)" in listing
