@@ -11,8 +11,9 @@ from parity_harness.common.errors import BundleFormatError
 
 __all__ = ["MAX_INDEX_BYTES", "pack", "unpack"]
 
-MAX_INDEX_BYTES: Final = 1 << 30
-"""Refuse metadata blobs over 1 GiB: a damaged size must not make the reader allocate without bound."""
+MAX_INDEX_BYTES: Final = 1 << 28
+"""Refuse metadata blobs over 256 MiB (an index of 100,000 module calls takes a few tens of MB): a damaged
+or crafted size must not make the reader allocate without bound."""
 
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None))
@@ -42,6 +43,29 @@ def pack(obj: object) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 
 
+_BYTES_PER_CONTAINER: Final = 8
+"""A list or map decodes to ~60 bytes of Python objects from 1 byte of msgpack: at most one per this many bytes
+keeps the decoded index within ~8x its size (measured indexes hold one per 36 to 77 bytes)."""
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class _ContainerBudget:
+    """Counts the lists and maps msgpack builds, and stops it past ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count = limit, 0
+
+    def take(self, container: object) -> object:
+        """msgpack's hook for each finished list or map: count it, hand it back unchanged."""
+        self.count += 1
+        if self.count > self.limit:
+            raise _OverBudget
+        return container
+
+
 def _refuse_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack ext type {code} is not allowed in a bundle")
 
@@ -51,8 +75,22 @@ def unpack(blob: np.ndarray | bytes, *, where: str) -> object:
     raw = blob.tobytes() if isinstance(blob, np.ndarray) else bytes(blob)
     if len(raw) > MAX_INDEX_BYTES:
         raise BundleFormatError(f"{where}: metadata of {len(raw)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit")
+    budget = _ContainerBudget(len(raw) // _BYTES_PER_CONTAINER + 64)
     try:
-        document = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, ext_hook=_refuse_ext)
+        document = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            ext_hook=_refuse_ext,
+            list_hook=budget.take,
+            object_hook=budget.take,
+        )
+    except _OverBudget:
+        raise BundleFormatError(
+            f"{where}: metadata of {len(raw)} bytes holds more than {budget.limit} lists and maps (one per "
+            f"{_BYTES_PER_CONTAINER} bytes at most; a real index has one per 30 or more): crafted to fill memory"
+        ) from None
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as err:
         raise BundleFormatError(f"{where}: metadata is not valid msgpack ({type(err).__name__}: {err})") from err
     _check_plain(document, where)

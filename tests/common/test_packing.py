@@ -147,3 +147,17 @@ def test_bundle_format_error_is_value_error() -> None:
     """Callers can catch damaged metadata as ValueError too."""
     with pytest.raises(ValueError, match="/index"):
         unpack(b"\xc1", where="/index")
+
+
+def test_metadata_of_many_tiny_containers_is_refused() -> None:
+    """Four million empty lists in 4 MB would decode to ~250 MB of Python objects: refused by their count, while
+    real documents (one list or map per tens of bytes) decode."""
+    crafted = msgpack.packb({"pad": [[]] * (1 << 22)})
+    with pytest.raises(BundleFormatError, match="lists and maps"):
+        unpack(crafted, where="index")
+    real = {
+        "calls": [
+            {"module": f"layers.{i}", "inputs": [["T", f"/modules/layers.{i}/0/input", "F32"]]} for i in range(1000)
+        ]
+    }
+    assert unpack(pack(real), where="index") == real
