@@ -327,7 +327,10 @@ def _extract_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
         if _NEMO_CONFIG in used:
             text = _extract_member(archive, used[_NEMO_CONFIG], Path(folder) / _NEMO_CONFIG).read_text("utf-8")
         weights_file = _extract_member(archive, used[_NEMO_WEIGHTS], Path(folder) / _NEMO_WEIGHTS)
-        weights = _unwrap(_torch_load(weights_file, trust_pickle), path)
+        try:
+            weights = _unwrap(_torch_load(weights_file, trust_pickle), path)
+        except CheckpointError as err:  # named after the archive, not the temporary copy (gone once this ends)
+            raise CheckpointError(str(err).replace(str(weights_file), f"{path}:{_NEMO_WEIGHTS}")) from err
     config = _parse_yaml(text, path) if text is not None else None
     return Checkpoint("nemo", path, weights, config, text)
 

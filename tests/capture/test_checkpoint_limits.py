@@ -295,3 +295,14 @@ def test_a_compressed_torch_zip_is_refused_before_torch_reads_it(tmp_path: Path)
     line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(text), str(plain)]))
     assert "not a checkpoint this tool can read (damaged, truncated or another format" in line
     assert "--trust-pickle" not in line
+
+
+def test_a_damaged_nemo_weights_member_is_named_in_the_archive(tmp_path: Path) -> None:
+    """The message names the archive and its member, not the temporary copy that is gone by then."""
+    archive_path = tmp_path / "model.nemo"
+    with tarfile.open(archive_path, "w") as archive:
+        _add_bytes(archive, "model_config.yaml", NEMO_CONFIG.encode())
+        _add_bytes(archive, "model_weights.ckpt", b"not a checkpoint")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(archive_path), str(archive_path)]))
+    assert f"{archive_path}:model_weights.ckpt: not a checkpoint this tool can read" in line
+    assert "parity-nemo-" not in line
