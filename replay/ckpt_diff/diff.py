@@ -26,6 +26,7 @@ from parity_harness.common.format.dtypes import tag_of
 from parity_harness.replay.ckpt_diff.sources import BundleParameters, NpzArrays
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import BundleReader
 
 __all__ = [
@@ -65,10 +66,11 @@ def load_tensors(
     if file.suffix == ".npz" and file.is_file():
         return NpzArrays(file)
     if file.is_file() and h5py.is_hdf5(file):
+        walk_in_child(file, seconds=DEFAULT_PREFLIGHT_SECONDS, noun="file")  # before this process opens it at all
         with h5py.File(file, "r") as probe:
             is_bundle = probe.attrs.get("format") == FORMAT_NAME
         if is_bundle:
-            return BundleParameters(BundleReader(file, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
+            return BundleParameters(BundleReader(file, verify=verify))
     return lazy_tensors(file, trust_pickle=trust_pickle)
 
 
