@@ -317,9 +317,42 @@ def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
         raise CheckpointError(f"{path}: damaged .nemo archive ({type(err).__name__}: {err})") from err
 
 
+_MAX_EXTENDED_HEADER: Final = 1 << 20
+"""A tar member's extended header (PAX, GNU long name) is a few hundred bytes; tarfile reads it whole into memory."""
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """Refuses an extended header larger than ``_MAX_EXTENDED_HEADER`` before tarfile reads it (a header bomb)."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
+        if self.type in (*extended, tarfile.SOLARIS_XHDTYPE) and self.size > _MAX_EXTENDED_HEADER:
+            raise tarfile.HeaderError(f"an extended tar header of {self.size} bytes (at most {_MAX_EXTENDED_HEADER})")
+        member: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
+        return member
+
+
+def _open_tar(path: Path) -> tarfile.TarFile:
+    """``tarfile.open`` with extended headers bounded."""
+    return tarfile.open(path, tarinfo=_BoundedTarInfo)
+
+
+def _is_tar(path: Path) -> bool:
+    """Whether ``path`` is a tar archive (plain or compressed), its first header read with the bound."""
+    try:
+        with _open_tar(path):
+            return True
+    except tarfile.TarError as err:
+        if "extended tar header" in str(err):  # a tar, crafted: say so rather than try it as something else
+            raise CheckpointError(f"{path}: refused as a tar header bomb ({err})") from err
+        return False
+    except (OSError, EOFError, zlib.error):
+        return False
+
+
 def _extract_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
     """Extract the config and the weights (nothing else), size-checked, and load them."""
-    with tarfile.open(path) as archive, tempfile.TemporaryDirectory(prefix="parity-nemo-") as folder:
+    with _open_tar(path) as archive, tempfile.TemporaryDirectory(prefix="parity-nemo-") as folder:
         used = _used_nemo_members(archive, path, nemo_limit(path.stat().st_size))
         if _NEMO_WEIGHTS not in used:
             raise CheckpointError(f"{path}: no {_NEMO_WEIGHTS} inside; is this a .nemo archive?")
@@ -509,7 +542,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust_pickle: bool = False)
         except RuntimeError as err:
             raise CheckpointError(f"{file}: damaged TorchScript archive ({str(err).strip().splitlines()[0]})") from err
         return Checkpoint("torchscript", file, dict(module.state_dict()), module=module)
-    if tarfile.is_tarfile(file):
+    if _is_tar(file):
         return _load_nemo(file, trust_pickle)
     loaded = _torch_load(file, trust_pickle)
     if isinstance(loaded, torch.nn.Module):  # only reachable with --trust-pickle: the file is the model

@@ -306,3 +306,18 @@ def test_a_damaged_nemo_weights_member_is_named_in_the_archive(tmp_path: Path) -
     line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(archive_path), str(archive_path)]))
     assert f"{archive_path}:model_weights.ckpt: not a checkpoint this tool can read" in line
     assert "parity-nemo-" not in line
+
+
+def test_a_tar_header_bomb_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A gzip .nemo whose first member carries a 2 MiB PAX header (tarfile would read it whole; such a header can
+    declare gigabytes in a few kilobytes): refused from the header's declared size, one line."""
+    archive_path = tmp_path / "model.nemo"
+    with tarfile.open(archive_path, "w:gz", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("model_config.yaml")
+        info.pax_headers = {"comment": "x" * (2 * MB)}
+        info.size = len(NEMO_CONFIG.encode())
+        archive.addfile(info, io.BytesIO(NEMO_CONFIG.encode()))
+        _add_bytes(archive, "model_weights.ckpt", _torch_bytes(_linear_state()))
+    assert archive_path.stat().st_size < 64 * 1024
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(archive_path), str(archive_path)]))
+    assert "refused as a tar header bomb" in line
