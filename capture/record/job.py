@@ -77,7 +77,8 @@ def run_capture_job(job: CaptureJob) -> CaptureOutcome:
         else job.adapter.inputs(input_seed, job.batch_size, job.seq_len, job.lengths)
     )
     model = wrap_model(model, job.wrap, job.device)
-    summary = capture_run(model, to_device(inputs, job.device), job.out, job.options, **_adapter_fields(job))
+    with no_exit(job.adapter.name, "the model's own code (its forward or backward)"):
+        summary = capture_run(model, to_device(inputs, job.device), job.out, job.options, **_adapter_fields(job))
     if context is not None:
         leave_job()
     written = manifest_path(job.out) if context is not None and context.rank == 0 else None

@@ -13,6 +13,7 @@ import torch
 
 from parity_harness.capture.distributed import RankContext, init_from_environment
 from parity_harness.capture.models.adapters import Adapter
+from parity_harness.capture.models.guard import no_exit
 from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.manifest import Manifest, find_manifest
@@ -84,11 +85,12 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
             assert plan.data_parallel is not None
             plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
             return ReplayOutcome(None, context=plan.context, assigned=plan.assigned)
-        options, proposal = _naming(job, model, plan.reader)
-        if proposal is not None and on_proposal is not None:
-            on_proposal(proposal)
-        options = _with_adapter(job, options, plan.data_parallel)
-        result = compare_run(model, plan.reader, options)
+        with no_exit(job.adapter.name, "the model's own code (its forward or backward)"):
+            options, proposal = _naming(job, model, plan.reader)
+            if proposal is not None and on_proposal is not None:
+                on_proposal(proposal)
+            options = _with_adapter(job, options, plan.data_parallel)
+            result = compare_run(model, plan.reader, options)
         if proposal is not None:
             _note_uncertain_pairs(result, proposal)
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)

@@ -243,3 +243,43 @@ def test_ctrl_c_during_a_run_exits_130(tmp_path: Path, bundle: Path, program: st
     assert stderr.strip().splitlines()[-1] == f"{program}: interrupted"
     assert "Traceback" not in stderr
     assert contents(tmp_path) == [started.name, "reference"]  # the bundle fixture's folder
+
+
+EXITING_MODEL = """
+import sys
+import torch
+
+class Quits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        if QUIT:
+            sys.exit(0)
+        return self.lin(x)
+
+QUIT = False
+
+def build():
+    return Quits()
+"""
+
+
+@pytest.mark.parametrize("program", ["capture-run", "replay-compare"])
+def test_a_model_whose_own_forward_exits_is_an_error(tmp_path: Path, program: str) -> None:
+    """No adapter hook at all (a --model factory): the model's own forward calling sys.exit(0) is still exit 2,
+    never a silent exit 0 with nothing compared or written."""
+    calm, quitting = tmp_path / "calm.py", tmp_path / "quitting.py"
+    calm.write_text(EXITING_MODEL)
+    quitting.write_text(EXITING_MODEL.replace("QUIT = False", "QUIT = True"))
+    bundle = tmp_path / "ref.h5"
+    shape = ["--batch-size", "2", "--seq-len", "4"]
+    assert invoke(capture_main, "--model", f"{calm}:build", *shape, "--out", bundle).exit_code == 0
+    if program == "capture-run":
+        result = invoke(capture_main, "--model", f"{quitting}:build", *shape, "--out", tmp_path / "again.h5")
+    else:
+        result = invoke(replay_main, "--bundle", bundle, "--model", f"{quitting}:build")
+    line = one_error_line(program, result)
+    assert "the model's own code (its forward or backward) called sys.exit(0)" in line
+    assert not (tmp_path / "again.h5").exists()
