@@ -94,6 +94,12 @@ def _torch_load(path: Path, trust_pickle: bool) -> object:
     _check_zip_members(path)
     if trust_pickle:  # the user vouched for this file with --trust-pickle
         return torch.load(path, map_location="cpu", weights_only=False)
+    if _torch_release() < (2, 6):
+        raise CheckpointError(
+            f"{path}: torch {torch.__version__} cannot load a pickle checkpoint safely (weights_only=True can be "
+            "bypassed to run code before torch 2.6, CVE-2025-32434); use safetensors, upgrade torch, or pass "
+            "--trust-pickle if you trust this file"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -112,6 +118,12 @@ def _torch_load(path: Path, trust_pickle: bool) -> object:
             f"{path}: not a checkpoint this tool can read (damaged, truncated or another format; {detail}); expected "
             "a state dict, safetensors, TorchScript, a .nemo archive or a Hugging Face folder"
         ) from err
+
+
+def _torch_release() -> tuple[int, int]:
+    """torch's (major, minor) version."""
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def _check_zip_members(path: Path) -> None:
@@ -223,7 +235,12 @@ def lazy_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) ->
             head = handle.read(16)
         if _is_safetensors(head, file.stat().st_size):
             return LazySafetensors(file)
-        if head.startswith(b"PK\x03\x04") and not _is_torchscript(file) and not trust_pickle:
+        if (
+            head.startswith(b"PK\x03\x04")
+            and not _is_torchscript(file)
+            and not trust_pickle
+            and _torch_release() >= (2, 6)
+        ):
             try:
                 return _unwrap(torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
             except Exception:

@@ -321,3 +321,15 @@ def test_a_tar_header_bomb_is_refused_before_it_is_read(tmp_path: Path) -> None:
     assert archive_path.stat().st_size < 64 * 1024
     line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(archive_path), str(archive_path)]))
     assert "refused as a tar header bomb" in line
+
+
+def test_a_torch_without_a_safe_restricted_unpickler_loads_no_pickle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before torch 2.6 weights_only=True can be bypassed (CVE-2025-32434): a pickle is refused unless trusted."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(2)}, plain)
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    with pytest.raises(CheckpointError, match="CVE-2025-32434"):
+        load_checkpoint(plain)
+    assert set(load_checkpoint(plain, trust_pickle=True).state_dict) == {"w"}
