@@ -161,8 +161,20 @@ class BundleReader:
             )
 
     def _verify_auxiliary(self) -> None:
-        """The RNG state's checksum (bundles written since it is recorded; a few kilobytes, checked at once)."""
+        """The RNG state's checksum (format 1.4 on, where every RNG dataset has one; a few kilobytes, checked at
+        once), and no checksum naming nothing."""
         sums = self.index.checksums
+        if sums and (self.format_version, self.format_minor) >= (1, 4):
+            stored = [
+                f"{RNG}/{name}" for name, node in (self._file.get(RNG) or {}).items() if isinstance(node, h5py.Dataset)
+            ]
+            unsummed = [name for name in stored if name not in sums]
+            if unsummed:
+                raise BundleFormatError(f"{self.path}:{unsummed[0]}: no checksum in the index; the bundle was altered")
+            tensors = {ref.path for ref in self.index.tensor_refs()}
+            stray = [name for name in sums if name not in tensors and name not in stored]
+            if stray:
+                raise BundleFormatError(f"{self.path}: the index has a checksum for {stray[0]!r}, which is no dataset")
         for name in (path for path in sums if path.startswith(RNG + "/")):
             node = self._file.get(name)
             if not isinstance(node, h5py.Dataset):

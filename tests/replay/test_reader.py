@@ -114,8 +114,8 @@ def test_fresh_bundle_root_attributes_are_pinned(tiny_bundle: Path) -> None:
         assert attrs["format"] == "parity-harness-bundle"
         assert isinstance(attrs["format_version"], (int, np.integer))
         assert isinstance(attrs["format_minor"], (int, np.integer))
-        assert (int(attrs["format_version"]), int(attrs["format_minor"])) == (1, 3)
-        assert (FORMAT_VERSION, FORMAT_MINOR) == (1, 3), "format version bumped: add a golden bundle and a migration"
+        assert (int(attrs["format_version"]), int(attrs["format_minor"])) == (1, 4)
+        assert (FORMAT_VERSION, FORMAT_MINOR) == (1, 4), "format version bumped: add a golden bundle and a migration"
 
 
 def test_fresh_bundle_index_is_1d_uint8_msgpack(tiny_bundle: Path) -> None:
@@ -482,3 +482,19 @@ def test_the_rng_state_is_checksummed(tiny_bundle: Path) -> None:
     with pytest.raises(BundleFormatError, match="rng/torch_cpu: checksum mismatch"):
         BundleReader(tiny_bundle)
     BundleReader(tiny_bundle, verify=False).close()
+
+
+@pytest.mark.parametrize("change", ["drop-rng-checksum", "stray-checksum"])
+def test_from_format_1_4_the_checksums_cover_exactly_the_datasets(tiny_bundle: Path, change: str) -> None:
+    """A 1.4 bundle whose index lost the RNG state's checksum, or names a checksum for no dataset, was altered."""
+    with h5py.File(tiny_bundle, "r+") as file:
+        document = msgpack.unpackb(file["index"][()].tobytes(), raw=False, strict_map_key=False)
+        if change == "drop-rng-checksum":
+            del document["checksums"]["/rng/torch_cpu"]
+        else:
+            document["checksums"]["/nowhere"] = 7
+        del file["index"]
+        file.create_dataset("index", data=np.frombuffer(msgpack.packb(document, use_bin_type=True), dtype=np.uint8))
+    expected = "no checksum in the index" if change == "drop-rng-checksum" else "which is no dataset"
+    with pytest.raises(BundleFormatError, match=expected):
+        BundleReader(tiny_bundle)
