@@ -545,30 +545,12 @@ def align_modules(
     """Pair the port's modules with the bundle's: by their weights first, then by aligning the two runs' module
     calls (run the port once on the recorded inputs, no grad) within what the weights fixed. ``to_reference``
     (the adapter's) tells which arguments in another layout still compare (for ``slots`` lines)."""
-    sink = _SignatureSink()
-    inputs = to_device(reader.rebuild(reader.index.inputs), torch.device(device))
-    model.train(reader.index.run.train_mode)
-    seed_everything(reader.index.run.seed)
-    by_signature = reader.index.run.arguments == "by-signature"
-    with torch.no_grad(), ModuleTap(model, sink, record_backward=False, by_signature=by_signature):
-        call_forward(model, inputs, forward)
-    bundle, port = bundle_signatures(reader), sink.calls
+    bundle, port = bundle_signatures(reader), _port_signatures(model, reader, forward, device)
     weights = _weight_evidence(model, reader)
     constraints = _Constraints(weights, bundle)
-    votes: Counter[tuple[str, str]] = Counter()
-    by_values: set[tuple[str, str]] = set()
     alignment = _anchored_alignment(bundle, port, constraints)
     aligned = alignment.pairs
-    by_place: set[tuple[str, str]] = set()
-    by_band: set[tuple[str, str]] = set()
-    for i, j in aligned:
-        votes[(port[j].module, bundle[i].module)] += 1
-        if _close(bundle[i].values, port[j].values):
-            by_values.add((port[j].module, bundle[i].module))
-        if (i, j) in alignment.alone:
-            by_place.add((port[j].module, bundle[i].module))
-        if (i, j) in alignment.banded:
-            by_band.add((port[j].module, bundle[i].module))
+    votes, (by_values, by_place, by_band) = _tally(bundle, port, alignment)
     weak = _weak_weight_pairs(bundle, port, alignment, weights)
     parameterless = constraints.shared - _owners(reader.index.params)
     chosen = _choose(votes, parameterless)
@@ -596,6 +578,44 @@ def align_modules(
         fused=weights.fused,
         params=_renamed_parameters(weights, chosen),
     )
+
+
+def _port_signatures(
+    model: torch.nn.Module, reader: BundleReader, forward: ForwardFn | None, device: str
+) -> list[CallSignature]:
+    """The port's module calls, run once (no grad) on the bundle's recorded inputs, in completion order."""
+    sink = _SignatureSink()
+    inputs = to_device(reader.rebuild(reader.index.inputs), torch.device(device))
+    model.train(reader.index.run.train_mode)
+    seed_everything(reader.index.run.seed)
+    by_signature = reader.index.run.arguments == "by-signature"
+    with torch.no_grad(), ModuleTap(model, sink, record_backward=False, by_signature=by_signature):
+        call_forward(model, inputs, forward)
+    return sink.calls
+
+
+Pairs = set[tuple[str, str]]
+
+
+def _tally(
+    bundle: Sequence[CallSignature], port: Sequence[CallSignature], alignment: _Aligned
+) -> tuple[Counter[tuple[str, str]], tuple[Pairs, Pairs, Pairs]]:
+    """Aligned calls per (port module, bundle module), and the module pairs with equal values, alone between two
+    sure pairs (``place``) or aligned within a band."""
+    votes: Counter[tuple[str, str]] = Counter()
+    by_values: Pairs = set()
+    by_place: Pairs = set()
+    by_band: Pairs = set()
+    for i, j in alignment.pairs:
+        pair = (port[j].module, bundle[i].module)
+        votes[pair] += 1
+        if _close(bundle[i].values, port[j].values):
+            by_values.add(pair)
+        if (i, j) in alignment.alone:
+            by_place.add(pair)
+        if (i, j) in alignment.banded:
+            by_band.add(pair)
+    return votes, (by_values, by_place, by_band)
 
 
 def _weak_weight_pairs(
