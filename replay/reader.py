@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -45,6 +44,7 @@ from parity_harness.common.format.containment import check_contained, require_re
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.packing import unpack
+from parity_harness.common.numerics.statistics import stored_crc32
 from parity_harness.replay.preflight import preflight as walk_in_child
 
 __all__ = ["BundleReader", "rebuild"]
@@ -180,7 +180,7 @@ class BundleReader:
             if not isinstance(node, h5py.Dataset):
                 raise BundleFormatError(f"{self.path}:{name}: has a checksum in the index but is missing")
             array = np.asarray(node[()])
-            if self._verify and zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data) != sums[name]:
+            if self._verify and stored_crc32(array) != sums[name]:
                 raise BundleFormatError(
                     f"{self.path}:{name}: checksum mismatch: the stored RNG state changed after capture; copy the "
                     "bundle again (or pass --no-verify to read it anyway)"
@@ -260,7 +260,7 @@ class BundleReader:
         expected = self.index.checksums.get(ref.path)
         if not self._verify or expected is None or ref.path in self._verified:
             return array
-        actual = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        actual = stored_crc32(array)
         if actual != expected:
             raise BundleFormatError(
                 f"{self.path}:{ref.path}: checksum mismatch (CRC-32 {actual:08x}, recorded {expected:08x}): the "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,18 @@ EXAMPLES = ROOT / "examples"
 REF_ADAPTER = EXAMPLES / "conformer_ref" / "adapter.py"
 PORT_DIR = EXAMPLES / "conformer_port"
 PORT_MAP = PORT_DIR / "port_to_ref.map"
+
+
+@pytest.fixture
+def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Adapter and factory files insert their folder into sys.path and cache their module; undo both after the
+    test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("parity_adapter_"):
+            del sys.modules[name]
 
 
 @pytest.fixture

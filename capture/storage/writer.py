@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
@@ -42,7 +41,7 @@ from parity_harness.common.format.bundle.schema import BundleIndex, TensorRef
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_numeric, to_storage
 from parity_harness.common.format.packing import pack
-from parity_harness.common.numerics.statistics import array_statistics
+from parity_harness.common.numerics.statistics import array_statistics, stored_crc32
 
 __all__ = ["BundleWriter"]
 
@@ -242,7 +241,7 @@ class BundleWriter:
         array = to_storage(tensor)[0]
         if array.size:
             dataset[()] = array
-        self._checksums[path] = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self._checksums[path] = stored_crc32(array)
 
     def checksums(self) -> dict[str, int]:
         """Dataset path -> CRC-32 of its stored bytes, for every dataset written (call after the writes drained)."""
@@ -303,7 +302,7 @@ class BundleWriter:
     def write_array(self, path: str, array: np.ndarray) -> None:
         """Store a plain NumPy array (RNG states and other non-tensor data), with its CRC-32 like a tensor's."""
         self._file.create_dataset(path, data=array)
-        self._checksums[path] = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self._checksums[path] = stored_crc32(array)
 
     def write_provenance(self, provenance: dict[str, str]) -> None:
         """Store provenance as string attributes of ``/provenance``, readable with plain h5py."""

@@ -22,12 +22,17 @@ from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.numerics.metrics import TensorDiff, dot
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistics"]
+__all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistics", "stored_crc32"]
 
 STATISTICS: Final = ("numel", "sum", "sum_abs", "sum_sq", "min", "max", "nan", "posinf", "neginf", "crc32")
 """Keys of a summary; sums, minimum and maximum are over the finite elements, in float64."""
 _COUNTS: Final = ("numel", "nan", "posinf", "neginf", "crc32")
 _CHUNK: Final = 1 << 16
+
+
+def stored_crc32(stored: np.ndarray) -> int:
+    """The CRC-32 of an array's bytes as stored (C order, raw bits): what a bundle's checksums hold."""
+    return zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
 
 
 def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float | int]:
@@ -59,7 +64,7 @@ def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float 
         total["sum_sq"] += dot(chunk, chunk)
         total["min"] = min(total["min"], float(chunk.min()))
         total["max"] = max(total["max"], float(chunk.max()))
-    crc = zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
+    crc = stored_crc32(stored)
     if total["min"] > total["max"]:  # no finite element
         total["min"] = total["max"] = 0.0
     return {"numel": int(flat.size), **total, **counts, "crc32": crc}

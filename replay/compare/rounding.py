@@ -9,10 +9,10 @@ float64 on the same inputs and cotangent, and the port's own float32 error on th
 largest failing one: an outlier's rounding says nothing about ordinary elements). An element then
 passes when it is within atol/rtol *or* within ``ROUNDING_FACTOR * level`` of the reference, provided
 ``level`` is plausible as float32 rounding (:func:`plausible_level`): at most ``MAX_RELATIVE_LEVEL`` of
-the record's largest magnitude, or larger than
-the exact (float64) value itself, as for a sum that cancels to zero (a key bias's gradient under softmax),
-whose float32 value is pure rounding on both sides. A random stream that the rerun draws differently, or
-a port that computes in float16 or bfloat16 (autocast leaves float64 alone), is neither.
+the record's largest magnitude, or larger than the exact (float64) value itself, as for a sum that
+cancels to zero (a key bias's gradient under softmax), whose float32 value is pure rounding on both sides.
+A random stream that the rerun draws differently, or a port that computes in float16 or bfloat16 (autocast
+leaves float64 alone), is neither.
 
 A bug is in the port's arithmetic, not in its rounding: it survives the float64 rerun, so ``level``
 stays at the rounding size while the difference does not. A difference the plain rule flags that is

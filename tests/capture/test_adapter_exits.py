@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,15 +83,7 @@ SAID = {
 }
 
 
-@pytest.fixture(autouse=True)
-def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Adapter files insert their folder into sys.path and cache their module; undo both after the test."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.startswith("parity_adapter_"):
-            del sys.modules[name]
+pytestmark = pytest.mark.usefixtures("restore_sys_path")  # every test loads adapter files
 
 
 def write_adapter(folder: Path, exit_at: str = "", how: str = "") -> Path:

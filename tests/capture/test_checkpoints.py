@@ -7,13 +7,12 @@ import json
 import os
 import re
 import struct
-import sys
 import tarfile
 import tempfile
 import time
 import tracemalloc
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -101,17 +100,6 @@ def _torch_bytes(obj: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-@pytest.fixture
-def restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Factory files insert their folder into sys.path and cache their module; undo both after the test."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.startswith("parity_adapter_"):
-            del sys.modules[name]
 
 
 # ------------------------------------------------------------------ 1. safetensors
