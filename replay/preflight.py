@@ -7,7 +7,8 @@ link or storage leaves it, so nothing can block on a FIFO), then walks every att
 compact dataset the reader would touch; if it refuses, hangs or crashes, the bundle is refused with
 one line, and this process never opens it. Any
 ordinary error the child meets is left for the reader, which reports it precisely. Costs one
-interpreter start with h5py (a few tenths of a second); the command-line tools use it.
+interpreter start with h5py (a few tenths of a second); the command-line tools use it, replay-compare while it
+loads the port (:func:`start`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import math
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Final
 
 from parity_harness.common.errors import BundleFormatError
 
-__all__ = ["DEFAULT_PREFLIGHT_SECONDS", "preflight"]
+__all__ = ["DEFAULT_PREFLIGHT_SECONDS", "Preflight", "preflight", "start"]
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
 
@@ -57,29 +59,61 @@ with h5py.File(sys.argv[1], "r") as file:
 """
 
 
+class Preflight:
+    """A metadata walk started in a child process (:func:`start`); :meth:`result` waits for its verdict.
+
+    Started early, the walk runs while the parent does other work (loads the port): the command pays for it
+    only where it takes longer than that work.
+    """
+
+    def __init__(self, path: Path, seconds: float, noun: str) -> None:
+        self.path, self.seconds = path, seconds
+        self._deadline = time.monotonic() + seconds
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    def result(self) -> None:
+        """Wait for the walk; refuse the file (``BundleFormatError``) if it broke the rule, hung or crashed."""
+        try:
+            _, stderr = self._child.communicate(timeout=max(0.0, self._deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            raise self._too_long() from None
+        code = self._child.returncode
+        if code == -signal.SIGALRM:
+            raise self._too_long()
+        if code == _REFUSED:
+            lines = stderr.decode(errors="replace").strip().splitlines()
+            raise BundleFormatError(lines[-1] if lines else f"{self.path}: refused by the metadata walk")
+        if code < 0:
+            name = signal.Signals(-code).name
+            raise BundleFormatError(
+                f"{self.path}: HDF5 crashed ({name}) reading its metadata; the file is damaged or crafted"
+            )
+
+    def cancel(self) -> None:
+        """End the child if it still runs (the command failed or was interrupted meanwhile)."""
+        if self._child.poll() is None:
+            self._child.kill()
+            self._child.communicate()
+
+    def _too_long(self) -> BundleFormatError:
+        return BundleFormatError(
+            f"{self.path}: reading its HDF5 metadata did not finish within {self.seconds:.0f} s; the file is "
+            "damaged or crafted, and is not opened"
+        )
+
+
+def start(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle") -> Preflight:
+    """Start walking ``path``'s metadata in a child process; call ``result()`` before opening it."""
+    return Preflight(path, seconds, noun)
+
+
 def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle") -> None:
     """Refuse ``path`` (a ``noun``) if it breaks the containment rule, or walking its HDF5 metadata hangs or
     crashes a child process."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun],
-            capture_output=True,
-            timeout=seconds,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise BundleFormatError(
-            f"{path}: reading its HDF5 metadata did not finish within {seconds:.0f} s; the file is damaged or "
-            "crafted, and is not opened"
-        ) from None
-    if done.returncode == -signal.SIGALRM:
-        raise BundleFormatError(
-            f"{path}: reading its HDF5 metadata did not finish within {seconds:.0f} s; the file is damaged or "
-            "crafted, and is not opened"
-        )
-    if done.returncode == _REFUSED:
-        lines = done.stderr.decode(errors="replace").strip().splitlines()
-        raise BundleFormatError(lines[-1] if lines else f"{path}: refused by the metadata walk")
-    if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
-        raise BundleFormatError(f"{path}: HDF5 crashed ({name}) reading its metadata; the file is damaged or crafted")
+    start(path, seconds=seconds, noun=noun).result()

@@ -90,7 +90,7 @@ class BundleReader:
         try:
             with self._damage_guard("/"):
                 self.format_version, self.format_minor = self._check_version()
-                check_contained(self._file, self.path, "bundle")
+                self._stored = check_contained(self._file, self.path, "bundle")
                 self.index = self._read_index()
                 self._require_checksums()
                 self._validate_tensors()
@@ -99,7 +99,11 @@ class BundleReader:
             raise
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
         self._map = _map_file(self.path)
-        self._resident: tuple[int, int] | None = None
+        self._resident: list[tuple[int, int]] = []
+        self._resident_bytes = 0
+        # Pages of records read are dropped once they add up to the largest record: peak memory stays within
+        # twice that, and small records cost no system call each.
+        self._resident_budget = max((stored.nbytes for stored in self._stored.values()), default=0)
 
     def _check_version(self) -> tuple[int, int]:
         attrs = self._file.attrs
@@ -128,6 +132,7 @@ class BundleReader:
             raise BundleFormatError(f"{self.path}: {err}") from err
 
     def _validate_tensors(self) -> None:
+        self._tags: dict[int, str] = {}
         referenced: set[str] = set()
         sums = self.index.checksums
         for ref in self.index.tensor_refs():
@@ -136,13 +141,7 @@ class BundleReader:
                 referenced.add(ref.path.lstrip("/"))
                 if sums and ref.path not in sums:
                     raise BundleFormatError(f"{self.path}:{ref.path}: the index has no checksum for this tensor")
-        orphans: list[str] = []
-
-        def visit(name: str, node: object) -> None:
-            if isinstance(node, h5py.Dataset) and name not in referenced and not _is_auxiliary(name):
-                orphans.append(name)
-
-        self._file.visititems(visit)
+        orphans = [name for name in self._stored if name not in referenced and not _is_auxiliary(name)]
         self._verify_auxiliary()
         if orphans:
             raise BundleFormatError(
@@ -192,12 +191,13 @@ class BundleReader:
         return self._verify and bool(self.index.checksums)
 
     def _check_dataset(self, ref: TensorRef) -> None:
-        node = self._file.get(ref.path)
+        node = self._stored.get(ref.path.lstrip("/"))
         where = f"{self.path}:{ref.path}"
-        if not isinstance(node, h5py.Dataset):
+        if node is None:
             raise BundleFormatError(f"{where}: tensor named by the index is missing; the bundle is incomplete")
-        tag = node.attrs.get(ATTR_DTYPE)
-        tag = tag.decode() if isinstance(tag, bytes) else tag
+        tag = self._tags.get(id(node))
+        if tag is None:  # a dataset stored once under several names (a repeat linked) is asked once
+            tag = self._tags[id(node)] = _string_attribute(node.id, ATTR_DTYPE) or ""
         if tag != ref.tag:
             raise BundleFormatError(f"{where}: dtype tag {tag!r} != {ref.tag!r} declared in the index")
         if node.dtype != storage_dtype(ref.tag):
@@ -238,21 +238,19 @@ class BundleReader:
             return self._read_array(ref, verify)
 
     def _read_array(self, ref: TensorRef, verify: bool) -> np.ndarray:
-        dataset = self._file[ref.path]
-        offset = _contiguous_offset(dataset)
-        if self._map is None or offset is None or dataset.size == 0:  # compact: a few bytes in the header
-            array = np.asarray(dataset[()])
+        stored = self._stored[ref.path.lstrip("/")]  # validated at open: every tensor the index names is there
+        offset, nbytes = stored.offset, stored.nbytes
+        if self._map is None or offset is None or nbytes == 0:  # compact: a few bytes in the header
+            array = np.asarray(h5py.Dataset(stored.id)[()])
             return self.verify(ref, array) if verify else array
-        nbytes = dataset.size * dataset.dtype.itemsize
         if offset + nbytes > len(self._map):
             raise BundleFormatError(
                 f"{self.path}:{ref.path}: data at bytes {offset}..{offset + nbytes} lies past the end of the "
                 f"file ({len(self._map)} bytes); the bundle is truncated"
             )
-        self._release_resident()
-        self._resident = (offset, nbytes)
-        view = np.frombuffer(self._map, dtype=dataset.dtype, count=dataset.size, offset=offset)
-        array = view.reshape(dataset.shape)
+        self._keep_resident(offset, nbytes)
+        view = np.frombuffer(self._map, dtype=stored.dtype, count=nbytes // stored.dtype.itemsize, offset=offset)
+        array = view.reshape(stored.shape)
         return self.verify(ref, array) if verify else array
 
     def verify(self, ref: TensorRef, array: np.ndarray) -> np.ndarray:
@@ -269,15 +267,24 @@ class BundleReader:
         self._verified.add(ref.path)
         return array
 
+    def _keep_resident(self, offset: int, nbytes: int) -> None:
+        """Note a record about to be read; first drop the pages of those read before from this process (they
+        stay in the OS page cache) when they and it would exceed the largest record."""
+        if self._resident_bytes + nbytes > self._resident_budget:
+            self._release_resident()
+        self._resident.append((offset, nbytes))
+        self._resident_bytes += nbytes
+
     def _release_resident(self) -> None:
-        """Drop the last mapped tensor's pages from this process (they stay in the OS page cache)."""
-        if self._resident is None or self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        offset, nbytes = self._resident
-        start = offset - offset % mmap.PAGESIZE
-        end = min(len(self._map), -(-(offset + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
-        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-        self._resident = None
+        if self._map is not None and self._resident and hasattr(mmap, "MADV_DONTNEED"):
+            # One call over the span they cover: pages between them that this process never touched cost nothing.
+            first = min(offset for offset, _ in self._resident)
+            last = max(offset + nbytes for offset, nbytes in self._resident)
+            start = first - first % mmap.PAGESIZE
+            end = min(len(self._map), -(-last // mmap.PAGESIZE) * mmap.PAGESIZE)
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._resident.clear()
+        self._resident_bytes = 0
 
     def read_tensor(self, ref: TensorRef) -> torch.Tensor:
         """A tensor exactly as captured (dtype and bits), on the CPU."""
@@ -319,15 +326,20 @@ def _map_file(path: Path) -> mmap.mmap | None:
         return None
 
 
-def _contiguous_offset(dataset: h5py.Dataset) -> int | None:
-    """Byte offset of a dataset's data in the file when it is stored as one plain block, else None."""
-    if dataset.chunks is not None or dataset.external:
+def _string_attribute(dataset: h5py.h5d.DatasetID, name: str) -> str | None:
+    """A scalar string attribute (fixed or variable length) read through h5py's low level; None when it is
+    absent or not a scalar string (a tag check then reports the difference)."""
+    key = name.encode()
+    if not h5py.h5a.exists(dataset, key):
         return None
-    try:
-        offset = dataset.id.get_offset()
-    except (OSError, ValueError, RuntimeError):
+    attribute = h5py.h5a.open(dataset, key)
+    dtype = attribute.dtype
+    if attribute.shape != () or h5py.check_string_dtype(dtype) is None:
         return None
-    return None if offset is None else int(offset)
+    value = np.zeros((), dtype=dtype)
+    attribute.read(value, mtype=h5py.h5t.py_create(dtype))
+    raw = value[()]
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _is_auxiliary(name: str) -> bool:

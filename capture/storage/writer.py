@@ -88,6 +88,23 @@ def _allocate_early() -> h5py.h5p.PropDCID:
     return dcpl
 
 
+class _StringAttribute:
+    """Writes one string attribute (a variable-length UTF-8 string, as h5py's ``attrs[name] = str`` does) through
+    h5py's low level, its types made once: a third of ``attrs[name] = value``'s cost."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name.encode()
+        string = h5py.string_dtype()
+        self._dtype = string
+        self._file_type = h5py.h5t.py_create(string, logical=True)
+        self._memory_type = h5py.h5t.py_create(string)
+        self._space = h5py.h5s.create_simple(())
+
+    def write(self, target: h5py.h5o.ObjectID, value: str) -> None:
+        attribute = h5py.h5a.create(target, self._name, self._file_type, self._space)
+        attribute.write(np.array(value, dtype=self._dtype), mtype=self._memory_type)
+
+
 class BundleWriter:
     """Write one bundle: ``write_tensor`` as the run goes, then ``commit(index)``.
 
@@ -142,6 +159,8 @@ class BundleWriter:
         self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
         self._checksums: dict[str, int] = {}  # datasets written through HDF5
         self._links: dict[str, str] = {}  # linked path -> the path written
+        self._placed: dict[str, tuple[int | None, tuple[int, ...], str]] = {}  # path -> (offset, shape, tag)
+        self._tag_attribute = _StringAttribute(ATTR_DTYPE)
         self.tensor_bytes = 0
         """Bytes of tensor data stored (a linked repeat adds nothing)."""
         self.tensor_count = 0
@@ -166,7 +185,8 @@ class BundleWriter:
         key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
         if earlier is not None and earlier not in self.summaries:
-            self._file[path] = self._file[earlier]  # a hard link: the same dataset under a second name
+            # A hard link: the same dataset under a second name.
+            self._file.id.links.create_hard(path.encode(), self._file.id, earlier.encode(), lcpl=self._lcpl)
             self._links[path] = earlier
             self.linked_count += 1
             return ref
@@ -211,36 +231,35 @@ class BundleWriter:
             return ref
         held, version = self._stable[path]
         if held is not tensor or tensor._version != version:
-            dataset = self._file[path]
-            if tuple(dataset.shape) != ref.shape or str(dataset.attrs[ATTR_DTYPE]) != tag:
+            offset, shape, stored_tag = self._placed[path]
+            if shape != ref.shape or stored_tag != tag:
                 raise BundleError(f"{self.path}:{path}: the tensor changed shape or dtype while it was recorded")
             self._stable[path] = (tensor, tensor._version)
-            offset = dataset.id.get_offset()
             if offset is None:
-                self._write_through_hdf5(dataset, path, tensor)
+                self._write_through_hdf5(path, tensor)
             else:
-                self._stream.write_stable(int(offset), tensor, path)
+                self._stream.write_stable(offset, tensor, path)
         return ref
 
     def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> None:
         tag = tag_of(tensor.dtype)
-        dataset = self._create_dataset(path, tuple(tensor.shape), storage_dtype(tag))
-        dataset.attrs[ATTR_DTYPE] = tag
-        offset = dataset.id.get_offset()
+        shape = tuple(tensor.shape)
+        offset = self._create_dataset(path, shape, storage_dtype(tag), tag)
+        self._placed[path] = (offset, shape, tag)
         if stable:
             self._stable[path] = (tensor, tensor._version)
         if offset is None:  # HDF5 places some datasets (0-d, empty) only when written through it
-            self._write_through_hdf5(dataset, path, tensor)
+            self._write_through_hdf5(path, tensor)
         elif stable:
-            self._stream.write_stable(int(offset), tensor, path)
+            self._stream.write_stable(offset, tensor, path)
         else:
-            self._stream.write(int(offset), tensor, path)
+            self._stream.write(offset, tensor, path)
         self.tensor_bytes += tensor.numel() * tensor.element_size()
 
-    def _write_through_hdf5(self, dataset: h5py.Dataset, path: str, tensor: torch.Tensor) -> None:
+    def _write_through_hdf5(self, path: str, tensor: torch.Tensor) -> None:
         array = to_storage(tensor)[0]
         if array.size:
-            dataset[()] = array
+            self._file[path][()] = array
         self._checksums[path] = stored_crc32(array)
 
     def checksums(self) -> dict[str, int]:
@@ -249,8 +268,10 @@ class BundleWriter:
         sums.update({path: sums[target] for path, target in self._links.items()})
         return sums
 
-    def _create_dataset(self, path: str, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> h5py.Dataset:
-        """An empty dataset with its space allocated (h5py's low level: a third of the high level's cost)."""
+    def _create_dataset(self, path: str, shape: tuple[int, ...], dtype: np.dtype[np.generic], tag: str) -> int | None:
+        """An empty dataset with its space allocated and its ``dtype`` attribute; its data's file offset, or None
+        where HDF5 places it only when written through it. h5py's low level throughout: a third of the high
+        level's cost, which a model of many small modules pays per record."""
         space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
         type_id = self._type_ids.get(dtype)
         if type_id is None:
@@ -259,7 +280,9 @@ class BundleWriter:
             dataset_id = h5py.h5d.create(self._file.id, path.encode(), type_id, space, dcpl=self._dcpl, lcpl=self._lcpl)
         except ValueError as err:  # HDF5's "name already exists"
             raise BundleError(f"{self.path}: cannot create dataset {path}: {err}") from err
-        return h5py.Dataset(dataset_id)
+        self._tag_attribute.write(dataset_id, tag)
+        offset = dataset_id.get_offset()
+        return None if offset is None else int(offset)
 
     def _check_stable(self) -> None:
         """Tensors written from their own memory must not have changed since they were handed over."""

@@ -23,10 +23,19 @@ from parity_harness.replay.compare.runner import ReplayOptions, compare_run
 from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.preflight import start as start_preflight
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
 
-__all__ = ["RankPlan", "ReplayJob", "ReplayOutcome", "open_bundle_for_listing", "run_replay_job"]
+__all__ = [
+    "LocatedBundles",
+    "RankPlan",
+    "ReplayJob",
+    "ReplayOutcome",
+    "locate_bundles",
+    "open_bundle_for_listing",
+    "run_replay_job",
+]
 
 
 @dataclass(frozen=True)
@@ -77,10 +86,10 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
     Raises:
         ParityError: a bundle, manifest, map, checkpoint or adapter problem (exit code 2 in the CLI).
     """
-    device = job.options.device
     with ExitStack() as stack:
-        plan = plan_ranks(job, stack)
-        model = job.adapter.model(job.ckpt, device)
+        located = locate_bundles(job)
+        model = _load_port_while_walking(job, located.files, stack)
+        plan = plan_ranks(job, stack, located, preflight=None)
         if plan.reader is None:  # more replay processes than capture ranks: only take part in the reduction
             assert plan.data_parallel is not None
             plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
@@ -94,6 +103,21 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         if proposal is not None:
             _note_uncertain_pairs(result, proposal)
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)
+
+
+def _load_port_while_walking(job: ReplayJob, files: list[Path], stack: ExitStack) -> torch.nn.Module:
+    """The port, loaded while each bundle's metadata walk runs in its child (``replay.preflight``): the command
+    waits for the longer of the two, not for both. A bundle that is no regular file is refused first."""
+    for file in files:
+        if not file.is_file():  # missing, a folder or a FIFO: its one-line error now, before anything loads
+            BundleReader(file, verify=job.verify).close()
+    walks = [start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS) for file in files]
+    for walk in walks:
+        stack.callback(walk.cancel)
+    model = job.adapter.model(job.ckpt, job.options.device)
+    for walk in walks:
+        walk.result()
+    return model
 
 
 def _note_uncertain_pairs(result: ComparisonResult, proposal: ProposedMap) -> None:
@@ -145,14 +169,38 @@ def _naming(job: ReplayJob, model: torch.nn.Module, reader: BundleReader) -> tup
     return dataclasses.replace(job.options, rename=proposal.rename_map()), proposal
 
 
-def plan_ranks(job: ReplayJob, stack: ExitStack) -> RankPlan:
-    """Open the bundle, or every rank of a multi-rank capture with this process's share dealt round-robin."""
+@dataclass(frozen=True)
+class LocatedBundles:
+    """The files a job replays: one bundle, or every rank file of a multi-rank capture (its manifest read)."""
+
+    context: RankContext | None
+    manifest: Manifest | None
+    files: list[Path]
+
+
+def locate_bundles(job: ReplayJob) -> LocatedBundles:
+    """This process's place in a torchrun job, the capture's manifest if any, and the bundle files to open."""
     context = init_from_environment(job.options.device)  # under torchrun: this process's share of the ranks
     manifest = find_manifest(job.bundle)
     _check_rank_request(job, manifest, context)
+    files = [job.bundle] if manifest is None else [Path(file) for file in manifest.files]
+    return LocatedBundles(context, manifest, files)
+
+
+def plan_ranks(
+    job: ReplayJob,
+    stack: ExitStack,
+    located: LocatedBundles | None = None,
+    *,
+    preflight: float | None = DEFAULT_PREFLIGHT_SECONDS,
+) -> RankPlan:
+    """Open the bundle, or every rank of a multi-rank capture with this process's share dealt round-robin
+    (``preflight``: walk each file's metadata in a child first; None when that was done already)."""
+    located = located or locate_bundles(job)
+    context, manifest = located.context, located.manifest
+    readers = [stack.enter_context(BundleReader(f, verify=job.verify, preflight=preflight)) for f in located.files]
     if manifest is None:
-        return RankPlan(_open(job, job.bundle, stack), None, None, [])
-    readers = [_open(job, file, stack) for file in manifest.files]
+        return RankPlan(readers[0], None, None, [])
     assigned = list(range(len(readers)))
     rank = job.rank
     if context is not None:  # capture ranks dealt round-robin over the replay's processes
@@ -179,10 +227,6 @@ def _check_rank_request(job: ReplayJob, manifest: Manifest | None, context: Rank
         raise InputError(
             f"--rank {job.rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
         )
-
-
-def _open(job: ReplayJob, file: str | Path, stack: ExitStack) -> BundleReader:
-    return stack.enter_context(BundleReader(file, verify=job.verify, preflight=DEFAULT_PREFLIGHT_SECONDS))
 
 
 @contextmanager

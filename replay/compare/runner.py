@@ -43,7 +43,7 @@ from parity_harness.replay.compare.records import (
     unvisited_module_records,
 )
 from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge, snapshot_buffers
-from parity_harness.replay.diagnose.isolation import InputAdapter, LayoutTransform, as_recorded
+from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
@@ -444,11 +444,23 @@ class _ReplaySession:
             cast_inputs=self.precision.inputs,
             forward_context=functools.partial(self.precision.forward, self.target),
             mask_padding=options.mask_padding,
+            chained=self._chained_records(),
         )
         levels = self._local_levels(needs_levels(self.result, isolation))
         apply_isolation(self.result, isolation, levels if self.near is not None else None)
         if levels is not None:
             find_origins_below_tolerance(self.result, levels)
+
+    def _chained_records(self) -> ChainedRecords:
+        """The chained run's module records, unmasked ones only (a masked record's equality says nothing about
+        the padding a rerun would see), for isolation to reuse."""
+        diffs = {
+            record.name: record.diff
+            for record in self.result.records
+            if record.kind in ("forward", "backward") and not record.masked and record.rule == "atol/rtol"
+        }
+        unpaired = frozenset(name.rsplit("/", 1)[0] for name in self.result.replay_only if name.count("/") >= 2)
+        return ChainedRecords(diffs, unpaired)
 
     def _local_levels(self, modules: set[str]) -> dict[str, float] | None:
         """The port's own float32 rounding on the isolated calls of ``modules`` (None: not measurable)."""

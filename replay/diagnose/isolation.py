@@ -43,7 +43,16 @@ from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import diff_record, diff_sum
 
-__all__ = ["InputAdapter", "Isolation", "Isolator", "LayoutTransform", "as_recorded", "isolate", "not_recordable"]
+__all__ = [
+    "ChainedRecords",
+    "InputAdapter",
+    "Isolation",
+    "Isolator",
+    "LayoutTransform",
+    "as_recorded",
+    "isolate",
+    "not_recordable",
+]
 
 LayoutTransform = Callable[[str, torch.Tensor], torch.Tensor]
 """``to_reference(record, value)``: a port tensor in the reference's layout (differentiable)."""
@@ -117,6 +126,47 @@ def _replace_tensors(value: Any, replacement: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_replace_tensors(item, replacement) for item in value)
     return value
+
+
+@dataclass(frozen=True)
+class ChainedRecords:
+    """What the chained run found, for isolation to reuse: record name -> difference, and the calls for which
+    the port had a tensor the bundle lacks (their chained run was fed something isolation cannot feed)."""
+
+    diffs: dict[str, TensorDiff]
+    unpaired_calls: frozenset[str]
+    """``module/call`` of calls with records only in the replay."""
+
+    def reusable(self, call: ModuleCall, module: torch.nn.Module) -> dict[str, TensorDiff] | None:
+        """The local differences of ``call`` without running it again, or None when it must run.
+
+        A call whose every recorded input, output, ``grad_output`` and ``grad_input`` was compared in the chained
+        run and held the reference's exact bits already ran on the reference's inputs with the reference's
+        ``grad_output``: running it alone would repeat that computation bit for bit (a container holding a whole
+        block costs as much as the block). Only calls of modules without parameters of their own are reused,
+        since isolation sums each call's parameter gradients (the calls that matter are containers).
+        """
+        if f"{call.module}/{call.call}" in self.unpaired_calls:
+            return None
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            return None
+        prefix = f"{call.module}/{call.call}/"
+        slots = [slot for slot, _ in iter_tensors(call.inputs, "input")]
+        local = [slot for slot, _ in iter_tensors(call.outputs, "output")] + [*call.grad_inputs]
+        diffs = {slot: self.diffs.get(prefix + slot) for slot in [*slots, *local, *call.grad_outputs]}
+        if not slots or not all(diff is not None and _bit_identical(diff) for diff in diffs.values()):
+            return None
+        return {prefix + slot: diffs[slot] for slot in local}  # type: ignore[misc]
+
+
+def _bit_identical(diff: TensorDiff) -> bool:
+    return (
+        diff.basis == "elements"
+        and diff.match
+        and diff.problem is None
+        and diff.max_abs == 0.0
+        and (diff.nan_expected == 0)
+    )
 
 
 class _Unfed(Exception):
@@ -316,6 +366,7 @@ def isolate(
     cast_inputs: Callable[[Any], Any] = lambda value: value,
     forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     mask_padding: bool = False,
+    chained: ChainedRecords | None = None,
 ) -> Isolation:
     """Run every matched module call of ``model`` on the reference's recorded inputs.
 
@@ -331,6 +382,8 @@ def isolate(
         cast_inputs: applied to each recorded input tensor (a reduced-precision replay casts them).
         forward_context: the context each isolated call runs in (autocast).
         mask_padding: leave padded positions out, as ``--mask-padding`` does in the chained comparison.
+        chained: the chained run's records; a call it already ran on the reference's exact inputs is not run
+            again (:meth:`ChainedRecords.reusable`).
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -355,6 +408,10 @@ def isolate(
             isolator.outcome.skipped[call.module] = reason
             continue
         isolator.position = position - 1
+        reused = chained.reusable(call, modules[call.module]) if chained is not None else None
+        if reused is not None:
+            isolator.outcome.local.update(reused)
+            continue
         isolator.run_call(modules[call.module], call, isolation_inputs)
     isolator.compare_params()
     return isolator.outcome

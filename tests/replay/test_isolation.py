@@ -9,13 +9,15 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.diagnose.isolation import ChainedRecords
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
-from tests.conftest import PORT_DIR, PORT_MAP, replay_with_adapter
+from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER, replay_with_adapter
 from tests.models import build_tiny, tiny_inputs
 
 PORT_TOLERANCE = ToleranceTable(Tolerance(1e-4, 1e-4))
@@ -188,3 +190,39 @@ def test_self_replay_with_isolation_is_exact(inputs: dict, tmp_path: Path) -> No
     locals_ = [r.local for r in result.records if r.local is not None]
     assert locals_
     assert all(diff.match for diff in locals_)
+
+
+def _isolate_counting_calls(bundle: Path, model: nn.Module) -> tuple[ComparisonResult, int]:
+    calls = [0]
+
+    def count(module: nn.Module, args: object) -> None:
+        calls[0] += 1
+
+    handle = nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        with BundleReader(bundle) as reader:
+            return compare_run(model, reader, tolerances=PORT_TOLERANCE, isolate=True), calls[0]
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("changed", [None, "encoder.layers.1.conv.pointwise_conv1.weight"], ids=["exact", "bug"])
+def test_isolation_reuses_exact_chained_calls_without_changing_a_verdict(
+    ref_bundle: Path, ref_checkpoint: Path, changed: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls the chained run already fed the reference's exact inputs and grad_outputs are not run again: every
+    local difference and verdict is the one a rerun gives, and fewer module calls run."""
+    model = load_adapter(str(REF_ADAPTER)).model(str(ref_checkpoint), "cpu")
+    if changed is not None:
+        with torch.no_grad():
+            model.get_parameter(changed).mul_(1.01)
+    reused, reused_calls = _isolate_counting_calls(ref_bundle, model)
+    monkeypatch.setattr(ChainedRecords, "reusable", lambda self, call, module: None)
+    rerun, rerun_calls = _isolate_counting_calls(ref_bundle, model)
+    assert reused_calls < rerun_calls
+    assert [(r.name, r.verdict, r.local) for r in reused.records] == [
+        (r.name, r.verdict, r.local) for r in rerun.records
+    ]
+    assert reused.to_json()["first_origin"] == rerun.to_json()["first_origin"]
+    if changed is not None:
+        assert reused.to_json()["first_origin"]["forward"] == "encoder.layers.1.conv.pointwise_conv1"

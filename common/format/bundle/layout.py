@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 __all__ = [
@@ -47,6 +48,7 @@ def escape(component: str) -> str:
     return component.replace("%", "%25").replace("/", "%2F").replace(".", "%2E") or "%00"
 
 
+@functools.lru_cache(maxsize=8192)  # the same module names, over and over, in a hook per module call
 def escape_dotted(path: str) -> str:
     """Escape a dotted module or parameter path for use as one HDF5 link name (dots stay)."""
     return ".".join(escape(part) for part in path.split(".")) if path else "%00"
