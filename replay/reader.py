@@ -90,7 +90,7 @@ class BundleReader:
         try:
             with self._damage_guard("/"):
                 self.format_version, self.format_minor = self._check_version()
-                self._stored = check_contained(self._file, self.path, "bundle")
+                self._stored = check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
                 self.index = self._read_index()
                 self._require_checksums()
                 self._validate_tensors()
@@ -132,7 +132,6 @@ class BundleReader:
             raise BundleFormatError(f"{self.path}: {err}") from err
 
     def _validate_tensors(self) -> None:
-        self._tags: dict[int, str] = {}
         referenced: set[str] = set()
         sums = self.index.checksums
         for ref in self.index.tensor_refs():
@@ -195,9 +194,7 @@ class BundleReader:
         where = f"{self.path}:{ref.path}"
         if node is None:
             raise BundleFormatError(f"{where}: tensor named by the index is missing; the bundle is incomplete")
-        tag = self._tags.get(id(node))
-        if tag is None:  # a dataset stored once under several names (a repeat linked) is asked once
-            tag = self._tags[id(node)] = _string_attribute(node.id, ATTR_DTYPE) or ""
+        tag = node.label
         if tag != ref.tag:
             raise BundleFormatError(f"{where}: dtype tag {tag!r} != {ref.tag!r} declared in the index")
         if node.dtype != storage_dtype(ref.tag):
@@ -241,7 +238,8 @@ class BundleReader:
         stored = self._stored[ref.path.lstrip("/")]  # validated at open: every tensor the index names is there
         offset, nbytes = stored.offset, stored.nbytes
         if self._map is None or offset is None or nbytes == 0:  # compact: a few bytes in the header
-            array = np.asarray(h5py.Dataset(stored.id)[()])
+            node = self._file[ref.path]
+            array = np.asarray(node[()]) if isinstance(node, h5py.Dataset) else np.empty(stored.shape, stored.dtype)
             return self.verify(ref, array) if verify else array
         if offset + nbytes > len(self._map):
             raise BundleFormatError(
@@ -324,22 +322,6 @@ def _map_file(path: Path) -> mmap.mmap | None:
             return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None
-
-
-def _string_attribute(dataset: h5py.h5d.DatasetID, name: str) -> str | None:
-    """A scalar string attribute (fixed or variable length) read through h5py's low level; None when it is
-    absent or not a scalar string (a tag check then reports the difference)."""
-    key = name.encode()
-    if not h5py.h5a.exists(dataset, key):
-        return None
-    attribute = h5py.h5a.open(dataset, key)
-    dtype = attribute.dtype
-    if attribute.shape != () or h5py.check_string_dtype(dtype) is None:
-        return None
-    value = np.zeros((), dtype=dtype)
-    attribute.read(value, mtype=h5py.h5t.py_create(dtype))
-    raw = value[()]
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _is_auxiliary(name: str) -> bool:

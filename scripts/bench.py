@@ -1,23 +1,35 @@
-"""Capture and replay cost on a GPT-2-small-shaped model, as ratios to the bare model, in one run.
+"""What capture and replay cost, as ratios to the bare model, measured in one run: steps and whole commands.
 
-    python scripts/bench.py [--layers 12] [--width 768] [--batch-size 2] [--seq-len 128] [--repeat 3]
+    python scripts/bench.py [--model gpt2|conformer|fastconformer] [--repeat 3] [--rounds 2] [--no-steps]
+                            [--no-commands] [--dir DIR]
 
-Builds a plain-torch GPT-2-small-shaped language model (12 layers, width 768, 12 heads, vocabulary
-50257, untied head: 163 M parameters; seeded init), then measures, each in its own child process
-so that peak memory belongs to that step alone:
+Models (``scripts/bench_models.py``): ``gpt2`` (GPT-2-small-shaped, 163 M parameters, a few large
+modules), ``conformer`` (the bundled Conformer-CTC example at d_model 256, 6.1 M parameters, many small
+modules; the default) and ``fastconformer`` (the same architecture at 17 layers, d_model 512, 10 s of audio,
+batch 4).
 
-* bare: seeded forward + backward with a random cotangent on the logits, as capture drives it;
-* capture: ``capture.capture_run`` into a bundle (every module's inputs, outputs, grad_outputs and
-  grad_inputs, every parameter and gradient), with and without CRC-32 checksums;
-* replay: ``replay.compare_run`` of the same model against that bundle at atol = rtol = 0;
-* replay of a "port" whose weights are off by a relative 1e-6, so that every record differs a
-  little and takes the comparison's full float64 path instead of its bit-identical shortcut;
-* capture and replay with ``--summary-only`` (statistics + checksum instead of values).
+**Whole commands** (what a user waits for): each command timed as its own process from start to exit,
+best of ``--rounds``, the rounds interleaved so that a busy machine slows all alike:
 
-"compare GB/s" is the bundle's size over the time a step adds to the bare run.
+* bare process: ``python scripts/bench_models.py bare``: interpreter start, import torch, build the model,
+  one seeded forward and backward with a random cotangent, in plain torch;
+* ``capture-run --adapter scripts/bench_models.py`` of that model (every record in full, checksums on);
+* ``replay-compare`` of the same model against that bundle at the default tolerances, with and without
+  ``--isolate``; ``replay-compare --list`` of the bundle.
 
-Times are medians of ``--repeat`` runs after one warm-up, excluding interpreter start and model
-construction (printed separately). Peak RSS is the child's VmHWM (Linux).
+**Steps** (the library call alone, interpreter start and model construction excluded): each in its own
+child process so that peak memory belongs to that step alone, median of ``--repeat`` runs after a warm-up:
+bare forward + backward as capture drives it, ``capture_run`` with and without checksums and with
+``--summary-only``, ``compare_run`` of the exact model at atol = rtol = 0 (bit-identical records take the
+comparison's shortcut), with ``isolate``, and of a "port" whose weights are off by a relative 1e-6 (every
+record differs a little and takes the full float64 path; "GB/s" is the bundle's size over the time the step
+adds to the bare run).
+
+When msprobe (``pip install mindstudio-probe``) is importable, its dump of the same model (task
+``tensor``, level ``L1``: every API's inputs and outputs, forward and backward) and its compare of two such
+dumps are timed in the same run, as steps.
+
+Peak RSS is the process's own (VmHWM for steps, ``wait4``'s ru_maxrss for commands; Linux).
 """
 
 from __future__ import annotations
@@ -35,62 +47,22 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+MODELS_FILE = ROOT / "scripts" / "bench_models.py"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-
-STEPS = ("bare", "capture", "capture-no-checksums", "replay", "replay-near", "capture-summary", "replay-summary")
-
-
-def build_model(layers: int, width: int, heads: int, vocab: int, context: int) -> Any:
-    """A seeded GPT-2-shaped model: token + position embeddings, pre-LN blocks, untied LM head."""
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-
-    class SelfAttention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qkv = nn.Linear(width, 3 * width)
-            self.proj = nn.Linear(width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, c = x.shape
-            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln_1 = nn.LayerNorm(width)
-            self.attn = SelfAttention()
-            self.ln_2 = nn.LayerNorm(width)
-            self.mlp = nn.Sequential(
-                nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width)
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-
-    class LanguageModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte = nn.Embedding(vocab, width)
-            self.wpe = nn.Embedding(context, width)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(width)
-            self.head = nn.Linear(width, vocab, bias=False)
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-            x = self.wte(input_ids) + self.wpe(positions)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    torch.manual_seed(0)
-    return LanguageModel().eval()
+STEPS = (
+    "bare",
+    "capture",
+    "capture-no-checksums",
+    "replay",
+    "replay-isolate",
+    "replay-near",
+    "capture-summary",
+    "replay-summary",
+    "msprobe-dump",
+    "msprobe-compare",
+)
 
 
 def peak_rss_bytes() -> int:
@@ -117,156 +89,298 @@ def median_seconds(step: Callable[[], object], repeat: int, prepare: Callable[[]
     return statistics.median(times)
 
 
+# ------------------------------------------------------------------ steps (each in a child process)
+
+
 def child(options: argparse.Namespace) -> None:
     """Run one measured step and print its figures as one JSON line."""
     started = time.perf_counter()
-    import torch
+    os.environ["PARITY_BENCH_MODEL"] = options.model
+    import bench_models
 
-    from parity_harness.capture.observe.driving import make_cotangents, seed_everything
+    model = bench_models.load_model(None, "cpu")
+    inputs = bench_models.make_inputs(0, options.batch_size, options.seq_len)
+    startup = time.perf_counter() - started
+    extra: dict[str, object] = {}
+    if options.child.startswith("msprobe"):
+        step, prepare = msprobe_step(options, model, inputs, extra)
+    elif options.child == "bare":
+        step, prepare = (lambda: (model.zero_grad(set_to_none=True), bench_models.seeded_step(model, inputs))), None
+    elif options.child.startswith("capture"):
+        step, prepare = capture_step(options, model, inputs, extra)
+    else:
+        step, prepare = replay_step(options, model, extra)
+    seconds = median_seconds(step, options.repeat, prepare or (lambda: None))
+    print(json.dumps({"seconds": seconds, "startup": startup, "peak_rss": peak_rss_bytes(), **extra}))
+
+
+def capture_step(options: argparse.Namespace, model: Any, inputs: Any, extra: dict[str, object]) -> tuple[Any, Any]:
     from parity_harness.capture.record.recorder import capture_run
     from parity_harness.common.format.bundle.selection import Selection
+
+    bundle = Path(options.bundle)
+    selection = Selection(summary_only=options.child.endswith("summary"))
+    checksums = not options.child.endswith("no-checksums")
+
+    def prepare() -> None:  # a capture writes a new file; deleting the last one is not its cost
+        bundle.unlink(missing_ok=True)
+
+    def step() -> None:
+        summary = capture_run(model, inputs, bundle, seed=42, selection=selection, checksums=checksums)
+        extra.update(tensors=summary.tensors, tensor_bytes=summary.tensor_bytes, linked=summary.linked)
+        extra.update(calls=summary.module_calls)
+
+    return step, prepare
+
+
+def replay_step(options: argparse.Namespace, model: Any, extra: dict[str, object]) -> tuple[Any, None]:
+    import torch
+
     from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
     from parity_harness.replay.compare.runner import compare_run
     from parity_harness.replay.reader import BundleReader
 
-    model = build_model(options.layers, options.width, options.heads, options.vocab, options.seq_len)
-    generator = torch.Generator().manual_seed(0)
-    inputs = {"input_ids": torch.randint(0, options.vocab, (options.batch_size, options.seq_len), generator=generator)}
-    startup = time.perf_counter() - started
-    bundle = Path(options.bundle)
-    extra: dict[str, object] = {}
+    exact = options.child != "replay-near"
+    if not exact:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1 + 1e-6 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    tolerance = Tolerance(0.0, 0.0) if exact else Tolerance(1e-3, 1e-3)
+    isolate = options.child == "replay-isolate"
 
-    def prepare() -> None:
-        pass
+    def step() -> None:
+        with BundleReader(options.bundle) as reader:
+            result = compare_run(model, reader, tolerances=ToleranceTable(tolerance), isolate=isolate)
+        failed = [r.name for r in result.records if not r.match] + result.bundle_only + result.replay_only
+        if failed and exact:
+            raise SystemExit(f"replay of the same model is not exact: {len(failed)} records, e.g. {failed[0]}")
+        identical = sum(1 for r in result.records if r.diff.max_abs == 0)
+        extra.update(records=len(result.records), identical=identical)
 
-    if options.child == "bare":
+    return step, None
 
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            seed_everything(42)
-            triples = make_cotangents(model(**inputs), 42)
-            torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
 
-    elif options.child.startswith("capture"):
-        selection = Selection(summary_only=options.child.endswith("summary"))
-        checksums = not options.child.endswith("no-checksums")
+def msprobe_step(options: argparse.Namespace, model: Any, inputs: Any, extra: dict[str, object]) -> tuple[Any, Any]:
+    """msprobe's dump of one step (task tensor, level L1), or its compare of two such dumps."""
+    import bench_models
+    from msprobe.pytorch import PrecisionDebugger
 
-        def prepare() -> None:  # a capture writes a new file; deleting the last one is not its cost
-            bundle.unlink(missing_ok=True)
+    folder = Path(options.bundle).parent / "msprobe"
+    config = folder / "config.json"
+    folder.mkdir(exist_ok=True)
+    config.write_text(json.dumps({"task": "tensor", "dump_path": str(folder / "dump"), "level": "L1", "rank": []}))
 
-        def step() -> None:
-            summary = capture_run(model, inputs, bundle, seed=42, selection=selection, checksums=checksums)
-            extra.update(
-                tensors=summary.tensors,
-                tensor_bytes=summary.tensor_bytes,
-                linked=summary.linked,
-                calls=summary.module_calls,
-            )
+    def dump(into: str) -> None:
+        debugger = PrecisionDebugger(config_path=str(config), dump_path=str(folder / into))
+        debugger.start(model)
+        model.zero_grad(set_to_none=True)
+        bench_models.seeded_step(model, inputs)
+        debugger.stop()
+        debugger.step()
 
-    else:
-        exact = options.child != "replay-near"
-        if not exact:
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.mul_(1 + 1e-6 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
-        tolerance = Tolerance(0.0, 0.0) if exact else Tolerance(1e-3, 1e-3)
+    if options.child == "msprobe-dump":
+        return (lambda: dump("a")), None
+    dump("a")
+    dump("b")
+    from msprobe.pytorch import compare
 
-        def step() -> None:
-            with BundleReader(bundle) as reader:
-                result = compare_run(model, reader, tolerances=ToleranceTable(tolerance))
-            failed = [r.name for r in result.records if not r.match] + result.bundle_only + result.replay_only
-            if failed and exact:
-                raise SystemExit(f"replay of the same model is not exact: {len(failed)} records, e.g. {failed[0]}")
-            identical = sum(1 for r in result.records if r.diff.max_abs == 0)
-            extra.update(records=len(result.records), identical=identical)
+    def step() -> None:
+        runs = sorted((folder / "a").rglob("dump.json")), sorted((folder / "b").rglob("dump.json"))
+        spec = {"npu_path": str(runs[0][0]), "bench_path": str(runs[1][0]), "is_print_compare_log": False}
+        compare(spec, output_path=str(folder / "out"))
 
-    seconds = median_seconds(step, options.repeat, prepare)
-    print(json.dumps({"seconds": seconds, "startup": startup, "peak_rss": peak_rss_bytes(), **extra}))
+    extra["dump_bytes"] = sum(p.stat().st_size for p in (folder / "a").rglob("*") if p.is_file())
+    return step, None
+
+
+def msprobe_available() -> bool:
+    try:
+        import msprobe.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def run_child(step: str, options: argparse.Namespace, bundle: Path) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", step, "--bundle", str(bundle)]
-    for name in ("layers", "width", "heads", "vocab", "batch_size", "seq_len", "repeat"):
-        command += [f"--{name.replace('_', '-')}", str(getattr(options, name))]
+    command = [sys.executable, __file__, "--child", step, "--bundle", str(bundle), "--model", options.model]
+    command += ["--batch-size", str(options.batch_size), "--seq-len", str(options.seq_len)]
+    command += ["--repeat", str(options.repeat)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{step} failed:\n{done.stderr}{done.stdout}")
+        raise SystemExit(f"{step} failed:\n{done.stderr[-3000:]}{done.stdout[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="folder for the bundle (default: a temporary folder)")
-    parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
-    parser.add_argument("--bundle", help=argparse.SUPPRESS)
-    options = parser.parse_args()
-    if options.child:
-        child(options)
-        return
+# ------------------------------------------------------------------ whole commands
 
-    with tempfile.TemporaryDirectory(dir=options.dir) as folder:
-        bundle, summary_bundle = Path(folder) / "bench.h5", Path(folder) / "summary.h5"
-        figures = {step: run_child(step, options, bundle) for step in ("bare", "capture-no-checksums")}
-        figures |= {step: run_child(step, options, bundle) for step in ("capture", "replay", "replay-near")}
-        size = bundle.stat().st_size
-        bundle.unlink()
-        figures |= {step: run_child(step, options, summary_bundle) for step in ("capture-summary", "replay-summary")}
-        summary_size = summary_bundle.stat().st_size
 
-    import torch
+def console_script(name: str) -> str:
+    """The console script installed beside this interpreter (the environment the bench runs in)."""
+    script = Path(sys.executable).parent / name
+    if not script.exists():
+        raise SystemExit(f"{script} is missing: install the project in this environment (pip install -e .)")
+    return str(script)
 
-    bare, capture, replay = figures["bare"], figures["capture"], figures["replay"]
-    params = 12 * options.width**2 * options.layers + (2 * options.vocab + options.seq_len) * options.width
-    print(
-        f"model: GPT-2-small-shaped, {options.layers} layers, width {options.width}, vocab {options.vocab}, "
-        f"~{params / 1e6:.0f} M parameters; batch {options.batch_size} x {options.seq_len}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
-        f"median of {options.repeat} after a warm-up; each step in its own process"
-    )
+
+def commands(options: argparse.Namespace, bundle: Path) -> dict[str, list[str]]:
+    sizes = ["--batch-size", str(options.batch_size), "--seq-len", str(options.seq_len)]
+    adapter = ["--adapter", str(MODELS_FILE)]
+    replay = [console_script("replay-compare"), *adapter, "--bundle", str(bundle), "--quiet"]
+    return {
+        "bare": [sys.executable, str(MODELS_FILE), "bare", "--model", options.model, *sizes],
+        "capture": [console_script("capture-run"), *adapter, "--out", str(bundle), "--seed", "42", *sizes],
+        "replay": replay,
+        "replay-isolate": [*replay, "--isolate"],
+        "list": [console_script("replay-compare"), "--bundle", str(bundle), "--list"],
+    }
+
+
+def time_command(command: list[str], model: str) -> tuple[float, int]:
+    """Wall seconds from start to exit, and the process's peak RSS in bytes."""
+    environment = {**os.environ, "PARITY_BENCH_MODEL": model}
+    started = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=environment)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - started
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        assert child.stderr is not None
+        raise SystemExit(f"{' '.join(command)} exited {code}:\n{child.stderr.read().decode()[-3000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def time_commands(options: argparse.Namespace, bundle: Path) -> dict[str, tuple[float, int]]:
+    """Best of ``rounds`` whole-process times per command, interleaved; a fresh capture each round."""
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(options.rounds):
+        for name, command in commands(options, bundle).items():
+            if name == "capture":
+                bundle.unlink(missing_ok=True)
+            seconds, rss = time_command(command, options.model)
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, rss)
+    return best
+
+
+# ------------------------------------------------------------------ report
+
+
+def print_steps(figures: dict[str, dict[str, Any]], size: int, summary_size: int) -> None:
+    bare, capture = figures["bare"], figures["capture"]
     print(
         f"bundle: {size / 1e9:.2f} GB on disk, {capture['tensor_bytes'] / 1e9:.2f} GB of tensor data; "
         f"{capture['tensors']} tensors recorded ({capture['linked']} repeats stored as links), "
-        f"{capture['calls']} module calls; replay compared {replay['records']} records; "
+        f"{capture['calls']} module calls; replay compared {figures['replay']['records']} records; "
         f"summary-only bundle: {summary_size / 1e6:.1f} MB"
     )
     rows = [
         ("bare forward + backward", "bare", 0),
-        ("capture-run", "capture", size),
-        ("capture-run --no-checksums", "capture-no-checksums", size),
-        ("replay-compare (exact port)", "replay", size),
-        ("replay-compare (port off 1e-6)", "replay-near", size),
-        ("capture-run --summary-only", "capture-summary", 0),
-        ("replay of that bundle", "replay-summary", 0),
+        ("capture_run", "capture", 0),
+        ("capture_run, no checksums", "capture-no-checksums", 0),
+        ("compare_run, exact, atol=rtol=0", "replay", size),
+        ("compare_run --isolate", "replay-isolate", size),
+        ("compare_run, port off 1e-6", "replay-near", size),
+        ("capture_run --summary-only", "capture-summary", 0),
+        ("compare_run of that bundle", "replay-summary", 0),
+        ("msprobe dump (tensor, L1)", "msprobe-dump", 0),
+        ("msprobe compare of two dumps", "msprobe-compare", 0),
     ]
-    print(f"{'step':32s} {'seconds':>8s} {'ratio':>7s} {'compare GB/s':>13s} {'peak RSS':>9s} {'start-up':>9s}")
+    print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}")
     for name, key, nbytes in rows:
+        if key not in figures:
+            continue
         figure = figures[key]
         added = figure["seconds"] - bare["seconds"]
         rate = f"{nbytes / 1e9 / added:.2f}" if nbytes and added > 0 else "-"
         print(
-            f"{name:32s} {figure['seconds']:8.3f} {figure['seconds'] / bare['seconds']:6.2f}x {rate:>13s} "
-            f"{figure['peak_rss'] / 1e9:8.2f}G {figure['startup']:8.2f}s"
+            f"{name:34s} {figure['seconds']:8.3f} {figure['seconds'] / bare['seconds']:6.2f}x {rate:>6s} "
+            f"{figure['peak_rss'] / 1e9:8.2f}G"
         )
     near = figures["replay-near"]
     print(f"port off 1e-6: {near['records'] - near['identical']} of {near['records']} records differ")
-    largest = max_record_bytes(options)
-    budget = bare["peak_rss"] + 2 * largest
+    if "msprobe-dump" in figures:
+        print(f"msprobe dump: {figures['msprobe-dump'].get('dump_bytes', 0) / 1e9:.2f} GB")
+
+
+def print_commands(best: dict[str, tuple[float, int]], largest: int) -> None:
+    bare_seconds, bare_rss = best["bare"]
+    print(f"\nWHOLE COMMANDS (best of rounds) {'seconds':>8s} {'/ bare':>7s} {'peak RSS':>9s}")
+    names = {
+        "bare": "bare process",
+        "capture": "capture-run",
+        "replay": "replay-compare",
+        "replay-isolate": "replay-compare --isolate",
+        "list": "replay-compare --list",
+    }
+    for key, name in names.items():
+        seconds, rss = best[key]
+        print(f"{name:34s} {seconds:6.2f} {seconds / bare_seconds:6.2f}x {rss / 1e9:8.2f}G")
+    replay_rss = best["replay"][1]
     print(
-        f"replay peak RSS - bare peak RSS = {(replay['peak_rss'] - bare['peak_rss']) / 1e6:.0f} MB; "
-        f"largest record {largest / 1e6:.0f} MB; target: replay peak <= {budget / 1e9:.2f} GB"
+        f"replay peak RSS - bare = {(replay_rss - bare_rss) / 1e6:.0f} MB; largest record {largest / 1e6:.0f} MB; "
+        f"target: <= bare + 2 x largest = {(bare_rss + 2 * largest) / 1e9:.2f} GB"
     )
 
 
-def max_record_bytes(options: argparse.Namespace) -> int:
-    """The largest single recorded tensor: the LM head's weight or the logits, in float32."""
-    return 4 * max(options.vocab * options.width, options.batch_size * options.seq_len * options.vocab)
+def largest_record(bundle: Path) -> int:
+    import h5py
+
+    sizes: list[int] = []
+    with h5py.File(bundle, "r") as file:
+        file.visititems(lambda _, node: sizes.append(node.nbytes) if isinstance(node, h5py.Dataset) else None)
+    return max(sizes)
+
+
+def main() -> None:
+    import bench_models
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(bench_models.MODELS), default="conformer")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per step (median, after a warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per whole command (best of)")
+    parser.add_argument("--no-steps", action="store_true", help="only the whole commands")
+    parser.add_argument("--no-commands", action="store_true", help="only the steps")
+    parser.add_argument("--dir", default=None, help="folder for the bundles (default: a temporary folder)")
+    parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--bundle", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    spec = bench_models.MODELS[options.model]
+    options.batch_size = options.batch_size or spec.batch_size
+    options.seq_len = options.seq_len or spec.seq_len
+    if options.child:
+        child(options)
+        return
+
+    import torch
+
+    print(
+        f"model: {spec.description}; batch {options.batch_size} x {options.seq_len}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs"
+    )
+    with tempfile.TemporaryDirectory(dir=options.dir) as folder:
+        bundle, summary_bundle = Path(folder) / "bench.h5", Path(folder) / "summary.h5"
+        if not options.no_commands:
+            best = time_commands(options, bundle)
+            print_commands(best, largest_record(bundle))
+            bundle.unlink()
+        if not options.no_steps:
+            figures = measure_steps(options, bundle, summary_bundle)
+            print_steps(figures, figures.pop("_size"), figures.pop("_summary_size"))
+
+
+def measure_steps(options: argparse.Namespace, bundle: Path, summary_bundle: Path) -> dict[str, Any]:
+    figures = {step: run_child(step, options, bundle) for step in ("bare", "capture-no-checksums")}
+    figures |= {step: run_child(step, options, bundle) for step in ("capture", "replay", "replay-isolate")}
+    figures["replay-near"] = run_child("replay-near", options, bundle)
+    figures["_size"] = bundle.stat().st_size
+    bundle.unlink()
+    figures |= {step: run_child(step, options, summary_bundle) for step in ("capture-summary", "replay-summary")}
+    figures["_summary_size"] = summary_bundle.stat().st_size
+    if msprobe_available():
+        figures |= {step: run_child(step, options, bundle) for step in ("msprobe-dump", "msprobe-compare")}
+    return figures
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ walk of HDF5's low level, about 20 us a dataset, where h5py's high level costs s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import numpy as np
 
 from parity_harness.common.errors import BundleFormatError
 
-__all__ = ["StoredDataset", "check_contained", "require_regular_file"]
+__all__ = ["StoredDataset", "check_contained", "require_regular_file", "string_attribute"]
 
 _ALLOWED_LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact"}
 _LAYOUT_NAMES = {h5py.h5d.CHUNKED: "chunked", h5py.h5d.VIRTUAL: "virtual"}
@@ -45,13 +46,14 @@ _FIX = "this project writes none; the file is crafted or was repacked (h5repack 
 class StoredDataset:
     """One dataset of a contained file, as the containment walk found it."""
 
-    id: h5py.h5d.DatasetID
     shape: tuple[int, ...]
     dtype: np.dtype[np.generic]
     offset: int | None
     """Where its bytes start in the file (contiguous), or None (compact: in its object header; or nothing stored)."""
     nbytes: int
     """Its declared size: shape x item size (the walk checked that exactly this many bytes are stored)."""
+    label: str | None = None
+    """The string attribute the walk was asked to read (a bundle's ``dtype`` tag), None when absent or no string."""
 
 
 def require_regular_file(path: Path, noun: str) -> None:
@@ -60,8 +62,13 @@ def require_regular_file(path: Path, noun: str) -> None:
         raise BundleFormatError(f"{path}: not a regular file (a FIFO, socket or device); pass the {noun} file itself")
 
 
-def check_contained(file: h5py.File, path: str | os.PathLike[str], noun: str) -> dict[str, StoredDataset]:
+def check_contained(
+    file: h5py.File, path: str | os.PathLike[str], noun: str, label: str | None = None
+) -> dict[str, StoredDataset]:
     """Refuse ``file`` (open, read-only, at ``path``) unless every object lies in its own bytes (module docstring).
+
+    Args:
+        label: a scalar string attribute to read from every dataset on the way (:attr:`StoredDataset.label`).
 
     Returns:
         Every dataset under each of its names (no leading ``/``; a dataset hard-linked twice has two).
@@ -83,21 +90,42 @@ def check_contained(file: h5py.File, path: str | os.PathLike[str], noun: str) ->
         info = h5py.h5o.get_info(file.id, name.encode())
         address = (info.fileno, info.addr)
         if address not in by_address:
-            by_address[address] = _check_object(file, name, info.type, where, size, noun)
+            by_address[address] = _check_object(file, name, info.type, where, size, noun, label)
         stored = by_address[address]
         if stored is not None:
             catalog[name] = stored
     return catalog
 
 
-def _check_object(file: h5py.File, name: str, kind: int, where: str, size: int, noun: str) -> StoredDataset | None:
+def _check_object(
+    file: h5py.File, name: str, kind: int, where: str, size: int, noun: str, label: str | None
+) -> StoredDataset | None:
     """A group passes; a dataset is checked (:func:`_check_dataset`); anything else is refused."""
     if kind == h5py.h5o.TYPE_GROUP:
         return None
     if kind != h5py.h5o.TYPE_DATASET:
         what = "named datatype" if kind == h5py.h5o.TYPE_NAMED_DATATYPE else "object of unknown type"
         raise BundleFormatError(f"{where}: is a {what}, not a group or a dataset; a {noun} holds none")
-    return _check_dataset(h5py.h5o.open(file.id, name.encode()), where, size)
+    dataset = h5py.h5o.open(file.id, name.encode())
+    stored = _check_dataset(dataset, where, size)
+    # The id is not kept: a file holding thousands of open ids takes as long again to close.
+    return stored if label is None else dataclasses.replace(stored, label=string_attribute(dataset, label))
+
+
+def string_attribute(target: h5py.h5o.ObjectID, name: str) -> str | None:
+    """A scalar string attribute (fixed or variable length) read through h5py's low level; None when it is
+    absent or not a scalar string."""
+    key = name.encode()
+    if not h5py.h5a.exists(target, key):
+        return None
+    attribute = h5py.h5a.open(target, key)
+    dtype = attribute.dtype
+    if attribute.shape != () or h5py.check_string_dtype(dtype) is None:
+        return None
+    value = np.zeros((), dtype=dtype)
+    attribute.read(value, mtype=h5py.h5t.py_create(dtype))
+    raw = value[()]
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def _check_dataset(dataset: h5py.h5d.DatasetID, where: str, file_size: int) -> StoredDataset:
@@ -115,7 +143,7 @@ def _check_dataset(dataset: h5py.h5d.DatasetID, where: str, file_size: int) -> S
         raise BundleFormatError(f"{where}: variable-length dtype {dtype}; a dataset here has fixed-size items")
     shape = tuple(int(n) for n in dataset.shape)
     declared, kept = math.prod(shape) * dtype.itemsize, dataset.get_storage_size()
-    stored = StoredDataset(dataset, shape, dtype, None, declared)
+    stored = StoredDataset(shape, dtype, None, declared)
     if kept != declared:
         raise BundleFormatError(
             f"{where}: declares {declared} bytes but stores {kept} (the rest would be filled in, or is extra); "
@@ -129,4 +157,4 @@ def _check_dataset(dataset: h5py.h5d.DatasetID, where: str, file_size: int) -> S
             f"{where}: its {declared} bytes at offset {offset} lie outside the {file_size}-byte file; the file is "
             "truncated or crafted"
         )
-    return StoredDataset(dataset, shape, dtype, int(offset), declared)
+    return StoredDataset(shape, dtype, int(offset), declared)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from parity_harness.common.numerics import metrics, parallel
 from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.parallel import PARALLEL_FROM
 from parity_harness.common.numerics.tolerances import Tolerance
 
 INF, NAN = math.inf, math.nan
@@ -551,3 +554,44 @@ def test_integer_and_narrow_float_arrays_compare_by_value() -> None:
     halves = np.array([0.5, 1.25, -3.0], dtype=np.float16)
     result = diff(halves, halves.astype(np.float32), expected_dtype="F16", actual_dtype="F32")
     assert (result.mismatched, result.max_abs, result.problem) == (0, 0.0, "dtype F32 != expected F16")
+
+
+@pytest.mark.parametrize("case", ["differs", "ties", "nan-late", "inf-early", "identical"], ids=str)
+def test_a_large_comparison_scanned_on_two_threads_reports_what_one_pass_reports(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records from PARALLEL_FROM elements on are scanned for bit-identity in two halves on two threads: the
+    verdict, every statistic and position are those of a single pass, whether the arrays agree or where."""
+    size = 3 * PARALLEL_FROM + 1234
+    rng = np.random.default_rng(7)
+    expected = rng.standard_normal(size).astype(np.float32)
+    actual = expected + rng.standard_normal(size).astype(np.float32) * np.float32(1e-5)
+    if case == "ties":
+        actual = expected.copy()
+        actual[[10, size - 10]] += np.float32(0.5)  # the same largest difference in each half
+        expected[[10, size - 10]] = actual[[10, size - 10]] - np.float32(0.5)
+    if case == "nan-late":
+        actual[size - 3] = np.nan
+    if case == "inf-early":
+        expected[5], actual[5] = np.inf, -np.inf
+    if case == "identical":
+        actual = expected.copy()
+    tolerance = Tolerance(1e-5, 1e-5)
+    pieces: list[int] = []
+
+    def counted(n: int, grain: int, work: Callable[[int, int], object]) -> list[object]:
+        done = parallel.in_halves(n, grain, work)
+        pieces.append(len(done))
+        return done
+
+    monkeypatch.setattr(metrics, "in_halves", counted)
+    split = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
+    assert max(pieces) == 2
+    monkeypatch.setattr(parallel, "PARALLEL_FROM", 10 * size)
+    monkeypatch.setattr(metrics, "in_halves", lambda n, grain, work: [work(0, n)])
+    single = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
+    assert split == single or (
+        math.isnan(split.cosine) and dataclasses.replace(split, cosine=0) == dataclasses.replace(single, cosine=0)
+    )
+    if case == "ties":
+        assert split.max_abs_index == (10,)
