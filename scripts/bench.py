@@ -26,8 +26,8 @@ record differs a little and takes the full float64 path; "GB/s" is the bundle's 
 adds to the bare run).
 
 When msprobe (``pip install mindstudio-probe``) is importable, its dump of the same model (task
-``tensor``, level ``L1``: every API's inputs and outputs, forward and backward) and its compare of two such
-dumps are timed in the same run, as steps.
+``tensor``, level ``L0``: every module's inputs and outputs, forward and backward, in full) and its compare of
+two such dumps are timed in the same run, as steps.
 
 Peak RSS is the process's own (VmHWM for steps, ``wait4``'s ru_maxrss for commands; Linux).
 """
@@ -161,36 +161,42 @@ def replay_step(options: argparse.Namespace, model: Any, extra: dict[str, object
 
 
 def msprobe_step(options: argparse.Namespace, model: Any, inputs: Any, extra: dict[str, object]) -> tuple[Any, Any]:
-    """msprobe's dump of one step (task tensor, level L1), or its compare of two such dumps."""
+    """msprobe's dump of one step (task ``tensor``, level ``L0``: every module's inputs and outputs, forward and
+    backward, as this project records them), or its compare of two such dumps."""
+    import shutil
+
     import bench_models
     from msprobe.pytorch import PrecisionDebugger
 
     folder = Path(options.bundle).parent / "msprobe"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
     config = folder / "config.json"
-    folder.mkdir(exist_ok=True)
-    config.write_text(json.dumps({"task": "tensor", "dump_path": str(folder / "dump"), "level": "L1", "rank": []}))
+    settings = {"task": "tensor", "dump_path": str(folder / "dump"), "level": "L0", "rank": [], "step": []}
+    config.write_text(json.dumps({**settings, "tensor": {"scope": [], "list": [], "data_mode": ["all"]}}))
+    debugger = PrecisionDebugger(config_path=str(config))  # one per process: each dump is its next step folder
 
-    def dump(into: str) -> None:
-        debugger = PrecisionDebugger(config_path=str(config), dump_path=str(folder / into))
+    def dump() -> None:
         debugger.start(model)
         model.zero_grad(set_to_none=True)
         bench_models.seeded_step(model, inputs)
         debugger.stop()
         debugger.step()
 
+    def drop_dumps() -> None:
+        shutil.rmtree(folder / "dump", ignore_errors=True)
+
     if options.child == "msprobe-dump":
-        return (lambda: dump("a")), None
-    dump("a")
-    dump("b")
-    from msprobe.pytorch import compare
+        dump()
+        extra["dump_bytes"] = sum(p.stat().st_size for p in (folder / "dump").rglob("*") if p.is_file())
+        return dump, drop_dumps
+    from msprobe.pytorch.compare.pt_compare import pt_compare
 
-    def step() -> None:
-        runs = sorted((folder / "a").rglob("dump.json")), sorted((folder / "b").rglob("dump.json"))
-        spec = {"npu_path": str(runs[0][0]), "bench_path": str(runs[1][0]), "is_print_compare_log": False}
-        compare(spec, output_path=str(folder / "out"))
-
-    extra["dump_bytes"] = sum(p.stat().st_size for p in (folder / "a").rglob("*") if p.is_file())
-    return step, None
+    dump()
+    dump()
+    runs = sorted((folder / "dump").rglob("dump.json"))
+    pair = {"npu_path": str(runs[0]), "bench_path": str(runs[1]), "is_print_compare_log": False}
+    return (lambda: pt_compare(dict(pair), str(folder / "out"))), None
 
 
 def msprobe_available() -> bool:
@@ -282,7 +288,7 @@ def print_steps(figures: dict[str, dict[str, Any]], size: int, summary_size: int
         ("compare_run, port off 1e-6", "replay-near", size),
         ("capture_run --summary-only", "capture-summary", 0),
         ("compare_run of that bundle", "replay-summary", 0),
-        ("msprobe dump (tensor, L1)", "msprobe-dump", 0),
+        ("msprobe dump (tensor, L0)", "msprobe-dump", 0),
         ("msprobe compare of two dumps", "msprobe-compare", 0),
     ]
     print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}")
@@ -299,7 +305,7 @@ def print_steps(figures: dict[str, dict[str, Any]], size: int, summary_size: int
     near = figures["replay-near"]
     print(f"port off 1e-6: {near['records'] - near['identical']} of {near['records']} records differ")
     if "msprobe-dump" in figures:
-        print(f"msprobe dump: {figures['msprobe-dump'].get('dump_bytes', 0) / 1e9:.2f} GB")
+        print(f"msprobe dump: {figures['msprobe-dump']['dump_bytes'] / 1e9:.2f} GB on disk")
 
 
 def print_commands(best: dict[str, tuple[float, int]], largest: int) -> None:

@@ -125,20 +125,20 @@ class BenchModel:
 
 
 MODELS: dict[str, BenchModel] = {
-    "gpt2": BenchModel(gpt2, token_inputs, 2, 128, "GPT-2-small-shaped, 163 M parameters, batch 2 x 128 tokens"),
+    "gpt2": BenchModel(gpt2, token_inputs, 2, 128, "GPT-2-small-shaped, 163 M parameters"),
     "conformer": BenchModel(
         lambda: conformer(d_model=256, n_layers=4),
         audio_inputs,
         4,
         16000,
-        "Conformer-CTC example, d_model 256, 4 layers, 6.1 M parameters, batch 4 x 1 s of audio",
+        "Conformer-CTC example, d_model 256, 4 layers, 6.1 M parameters",
     ),
     "fastconformer": BenchModel(
         lambda: conformer(features=80, d_model=512, n_layers=17, n_heads=8, num_classes=1024),
         audio_inputs,
         4,
         160000,
-        "FastConformer-sized Conformer-CTC, 17 layers, d_model 512, ~108 M parameters, batch 4 x 10 s of audio",
+        "FastConformer-sized Conformer-CTC, 17 layers, d_model 512, ~108 M parameters",
     ),
 }
 
