@@ -18,8 +18,9 @@ from typing import Final, TypeVar
 
 __all__ = ["PARALLEL_FROM", "in_halves"]
 
-PARALLEL_FROM: Final = 1 << 18
-"""Elements from which a comparison is split (1 MiB of float32: a hand-off costs tens of microseconds)."""
+PARALLEL_FROM: Final = 1 << 20
+"""Elements from which work is split (4 MiB of float32): below, the hand-off to the second thread (waking it,
+the GIL passed back and forth) was measured to cost more than it saves."""
 
 _T = TypeVar("_T")
 _executor: ThreadPoolExecutor | None = None
