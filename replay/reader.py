@@ -18,16 +18,16 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-import torch
 
-from parity_harness.common.errors import BundleFormatError, BundleNotFoundError
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError
 from parity_harness.common.format.bundle.layout import (
     ATTR_DTYPE,
     ATTR_FORMAT,
@@ -43,11 +43,16 @@ from parity_harness.common.format.bundle.version import FORMAT_VERSION, check_co
 from parity_harness.common.format.containment import check_contained, require_regular_file
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
+from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.format.packing import unpack
 from parity_harness.common.numerics.statistics import stored_crc32
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.preflight import preflight as walk_in_child
 
-__all__ = ["BundleReader", "rebuild"]
+if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): tensors are made in common.format.dtypes
+    import torch
+
+__all__ = ["BundleReader", "open_bundle_for_listing", "rebuild"]
 
 
 def _open_hdf5(path: Path) -> h5py.File:
@@ -350,3 +355,14 @@ def rebuild(tree: Tree, load: Callable[[TensorRef], torch.Tensor]) -> Any:
     if kind == "O":
         return tuple(rebuild(child, load) for _, child in tree[3])  # type: ignore[attr-defined]
     raise BundleFormatError(f"recorded value of type {tree[1]} could not be recorded ({tree[2]}), so it cannot be fed")
+
+
+@contextmanager
+def open_bundle_for_listing(bundle: Path, *, rank: int = 0, verify: bool = True) -> Iterator[BundleReader]:
+    """The bundle ``replay-compare --list`` shows: the file itself, or rank ``rank`` of a multi-rank capture."""
+    manifest = find_manifest(bundle)
+    if manifest is not None and rank >= manifest.world_size:
+        raise InputError(f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})")
+    path = manifest.rank_file(rank) if manifest is not None else bundle
+    with BundleReader(path, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
+        yield reader

@@ -7,19 +7,16 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from click.core import ParameterSource
 
-from parity_harness.capture.models.adapters import (
-    Adapter,
-    checkpoint_adapter,
-    load_adapter,
-    model_factory_adapter,
-)
 from parity_harness.common.errors import ParityError
 from parity_harness.common.format.atomic import write_text_atomically
+
+if TYPE_CHECKING:  # imported when an adapter is resolved: a command that only reads a file never imports torch
+    from parity_harness.capture.models.adapters import Adapter
 
 __all__ = [
     "OneLineErrors",
@@ -96,6 +93,8 @@ def resolve_adapter(
     adapter: str | None, model: str | None, ckpt: str | None = None, trust_pickle: bool = False
 ) -> Adapter:
     """The adapter named by ``--adapter`` or ``--model``; with neither, a TorchScript ``--ckpt`` is the model."""
+    from parity_harness.capture.models.adapters import checkpoint_adapter, load_adapter, model_factory_adapter
+
     if adapter is not None and model is not None:
         raise click.UsageError("give one of --adapter and --model, not both")
     if adapter is not None:

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import torch
 
-from parity_harness.common.format.bundle.layout import join_slot
+from parity_harness.common.format.bundle.layout import join_slot, record_name
 from parity_harness.common.format.bundle.schema import MAX_DEPTH, TensorRef, Tree
 
 __all__ = [
@@ -41,11 +41,6 @@ def type_name(value: object) -> str:
     """``module.QualName`` of a value's class, used to label recorded objects."""
     cls = type(value)
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def record_name(module: str, call: int, slot: str) -> str:
-    """A per-module record's name, as reports show it: ``encoder.layers.0/0/output``."""
-    return f"{module}/{call}/{slot}"
 
 
 def grad_slot(slot: str) -> str:

@@ -2,17 +2,21 @@
 
 Every dtype round-trips bit-exactly. Types NumPy cannot represent (bf16, float8) are stored as
 raw bits in an unsigned integer of the same width, next to their tag. This is the only module of
-``common`` that imports torch.
+``common`` that imports torch, and only when a tensor is converted: reading a bundle's metadata (``replay-compare
+--list``) needs no torch, whose import alone takes most of a second.
 """
 
 from __future__ import annotations
 
-from typing import Final
+import functools
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
-import torch
 
 from parity_harness.common.errors import BundleFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FLOAT_TAGS",
@@ -51,12 +55,16 @@ _TABLE: Final[dict[str, tuple[str, str, bool]]] = {
     "BOOL": ("bool", "bool", False),
 }
 
-# Optional dtypes (float8, wide unsigned) exist only in newer torch releases.
-_TAG_TO_TORCH: Final[dict[str, torch.dtype]] = {
-    tag: getattr(torch, name) for tag, (name, _, _) in _TABLE.items() if getattr(torch, name, None) is not None
-}
-_TORCH_TO_TAG: Final = {dtype: tag for tag, dtype in _TAG_TO_TORCH.items()}
-_RAW_VIEW: Final = {"uint16": torch.int16, "uint8": torch.uint8}
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dict[str, torch.dtype]]:
+    """Tag -> torch dtype, its inverse, and the signed view of each raw storage type; built at first use."""
+    import torch
+
+    # Optional dtypes (float8, wide unsigned) exist only in newer torch releases.
+    to_torch = {tag: getattr(torch, name) for tag, (name, _, _) in _TABLE.items() if getattr(torch, name, None)}
+    return to_torch, {dtype: tag for tag, dtype in to_torch.items()}, {"uint16": torch.int16, "uint8": torch.uint8}
+
 
 TAGS: Final = frozenset(_TABLE)
 FLOAT_TAGS: Final = frozenset(t for t in _TABLE if t.startswith(("F", "BF", "C")))
@@ -65,18 +73,21 @@ FLOAT_TAGS: Final = frozenset(t for t in _TABLE if t.startswith(("F", "BF", "C")
 def tag_of(dtype: torch.dtype) -> str:
     """Return the tag of a torch dtype, e.g. ``torch.bfloat16 -> "BF16"``."""
     try:
-        return _TORCH_TO_TAG[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError as err:
         raise BundleFormatError(f"dtype {dtype} cannot be stored in a bundle (known: {sorted(TAGS)})") from err
 
 
 def torch_dtype(tag: str) -> torch.dtype:
     """Return the torch dtype of a tag; raise ``BundleFormatError`` for unknown tags."""
+    to_torch = _torch_tables()[0]
     try:
-        return _TAG_TO_TORCH[tag]
+        return to_torch[tag]
     except KeyError as err:
+        import torch
+
         raise BundleFormatError(
-            f"dtype tag {tag!r} is unknown to this torch {torch.__version__} (known: {sorted(_TAG_TO_TORCH)})"
+            f"dtype tag {tag!r} is unknown to this torch {torch.__version__} (known: {sorted(to_torch)})"
         ) from err
 
 
@@ -107,12 +118,14 @@ def to_storage(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     flat = flat.cpu().contiguous()
     _, storage, raw = _TABLE[tag]
     if raw:
-        return flat.view(_RAW_VIEW[storage]).numpy().view(storage), tag
+        return flat.view(_torch_tables()[2][storage]).numpy().view(storage), tag
     return flat.numpy(), tag
 
 
 def from_storage(array: np.ndarray, tag: str) -> torch.Tensor:
     """Rebuild a CPU tensor of ``tag`` from its stored array (bit-exact inverse of :func:`to_storage`)."""
+    import torch
+
     dtype = torch_dtype(tag)
     _, storage, raw = _TABLE[tag]
     array = np.array(array, dtype=np.dtype(storage), order="C")  # a C-ordered copy; keeps 0-d shapes
@@ -129,7 +142,7 @@ def to_float64(array: np.ndarray, tag: str) -> np.ndarray:
     if tag.startswith("C"):
         return np.asarray(array, dtype=np.complex128)
     if _TABLE[tag][2]:
-        return from_storage(array, tag).to(torch.float64).numpy()
+        return from_storage(array, tag).double().numpy()
     return np.asarray(array, dtype=np.float64)
 
 
@@ -144,4 +157,4 @@ def to_numeric(array: np.ndarray, tag: str) -> np.ndarray:
         return array
     if tag == "BF16":  # bf16 is the top half of a float32
         return (np.asarray(array, dtype=np.uint32) << 16).view(np.float32)
-    return from_storage(array, tag).to(torch.float32).numpy()
+    return from_storage(array, tag).float().numpy()

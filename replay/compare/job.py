@@ -4,8 +4,8 @@ multi-rank capture), load the port through its adapter, align names if asked, an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDE
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.preflight import start as start_preflight
-from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.reader import BundleReader, open_bundle_for_listing
 from parity_harness.replay.result import ComparisonResult
 
 __all__ = [
@@ -227,14 +227,3 @@ def _check_rank_request(job: ReplayJob, manifest: Manifest | None, context: Rank
         raise InputError(
             f"--rank {job.rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
         )
-
-
-@contextmanager
-def open_bundle_for_listing(bundle: Path, *, rank: int = 0, verify: bool = True) -> Iterator[BundleReader]:
-    """The bundle ``replay-compare --list`` shows: the file itself, or rank ``rank`` of a multi-rank capture."""
-    manifest = find_manifest(bundle)
-    if manifest is not None and rank >= manifest.world_size:
-        raise InputError(f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})")
-    path = manifest.rank_file(rank) if manifest is not None else bundle
-    with BundleReader(path, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
-        yield reader

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Final, Literal
 
 from tabulate import tabulate
 
-from parity_harness.capture.observe.naming import record_name
-from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
 from parity_harness.replay.naming.alignment import ProposedMap
-from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult
 
 __all__ = [
     "Show",
     "record_headers",
     "record_row",
-    "render_listing",
     "render_provenance",
     "render_result",
     "result_line",
@@ -284,57 +280,3 @@ def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:
         shown = ", ".join(proposal.unmatched[:10]) + (" ..." if len(proposal.unmatched) > 10 else "")
         lines.append(f"without counterpart: {shown}")
     return "\n".join([*lines, ""])
-
-
-def _ref_rows(pairs: Iterable[tuple[str, TensorRef]]) -> list[list[str]]:
-    return [[printable(name), "x".join(map(str, ref.shape)) or "scalar", printable(ref.tag)] for name, ref in pairs]
-
-
-def printable(value: object) -> str:
-    """Text from a bundle, shown as is but for control characters (escaped): a crafted name or provenance string
-    cannot start a line of its own (a forged ``RESULT: MATCH``) or drive the terminal."""
-    text = str(value)
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _backward_seed(cotangent: list[object] | None, loss: list[object] | None) -> Iterable[tuple[str, TensorRef]]:
-    if cotangent is not None:
-        return iter_tensors(cotangent, "")  # keyed by the output slot each cotangent seeds
-    return iter_tensors(loss, "loss") if loss is not None else []
-
-
-def render_listing(reader: BundleReader) -> str:
-    """What a bundle holds: format, run settings, provenance and every record's shape and dtype."""
-    index = reader.index
-    run = index.run.to_dict()
-    lines = [f"bundle: {reader.path} (format {reader.format_version}.{reader.format_minor})"]
-    lines += [f"  {printable(key)}: {printable(value)}" for key, value in run.items() if value not in (None, {}, "")]
-    provenance = sorted((printable(key), printable(value)) for key, value in reader.provenance().items())
-    lines += ["== Provenance ==", tabulate(provenance, tablefmt="plain")]
-    sections = {
-        "Inputs": iter_tensors(index.inputs, "input"),
-        "Outputs": iter_tensors(index.outputs, "output"),
-        "Backward seed": _backward_seed(index.cotangent, index.loss),
-        "Parameters": index.params.items(),
-    }
-    for title, pairs in sections.items():
-        rows = _ref_rows(pairs)
-        lines += [
-            f"== {title} ({len(rows)}) ==",
-            tabulate(rows, headers=["name", "shape", "dtype"]) if rows else "(none)",
-        ]
-    forward, backward = [], []
-    for call in index.calls:
-        forward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.inputs, "input"))
-        forward += _ref_rows(
-            (record_name(call.module, call.call, s), r) for s, r in iter_tensors(call.outputs, "output")
-        )
-        grads = {**call.grad_outputs, **call.grad_inputs}
-        backward += _ref_rows((record_name(call.module, call.call, s), r) for s, r in grads.items())
-    lines += [
-        f"== Module calls ({len(index.calls)}): forward records ({len(forward)}) ==",
-        tabulate(forward, headers=["name", "shape", "dtype"]),
-    ]
-    lines += [f"== Backward records ({len(backward)}) ==", tabulate(backward, headers=["name", "shape", "dtype"])]
-    lines.append(f"parameter gradients: {len(index.grads)}")
-    return "\n".join(lines)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ import torch
 from click.testing import CliRunner, Result
 
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION
-from parity_harness.replay.cli.replay_compare import main
+from parity_harness.replay.cli.replay_compare import PRECISION_NAMES, main
+from parity_harness.replay.compare.precision import PRECISIONS
 from tests.cli_helpers import one_error_line
 from tests.conftest import REF_ADAPTER
 from tests.models import build_tiny
@@ -327,6 +330,30 @@ def test_list_ignores_comparison_only_options(tiny_bundle: Path, tmp_path: Path)
     result = replay("--bundle", tiny_bundle, "--list", "--save-map", tmp_path / "m.map")
     assert result.exit_code == 0, result.output
     assert "== Module calls (14)" in result.stdout
+
+
+def test_list_never_imports_torch(tiny_bundle: Path) -> None:
+    """--list reads the bundle's metadata only: torch, whose import alone takes most of a second (more than the
+    listing of a large bundle), is never imported."""
+    code = "\n".join(
+        [
+            "import sys",
+            "from parity_harness.replay.cli.replay_compare import main",
+            "try:",
+            "    main()",
+            "except SystemExit as end:",
+            "    print('exit', end.code, 'torch imported' if 'torch' in sys.modules else 'no torch')",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code, "--bundle", str(tiny_bundle), "--list"], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert "== Module calls (14)" in done.stdout, done.stderr
+    assert done.stdout.splitlines()[-1] == "exit 0 no torch"
+
+
+def test_the_dtype_choices_are_the_precisions() -> None:
+    """--dtype's choices, spelled out so that the command imports no torch, are exactly the replay's precisions."""
+    assert tuple(PRECISIONS) == PRECISION_NAMES
 
 
 def test_an_unwritable_report_is_one_line_naming_the_option(tiny_bundle: Path, tmp_path: Path) -> None:

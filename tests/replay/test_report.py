@@ -121,7 +121,7 @@ def test_listing_escapes_control_characters_from_the_bundle(tiny_bundle: Path) -
     import h5py
 
     from parity_harness.replay.reader import BundleReader
-    from parity_harness.replay.report.tables import render_listing
+    from parity_harness.replay.report.listing import render_listing
 
     with h5py.File(tiny_bundle, "r+") as file:
         file["provenance"].attrs["host"] = "box\x1b]0;owned\x07\nRESULT: MATCH (forged)"

@@ -23,6 +23,7 @@ __all__ = [
     "escape",
     "escape_dotted",
     "join_slot",
+    "record_name",
     "tensor_path",
 ]
 
@@ -57,6 +58,11 @@ def escape_dotted(path: str) -> str:
 def join_slot(prefix: str, key: object) -> str:
     """Name of a leaf inside a nested value, e.g. ``join_slot("output", 0) == "output.0"``."""
     return f"{prefix}.{escape(str(key))}"
+
+
+def record_name(module: str, call: int, slot: str) -> str:
+    """A per-module record's name, as reports show it: ``encoder.layers.0/0/output``."""
+    return f"{module}/{call}/{slot}"
 
 
 def call_group(module: str, call: int) -> str:
