@@ -242,9 +242,8 @@ class BundleReader:
     def _read_array(self, ref: TensorRef, verify: bool) -> np.ndarray:
         stored = self._stored[ref.path.lstrip("/")]  # validated at open: every tensor the index names is there
         offset, nbytes = stored.offset, stored.nbytes
-        if self._map is None or offset is None or nbytes == 0:  # compact: a few bytes in the header
-            node = self._file[ref.path]
-            array = np.asarray(node[()]) if isinstance(node, h5py.Dataset) else np.empty(stored.shape, stored.dtype)
+        if self._map is None or offset is None or nbytes == 0:  # compact (a few bytes in its header) or empty
+            array = np.asarray(self._file[ref.path][()])
             return self.verify(ref, array) if verify else array
         if offset + nbytes > len(self._map):
             raise BundleFormatError(

@@ -14,15 +14,16 @@ GIL, so disk writes overlap the model's compute):
   any pending snapshot (so the ring never waits behind a large parameter); the caller proves
   afterwards, with the tensor's version counter, that it was not modified meanwhile.
 
-Where the file system allows it, the 4 KiB-aligned middle of every write goes through a second
+Where the file system allows it, the 4 KiB-aligned middle of every write from 1 MiB goes through a second
 descriptor opened with ``O_DIRECT``: the disk reads the bytes straight from memory, where a
 buffered write costs a CPU core copying them into the page cache (measured on a 2-core VM: 0.06 s
 of CPU per 1.7 GB instead of 0.7 s, or 3.4 s when the page cache must first grow). The bundle's
 datasets are laid out 4 KiB-aligned for this (:mod:`parity_harness.capture.storage.writer`); unaligned heads and tails,
-small tensors and file systems without ``O_DIRECT`` (tmpfs) use ordinary writes.
+tensors under 1 MiB and file systems without ``O_DIRECT`` (tmpfs) use ordinary writes.
 
-The ring is a FIFO: space is reclaimed in the order it was handed out. A write error (a full
-disk) is kept and raised by the next call.
+The ring is a FIFO: space is reclaimed in the order it was handed out. The thread is woken once a batch is
+queued, not per tensor, and then writes every queued snapshot. A write error (a full disk) is kept and raised
+by the next call.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ DEFAULT_STAGING_BYTES: Final = 256 << 20
 BLOCK: Final = 4096
 """Alignment of O_DIRECT writes (address, offset and length), and of ring slots."""
 _SLICE: Final = 8 << 20
+"""Bytes of a stable tensor written at a time, so that snapshots waiting for ring space go first."""
 _DIRECT_FROM: Final = 1 << 20
 """Bytes from which a write bypasses the page cache: below, a synchronous device write per tensor (tens of
 microseconds each) cost more than the copy into the page cache it saves (a Conformer of 569 small tensors: 243 ->
@@ -55,7 +57,6 @@ microseconds each) cost more than the copy into the page cache it saves (a Confo
 _WAKE_ITEMS: Final = 64
 _WAKE_BYTES: Final = 16 << 20
 """The writer thread is woken once this many tensors or bytes are queued (or when the ring is full, or at drain)."""
-"""Bytes of a stable tensor written at a time, so that snapshots waiting for ring space go first."""
 
 
 def _no_crc(data: object, value: int = 0) -> int:

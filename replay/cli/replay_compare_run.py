@@ -42,14 +42,14 @@ def train(params: Mapping[str, Any]) -> int:
     """``--steps``: rerun the port's training on the recorded batches (the command's options by parameter name);
     the exit code."""
     driver = resolve_adapter(params["adapter"], params["model_spec"], params["ckpt"], params["trust_pickle"])
-    tolerance = (params["atol"], params["rtol"])
     return _replay_training(
         driver,
         params["ckpt"],
         params["device"],
         params["bundle"],
         params["map_file"],
-        *tolerance,
+        params["atol"],
+        params["rtol"],
         params["resync"],
         params["params_filter"],
         params["json_path"],
