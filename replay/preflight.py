@@ -14,9 +14,11 @@ loads the port (:func:`start`).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Final
@@ -69,25 +71,39 @@ class Preflight:
     def __init__(self, path: Path, seconds: float, noun: str) -> None:
         self.path, self.seconds = path, seconds
         self._deadline = time.monotonic() + seconds
+        # A file, not a pipe: nobody reads while the parent works, and a child blocked on a full pipe would look hung.
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by result() or cancel())
         self._child = subprocess.Popen(
             [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self._stderr,
         )
 
     def result(self) -> None:
         """Wait for the walk; refuse the file (``BundleFormatError``) if it broke the rule, hung or crashed."""
         try:
-            _, stderr = self._child.communicate(timeout=max(0.0, self._deadline - time.monotonic()))
+            self._judge(self._wait())
+        finally:
+            self._stderr.close()
+
+    def _wait(self) -> int:
+        try:
+            # A child that ended while the parent was busy is done, however long ago the deadline passed.
+            code = self._child.poll()
+            return code if code is not None else self._child.wait(timeout=max(0.0, self._deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.cancel()
             raise self._too_long() from None
-        code = self._child.returncode
+        except BaseException:  # Ctrl-C while waiting: the child goes too
+            self.cancel()
+            raise
+
+    def _judge(self, code: int) -> None:
         if code == -signal.SIGALRM:
             raise self._too_long()
         if code == _REFUSED:
-            lines = stderr.decode(errors="replace").strip().splitlines()
+            lines = self._stderr_tail().splitlines()
             raise BundleFormatError(lines[-1] if lines else f"{self.path}: refused by the metadata walk")
         if code < 0:
             name = signal.Signals(-code).name
@@ -99,7 +115,14 @@ class Preflight:
         """End the child if it still runs (the command failed or was interrupted meanwhile)."""
         if self._child.poll() is None:
             self._child.kill()
-            self._child.communicate()
+            self._child.wait()
+        self._stderr.close()
+
+    def _stderr_tail(self) -> str:
+        """The end of what the child wrote on stderr (its refusal is the last line)."""
+        size = self._stderr.seek(0, os.SEEK_END)
+        self._stderr.seek(max(0, size - (1 << 16)))
+        return self._stderr.read().decode(errors="replace").strip()
 
     def _too_long(self) -> BundleFormatError:
         return BundleFormatError(

@@ -152,3 +152,14 @@ def test_a_fifo_given_as_a_manifest_or_training_file_is_refused(tmp_path: Path) 
         read_manifest(manifest)
     with pytest.raises(BundleFormatError, match="not a regular file"):
         TrainingRun(training)
+
+
+def test_a_link_name_that_is_not_utf8_is_one_refusal_line(clean_bundle: Path, tmp_path: Path) -> None:
+    """A crafted link name of arbitrary bytes is named in the refusal (escaped), never an exception of HDF5's
+    Python layer."""
+    bundle = tmp_path / "odd-name.h5"
+    bundle.write_bytes(clean_bundle.read_bytes())
+    with h5py.File(bundle, "r+") as file:
+        file.id.links.create_hard(b"\xffextra", file.id, b"params/" + next(iter(file["params"])).encode())
+    with pytest.raises(BundleFormatError, match="not named by the index"):
+        BundleReader(bundle)

@@ -299,13 +299,12 @@ class TensorStream:
     # ------------------------------------------------------------------ writer thread
 
     def _next(self) -> list[_Snapshot] | tuple[_Stable, np.ndarray, int] | None:
-        """The next work: every queued snapshot (they hold ring space), else a slice of a stable tensor."""
+        """The next work: the queued snapshots (they hold ring space), else a slice of a stable tensor."""
         with self._lock:
             while not (self._snapshots or self._stables or self._closing):
                 self._lock.wait()
-            if self._snapshots:
-                batch = list(self._snapshots)
-                self._snapshots.clear()
+            if self._snapshots:  # at most a wake's worth: ring space comes back after each batch
+                batch = [self._snapshots.popleft() for _ in range(min(len(self._snapshots), _WAKE_ITEMS))]
                 self._busy += len(batch)
                 return batch
             if self._stables:

@@ -71,26 +71,31 @@ def check_contained(
         label: a scalar string attribute to read from every dataset on the way (:attr:`StoredDataset.label`).
 
     Returns:
-        Every dataset under each of its names (no leading ``/``; a dataset hard-linked twice has two).
+        Every dataset under each name the walk reaches it by (no leading ``/``; a dataset hard-linked twice has
+        two). A group linked twice is entered once, so names below its second link are not listed, and an index
+        naming one is refused as missing: this project links datasets only.
 
     Raises:
         BundleFormatError: one line naming the first object breaking the rule.
     """
     size = Path(path).stat().st_size
-    links: list[tuple[str, int]] = []
+    links: list[tuple[bytes, int, int]] = []
     # H5Lvisit walks each group once however often it is linked (no loop), and names every link below it.
-    file.id.links.visit(lambda name, info: links.append((name.decode(), info.type)), info=True)
+    file.id.links.visit(lambda name, info: links.append((name, info.type, info.u)), info=True)
     catalog: dict[str, StoredDataset] = {}
     by_address: dict[tuple[int, int], StoredDataset | None] = {}
-    for name, link_type in links:
-        where = f"{path}:/{name}"
+    for raw, link_type, target in links:
+        name = raw.decode("utf-8", "surrogateescape")  # a crafted name need not be UTF-8: reported, never decoded
+        where = f"{path}:/{name.encode('utf-8', 'backslashreplace').decode()}"
         if link_type != h5py.h5l.TYPE_HARD:
             kind = "an external link" if link_type == h5py.h5l.TYPE_EXTERNAL else "a soft link"
             raise BundleFormatError(f"{where}: is {kind}; a {noun} holds hard links only ({_FIX})")
-        info = h5py.h5o.get_info(file.id, name.encode())
+        info = h5py.h5o.get_info(file.id, raw)
+        if info.addr != target:  # a name holding "/" or "." resolves to another object than its link points at
+            raise BundleFormatError(f"{where}: the link's name leads elsewhere than the link; the file is crafted")
         address = (info.fileno, info.addr)
         if address not in by_address:
-            by_address[address] = _check_object(file, name, info.type, where, size, noun, label)
+            by_address[address] = _check_object(file, raw, info.type, where, size, label, noun)
         stored = by_address[address]
         if stored is not None:
             catalog[name] = stored
@@ -98,7 +103,7 @@ def check_contained(
 
 
 def _check_object(
-    file: h5py.File, name: str, kind: int, where: str, size: int, noun: str, label: str | None
+    file: h5py.File, name: bytes, kind: int, where: str, size: int, label: str | None, noun: str
 ) -> StoredDataset | None:
     """A group passes; a dataset is checked (:func:`_check_dataset`); anything else is refused."""
     if kind == h5py.h5o.TYPE_GROUP:
@@ -106,7 +111,7 @@ def _check_object(
     if kind != h5py.h5o.TYPE_DATASET:
         what = "named datatype" if kind == h5py.h5o.TYPE_NAMED_DATATYPE else "object of unknown type"
         raise BundleFormatError(f"{where}: is a {what}, not a group or a dataset; a {noun} holds none")
-    dataset = h5py.h5o.open(file.id, name.encode())
+    dataset = h5py.h5o.open(file.id, name)
     stored = _check_dataset(dataset, where, size)
     # The id is not kept: a file holding thousands of open ids takes as long again to close.
     return stored if label is None else dataclasses.replace(stored, label=string_attribute(dataset, label))

@@ -48,6 +48,9 @@ class TensorDiff:
     basis: Literal["elements", "statistics"] = "elements"
     """``statistics``: the reference was recorded as statistics only (:mod:`parity_harness.common.numerics.statistics`);
     ``mismatched`` then counts statistics out of bounds and ``max_abs`` is a lower bound."""
+    bits_equal: bool = False
+    """The two arrays were found to hold the same bits in the same dtype (and only finite values): stronger than
+    ``max_abs == 0``, which -0.0 against 0.0, or integers beyond 2**53 compared in float64, also give."""
 
     @property
     def mismatched_pct(self) -> float:
@@ -222,11 +225,13 @@ def _identical_and_finite(e: np.ndarray, a: np.ndarray) -> bool:
 
 
 def _identical_range(e: np.ndarray, a: np.ndarray) -> bool:
-    width = _WIDTHS.get(e.dtype.itemsize, np.uint8)
-    if width is np.uint8:  # complex: compare as bytes
-        e, a = e.view(np.uint8), a.view(np.uint8)
+    width = _WIDTHS.get(e.dtype.itemsize)
+    if width is None:  # a wider type (long double): its bytes
+        bits_e, bits_a, per = e.view(np.uint8), a.view(np.uint8), e.dtype.itemsize
+    else:
+        bits_e, bits_a, per = e.view(width), a.view(width), 1
     for begin in range(0, e.size, _SCAN):
-        e_block, a_block = e[begin : begin + _SCAN].view(width), a[begin : begin + _SCAN].view(width)
+        e_block, a_block = bits_e[begin * per : (begin + _SCAN) * per], bits_a[begin * per : (begin + _SCAN) * per]
         if e_block.size > _EARLY and np.not_equal(e_block[:_EARLY], a_block[:_EARLY]).any():
             return False  # a port that differs, differs early: the rest of a large block is not scanned
         if np.not_equal(e_block, a_block).any():
@@ -253,6 +258,7 @@ def _identical(shape: tuple[int, ...], numel: int, tags: tuple[str, str]) -> Ten
         required_atol=0.0,
         required_rtol=0.0,
         problem=None if tags[0] == tags[1] else f"dtype {tags[1]} != expected {tags[0]}",
+        bits_equal=tags[0] == tags[1],
     )
 
 

@@ -106,17 +106,19 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
 
 
 def _load_port_while_walking(job: ReplayJob, files: list[Path], stack: ExitStack) -> torch.nn.Module:
-    """The port, loaded while each bundle's metadata walk runs in its child (``replay.preflight``): the command
-    waits for the longer of the two, not for both. A bundle that is no regular file is refused first."""
+    """The port, loaded while the first bundle's metadata walk runs in its child (``replay.preflight``): the
+    command waits for the longer of the two, not for both. A bundle that is no regular file is refused first; the
+    other rank files of a multi-rank capture are walked after, one at a time (walks side by side would share the
+    CPU, and each has a time limit)."""
     for file in files:
         if not file.is_file():  # missing, a folder or a FIFO: its one-line error now, before anything loads
             BundleReader(file, verify=job.verify).close()
-    walks = [start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS) for file in files]
-    for walk in walks:
-        stack.callback(walk.cancel)
+    first = start_preflight(files[0], seconds=DEFAULT_PREFLIGHT_SECONDS)
+    stack.callback(first.cancel)
     model = job.adapter.model(job.ckpt, job.options.device)
-    for walk in walks:
-        walk.result()
+    first.result()
+    for file in files[1:]:
+        start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS).result()
     return model
 
 

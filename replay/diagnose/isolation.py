@@ -141,13 +141,14 @@ class ChainedRecords:
         """The local differences of ``call`` without running it again, or None when it must run.
 
         A call whose every recorded input, output, ``grad_output`` and ``grad_input`` was compared in the chained
-        run and held the reference's exact bits already ran on the reference's inputs with the reference's
-        ``grad_output``: running it alone would repeat that computation bit for bit (a container holding a whole
-        block costs as much as the block). Only calls of modules without parameters of their own are reused,
-        since isolation sums each call's parameter gradients (the calls that matter are containers).
+        run and held the reference's exact bits (``TensorDiff.bits_equal``), in eval mode, already ran on the
+        reference's inputs with the reference's ``grad_output``: running it alone would repeat that computation
+        bit for bit (a container holding a whole block costs as much as the block). Only calls of modules without
+        parameters of their own are reused, since isolation sums each call's parameter gradients (the calls that
+        matter are containers).
         """
-        if f"{call.module}/{call.call}" in self.unpaired_calls:
-            return None
+        if f"{call.module}/{call.call}" in self.unpaired_calls or module.training:
+            return None  # in train mode a rerun draws its own random numbers, as every other isolated call does
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             return None
         prefix = f"{call.module}/{call.call}/"
@@ -160,13 +161,7 @@ class ChainedRecords:
 
 
 def _bit_identical(diff: TensorDiff) -> bool:
-    return (
-        diff.basis == "elements"
-        and diff.match
-        and diff.problem is None
-        and diff.max_abs == 0.0
-        and (diff.nan_expected == 0)
-    )
+    return diff.bits_equal and diff.match
 
 
 class _Unfed(Exception):

@@ -595,3 +595,22 @@ def test_a_large_comparison_scanned_on_two_threads_reports_what_one_pass_reports
     )
     if case == "ties":
         assert split.max_abs_index == (10,)
+
+
+@pytest.mark.parametrize(
+    ("expected", "actual", "bits_equal"),
+    [
+        (np.array([1.5, -2.0], np.float32), np.array([1.5, -2.0], np.float32), True),
+        (np.array([0.0], np.float32), np.array([-0.0], np.float32), False),
+        (np.array([2**53], np.int64), np.array([2**53 + 1], np.int64), False),
+        (np.array([np.inf], np.float32), np.array([np.inf], np.float32), False),
+    ],
+    ids=["same bits", "signed zero", "int64 beyond float64", "infinity"],
+)
+def test_bits_equal_means_the_same_bits_not_only_a_zero_difference(
+    expected: np.ndarray, actual: np.ndarray, bits_equal: bool
+) -> None:
+    """Isolation reuses a call only when its records held the reference's exact bits: -0.0 against 0.0 and
+    integers that float64 cannot tell apart differ by 0.0 but are not the same bits."""
+    diff = diff_arrays(expected, actual, Tolerance(0.0, 0.0))
+    assert diff.bits_equal is bits_equal

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,20 @@ def test_ordinary_damage_is_left_to_the_reader(tmp_path: Path) -> None:
     preflight.preflight(path, seconds=30)
     with pytest.raises(BundleFormatError, match="not an HDF5 file"):
         BundleReader(path, preflight=30)
+
+
+def test_a_walk_that_ended_while_the_port_loaded_passes_however_long_the_load(tiny_bundle: Path) -> None:
+    """replay-compare walks the bundle while the port loads: a load outlasting the walk's time limit does not
+    turn the finished walk of a valid bundle into a refusal."""
+    walk = preflight.start(tiny_bundle, seconds=30)
+    walk._child.wait(timeout=120)  # the walk ends while the port loads...
+    walk._deadline = time.monotonic() - 1  # ...and the load outlasts the walk's time limit
+    walk.result()
+
+
+def test_a_cancelled_walk_leaves_no_child(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that fails or is interrupted while the walk runs ends the child at once."""
+    monkeypatch.setattr(preflight, "_WALK", "import time\ntime.sleep(60)")
+    walk = preflight.start(tiny_bundle, seconds=30)
+    walk.cancel()
+    assert walk._child.returncode is not None
