@@ -88,18 +88,9 @@ def gpt2(layers: int = 12, width: int = 768, heads: int = 12, vocab: int = 50257
 
 def conformer(**sizes: int) -> nn.Module:
     """The example's Conformer-CTC with every norm and BatchNorm statistic randomised (bugs hide behind 0 and 1)."""
-    from nemo_like_conformer import ConformerCTCModel
+    from nemo_like_conformer import ConformerCTCModel, randomize_norms
 
-    model = ConformerCTCModel(**sizes)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (nn.LayerNorm, nn.BatchNorm1d)):
-                module.weight.normal_(1.0, 0.2)
-                module.bias.normal_(0.0, 0.2)
-            if isinstance(module, nn.BatchNorm1d):
-                module.running_mean.uniform_(-0.5, 0.5)
-                module.running_var.uniform_(0.5, 2.0)
-    return model
+    return randomize_norms(ConformerCTCModel(**sizes))
 
 
 def token_inputs(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
