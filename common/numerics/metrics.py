@@ -146,11 +146,13 @@ class _Running:
         if self.max_rel < 0.0:
             self.max_rel, self.max_rel_at = 0.0, start
 
-    def add_extremes(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, start: int, at: int) -> None:
-        """Fold in a chunk's largest absolute (at ``at``) and relative differences; first position wins ties."""
+    def add_extremes(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, start: int, at: int) -> bool:
+        """Fold in a chunk's largest absolute (at ``at``) and relative differences; first position wins ties.
+        Returns whether every reference value of the chunk is nonzero (:meth:`add_required` skips work then)."""
         if diff[at] > self.max_abs:
             self.max_abs, self.max_abs_at = float(diff[at]), start + at
-        if np.min(magnitude) > 0:
+        nonzero = bool(np.min(magnitude) > 0)
+        if nonzero:
             np.divide(diff, magnitude, out=scratch)
         else:  # relative differences only where the reference is nonzero
             scratch.fill(0.0)
@@ -158,9 +160,12 @@ class _Running:
         at = int(np.argmax(scratch))
         if scratch[at] > self.max_rel:
             self.max_rel, self.max_rel_at = float(scratch[at]), start + at
+        return nonzero
 
-    def add_required(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, largest: float) -> None:
-        """Raise the required atol and rtol so that this chunk passes.
+    def add_required(
+        self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, largest: float, nonzero: bool
+    ) -> None:
+        """Raise the required atol and rtol so that this chunk passes (``nonzero``: no reference value is zero).
 
         Each closed form can land one rounding step short, so it is nudged up until the rule,
         evaluated exactly as the comparison evaluates it, passes on the chunk. Rounding is
@@ -175,11 +180,15 @@ class _Running:
                 self.need_atol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, value, rtol))
         if self.rtol_hopeless or largest <= atol:  # within atol everywhere: no rtol needed here
             return
-        if np.any((magnitude == 0) & (diff > atol)):
+        if nonzero:  # the values the masked division below gives, without the zero test, the mask and a temporary
+            np.subtract(diff, atol, out=scratch)
+            np.divide(scratch, magnitude, out=scratch)
+        elif np.any((magnitude == 0) & (diff > atol)):
             self.rtol_hopeless = True
             return
-        scratch.fill(0.0)
-        np.divide(diff - atol, magnitude, out=scratch, where=magnitude > 0)
+        else:
+            scratch.fill(0.0)
+            np.divide(diff - atol, magnitude, out=scratch, where=magnitude > 0)
         candidate = float(np.max(scratch))
         if candidate > self.need_rtol:
             self.need_rtol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, atol, value))
@@ -288,8 +297,8 @@ def _fold_chunk(run: _Running, work: _Workspace, e_raw: np.ndarray, a_raw: np.nd
         if largest == 0.0:
             run.add_zero(start)
         else:
-            run.add_extremes(diff, magnitude, scratch, start, at)
-            run.add_required(diff, magnitude, scratch, largest)
+            nonzero = run.add_extremes(diff, magnitude, scratch, start, at)
+            run.add_required(diff, magnitude, scratch, largest, nonzero)
         run.add_dots(e, a)
         return
     # NaN or infinity somewhere: non-finite positions count as 0 in the statistics.
@@ -309,8 +318,8 @@ def _fold_chunk(run: _Running, work: _Workspace, e_raw: np.ndarray, a_raw: np.nd
             run.first_broken = start + int(np.argmax(broken))
     diff, magnitude = np.where(finite, diff, 0.0), np.where(finite, magnitude, 0.0)
     at = int(np.argmax(diff))
-    run.add_extremes(diff, magnitude, np.empty_like(diff), start, at)
-    run.add_required(diff, magnitude, np.empty_like(diff), float(diff[at]))
+    nonzero = run.add_extremes(diff, magnitude, np.empty_like(diff), start, at)
+    run.add_required(diff, magnitude, np.empty_like(diff), float(diff[at]), nonzero)
     run.add_dots(np.where(finite, e, 0.0), np.where(finite, a, 0.0))
 
 

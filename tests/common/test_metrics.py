@@ -614,3 +614,18 @@ def test_bits_equal_means_the_same_bits_not_only_a_zero_difference(
     integers that float64 cannot tell apart differ by 0.0 but are not the same bits."""
     diff = diff_arrays(expected, actual, Tolerance(0.0, 0.0))
     assert diff.bits_equal is bits_equal
+
+
+def test_the_required_tolerances_are_the_same_with_and_without_the_nonzero_shortcut() -> None:
+    """A chunk whose reference values are all nonzero takes a shortcut to the required rtol (no zero test, no
+    mask): it gives exactly what the masked division gives."""
+    rng = np.random.default_rng(3)
+    diff = np.abs(rng.standard_normal(5000)) * 1e-3 + 2e-5
+    magnitude = np.abs(rng.standard_normal(5000)) + 1e-3
+    needed = []
+    for nonzero in (True, False):
+        run = metrics._Running(Tolerance(1e-5, 1e-5))
+        run.add_required(diff, magnitude, np.empty_like(diff), float(diff.max()), nonzero)
+        needed.append((run.need_atol, run.need_rtol, run.rtol_hopeless))
+    assert needed[0] == needed[1]
+    assert needed[0][1] > 0
