@@ -104,7 +104,6 @@ class BundleReader:
             raise
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
         self._map = _map_file(self.path)
-        self._resident: list[tuple[int, int]] = []
         self._resident_bytes = 0
         # Pages of records read are dropped once they add up to the largest record: peak memory stays within
         # twice that, and small records cost no system call each.
@@ -250,7 +249,7 @@ class BundleReader:
                 f"{self.path}:{ref.path}: data at bytes {offset}..{offset + nbytes} lies past the end of the "
                 f"file ({len(self._map)} bytes); the bundle is truncated"
             )
-        self._keep_resident(offset, nbytes)
+        self._keep_resident(nbytes)
         view = np.frombuffer(self._map, dtype=stored.dtype, count=nbytes // stored.dtype.itemsize, offset=offset)
         array = view.reshape(stored.shape)
         return self.verify(ref, array) if verify else array
@@ -269,23 +268,18 @@ class BundleReader:
         self._verified.add(ref.path)
         return array
 
-    def _keep_resident(self, offset: int, nbytes: int) -> None:
+    def _keep_resident(self, nbytes: int) -> None:
         """Note a record about to be read; first drop the pages of those read before from this process (they
         stay in the OS page cache) when they and it would exceed the largest record."""
         if self._resident_bytes + nbytes > self._resident_budget:
             self._release_resident()
-        self._resident.append((offset, nbytes))
         self._resident_bytes += nbytes
 
     def _release_resident(self) -> None:
-        if self._map is not None and self._resident and hasattr(mmap, "MADV_DONTNEED"):
-            # One call over the span they cover: pages between them that this process never touched cost nothing.
-            first = min(offset for offset, _ in self._resident)
-            last = max(offset + nbytes for offset, nbytes in self._resident)
-            start = first - first % mmap.PAGESIZE
-            end = min(len(self._map), -(-last // mmap.PAGESIZE) * mmap.PAGESIZE)
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-        self._resident.clear()
+        if self._map is not None and self._resident_bytes and hasattr(mmap, "MADV_DONTNEED"):
+            # The whole mapping, not the records' spans: the kernel maps pages around each fault too (fault-around),
+            # and those would pile up record after record. Ranges this process never touched cost nothing.
+            self._map.madvise(mmap.MADV_DONTNEED, 0, len(self._map))
         self._resident_bytes = 0
 
     def read_tensor(self, ref: TensorRef) -> torch.Tensor:

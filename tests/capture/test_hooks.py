@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -196,3 +198,25 @@ def test_no_gradient_is_recorded_where_none_flows(tmp_path: Path, block: type[Bl
         assert not {key for key in recorded if key[0] in ("blocks.1.lin", "blocks.1.act", "blocks.1.norm")}
     else:
         assert ("blocks.1.lin", "grad_input.input") in recorded
+
+
+def test_capture_and_replay_import_no_torch_compile_machinery(tmp_path: Path) -> None:
+    """Hooks are marked for torch.compile only where it is loaded: a capture and a replay of an uncompiled model
+    never import torch._dynamo (its import alone took 0.7 s of every command)."""
+    code = "\n".join(
+        [
+            "import sys",
+            "from parity_harness.capture.record.recorder import capture_run",
+            "from parity_harness.replay.compare.runner import compare_run",
+            "from parity_harness.replay.reader import BundleReader",
+            "from tests.models import build_tiny, tiny_inputs",
+            f"capture_run(build_tiny(), tiny_inputs(), {str(tmp_path / 'b.h5')!r}, seed=0)",
+            f"with BundleReader({str(tmp_path / 'b.h5')!r}) as reader:",
+            "    assert compare_run(build_tiny(), reader).match",
+            "print('torch._dynamo' in sys.modules)",
+        ]
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -498,3 +498,35 @@ def test_from_format_1_4_the_checksums_cover_exactly_the_datasets(tiny_bundle: P
     expected = "no checksum in the index" if change == "drop-rng-checksum" else "which is no dataset"
     with pytest.raises(BundleFormatError, match=expected):
         BundleReader(tiny_bundle)
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (Linux smaps), summed."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux smaps")
+def test_reading_every_record_keeps_at_most_twice_the_largest_resident(tmp_path: Path) -> None:
+    """Records are read from the mapped file and their pages dropped in batches: however many records are read,
+    this process holds at most about twice the largest record of the bundle (the pages stay in the OS cache)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(12)))
+    path = tmp_path / "many.h5"
+    from parity_harness.capture.record.recorder import capture_run
+
+    capture_run(model, (torch.randn(1024, 256),), path, seed=0)
+    with BundleReader(path) as reader:
+        refs = [ref for ref in reader.index.tensor_refs() if reader.summary(ref) is None]
+        largest = max(int(np.prod(ref.shape)) * 4 for ref in refs)
+        assert sum(int(np.prod(ref.shape)) * 4 for ref in refs) > 10 * largest  # many records' worth
+        peak = 0
+        for ref in refs:
+            assert reader.read_array(ref).size == int(np.prod(ref.shape))
+            peak = max(peak, _mapped_rss(path))
+    assert peak <= 2 * largest + (64 << 10)
