@@ -8,9 +8,9 @@ index names exists with exactly the declared dtype and shape (unless it was reco
 statistics only), with no unreferenced tensor left over. Only then is any tensor data read, one record at a time.
 
 Tensors stored contiguously and unfiltered (everything capture writes) are read without a copy,
-as read-only views of the file mapped into memory; the pages of the previously read tensor are
-dropped from this process on every read, so reading a bundle of any size keeps about one tensor
-resident.
+as read-only views of the file mapped into memory, at the offsets the containment walk found (no HDF5 call
+per record); the mapped pages are dropped from this process once the records read add up to the largest
+record, so reading a bundle of any size keeps at most about twice the largest record resident.
 """
 
 from __future__ import annotations
