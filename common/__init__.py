@@ -1,6 +1,8 @@
 """parity-harness common layer: the bundle format, tensor metrics, tolerances and errors.
 
 Imports only the standard library, NumPy, h5py, msgpack (and torch, in ``parity_harness.common.format.dtypes``).
+Importing this package itself needs none of them: the metrics and tolerances load when first named, so that
+stdlib-only modules (``capture.record.predictions``) can raise this project's errors.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from parity_harness.common.errors import (
     UnsupportedBundleVersion,
 )
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
-from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
-from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+    from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 
 __all__ = [
     "FORMAT_MINOR",
@@ -44,3 +49,19 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "TensorDiff": "parity_harness.common.numerics.metrics",
+    "diff_arrays": "parity_harness.common.numerics.metrics",
+    "Tolerance": "parity_harness.common.numerics.tolerances",
+    "ToleranceTable": "parity_harness.common.numerics.tolerances",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The NumPy-backed names, imported when first asked for."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -143,7 +143,7 @@ def test_a_fifo_given_as_a_manifest_or_training_file_is_refused(tmp_path: Path) 
     if not hasattr(os, "mkfifo"):
         pytest.skip("needs FIFOs")
     from parity_harness.common.format.manifest import read_manifest
-    from parity_harness.replay.training.compare import TrainingRun
+    from parity_harness.replay.training.training_file import TrainingRun
 
     manifest, training = tmp_path / "run.manifest.json", tmp_path / "run.h5"
     os.mkfifo(manifest)

@@ -15,7 +15,10 @@ from torch import nn
 
 from parity_harness.capture.record.training import TrainingRecorder
 from parity_harness.replay.cli.train_diff import main
-from parity_harness.replay.training.compare import TrainingRun, _parameter_filter, compare_training
+from parity_harness.replay.training.compare import compare_training
+from parity_harness.replay.training.filters import parameter_filter
+from parity_harness.replay.training.runs import StepKey
+from parity_harness.replay.training.training_file import TrainingRun
 from tests.conftest import ROOT
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -91,7 +94,10 @@ def test_identical_runs_match_at_every_step(tmp_path: Path, make: OptimizerFacto
     assert [s["step"] for s in document["steps"]] == [0, 1, 2, 3, 4, 5]
     assert set(document["steps"][0]) >= {"step", "match", "loss_a", "loss_b", "weight_l2", "weight_cosine"}
     first = document["steps"][0]
-    assert first["grads_max_abs"] == first["optimizer_max_abs"] == first["predictions_max_abs"] == 0
+    assert first["grads_max_abs"] == first["optimizer_max_abs"] == first["predictions"]["max_abs"] == 0
+    assert first["worst_param"] is None  # nothing differs: no parameter is the worst
+    assert {p["name"] for p in first["parameters"]} == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert document["summary"]["weight_l2"]["max"] == 0
 
 
 def test_optimizer_epsilon_diverges_at_the_first_update(tmp_path: Path) -> None:
@@ -123,8 +129,9 @@ def test_shuffled_batch_order_is_reported(tmp_path: Path) -> None:
     b = train(tmp_path / "b.h5", sgd, order=[1, 0, 2, 3, 4, 5])
     result = CliRunner().invoke(main, [str(a), str(b), "--json", str(tmp_path / "r.json")])
     assert result.exit_code == 1
-    assert "batch order differs at steps [0, 1]" in result.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["batch_order_mismatch"] == [0, 1]
+    assert "batch order differs at steps 0:0, 0:1" in result.stdout
+    mismatch = json.loads((tmp_path / "r.json").read_text())["batch_order_mismatch"]
+    assert mismatch == [{"epoch": 0, "step": 0}, {"epoch": 0, "step": 1}]
 
 
 def test_csv_time_series(tmp_path: Path) -> None:
@@ -133,8 +140,8 @@ def test_csv_time_series(tmp_path: Path) -> None:
     table = tmp_path / "steps.csv"
     assert CliRunner().invoke(main, [str(a), str(b), "--csv", str(table)]).exit_code == 0
     lines = table.read_text().splitlines()
-    assert lines[0].startswith("step,match,loss_a,loss_b,loss_diff,accuracy_a,accuracy_b,accuracy_diff,weight_l2")
-    assert [line.split(",")[0] for line in lines[1:]] == ["0", "2", "4"]
+    assert lines[0].startswith("epoch,step,match,loss_a,loss_b,loss_diff,accuracy_a,accuracy_b,accuracy_diff,weight_l2")
+    assert [line.split(",")[1] for line in lines[1:]] == ["0", "2", "4"]
 
 
 KILLED_RUN = """
@@ -167,7 +174,7 @@ def _square_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Te
 
 def test_run_killed_between_steps_stays_readable(tmp_path: Path) -> None:
     """A process killed after step 2 leaves steps 0-2 readable, and a port's training reruns on them."""
-    from parity_harness.replay.training.compare import rerun_training
+    from parity_harness.replay.training.rerun import rerun_training
 
     path = tmp_path / "killed.h5"
     done = subprocess.run(
@@ -175,8 +182,8 @@ def test_run_killed_between_steps_stays_readable(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stderr
     with TrainingRun(path) as run:
-        assert sorted(run.meta) == [0, 1, 2]
-        assert set(run.tensors(2, "params")) == {"weight", "bias"}
+        assert sorted(run.meta) == [StepKey(None, 0), StepKey(None, 1), StepKey(None, 2)]
+        assert set(run.tensors(StepKey(None, 2), "params")) == {"weight", "bias"}
         port = nn.Linear(4, 2)
         rerun_training(port, torch.optim.SGD(port.parameters(), lr=0.1), _square_step, run, tmp_path / "port.h5")
         with TrainingRun(tmp_path / "port.h5") as rerun:
@@ -213,7 +220,7 @@ def _reference(tmp_path: Path, make: OptimizerFactory, every: int = 1) -> Path:
 
 
 def _rerun(reference: Path, tmp_path: Path, make: OptimizerFactory, resync: bool = False):
-    from parity_harness.replay.training.compare import rerun_training
+    from parity_harness.replay.training.rerun import rerun_training
 
     torch.manual_seed(123)  # the port starts from other weights: the rerun must load the reference's
     port = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -249,7 +256,7 @@ def test_optimizer_bug_drifts_and_resync_localises_it(tmp_path: Path) -> None:
 def test_rerun_needs_every_batch(tmp_path: Path) -> None:
     """A run that recorded only every other step's batch cannot be rerun, and says how to record one."""
     from parity_harness.common.errors import InputError
-    from parity_harness.replay.training.compare import rerun_training
+    from parity_harness.replay.training.rerun import rerun_training
 
     sparse = train(tmp_path / "sparse.h5", sgd, every=2)
     model = _model()
@@ -325,7 +332,7 @@ def test_predictions_csv_per_sample(tmp_path: Path) -> None:
     table = tmp_path / "predictions.csv"
     assert CliRunner().invoke(main, [str(a), str(b), "--predictions-csv", str(table)]).exit_code == 1
     rows = [line.split(",") for line in table.read_text().splitlines()]
-    header = ["step", "epoch", "sample_idx", "sample_id_a", "sample_id_b", "label", "argmax_a", "argmax_b"]
+    header = ["epoch", "step", "sample_idx", "sample_id_a", "sample_id_b", "label", "argmax_a", "argmax_b"]
     assert rows[0][:8] == header
     assert len(rows[0]) == 9 + 2 * 3  # max_abs_diff, then three logits per run
     assert len(rows) == 1 + 2 * 5  # steps 0 and 3, five samples each
@@ -335,20 +342,19 @@ def test_predictions_csv_per_sample(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("params", "first", "compared"),
-    [("all", 0, 4), ("head", 0, 2), ("backbone", 0, 2), (r"\.weight$", 1, 2)],
-    ids=["all", "head", "backbone", "regex-weights"],
+    [("all", 0, 4), (r"^2\.", 0, 2), (r"^0\.", 0, 2), (r"\.weight$", 1, 2)],
+    ids=["all", "last-layer", "first-layer", "regex-weights"],
 )
-def test_named_parameter_filters(tmp_path: Path, params: str, first: int, compared: int) -> None:
-    """all / head (the last top-level module) / backbone / a regex select the weights compared."""
+def test_parameter_filters(tmp_path: Path, params: str, first: int, compared: int) -> None:
+    """all or a regex select the weights compared: a bias-decay bug shows at step 0 in biases, from 1 in weights."""
     a, b = train(tmp_path / "a.h5", adamw()), train(tmp_path / "b.h5", adamw(decay_biases=True))
     with TrainingRun(a) as run_a, TrainingRun(b) as run_b:
         result = compare_training(run_a, run_b, params=params)
-        selected = _parameter_filter(params, run_a.parameter_names)
-        names = [n for n in run_a.parameter_names if selected is None or selected.search(n)]
-    assert result.first_diverging_step == first  # a bias-decay bug: biases at step 0, weights from step 1
+        selected = parameter_filter(params)
+        names = [n for n in run_a.parameter_names() if selected.search(n)]
+    assert result.first_diverging_step == first
     assert len(names) == compared
-    if params == "head":
-        assert names == ["2.weight", "2.bias"]
+    assert {p.name for p in result.steps[0].parameters} == set(names)
 
 
 def test_training_curves_png(tmp_path: Path) -> None:
@@ -365,6 +371,77 @@ def test_train_diff_wants_atol_and_rtol_together() -> None:
     from parity_harness.replay.cli.train_diff import main as train_diff
     from tests.cli_helpers import one_error_line
 
-    golden = Path(__file__).resolve().parent / "data" / "training-golden-1.1.h5"
+    golden = Path(__file__).resolve().parent / "data" / "training-golden-2.0.h5"
     result = CliRunner().invoke(train_diff, [str(golden), str(golden), "--atol", "0"])
     assert "--atol given without --rtol" in one_error_line("parity-train-diff", result)
+
+
+LIVE_RUN = """
+import sys, time
+from pathlib import Path
+import torch
+from torch import nn
+from parity_harness.capture.record.training import TrainingRecorder
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+recorder = TrainingRecorder(sys.argv[1], model, optimizer)
+for step in range(3):
+    optimizer.zero_grad()
+    loss = model(torch.randn(3, 4)).square().mean()
+    loss.backward()
+    optimizer.step()
+    recorder.step(step, loss=loss)
+Path(sys.argv[2]).touch()
+deadline = time.monotonic() + 300
+while not Path(sys.argv[3]).exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+recorder.close()
+"""
+
+
+def test_a_run_still_being_written_is_read_up_to_its_last_step(tmp_path: Path) -> None:
+    """While the training holds its file open (HDF5's write lock), parity-train-diff reads the completed steps
+    and says the run is still being written; no "not an HDF5 file" error."""
+    import time
+
+    path, ready, done = tmp_path / "live.h5", tmp_path / "ready", tmp_path / "done"
+    writer = subprocess.Popen([sys.executable, "-c", LIVE_RUN, str(path), str(ready), str(done)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and writer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the writer never reached its third step"
+        result = CliRunner().invoke(main, [str(path), str(path), "--json", str(tmp_path / "r.json")])
+        assert writer.poll() is None  # the comparison ran while the writer held the file
+    finally:
+        done.touch()
+        writer.wait(timeout=300)
+    assert result.exit_code == 0, result.output
+    assert f"{path}: still being written; compared the steps completed so far" in result.stdout
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert [s["step"] for s in document["steps"]] == [0, 1, 2]
+    assert document["live"] == [str(path), str(path)]
+
+
+def test_replay_steps_writes_plot_and_report_and_refuses_what_it_would_ignore(tmp_path: Path) -> None:
+    """replay-compare --steps honours --plot and --report; an option only a single-run replay uses is refused."""
+    pytest.importorskip("matplotlib")
+    from parity_harness.capture.cli.capture_run import main as capture_main
+    from parity_harness.replay.cli.replay_compare import main as replay_main
+    from tests.cli_helpers import one_error_line
+
+    adapter = tmp_path / "reference.py"
+    adapter.write_text(TRAINING_ADAPTER.format(eps=1e-8))
+    run = tmp_path / "run.h5"
+    args = ["--adapter", str(adapter), "--out", str(run), "--steps", "4"]
+    assert CliRunner().invoke(capture_main, args).exit_code == 0
+    image, report = tmp_path / "curves.png", tmp_path / "report.md"
+    base = ["--bundle", str(run), "--adapter", str(adapter), "--steps"]
+    result = CliRunner().invoke(replay_main, [*base, "--plot", str(image), "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.read_text().startswith("# Training comparison: MATCH\n")
+    for extra in (["--isolate"], ["--show", "all"], ["--list"]):
+        refused = CliRunner().invoke(replay_main, [*base, *extra])
+        assert f"{extra[0]}: not used with --steps" in one_error_line("replay-compare", refused)

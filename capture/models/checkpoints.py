@@ -43,6 +43,7 @@ __all__ = [
     "check_npz_sizes",
     "lazy_tensors",
     "load_checkpoint",
+    "load_torch_object",
     "nemo_limit",
     "read_safetensors",
 ]
@@ -90,10 +91,27 @@ def _unwrap(loaded: object, path: Path) -> dict[str, torch.Tensor]:
     return {str(k): v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
 
-def _torch_load(path: Path, trust_pickle: bool) -> object:
+def load_torch_object(path: Path, trust_pickle: bool = False, *, mmap: bool = False) -> object:
+    """Whatever a ``torch.save`` file holds, loaded without running code from it.
+
+    Args:
+        path: the file.
+        trust_pickle: the user vouched for the file (``--trust-pickle``): unpickle it with code execution.
+        mmap: memory-map the tensors' storage, so that none is read until used (zip files only: an old-format
+            file is loaded whole).
+
+    Raises:
+        CheckpointError: a compressed zip member, torch older than 2.6, a pickle that would run code, or a file that
+            is no ``torch.save`` output.
+    """
+    return _torch_load(path, trust_pickle, mmap=mmap and zipfile.is_zipfile(path))
+
+
+def _torch_load(path: Path, trust_pickle: bool, *, mmap: bool = False) -> object:
+    # mmap=None, not False, when not asked for: torch then keeps its own default (torch.utils.serialization.config)
     _check_zip_members(path)
     if trust_pickle:  # the user vouched for this file with --trust-pickle
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap or None)
     if _torch_release() < (2, 6):
         raise CheckpointError(
             f"{path}: torch {torch.__version__} cannot load a pickle checkpoint safely (weights_only=True can be "
@@ -101,7 +119,7 @@ def _torch_load(path: Path, trust_pickle: bool) -> object:
             "--trust-pickle if you trust this file"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap or None)
     except Exception as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         refusal = [line for line in lines if "GLOBAL" in line]  # "Unsupported operand": bytes that are no pickle

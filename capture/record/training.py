@@ -8,7 +8,8 @@
 A training file is written in place and flushed after every recorded step, so a run killed
 between steps leaves every completed step readable; a step counts once its ``meta`` record (written
 last) exists. Layout: ``/initial/params/<name>``; ``/steps/<step>/{batch,params,grads,optimizer,
-predictions,labels}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree).
+predictions,labels}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree);
+a step given its epoch is ``/steps/<epoch>_<step>``, so batch numbers may restart every epoch.
 Paths, documents and version live in ``common.format.training``; the spec is docs/training-file.md.
 """
 
@@ -143,7 +144,12 @@ class TrainingRecorder:
         full = step % self._every == 0
         if not (full or self._all_batches):
             return False
-        group = step_group(step)
+        group = step_group(step, epoch)
+        if group in self._file:
+            raise InputError(
+                f"{self.path}: step {step}{'' if epoch is None else f' of epoch {epoch}'} is recorded already; pass "
+                "each step once (with epoch=, batch numbers may restart every epoch)"
+            )
         tree = encode_value(batch, BATCH, functools.partial(self._store, f"{group}/{BATCH}"))
         named = dict(self._model.named_parameters())
         if full:

@@ -2,9 +2,10 @@
 
 A training file (``TrainingRecorder``, ``capture-run --steps``) is HDF5 like a bundle: root attributes
 ``format``/``format_version``/``format_minor``; ``/initial/params/<name>`` and the msgpack document
-``/initial/meta``; per recorded step ``/steps/<step, 9 digits>/{batch,params,grads,optimizer,predictions,
-labels}`` and the msgpack document ``meta``, written last so that a step without it is an unfinished
-step a crash cut short. :func:`read_header` checks the version first, then every document and every
+``/initial/meta``; per recorded step ``/steps/<step, 9 digits>`` (``/steps/<epoch>_<step>`` when the step
+was recorded with its epoch: batch numbers may restart every epoch) holding ``{batch,params,grads,optimizer,
+predictions,labels}`` and the msgpack document ``meta``, written last so that a step without it is an
+unfinished step a crash cut short. :func:`read_header` checks the version first, then every document and every
 tensor dataset's dtype tag and shape, before a reader touches any data. Spec: docs/training-file.md.
 """
 
@@ -61,10 +62,11 @@ __all__ = [
 # ---------------------------------------------------------------- identity
 
 TRAINING_FORMAT: Final = "parity-harness-training"
-TRAINING_VERSION: Final = 1
-"""Major version: bumped when a reader of the previous major could misread a training file."""
-TRAINING_MINOR: Final = 1
-"""Minor version: bumped when fields are only added (1: ``recorded`` in ``/initial/meta``)."""
+TRAINING_VERSION: Final = 2
+"""Major version: bumped when a reader of the previous major could misread a training file (2: step groups of
+steps recorded with an epoch are named ``<epoch>_<step>``, which 1.x readers would call damaged)."""
+TRAINING_MINOR: Final = 0
+"""Minor version: bumped when fields are only added (1.1: ``recorded`` in ``/initial/meta``)."""
 TRAINING_GATE: Final = FormatGate(
     TRAINING_FORMAT, TRAINING_VERSION, TRAINING_MINOR, noun="training file", writer="TrainingRecorder"
 )
@@ -85,9 +87,10 @@ META: Final = "meta"
 """Members of a step group; ``meta`` is written last and marks the step complete."""
 
 
-def step_group(step: int) -> str:
-    """The HDF5 group of one step, e.g. ``/steps/000000012``."""
-    return f"{STEPS}/{step:0{STEP_DIGITS}d}"
+def step_group(step: int, epoch: int | None = None) -> str:
+    """The HDF5 group of one step: ``/steps/000000012``, or ``/steps/000000001_000000012`` with its epoch."""
+    name = f"{step:0{STEP_DIGITS}d}" if epoch is None else f"{epoch:0{STEP_DIGITS}d}_{step:0{STEP_DIGITS}d}"
+    return f"{STEPS}/{name}"
 
 
 # ---------------------------------------------------------------- documents
@@ -236,21 +239,25 @@ def _batch(value: object, where: str) -> Tree:
         _fail(where, f"'batch' is not a value tree ({detail})")
 
 
-def parse_step_meta(obj: object, where: str, step: int) -> StepMeta:
-    """Validate a decoded ``/steps/<step>/meta`` of the step numbered ``step`` by its group's name.
+def parse_step_meta(obj: object, where: str, step: int, epoch: int | None = None) -> StepMeta:
+    """Validate a decoded ``/steps/<step>/meta`` of the step its group's name numbers (``step``, and ``epoch`` when
+    the name carries one).
 
     Raises:
-        BundleFormatError: not a map, a required key missing, a key of the wrong type, or another step number.
+        BundleFormatError: not a map, a required key missing, a key of the wrong type, or another step or epoch.
     """
     meta = _document(obj, where, _STEP_REQUIRED)
     if _integer(meta["step"], where, "step", 0) != step:
         _fail(where, f"'step' is {meta['step']!r}, expected {step} (the number of its group)")
     if not isinstance(meta.get("full", True), bool):
         _fail(where, f"'full' is {_got(meta['full'])}, expected true or false")
-    loss, epoch, ids = meta["loss"], meta.get("epoch"), meta.get("sample_ids")
+    loss, ids = meta["loss"], meta.get("sample_ids")
+    stored_epoch = None if meta.get("epoch") is None else _integer(meta.get("epoch"), where, "epoch", 0)
+    if epoch is not None and stored_epoch != epoch:
+        _fail(where, f"'epoch' is {meta.get('epoch')!r}, expected {epoch} (the epoch its group's name gives)")
     return {
         "step": step,
-        "epoch": None if epoch is None else _integer(epoch, where, "epoch", 0),
+        "epoch": stored_epoch,
         "full": cast(bool, meta.get("full", True)),
         "loss": None if loss is None else _number(loss, where, "loss"),
         "metrics": _metrics(meta["metrics"], where),
@@ -259,11 +266,16 @@ def parse_step_meta(obj: object, where: str, step: int) -> StepMeta:
     }
 
 
-def parse_step_key(key: str, where: str) -> int:
-    """The step number of a ``/steps`` member name (nine digits, more past step 999999999)."""
-    if len(key) < STEP_DIGITS or not key.isdigit() or not key.isascii():
-        _fail(f"{where}:{STEPS}/{key}", f"expected a step group named by {STEP_DIGITS} digits, got {key!r}")
-    return int(key)
+def parse_step_key(key: str, where: str) -> tuple[int | None, int]:
+    """The (epoch, step) of a ``/steps`` member name: ``<step>`` or ``<epoch>_<step>``, each of nine digits (more
+    past 999999999); the epoch is None when the name carries none."""
+    parts = key.split("_")
+    if len(parts) > 2 or not all(len(part) >= STEP_DIGITS and part.isdigit() and part.isascii() for part in parts):
+        _fail(
+            f"{where}:{STEPS}/{key}",
+            f"expected a step group named by {STEP_DIGITS} digits (<step> or <epoch>_<step>), got {key!r}",
+        )
+    return (None, int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
 # ---------------------------------------------------------------- the file
@@ -276,8 +288,11 @@ class TrainingHeader:
     major: int
     minor: int
     initial: InitialMeta
-    steps: dict[int, StepMeta]
-    """Completed steps by number; a step group without ``meta`` was cut short by a crash and is left out."""
+    steps: dict[tuple[int | None, int], StepMeta]
+    """Completed steps by (epoch, step) as their ``meta`` gives them; a step group without ``meta`` was cut short
+    by a crash (or is being written) and is left out."""
+    groups: dict[tuple[int | None, int], str]
+    """Each completed step's HDF5 group (1.x files name a step recorded with an epoch by its step alone)."""
 
 
 def read_version(attrs: h5py.AttributeManager, where: str) -> tuple[int, int]:
@@ -316,14 +331,18 @@ def read_header(file: h5py.File, where: str) -> TrainingHeader:
     check_contained(file, where, "training file")
     initial = parse_initial_meta(_read_document(file, INITIAL_META, where), f"{where}:{INITIAL_META}")
     shapes = _check_initial_params(file, initial, where)
-    steps: dict[int, StepMeta] = {}
-    for step, group in _step_groups(file, where):
+    steps: dict[tuple[int | None, int], StepMeta] = {}
+    groups: dict[tuple[int | None, int], str] = {}
+    for (epoch, step), group in _step_groups(file, where):
         if META in group:
             document = _read_document(file, f"{group.name}/{META}", where)
-            meta = parse_step_meta(document, f"{where}:{group.name}/{META}", step)
+            meta = parse_step_meta(document, f"{where}:{group.name}/{META}", step, epoch)
             _check_step(group, meta, shapes, initial["recorded"], where)
-            steps[step] = meta
-    return TrainingHeader(major, minor, initial, steps)
+            key = (meta["epoch"], step)
+            if key in steps:
+                _fail(f"{where}:{group.name}", f"step {step} of epoch {meta['epoch']} is recorded twice")
+            steps[key], groups[key] = meta, group.name
+    return TrainingHeader(major, minor, initial, steps, groups)
 
 
 def _describe(node: object) -> str:
@@ -386,7 +405,7 @@ def _check_initial_params(file: h5py.File, initial: InitialMeta, where: str) -> 
     return {name: _check_tensor(node.get(name), f"{at}/{name}") for name in node}
 
 
-def _step_groups(file: h5py.File, where: str) -> list[tuple[int, h5py.Group]]:
+def _step_groups(file: h5py.File, where: str) -> list[tuple[tuple[int | None, int], h5py.Group]]:
     node = file.get(STEPS)
     if node is None:
         return []  # no step was completed

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, adapter_options, handle_errors
 from parity_harness.common.format.atomic import check_output
@@ -21,6 +22,27 @@ PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """--dtype's choices (``replay.compare.precision.PRECISIONS``, which needs torch to import)."""
 
 __all__ = ["main"]
+
+_TRAINING_OPTIONS = frozenset(
+    {"bundle", "ckpt", "adapter", "model_spec", "device", "trust_pickle", "debug", "atol", "rtol", "map_file"}
+    | {"plot_path", "report_path", "json_path", "training", "params_filter", "resync", "quiet"}
+)
+"""The options ``--steps`` (a training rerun) acts on; any other given with it is refused, never ignored."""
+
+
+def _refuse_ignored_by_training(context: click.Context) -> None:
+    """``--steps`` with an option only a single-run comparison uses: a usage error naming it."""
+    given = [
+        param
+        for param in context.command.params
+        if param.name not in _TRAINING_OPTIONS
+        and context.get_parameter_source(param.name or "") in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    ]
+    if given:
+        names = ", ".join(param.opts[0] for param in given)
+        raise click.UsageError(
+            f"{names}: not used with --steps (a training rerun); drop it, or compare without --steps"
+        )
 
 
 @click.command("replay-compare", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -207,6 +229,8 @@ def main(
         for option, path in outputs.items():
             if path:  # before anything runs: a run must not end in a path it cannot write
                 check_output(path, what=option)
+        if training or resync:
+            _refuse_ignored_by_training(click.get_current_context())
         if list_only and not (training or resync):
             with open_bundle_for_listing(Path(bundle), rank=rank, verify=not no_verify) as reader:
                 click.echo(render_listing(reader))

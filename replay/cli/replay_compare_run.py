@@ -28,12 +28,14 @@ from parity_harness.replay.compare.runner import ReplayOptions
 from parity_harness.replay.naming.alignment import ProposedMap
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.report.markdown import render_markdown
-from parity_harness.replay.report.plot import plot_errors
+from parity_harness.replay.report.plot import plot_errors, plot_training
 from parity_harness.replay.report.progress import ProgressLine
 from parity_harness.replay.report.tables import render_proposal, render_result
+from parity_harness.replay.report.training import render_markdown as render_training_markdown
 from parity_harness.replay.report.training import render_table
 from parity_harness.replay.result import ComparisonResult
-from parity_harness.replay.training.compare import replay_training
+from parity_harness.replay.training.rerun import replay_training
+from parity_harness.replay.training.summary import training_json
 
 __all__ = ["compare", "train"]
 
@@ -52,7 +54,7 @@ def train(params: Mapping[str, Any]) -> int:
         params["rtol"],
         params["resync"],
         params["params_filter"],
-        params["json_path"],
+        (params["json_path"], params["report_path"], params["plot_path"]),
     )
 
 
@@ -154,19 +156,27 @@ def _replay_training(
     rtol: float,
     resync: bool,
     params: str | None,
-    json_path: str | None,
+    reports: tuple[str | None, str | None, str | None],
 ) -> int:
-    """``--steps``: rerun the port's training on the recorded batches; the exit code."""
+    """``--steps``: rerun the port's training on the recorded batches; the exit code. ``reports``: the
+    ``--json``, ``--report`` and ``--plot`` paths."""
     rename = read_map(map_file) if map_file else None
     comparison = replay_training(
         driver, driver.model(ckpt, device), bundle, rename=rename, atol=atol, rtol=rtol, resync=resync, params=params
     )
+    for warning in comparison.warnings:
+        click.echo(f"replay-compare: warning: {warning}", err=True)
     note = "resynced before every step: each step's error is its own\n" if resync else ""
     click.echo(note + render_table(comparison))
+    json_path, report_path, plot_path = reports
     if json_path:
-        document = {**comparison.to_json(), "resync": resync}
+        document = {**training_json(comparison), "resync": resync}
         write_report(json_path, json.dumps(document, indent=2, allow_nan=False) + "\n", "--json")
-    return 0 if comparison.first_diverging_step is None else 1
+    if report_path:
+        write_report(report_path, render_training_markdown(comparison, bundle, ckpt or "the port"), "--report")
+    if plot_path:
+        plot_training(comparison, plot_path)
+    return 0 if comparison.match else 1
 
 
 def _finish_distributed(outcome: ReplayOutcome) -> NoReturn:

@@ -1,7 +1,9 @@
-"""``parity-train-diff A.h5 B.h5``: compare two recorded training runs step by step, offline.
+"""``parity-train-diff A B``: compare two training runs step by step, offline.
 
-Exit codes as ``replay-compare``: 0 every common step matches, 1 a step diverges (or batches
-were fed in another order), 2 a usage or file error.
+A run is a training file (``TrainingRecorder``, ``capture-run --steps``), a folder of per-batch torch dumps (or
+one dump), or a per-sample prediction CSV (``capture.record.predictions``); the two may be of different kinds.
+Exit codes as ``replay-compare``: 0 every common step matches and every selected parameter was compared, 1 a
+step diverges, batches were fed in another order or parameters went unpaired, 2 a usage or file error.
 """
 
 from __future__ import annotations
@@ -13,27 +15,35 @@ import click
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, tolerances_given, write_report
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
-from parity_harness.replay.report.training import render_csv, render_predictions_csv, render_table
-from parity_harness.replay.training.compare import TrainingRun, compare_training
+from parity_harness.replay.report.training import render_csv, render_markdown, render_predictions_csv, render_table
+from parity_harness.replay.training.compare import diff_training_runs
+from parity_harness.replay.training.summary import training_json
 
 __all__ = ["main"]
 
 
 @click.command("parity-train-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("run_a", type=click.Path(dir_okay=False))
-@click.argument("run_b", type=click.Path(dir_okay=False))
+@click.argument("run_a", type=click.Path())
+@click.argument("run_b", type=click.Path())
 @click.option("--atol", default=DEFAULT_ATOL, show_default=True, type=Tol())
 @click.option("--rtol", default=DEFAULT_RTOL, show_default=True, type=Tol())
-@click.option("--params", "params_regex", metavar="all|head|backbone|REGEX", help="The weights compared (default all).")
+@click.option(
+    "--params",
+    "params_regex",
+    metavar="all|head|backbone|REGEX",
+    help="The weights compared (default all); head: top-level modules named like a head (classifier, fc, lm_head...).",
+)
+@click.option("--map", "map_file", type=click.Path(dir_okay=False), help="Rules renaming B's parameters to A's.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the per-step time series here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write a markdown report here.")
 @click.option(
     "--predictions-csv",
     type=click.Path(dir_okay=False),
     help="Also write one row per sample: ids, label, argmax and logits of both runs.",
 )
 @click.option(
-    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw the curves to this PNG (matplotlib)."
+    "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw the six panels to this PNG (matplotlib)."
 )
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(
@@ -42,25 +52,34 @@ def main(
     atol: float,
     rtol: float,
     params_regex: str | None,
+    map_file: str | None,
     csv_path: str | None,
     json_path: str | None,
+    report_path: str | None,
     predictions_csv: str | None,
     plot_path: str | None,
     debug: bool,
 ) -> None:
-    """Compare two training runs recorded with capture.TrainingRecorder, step by step."""
+    """Compare two training runs (training files, dump folders or prediction CSVs), step by step."""
     tolerances_given()
-    with handle_errors("parity-train-diff", debug), TrainingRun(run_a) as a, TrainingRun(run_b) as b:
-        result = compare_training(a, b, atol=atol, rtol=rtol, params=params_regex)
+    with handle_errors("parity-train-diff", debug):
+        found = diff_training_runs(
+            run_a, run_b, atol=atol, rtol=rtol, params=params_regex, map_file=map_file, samples=bool(predictions_csv)
+        )
+        result = found.comparison
+        for warning in result.warnings:
+            click.echo(f"parity-train-diff: warning: {warning}", err=True)
         click.echo(render_table(result))
         if csv_path:
             write_report(csv_path, render_csv(result), "--csv")
         if json_path:
-            write_report(json_path, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n", "--json")
+            write_report(json_path, json.dumps(training_json(result), indent=2, allow_nan=False) + "\n", "--json")
+        if report_path:
+            write_report(report_path, render_markdown(result, run_a, run_b), "--report")
         if predictions_csv:
-            write_report(predictions_csv, render_predictions_csv(a, b), "--predictions-csv")
+            write_report(predictions_csv, render_predictions_csv(found.samples or []), "--predictions-csv")
         if plot_path:
             from parity_harness.replay.report.plot import plot_training
 
             plot_training(result, plot_path)
-    sys.exit(0 if result.first_diverging_step is None else 1)
+    sys.exit(0 if result.match else 1)

@@ -76,40 +76,66 @@ def plot_errors(result: ComparisonResult, path: str | os.PathLike[str]) -> None:
     _save(pyplot, figure, path, dpi=110)
 
 
+def _series(result: TrainingComparison) -> dict[str, list[float]]:
+    """Each plotted quantity per step (NaN where a run did not record it); differences are absolute."""
+
+    def number(value: float | None) -> float:
+        return math.nan if value is None else value
+
+    def gap(a: float | None, b: float | None) -> float:
+        return math.nan if a is None or b is None else abs(b - a)
+
+    steps = result.steps
+    return {
+        "weight_l2": [s.weight_l2 for s in steps],
+        "weight_cosine": [s.weight_cosine for s in steps],
+        "loss_a": [number(s.loss_a) for s in steps],
+        "loss_b": [number(s.loss_b) for s in steps],
+        "loss_gap": [gap(s.loss_a, s.loss_b) for s in steps],
+        "acc_a": [number(s.accuracy[0]) for s in steps],
+        "acc_b": [number(s.accuracy[1]) for s in steps],
+        "acc_gap": [gap(*s.accuracy) for s in steps],
+    }
+
+
 def plot_training(result: TrainingComparison, path: str | os.PathLike[str]) -> None:
-    """Weight divergence and cosine, loss of both runs and its difference, and each metric, over steps."""
+    """Six panels over the compared steps: weight L2 distance, weight cosine similarity, loss of both runs,
+    |loss difference|, accuracy of both runs, |accuracy difference|; the first diverging step marked on each.
+
+    A panel whose quantity neither run recorded says so instead of drawing an empty axis.
+    """
     pyplot = _load_pyplot()
-    steps = [s.step for s in result.steps]
-    metrics = sorted({name for s in result.steps for name in s.metrics})
-    figure, panels = pyplot.subplots(3 + len(metrics), 1, figsize=(10, 3 * (3 + len(metrics))), constrained_layout=True)
-    panels[0].plot(steps, [s.weight_l2 for s in result.steps], ".-", label="weight L2 distance")
-    panels[0].legend(loc="upper left")
-    cosine = panels[0].twinx()
-    cosine.plot(steps, [s.weight_cosine for s in result.steps], "x--", color="grey", label="weight cosine")
-    cosine.legend(loc="upper right")
-    panels[1].plot(steps, [s.loss_a for s in result.steps], ".-", label="loss A")
-    panels[1].plot(steps, [s.loss_b for s in result.steps], "x-", label="loss B")
-    panels[1].legend()
-    diffs = [(s.loss_b - s.loss_a) if s.loss_a is not None and s.loss_b is not None else math.nan for s in result.steps]
-    panels[2].plot(steps, diffs, ".-", label="loss B - A")
-    panels[2].legend()
-    for axes, name in zip(panels[3:], metrics, strict=True):
-        axes.plot(
-            steps,
-            [s.metrics[name][0] if name in s.metrics else math.nan for s in result.steps],
-            ".-",
-            label=f"{name} A",
-        )
-        axes.plot(
-            steps,
-            [s.metrics[name][1] if name in s.metrics else math.nan for s in result.steps],
-            "x-",
-            label=f"{name} B",
-        )
-        axes.legend()
-    first = result.first_diverging_step
-    for axes in panels:
-        if first is not None:
-            axes.axvline(first, color="red", lw=1)
-    panels[-1].set_xlabel("step" + (f" (first diverging step {first} in red)" if first is not None else ""))
+    series, labels = _series(result), [s.key.label() for s in result.steps]
+    positions = list(range(len(result.steps)))
+    figure, grid = pyplot.subplots(3, 2, figsize=(13, 10), constrained_layout=True)
+    panels = [
+        ("weight L2 distance A-B", [("weight_l2", "L2")]),
+        ("weight cosine similarity A-B", [("weight_cosine", "cosine")]),
+        ("loss", [("loss_a", "A"), ("loss_b", "B")]),
+        ("|loss A - loss B|", [("loss_gap", "|diff|")]),
+        ("accuracy", [("acc_a", "A"), ("acc_b", "B")]),
+        ("|accuracy A - accuracy B|", [("acc_gap", "|diff|")]),
+    ]
+    first = result.first_diverging
+    at = next((i for i, s in enumerate(result.steps) if s.key == first), None)
+    for axes, (title, curves) in zip(grid.flat, panels, strict=True):
+        _training_panel(axes, title, [(series[key], label) for key, label in curves], positions, at)
+    ticks = positions[:: max(1, len(positions) // 12)]
+    for axes in grid[-1]:
+        axes.set_xticks(ticks, [labels[i] for i in ticks])
+        axes.set_xlabel("step (epoch:batch)" if any(s.key.epoch is not None for s in result.steps) else "step")
     _save(pyplot, figure, path, dpi=100)
+
+
+def _training_panel(
+    axes: Any, title: str, curves: list[tuple[list[float], str]], positions: list[int], first: int | None
+) -> None:
+    axes.set_title(title)
+    if not any(value == value for values, _ in curves for value in values):
+        axes.text(0.5, 0.5, "not recorded by either run", ha="center", va="center", transform=axes.transAxes)
+        return
+    for (values, label), marker in zip(curves, (".-", "x--"), strict=False):
+        axes.plot(positions, values, marker, lw=0.9, ms=4, label=label)
+    if first is not None:
+        axes.axvline(first, color="red", lw=1.2, label="first diverging step")
+    axes.legend(fontsize=8)

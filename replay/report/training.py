@@ -1,4 +1,5 @@
-"""Training-run comparisons rendered: the step table, the per-step CSV time series and per-sample predictions."""
+"""Training-run comparisons rendered: the summary and step table, a markdown report, the per-step CSV time series
+and the per-sample predictions CSV."""
 
 from __future__ import annotations
 
@@ -8,64 +9,113 @@ import math
 
 from tabulate import tabulate
 
-from parity_harness.replay.training.compare import StepComparison, TrainingComparison, TrainingRun, prediction_rows
+from parity_harness.replay.training.compare import StepComparison, TrainingComparison
+from parity_harness.replay.training.samples import SampleRow
+from parity_harness.replay.training.summary import Spread, TrainingSummary, summarize
 
-__all__ = ["render_csv", "render_predictions_csv", "render_table"]
+__all__ = ["render_csv", "render_markdown", "render_predictions_csv", "render_summary", "render_table"]
 
 
 def _number(value: float | None) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.6g}"
 
 
-def render_table(result: TrainingComparison) -> str:
-    """One row per common step, then the first diverging step."""
-    rows = [
-        [
-            s.step,
-            "✓" if s.match else "✗",
-            _number(s.loss_a),
-            _number(s.loss_b),
-            _number(None if s.loss_a is None or s.loss_b is None else s.loss_b - s.loss_a),
-            _number(s.weight_l2),
-            _number(s.weight_cosine),
-            _number(s.weight_max_abs),
-            s.worst_param or "-",
-            "DIFFERS" if s.batch_order_differs else "same",
-        ]
-        for s in result.steps
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else abs(b - a)
+
+
+def _row(s: StepComparison, accuracy: bool, predictions: bool) -> list[str]:
+    row = [s.key.label(), "✓" if s.match else "✗", _number(s.loss_a), _number(s.loss_b)]
+    row.append(_number(_difference(s.loss_a, s.loss_b)))
+    if accuracy:
+        row += [_number(s.accuracy[0]), _number(s.accuracy[1])]
+    row += [_number(s.weight_l2), _number(s.weight_cosine), _number(s.weight_max_abs), s.worst_param or "-"]
+    if predictions:
+        p = s.predictions
+        row.append("-" if p is None else f"{_number(p.max_abs)} ({len(p.argmax_differs)}/{p.samples})")
+    return [*row, "DIFFERS" if s.batch_order_differs else "same"]
+
+
+def _step_table(result: TrainingComparison) -> str:
+    accuracy = any(s.accuracy != (None, None) for s in result.steps)
+    predictions = any(s.predictions is not None for s in result.steps)
+    headers = ["step", "match", "loss A", "loss B", "|loss diff|"]
+    headers += ["acc A", "acc B"] if accuracy else []
+    headers += ["weight L2", "cosine", "max abs", "worst param"]
+    headers += ["logits max abs (argmax differs)"] if predictions else []
+    rows = [_row(s, accuracy, predictions) for s in result.steps]
+    return str(tabulate(rows, headers=[*headers, "batch order"], disable_numparse=True))
+
+
+def _spread(name: str, spread: Spread | None) -> str | None:
+    if spread is None:
+        return None
+    return f"{name}: mean {spread.mean:.6g}, max {spread.max:.6g} (step {spread.at.label()}) over {spread.steps} steps"
+
+
+def render_summary(summary: TrainingSummary) -> str:
+    """The statistics block: weights, loss, accuracy and predictions over every compared step."""
+    lines = [
+        _spread("weight L2 distance", summary.weight_l2),
+        None
+        if summary.weight_cosine_min is None
+        else f"weight cosine similarity: mean {summary.weight_cosine_mean:.9g}, lowest "
+        f"{summary.weight_cosine_min.max:.9g} (step {summary.weight_cosine_min.at.label()})",
+        _spread("|loss A - loss B|", summary.loss_difference),
+        _spread("|accuracy A - accuracy B|", summary.accuracy_difference),
+        _spread("max |logit A - logit B|", summary.prediction_max_abs),
     ]
-    headers = [
-        "step",
-        "match",
-        "loss A",
-        "loss B",
-        "loss diff",
-        "weight L2",
-        "cosine",
-        "max abs",
-        "worst param",
-        "batch order",
-    ]
-    lines = [tabulate(rows, headers=headers, disable_numparse=True)]
-    first = result.first_diverging_step
+    if summary.argmax_differs is not None:
+        differs, total = summary.argmax_differs
+        lines.append(f"predicted class differs on {differs} of {total} samples")
+    return "\n".join(line for line in lines if line is not None)
+
+
+def _verdict(result: TrainingComparison) -> list[str]:
+    lines = []
+    first = result.first_diverging
     if first is None:
         lines.append(f"all {len(result.steps)} common steps match")
     else:
-        step = next(s for s in result.steps if s.step == first)
-        lines.append(f"first diverging step: {first} (largest weight difference in {step.worst_param})")
-    order = [s.step for s in result.steps if s.batch_order_differs]
+        step = next(s for s in result.steps if s.key == first)
+        where = f" (largest weight difference in {step.worst_param})" if step.worst_param else ""
+        lines.append(f"first diverging step: {first.label()}{where}")
+    order = ", ".join(s.key.label() for s in result.steps if s.batch_order_differs)
     if order:
         lines.append(f"batch order differs at steps {order}: the runs were not fed the same samples")
     if result.only_a or result.only_b:
-        lines.append(f"steps recorded in one run only: A {result.only_a}, B {result.only_b}")
-    return "\n".join(lines)
+        only_a, only_b = (", ".join(k.label() for k in keys) or "none" for keys in (result.only_a, result.only_b))
+        lines.append(f"steps recorded in one run only: A {only_a}; B {only_b}")
+    for side, names in (("A", result.unpaired_a), ("B", result.unpaired_b)):
+        if names:
+            lines.append(f"parameters of {side} with no counterpart ({len(names)}): {names[:5]}; pass --map FILE")
+    lines += [f"{path}: still being written; compared the steps completed so far" for path in result.live]
+    return lines
+
+
+def render_table(result: TrainingComparison) -> str:
+    """One row per common step, the summary statistics, then the verdict."""
+    if not result.steps:
+        return "\n".join(["no step was recorded by both runs", *_verdict(result)[1:]])
+    return "\n".join([_step_table(result), "", render_summary(summarize(result)), "", *_verdict(result)])
+
+
+def render_markdown(result: TrainingComparison, run_a: str, run_b: str) -> str:
+    """``--report``: the verdict, the summary and the step table as markdown."""
+    verdict = "MATCH" if result.match else "MISMATCH"
+    summary = render_summary(summarize(result)).splitlines()
+    table = _step_table(result).splitlines()
+    lines = [f"# Training comparison: {verdict}", "", f"- A (reference): `{run_a}`", f"- B: `{run_b}`", ""]
+    lines += [f"- {line}" for line in [*_verdict(result), *summary]]
+    return "\n".join([*lines, "", "```", *table, "```", ""])
 
 
 def _csv_row(step: StepComparison, metric_names: list[str]) -> list[object]:
     def diff(a: float | None, b: float | None) -> float | str:
         return "" if a is None or b is None else b - a
 
-    row: list[object] = [step.step, int(step.match), step.loss_a, step.loss_b, diff(step.loss_a, step.loss_b)]
+    row: list[object] = [step.key.epoch if step.key.epoch is not None else "", step.key.batch, int(step.match)]
+    row += [step.loss_a, step.loss_b, diff(step.loss_a, step.loss_b)]
     for name in metric_names:
         a, b = step.metrics.get(name, (math.nan, math.nan))
         row += [a, b, diff(a, b)]
@@ -73,9 +123,9 @@ def _csv_row(step: StepComparison, metric_names: list[str]) -> list[object]:
 
 
 def render_csv(result: TrainingComparison) -> str:
-    """A time series, one row per step: losses, metrics (A, B, diff), weight L2, cosine, max abs, batch order."""
+    """A time series, one row per step: losses, metrics (A, B, B - A), weight L2, cosine, max abs, batch order."""
     metric_names = sorted({name for step in result.steps for name in step.metrics})
-    header = ["step", "match", "loss_a", "loss_b", "loss_diff"]
+    header = ["epoch", "step", "match", "loss_a", "loss_b", "loss_diff"]
     header += [f"{name}_{side}" for name in metric_names for side in ("a", "b", "diff")]
     header += ["weight_l2", "weight_cosine", "weight_max_abs", "batch_order_differs"]
     buffer = io.StringIO()
@@ -85,24 +135,21 @@ def render_csv(result: TrainingComparison) -> str:
     return buffer.getvalue()
 
 
-def render_predictions_csv(run_a: TrainingRun, run_b: TrainingRun) -> str:
-    """The per-sample predictions of both runs as CSV (see ``training.compare.prediction_rows``)."""
-    rows = prediction_rows(run_a, run_b)
-    width = (len(rows[0]) - 9) // 2 if rows else 0
-    header = [
-        "step",
-        "epoch",
-        "sample_idx",
-        "sample_id_a",
-        "sample_id_b",
-        "label",
-        "argmax_a",
-        "argmax_b",
-        "max_abs_diff",
-    ]
+def render_predictions_csv(rows: list[SampleRow]) -> str:
+    """The per-sample predictions of both runs as CSV (``training.samples.prediction_rows``)."""
+    width = len(rows[0].logits_a) if rows else 0
+    ids = max((max(len(r.ids_a), len(r.ids_b)) for r in rows), default=1) or 1
+    header = ["epoch", "step", "sample_idx"]
+    header += [f"sample_id_{side}" + (f"_{i}" if i else "") for side in ("a", "b") for i in range(ids)]
+    header += ["label", "argmax_a", "argmax_b", "max_abs_diff"]
     header += [f"logit_a_{i}" for i in range(width)] + [f"logit_b_{i}" for i in range(width)]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
-    writer.writerows(rows)
+    for r in rows:
+        padded_a, padded_b = [*r.ids_a, *[""] * (ids - len(r.ids_a))], [*r.ids_b, *[""] * (ids - len(r.ids_b))]
+        epoch = "" if r.key.epoch is None else r.key.epoch
+        label = "" if r.label is None else r.label
+        line = [epoch, r.key.batch, r.index, *padded_a, *padded_b, label, r.argmax_a, r.argmax_b, r.max_abs]
+        writer.writerow([*line, *r.logits_a, *r.logits_b])
     return buffer.getvalue()

@@ -1,159 +1,91 @@
-"""Compare two recorded training runs step by step, offline: loss, metrics and weights per step,
-the first diverging step, and batches that were fed in another order."""
+"""Compare two training runs step by step, offline: weights per parameter, loss, accuracy and other metrics,
+gradients, optimizer state and predictions; the first diverging step, and batches fed in another order.
+
+The runs may be of different kinds (``runs.open_run``) and name their parameters differently (``--map``
+renames run B's names to run A's, A being the reference).
+"""
 
 from __future__ import annotations
 
 import math
 import os
-import re
-import tempfile
-from contextlib import AbstractContextManager
+from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import h5py
 import numpy as np
-import torch
 
-from parity_harness.capture.models.adapters import Adapter
-from parity_harness.capture.observe.driving import seed_everything
-from parity_harness.capture.record.training import TrainingRecorder, TrainStep
-from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError
-from parity_harness.common.format.damage import damage_guard
-from parity_harness.common.format.dtypes import from_storage, to_float64
-from parity_harness.common.format.training import (
-    ATTR_DTYPE,
-    BATCH,
-    INITIAL_PARAMS,
-    OPTIMIZER,
-    PARAMS,
-    InitialMeta,
-    StepMeta,
-    read_header,
-    step_group,
-)
+from parity_harness.common.errors import InputError
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
-from parity_harness.replay.preflight import preflight as walk_in_child
-from parity_harness.replay.reader import rebuild
+from parity_harness.replay.training.filters import ParameterFilter, parameter_filter
+from parity_harness.replay.training.kinds import open_run
+from parity_harness.replay.training.runs import RunSource, StepInfo, StepKey, accuracy_of, pair_steps
+from parity_harness.replay.training.samples import SampleRow, prediction_rows
 
 __all__ = [
+    "ParameterDiff",
+    "PredictionDiff",
     "StepComparison",
     "TrainingComparison",
-    "TrainingRun",
+    "TrainingDiff",
     "compare_training",
-    "prediction_rows",
-    "replay_training",
-    "rerun_training",
+    "diff_training_runs",
 ]
 
+_DETAIL_SAMPLES = 20
+"""Samples whose prediction differs, listed per step in the JSON (every one is in ``--predictions-csv``)."""
 
-class TrainingRun:
-    """A training file written by :class:`capture.TrainingRecorder`; only completed steps are visible.
 
-    Opening it walks its metadata in a child process (``preflight`` seconds at most; None for a file this
-    process wrote), then checks the whole header (version, containment, ``/initial``, every completed
-    step's ``meta`` and tensor datasets) before any data is read: a damaged or crafted file is one
-    ``BundleFormatError``.
-    """
+@dataclass(frozen=True)
+class ParameterDiff:
+    """One parameter at one step: L2 distance, cosine similarity and max abs difference of A and B."""
 
-    def __init__(self, path: str | os.PathLike[str], *, preflight: float | None = DEFAULT_PREFLIGHT_SECONDS) -> None:
-        self.path = Path(path)
-        if not self.path.exists():
-            raise BundleNotFoundError(f"{self.path}: no such training file")
-        if not self.path.is_file():
-            raise BundleFormatError(f"{self.path}: not a regular file; pass a training file TrainingRecorder wrote")
-        if preflight is not None:  # a file from elsewhere: its metadata walked in a child first (replay.preflight)
-            walk_in_child(self.path, seconds=preflight, noun="training file")
-        try:
-            self._file = h5py.File(self.path, "r")
-        except OSError as err:
-            raise BundleFormatError(
-                f"{self.path}: not an HDF5 file, or a damaged one ({err}); pass a training file TrainingRecorder wrote"
-            ) from err
-        try:
-            with self._damage_guard("/"):
-                header = read_header(self._file, str(self.path))
-        except BaseException:
-            self._file.close()
-            raise
-        self.format_version, self.format_minor = header.major, header.minor
-        self.initial: InitialMeta = header.initial
-        self.meta: dict[int, StepMeta] = header.steps
+    name: str
+    l2: float
+    cosine: float
+    max_abs: float
+    match: bool
 
-    def _damage_guard(self, where: str) -> AbstractContextManager[None]:
-        """Whatever h5py raises on a damaged file, as one BundleFormatError naming the file."""
-        return damage_guard(self.path, where, noun="training file", fix="copy or record it again")
+    def to_json(self) -> dict[str, object]:
+        """The per-parameter JSON object."""
+        return {
+            "name": self.name,
+            "l2": _finite(self.l2),
+            "cosine": _finite(self.cosine),
+            "max_abs": _finite(self.max_abs),
+        }
 
-    def tensors(self, step: int, group: str) -> dict[str, np.ndarray]:
-        """``params`` / ``grads`` / ``optimizer`` / ``predictions`` of a step as float64, by (nested) name."""
-        path = f"{step_group(step)}/{group}"
-        with self._damage_guard(path):
-            node = self._file.get(path)
-            if isinstance(node, h5py.Dataset):
-                return {group: _float64(node)}
-            found: dict[str, np.ndarray] = {}
-            if isinstance(node, h5py.Group):
-                node.visititems(
-                    lambda name, item: found.update({name: _float64(item)}) if isinstance(item, h5py.Dataset) else None
-                )
-            return found
 
-    def exact(self, path: str) -> dict[str, torch.Tensor]:
-        """The tensors under a group (``/initial/params``, ``/steps/<n>/params``), bit-exact, by name."""
-        with self._damage_guard(path):
-            node = self._file.get(path)
-            if not isinstance(node, h5py.Group):
-                return {}
-            return {name: _tensor(ds) for name, ds in node.items() if isinstance(ds, h5py.Dataset)}
+@dataclass(frozen=True)
+class PredictionDiff:
+    """A step's per-sample predictions on both sides."""
 
-    def optimizer_state(self, step: int) -> dict[str, dict[str, torch.Tensor]]:
-        """Per parameter, the optimizer state recorded after ``step``."""
-        path = f"{step_group(step)}/{OPTIMIZER}"
-        with self._damage_guard(path):
-            names = list(self._file.get(path) or [])
-        return {name: self.exact(f"{path}/{name}") for name in names}
+    samples: int
+    argmax_differs: list[int]
+    """Positions in the batch of the samples whose predicted class differs."""
+    max_abs: float
+    match: bool
 
-    def batch(self, step: int) -> Any:
-        """The batch fed at ``step``."""
-        tree = self.meta[step]["batch"]
-        with self._damage_guard(f"{step_group(step)}/{BATCH}"):
-            return rebuild(tree, lambda ref: _tensor(self._file[ref.path]))
+    def to_json(self) -> dict[str, object]:
+        """The per-step predictions JSON object."""
+        return {
+            "samples": self.samples,
+            "argmax_differs": len(self.argmax_differs),
+            "differing_samples": self.argmax_differs[:_DETAIL_SAMPLES],
+            "max_abs": _finite(self.max_abs),
+        }
 
-    @property
-    def seed(self) -> int:
-        """The run's seed (0 when not recorded)."""
-        seed = self.initial["seed"]
-        return 0 if seed is None else seed
 
-    @property
-    def parameter_names(self) -> list[str]:
-        """Parameter names in the model's order (``named_parameters``)."""
-        names = self.initial["parameters"]
-        return list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
-
-    def close(self) -> None:
-        """Close the file."""
-        self._file.close()
-
-    def full_steps(self) -> list[int]:
-        """Steps recorded with weights and gradients (not only their batch)."""
-        return [step for step, meta in sorted(self.meta.items()) if meta["full"]]
-
-    def __enter__(self) -> TrainingRun:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass(frozen=True)
 class StepComparison:
-    """One recorded step on both sides."""
+    """One step both runs recorded (A's key)."""
 
-    step: int
+    key: StepKey
     match: bool
     loss_a: float | None
     loss_b: float | None
@@ -163,289 +95,290 @@ class StepComparison:
     metrics: dict[str, tuple[float, float]]
     batch_order_differs: bool
     worst_param: str | None
+    """The parameter with the largest difference; None when no weight differs (or none was compared)."""
+    parameters: list[ParameterDiff] = field(default_factory=list)
     others: dict[str, float] = field(default_factory=dict)
-    """Max abs difference of the step's ``grads``, ``optimizer`` state and ``predictions`` (when both recorded)."""
+    """Max abs difference of the step's ``grads`` and ``optimizer`` state (when both recorded)."""
+    predictions: PredictionDiff | None = None
+
+    @property
+    def step(self) -> int:
+        """The batch number."""
+        return self.key.batch
+
+    @property
+    def accuracy(self) -> tuple[float | None, float | None]:
+        """Accuracy of A and B when recorded (``runs.ACCURACY_NAMES``)."""
+        a = accuracy_of({k: v[0] for k, v in self.metrics.items()})
+        b = accuracy_of({k: v[1] for k, v in self.metrics.items()})
+        return a, b
 
     def to_json(self) -> dict[str, object]:
         """The per-step JSON object."""
-
-        def finite(value: float | None) -> float | None:
-            return value if value is not None and math.isfinite(value) else None
-
         return {
-            "step": self.step,
+            "step": self.key.batch,
+            "epoch": self.key.epoch,
             "match": self.match,
-            "loss_a": finite(self.loss_a),
-            "loss_b": finite(self.loss_b),
-            "weight_l2": finite(self.weight_l2),
-            "weight_cosine": finite(self.weight_cosine),
-            "weight_max_abs": finite(self.weight_max_abs),
+            "loss_a": _finite(self.loss_a),
+            "loss_b": _finite(self.loss_b),
+            "weight_l2": _finite(self.weight_l2),
+            "weight_cosine": _finite(self.weight_cosine),
+            "weight_max_abs": _finite(self.weight_max_abs),
             "batch_order_differs": self.batch_order_differs,
             "worst_param": self.worst_param,
-            **{f"{group}_max_abs": finite(value) for group, value in self.others.items()},
-            "metrics": {k: {"a": finite(a), "b": finite(b)} for k, (a, b) in self.metrics.items()},
+            **{f"{group}_max_abs": _finite(value) for group, value in self.others.items()},
+            "metrics": {k: {"a": _finite(a), "b": _finite(b)} for k, (a, b) in self.metrics.items()},
+            "predictions": None if self.predictions is None else self.predictions.to_json(),
+            "parameters": [p.to_json() for p in self.parameters],
         }
 
 
 @dataclass
 class TrainingComparison:
-    """Every common step, and what only one run recorded."""
+    """Every common step, what only one run recorded, and what could not be paired."""
 
     steps: list[StepComparison] = field(default_factory=list)
-    only_a: list[int] = field(default_factory=list)
-    only_b: list[int] = field(default_factory=list)
+    only_a: list[StepKey] = field(default_factory=list)
+    only_b: list[StepKey] = field(default_factory=list)
+    unpaired_a: list[str] = field(default_factory=list)
+    """Parameters (among those selected) run A has and run B, renamed by ``--map``, has not."""
+    unpaired_b: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    live: list[str] = field(default_factory=list)
+    """Runs that were still being written: only their steps completed so far were compared."""
+
+    @property
+    def first_diverging(self) -> StepKey | None:
+        """The first common step that does not match."""
+        return next((s.key for s in self.steps if not s.match), None)
 
     @property
     def first_diverging_step(self) -> int | None:
-        """The first common step that does not match."""
-        return next((s.step for s in self.steps if not s.match), None)
+        """The batch number of the first common step that does not match."""
+        first = self.first_diverging
+        return None if first is None else first.batch
 
-    def to_json(self) -> dict[str, object]:
-        """The ``--json`` report."""
-        return {
-            "match": self.first_diverging_step is None,
-            "first_diverging_step": self.first_diverging_step,
-            "batch_order_mismatch": [s.step for s in self.steps if s.batch_order_differs],
-            "steps": [s.to_json() for s in self.steps],
-            "only_a": self.only_a,
-            "only_b": self.only_b,
-        }
+    @property
+    def match(self) -> bool:
+        """Every common step matches and every selected parameter was compared."""
+        return self.first_diverging is None and not self.unpaired_a and not self.unpaired_b
 
 
-def _weights(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float, float, str | None]:
-    """L2 distance, cosine similarity and max abs difference over all common parameters, and the worst one."""
-    names = [n for n in a if n in b and a[n].shape == b[n].shape]
+@dataclass(frozen=True)
+class _Tolerance:
+    atol: float
+    rtol: float
+
+    def close(self, a: float | None, b: float | None) -> bool:
+        """Two scalars agree (both absent, or ``|b - a| <= atol + rtol * |a|``; NaN only against NaN)."""
+        if a is None or b is None:
+            return a is None and b is None
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return abs(b - a) <= self.atol + self.rtol * abs(a)
+
+    def all_close(self, a: np.ndarray, b: np.ndarray) -> bool:
+        return a.shape == b.shape and bool(np.allclose(b, a, atol=self.atol, rtol=self.rtol))
+
+
+def _parameter_diff(name: str, a: np.ndarray, b: np.ndarray, tolerance: _Tolerance) -> ParameterDiff:
+    if a.shape != b.shape:
+        return ParameterDiff(name, math.nan, math.nan, math.inf, False)
+    x, y = a.ravel(), b.ravel()
+    delta = y - x
+    norm_a, norm_b = float(np.dot(x, x)), float(np.dot(y, y))
+    cosine = float(np.dot(x, y)) / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else float(norm_a == norm_b)
+    max_abs = float(np.max(np.abs(delta), initial=0.0))
+    return ParameterDiff(name, math.sqrt(float(np.dot(delta, delta))), cosine, max_abs, tolerance.all_close(a, b))
+
+
+def _weights(diffs: list[ParameterDiff], a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, float]:
+    """L2 distance and cosine similarity of all compared parameters taken as one vector."""
+    if not diffs:
+        return math.nan, math.nan
+    same = [d.name for d in diffs if a[d.name].shape == b[d.name].shape]
+    squared = sum(d.l2**2 for d in diffs if d.name in same)
+    dot = sum(float(np.dot(a[n].ravel(), b[n].ravel())) for n in same)
+    norm_a = sum(float(np.dot(a[n].ravel(), a[n].ravel())) for n in same)
+    norm_b = sum(float(np.dot(b[n].ravel(), b[n].ravel())) for n in same)
+    cosine = dot / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else float(norm_a == norm_b)
+    return math.sqrt(squared), cosine
+
+
+def _renamed(values: dict[str, np.ndarray], rename: RenameMap) -> dict[str, np.ndarray]:
+    """B's tensors under A's names (a name the map sends to ``-`` is dropped)."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in values.items():
+        head, sep, tail = name.partition("/")  # optimizer state: <parameter>/<key>
+        mapped = rename.parameter(head)
+        if mapped is not None:
+            out[mapped + sep + tail] = value
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How the two runs are compared: B's renaming, the selected parameters, tolerances."""
+
+    rename: RenameMap
+    chosen: ParameterFilter
+    tolerance: _Tolerance
+
+
+def _group_max(plan: _Plan, a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, bool] | None:
+    """Max abs difference and agreement of the tensors both sides hold under one name; None when none pairs."""
+    names = [n for n in a if n in b]
     if not names:
-        return math.nan, math.nan, math.nan, None
-    squared = dot = norm_a = norm_b = 0.0
-    worst, worst_name = 0.0, None
-    for name in names:
-        x, y = a[name].ravel(), b[name].ravel()
-        delta = float(np.max(np.abs(x - y), initial=0.0))
-        if delta > worst or worst_name is None:
-            worst, worst_name = delta, name
-        squared += float(np.dot(x - y, x - y))
-        dot, norm_a, norm_b = dot + float(np.dot(x, y)), norm_a + float(np.dot(x, x)), norm_b + float(np.dot(y, y))
-    cosine = dot / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else 1.0
-    return math.sqrt(squared), cosine, worst, worst_name
-
-
-def prediction_rows(run_a: TrainingRun, run_b: TrainingRun) -> list[list[object]]:
-    """One row per sample of every common step with predictions: the per-sample view of two runs.
-
-    Columns: step, epoch, sample_idx, sample_id A/B, label, argmax A/B, max |logit diff|, logits A...,
-    logits B... (flattened per sample).
-    """
-    rows: list[list[object]] = []
-    for step in sorted(set(run_a.full_steps()) & set(run_b.full_steps())):
-        preds_a = run_a.tensors(step, "predictions").get("predictions")
-        preds_b = run_b.tensors(step, "predictions").get("predictions")
-        if preds_a is None or preds_b is None or preds_a.shape != preds_b.shape or preds_a.ndim == 0:
-            continue
-        labels = run_a.tensors(step, "labels").get("labels")
-        ids_a, ids_b = _sample_ids(run_a.meta[step], len(preds_a)), _sample_ids(run_b.meta[step], len(preds_b))
-        for index, (a, b) in enumerate(
-            zip(preds_a.reshape(len(preds_a), -1), preds_b.reshape(len(preds_b), -1), strict=True)
-        ):
-            label = "" if labels is None or index >= len(labels) else int(labels[index])
-            rows.append(
-                [
-                    step,
-                    run_a.meta[step].get("epoch", ""),
-                    index,
-                    ids_a[index],
-                    ids_b[index],
-                    label,
-                    int(np.argmax(a)),
-                    int(np.argmax(b)),
-                    float(np.max(np.abs(a - b))),
-                    *a.tolist(),
-                    *b.tolist(),
-                ]
-            )
-    return rows
-
-
-def _sample_ids(meta: StepMeta, count: int) -> list[str]:
-    """A step's sample ids, padded with empty ones to ``count`` (the ids are the user's: any length)."""
-    ids = list(meta["sample_ids"] or [])
-    return ids + [""] * (count - len(ids))
-
-
-class _Names:
-    """A parameter filter over a fixed set of names (``head`` / ``backbone``)."""
-
-    def __init__(self, names: set[str], keep: bool) -> None:
-        self.names, self.keep = names, keep
-
-    def search(self, name: str) -> bool:
-        return (name in self.names) == self.keep
-
-
-def _parameter_filter(params: str | None, names: list[str]) -> re.Pattern[str] | _Names | None:
-    if params in (None, "", "all"):
         return None
-    if params in ("head", "backbone"):
-        tops = [name.split(".", 1)[0] for name in names]
-        head = {name for name, top in zip(names, tops, strict=True) if tops and top == tops[-1]}
-        return _Names(head, keep=params == "head")
-    try:
-        return re.compile(params)
-    except re.error as err:
-        raise InputError(f"--params {params!r}: not all, head, backbone or a valid regex ({err})") from err
+    worst = max(
+        float(np.max(np.abs(b[n] - a[n]), initial=0.0)) if a[n].shape == b[n].shape else math.inf for n in names
+    )
+    return worst, all(plan.tolerance.all_close(a[n], b[n]) for n in names)
 
 
-def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b), initial=0.0)) if a.shape == b.shape else math.inf
-
-
-def _all_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], atol: float, rtol: float) -> bool:
-    """Every tensor both sides have is within tolerance (the rule of replay-compare, reference ``a``)."""
-    return all(a[n].shape == b[n].shape and np.allclose(b[n], a[n], atol=atol, rtol=rtol) for n in a if n in b)
-
-
-def _close(a: float | None, b: float | None, atol: float, rtol: float) -> bool:
+def _predictions(
+    plan: _Plan, run_a: RunSource, run_b: RunSource, key_a: StepKey, key_b: StepKey
+) -> PredictionDiff | None:
+    a = run_a.tensors(key_a, "predictions").get("predictions")
+    b = run_b.tensors(key_b, "predictions").get("predictions")
     if a is None or b is None:
-        return a is None and b is None
-    return abs(a - b) <= atol + rtol * abs(a)
+        return None
+    if a.shape != b.shape or a.ndim == 0:
+        return PredictionDiff(len(a) if a.ndim else 1, [], math.inf, False)
+    flat_a, flat_b = a.reshape(len(a), -1), b.reshape(len(b), -1)
+    differs = [int(i) for i in np.flatnonzero(np.argmax(flat_a, axis=1) != np.argmax(flat_b, axis=1))]
+    max_abs = float(np.max(np.abs(flat_b - flat_a), initial=0.0))
+    return PredictionDiff(len(a), differs, max_abs, plan.tolerance.all_close(a, b))
+
+
+def _compare_step(
+    plan: _Plan, run_a: RunSource, run_b: RunSource, keys: tuple[StepKey, StepKey], infos: tuple[StepInfo, StepInfo]
+) -> StepComparison:
+    (key_a, key_b), (info_a, info_b) = keys, infos
+    weights_a = {n: v for n, v in run_a.tensors(key_a, "params").items() if plan.chosen.search(n)}
+    weights_b = {n: v for n, v in _renamed(run_b.tensors(key_b, "params"), plan.rename).items() if n in weights_a}
+    diffs = [_parameter_diff(n, weights_a[n], weights_b[n], plan.tolerance) for n in weights_a if n in weights_b]
+    l2, cosine = _weights(diffs, weights_a, weights_b)
+    worst = max(diffs, key=lambda d: d.max_abs, default=None)
+    others, others_ok = {}, True
+    for group in ("grads", "optimizer"):
+        found = _group_max(plan, run_a.tensors(key_a, group), _renamed(run_b.tensors(key_b, group), plan.rename))
+        if found is not None:
+            others[group], others_ok = found[0], others_ok and found[1]
+    predictions = _predictions(plan, run_a, run_b, key_a, key_b)
+    metrics = _metrics(info_a, info_b)
+    order_differs = info_a.sample_ids is not None and info_b.sample_ids is not None
+    order_differs = order_differs and info_a.sample_ids != info_b.sample_ids
+    match = (
+        all(d.match for d in diffs)
+        and others_ok
+        and (predictions is None or predictions.match)
+        and not order_differs
+        and plan.tolerance.close(info_a.loss, info_b.loss)
+        and all(plan.tolerance.close(a, b) for a, b in metrics.values())
+    )
+    return StepComparison(
+        key_a,
+        match,
+        info_a.loss,
+        info_b.loss,
+        l2,
+        cosine,
+        worst.max_abs if worst is not None else math.nan,
+        metrics,
+        order_differs,
+        worst.name if worst is not None and worst.max_abs > 0 else None,
+        diffs,
+        others,
+        predictions,
+    )
+
+
+def _metrics(info_a: StepInfo, info_b: StepInfo) -> dict[str, tuple[float, float]]:
+    """Every metric either run recorded at the step (NaN on the side that did not)."""
+    names = list(info_a.metrics) + [n for n in info_b.metrics if n not in info_a.metrics]
+    return {n: (info_a.metrics.get(n, math.nan), info_b.metrics.get(n, math.nan)) for n in names}
+
+
+def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: TrainingComparison) -> None:
+    """Which selected parameters of A have a counterpart in B; none at all (when both have some) is an error."""
+    names_a = [n for n in run_a.parameter_names() if plan.chosen.search(n)]
+    names_b = [m for n in run_b.parameter_names() if (m := plan.rename.parameter(n)) is not None]
+    if plan.chosen.matched_nothing(run_a.parameter_names()):
+        result.warnings.append(plan.chosen.nothing_message(run_a.path))
+    selected_b = [n for n in names_b if plan.chosen.search(n)]
+    result.unpaired_a = [n for n in names_a if n not in set(selected_b)]
+    result.unpaired_b = [n for n in selected_b if n not in set(names_a)]
+    if names_a and selected_b and len(result.unpaired_a) == len(names_a):
+        raise InputError(
+            f"{run_b.path}: none of its {len(selected_b)} parameters pairs with one of {run_a.path}'s {len(names_a)} "
+            f"(A has {names_a[:3]}..., B has {selected_b[:3]}...); pass --map FILE renaming B's names to A's"
+        )
 
 
 def compare_training(
-    run_a: TrainingRun,
-    run_b: TrainingRun,
+    run_a: RunSource,
+    run_b: RunSource,
     *,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
     params: str | None = None,
+    rename: RenameMap | None = None,
 ) -> TrainingComparison:
-    """Compare two runs at their common recorded steps.
+    """Compare two runs at the steps both recorded; A is the reference.
 
-    ``params`` selects the parameters whose weights are compared: ``all`` (default), ``head`` (the
-    last top-level module, e.g. a classifier), ``backbone`` (everything else), or a regex.
+    Args:
+        run_a, run_b: the runs (``runs.open_run``).
+        atol, rtol: the closeness rule ``|b - a| <= atol + rtol * |a|``, for tensors and scalars alike.
+        params: the weights compared: ``all`` (default), ``head``, ``backbone`` or a regex on A's names
+            (``training.filters``).
+        rename: renames B's parameter names to A's (``--map``).
+
+    Raises:
+        InputError: no parameter of B pairs with one of A, or steps cannot be paired.
     """
-    chosen = _parameter_filter(params, run_a.parameter_names)
-    full_a, full_b = set(run_a.full_steps()), set(run_b.full_steps())
-    common = sorted(full_a & full_b)
-    result = TrainingComparison(only_a=sorted(full_a - full_b), only_b=sorted(full_b - full_a))
-    for step in common:
-        meta_a, meta_b = run_a.meta[step], run_b.meta[step]
-        weights_a, weights_b = (
-            {n: v for n, v in run.tensors(step, "params").items() if chosen is None or chosen.search(n)}
-            for run in (run_a, run_b)
-        )
-        l2, cosine, max_abs, worst = _weights(weights_a, weights_b)
-        metrics = {k: (v, meta_b["metrics"].get(k, math.nan)) for k, v in meta_a["metrics"].items()}
-        ids_a, ids_b = meta_a.get("sample_ids"), meta_b.get("sample_ids")
-        order_differs = ids_a is not None and ids_b is not None and ids_a != ids_b
-        weights_ok = _all_close(weights_a, weights_b, atol, rtol)
-        others, others_ok = {}, True
-        for group in ("grads", "optimizer", "predictions"):
-            values_a, values_b = run_a.tensors(step, group), run_b.tensors(step, group)
-            if values_a and values_b:
-                others[group] = max(_max_abs(values_a[n], values_b[n]) for n in values_a if n in values_b)
-                others_ok = others_ok and _all_close(values_a, values_b, atol, rtol)
-        match = (
-            weights_ok
-            and others_ok
-            and not order_differs
-            and _close(meta_a["loss"], meta_b["loss"], atol, rtol)
-            and all(_close(a, b, atol, rtol) for a, b in metrics.values())
-        )
-        result.steps.append(
-            StepComparison(
-                step, match, meta_a["loss"], meta_b["loss"], l2, cosine, max_abs, metrics, order_differs, worst, others
-            )
-        )
+    plan = _Plan(rename or RenameMap(), parameter_filter(params), _Tolerance(atol, rtol))
+    pairs, only_a, only_b = pair_steps(run_a, run_b)
+    result = TrainingComparison(only_a=only_a, only_b=only_b)
+    result.live = [str(run.path) for run in (run_a, run_b) if run.live]
+    _pair_parameters(run_a, run_b, plan, result)
+    infos_a, infos_b = run_a.steps(), run_b.steps()
+    for key_a, key_b in pairs:
+        infos = (infos_a[key_a], infos_b[key_b])
+        result.steps.append(_compare_step(plan, run_a, run_b, (key_a, key_b), infos))
     return result
 
 
-def _float64(dataset: h5py.Dataset) -> np.ndarray:
-    return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
+@dataclass(frozen=True)
+class TrainingDiff:
+    """What ``parity-train-diff`` reports: the comparison, and the per-sample rows when asked for."""
+
+    comparison: TrainingComparison
+    samples: list[SampleRow] | None
 
 
-def _tensor(dataset: h5py.Dataset) -> torch.Tensor:
-    return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
-
-
-def _load_parameters(named: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor], where: str) -> None:
-    missing = sorted(set(named) - set(values))
-    if missing:
-        raise InputError(f"{where}: no recorded values for parameters {missing[:5]}; check --map")
-    with torch.no_grad():
-        for name, param in named.items():
-            param.copy_(values[name])
-
-
-def _load_optimizer(
-    optimizer: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter], state: dict[str, dict[str, torch.Tensor]]
-) -> None:
-    """Give the port's optimizer the reference's per-parameter state (Adam moments, step counts)."""
-    names = {id(param): name for name, param in named.items()}
-    ordered = [param for group in optimizer.param_groups for param in group["params"]]
-    current = optimizer.state_dict()
-    current["state"] = {
-        index: {key: value.clone() for key, value in state.get(names.get(id(param), ""), {}).items()}
-        for index, param in enumerate(ordered)
-        if names.get(id(param)) in state
-    }
-    optimizer.load_state_dict(current)
-
-
-def rerun_training(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_step: TrainStep,
-    run: TrainingRun,
-    out: str | os.PathLike[str],
+def diff_training_runs(
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
     *,
-    resync: bool = False,
-    rename: RenameMap | None = None,
-) -> None:
-    """Train the port from the reference's initial weights on the reference's batches, recording into ``out``.
-
-    With ``resync``, before every step the port takes the reference's weights and optimizer state
-    recorded after the previous step, so each step's error is that step's own.
-    """
-    rename = rename or RenameMap()
-    named = {mapped: p for n, p in model.named_parameters() if (mapped := rename.parameter(n)) is not None}
-    steps = sorted(run.meta)
-    if steps != list(range(len(steps))):
-        raise InputError(
-            f"{run.path}: holds the batches of steps {steps[:5]}...; a rerun needs every step's batch "
-            "(record with capture-run --steps, or TrainingRecorder(all_batches=True))"
-        )
-    _load_parameters(named, run.exact(INITIAL_PARAMS), f"{run.path}:{INITIAL_PARAMS}")
-    seed_everything(run.seed)
-    model.train()
-    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=rename.parameter)
-    with recorder:
-        for step in steps:
-            previous = step - 1
-            if resync and previous >= 0 and run.meta[previous]["full"]:
-                weights = run.exact(f"{step_group(previous)}/{PARAMS}")
-                _load_parameters(named, weights, f"{run.path}: step {previous}")
-                _load_optimizer(optimizer, named, run.optimizer_state(previous))
-            batch = run.batch(step)
-            loss = train_step(model, optimizer, batch)
-            if run.meta[step]["full"]:
-                recorder.step(step, batch, loss=loss)
-
-
-def replay_training(
-    driver: Adapter,
-    model: torch.nn.Module,
-    bundle: str | os.PathLike[str],
-    *,
-    rename: RenameMap | None = None,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
-    resync: bool = False,
     params: str | None = None,
-) -> TrainingComparison:
-    """``replay-compare --steps``: rerun the port's training on a recorded run's batches and compare the two."""
-    make_optimizer, train_step = driver.training()
-    with TrainingRun(bundle) as run, tempfile.TemporaryDirectory(prefix="parity-train-") as folder:
-        port_path = Path(folder) / "port.h5"
-        rerun_training(model, make_optimizer(model), train_step, run, port_path, resync=resync, rename=rename)
-        with TrainingRun(port_path, preflight=None) as port:
-            return compare_training(run, port, atol=atol, rtol=rtol, params=params)
+    map_file: str | os.PathLike[str] | None = None,
+    samples: bool = False,
+) -> TrainingDiff:
+    """Open two runs of any kind (``runs.open_run``), compare them (:func:`compare_training`) and close them.
+
+    Args:
+        path_a, path_b: the runs; A is the reference.
+        map_file: ``--map``: rules renaming B's parameter names to A's.
+        samples: also collect the per-sample rows (``training.samples``).
+    """
+    rename = read_map(map_file) if map_file is not None else None
+    with (
+        closing(open_run(path_a, preflight=DEFAULT_PREFLIGHT_SECONDS)) as run_a,
+        closing(open_run(path_b, preflight=DEFAULT_PREFLIGHT_SECONDS)) as run_b,
+    ):
+        comparison = compare_training(run_a, run_b, atol=atol, rtol=rtol, params=params, rename=rename)
+        rows = prediction_rows(run_a, run_b) if samples else None
+    return TrainingDiff(comparison, rows)

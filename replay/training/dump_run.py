@@ -1,0 +1,388 @@
+"""A folder of per-batch torch dumps (or one dump), read as a training run.
+
+Users of a common per-batch workflow save ``batch_dumps/epoch_003/batch_0040.pt`` every N batches: a dict
+with ``model_state_dict``, ``optimizer_state_dict``, ``loss``, ``acc`` (or a ``metrics`` dict) and sometimes
+``epoch``/``batch``. Each file is one step. Its (epoch, batch) comes from its path; a number the path does not
+give is read from the file's ``epoch`` / ``batch`` / ``batch_idx`` / ``step`` keys (the path wins when both
+give it).
+
+Nothing runs code: files go through :func:`~parity_harness.capture.models.checkpoints.load_torch_object`
+(``weights_only=True``). Memory follows one dump, not the folder: :meth:`DumpRun.steps` loads each file once
+memory-mapped (tensor storage is mapped, not read) to take its loss and metrics, then drops it;
+:meth:`DumpRun.tensors` loads the one step asked for and keeps only it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from parity_harness.capture.models.checkpoints import load_torch_object
+from parity_harness.common.errors import BundleNotFoundError, InputError
+from parity_harness.replay.training.runs import StepInfo, StepKey
+
+__all__ = ["DUMP_SUFFIXES", "MAX_DUMP_FILES", "DumpRun"]
+
+DUMP_SUFFIXES: Final = (".pt", ".pth", ".bin")
+"""File endings taken as dumps."""
+MAX_DUMP_FILES: Final = 100_000
+"""Entries a dump folder's walk may meet before it is refused (a wrong folder, such as a home directory)."""
+_MAX_DEPTH: Final = 4
+"""Folder levels below the dump folder that are searched (``batch_dumps/epoch_003/batch_0040.pt`` needs one)."""
+_EPOCH: Final = re.compile(r"(?:(?<![a-z])(?:epoch|ep)|(?<![a-z0-9.])e)[_-]?(\d+)(?!\d)")
+_BATCH: Final = re.compile(r"(?:(?<![a-z])(?:batch_idx|batch|iteration|iter|step)|(?<![a-z0-9.])b)[_-]?(\d+)(?!\d)")
+_NAMING: Final = (
+    "epoch_003/batch_0040.pt, epoch3_batch40.pt, e3_b40.pt, batch_0040.pt or step_40.pt (.pt, .pth or .bin), "
+    "or a dump holding a 'batch', 'batch_idx' or 'step' number"
+)
+_STATE_KEYS: Final = ("model_state_dict", "state_dict", "model")
+_OPTIMIZER_KEYS: Final = ("optimizer_state_dict", "optimizer")
+_FILE_EPOCH_KEYS: Final = ("epoch",)
+_FILE_BATCH_KEYS: Final = ("batch", "batch_idx", "step")
+_METRIC_KEYS: Final = ("acc", "accuracy")
+_SAMPLE_ID_KEYS: Final = ("sample_ids", "ids", "files")
+_BUFFER_NAMES: Final = ("running_mean", "running_var", "num_batches_tracked")
+_GROUP_KEYS: Final[dict[str, tuple[str, ...]]] = {
+    "grads": ("grads", "gradients"),
+    "predictions": ("predictions", "logits"),
+    "labels": ("labels", "targets"),
+}
+_GROUPS: Final = ("params", "optimizer", *_GROUP_KEYS)
+_DUMP_KEYS: Final = frozenset(
+    ("loss", "metrics", *_METRIC_KEYS, *_FILE_EPOCH_KEYS, *_FILE_BATCH_KEYS, *_SAMPLE_ID_KEYS)
+).union(*_GROUP_KEYS.values())
+"""Names that make a dict of tensors a dump rather than a bare state dict."""
+
+
+class DumpRun:
+    """A folder of per-batch ``torch.save`` dumps, or a single dump file, as a :class:`RunSource`.
+
+    Opening walks the folder and parses file names only; nothing is loaded until :meth:`steps`. A step's
+    (epoch, batch) comes from the file's path; only a number the path lacks is read from the dump's ``epoch`` /
+    ``batch`` / ``batch_idx`` / ``step`` entries (the path wins when both give it). A lone file with no batch
+    number anywhere is step 0.
+
+    Args:
+        path: the dump folder, or one ``.pt`` / ``.pth`` / ``.bin`` dump.
+        trust_pickle: unpickle with code execution (only for files the user vouches for).
+
+    Raises:
+        BundleNotFoundError: nothing at ``path``.
+        InputError: no dump in the folder, too many files, or a link leading out of the folder.
+    """
+
+    path: Path
+    kind: str
+    live: bool = False
+
+    def __init__(self, path: str | os.PathLike[str], *, trust_pickle: bool = False) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise BundleNotFoundError(f"{self.path}: no such dump or dump folder; check the path")
+        self.kind = "dump folder" if self.path.is_dir() else "dump"
+        self._trust_pickle = trust_pickle
+        self._files = _find_dumps(self.path) if self.path.is_dir() else [_single_dump(self.path)]
+        self._steps: dict[StepKey, StepInfo] | None = None
+        self._file_of: dict[StepKey, Path] = {}
+        self._cached: tuple[Path, Mapping[str, Any]] | None = None
+
+    def parameter_names(self) -> list[str]:
+        """The first step's state-dict names (a ``module.`` wrapper prefix removed)."""
+        steps = self.steps()
+        first = min(steps, key=StepKey.order)
+        return list(_state_dict(self._load(self._file_of[first])))
+
+    def steps(self) -> dict[StepKey, StepInfo]:
+        """Every dump's step, loss, metrics and sample ids, in step order (each file loaded once, memory-mapped).
+
+        Raises:
+            InputError: a dump that is no dict, holds neither weights nor a loss, has no batch number, or shares
+                its step with another dump.
+            CheckpointError: a file that cannot be loaded without running code, or is no ``torch.save`` file.
+        """
+        if self._steps is None:
+            self._steps, self._file_of = self._index()
+        return self._steps
+
+    def tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
+        """One step's ``params`` / ``optimizer`` / ``grads`` / ``predictions`` / ``labels`` as float64, by name.
+
+        ``optimizer`` entries are named ``<parameter>/<state key>`` (``param_<i>/<state key>`` when the optimizer's
+        parameters cannot be matched to the state dict); a dump without the group gives ``{}``.
+
+        Raises:
+            InputError: an unknown group or step.
+        """
+        if group not in _GROUPS:
+            raise InputError(f"{self.path}: unknown tensor group {group!r}; expected one of {', '.join(_GROUPS)}")
+        if key not in self.steps():
+            raise InputError(f"{self.path}: no step {key.label()} in this {self.kind}; it has {len(self.steps())}")
+        dump = self._load(self._file_of[key])
+        if group == "params":
+            return _float64(_state_dict(dump), self._file_of[key])
+        if group == "optimizer":
+            return _optimizer_tensors(dump, list(_state_dict(dump)), self._file_of[key])
+        return _group_tensors(dump, group, self._file_of[key])
+
+    def close(self) -> None:
+        """Drop the step kept loaded."""
+        self._cached = None
+
+    def _load(self, file: Path) -> Mapping[str, Any]:
+        """The dump in ``file``, memory-mapped, kept until another is asked for (callers read a step's groups in
+        turn)."""
+        if self._cached is None or self._cached[0] != file:
+            self._cached = None  # released before the next one maps
+            self._cached = (file, _as_dump(load_torch_object(file, self._trust_pickle, mmap=True), file))
+        return self._cached[1]
+
+    def _index(self) -> tuple[dict[StepKey, StepInfo], dict[StepKey, Path]]:
+        """Every dump's step and what it says besides its tensors, and the file of each step."""
+        found: dict[StepKey, StepInfo] = {}
+        file_of: dict[StepKey, Path] = {}
+        for file in self._files:
+            dump = _as_dump(load_torch_object(file, self._trust_pickle, mmap=True), file)
+            key = self._key_of(file, dump)
+            if key in file_of:
+                raise InputError(
+                    f"{file_of[key]} and {file}: both are step {key.label()} (epoch:batch); keep one, or name the "
+                    "files so that their epoch and batch differ"
+                )
+            file_of[key], found[key] = file, _step_info(dump)
+        return {key: found[key] for key in sorted(found, key=StepKey.order)}, file_of
+
+    def _key_of(self, file: Path, dump: Mapping[str, Any]) -> StepKey:
+        """The path's (epoch, batch), each number it lacks taken from the dump's own keys."""
+        named = PurePosixPath(file.name) if file == self.path else PurePosixPath(file.relative_to(self.path))
+        epoch, batch = _numbers_in(named)
+        epoch = epoch if epoch is not None else _int_entry(dump, _FILE_EPOCH_KEYS)
+        batch = batch if batch is not None else _int_entry(dump, _FILE_BATCH_KEYS)
+        if batch is None and file == self.path:
+            batch = 0  # a lone dump is one step: it pairs with the other run's lone dump
+        if batch is None:
+            raise InputError(f"{file}: no batch number in its name or its keys; expected names like {_NAMING}")
+        return StepKey(epoch, batch)
+
+
+# ------------------------------------------------------------------ discovery
+
+
+def _numbers_in(relative: PurePosixPath) -> tuple[int | None, int | None]:
+    """(epoch, batch) as a relative path gives them: the file name first, then its folders, nearest first."""
+    parts = [relative.stem.lower(), *(part.lower() for part in reversed(relative.parent.parts))]
+    return _first_match(_EPOCH, parts), _first_match(_BATCH, parts)
+
+
+def _first_match(pattern: re.Pattern[str], parts: list[str]) -> int | None:
+    """The number of the first part ``pattern`` matches."""
+    for part in parts:
+        found = pattern.search(part)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def _single_dump(file: Path) -> Path:
+    if not file.is_file():
+        raise InputError(f"{file}: not a regular file; expected a dump saved with torch.save, or a dump folder")
+    return file
+
+
+def _find_dumps(root: Path) -> list[Path]:
+    """The dump files under ``root``, at most :data:`_MAX_DEPTH` folders down, in path order.
+
+    Hidden entries are skipped; links are followed only to files inside ``root`` (a linked folder is not walked:
+    its target, inside the folder, is walked anyway).
+    """
+    found: list[Path] = []
+    seen = _walk(root, root.resolve(), 0, found, 0)
+    if not found:
+        raise InputError(
+            f"{root}: no dump found ({seen} entries looked at, {_MAX_DEPTH} folder levels down); expected files "
+            f"named like {_NAMING}"
+        )
+    return sorted(found)
+
+
+def _walk(folder: Path, inside: Path, depth: int, found: list[Path], seen: int) -> int:
+    """Add the dumps of ``folder`` (and of its subfolders) to ``found``; returns the entries seen so far."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+    except OSError as err:
+        raise InputError(f"{folder}: cannot list this folder ({err.strerror}); check its permissions") from err
+    for entry in entries:
+        seen += 1
+        if seen > MAX_DUMP_FILES:
+            raise InputError(
+                f"{inside}: more than {MAX_DUMP_FILES} entries; this is not a dump folder: pass the folder holding "
+                "the run's dumps"
+            )
+        if entry.name.startswith("."):
+            continue
+        if entry.is_symlink():
+            _check_link(Path(entry.path), inside)
+        if entry.is_dir(follow_symlinks=False) and depth < _MAX_DEPTH:
+            seen = _walk(Path(entry.path), inside, depth + 1, found, seen)
+        elif entry.is_file() and entry.name.lower().endswith(DUMP_SUFFIXES):
+            found.append(Path(entry.path))
+    return seen
+
+
+def _check_link(link: Path, inside: Path) -> None:
+    """Refuse a link whose target is not inside the (resolved) dump folder."""
+    try:
+        target = link.resolve()
+    except (OSError, RuntimeError) as err:  # a loop of links
+        raise InputError(f"{link}: a link that cannot be resolved ({err}); remove it from the dump folder") from err
+    if not target.is_relative_to(inside):
+        raise InputError(
+            f"{link}: a link to {target}, outside the dump folder {inside}; refusing to read it: copy the file "
+            "into the folder or remove the link"
+        )
+
+
+# ------------------------------------------------------------------ reading one dump
+
+
+def _as_dump(loaded: object, file: Path) -> Mapping[str, Any]:
+    """The loaded object as a dump: a dict holding a state dict of tensors, a loss, or both."""
+    if not isinstance(loaded, Mapping):
+        raise InputError(
+            f"{file}: holds a {type(loaded).__name__}, not a dict; expected a dump dict with 'model_state_dict' "
+            "and 'loss' (save it with torch.save({...}))"
+        )
+    dump = {str(name): value for name, value in loaded.items()}
+    if not _state_dict(dump) and _number(dump.get("loss")) is None:
+        keys = ", ".join(repr(name) for name in list(dump)[:12]) or "none"
+        raise InputError(
+            f"{file}: holds neither a state dict of tensors ({', '.join(_STATE_KEYS)}) nor a 'loss' (its keys: "
+            f"{keys}); expected a per-batch dump"
+        )
+    return dump
+
+
+def _state_dict(dump: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's tensors by name: the first state-dict key present, or the dump itself when it is a bare state
+    dict; a ``module.`` prefix (DataParallel, DDP) is removed when every name has it."""
+    nested = next((dump[key] for key in _STATE_KEYS if isinstance(dump.get(key), Mapping)), None)
+    if nested is None and all(isinstance(v, torch.Tensor) for v in dump.values()) and not _DUMP_KEYS & set(dump):
+        nested = dump
+    if nested is None:
+        return {}
+    return _unwrapped({str(name): value for name, value in nested.items() if isinstance(value, torch.Tensor)})
+
+
+def _unwrapped(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The names without the ``module.`` prefix, when all of them have it."""
+    if tensors and all(name.startswith("module.") for name in tensors):
+        return {name.removeprefix("module."): value for name, value in tensors.items()}
+    return tensors
+
+
+def _number(value: object) -> float | None:
+    """A plain number, a one-element tensor or a NumPy scalar as a float; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float, np.number)):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return float(value.item())
+    return None
+
+
+def _int_entry(dump: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
+    numbers = (_number(dump.get(key)) for key in keys)
+    return next((int(number) for number in numbers if number is not None), None)
+
+
+def _step_info(dump: Mapping[str, Any]) -> StepInfo:
+    """Loss, ``acc`` / ``accuracy`` and every number of a ``metrics`` dict, and the sample ids."""
+    metrics = {key: number for key in _METRIC_KEYS if (number := _number(dump.get(key))) is not None}
+    nested = dump.get("metrics")
+    if isinstance(nested, Mapping):
+        metrics.update({str(k): n for k, v in nested.items() if (n := _number(v)) is not None})
+    return StepInfo(loss=_number(dump.get("loss")), metrics=metrics, sample_ids=_sample_ids(dump))
+
+
+def _sample_ids(dump: Mapping[str, Any]) -> list[tuple[str, ...]] | None:
+    """``sample_ids`` / ``ids`` / ``files`` as one tuple of strings per sample (None when absent)."""
+    raw = next((dump[key] for key in _SAMPLE_ID_KEYS if key in dump), None)
+    if isinstance(raw, (torch.Tensor, np.ndarray)):
+        raw = raw.tolist()
+    if not isinstance(raw, (list, tuple)):
+        return None
+    return [tuple(str(part) for part in item) if isinstance(item, (list, tuple)) else (str(item),) for item in raw]
+
+
+# ------------------------------------------------------------------ tensors
+
+
+def _to_float64(value: torch.Tensor | float, name: str, file: Path) -> np.ndarray:
+    """A copy in float64 (never a view of the mapped file); bf16 and fp8 widen through float32 exactly."""
+    if not isinstance(value, torch.Tensor):
+        return np.asarray(value, dtype=np.float64)
+    if value.is_complex():
+        raise InputError(f"{file}: tensor {name!r} is {value.dtype}; complex tensors are not compared")
+    tensor = value.detach().cpu()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float32, torch.float64):
+        tensor = tensor.float()
+    return tensor.numpy().astype(np.float64)
+
+
+def _float64(tensors: Mapping[str, torch.Tensor], file: Path) -> dict[str, np.ndarray]:
+    return {name: _to_float64(value, name, file) for name, value in tensors.items()}
+
+
+def _group_tensors(dump: Mapping[str, Any], group: str, file: Path) -> dict[str, np.ndarray]:
+    """``grads`` by parameter name; ``predictions`` and ``labels`` as one array under the group's name."""
+    value = next((dump[key] for key in _GROUP_KEYS[group] if key in dump), None)
+    if group == "grads":
+        if not isinstance(value, Mapping):
+            return {}
+        return _float64(_unwrapped({str(k): v for k, v in value.items() if isinstance(v, torch.Tensor)}), file)
+    if isinstance(value, torch.Tensor):
+        return {group: _to_float64(value, group, file)}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return {group: np.asarray(value, dtype=np.float64)}
+    return {}
+
+
+def _optimizer_tensors(dump: Mapping[str, Any], names: list[str], file: Path) -> dict[str, np.ndarray]:
+    """Per-parameter optimizer state as ``<parameter>/<key>``, scalars (``step``) included."""
+    optimizer = next((dump[key] for key in _OPTIMIZER_KEYS if isinstance(dump.get(key), Mapping)), None)
+    if optimizer is None or not isinstance(optimizer.get("state"), Mapping):
+        return {}
+    label = _parameter_labels(optimizer, names)
+    found: dict[str, np.ndarray] = {}
+    for index, state in optimizer["state"].items():
+        if not isinstance(state, Mapping):
+            continue
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) or _number(value) is not None:
+                name = f"{label.get(index, f'param_{index}')}/{key}"
+                found[name] = _to_float64(value, name, file)
+    return found
+
+
+def _parameter_labels(optimizer: Mapping[str, Any], names: list[str]) -> dict[object, str]:
+    """The optimizer's parameter indices by state-dict name, in order, when the counts agree ({} otherwise).
+
+    A state dict does not say which entries are parameters: names ending in a BatchNorm buffer's name are left
+    out, and anything else that disagrees (other buffers, tied weights) leaves the indices as they are.
+    """
+    groups = optimizer.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(group, Mapping) for group in groups):
+        return {}
+    indices = [index for group in groups for index in group.get("params", [])]
+    named = [name for group in groups for name in group.get("param_names", [])]  # named_parameters() optimizers
+    if named and len(named) == len(indices):
+        parameters = list(_unwrapped(dict.fromkeys(map(str, named))))
+    else:
+        parameters = [name for name in names if name.rsplit(".", 1)[-1] not in _BUFFER_NAMES]
+    return dict(zip(indices, parameters, strict=True)) if len(indices) == len(parameters) else {}

@@ -1,0 +1,114 @@
+"""``replay-compare --steps``: train the port on a recorded run's batches, from its initial weights, and compare."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from parity_harness.capture.models.adapters import Adapter
+from parity_harness.capture.observe.driving import seed_everything
+from parity_harness.capture.record.training import TrainingRecorder, TrainStep
+from parity_harness.common.errors import InputError
+from parity_harness.common.format.training import INITIAL_PARAMS, PARAMS
+from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
+from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.training.compare import TrainingComparison, compare_training
+from parity_harness.replay.training.runs import StepKey
+from parity_harness.replay.training.training_file import TrainingRun
+
+__all__ = ["replay_training", "rerun_training"]
+
+
+def _load_parameters(named: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor], where: str) -> None:
+    missing = sorted(set(named) - set(values))
+    if missing:
+        raise InputError(f"{where}: no recorded values for parameters {missing[:5]}; check --map")
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(values[name])
+
+
+def _load_optimizer(
+    optimizer: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter], state: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Give the port's optimizer the reference's per-parameter state (Adam moments, step counts)."""
+    names = {id(param): name for name, param in named.items()}
+    ordered = [param for group in optimizer.param_groups for param in group["params"]]
+    current = optimizer.state_dict()
+    current["state"] = {
+        index: {key: value.clone() for key, value in state.get(names.get(id(param), ""), {}).items()}
+        for index, param in enumerate(ordered)
+        if names.get(id(param)) in state
+    }
+    optimizer.load_state_dict(current)
+
+
+def _every_batch(run: TrainingRun) -> list[StepKey]:
+    """The run's steps in order, refused unless every batch is there (numbers restarting per epoch or not)."""
+    keys = sorted(run.meta, key=StepKey.order)
+    for previous, key in zip([None, *keys], keys, strict=False):
+        follows = key.batch == 0 if previous is None else key.batch == previous.batch + 1
+        restarts = previous is not None and key.epoch != previous.epoch and key.batch == 0
+        if not (follows or restarts):
+            raise InputError(
+                f"{run.path}: holds the batches of steps {[k.label() for k in keys[:5]]}...; a rerun needs every "
+                "step's batch (record with capture-run --steps, or TrainingRecorder(all_batches=True))"
+            )
+    return keys
+
+
+def rerun_training(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_step: TrainStep,
+    run: TrainingRun,
+    out: str | os.PathLike[str],
+    *,
+    resync: bool = False,
+    rename: RenameMap | None = None,
+) -> None:
+    """Train the port from the reference's initial weights on the reference's batches, recording into ``out``.
+
+    With ``resync``, before every step the port takes the reference's weights and optimizer state
+    recorded after the previous step, so each step's error is that step's own.
+    """
+    rename = rename or RenameMap()
+    named = {mapped: p for n, p in model.named_parameters() if (mapped := rename.parameter(n)) is not None}
+    keys = _every_batch(run)
+    _load_parameters(named, run.exact(INITIAL_PARAMS), f"{run.path}:{INITIAL_PARAMS}")
+    seed_everything(run.seed)
+    model.train()
+    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=rename.parameter)
+    with recorder:
+        for previous, key in zip([None, *keys], keys, strict=False):
+            if resync and previous is not None and run.meta[previous]["full"]:
+                weights = run.exact(f"{run.group(previous)}/{PARAMS}")
+                _load_parameters(named, weights, f"{run.path}: step {previous.label()}")
+                _load_optimizer(optimizer, named, run.optimizer_state(previous))
+            batch = run.batch(key)
+            loss = train_step(model, optimizer, batch)
+            if run.meta[key]["full"]:
+                recorder.step(key.batch, batch, loss=loss, epoch=key.epoch)
+
+
+def replay_training(
+    driver: Adapter,
+    model: torch.nn.Module,
+    bundle: str | os.PathLike[str],
+    *,
+    rename: RenameMap | None = None,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    resync: bool = False,
+    params: str | None = None,
+) -> TrainingComparison:
+    """``replay-compare --steps``: rerun the port's training on a recorded run's batches and compare the two."""
+    make_optimizer, train_step = driver.training()
+    with TrainingRun(bundle) as run, tempfile.TemporaryDirectory(prefix="parity-train-") as folder:
+        port_path = Path(folder) / "port.h5"
+        rerun_training(model, make_optimizer(model), train_step, run, port_path, resync=resync, rename=rename)
+        with TrainingRun(port_path, preflight=None) as port:
+            return compare_training(run, port, atol=atol, rtol=rtol, params=params)

@@ -1,0 +1,185 @@
+"""A training file (``capture.TrainingRecorder``, ``capture-run --steps``) opened for reading, finished or not.
+
+A file whose writer still holds it (a training in progress) is opened without HDF5's file lock: the reader
+sees the steps completed by then (a step counts once its ``meta``, written last, exists) and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Final
+
+import h5py
+import numpy as np
+import torch
+
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError
+from parity_harness.common.format.damage import damage_guard
+from parity_harness.common.format.dtypes import from_storage, to_float64
+from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.preflight import preflight as walk_in_child
+from parity_harness.replay.reader import rebuild
+from parity_harness.replay.training.runs import StepInfo, StepKey
+
+__all__ = ["TrainingRun"]
+
+_LIVE_ATTEMPTS: Final = 4
+"""A file being written may be caught between two of its writer's metadata writes: read again this often."""
+
+
+class TrainingRun:
+    """A training file written by :class:`capture.TrainingRecorder`; only completed steps are visible.
+
+    Opening it walks its metadata in a child process (``preflight`` seconds at most; None for a file this
+    process wrote), then checks the whole header (version, containment, ``/initial``, every completed
+    step's ``meta`` and tensor datasets) before any data is read: a damaged or crafted file is one
+    ``BundleFormatError``. Steps are keyed by (epoch, step): ``StepKey(None, n)`` for steps recorded
+    without an epoch.
+    """
+
+    kind = "training file"
+
+    def __init__(self, path: str | os.PathLike[str], *, preflight: float | None = DEFAULT_PREFLIGHT_SECONDS) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise BundleNotFoundError(f"{self.path}: no such training file")
+        if not self.path.is_file():
+            raise BundleFormatError(f"{self.path}: not a regular file; pass a training file TrainingRecorder wrote")
+        self.live = _held_by_writer(self.path)
+        for attempt in range(_LIVE_ATTEMPTS if self.live else 1):
+            try:
+                self._open(preflight)
+                break
+            except BundleFormatError:
+                if attempt + 1 == (_LIVE_ATTEMPTS if self.live else 1):
+                    raise
+                time.sleep(0.25)  # the writer was mid-step: its next flush makes the file whole again
+
+    def _open(self, preflight: float | None) -> None:
+        if preflight is not None:  # a file from elsewhere: its metadata walked in a child first (replay.preflight)
+            walk_in_child(self.path, seconds=preflight, noun="training file")
+        try:
+            self._file = h5py.File(self.path, "r", locking=False) if self.live else h5py.File(self.path, "r")
+        except OSError as err:
+            raise BundleFormatError(
+                f"{self.path}: not an HDF5 file, or a damaged one ({err}); pass a training file TrainingRecorder wrote"
+            ) from err
+        try:
+            with self._damage_guard("/"):
+                header = read_header(self._file, str(self.path))
+        except BaseException:
+            self._file.close()
+            raise
+        self.format_version, self.format_minor = header.major, header.minor
+        self.initial = header.initial
+        self.meta: dict[StepKey, StepMeta] = {StepKey(*key): meta for key, meta in header.steps.items()}
+        self._groups = {StepKey(*key): group for key, group in header.groups.items()}
+        self._steps = {key: _info(self.meta[key]) for key in self.full_steps()}
+
+    def _damage_guard(self, where: str) -> AbstractContextManager[None]:
+        """Whatever h5py raises on a damaged file, as one BundleFormatError naming the file."""
+        return damage_guard(self.path, where, noun="training file", fix="copy or record it again")
+
+    def group(self, key: StepKey) -> str:
+        """The HDF5 group holding a completed step."""
+        return self._groups[key]
+
+    def tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
+        """``params`` / ``grads`` / ``optimizer`` / ``predictions`` / ``labels`` of a step as float64, by name."""
+        path = f"{self._groups[key]}/{group}"
+        with self._damage_guard(path):
+            node = self._file.get(path)
+            if isinstance(node, h5py.Dataset):
+                return {group: _float64(node)}
+            found: dict[str, np.ndarray] = {}
+            if isinstance(node, h5py.Group):
+                node.visititems(
+                    lambda name, item: found.update({name: _float64(item)}) if isinstance(item, h5py.Dataset) else None
+                )
+            return found
+
+    def exact(self, path: str) -> dict[str, torch.Tensor]:
+        """The tensors under a group (``/initial/params``, a step's ``params``), bit-exact, by name."""
+        with self._damage_guard(path):
+            node = self._file.get(path)
+            if not isinstance(node, h5py.Group):
+                return {}
+            return {name: _tensor(ds) for name, ds in node.items() if isinstance(ds, h5py.Dataset)}
+
+    def optimizer_state(self, key: StepKey) -> dict[str, dict[str, torch.Tensor]]:
+        """Per parameter, the optimizer state recorded after the step."""
+        path = f"{self._groups[key]}/{OPTIMIZER}"
+        with self._damage_guard(path):
+            names = list(self._file.get(path) or [])
+        return {name: self.exact(f"{path}/{name}") for name in names}
+
+    def batch(self, key: StepKey) -> Any:
+        """The batch fed at the step."""
+        tree = self.meta[key]["batch"]
+        with self._damage_guard(f"{self._groups[key]}/{BATCH}"):
+            return rebuild(tree, lambda ref: _tensor(self._file[ref.path]))
+
+    @property
+    def seed(self) -> int:
+        """The run's seed (0 when not recorded)."""
+        seed = self.initial["seed"]
+        return 0 if seed is None else seed
+
+    def parameter_names(self) -> list[str]:
+        """Parameter names in the model's order (``named_parameters``)."""
+        names = self.initial["parameters"]
+        return list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
+
+    def full_steps(self) -> list[StepKey]:
+        """Steps recorded with weights and gradients (not only their batch), in order."""
+        return sorted((key for key, meta in self.meta.items() if meta["full"]), key=StepKey.order)
+
+    def steps(self) -> dict[StepKey, StepInfo]:
+        """The full steps: what ``parity-train-diff`` compares."""
+        return self._steps
+
+    def close(self) -> None:
+        """Close the file."""
+        if hasattr(self, "_file"):
+            self._file.close()
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _held_by_writer(path: Path) -> bool:
+    """Whether a process holds ``path`` open for writing: HDF5 keeps an exclusive ``flock`` on a file it writes
+    (asked without opening the file through HDF5, which must not touch it before the preflight)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here (Windows): HDF5 does not lock files there either
+        return False
+    with path.open("rb") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False  # a file system without locks: HDF5 cannot have locked it
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    return False
+
+
+def _info(meta: StepMeta) -> StepInfo:
+    ids = meta["sample_ids"]
+    return StepInfo(meta["loss"], dict(meta["metrics"]), None if ids is None else [(i,) for i in ids])
+
+
+def _float64(dataset: h5py.Dataset) -> np.ndarray:
+    return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
+
+
+def _tensor(dataset: h5py.Dataset) -> torch.Tensor:
+    return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
