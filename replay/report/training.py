@@ -74,8 +74,10 @@ def render_summary(summary: TrainingSummary) -> str:
 def _verdict(result: TrainingComparison) -> list[str]:
     lines = []
     first = result.first_diverging
-    if first is None:
+    if first is None and result.match:
         lines.append(f"all {len(result.steps)} common steps match")
+    elif first is None:
+        lines.append(f"the {len(result.steps)} common steps match, but not everything recorded was compared:")
     else:
         step = next(s for s in result.steps if s.key == first)
         where = f" (largest weight difference in {step.worst_param})" if step.worst_param else ""
@@ -85,7 +87,7 @@ def _verdict(result: TrainingComparison) -> list[str]:
         lines.append(f"batch order differs at steps {order}: the runs were not fed the same samples")
     if result.only_a or result.only_b:
         only_a, only_b = (", ".join(k.label() for k in keys) or "none" for keys in (result.only_a, result.only_b))
-        lines.append(f"steps recorded in one run only: A {only_a}; B {only_b}")
+        lines.append(f"steps recorded in one run only, not compared: A {only_a}; B {only_b}")
     for side, names in (("A", result.unpaired_a), ("B", result.unpaired_b)):
         if names:
             lines.append(f"parameters of {side} with no counterpart ({len(names)}): {names[:5]}; pass --map FILE")
@@ -96,7 +98,7 @@ def _verdict(result: TrainingComparison) -> list[str]:
 def render_table(result: TrainingComparison) -> str:
     """One row per common step, the summary statistics, then the verdict."""
     if not result.steps:
-        return "\n".join(["no step was recorded by both runs", *_verdict(result)[1:]])
+        return "\n".join(["no step was recorded by both runs: nothing was compared", *_verdict(result)[1:]])
     return "\n".join([_step_table(result), "", render_summary(summarize(result)), "", *_verdict(result)])
 
 

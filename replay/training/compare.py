@@ -160,8 +160,10 @@ class TrainingComparison:
 
     @property
     def match(self) -> bool:
-        """Every common step matches and every selected parameter was compared."""
-        return self.first_diverging is None and not self.unpaired_a and not self.unpaired_b
+        """At least one step was compared, every step of both runs was, every one matches, and every selected
+        parameter had a counterpart: nothing recorded went uncompared."""
+        compared_all = not (self.only_a or self.only_b or self.unpaired_a or self.unpaired_b)
+        return bool(self.steps) and compared_all and self.first_diverging is None
 
 
 @dataclass(frozen=True)

@@ -328,3 +328,30 @@ def test_identical_prediction_csvs_match(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "all 8 common steps match" in result.stdout
     assert "predicted class differs on 0 of 32 samples" in result.stdout
+
+
+def test_steps_recorded_by_one_run_only_are_not_a_match(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A run with a step the other lacks: the common steps agree, yet exit 1, naming the uncompared step."""
+    extra = tmp_path / "extra_dumps"
+    (extra / "epoch_009").mkdir(parents=True)
+    for path in runs["ref_dumps"].rglob("*.pt"):
+        (extra / path.parent.name).mkdir(exist_ok=True)
+        (extra / path.parent.name / path.name).write_bytes(path.read_bytes())
+    (extra / "epoch_009" / "batch_0000.pt").write_bytes(
+        (runs["ref_dumps"] / "epoch_000" / "batch_0000.pt").read_bytes()
+    )
+    result = CliRunner().invoke(main, [str(runs["ref_dumps"]), str(extra)])
+    assert result.exit_code == 1, result.output
+    assert "steps recorded in one run only, not compared: A none; B 9:0" in result.stdout
+
+
+def test_no_common_step_is_not_a_match(tmp_path: Path) -> None:
+    """Two runs without a step in common compared nothing: exit 1, never a silent MATCH."""
+    model = nn.Linear(2, 2)
+    with TrainingRecorder(tmp_path / "a.h5", model) as recorder:
+        recorder.step(0, loss=0.5)
+    with TrainingRecorder(tmp_path / "b.h5", model) as recorder:
+        recorder.step(1, loss=0.5)
+    result = CliRunner().invoke(main, [str(tmp_path / "a.h5"), str(tmp_path / "b.h5")])
+    assert result.exit_code == 1, result.output
+    assert "no step was recorded by both runs: nothing was compared" in result.stdout
