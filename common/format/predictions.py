@@ -421,6 +421,8 @@ def _index(row: list[str], position: int, columns: PredictionColumns, where: str
             f"{where}: column {columns.names[position]!r} is negative ({text}); expected a number >= 0 "
             "(count epochs, batches and samples from 0)"
         )
+    if len(digits) > 18:  # past int64, and past what int() parses without a digit limit
+        _fail(f"{where}: column {columns.names[position]!r} is {_shown(row[position])}, expected a number < 10**18")
     return int(text)
 
 

@@ -45,6 +45,7 @@ __all__ = ["main"]
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw the six panels to this PNG (matplotlib)."
 )
+@click.option("--trust-pickle", is_flag=True, help="Load torch dumps that need code execution (only files you trust).")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(
     run_a: str,
@@ -58,13 +59,21 @@ def main(
     report_path: str | None,
     predictions_csv: str | None,
     plot_path: str | None,
+    trust_pickle: bool,
     debug: bool,
 ) -> None:
     """Compare two training runs (training files, dump folders or prediction CSVs), step by step."""
     tolerances_given()
     with handle_errors("parity-train-diff", debug):
         found = diff_training_runs(
-            run_a, run_b, atol=atol, rtol=rtol, params=params_regex, map_file=map_file, samples=bool(predictions_csv)
+            run_a,
+            run_b,
+            atol=atol,
+            rtol=rtol,
+            params=params_regex,
+            map_file=map_file,
+            samples=bool(predictions_csv),
+            trust_pickle=trust_pickle,
         )
         result = found.comparison
         for warning in result.warnings:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,9 @@ from pathlib import Path
 import torch
 
 from parity_harness.common.errors import MapFileError
+
+_MAX_MAP_BYTES = 16 << 20
+"""Largest map file read (16 MiB of rules)."""
 
 __all__ = ["RenameMap", "SlotRule", "bundle_parameters", "describe_slot_rule", "parse_map", "read_map", "unused_rules"]
 
@@ -243,7 +247,13 @@ def read_map(path: str | os.PathLike[str]) -> RenameMap:
     """Read and parse a map file."""
     file = Path(path)
     try:
-        text = file.read_text(encoding="utf-8")
+        if not stat.S_ISREG(file.stat().st_mode):  # a FIFO would block the read, a device never end it
+            raise MapFileError(f"{file}: not a regular file; pass a text file of 'REGEX => REPLACEMENT' rules")
+        with file.open("rb") as handle:
+            raw = handle.read(_MAX_MAP_BYTES + 1)
+        if len(raw) > _MAX_MAP_BYTES:
+            raise MapFileError(f"{file}: larger than {_MAX_MAP_BYTES >> 20} MiB; a map file holds a few rules")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise MapFileError(f"{file}: cannot read the map file: {err}") from err
     return parse_map(text, str(file))

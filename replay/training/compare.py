@@ -20,7 +20,7 @@ from parity_harness.replay.naming.mapping import RenameMap, read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.training.filters import ParameterFilter, parameter_filter
 from parity_harness.replay.training.kinds import open_run
-from parity_harness.replay.training.runs import RunSource, StepInfo, StepKey, accuracy_of, pair_steps
+from parity_harness.replay.training.runs import ACCURACY_NAMES, RunSource, StepInfo, StepKey, accuracy_of, pair_steps
 from parity_harness.replay.training.samples import SampleRow, prediction_rows
 
 __all__ = [
@@ -100,6 +100,8 @@ class StepComparison:
     others: dict[str, float] = field(default_factory=dict)
     """Max abs difference of the step's ``grads`` and ``optimizer`` state (when both recorded)."""
     predictions: PredictionDiff | None = None
+    uncompared: list[str] = field(default_factory=list)
+    """What one run recorded at this step and the other did not (each makes the step a mismatch)."""
 
     @property
     def step(self) -> int:
@@ -130,6 +132,7 @@ class StepComparison:
             "metrics": {k: {"a": _finite(a), "b": _finite(b)} for k, (a, b) in self.metrics.items()},
             "predictions": None if self.predictions is None else self.predictions.to_json(),
             "parameters": [p.to_json() for p in self.parameters],
+            "uncompared": self.uncompared,
         }
 
 
@@ -177,10 +180,14 @@ class _Tolerance:
             return a is None and b is None
         if math.isnan(a) or math.isnan(b):
             return math.isnan(a) and math.isnan(b)
+        if math.isinf(a) or math.isinf(b):
+            return a == b  # an infinity matches only the same infinity
         return abs(b - a) <= self.atol + self.rtol * abs(a)
 
     def all_close(self, a: np.ndarray, b: np.ndarray) -> bool:
-        return a.shape == b.shape and bool(np.allclose(b, a, atol=self.atol, rtol=self.rtol))
+        """Element rule of replay-compare; NaN matches NaN (a run compared with itself matches), infinities match
+        only the same infinity."""
+        return a.shape == b.shape and bool(np.allclose(b, a, atol=self.atol, rtol=self.rtol, equal_nan=True))
 
 
 def _parameter_diff(name: str, a: np.ndarray, b: np.ndarray, tolerance: _Tolerance) -> ParameterDiff:
@@ -227,15 +234,32 @@ class _Plan:
     tolerance: _Tolerance
 
 
-def _group_max(plan: _Plan, a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, bool] | None:
-    """Max abs difference and agreement of the tensors both sides hold under one name; None when none pairs."""
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest |b - a|: 0 where both hold the same value (the same infinity, or NaN), inf where one is NaN."""
+    if a.shape != b.shape:
+        return math.inf
+    with np.errstate(invalid="ignore"):
+        delta = np.abs(b - a)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    return float(np.max(np.where(same, 0.0, np.nan_to_num(delta, nan=math.inf)), initial=0.0))
+
+
+def _group(
+    plan: _Plan, group: str, a: dict[str, np.ndarray], b: dict[str, np.ndarray]
+) -> tuple[float, bool, list[str]]:
+    """Max abs difference and agreement of a group's tensors (gradients, optimizer state) of the selected
+    parameters, and what only one side recorded."""
+    a = {n: v for n, v in a.items() if plan.chosen.search(n.partition("/")[0])}
+    b = {n: v for n, v in b.items() if plan.chosen.search(n.partition("/")[0])}
+    missing = [f"{group} of {side} only: {names[:3]}" for side, names in _one_sided(a, b) if names]
     names = [n for n in a if n in b]
-    if not names:
-        return None
-    worst = max(
-        float(np.max(np.abs(b[n] - a[n]), initial=0.0)) if a[n].shape == b[n].shape else math.inf for n in names
-    )
-    return worst, all(plan.tolerance.all_close(a[n], b[n]) for n in names)
+    worst = max((_max_abs(a[n], b[n]) for n in names), default=0.0)
+    return worst, not missing and all(plan.tolerance.all_close(a[n], b[n]) for n in names), missing
+
+
+def _one_sided(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[tuple[str, list[str]]]:
+    """The names only A holds, then those only B holds."""
+    return [("A", [n for n in a if n not in b]), ("B", [n for n in b if n not in a])]
 
 
 def _predictions(
@@ -245,12 +269,25 @@ def _predictions(
     b = run_b.tensors(key_b, "predictions").get("predictions")
     if a is None or b is None:
         return None
-    if a.shape != b.shape or a.ndim == 0:
-        return PredictionDiff(len(a) if a.ndim else 1, [], math.inf, False)
-    flat_a, flat_b = a.reshape(len(a), -1), b.reshape(len(b), -1)
+    samples = len(a) if a.ndim else 1
+    same_samples = _sample_indices(run_a, key_a) == _sample_indices(run_b, key_b)
+    if a.shape != b.shape or not same_samples:
+        return PredictionDiff(samples, [], math.inf, False)
+    if a.size == 0:
+        return PredictionDiff(samples, [], 0.0, True)
+    flat_a, flat_b = a.reshape(samples, -1), b.reshape(samples, -1)
     differs = [int(i) for i in np.flatnonzero(np.argmax(flat_a, axis=1) != np.argmax(flat_b, axis=1))]
-    max_abs = float(np.max(np.abs(flat_b - flat_a), initial=0.0))
-    return PredictionDiff(len(a), differs, max_abs, plan.tolerance.all_close(a, b))
+    return PredictionDiff(samples, differs, _max_abs(flat_a, flat_b), plan.tolerance.all_close(a, b))
+
+
+def _sample_indices(run: RunSource, key: StepKey) -> list[int] | None:
+    """The samples' indices in their batch, for runs that record them (prediction CSVs)."""
+    indices = getattr(run, "sample_indices", None)
+    return None if indices is None else list(indices(key))
+
+
+def _has_predictions(run: RunSource, key: StepKey) -> bool:
+    return "predictions" in run.tensors(key, "predictions")
 
 
 def _compare_step(
@@ -258,22 +295,28 @@ def _compare_step(
 ) -> StepComparison:
     (key_a, key_b), (info_a, info_b) = keys, infos
     weights_a = {n: v for n, v in run_a.tensors(key_a, "params").items() if plan.chosen.search(n)}
-    weights_b = {n: v for n, v in _renamed(run_b.tensors(key_b, "params"), plan.rename).items() if n in weights_a}
+    renamed_b = _renamed(run_b.tensors(key_b, "params"), plan.rename)
+    weights_b = {n: v for n, v in renamed_b.items() if plan.chosen.search(n)}
     diffs = [_parameter_diff(n, weights_a[n], weights_b[n], plan.tolerance) for n in weights_a if n in weights_b]
+    uncompared = [f"weights of {side} only: {names[:3]}" for side, names in _one_sided(weights_a, weights_b) if names]
     l2, cosine = _weights(diffs, weights_a, weights_b)
     worst = max(diffs, key=lambda d: d.max_abs, default=None)
-    others, others_ok = {}, True
+    others: dict[str, float] = {}
     for group in ("grads", "optimizer"):
-        found = _group_max(plan, run_a.tensors(key_a, group), _renamed(run_b.tensors(key_b, group), plan.rename))
-        if found is not None:
-            others[group], others_ok = found[0], others_ok and found[1]
+        values_a, values_b = run_a.tensors(key_a, group), _renamed(run_b.tensors(key_b, group), plan.rename)
+        if values_a or values_b:
+            others[group], ok, missing = _group(plan, group, values_a, values_b)
+            uncompared += missing + ([] if ok or missing else [f"{group} differ"])
     predictions = _predictions(plan, run_a, run_b, key_a, key_b)
+    sides = [side for side, run, key in (("A", run_a, key_a), ("B", run_b, key_b)) if _has_predictions(run, key)]
+    if predictions is None and len(sides) == 1:
+        uncompared.append(f"predictions of {sides[0]} only")
     metrics = _metrics(info_a, info_b)
     order_differs = info_a.sample_ids is not None and info_b.sample_ids is not None
     order_differs = order_differs and info_a.sample_ids != info_b.sample_ids
     match = (
         all(d.match for d in diffs)
-        and others_ok
+        and not uncompared
         and (predictions is None or predictions.match)
         and not order_differs
         and plan.tolerance.close(info_a.loss, info_b.loss)
@@ -293,13 +336,23 @@ def _compare_step(
         diffs,
         others,
         predictions,
+        uncompared,
     )
 
 
+def _canonical(metrics: dict[str, float]) -> dict[str, float]:
+    """A run's metrics with its accuracy (the first of ``ACCURACY_NAMES`` it has) named ``accuracy``."""
+    alias = next((name for name in ACCURACY_NAMES if name in metrics), None)
+    if alias is None or alias == "accuracy" or "accuracy" in metrics:
+        return dict(metrics)
+    return {("accuracy" if name == alias else name): value for name, value in metrics.items()}
+
+
 def _metrics(info_a: StepInfo, info_b: StepInfo) -> dict[str, tuple[float, float]]:
-    """Every metric either run recorded at the step (NaN on the side that did not)."""
-    names = list(info_a.metrics) + [n for n in info_b.metrics if n not in info_a.metrics]
-    return {n: (info_a.metrics.get(n, math.nan), info_b.metrics.get(n, math.nan)) for n in names}
+    """Every metric either run recorded at the step (NaN on the side that did not); accuracy under one name."""
+    a, b = _canonical(info_a.metrics), _canonical(info_b.metrics)
+    names = list(a) + [n for n in b if n not in a]
+    return {n: (a.get(n, math.nan), b.get(n, math.nan)) for n in names}
 
 
 def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: TrainingComparison) -> None:
@@ -307,7 +360,14 @@ def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: Tr
     names_a = [n for n in run_a.parameter_names() if plan.chosen.search(n)]
     names_b = [m for n in run_b.parameter_names() if (m := plan.rename.parameter(n)) is not None]
     if plan.chosen.matched_nothing(run_a.parameter_names()):
-        result.warnings.append(plan.chosen.nothing_message(run_a.path))
+        raise InputError(plan.chosen.nothing_message(run_a.path))
+    twice = sorted({n for n in names_b if names_b.count(n) > 1})
+    if twice:
+        sources = [n for n in run_b.parameter_names() if plan.rename.parameter(n) == twice[0]]
+        raise InputError(
+            f"{run_b.path}: parameters {sources[:3]} are all renamed to {twice[0]!r}; fix --map so that each of B's "
+            "parameters has its own name in A"
+        )
     selected_b = [n for n in names_b if plan.chosen.search(n)]
     result.unpaired_a = [n for n in names_a if n not in set(selected_b)]
     result.unpaired_b = [n for n in selected_b if n not in set(names_a)]
@@ -368,6 +428,7 @@ def diff_training_runs(
     params: str | None = None,
     map_file: str | os.PathLike[str] | None = None,
     samples: bool = False,
+    trust_pickle: bool = False,
 ) -> TrainingDiff:
     """Open two runs of any kind (``runs.open_run``), compare them (:func:`compare_training`) and close them.
 
@@ -375,11 +436,12 @@ def diff_training_runs(
         path_a, path_b: the runs; A is the reference.
         map_file: ``--map``: rules renaming B's parameter names to A's.
         samples: also collect the per-sample rows (``training.samples``).
+        trust_pickle: load torch dumps with code execution (only files the user vouches for).
     """
     rename = read_map(map_file) if map_file is not None else None
     with (
-        closing(open_run(path_a, preflight=DEFAULT_PREFLIGHT_SECONDS)) as run_a,
-        closing(open_run(path_b, preflight=DEFAULT_PREFLIGHT_SECONDS)) as run_b,
+        closing(open_run(path_a, preflight=DEFAULT_PREFLIGHT_SECONDS, trust_pickle=trust_pickle)) as run_a,
+        closing(open_run(path_b, preflight=DEFAULT_PREFLIGHT_SECONDS, trust_pickle=trust_pickle)) as run_b,
     ):
         comparison = compare_training(run_a, run_b, atol=atol, rtol=rtol, params=params, rename=rename)
         rows = prediction_rows(run_a, run_b) if samples else None

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from parity_harness.capture.models.checkpoints import load_torch_object
-from parity_harness.common.errors import BundleNotFoundError, InputError
+from parity_harness.common.errors import BundleNotFoundError, InputError, ParityError
 from parity_harness.replay.training.runs import StepInfo, StepKey
 
 __all__ = ["DUMP_SUFFIXES", "MAX_DUMP_FILES", "DumpRun"]
@@ -119,6 +119,15 @@ class DumpRun:
         Raises:
             InputError: an unknown group or step.
         """
+        try:
+            return self._tensors(key, group)
+        except (TypeError, ValueError, OverflowError, RuntimeError, AttributeError) as err:
+            if isinstance(err, ParityError):
+                raise
+            where = self._file_of.get(key, self.path)
+            raise InputError(f"{where}: its {group!r} cannot be read as tensors ({type(err).__name__}: {err})") from err
+
+    def _tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
         if group not in _GROUPS:
             raise InputError(f"{self.path}: unknown tensor group {group!r}; expected one of {', '.join(_GROUPS)}")
         if key not in self.steps():
@@ -148,13 +157,18 @@ class DumpRun:
         file_of: dict[StepKey, Path] = {}
         for file in self._files:
             dump = _as_dump(load_torch_object(file, self._trust_pickle, mmap=True), file)
-            key = self._key_of(file, dump)
+            try:
+                key, info = self._key_of(file, dump), _step_info(dump)
+            except (TypeError, ValueError, OverflowError, RuntimeError, AttributeError) as err:
+                if isinstance(err, ParityError):
+                    raise
+                raise InputError(f"{file}: not a dump this tool can read ({type(err).__name__}: {err})") from err
             if key in file_of:
                 raise InputError(
                     f"{file_of[key]} and {file}: both are step {key.label()} (epoch:batch); keep one, or name the "
                     "files so that their epoch and batch differ"
                 )
-            file_of[key], found[key] = file, _step_info(dump)
+            file_of[key], found[key] = file, info
         return {key: found[key] for key in sorted(found, key=StepKey.order)}, file_of
 
     def _key_of(self, file: Path, dump: Mapping[str, Any]) -> StepKey:

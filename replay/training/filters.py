@@ -70,11 +70,11 @@ class ParameterFilter:
         return self.spec != "all" and bool(names) and not any(self.search(n) for n in names)
 
     def nothing_message(self, path: Path) -> str:
-        """The warning for a filter that selects nothing."""
+        """The error for a filter that selects nothing (a typo would otherwise compare no weight and pass)."""
         if self.spec in ("head", "backbone"):
             detail = f"no top-level module (past {', '.join(WRAPPERS)}) is named {', '.join(sorted(HEAD_MODULES))}"
             return f"--params {self.spec} selects no parameter of {path}: {detail}; pass a regex instead"
-        return f"--params {self.spec!r} matches no parameter name of {path}; no weight is compared"
+        return f"--params {self.spec!r} matches no parameter name of {path}; pass all, or a regex matching its names"
 
 
 def parameter_filter(params: str | None) -> ParameterFilter:

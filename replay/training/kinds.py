@@ -14,12 +14,13 @@ from parity_harness.replay.training.training_file import TrainingRun
 __all__ = ["open_run"]
 
 
-def open_run(path: str | os.PathLike[str], *, preflight: float | None = None) -> RunSource:
+def open_run(path: str | os.PathLike[str], *, preflight: float | None = None, trust_pickle: bool = False) -> RunSource:
     """Open a run by what ``path`` is: a ``.csv`` of predictions, a folder or file of torch dumps, or a training file.
 
     Args:
         path: the run.
         preflight: seconds a training file's metadata walk may take in a child process (None: in this process).
+        trust_pickle: load torch dumps with code execution (``--trust-pickle``: files the user vouches for).
 
     Raises:
         BundleNotFoundError: nothing at ``path``.
@@ -31,5 +32,5 @@ def open_run(path: str | os.PathLike[str], *, preflight: float | None = None) ->
     if where.suffix.lower() == ".csv":
         return PredictionRun(where)
     if where.is_dir() or where.suffix.lower() in DUMP_SUFFIXES:
-        return DumpRun(where)
+        return DumpRun(where, trust_pickle=trust_pickle)
     return TrainingRun(where) if preflight is None else TrainingRun(where, preflight=preflight)

@@ -43,7 +43,7 @@ def _label(labels: np.ndarray | None, index: int) -> int | None:
 def _step_rows(run_a: RunSource, run_b: RunSource, key_a: StepKey, key_b: StepKey) -> list[SampleRow]:
     preds_a = run_a.tensors(key_a, "predictions").get("predictions")
     preds_b = run_b.tensors(key_b, "predictions").get("predictions")
-    if preds_a is None or preds_b is None or preds_a.shape != preds_b.shape or preds_a.ndim == 0:
+    if preds_a is None or preds_b is None or preds_a.shape != preds_b.shape or preds_a.ndim == 0 or not preds_a.size:
         return []
     labels = run_a.tensors(key_a, "labels").get("labels")
     ids_a = _ids(run_a.steps()[key_a].sample_ids, len(preds_a))

@@ -111,10 +111,22 @@ def summarize(result: TrainingComparison) -> TrainingSummary:
     )
 
 
+def _finite_only(value: object) -> object:
+    """``value`` with every infinite or NaN number replaced by None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_only(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite_only(item) for item in value]
+    return value
+
+
 def training_json(result: TrainingComparison) -> dict[str, object]:
-    """The ``--json`` report of a training comparison: verdict, summary, every step with every parameter."""
+    """The ``--json`` report of a training comparison: verdict, summary, every step with every parameter
+    (an infinite or NaN number is null)."""
     first = result.first_diverging
-    return {
+    document: dict[str, object] = {
         "match": result.match,
         "first_diverging_step": None if first is None else first.batch,
         "first_diverging_epoch": None if first is None else first.epoch,
@@ -127,3 +139,4 @@ def training_json(result: TrainingComparison) -> dict[str, object]:
         "live": result.live,
         "warnings": result.warnings,
     }
+    return {key: _finite_only(value) for key, value in document.items()}

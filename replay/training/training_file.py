@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from parity_harness.common.errors import BundleFormatError, BundleNotFoundError
+from parity_harness.common.format.bundle.layout import unescape_dotted
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_float64
 from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
@@ -98,7 +99,9 @@ class TrainingRun:
             found: dict[str, np.ndarray] = {}
             if isinstance(node, h5py.Group):
                 node.visititems(
-                    lambda name, item: found.update({name: _float64(item)}) if isinstance(item, h5py.Dataset) else None
+                    lambda name, item: (
+                        found.update({_unescaped(name): _float64(item)}) if isinstance(item, h5py.Dataset) else None
+                    )
                 )
             return found
 
@@ -170,6 +173,12 @@ def _held_by_writer(path: Path) -> bool:
             return False  # a file system without locks: HDF5 cannot have locked it
         fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
     return False
+
+
+def _unescaped(name: str) -> str:
+    """A stored parameter name (``optimizer``: ``<parameter>/<state key>``) as the model names it."""
+    head, sep, tail = name.partition("/")
+    return unescape_dotted(head) + sep + tail
 
 
 def _info(meta: StepMeta) -> StepInfo:

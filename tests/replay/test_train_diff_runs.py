@@ -87,7 +87,7 @@ def _port_from(reference: ReferenceNet) -> PortNet:
 def _train(model: nn.Module, out: Path, *, buggy: bool, dumps: bool) -> Path:
     """A plain training loop saving one dump per batch (``epoch_XXX/batch_XXXX.pt``) or a training file."""
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    recorder = None if dumps else TrainingRecorder(out, model, optimizer, optimizer_state=True)
+    recorder = None if dumps else TrainingRecorder(out, model, optimizer, grads=False, optimizer_state=True)
     for epoch, batches in enumerate(_batches()):
         for index, (x, y, ids) in enumerate(batches):
             optimizer.zero_grad()
@@ -232,12 +232,11 @@ def test_head_names(name: str, head: bool) -> None:
     assert is_head(name) is head
 
 
-def test_a_filter_matching_nothing_warns(runs: dict[str, Path]) -> None:
-    """--params that selects no parameter says so on stderr (the weights are then not compared)."""
+def test_a_filter_matching_nothing_is_refused(runs: dict[str, Path]) -> None:
+    """--params that selects no parameter is exit 2 saying so (a typo must not compare no weight and pass)."""
     args = [str(runs["ref_dumps"]), str(runs["ref_dumps"]), "--params", "^nothing_here"]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    assert "warning: --params '^nothing_here' matches no parameter name" in result.stderr
+    line = one_error_line("parity-train-diff", CliRunner().invoke(main, args))
+    assert "--params '^nothing_here' matches no parameter name of" in line
 
 
 def test_worst_param_is_named_only_when_something_differs(runs: dict[str, Path]) -> None:

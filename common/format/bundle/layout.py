@@ -25,6 +25,7 @@ __all__ = [
     "join_slot",
     "record_name",
     "tensor_path",
+    "unescape_dotted",
 ]
 
 ATTR_FORMAT: Final = "format"
@@ -53,6 +54,17 @@ def escape(component: str) -> str:
 def escape_dotted(path: str) -> str:
     """Escape a dotted module or parameter path for use as one HDF5 link name (dots stay)."""
     return ".".join(escape(part) for part in path.split(".")) if path else "%00"
+
+
+def unescape_dotted(name: str) -> str:
+    """The dotted path :func:`escape_dotted` made ``name`` from."""
+    if name == "%00":
+        return ""
+
+    def part(text: str) -> str:
+        return "" if text == "%00" else text.replace("%2E", ".").replace("%2F", "/").replace("%25", "%")
+
+    return ".".join(part(piece) for piece in name.split("."))
 
 
 def join_slot(prefix: str, key: object) -> str:

@@ -1,0 +1,290 @@
+"""parity-train-diff under hostile and odd inputs: verdict holes that let a divergence exit 0, identical runs that
+fail, and bad input that is not one clear line naming the file (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from torch import nn
+
+from parity_harness.capture.record.training import TrainingRecorder
+from parity_harness.replay.cli.train_diff import main
+
+
+def _run(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(arg) for arg in args])
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"enc.w": torch.randn(3, 2, generator=generator), "enc.b": torch.randn(3, generator=generator)}
+
+
+def _dump(folder: Path, name: str = "batch_1.pt", **entries: Any) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    content: dict[str, Any] = {"model_state_dict": _weights(), "loss": 1.0}
+    content.update(entries)
+    torch.save({k: v for k, v in content.items() if v is not None}, folder / name)
+    return folder
+
+
+def _csv(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------- a divergence must not exit 0
+
+
+def test_infinite_reference_loss_against_a_finite_one_is_not_a_match(tmp_path: Path) -> None:
+    """A's loss inf and B's loss 2.5 (|b - a| <= atol + rtol * inf holds) must not pass as a match."""
+    a = _dump(tmp_path / "a", loss=float("inf"))
+    b = _dump(tmp_path / "b", loss=2.5)
+    assert _run(a, b).exit_code == 1
+
+
+def test_infinite_reference_metric_against_a_finite_one_is_not_a_match(tmp_path: Path) -> None:
+    """A's accuracy inf and B's 0.1 must not pass as a match."""
+    a = _dump(tmp_path / "a", acc=float("inf"))
+    b = _dump(tmp_path / "b", acc=0.1)
+    assert _run(a, b).exit_code == 1
+
+
+def test_two_b_parameters_mapped_onto_one_a_name_is_refused(tmp_path: Path) -> None:
+    """--map sending two of B's parameters to one A name is a clear error, not a silent last-one-wins."""
+    w = torch.ones(3, 2)
+    a = _dump(tmp_path / "a", model_state_dict={"enc.w": w})
+    b = _dump(tmp_path / "b", model_state_dict={"x.w": w + 5, "y.w": w})  # x.w differs, y.w wins
+    rules = _csv(tmp_path / "rules.map", "^x\\.w$ => enc.w\n^y\\.w$ => enc.w\n")
+    result = _run(a, b, "--map", rules)
+    assert result.exit_code == 2
+    assert "x.w" in result.output
+    assert "y.w" in result.output
+
+
+@pytest.mark.parametrize(
+    ("only_a", "what"),
+    [
+        ({"grads": {"enc.w": torch.ones(3, 2), "enc.b": torch.ones(3)}}, "grads"),
+        (
+            {
+                "optimizer_state_dict": {
+                    "state": {0: {"exp_avg": torch.ones(3, 2)}, 1: {"exp_avg": torch.ones(3)}},
+                    "param_groups": [{"params": [0, 1]}],
+                }
+            },
+            "optimizer",
+        ),
+        ({"predictions": torch.ones(4, 3)}, "predictions"),
+    ],
+)
+def test_a_group_recorded_in_one_run_only_is_not_a_match(tmp_path: Path, only_a: dict[str, Any], what: str) -> None:
+    """Gradients, optimizer state or predictions that only A recorded were not compared: exit 1, not 0."""
+    a = _dump(tmp_path / "a", **only_a)
+    b = _dump(tmp_path / "b")
+    assert _run(a, b).exit_code == 1, what
+
+
+def test_gradients_of_some_parameters_missing_in_b_is_not_a_match(tmp_path: Path) -> None:
+    """A records the gradient of enc.b, B does not: that gradient went uncompared (exit 1)."""
+    a = _dump(tmp_path / "a", grads={"enc.w": torch.ones(3, 2), "enc.b": torch.ones(3)})
+    b = _dump(tmp_path / "b", grads={"enc.w": torch.ones(3, 2)})
+    assert _run(a, b).exit_code == 1
+
+
+def test_parameter_missing_from_a_later_step_of_b_is_not_a_match(tmp_path: Path) -> None:
+    """B's second dump lacks enc.b (pairing looks at the first step only): that weight went uncompared."""
+    a = _dump(_dump(tmp_path / "a", "batch_1.pt"), "batch_2.pt")
+    b = _dump(tmp_path / "b", "batch_1.pt")
+    _dump(b, "batch_2.pt", model_state_dict={"enc.w": _weights()["enc.w"]})
+    assert _run(a, b).exit_code == 1
+
+
+def test_training_file_parameter_names_with_a_slash_are_compared(tmp_path: Path) -> None:
+    """A training file names tensors escaped ('tf%2Fweight'): they must still pair with B's 'tf/weight'."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    with TrainingRecorder(tmp_path / "a.h5", model, None, grads=False, rename=lambda n: "tf/" + n) as recorder:
+        recorder.step(0, None, loss=1.0)
+    weights = {"tf/weight": torch.zeros(2, 3), "tf/bias": torch.zeros(2)}
+    b = _dump(tmp_path / "b", "batch_0.pt", model_state_dict=weights)
+    assert _run(tmp_path / "a.h5", b).exit_code == 1
+
+
+def test_csv_batches_of_different_samples_are_not_a_match(tmp_path: Path) -> None:
+    """Same logits but B's batch holds samples 5 and 7, A's 0 and 1: not the same samples (exit 1)."""
+    header = "batch_idx,sample_idx,label,logit_0,logit_1\n"
+    a = _csv(tmp_path / "a.csv", header + "0,0,1,0.1,0.9\n0,1,0,0.8,0.2\n")
+    b = _csv(tmp_path / "b.csv", header + "0,5,1,0.1,0.9\n0,7,0,0.8,0.2\n")
+    assert _run(a, b).exit_code == 1
+
+
+def test_params_filter_also_selects_gradients(tmp_path: Path) -> None:
+    """--params head: equal head weights and gradients match although the backbone's gradients differ."""
+    head = torch.ones(2, 3)
+    a = _dump(
+        tmp_path / "a",
+        model_state_dict={"classifier.weight": head, "encoder.weight": torch.zeros(3, 3)},
+        grads={"classifier.weight": head, "encoder.weight": torch.zeros(3, 3)},
+    )
+    b = _dump(
+        tmp_path / "b",
+        model_state_dict={"classifier.weight": head, "encoder.weight": torch.ones(3, 3)},
+        grads={"classifier.weight": head, "encoder.weight": torch.ones(3, 3)},
+    )
+    assert _run(a, b, "--params", "head").exit_code == 0
+
+
+def test_params_regex_selecting_nothing_is_a_usage_error(tmp_path: Path) -> None:
+    """--params with a typo selects no weight: one clear error (exit 2), not a pass over weights that differ."""
+    a = _dump(tmp_path / "a")
+    b = _dump(tmp_path / "b", model_state_dict=_weights(seed=1))
+    result = _run(a, b, "--params", "^no_such_module")
+    assert result.exit_code == 2
+
+
+# ---------------------------------------------------------------- identical runs must match
+
+
+def test_identical_dumps_with_nan_weights_match(tmp_path: Path) -> None:
+    """A diverged run (NaN in a weight) against itself matches, as NaN losses do."""
+    weights = _weights()
+    weights["enc.w"][0, 0] = float("nan")
+    run = _dump(tmp_path / "a", model_state_dict=weights)
+    assert _run(run, run).exit_code == 0
+
+
+def test_identical_prediction_csvs_with_nan_and_inf_logits_match(tmp_path: Path) -> None:
+    """A CSV against itself matches, whatever its logits hold (nan, inf)."""
+    run = _csv(tmp_path / "a.csv", "batch_idx,sample_idx,label,logit_0,logit_1\n0,0,1,nan,nan\n0,1,0,inf,-inf\n")
+    assert _run(run, run).exit_code == 0
+
+
+@pytest.mark.parametrize("predictions", [torch.tensor(3.0), torch.zeros(0, 3)], ids=["0-d", "empty-batch"])
+def test_identical_dumps_with_odd_predictions_match(tmp_path: Path, predictions: torch.Tensor) -> None:
+    """A dump against itself matches with a 0-d or an empty prediction tensor (no crash, no divergence)."""
+    run = _dump(tmp_path / "a", predictions=predictions)
+    assert _run(run, run, "--predictions-csv", tmp_path / "out.csv").exit_code == 0
+
+
+# ---------------------------------------------------------------- reports
+
+
+def test_json_is_written_when_a_difference_is_infinite(tmp_path: Path) -> None:
+    """Two CSVs with 2 and 3 logits diverge (exit 1) and --json is still written, not a crash (exit 2)."""
+    a = _csv(tmp_path / "a.csv", "batch_idx,sample_idx,label,logit_0,logit_1\n0,0,1,0.1,0.9\n")
+    b = _csv(tmp_path / "b.csv", "batch_idx,sample_idx,label,logit_0,logit_1,logit_2\n0,0,1,0.1,0.9,0\n")
+    result = _run(a, b, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    assert json.loads((tmp_path / "r.json").read_text())["match"] is False
+
+
+def test_json_is_written_for_an_infinite_loss(tmp_path: Path) -> None:
+    """A run whose loss is inf gets its --json report (inf written as null), not a ValueError."""
+    a = _dump(tmp_path / "a", loss=float("inf"))
+    b = _dump(tmp_path / "b", loss=1.0)
+    result = _run(a, b, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    assert (tmp_path / "r.json").exists()
+
+
+def test_accuracy_under_its_alias_names_is_compared_as_accuracy(tmp_path: Path) -> None:
+    """'acc' in A and 'accuracy' in B (both ACCURACY_NAMES) with equal values match, and B's is shown."""
+    a = _dump(tmp_path / "a", acc=0.5)
+    b = _dump(tmp_path / "b", metrics={"accuracy": 0.5})
+    result = _run(a, b)
+    assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------- bad input: one clear line, exit 2
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        {"step": float("nan")},
+        {"step": float("inf")},
+        {"loss": 10**400},
+        {"predictions": [[1.0, 2.0], [3.0]]},
+        {"predictions": ["cat", "dog"]},
+        {"optimizer_state_dict": {"state": {0: {"exp_avg": torch.ones(1)}}, "param_groups": [{"params": 5}]}},
+        {"model_state_dict": {"enc.w": torch.eye(3).to_sparse()}},
+        {"model_state_dict": {"enc.w": torch.empty(3, device="meta")}},
+    ],
+    ids=["nan-step", "inf-step", "huge-int-loss", "ragged-predictions", "string-predictions", "int-params",
+         "sparse-weight", "meta-weight"],
+)  # fmt: skip
+def test_a_malformed_dump_is_one_line_naming_the_file(tmp_path: Path, entries: dict[str, Any]) -> None:
+    """Junk inside a dump is exit 2 with one line naming the dump file, not a bare Python exception."""
+    name = "run_dump.pt" if "step" in entries else "batch_1.pt"  # the step from the dump's key, else its name
+    run = _dump(tmp_path / "a", name, **entries)
+    result = _run(run, run)
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert name in lines[0], result.output
+    assert "rerun with --debug" not in lines[0]
+
+
+def test_a_huge_batch_number_in_a_csv_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    """A 5000-digit batch number is a format error naming the CSV and its line, not Python's int limit."""
+    run = _csv(tmp_path / "a.csv", "batch_idx,logit_0\n" + "9" * 5000 + ",1\n")
+    result = _run(run, run)
+    assert result.exit_code == 2
+    assert "a.csv:2" in result.output
+    assert "rerun with --debug" not in result.output
+
+
+def test_refused_pickle_does_not_advise_an_option_the_command_lacks(tmp_path: Path) -> None:
+    """A dump weights_only refuses (a NumPy scalar loss) must not tell the user to pass --trust-pickle, which
+    parity-train-diff does not accept."""
+    run = _dump(tmp_path / "a", loss=np.float64(1.0))
+    result = _run(run, run)
+    assert result.exit_code == 2
+    if "--trust-pickle" in result.output:
+        assert "No such option" not in _run(run, run, "--trust-pickle").output
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_map_file_that_is_a_fifo_does_not_hang(tmp_path: Path) -> None:
+    """--map naming a FIFO is refused at once (exit 2), not read forever."""
+    run = _dump(tmp_path / "a")
+    fifo = tmp_path / "rules.map"
+    os.mkfifo(fifo)
+    script = "from parity_harness.replay.cli.train_diff import main; main()"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(run), str(run), "--map", str(fifo)],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("parity-train-diff --map FIFO hangs")
+    assert done.returncode == 2
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero here")
+def test_map_file_that_is_a_device_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """--map /dev/zero is refused as not a regular file, not read until memory runs out."""
+    run = _dump(tmp_path / "a")
+    script = "from parity_harness.replay.cli.train_diff import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(run), str(run), "--map", "/dev/zero"],
+        capture_output=True, text=True, timeout=120, preexec_fn=_limit_memory,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "MemoryError" not in done.stderr
+    assert "/dev/zero" in done.stderr
