@@ -264,11 +264,12 @@ def _one_sided(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[tuple
 
 def _predictions(
     plan: _Plan, run_a: RunSource, run_b: RunSource, key_a: StepKey, key_b: StepKey
-) -> PredictionDiff | None:
+) -> PredictionDiff | str | None:
+    """Both sides' predictions compared; the side that alone recorded them (``"A"``/``"B"``); None if neither."""
     a = run_a.tensors(key_a, "predictions").get("predictions")
     b = run_b.tensors(key_b, "predictions").get("predictions")
     if a is None or b is None:
-        return None
+        return None if a is None and b is None else ("A" if b is None else "B")
     samples = len(a) if a.ndim else 1
     same_samples = _sample_indices(run_a, key_a) == _sample_indices(run_b, key_b)
     if a.shape != b.shape or not same_samples:
@@ -284,10 +285,6 @@ def _sample_indices(run: RunSource, key: StepKey) -> list[int] | None:
     """The samples' indices in their batch, for runs that record them (prediction CSVs)."""
     indices = getattr(run, "sample_indices", None)
     return None if indices is None else list(indices(key))
-
-
-def _has_predictions(run: RunSource, key: StepKey) -> bool:
-    return "predictions" in run.tensors(key, "predictions")
 
 
 def _compare_step(
@@ -308,9 +305,9 @@ def _compare_step(
             others[group], ok, missing = _group(plan, group, values_a, values_b)
             uncompared += missing + ([] if ok or missing else [f"{group} differ"])
     predictions = _predictions(plan, run_a, run_b, key_a, key_b)
-    sides = [side for side, run, key in (("A", run_a, key_a), ("B", run_b, key_b)) if _has_predictions(run, key)]
-    if predictions is None and len(sides) == 1:
-        uncompared.append(f"predictions of {sides[0]} only")
+    if isinstance(predictions, str):
+        uncompared.append(f"predictions of {predictions} only")
+        predictions = None
     metrics = _metrics(info_a, info_b)
     order_differs = info_a.sample_ids is not None and info_b.sample_ids is not None
     order_differs = order_differs and info_a.sample_ids != info_b.sample_ids
