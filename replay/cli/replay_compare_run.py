@@ -164,8 +164,6 @@ def _replay_training(
     comparison = replay_training(
         driver, driver.model(ckpt, device), bundle, rename=rename, atol=atol, rtol=rtol, resync=resync, params=params
     )
-    for warning in comparison.warnings:
-        click.echo(f"replay-compare: warning: {warning}", err=True)
     note = "resynced before every step: each step's error is its own\n" if resync else ""
     click.echo(note + render_table(comparison))
     json_path, report_path, plot_path = reports

@@ -76,8 +76,6 @@ def main(
             trust_pickle=trust_pickle,
         )
         result = found.comparison
-        for warning in result.warnings:
-            click.echo(f"parity-train-diff: warning: {warning}", err=True)
         click.echo(render_table(result))
         if csv_path:
             write_report(csv_path, render_csv(result), "--csv")

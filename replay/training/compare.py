@@ -146,7 +146,6 @@ class TrainingComparison:
     unpaired_a: list[str] = field(default_factory=list)
     """Parameters (among those selected) run A has and run B, renamed by ``--map``, has not."""
     unpaired_b: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
     live: list[str] = field(default_factory=list)
     """Runs that were still being written: only their steps completed so far were compared."""
 
