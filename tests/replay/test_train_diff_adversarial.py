@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -255,10 +254,6 @@ def test_refused_pickle_does_not_advise_an_option_the_command_lacks(tmp_path: Pa
         assert "No such option" not in _run(run, run, "--trust-pickle").output
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_DATA, (6 << 30, 6 << 30))  # torch maps far more address space than it uses
-
-
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_map_file_that_is_a_fifo_does_not_hang(tmp_path: Path) -> None:
     """--map naming a FIFO is refused at once (exit 2), not read forever."""
@@ -280,10 +275,15 @@ def test_map_file_that_is_a_fifo_does_not_hang(tmp_path: Path) -> None:
 def test_map_file_that_is_a_device_is_refused_without_reading_it(tmp_path: Path) -> None:
     """--map /dev/zero is refused as not a regular file, not read until memory runs out."""
     run = _dump(tmp_path / "a")
-    script = "from parity_harness.replay.cli.train_diff import main; main()"
+    # The child bounds its own heap once started: a limit set between fork and exec (preexec_fn) made the
+    # fork of a large pytest process fail at random with ENOMEM.
+    script = (
+        "import resource; resource.setrlimit(resource.RLIMIT_DATA, (6 << 30, 6 << 30))\n"
+        "from parity_harness.replay.cli.train_diff import main; main()"
+    )
     done = subprocess.run(
         [sys.executable, "-c", script, str(run), str(run), "--map", "/dev/zero"],
-        capture_output=True, text=True, timeout=120, preexec_fn=_limit_memory,
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2
     assert "MemoryError" not in done.stderr
