@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 _DIFF = (
     "import sys, time; sys.path.insert(0, sys.argv[3]); "
-    "from parity_harness.replay.ckpt_diff.diff import diff_checkpoints, load_tensors; t = time.perf_counter(); "
+    "from parity_harness.replay.ckpt_diff.compare import diff_checkpoints, load_tensors; t = time.perf_counter(); "
     "d = diff_checkpoints(load_tensors(sys.argv[1]), load_tensors(sys.argv[2])); "
     "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
     "print(time.perf_counter() - t, int(hwm) // 1024, d.counts())"

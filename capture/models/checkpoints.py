@@ -12,11 +12,8 @@ folder only.
 from __future__ import annotations
 
 import gzip
-import json
-import math
 import os
 import re
-import struct
 import tarfile
 import tempfile
 import zipfile
@@ -30,9 +27,18 @@ from typing import Any, Final, Literal
 import numpy as np
 import torch
 
-from parity_harness.common.errors import BundleFormatError, CheckpointError, InputError
-from parity_harness.common.format.bundle.selection import parse_byte_size
-from parity_harness.common.format.dtypes import TAGS, from_storage, storage_dtype
+from parity_harness.common.errors import BundleFormatError, CheckpointError
+from parity_harness.common.format.dtypes import from_storage, storage_dtype
+from parity_harness.common.format.tensor_files import (
+    NEMO_LIMIT_VARIABLE,
+    check_hf_folder,
+    check_npz_sizes,
+    hf_weight_files,
+    is_safetensors,
+    nemo_limit,
+    read_safetensors_header,
+    read_small_json,
+)
 
 __all__ = [
     "NEMO_LIMIT_VARIABLE",
@@ -41,6 +47,8 @@ __all__ = [
     "LazySafetensors",
     "check_hf_folder",
     "check_npz_sizes",
+    "is_tar_archive",
+    "is_torchscript",
     "lazy_tensors",
     "load_checkpoint",
     "load_torch_object",
@@ -50,13 +58,9 @@ __all__ = [
 
 CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface", "pickled_module"]
 _STATE_DICT_KEYS: Final = ("state_dict", "model_state_dict", "model")
-_MAX_SAFETENSORS_HEADER: Final = 100 << 20
 _NEMO_CONFIG: Final = "model_config.yaml"
 _NEMO_WEIGHTS: Final = "model_weights.ckpt"
-NEMO_LIMIT_VARIABLE: Final = "PARITY_NEMO_MAX_BYTES"
 """Environment variable overriding :func:`nemo_limit` (a byte count: 4096, 64MB, 20G)."""
-_NEMO_MIN_LIMIT: Final = 1 << 30
-_NEMO_EXPANSION: Final = 4
 _NEMO_MAX_CONFIG: Final = 16 << 20
 _NEMO_MAX_MEMBERS: Final = 10_000
 _COPY_CHUNK: Final = 1 << 20
@@ -164,39 +168,6 @@ def _check_zip_members(path: Path) -> None:
 # ------------------------------------------------------------------ safetensors
 
 
-def _parse_safetensors_header(
-    raw: bytes, data_size: int, path: Path
-) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-    """Validate a whole safetensors header before any tensor is read."""
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise CheckpointError(f"{path}: safetensors header is not JSON ({type(err).__name__}: {err})") from err
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = info.get("dtype") if isinstance(info, dict) else None
-        if not isinstance(dtype, str) or dtype not in TAGS:
-            raise CheckpointError(f"{path}: tensor {name!r}: unknown or missing dtype {info!r:.80}")
-        shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise CheckpointError(f"{path}: tensor {name!r}: invalid shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise CheckpointError(f"{path}: tensor {name!r}: invalid data_offsets {offsets!r}")
-        start, end = offsets
-        expected = math.prod(shape) * storage_dtype(dtype).itemsize  # Python ints: no overflow
-        if not 0 <= start <= end <= data_size or end - start != expected:
-            raise CheckpointError(
-                f"{path}: tensor {name!r}: data_offsets {offsets} do not hold {expected} bytes of "
-                f"{dtype} {tuple(shape)} inside {data_size} bytes of data; the file is damaged"
-            )
-        entries[name] = (dtype, tuple(shape), start, end)
-    return entries
-
-
 class LazySafetensors(Mapping[str, torch.Tensor]):
     """A ``.safetensors`` file's tensors, read one at a time on access.
 
@@ -205,19 +176,9 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with self.path.open("rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{self.path}: too short to be a safetensors file")
-            (header_size,) = struct.unpack("<Q", head)
-            if header_size > min(_MAX_SAFETENSORS_HEADER, size - 8):
-                raise CheckpointError(
-                    f"{self.path}: safetensors header claims {header_size} bytes; the file has {size}"
-                )
-            header = handle.read(header_size)
-        self._data_start = 8 + header_size
-        self._entries = _parse_safetensors_header(header, size - self._data_start, self.path)
+        header = read_safetensors_header(self.path)
+        self._data_start = header.data_start
+        self._entries = header.entries
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tag, shape, start, end = self._entries[name]
@@ -251,11 +212,11 @@ def lazy_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) ->
     if file.is_file():
         with file.open("rb") as handle:
             head = handle.read(16)
-        if _is_safetensors(head, file.stat().st_size):
+        if is_safetensors(head, file.stat().st_size):
             return LazySafetensors(file)
         if (
             head.startswith(b"PK\x03\x04")
-            and not _is_torchscript(file)
+            and not is_torchscript(file)
             and not trust_pickle
             and _torch_release() >= (2, 6)
         ):
@@ -264,17 +225,10 @@ def lazy_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) ->
             except Exception:
                 pass
     elif (file / "config.json").is_file():
-        shards = _hf_weight_files(file)
+        shards = hf_weight_files(file)
         if all(shard.suffix == ".safetensors" and shard.is_file() for shard in shards):
             return ChainMap(*(LazySafetensors(shard) for shard in shards))  # type: ignore[arg-type]
     return load_checkpoint(file, trust_pickle=trust_pickle).state_dict
-
-
-def _is_safetensors(head: bytes, size: int) -> bool:
-    if len(head) < 9:
-        return False
-    (header_size,) = struct.unpack("<Q", head[:8])
-    return 2 <= header_size <= size - 8 and head[8:9] == b"{"
 
 
 # ------------------------------------------------------------------ .nemo
@@ -300,49 +254,6 @@ def _parse_yaml(text: str, path: Path) -> dict[str, Any] | None:
     except yaml.YAMLError as err:
         raise CheckpointError(f"{path}: {_NEMO_CONFIG} is not valid YAML: {err}") from err
     return loaded if isinstance(loaded, dict) else None
-
-
-def nemo_limit(archive_size: int) -> int:
-    """The most bytes a ``.nemo``'s members may declare in all: ``PARITY_NEMO_MAX_BYTES`` if set, else the
-    larger of 1 GiB and 4x the archive's size (NeMo writes uncompressed archives: members fill it 1x)."""
-    given = os.environ.get(NEMO_LIMIT_VARIABLE)
-    if given is None or not given.strip():
-        return max(_NEMO_MIN_LIMIT, _NEMO_EXPANSION * archive_size)
-    try:
-        return parse_byte_size(given)
-    except InputError as err:
-        raise CheckpointError(f"{NEMO_LIMIT_VARIABLE}={given!r}: {err}") from err
-
-
-def check_npz_sizes(archive: Any, path: Path) -> None:
-    """An open ``np.load`` archive's members, from their headers: each array no larger than its member declares,
-    all together within :func:`nemo_limit` of the file (a zip bomb is refused before anything decompresses).
-
-    Raises:
-        CheckpointError: a member is no array, lies about its size, or the whole decompresses past the limit.
-    """
-    limit, total = nemo_limit(path.stat().st_size), 0
-    members = set(archive.zip.namelist())
-    for name in archive.files:
-        if f"{name}.npy" not in members:
-            raise CheckpointError(f"{path}:{name}: not an array (.npy) member")
-        info = archive.zip.getinfo(f"{name}.npy")
-        with archive.zip.open(info) as member:  # the header only (numpy bounds its size)
-            version = np.lib.format.read_magic(member)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _, dtype = read(member)
-        declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
-        if declared > info.file_size:
-            raise CheckpointError(
-                f"{path}:{name}: declares {declared} bytes of array in a {info.file_size}-byte member; the file is "
-                "damaged or crafted"
-            )
-        total += info.file_size
-        if total > limit:
-            raise CheckpointError(
-                f"{path}: its arrays decompress to more than {limit} bytes (from a {path.stat().st_size}-byte file); "
-                f"refused as a zip bomb (set {NEMO_LIMIT_VARIABLE} to allow more)"
-            )
 
 
 def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
@@ -372,7 +283,7 @@ def _open_tar(path: Path) -> tarfile.TarFile:
     return tarfile.open(path, tarinfo=_BoundedTarInfo)
 
 
-def _is_tar(path: Path) -> bool:
+def is_tar_archive(path: Path) -> bool:
     """Whether ``path`` is a tar archive (plain or compressed), its first header read with the bound."""
     try:
         with _open_tar(path):
@@ -469,70 +380,10 @@ def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, target: P
 # ------------------------------------------------------------------ Hugging Face folders
 
 
-_MAX_JSON_BYTES: Final = 64 << 20
-"""A config or shard index larger than this is no Hugging Face file."""
-
-
-def _read_json(path: Path) -> object:
-    """A small JSON file of a checkpoint folder: a regular file (a FIFO would block, ``/dev/zero`` never end) of at
-    most ``_MAX_JSON_BYTES``."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file; a checkpoint folder's JSON files are plain files")
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(_MAX_JSON_BYTES + 1)
-        if len(raw) > _MAX_JSON_BYTES:
-            raise CheckpointError(f"{path}: larger than {_MAX_JSON_BYTES >> 20} MiB; not a config or index file")
-        return json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from err
-
-
-def _index_shards(index: Path, folder: Path) -> list[Path]:
-    """The shard files one index names, each checked to lie inside ``folder`` (by name: links are followed,
-    as in the Hugging Face cache, whose snapshot files link to its blobs)."""
-    document = _read_json(index)
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: no weight_map object; the index is damaged")
-    shards: set[str] = set()
-    for tensor, shard in weight_map.items():
-        parts = PurePosixPath(shard).parts if isinstance(shard, str) else ()
-        if not parts or PurePosixPath(shard).is_absolute() or ".." in parts or "\\" in shard:
-            raise CheckpointError(
-                f"{index}: weight_map entry {str(tensor)!r:.80} names shard {shard!r:.120}, which points outside "
-                f"the folder {folder}; expected a file name inside it: fix the index (refusing to read it)"
-            )
-        shards.add(shard)
-    return [folder / shard for shard in sorted(shards)]
-
-
-def check_hf_folder(folder: str | os.PathLike[str]) -> None:
-    """Check that every shard index (``*.index.json``) of a Hugging Face folder names files inside it.
-
-    Raises:
-        CheckpointError: an index is damaged or names a shard outside the folder (``../x``, ``/x``).
-    """
-    root = Path(folder)
-    for index in sorted(root.glob("*.index.json")):
-        _index_shards(index, root)
-
-
-def _hf_weight_files(folder: Path) -> list[Path]:
-    check_hf_folder(folder)
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (folder / index_name).is_file():
-            return _index_shards(folder / index_name, folder)
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        if (folder / single).is_file():
-            return [folder / single]
-    raise CheckpointError(f"{folder}: no model.safetensors, pytorch_model.bin or shard index in this folder")
-
-
 def _load_huggingface(folder: Path, trust_pickle: bool) -> Checkpoint:
-    config = _read_json(folder / "config.json")
+    config = read_small_json(folder / "config.json")
     state: dict[str, torch.Tensor] = {}
-    for file in _hf_weight_files(folder):
+    for file in hf_weight_files(folder):
         if not file.is_file():
             raise CheckpointError(f"{file}: shard named by the index is missing")
         state.update(
@@ -544,7 +395,7 @@ def _load_huggingface(folder: Path, trust_pickle: bool) -> Checkpoint:
 # ------------------------------------------------------------------ entry point
 
 
-def _is_torchscript(path: Path) -> bool:
+def is_torchscript(path: Path) -> bool:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -569,15 +420,15 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust_pickle: bool = False)
     with file.open("rb") as handle:
         head = handle.read(16)
     size = file.stat().st_size
-    if _is_safetensors(head, size):
+    if is_safetensors(head, size):
         return Checkpoint("safetensors", file, read_safetensors(file))
-    if head.startswith(b"PK\x03\x04") and _is_torchscript(file):
+    if head.startswith(b"PK\x03\x04") and is_torchscript(file):
         try:
             module = torch.jit.load(str(file), map_location="cpu")  # type: ignore[no-untyped-call]
         except RuntimeError as err:
             raise CheckpointError(f"{file}: damaged TorchScript archive ({str(err).strip().splitlines()[0]})") from err
         return Checkpoint("torchscript", file, dict(module.state_dict()), module=module)
-    if _is_tar(file):
+    if is_tar_archive(file):
         return _load_nemo(file, trust_pickle)
     loaded = _torch_load(file, trust_pickle)
     if isinstance(loaded, torch.nn.Module):  # only reachable with --trust-pickle: the file is the model

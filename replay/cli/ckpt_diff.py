@@ -9,7 +9,7 @@ import click
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, write_report
 from parity_harness.common.format.atomic import check_output
-from parity_harness.replay.ckpt_diff.diff import LAYER_TYPES, diff_checkpoint_files
+from parity_harness.replay.ckpt_diff.compare import LAYER_TYPES, diff_checkpoint_files
 from parity_harness.replay.report.ckpt_diff import FORMATS, SORT_KEYS, render
 
 __all__ = ["main"]
@@ -53,9 +53,15 @@ def _layer_types(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     show_default=True,
 )
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the report here instead of the terminal.")
-@click.option("--sort-by", type=click.Choice(SORT_KEYS), default="relative_change", show_default=True)
 @click.option(
-    "--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many largest changes to list."
+    "--sort-by",
+    type=click.Choice(SORT_KEYS),
+    default="relative_change",
+    show_default=True,
+    help="Order of the tensors in every format (largest first; cosine lowest first).",
+)
+@click.option(
+    "--top", default=10, show_default=True, type=click.IntRange(min=0), help="How many largest changes to name."
 )
 @click.option(
     "--layer-type",
@@ -64,7 +70,8 @@ def _layer_types(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     metavar="NAME=REGEX",
     help="Layer-type pattern searched in tensor names (repeatable; replaces the defaults; first match wins).",
 )
-@click.option("--show-unchanged", is_flag=True, help="Also list unchanged tensors in the table.")
+@click.option("--show-unchanged", is_flag=True, help="Also list unchanged tensors and values, in every format.")
+@click.option("--shape-only", is_flag=True, help="Compare names, shapes and dtypes only; read no values (fast).")
 @click.option(
     "--trust-pickle", is_flag=True, help="Allow checkpoints that run code when unpickled (only files you trust)."
 )
@@ -84,6 +91,7 @@ def main(
     sort_by: str,
     top: int,
     show_unchanged: bool,
+    shape_only: bool,
     layer_type_specs: tuple[str, ...],
     trust_pickle: bool,
     no_verify: bool,
@@ -103,6 +111,7 @@ def main(
             include=include,
             exclude=exclude,
             layer_types=_layer_types(layer_type_specs) if layer_type_specs else LAYER_TYPES,
+            shape_only=shape_only,
         )
         text = render(diff, output_format, sort_by=sort_by, top=top, show_unchanged=show_unchanged)
         if out:

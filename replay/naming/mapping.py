@@ -27,10 +27,12 @@ import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from parity_harness.common.errors import MapFileError
+
+if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files without importing it
+    import torch
 
 _MAX_MAP_BYTES = 16 << 20
 """Largest map file read (16 MiB of rules)."""

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 import pytest
 from click.testing import CliRunner, Result
@@ -183,6 +185,20 @@ def _raise_interrupt() -> None:
     raise KeyboardInterrupt
 
 
+@pytest.fixture
+def interactive_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, as in a terminal: a job started in the background (``cmd &``) inherits SIGINT
+    ignored, and Python then installs none."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+# The child programs of the Ctrl-C tests take SIGINT back the same way, whatever they inherited.
+INTERACTIVE: Final = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+
+
+@pytest.mark.usefixtures("interactive_sigint")
 def test_a_real_sigint_in_a_hook_stays_an_interrupt() -> None:
     """A SIGINT delivered while a hook runs is a KeyboardInterrupt; one raised by the hook is an AdapterError."""
     before = signal.getsignal(signal.SIGINT)
@@ -214,7 +230,7 @@ def test_ctrl_c_during_a_run_exits_130(tmp_path: Path, bundle: Path, program: st
     """A real SIGINT while the adapter's forward runs: exit 130, 'interrupted', no traceback, nothing written."""
     adapter = write_adapter(tmp_path, "forward", "sleep")
     module = {"capture-run": "capture.cli.capture_run", "replay-compare": "replay.cli.replay_compare"}[program]
-    code = f"from parity_harness.{module} import main; main()"
+    code = f"{INTERACTIVE}from parity_harness.{module} import main; main()"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     output = (
         ["--out", str(tmp_path / "o.h5")]

@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from parity_harness.replay.ckpt_diff.diff import diff_checkpoints, load_tensors
+from parity_harness.replay.ckpt_diff import analyse, diff
+from parity_harness.replay.ckpt_diff.compare import CheckpointDiff
 from parity_harness.replay.cli.ckpt_diff import main
 from tests.cli_helpers import one_error_line
 
@@ -36,12 +37,22 @@ EXPECTED_STATUS = {
     "layers.0.norm.weight": "unchanged",
     "layers.0.mlp.fc.weight": "changed",
     "head.weight": "shape_changed",
-    "head.bias": "dtype_changed",
+    "head.bias": "unchanged",
     "old.weight": "removed",
     "new.weight": "added",
     "half.weight": "unchanged",
 }
-"""The status of every tensor of _changed() against _base()."""
+"""The status of every tensor of _changed() against _base() (head.bias: zeros cast to float64, equal values)."""
+
+
+def diff_checkpoints(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **options: object) -> CheckpointDiff:
+    """Diff two state dicts through files, as users do (safetensors keeps bf16)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        save_file(a, f"{folder}/a.safetensors")
+        save_file(b, f"{folder}/b.safetensors")
+        return diff(f"{folder}/a.safetensors", f"{folder}/b.safetensors", **options)
 
 
 def _changed() -> dict[str, torch.Tensor]:
@@ -57,19 +68,24 @@ def _changed() -> dict[str, torch.Tensor]:
 
 def test_every_change_has_its_status_and_values() -> None:
     """Statuses and metrics match a numpy recomputation; unchanged tensors are called frozen."""
-    diff = diff_checkpoints(_base(), _changed())
-    status = {c.name: c.status for c in diff.tensors}
+    result = diff_checkpoints(_base(), _changed())
+    status = {c.name: c.status for c in result.tensors}
     assert status == EXPECTED_STATUS
-    q = next(c for c in diff.tensors if c.name == "layers.0.attn.q_proj.weight")
+    q = next(c for c in result.tensors if c.name == "layers.0.attn.q_proj.weight")
     a = _base()["layers.0.attn.q_proj.weight"].double().numpy()
     b = a + np.float32(0.01)
     assert q.l2 == pytest.approx(np.linalg.norm(b - a), rel=1e-5)
     assert q.relative_change == pytest.approx(np.linalg.norm(b - a) / np.linalg.norm(a), rel=1e-5)
     assert q.fraction_changed == 1.0
     assert q.layer_type == "attention"
-    fc = next(c for c in diff.tensors if c.name == "layers.0.mlp.fc.weight")
-    assert (fc.nan_a, fc.nan_b) == (0, 1)
-    assert not diff.equal
+    fc = next(c for c in result.tensors if c.name == "layers.0.mlp.fc.weight")
+    assert fc.stats_a is not None
+    assert fc.stats_b is not None
+    assert (fc.stats_a.nan, fc.stats_b.nan) == (0, 1)
+    bias = next(c for c in result.tensors if c.name == "head.bias")
+    assert bias.dtype_changed
+    assert (bias.dtype_a, bias.dtype_b) == ("F32", "F64")
+    assert not result.equal
 
 
 def test_epsilon_include_exclude_and_map() -> None:
@@ -83,7 +99,16 @@ def test_epsilon_include_exclude_and_map() -> None:
     from parity_harness.replay.naming.mapping import parse_map
 
     renamed = {("tok_emb.weight" if k == "embed.weight" else k): v for k, v in a.items()}
-    assert diff_checkpoints(a, renamed, rename=parse_map(r"^tok_emb$ => embed")).equal
+    with_map = parse_map(r"^tok_emb$ => embed")
+    assert diff_checkpoints(a, renamed).counts()["added"] == 1
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "map.txt").write_text(r"^tok_emb$ => embed" + "\n")
+        save_file(a, f"{folder}/a.safetensors")
+        save_file(renamed, f"{folder}/b.safetensors")
+        assert diff(f"{folder}/a.safetensors", f"{folder}/b.safetensors", map_file=f"{folder}/map.txt").equal
+    assert with_map.parameter("tok_emb.weight") == "embed.weight"
 
 
 def test_same_weights_in_two_formats_are_equal(tmp_path: Path) -> None:
@@ -96,7 +121,10 @@ def test_same_weights_in_two_formats_are_equal(tmp_path: Path) -> None:
         result = CliRunner().invoke(main, [str(tmp_path / "a.pt"), str(tmp_path / other)])
         assert result.exit_code == 0, result.output
         assert "RESULT: EQUAL" in result.stdout
-    assert set(load_tensors(tmp_path / "c.npz")) == set(tensors)
+    from parity_harness.replay.ckpt_diff import load
+
+    with load(tmp_path / "c.npz") as loaded:
+        assert set(loaded.names) == set(tensors)
 
 
 def test_cli_json_contract_and_exit_1(tmp_path: Path) -> None:
@@ -112,10 +140,11 @@ def test_cli_json_contract_and_exit_1(tmp_path: Path) -> None:
     document = json.loads(report.read_text())
     assert document["equal"] is False
     fc = next(t for t in document["tensors"] if t["name"] == "layers.0.mlp.fc.weight")
-    assert set(fc) >= {"name", "status", "l2", "cosine", "max_abs", "nan_a", "nan_b"}
-    assert fc["nan_b"] == 1
+    assert set(fc) >= {"name", "status", "l2", "cosine", "max_abs", "stats_a", "stats_b"}
+    assert fc["stats_b"]["nan"] == 1
+    assert document["summary"]["counts"]["added"] == 1
     text = CliRunner().invoke(main, [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]).stdout
-    for expected in ("~ ", "+ ", "frozen (unchanged) tensors", "tensors with NaN/Inf", "layer type"):
+    for expected in ("~ ", "+ ", "(frozen)", "NaN or Inf in B but not in A", "layer type"):
         assert expected in text
 
 
@@ -148,15 +177,13 @@ def _layers(
 
 @pytest.mark.parametrize(
     ("depth", "only", "expected"),
-    [(0.0, None, "uniform"), (2.0, None, "gradient"), (0.0, "attn", "attention-heavy")],
+    [(0.0, None, "uniform"), (2.0, None, "inverse gradient"), (0.0, "attn", "attention-heavy")],
     ids=["uniform", "deeper-layers-more", "attention-only"],
 )
 def test_change_patterns(depth: float, only: str | None, expected: str) -> None:
     """The change pattern names how the change is spread: evenly, by depth, or by layer type."""
-    from parity_harness.replay.ckpt_diff.diff import classify_changes
-
     a, b = _layers(depth, only)
-    assert expected in classify_changes(diff_checkpoints(a, b))
+    assert expected in [p.name for p in analyse(diff_checkpoints(a, b)).patterns]
 
 
 def test_html_report_escapes_names(tmp_path: Path) -> None:
@@ -172,7 +199,8 @@ def test_html_report_escapes_names(tmp_path: Path) -> None:
     assert result.exit_code == 1
     text = page.read_text()
     assert text.startswith("<!doctype html>")
-    assert "<script>" not in text
+    assert "x<script>" not in text
+    assert "x&lt;script&gt;.weight" in text
 
 
 def _write(tensors: dict[str, torch.Tensor], folder: Path, kind: str) -> Path:
@@ -211,9 +239,9 @@ def test_every_change_kind_in_every_format(tmp_path: Path, kind: str) -> None:
     def portable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # numpy has no bf16
         return {k: v.float() if kind == "npz" and v.dtype == torch.bfloat16 else v for k, v in tensors.items()}
 
-    a = load_tensors(_write(portable(_base()), tmp_path / "a", kind))
-    b = load_tensors(_write(portable(_changed()), tmp_path / "b", kind))
-    status = {c.name: c.status for c in diff_checkpoints(a, b).tensors}
+    a = _write(portable(_base()), tmp_path / "a", kind)
+    b = _write(portable(_changed()), tmp_path / "b", kind)
+    status = {c.name: c.status for c in diff(a, b).tensors}
     assert status == EXPECTED_STATUS
 
 
@@ -221,7 +249,7 @@ def test_layer_type_patterns_are_configurable(tmp_path: Path) -> None:
     """--layer-type NAME=REGEX replaces the default layer types; a bad spec is exit 2."""
     save_file(_base(), str(tmp_path / "a.safetensors"))
     save_file(_changed(), str(tmp_path / "b.safetensors"))
-    args = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--format", "json"]
+    args = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "--format", "json", "--show-unchanged"]
     result = CliRunner().invoke(main, [*args, "--layer-type", "projection=q_proj", "--layer-type", "classifier=^head"])
     kinds = {t["name"]: t["layer_type"] for t in json.loads(result.stdout)["tensors"]}
     assert kinds["layers.0.attn.q_proj.weight"] == "projection"

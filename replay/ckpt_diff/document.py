@@ -1,0 +1,77 @@
+"""A checkpoint diff as one JSON-ready document: both sides, the verdict, summary and totals, patterns, insights,
+per-layer-type and per-depth profiles, non-tensor values and the tensors (in ``--sort-by`` order, unchanged ones
+only with ``show_unchanged``). The JSON, YAML and HTML reports are renderings of it."""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from parity_harness.replay.ckpt_diff.analysis import Analysis, ordered
+from parity_harness.replay.ckpt_diff.compare import CheckpointDiff, TensorChange
+
+__all__ = ["DOCUMENT_VERSION", "diff_document", "shown_tensors"]
+
+DOCUMENT_VERSION: Final = "2.0"
+
+
+def shown_tensors(diff: CheckpointDiff, sort_by: str, show_unchanged: bool) -> list[TensorChange]:
+    """The tensors a report lists: every one with ``show_unchanged``, else those that differ, in ``sort_by`` order."""
+    listed = [c for c in diff.tensors if show_unchanged or c.status != "unchanged" or c.dtype_changed]
+    return ordered(listed, sort_by)
+
+
+def _summary(diff: CheckpointDiff, analysis: Analysis) -> dict[str, object]:
+    cosines = [c for c in diff.changed() if not math.isnan(c.cosine)]
+    lowest = min(cosines, key=lambda c: c.cosine, default=None)
+    return {
+        "counts": diff.counts(),
+        "dtype_changed": sum(c.dtype_changed for c in diff.tensors),
+        "entries_changed": sum(e.status != "unchanged" for e in diff.entries),
+        "totals": {
+            "parameters": {
+                "a": diff.a.parameters,
+                "b": diff.b.parameters,
+                "delta": diff.b.parameters - diff.a.parameters,
+            },
+            "bytes": {"a": diff.a.bytes, "b": diff.b.bytes, "delta": diff.b.bytes - diff.a.bytes},
+            "tensors": {"a": diff.a.tensors, "b": diff.b.tensors, "delta": diff.b.tensors - diff.a.tensors},
+            "elements_changed": sum(c.elements_changed for c in diff.tensors),
+        },
+        "mean_cosine": sum(c.cosine for c in cosines) / len(cosines) if cosines else None,
+        "min_cosine": None if lowest is None else {"name": lowest.name, "cosine": lowest.cosine},
+        "largest_changes": [_largest(c) for c in analysis.largest],
+    }
+
+
+def _largest(change: TensorChange) -> dict[str, object]:
+    document = change.to_json()
+    keys = ("name", "relative_change", "l2", "max_abs", "cosine", "started_at_zero")
+    return {key: document[key] for key in keys}
+
+
+def diff_document(
+    diff: CheckpointDiff, analysis: Analysis, *, sort_by: str = "relative_change", show_unchanged: bool = False
+) -> dict[str, object]:
+    """The whole report as JSON-ready data (no NaN or infinity: those become null)."""
+    return {
+        "format": "parity-harness ckpt-diff",
+        "version": DOCUMENT_VERSION,
+        "a": diff.a.to_json(),
+        "b": diff.b.to_json(),
+        "options": {
+            "epsilon": diff.epsilon,
+            "shape_only": diff.shape_only,
+            "sort_by": sort_by,
+            "show_unchanged": show_unchanged,
+        },
+        "verdict": "EQUAL" if diff.equal else "DIFFERENT",
+        "equal": diff.equal,
+        "summary": _summary(diff, analysis),
+        "patterns": [p.to_json() for p in analysis.patterns],
+        "insights": [i.to_json() for i in analysis.insights],
+        "layer_types": [t.to_json() for t in analysis.layer_types],
+        "depths": [d.to_json() for d in analysis.depths],
+        "entries": [e.to_json() for e in diff.entries],
+        "tensors": [c.to_json() for c in shown_tensors(diff, sort_by, show_unchanged)],
+    }

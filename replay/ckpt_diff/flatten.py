@@ -1,0 +1,129 @@
+"""Nested checkpoints flattened to dotted names: tensors on one side, every other value (epoch, step, learning
+rate) on the other, with the wrapper prefixes training tools add (``module.``, ``_orig_mod.``) taken off.
+
+Torch-free: the caller says what a tensor is. Bounded: a crafted checkpoint cannot recurse or fan out without
+end (a ``weights_only`` load has already materialised it, so the bound is on the walk, not on memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Final, TypeAlias
+
+from parity_harness.common.errors import CheckpointError
+
+__all__ = ["MODEL_KEYS", "EntryValue", "Flattened", "flatten", "strip_wrappers"]
+
+EntryValue: TypeAlias = "str | int | float | bool | list[str | int | float | bool | None] | None"
+MODEL_KEYS: Final = ("state_dict", "model_state_dict", "model", "module")
+"""Keys under which a training checkpoint keeps the model's state dict; its names are used without the key."""
+WRAPPERS: Final = ("module.", "_orig_mod.")
+"""Prefixes DataParallel/DistributedDataParallel and torch.compile put in front of every parameter name."""
+_MAX_DEPTH: Final = 64
+_MAX_LEAVES: Final = 2_000_000
+_MAX_LIST_ENTRY: Final = 64
+_MAX_TEXT: Final = 200
+_SCALARS: Final = (str, int, float, bool, type(None))
+
+
+class Flattened:
+    """Tensors and other values of a checkpoint by dotted name, in the order they were found."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, object] = {}
+        self.entries: dict[str, EntryValue] = {}
+        self.notes: list[str] = []
+
+
+def flatten(loaded: object, is_tensor: Callable[[object], bool], where: str) -> Flattened:
+    """Walk a loaded checkpoint: a model state dict under one of :data:`MODEL_KEYS` keeps its own names, everything
+    else is named by its path (``optimizer.param_groups.0.lr``); lists of a few scalars stay one entry.
+
+    Raises:
+        CheckpointError: nested deeper than 64 levels or holding more than 2,000,000 values.
+    """
+    found = Flattened()
+    model_key = _model_key(loaded, is_tensor)
+    walker = _Walker(is_tensor, where, found)
+    if model_key is not None:
+        assert isinstance(loaded, Mapping)
+        walker.walk(loaded[model_key], "", 1)
+        found.tensors = strip_wrappers(found.tensors, found.notes)
+        for key, value in loaded.items():
+            if key != model_key:
+                walker.walk(value, str(key), 1)
+    else:
+        walker.walk(loaded, "", 0)
+        found.tensors = strip_wrappers(found.tensors, found.notes)
+    return found
+
+
+def _model_key(loaded: object, is_tensor: Callable[[object], bool]) -> str | None:
+    if not isinstance(loaded, Mapping) or any(is_tensor(v) for v in loaded.values()):
+        return None  # a plain state dict
+    return next(
+        (k for k in MODEL_KEYS if isinstance(loaded.get(k), Mapping) and _holds_tensor(loaded[k], is_tensor)), None
+    )
+
+
+def _holds_tensor(value: object, is_tensor: Callable[[object], bool]) -> bool:
+    return isinstance(value, Mapping) and any(is_tensor(v) or _holds_tensor(v, is_tensor) for v in value.values())
+
+
+class _Walker:
+    def __init__(self, is_tensor: Callable[[object], bool], where: str, found: Flattened) -> None:
+        self.is_tensor, self.where, self.found, self.leaves = is_tensor, where, found, 0
+
+    def walk(self, value: object, name: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise CheckpointError(f"{self.where}: {name!r:.120} is nested deeper than {_MAX_DEPTH} levels; refused")
+        self.leaves += 1
+        if self.leaves > _MAX_LEAVES:
+            raise CheckpointError(f"{self.where}: holds more than {_MAX_LEAVES} values; refused as crafted")
+        if self.is_tensor(value):
+            self._put(self.found.tensors, name, value)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                self.walk(item, _join(name, str(key)), depth + 1)
+        elif isinstance(value, (list, tuple)) and not _short_scalars(value):
+            for index, item in enumerate(value):
+                self.walk(item, _join(name, str(index)), depth + 1)
+        else:
+            self._put(self.found.entries, name, _entry_value(value))
+
+    def _put(self, into: dict[str, object], name: str, value: object) -> None:
+        key = name or "<value>"
+        if key in self.found.tensors or key in self.found.entries:
+            raise CheckpointError(f"{self.where}: two values are both named {key!r:.120}; cannot tell them apart")
+        into[key] = value
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _short_scalars(value: list[object] | tuple[object, ...]) -> bool:
+    return len(value) <= _MAX_LIST_ENTRY and all(isinstance(item, _SCALARS) for item in value)
+
+
+def _entry_value(value: object) -> EntryValue:
+    if isinstance(value, float | int | bool | type(None)):
+        return value
+    if isinstance(value, str):
+        return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + f"... ({len(value)} characters)"
+    if isinstance(value, (list, tuple)):
+        return [item if not isinstance(item, str) else item[:_MAX_TEXT] for item in value]  # type: ignore[misc]
+    text = repr(value)  # bytes, torch.Size, dtypes, or objects a --trust-pickle load made
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
+
+
+def strip_wrappers(tensors: dict[str, object], notes: list[str]) -> dict[str, object]:
+    """Take off a prefix that every name carries (``module.`` from DataParallel, ``_orig_mod.`` from
+    torch.compile), repeatedly, noting each; other names are left alone."""
+    while tensors:
+        prefix = next((p for p in WRAPPERS if all(name.startswith(p) for name in tensors)), None)
+        if prefix is None:
+            break
+        tensors = {name[len(prefix) :]: value for name, value in tensors.items()}
+        notes.append(f"took the {prefix!r} prefix off every tensor name")
+    return tensors

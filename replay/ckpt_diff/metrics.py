@@ -1,0 +1,233 @@
+"""Element-wise metrics of a tensor pair, streamed block by block: each side's statistics (NaN-aware), and the
+distances between them (L1, L2, max |B-A|, cosine, how many elements differ).
+
+A block of finite values takes the fast path: a handful of NumPy reductions and BLAS dot products in the
+tensors' own precision (float32 for 16- and 32-bit floats), each block's result summed in float64. A block with a
+NaN or an infinity (seen in its min and max, which NumPy propagates) or one whose sums overflow is redone in
+float64, element by element. Cosine comes from the distance, ``1 - cos = (|B-A|^2 - (|A|-|B|)^2) / (2|A||B|)``,
+which keeps its digits when A and B are nearly equal. A standard deviation small beside its mean (a LayerNorm
+weight near 1) is recomputed in a second pass around the mean, where ``E[x^2] - mean^2`` would cancel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from parity_harness.common.format.dtypes import to_numeric
+
+__all__ = ["BLOCK_ELEMENTS", "PairMoments", "SideMoments", "measure_pair", "measure_side"]
+
+BLOCK_ELEMENTS: Final = 1 << 16
+"""Elements per block: 256 KB of float32, so a block pair and its difference stay in a core's cache."""
+_WIDE: Final = frozenset({"F64", "C128", "I32", "I64", "U32", "U64"})
+"""Tags whose values float32 cannot hold exactly: compared in float64."""
+_CANCELLATION: Final = 1e-3
+
+Blocks = Callable[[], Iterator[np.ndarray]]
+"""Opens a fresh pass over a tensor's stored blocks."""
+
+
+@dataclass
+class SideMoments:
+    """One tensor's element statistics (over its finite elements; NaN and infinities counted apart)."""
+
+    count: int = 0
+    nan: int = 0
+    inf: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+    centred: float | None = None
+    """Sum of squared deviations from the mean, when recomputed in a second pass."""
+
+    @property
+    def finite(self) -> int:
+        """Number of finite elements."""
+        return self.count - self.nan - self.inf
+
+    @property
+    def mean(self) -> float:
+        """Mean of the finite elements (NaN when there are none)."""
+        return self.total / self.finite if self.finite else math.nan
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation of the finite elements."""
+        if not self.finite:
+            return math.nan
+        if self.centred is not None:
+            return math.sqrt(self.centred / self.finite)
+        return math.sqrt(max(self.squares / self.finite - self.mean**2, 0.0))
+
+    @property
+    def norm(self) -> float:
+        """L2 norm of the finite elements."""
+        return math.sqrt(self.squares)
+
+    def needs_centring(self) -> bool:
+        """Whether ``E[x^2] - mean^2`` loses most of its digits (a spread small beside the mean)."""
+        if self.finite < 2 or self.centred is not None:
+            return False
+        variance = self.squares / self.finite - self.mean**2
+        return variance < _CANCELLATION * self.mean**2
+
+    def add(self, total: float, squares: float, low: float, high: float) -> None:
+        self.total += total
+        self.squares += squares
+        self.low = min(self.low, low)
+        self.high = max(self.high, high)
+
+
+@dataclass
+class PairMoments:
+    """Two same-shaped tensors' statistics and the sums their distances come from."""
+
+    a: SideMoments = field(default_factory=SideMoments)
+    b: SideMoments = field(default_factory=SideMoments)
+    delta_squares: float = 0.0
+    delta_abs: float = 0.0
+    max_abs: float = 0.0
+    differing: int = 0
+    nonfinite_delta: int = 0
+    """Elements where B-A is NaN or infinite (one side NaN, or an infinity on one side only)."""
+    both_a: float = 0.0
+    both_b: float = 0.0
+    both_delta: float = 0.0
+    """Squares over the elements finite on both sides: what cosine is computed from."""
+
+    @property
+    def l2(self) -> float:
+        """L2 norm of B-A (infinite when some element's difference is not finite)."""
+        return math.sqrt(self.delta_squares) if not self.nonfinite_delta else math.inf
+
+    @property
+    def cosine(self) -> float:
+        """Cosine similarity over elements finite on both sides; 1 when both are all zeros, NaN when one is."""
+        norm_a, norm_b = math.sqrt(self.both_a), math.sqrt(self.both_b)
+        if norm_a == 0 or norm_b == 0:
+            return 1.0 if norm_a == norm_b else math.nan
+        gap = (self.both_delta - (norm_a - norm_b) ** 2) / (2 * norm_a * norm_b)
+        return min(1.0, max(-1.0, 1.0 - gap))
+
+
+def compute_dtype(tag_a: str, tag_b: str) -> np.dtype[np.floating]:
+    """float32 for pairs float32 holds exactly (16/32-bit floats, small ints, bool), float64 otherwise."""
+    return np.dtype(np.float64 if tag_a in _WIDE or tag_b in _WIDE else np.float32)
+
+
+def _numeric(block: np.ndarray, tag: str, dtype: np.dtype[np.floating], complex_pair: bool) -> np.ndarray:
+    values = to_numeric(block, tag)  # bf16/fp8 raw bits -> float32, exactly
+    if complex_pair:  # a complex pair is compared as (real, imaginary) pairs of floats
+        return np.asarray(values, dtype=np.complex128).view(np.float64)
+    return values if values.dtype == dtype else values.astype(dtype)
+
+
+def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, epsilon: float) -> PairMoments:
+    """Stream two same-shaped tensors and sum everything their statistics and distances need.
+
+    Elements count as differing when ``|B-A| > epsilon``, or when exactly one of them is NaN, or they are unequal
+    infinities; NaN against NaN and an infinity against the same infinity do not differ.
+    """
+    complex_pair = tag_a.startswith("C") or tag_b.startswith("C")
+    dtype = np.dtype(np.float64) if complex_pair else compute_dtype(tag_a, tag_b)
+    moments = PairMoments()
+    scratch = np.empty(BLOCK_ELEMENTS * (2 if complex_pair else 1), dtype=dtype)
+    for raw_a, raw_b in zip(blocks_a(), blocks_b(), strict=True):
+        x, y = _numeric(raw_a, tag_a, dtype, complex_pair), _numeric(raw_b, tag_b, dtype, complex_pair)
+        moments.a.count += x.size
+        moments.b.count += y.size
+        if not _fast_block(x, y, scratch[: x.size], epsilon, moments):
+            _careful_block(x, y, epsilon, moments)
+    for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
+        if side.needs_centring():
+            _centre(side, blocks, tag, dtype, complex_pair)
+    return moments
+
+
+def measure_side(blocks: Blocks, tag: str) -> SideMoments:
+    """One tensor's statistics (for a tensor on one side only, and for a loaded checkpoint's summary)."""
+    complex_side = tag.startswith("C")
+    dtype = np.dtype(np.float64) if complex_side else compute_dtype(tag, tag)
+    side = SideMoments()
+    for raw in blocks():
+        x = _numeric(raw, tag, dtype, complex_side)
+        side.count += x.size
+        low, high = (x.min(), x.max()) if x.size else (0.0, 0.0)
+        total, squares = (float(x.sum()), float(np.dot(x, x))) if x.size else (0.0, 0.0)
+        if x.size and math.isfinite(low) and math.isfinite(high) and math.isfinite(squares):
+            side.add(total, squares, float(low), float(high))
+        elif x.size:
+            _careful_side(x.astype(np.float64), side)
+    if side.needs_centring():
+        _centre(side, blocks, tag, dtype, complex_side)
+    return side
+
+
+def _fast_block(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float, moments: PairMoments) -> bool:
+    if not x.size:
+        return True
+    low_a, high_a, low_b, high_b = x.min(), x.max(), y.min(), y.max()
+    if not (math.isfinite(low_a) and math.isfinite(high_a) and math.isfinite(low_b) and math.isfinite(high_b)):
+        return False  # NaN or an infinity somewhere: the careful path
+    np.subtract(y, x, out=d)
+    squares_d, squares_a, squares_b = float(np.dot(d, d)), float(np.dot(x, x)), float(np.dot(y, y))
+    total_a, total_b = float(x.sum()), float(y.sum())
+    if not all(map(math.isfinite, (squares_d, squares_a, squares_b, total_a, total_b))):
+        return False  # overflow in this precision: the careful path, in float64
+    np.abs(d, out=d)
+    moments.a.add(total_a, squares_a, float(low_a), float(high_a))
+    moments.b.add(total_b, squares_b, float(low_b), float(high_b))
+    moments.delta_squares += squares_d
+    moments.delta_abs += float(d.sum())
+    moments.max_abs = max(moments.max_abs, float(d.max()))
+    moments.differing += int(np.count_nonzero(d)) if epsilon == 0 else int(np.count_nonzero(d > epsilon))
+    moments.both_a += squares_a
+    moments.both_b += squares_b
+    moments.both_delta += squares_d
+    return True
+
+
+def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:
+    finite = np.isfinite(x)
+    nan = int(np.isnan(x).sum())
+    side.nan += nan
+    side.inf += x.size - int(finite.sum()) - nan
+    values = x[finite]
+    if values.size:
+        side.add(float(values.sum()), float(np.dot(values, values)), float(values.min()), float(values.max()))
+    return finite
+
+
+def _careful_block(x32: np.ndarray, y32: np.ndarray, epsilon: float, moments: PairMoments) -> None:
+    x, y = x32.astype(np.float64), y32.astype(np.float64)
+    finite_a, finite_b = _careful_side(x, moments.a), _careful_side(y, moments.b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaN against NaN are no change
+        delta = np.where(same, 0.0, y - x)
+    finite = np.isfinite(delta)
+    magnitude = np.abs(delta[finite])
+    moments.nonfinite_delta += int(delta.size - finite.sum())
+    moments.delta_squares += float(np.dot(magnitude, magnitude))
+    moments.delta_abs += float(magnitude.sum())
+    moments.max_abs = max(moments.max_abs, float(magnitude.max(initial=0.0)))
+    moments.differing += int(delta.size - finite.sum()) + int(np.count_nonzero(magnitude > epsilon))
+    both = finite_a & finite_b
+    xb, yb = x[both], y[both]
+    moments.both_a += float(np.dot(xb, xb))
+    moments.both_b += float(np.dot(yb, yb))
+    moments.both_delta += float(np.dot(yb - xb, yb - xb))
+
+
+def _centre(side: SideMoments, blocks: Blocks, tag: str, dtype: np.dtype[np.floating], complex_side: bool) -> None:
+    mean, centred = side.mean, 0.0
+    for raw in blocks():
+        x = _numeric(raw, tag, dtype, complex_side).astype(np.float64)
+        deviation = x[np.isfinite(x)] - mean
+        centred += float(np.dot(deviation, deviation))
+    side.centred = centred
