@@ -1,61 +1,130 @@
-"""Measure ckpt-diff on two checkpoints of a few hundred MB: throughput and peak memory, one run.
+"""Measure the whole ``ckpt-diff`` command on two checkpoints, as a user waits for it, against diffai-python.
 
-    python scripts/bench_ckpt_diff.py [--megabytes 300] [--tensors 60]
+    python scripts/bench_ckpt_diff.py [--megabytes 1536] [--layers 24] [--repeats 3]
 
-Writes two safetensors files (B = A with a few tensors perturbed) to a temporary folder, diffs them
-with the library (the same path as the ckpt-diff CLI) and prints seconds, GB/s of tensor data
-compared (both sides) and the peak resident memory of the process.
+Writes two safetensors checkpoints shaped like a transformer (B = A with every layer's weights moved, deeper
+layers less), then runs, each ``--repeats`` times in fresh processes, and prints the best wall time and the
+peak resident memory of each:
+
+* ``ckpt-diff A B --format json`` (every element-wise metric, insights and the report);
+* ``diffai.diff_paths(A, B)`` from diffai-python when it is installed (statistics only, no element-wise metric).
+
+Throughput is tensor data read on both sides over the whole command's wall time, Python's start included.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+import numpy as np
 
-_DIFF = (
-    "import sys, time; sys.path.insert(0, sys.argv[3]); "
-    "from parity_harness.replay.ckpt_diff.compare import diff_checkpoints, load_tensors; t = time.perf_counter(); "
-    "d = diff_checkpoints(load_tensors(sys.argv[1]), load_tensors(sys.argv[2])); "
-    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
-    "print(time.perf_counter() - t, int(hwm) // 1024, d.counts())"
+_DIFFAI = "import sys, diffai; diffai.diff_paths(sys.argv[1], sys.argv[2])"
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A minimal safetensors writer (float32 only), so that the benchmark needs neither torch nor safetensors."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as handle:
+        handle.write(len(raw).to_bytes(8, "little") + raw)
+        for array in tensors.values():
+            handle.write(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+
+
+def _shapes(megabytes: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """A GPT-2-like layout scaled so that the checkpoint holds about ``megabytes`` of float32."""
+    width = 64
+    while 12 * width * width * layers * 4 < megabytes * 2**20:
+        width += 64
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (8 * width, width)}
+    for layer in range(layers):
+        prefix = f"h.{layer}"
+        shapes |= {
+            f"{prefix}.ln_1.weight": (width,),
+            f"{prefix}.attn.c_attn.weight": (width, 3 * width),
+            f"{prefix}.attn.c_attn.bias": (3 * width,),
+            f"{prefix}.attn.c_proj.weight": (width, width),
+            f"{prefix}.mlp.c_fc.weight": (width, 4 * width),
+            f"{prefix}.mlp.c_proj.weight": (4 * width, width),
+        }
+    return shapes
+
+
+def _write_pair(folder: Path, megabytes: int, layers: int) -> tuple[Path, Path, int]:
+    generator = np.random.default_rng(0)
+    a_tensors, b_tensors = {}, {}
+    for name, shape in _shapes(megabytes, layers).items():
+        a = generator.standard_normal(shape, dtype=np.float32) * 0.02
+        depth = int(name.split(".")[1]) if name.startswith("h.") else 0
+        scale = 1e-3 / (1 + depth)  # earlier layers move more: a "gradient" depth pattern
+        a_tensors[name], b_tensors[name] = a, a + scale * generator.standard_normal(shape, dtype=np.float32)
+    paths = folder / "a.safetensors", folder / "b.safetensors"
+    _write_safetensors(paths[0], a_tensors)
+    _write_safetensors(paths[1], b_tensors)
+    return paths[0], paths[1], sum(t.nbytes for t in a_tensors.values())
+
+
+# A small launcher measures each command: the peak RSS of a forked child counts its parent's pages until it execs,
+# and this script's parent holds the checkpoints it wrote.
+_LAUNCH = (
+    "import resource, subprocess, sys, time; t = time.perf_counter(); "
+    "code = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+    "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code)"
 )
+
+
+def _run(command: list[str], repeats: int) -> tuple[float, float, int]:
+    """Best wall seconds, peak RSS in MB (of the best run) and the exit code of ``command``."""
+    best, peak, code = float("inf"), 0.0, 0
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-c", _LAUNCH, *command], capture_output=True, text=True, check=True)
+        seconds_text, rss_text, code_text = done.stdout.split()
+        code = int(code_text)
+        if code not in (0, 1):
+            raise SystemExit(f"{command[0]} failed ({code}): {done.stderr[-2000:]}")
+        if float(seconds_text) < best:
+            best, peak = float(seconds_text), int(rss_text) / 1024
+    return best, peak, code
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megabytes", type=int, default=300, help="Size of each checkpoint.")
-    parser.add_argument("--tensors", type=int, default=60)
+    parser.add_argument("--megabytes", type=int, default=1536, help="Size of each checkpoint (float32).")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3, help="Runs of each command; the best is reported.")
     options = parser.parse_args()
-    per_tensor = options.megabytes * 2**20 // 4 // options.tensors
-    generator = torch.Generator().manual_seed(0)
-    root = str(Path(__file__).resolve().parent.parent)
+    ckpt_diff = shutil.which("ckpt-diff") or str(Path(sys.executable).with_name("ckpt-diff"))
     with tempfile.TemporaryDirectory() as folder:
-        a_path, b_path = Path(folder) / "a.safetensors", Path(folder) / "b.safetensors"
-        tensors = {f"layers.{i}.weight": torch.randn(per_tensor, generator=generator) for i in range(options.tensors)}
-        save_file(tensors, str(a_path))
-        for i in range(0, options.tensors, 7):
-            tensors[f"layers.{i}.weight"] += 1e-3
-        save_file(tensors, str(b_path))
-        del tensors
-        # The diff runs in a child process, so that the peak memory measured is the diff's own.
-        command = [sys.executable, "-c", _DIFF, str(a_path), str(b_path), root]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-    seconds_text, peak_text, counts = done.stdout.strip().split(" ", 2)
-    seconds, peak = float(seconds_text), int(peak_text)  # VmHWM: the child's own peak since exec
-    compared = 2 * options.megabytes / 1024
-    print(
-        f"two checkpoints of {options.megabytes} MB, {options.tensors} float32 tensors each; torch {torch.__version__}"
-    )
-    print(f"diff: {seconds:.2f} s, {compared / seconds:.2f} GB/s of tensor data (both sides), {counts}")
-    one_tensor = per_tensor * 4 / 2**20
-    sizes = f"each file {options.megabytes} MB, one tensor {one_tensor:.0f} MB"
-    print(f"peak RSS of the diff process: {peak:.0f} MB ({sizes}; torch's import alone is a few hundred MB)")
+        a, b, nbytes = _write_pair(Path(folder), options.megabytes, options.layers)
+        largest = max(np.prod(s) for s in _shapes(options.megabytes, options.layers).values()) * 4 / 2**20
+        print(
+            f"two safetensors checkpoints of {nbytes / 2**20:.0f} MB each, largest tensor {largest:.0f} MB; "
+            f"{os.cpu_count()} CPUs; best of {options.repeats}, files in the page cache"
+        )
+        seconds, peak, code = _run([ckpt_diff, str(a), str(b), "--format", "json"], options.repeats)
+        print(
+            f"ckpt-diff (whole command, every element-wise metric): {seconds:.2f} s, "
+            f"{2 * nbytes / seconds / 1e9:.2f} GB/s of tensor data (both sides), peak RSS {peak:.0f} MB, exit {code}"
+        )
+        try:
+            import diffai  # noqa: F401
+        except ImportError:
+            print("diffai-python is not installed (pip install diffai-python): no comparison")
+            return
+        other, other_peak, _ = _run([sys.executable, "-c", _DIFFAI, str(a), str(b)], options.repeats)
+        print(f"diffai-python diff_paths (statistics only): {other:.2f} s, peak RSS {other_peak:.0f} MB")
+        print(f"ckpt-diff time / diffai time: {seconds / other:.2f} (below 1: ckpt-diff is faster)")
 
 
 if __name__ == "__main__":
