@@ -135,9 +135,12 @@ def ordered(changes: list[TensorChange], key: str) -> list[TensorChange]:
 
 def analyse(diff: CheckpointDiff, *, top: int = 10, sort_by: str = "relative_change") -> Analysis:
     """Read a diff: patterns with their evidence, layer types, depth profiles, insights and the ``top`` largest
-    changes by ``sort_by`` among the tensors whose values moved."""
+    changes by ``sort_by`` among the tensors whose values moved (by relative change: those that started nonzero)."""
     analysis = Analysis(layer_types=_layer_types(diff), depths=_depths(diff))
-    analysis.largest = ordered(diff.changed(), sort_by)[:top]
+    candidates = diff.changed()
+    if sort_by == "relative_change":  # a zero-start tensor's 1 is a definition, not a size: it has its own insight
+        candidates = [c for c in candidates if not c.started_at_zero]
+    analysis.largest = ordered(candidates, sort_by)[:top]
     analysis.patterns = _patterns(diff, analysis)
     analysis.insights = sorted(_insights(diff), key=lambda i: SEVERITIES.index(i.severity))
     return analysis

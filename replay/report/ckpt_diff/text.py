@@ -38,6 +38,13 @@ def _n(value: float | None) -> str:
     return "inf" if math.isinf(value) else f"{value:.4g}"
 
 
+def _cosine(value: float) -> str:
+    """Cosine near 1 as its distance from 1 (0.9999995 would print as 1 with four digits)."""
+    if math.isfinite(value) and 0.9999 < value < 1:
+        return f"1-{1 - value:.2g}"
+    return _n(value)
+
+
 def _shape(change: TensorChange) -> str:
     def text(shape: tuple[int, ...] | None) -> str:
         return "-" if shape is None else ("x".join(map(str, shape)) or "scalar")
@@ -71,7 +78,7 @@ def _row(change: TensorChange) -> list[str]:
         _pair(change, "std"),
         _n(change.l2),
         _n(change.max_abs),
-        _n(change.cosine),
+        _cosine(change.cosine),
         _n(change.relative_change) + ("*" if change.started_at_zero else ""),
         _n(change.fraction_changed),
         nan,
@@ -142,7 +149,7 @@ def _analysis(analysis: Analysis, sort_by: str) -> list[str]:
     if analysis.largest:
         lines.append(f"== Largest changes by {sort_by} ==")
         lines += [
-            f"{c.name}: relative change {_n(c.relative_change)}, L2 {_n(c.l2)}, cosine {_n(c.cosine)}"
+            f"{c.name}: relative change {_n(c.relative_change)}, L2 {_n(c.l2)}, cosine {_cosine(c.cosine)}"
             for c in analysis.largest
         ]
     if analysis.layer_types:
