@@ -122,7 +122,7 @@ def sort_value(change: TensorChange, key: str) -> float | str:
         return change.name
     if key == "parameters":
         return -float(max(change.parameters_a, change.parameters_b))
-    value = getattr(change, key)
+    value = float(getattr(change, key))
     if math.isnan(value):
         return math.inf  # not computed: last
     return value if key == "cosine" else -value

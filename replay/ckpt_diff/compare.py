@@ -306,7 +306,7 @@ class _Pairing:
 
     def compare(self, name: str, info_a: TensorInfo | None, info_b: TensorInfo | None) -> TensorChange:
         where = depth_of(name)
-        common = {
+        common: dict[str, Any] = {
             "name": name,
             "layer_type": layer_type_of(name, self.layer_types),
             "depth": where[1] if where else None,
@@ -321,7 +321,7 @@ class _Pairing:
             stats_a, stats_b = self._stats(self.source_a, name, info_a), self._stats(self.source_b, name, info_b)
             return TensorChange(status=status, stats_a=stats_a, stats_b=stats_b, **common)  # type: ignore[arg-type]
         if self.shape_only:
-            return TensorChange(status="unchanged", **common)  # type: ignore[arg-type]
+            return TensorChange(status="unchanged", **common)
         moments = measure_pair(
             lambda: self.source_a.blocks(name, BLOCK_ELEMENTS),
             lambda: self.source_b.blocks(self.names_b[name], BLOCK_ELEMENTS),
@@ -339,7 +339,7 @@ class _Pairing:
         return TensorStats.of(measure_side(lambda: source.blocks(stored, BLOCK_ELEMENTS), info.tag))
 
 
-def _change_of(moments: PairMoments, common: dict[str, object]) -> TensorChange:
+def _change_of(moments: PairMoments, common: dict[str, Any]) -> TensorChange:
     compared = moments.a.count
     norm_a, l2 = moments.a.norm, moments.l2
     started_at_zero = compared > 0 and norm_a == 0 and moments.a.nan == 0 and moments.a.inf == 0
@@ -361,7 +361,7 @@ def _change_of(moments: PairMoments, common: dict[str, object]) -> TensorChange:
         started_at_zero=started_at_zero,
         fraction_changed=moments.differing / compared if compared else 0.0,
         elements_changed=moments.differing,
-        **common,  # type: ignore[arg-type]
+        **common,
     )
 
 
@@ -383,7 +383,9 @@ def _compare_entries(
         elif name not in entries_a:
             changes.append(EntryChange(name, "added", None, entries_b[name]))
         else:
-            status = "unchanged" if _same(entries_a[name], entries_b[name]) else "changed"
+            status: Literal["changed", "unchanged"] = (
+                "unchanged" if _same(entries_a[name], entries_b[name]) else "changed"
+            )
             changes.append(EntryChange(name, status, entries_a[name], entries_b[name]))
     return changes
 

@@ -8,7 +8,7 @@ end (a ``weights_only`` load has already materialised it, so the bound is on the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypeVar
 
 from parity_harness.common.errors import CheckpointError
 
@@ -91,7 +91,7 @@ class _Walker:
         else:
             self._put(self.found.entries, name, _entry_value(value))
 
-    def _put(self, into: dict[str, object], name: str, value: object) -> None:
+    def _put(self, into: dict[str, Any], name: str, value: object) -> None:
         key = name or "<value>"
         if key in self.found.tensors or key in self.found.entries:
             raise CheckpointError(f"{self.where}: two values are both named {key!r:.120}; cannot tell them apart")
@@ -112,12 +112,15 @@ def _entry_value(value: object) -> EntryValue:
     if isinstance(value, str):
         return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + f"... ({len(value)} characters)"
     if isinstance(value, (list, tuple)):
-        return [item if not isinstance(item, str) else item[:_MAX_TEXT] for item in value]  # type: ignore[misc]
+        return [item if not isinstance(item, str) else item[:_MAX_TEXT] for item in value]
     text = repr(value)  # bytes, torch.Size, dtypes, or objects a --trust-pickle load made
     return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
 
 
-def strip_wrappers(tensors: dict[str, object], notes: list[str]) -> dict[str, object]:
+Named = TypeVar("Named")
+
+
+def strip_wrappers(tensors: dict[str, Named], notes: list[str]) -> dict[str, Named]:
     """Take off a prefix that every name carries (``module.`` from DataParallel, ``_orig_mod.`` from
     torch.compile), repeatedly, noting each; other names are left alone."""
     while tensors:

@@ -125,7 +125,7 @@ def _numeric(block: np.ndarray, tag: str, dtype: np.dtype[np.floating], complex_
     values = to_numeric(block, tag)  # bf16/fp8 raw bits -> float32, exactly
     if complex_pair:  # a complex pair is compared as (real, imaginary) pairs of floats
         return np.asarray(values, dtype=np.complex128).view(np.float64)
-    return values if values.dtype == dtype else values.astype(dtype)
+    return np.asarray(values if values.dtype == dtype else values.astype(dtype))
 
 
 def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, epsilon: float) -> PairMoments:
@@ -201,7 +201,7 @@ def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:
     values = x[finite]
     if values.size:
         side.add(float(values.sum()), float(np.dot(values, values)), float(values.min()), float(values.max()))
-    return finite
+    return np.asarray(finite, dtype=bool)
 
 
 def _careful_block(x32: np.ndarray, y32: np.ndarray, epsilon: float, moments: PairMoments) -> None:

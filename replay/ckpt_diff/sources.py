@@ -155,18 +155,18 @@ class SafetensorsSource(Source):
         super().__init__(path)
         self.kind = kind
         self._ranges = _FileRanges()
-        found: dict[str, object] = {}
+        found: dict[str, tuple[str, tuple[int, ...], Path, int]] = {}
         for file in files:
             self._read_header(file, found)
         try:
-            for name, (tag, shape, file, offset) in strip_wrappers(found, self.notes).items():  # type: ignore[misc]
+            for name, (tag, shape, file, offset) in strip_wrappers(found, self.notes).items():
                 self.tensors[name] = TensorInfo(name, tag, shape)
                 self._ranges.add(name, file, offset, tag)
         except BaseException:
             self._ranges.close()
             raise
 
-    def _read_header(self, file: Path, found: dict[str, object]) -> None:
+    def _read_header(self, file: Path, found: dict[str, tuple[str, tuple[int, ...], Path, int]]) -> None:
         header = read_safetensors_header(file)
         for key, text in header.metadata.items():
             name = f"__metadata__.{key}"
@@ -212,7 +212,7 @@ class NumpySource(Source):
         try:
             self._archive = np.load(self.path, allow_pickle=False)
             check_npz_sizes(self._archive, self.path)
-            found: dict[str, object] = {}
+            found: dict[str, tuple[str, NpyLayout, int | None]] = {}
             for member in self._archive.files:
                 info = self._archive.zip.getinfo(f"{member}.npy")
                 offset = stored_member_offset(self._archive.zip, info, size)
@@ -223,7 +223,7 @@ class NumpySource(Source):
             raise
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
             raise CheckpointError(f"{self.path}: not a readable .npz ({type(err).__name__}: {err})") from err
-        for name, (member, layout, offset) in strip_wrappers(found, self.notes).items():  # type: ignore[misc]
+        for name, (member, layout, offset) in strip_wrappers(found, self.notes).items():
             self._add(name, member, layout, offset)
 
     def _add(self, name: str, member: str, layout: NpyLayout, offset: int | None) -> None:

@@ -42,7 +42,7 @@ class TorchSource(Source):
         else:
             checkpoint = load_checkpoint(path, trust_pickle=trust_pickle)
             self.kind = checkpoint.kind
-            self._tensors = strip_wrappers(dict(checkpoint.state_dict), self.notes)  # type: ignore[assignment]
+            self._tensors = strip_wrappers(dict(checkpoint.state_dict), self.notes)
         if not self._tensors and not self.entries:
             raise CheckpointError(f"{path}: holds no tensors and no other values")
         for name, tensor in self._tensors.items():

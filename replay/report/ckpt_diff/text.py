@@ -250,6 +250,6 @@ def render_csv(shown: list[TensorChange]) -> str:
             for key in ("mean", "std", "nan", "inf"):
                 document[f"{key}_{side}"] = stats.get(key)
             shape = document[f"shape_{side}"]
-            document[f"shape_{side}"] = None if shape is None else "x".join(map(str, shape))  # type: ignore[arg-type]
+            document[f"shape_{side}"] = None if not isinstance(shape, list) else "x".join(map(str, shape))
         writer.writerow(["" if document[f] is None else document[f] for f in CSV_FIELDS])
     return buffer.getvalue()
