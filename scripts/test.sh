@@ -3,6 +3,7 @@
 #   scripts/test.sh                 # everything
 #   scripts/test.sh -m "not slow"   # extra arguments go to pytest
 #   PARITY_WITH_NEMO=1 scripts/test.sh   # also the real-NeMo tests (as CI runs them)
+#   PARITY_NO_BROWSER=1 scripts/test.sh  # do not apt-get install chromium for the HTML report's browser test
 # VENV=path picks the environment (default .venv-test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +30,13 @@ if [ "${PARITY_WITH_NEMO:-0}" = 1 ]; then
     "nemo_toolkit[asr]==3.0.0" h5py msgpack click
   "$NEMO_VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt --no-deps -e .
   export PARITY_NEMO_PYTHON=${PARITY_NEMO_PYTHON:-$PWD/$NEMO_VENV/bin/python}
+fi
+# A headless Chromium for the HTML report's browser test, where the system's package manager can install it
+# (the test skips cleanly elsewhere). PARITY_NO_BROWSER=1 leaves the system alone.
+if [ "${PARITY_NO_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null \
+  && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }) \
+    || echo "test.sh: could not install chromium; the browser test will skip" >&2
 fi
 exec "$VENV/bin/python" -m pytest "$@"

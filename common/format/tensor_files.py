@@ -176,27 +176,29 @@ def nemo_limit(archive_size: int) -> int:
         raise CheckpointError(f"{NEMO_LIMIT_VARIABLE}={given!r}: {err}") from err
 
 
-def check_npz_sizes(archive: Any, path: Path) -> None:
+def check_npz_sizes(archive: Any, path: Path) -> dict[str, NpyLayout]:
     """An open ``np.load`` archive's members, from their headers: each array no larger than its member declares,
     all together within :func:`nemo_limit` of the file (a zip bomb is refused before anything decompresses).
+    Returns each member's layout.
 
     Raises:
         CheckpointError: a member is no array, lies about its size, or the whole decompresses past the limit.
     """
-    limit, total = nemo_limit(path.stat().st_size), 0
+    limit, total, layouts = nemo_limit(path.stat().st_size), 0, {}
     members = set(archive.zip.namelist())
     for name in archive.files:
         if f"{name}.npy" not in members:
             raise CheckpointError(f"{path}:{name}: not an array (.npy) member")
         info = archive.zip.getinfo(f"{name}.npy")
         with archive.zip.open(info) as member:  # the header only (numpy bounds its size)
-            read_npy_layout(member, f"{path}:{name}", info.file_size)
+            layouts[name] = read_npy_layout(member, f"{path}:{name}", info.file_size)
         total += info.file_size
         if total > limit:
             raise CheckpointError(
                 f"{path}: its arrays decompress to more than {limit} bytes (from a {path.stat().st_size}-byte file); "
                 f"refused as a zip bomb (set {NEMO_LIMIT_VARIABLE} to allow more)"
             )
+    return layouts
 
 
 def stored_member_offset(archive: zipfile.ZipFile, info: zipfile.ZipInfo, file_size: int) -> int | None:

@@ -25,7 +25,7 @@ from typing import Final, Literal
 
 import numpy as np
 
-from parity_harness.replay.ckpt_diff.compare import CheckpointDiff, TensorChange
+from parity_harness.replay.ckpt_diff.compare import CheckpointDiff, TensorChange, TensorStats
 
 __all__ = ["SORT_KEYS", "Analysis", "DepthPoint", "Insight", "LayerTypeSummary", "Pattern", "analyse"]
 
@@ -313,123 +313,79 @@ def _names(changes: list[TensorChange]) -> tuple[str, ...]:
 
 
 def _insights(diff: CheckpointDiff) -> list[Insight]:
+    return _value_insights(diff) + _structure_insights(diff) + _info_insights(diff)
+
+
+def _value_insights(diff: CheckpointDiff) -> list[Insight]:
+    """NaN and infinities, lost directions, large moves."""
     found: list[Insight] = []
-    tensors = diff.tensors
-    appeared = [
-        c
-        for c in tensors
-        if c.stats_b and (c.stats_b.nan or c.stats_b.inf) and not (c.stats_a and (c.stats_a.nan or c.stats_a.inf))
-    ]
+
+    def nonfinite(stats: TensorStats | None) -> bool:
+        return stats is not None and bool(stats.nan or stats.inf)
+
+    appeared = [c for c in diff.tensors if nonfinite(c.stats_b) and not nonfinite(c.stats_a)]
     if appeared:
-        found.append(
-            Insight(
-                "critical",
-                "nonfinite_appeared",
-                f"{len(appeared)} tensor(s) hold NaN or Inf in B but not in A",
-                _names(appeared),
-            )
-        )
-    both = [c for c in tensors if c.nonfinite and c not in appeared]
+        text = f"{len(appeared)} tensor(s) hold NaN or Inf in B but not in A"
+        found.append(Insight("critical", "nonfinite_appeared", text, _names(appeared)))
+    seen = {c.name for c in appeared}
+    both = [c for c in diff.tensors if c.nonfinite and c.name not in seen]
     if both:
-        found.append(
-            Insight("warning", "nonfinite", f"{len(both)} tensor(s) hold NaN or Inf in A (and perhaps B)", _names(both))
-        )
-    cosines = [c for c in tensors if c.status == "changed" and not math.isnan(c.cosine)]
+        text = f"{len(both)} tensor(s) hold NaN or Inf in A (and perhaps B)"
+        found.append(Insight("warning", "nonfinite", text, _names(both)))
+    cosines = [c for c in diff.tensors if c.status == "changed" and not math.isnan(c.cosine)]
     lost = [c for c in cosines if c.cosine < CRITICAL_COSINE]
     if lost:
-        found.append(
-            Insight(
-                "critical",
-                "low_cosine",
-                f"{len(lost)} tensor(s) point elsewhere: cosine below {CRITICAL_COSINE} "
-                f"(lowest {min(c.cosine for c in lost):.3f}); rows permuted, sign flipped or reinitialised?",
-                _names(lost),
-            )
+        text = (
+            f"{len(lost)} tensor(s) point elsewhere: cosine below {CRITICAL_COSINE} "
+            f"(lowest {min(c.cosine for c in lost):.3f}); rows permuted, sign flipped or reinitialised?"
         )
+        found.append(Insight("critical", "low_cosine", text, _names(lost)))
     low = [c for c in cosines if CRITICAL_COSINE <= c.cosine < LOW_COSINE]
     if low:
-        found.append(
-            Insight(
-                "warning",
-                "low_cosine",
-                f"{len(low)} tensor(s) with cosine below {LOW_COSINE} (lowest {min(c.cosine for c in low):.3f})",
-                _names(low),
-            )
-        )
-    large = [
-        c
-        for c in diff.changed()
-        if not c.started_at_zero and c.relative_change >= 1 and not math.isinf(c.relative_change)
-    ]
+        text = f"{len(low)} tensor(s) with cosine below {LOW_COSINE} (lowest {min(c.cosine for c in low):.3f})"
+        found.append(Insight("warning", "low_cosine", text, _names(low)))
+    large = [c for c in diff.changed() if not c.started_at_zero and 1 <= c.relative_change < math.inf]
     if large:
-        found.append(
-            Insight(
-                "warning",
-                "large_change",
-                f"{len(large)} tensor(s) moved by at least their own size (relative change >= 1)",
-                _names(large),
-            )
-        )
-    for status, severity, text in (
-        ("shape_changed", "warning", "changed shape"),
-        ("removed", "warning", "are only in A"),
-        ("added", "warning", "are only in B"),
-    ):
-        group = [c for c in tensors if c.status == status]
+        text = f"{len(large)} tensor(s) moved by at least their own size (relative change >= 1)"
+        found.append(Insight("warning", "large_change", text, _names(large)))
+    return found
+
+
+def _structure_insights(diff: CheckpointDiff) -> list[Insight]:
+    """Tensors reshaped, or on one side only."""
+    found = []
+    for status, text in (("shape_changed", "changed shape"), ("removed", "are only in A"), ("added", "are only in B")):
+        group = [c for c in diff.tensors if c.status == status]
         if group:
-            found.append(Insight(severity, status, f"{len(group)} tensor(s) {text}", _names(group)))  # type: ignore[arg-type]
-    found += _info_insights(diff)
+            found.append(Insight("warning", status, f"{len(group)} tensor(s) {text}", _names(group)))
     return found
 
 
 def _info_insights(diff: CheckpointDiff) -> list[Insight]:
+    """Casts, frozen tensors, zero-start tensors, other values that differ."""
     found: list[Insight] = []
     retyped = [c for c in diff.tensors if c.dtype_changed]
     if retyped:
-        kinds = sorted({f"{c.dtype_a}->{c.dtype_b}" for c in retyped})
-        found.append(
-            Insight(
-                "warning" if diff.shape_only else "info",
-                "dtype_changed",
-                f"{len(retyped)} tensor(s) changed dtype ({', '.join(kinds[:4])}); values are compared as numbers",
-                _names(retyped),
-            )
-        )
+        kinds = ", ".join(sorted({f"{c.dtype_a}->{c.dtype_b}" for c in retyped})[:4])
+        text = f"{len(retyped)} tensor(s) changed dtype ({kinds}); values are compared as numbers"
+        found.append(Insight("warning" if diff.shape_only else "info", "dtype_changed", text, _names(retyped)))
     frozen = [c for c in diff.tensors if c.status == "unchanged" and not diff.shape_only]
     if frozen and diff.changed():
-        groups = defaultdict(list)
-        for change in diff.tensors:
-            groups[change.layer_type].append(change)
-        whole = [kind for kind, group in groups.items() if all(c in frozen for c in group)]
+        moving_types = {c.layer_type for c in diff.tensors if c.status != "unchanged"}
+        whole = sorted({c.layer_type for c in frozen} - moving_types)
         extra = f"; every {', '.join(whole)} tensor is frozen" if whole else ""
-        found.append(
-            Insight(
-                "info",
-                "frozen",
-                f"{len(frozen)} tensor(s) are unchanged while others moved (frozen){extra}",
-                _names(frozen),
-            )
-        )
+        text = f"{len(frozen)} tensor(s) are unchanged while others moved (frozen){extra}"
+        found.append(Insight("info", "frozen", text, _names(frozen)))
     zero = [c for c in diff.tensors if c.started_at_zero and c.status == "changed"]
     if zero:
-        found.append(
-            Insight(
-                "info",
-                "started_at_zero",
-                f"{len(zero)} tensor(s) started at zero (zero-initialised biases?): "
-                "their relative change is measured against B, so it is 1",
-                _names(zero),
-            )
+        text = (
+            f"{len(zero)} tensor(s) started at zero (zero-initialised biases?): "
+            "their relative change is measured against B, so it is 1"
         )
+        found.append(Insight("info", "started_at_zero", text, _names(zero)))
     moved = [e for e in diff.entries if e.status != "unchanged"]
     if moved:
         shown = ", ".join(f"{e.name}: {e.value_a!r} -> {e.value_b!r}" for e in moved[:4])
-        found.append(
-            Insight(
-                "info",
-                "entries_changed",
-                f"{len(moved)} non-tensor value(s) differ: {shown}" + (" ..." if len(moved) > 4 else ""),
-                tuple(e.name for e in moved),
-            )
-        )
+        text = f"{len(moved)} non-tensor value(s) differ: {shown}" + (" ..." if len(moved) > 4 else "")
+        found.append(Insight("info", "entries_changed", text, tuple(e.name for e in moved)))
     return found

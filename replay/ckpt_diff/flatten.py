@@ -61,13 +61,14 @@ def flatten(loaded: object, is_tensor: Callable[[object], bool], where: str) -> 
 def _model_key(loaded: object, is_tensor: Callable[[object], bool]) -> str | None:
     if not isinstance(loaded, Mapping) or any(is_tensor(v) for v in loaded.values()):
         return None  # a plain state dict
-    return next(
-        (k for k in MODEL_KEYS if isinstance(loaded.get(k), Mapping) and _holds_tensor(loaded[k], is_tensor)), None
-    )
+    return next((k for k in MODEL_KEYS if _holds_tensor(loaded.get(k), is_tensor, 1)), None)
 
 
-def _holds_tensor(value: object, is_tensor: Callable[[object], bool]) -> bool:
-    return isinstance(value, Mapping) and any(is_tensor(v) or _holds_tensor(v, is_tensor) for v in value.values())
+def _holds_tensor(value: object, is_tensor: Callable[[object], bool], depth: int) -> bool:
+    """Whether a mapping holds a tensor within the nesting the walk allows (deeper, the walk refuses it anyway)."""
+    if not isinstance(value, Mapping) or depth > _MAX_DEPTH:
+        return False
+    return any(is_tensor(v) or _holds_tensor(v, is_tensor, depth + 1) for v in value.values())
 
 
 class _Walker:

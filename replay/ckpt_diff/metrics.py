@@ -5,8 +5,9 @@ A block of finite values takes the fast path: a handful of NumPy reductions and 
 tensors' own precision (float32 for 16- and 32-bit floats), each block's result summed in float64. A block with a
 NaN or an infinity (seen in its min and max, which NumPy propagates) or one whose sums overflow is redone in
 float64, element by element. Cosine comes from the distance, ``1 - cos = (|B-A|^2 - (|A|-|B|)^2) / (2|A||B|)``,
-which keeps its digits when A and B are nearly equal. A standard deviation small beside its mean (a LayerNorm
-weight near 1) is recomputed in a second pass around the mean, where ``E[x^2] - mean^2`` would cancel.
+with ``|A|-|B|`` from ``sum (B-A)(A+B)``: it keeps its digits when A and B are nearly equal. A standard deviation
+small beside its mean (a LayerNorm weight near 1) is recomputed in a second pass around the mean, where
+``E[x^2] - mean^2`` would cancel.
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ class PairMoments:
     both_a: float = 0.0
     both_b: float = 0.0
     both_delta: float = 0.0
-    """Squares over the elements finite on both sides: what cosine is computed from."""
+    both_gap: float = 0.0
+    """Over the elements finite on both sides: squares of A, of B, of B-A, and the sum of (B-A)(A+B) = |B|^2-|A|^2,
+    what cosine is computed from."""
 
     @property
     def l2(self) -> float:
@@ -112,7 +115,8 @@ class PairMoments:
         norm_a, norm_b = math.sqrt(self.both_a), math.sqrt(self.both_b)
         if norm_a == 0 or norm_b == 0:
             return 1.0 if norm_a == norm_b else math.nan
-        gap = (self.both_delta - (norm_a - norm_b) ** 2) / (2 * norm_a * norm_b)
+        norms_apart = self.both_gap / (norm_a + norm_b)  # |B|-|A| without subtracting two rounded norms
+        gap = (self.both_delta - norms_apart**2) / (2 * norm_a * norm_b)
         return min(1.0, max(-1.0, 1.0 - gap))
 
 
@@ -137,13 +141,14 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
     complex_pair = tag_a.startswith("C") or tag_b.startswith("C")
     dtype = np.dtype(np.float64) if complex_pair else compute_dtype(tag_a, tag_b)
     moments = PairMoments()
-    scratch = np.empty(BLOCK_ELEMENTS * (2 if complex_pair else 1), dtype=dtype)
-    for raw_a, raw_b in zip(blocks_a(), blocks_b(), strict=True):
-        x, y = _numeric(raw_a, tag_a, dtype, complex_pair), _numeric(raw_b, tag_b, dtype, complex_pair)
-        moments.a.count += x.size
-        moments.b.count += y.size
-        if not _fast_block(x, y, scratch[: x.size], epsilon, moments):
-            _careful_block(x, y, epsilon, moments)
+    scratch = np.empty((2, BLOCK_ELEMENTS * (2 if complex_pair else 1)), dtype=dtype)
+    with np.errstate(all="ignore"):  # overflow and inf - inf are handled: the careful path, in float64
+        for raw_a, raw_b in zip(blocks_a(), blocks_b(), strict=True):
+            x, y = _numeric(raw_a, tag_a, dtype, complex_pair), _numeric(raw_b, tag_b, dtype, complex_pair)
+            moments.a.count += x.size
+            moments.b.count += y.size
+            if not _fast_block(x, y, scratch[:, : x.size], epsilon, moments):
+                _careful_block(x, y, epsilon, moments)
     for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
         if side.needs_centring():
             _centre(side, blocks, tag, dtype, complex_pair)
@@ -155,30 +160,33 @@ def measure_side(blocks: Blocks, tag: str) -> SideMoments:
     complex_side = tag.startswith("C")
     dtype = np.dtype(np.float64) if complex_side else compute_dtype(tag, tag)
     side = SideMoments()
-    for raw in blocks():
-        x = _numeric(raw, tag, dtype, complex_side)
-        side.count += x.size
-        low, high = (x.min(), x.max()) if x.size else (0.0, 0.0)
-        total, squares = (float(x.sum()), float(np.dot(x, x))) if x.size else (0.0, 0.0)
-        if x.size and math.isfinite(low) and math.isfinite(high) and math.isfinite(squares):
-            side.add(total, squares, float(low), float(high))
-        elif x.size:
-            _careful_side(x.astype(np.float64), side)
+    with np.errstate(all="ignore"):  # as in measure_pair
+        for raw in blocks():
+            x = _numeric(raw, tag, dtype, complex_side)
+            side.count += x.size
+            low, high = (x.min(), x.max()) if x.size else (0.0, 0.0)
+            total, squares = (float(x.sum()), float(np.dot(x, x))) if x.size else (0.0, 0.0)
+            if x.size and all(map(math.isfinite, (low, high, total, squares))):
+                side.add(total, squares, float(low), float(high))
+            elif x.size:
+                _careful_side(x.astype(np.float64), side)
     if side.needs_centring():
         _centre(side, blocks, tag, dtype, complex_side)
     return side
 
 
-def _fast_block(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float, moments: PairMoments) -> bool:
+def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: float, moments: PairMoments) -> bool:
     if not x.size:
         return True
     low_a, high_a, low_b, high_b = x.min(), x.max(), y.min(), y.max()
     if not (math.isfinite(low_a) and math.isfinite(high_a) and math.isfinite(low_b) and math.isfinite(high_b)):
         return False  # NaN or an infinity somewhere: the careful path
+    d, both = scratch[0], scratch[1]
     np.subtract(y, x, out=d)
+    np.add(x, y, out=both)
     squares_d, squares_a, squares_b = float(np.dot(d, d)), float(np.dot(x, x)), float(np.dot(y, y))
-    total_a, total_b = float(x.sum()), float(y.sum())
-    if not all(map(math.isfinite, (squares_d, squares_a, squares_b, total_a, total_b))):
+    gap, total_a, total_b = float(np.dot(d, both)), float(x.sum()), float(y.sum())
+    if not all(map(math.isfinite, (squares_d, squares_a, squares_b, gap, total_a, total_b))):
         return False  # overflow in this precision: the careful path, in float64
     np.abs(d, out=d)
     moments.a.add(total_a, squares_a, float(low_a), float(high_a))
@@ -190,6 +198,7 @@ def _fast_block(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float, mom
     moments.both_a += squares_a
     moments.both_b += squares_b
     moments.both_delta += squares_d
+    moments.both_gap += gap
     return True
 
 
@@ -222,6 +231,7 @@ def _careful_block(x32: np.ndarray, y32: np.ndarray, epsilon: float, moments: Pa
     moments.both_a += float(np.dot(xb, xb))
     moments.both_b += float(np.dot(yb, yb))
     moments.both_delta += float(np.dot(yb - xb, yb - xb))
+    moments.both_gap += float(np.dot(yb - xb, yb + xb))
 
 
 def _centre(side: SideMoments, blocks: Blocks, tag: str, dtype: np.dtype[np.floating], complex_side: bool) -> None:

@@ -9,6 +9,7 @@ shrinks while it is read is an error, not a crash. Torch checkpoints (``torch.sa
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from collections.abc import Iterator
@@ -47,10 +48,7 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -211,13 +209,10 @@ class NumpySource(Source):
         size = self.path.stat().st_size
         try:
             self._archive = np.load(self.path, allow_pickle=False)
-            check_npz_sizes(self._archive, self.path)
+            layouts = check_npz_sizes(self._archive, self.path)
             found: dict[str, tuple[str, NpyLayout, int | None]] = {}
-            for member in self._archive.files:
-                info = self._archive.zip.getinfo(f"{member}.npy")
-                offset = stored_member_offset(self._archive.zip, info, size)
-                with self._archive.zip.open(info) as handle:
-                    layout = read_npy_layout(handle, f"{self.path}:{member}", info.file_size)
+            for member, layout in layouts.items():
+                offset = stored_member_offset(self._archive.zip, self._archive.zip.getinfo(f"{member}.npy"), size)
                 found[member] = (member, layout, offset)
         except CheckpointError:
             raise
