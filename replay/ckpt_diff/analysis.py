@@ -129,8 +129,10 @@ def sort_value(change: TensorChange, key: str) -> float | str:
 
 
 def ordered(changes: list[TensorChange], key: str) -> list[TensorChange]:
-    """``changes`` in ``--sort-by`` order (ties by name)."""
-    return sorted(changes, key=lambda c: (sort_value(c, key), c.name))
+    """``changes`` in ``--sort-by`` order (ties by name); by relative change, tensors that started at zero come
+    after the others (their 1 is a definition, not a size)."""
+    late = key == "relative_change"
+    return sorted(changes, key=lambda c: (late and c.started_at_zero, sort_value(c, key), c.name))
 
 
 def analyse(diff: CheckpointDiff, *, top: int = 10, sort_by: str = "relative_change") -> Analysis:
@@ -373,7 +375,7 @@ def _info_insights(diff: CheckpointDiff) -> list[Insight]:
     if frozen and diff.changed():
         moving_types = {c.layer_type for c in diff.tensors if c.status != "unchanged"}
         whole = sorted({c.layer_type for c in frozen} - moving_types)
-        extra = f"; every {', '.join(whole)} tensor is frozen" if whole else ""
+        extra = f"; layer types frozen whole: {', '.join(whole)}" if whole else ""
         text = f"{len(frozen)} tensor(s) are unchanged while others moved (frozen){extra}"
         found.append(Insight("info", "frozen", text, _names(frozen)))
     zero = [c for c in diff.tensors if c.started_at_zero and c.status == "changed"]

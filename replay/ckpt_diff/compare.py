@@ -42,7 +42,7 @@ LAYER_TYPES: Final[tuple[tuple[str, str], ...]] = (
     ("optimizer", r"^(optimizer|optimizer_states|lr_schedulers?|scheduler)\."),
     ("embedding", r"embed|wte|wpe|token|position"),
     ("attention", r"attn|attention|q_proj|k_proj|v_proj|o_proj|qkv|query|key|value"),
-    ("norm", r"norm|ln_|layernorm|batch_norm|\bbn\b"),
+    ("norm", r"norm|\bln(_\w+)?\b|\bbn\d*\b"),
     ("mlp", r"mlp|ffn|feed_forward|fc|linear|dense|c_fc|up_proj|down_proj|gate_proj"),
 )
 """Default layer-type patterns (first match wins; ``other`` otherwise), searched in the tensor name."""
@@ -235,6 +235,29 @@ class CheckpointDiff:
         for change in self.tensors:
             counted[change.status] += 1
         return counted
+
+    def summary(self) -> dict[str, object]:
+        """Counts per status, dtype and value changes, totals of A and B (parameters, bytes, tensors: each with its
+        delta), elements changed, and the mean and lowest cosine of the changed tensors (JSON-ready)."""
+        changed = [c for c in self.changed() if not math.isnan(c.cosine)]
+        lowest = min(changed, key=lambda c: c.cosine, default=None)
+
+        def total(a: int, b: int) -> dict[str, int]:
+            return {"a": a, "b": b, "delta": b - a}
+
+        return {
+            "counts": self.counts(),
+            "dtype_changed": sum(c.dtype_changed for c in self.tensors),
+            "entries_changed": sum(e.status != "unchanged" for e in self.entries),
+            "totals": {
+                "parameters": total(self.a.parameters, self.b.parameters),
+                "bytes": total(self.a.bytes, self.b.bytes),
+                "tensors": total(self.a.tensors, self.b.tensors),
+                "elements_changed": sum(c.elements_changed for c in self.tensors),
+            },
+            "mean_cosine": sum(c.cosine for c in changed) / len(changed) if changed else None,
+            "min_cosine": None if lowest is None else {"name": lowest.name, "cosine": lowest.cosine},
+        }
 
     def changed(self) -> list[TensorChange]:
         """Tensors whose values moved (status ``changed`` with a nonzero distance)."""

@@ -4,7 +4,6 @@ only with ``show_unchanged``). The JSON, YAML and HTML reports are renderings of
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 from parity_harness.replay.ckpt_diff.analysis import Analysis, ordered
@@ -22,26 +21,7 @@ def shown_tensors(diff: CheckpointDiff, sort_by: str, show_unchanged: bool) -> l
 
 
 def _summary(diff: CheckpointDiff, analysis: Analysis) -> dict[str, object]:
-    cosines = [c for c in diff.changed() if not math.isnan(c.cosine)]
-    lowest = min(cosines, key=lambda c: c.cosine, default=None)
-    return {
-        "counts": diff.counts(),
-        "dtype_changed": sum(c.dtype_changed for c in diff.tensors),
-        "entries_changed": sum(e.status != "unchanged" for e in diff.entries),
-        "totals": {
-            "parameters": {
-                "a": diff.a.parameters,
-                "b": diff.b.parameters,
-                "delta": diff.b.parameters - diff.a.parameters,
-            },
-            "bytes": {"a": diff.a.bytes, "b": diff.b.bytes, "delta": diff.b.bytes - diff.a.bytes},
-            "tensors": {"a": diff.a.tensors, "b": diff.b.tensors, "delta": diff.b.tensors - diff.a.tensors},
-            "elements_changed": sum(c.elements_changed for c in diff.tensors),
-        },
-        "mean_cosine": sum(c.cosine for c in cosines) / len(cosines) if cosines else None,
-        "min_cosine": None if lowest is None else {"name": lowest.name, "cosine": lowest.cosine},
-        "largest_changes": [_largest(c) for c in analysis.largest],
-    }
+    return {**diff.summary(), "largest_changes": [_largest(c) for c in analysis.largest]}
 
 
 def _largest(change: TensorChange) -> dict[str, object]:

@@ -150,7 +150,7 @@ def test_frozen_tensors_and_frozen_layer_types_are_named(tmp_path: Path) -> None
     frozen = next(i for i in analysis.insights if i.kind == "frozen")
     assert frozen.severity == "info"
     assert set(frozen.tensors) == {f"transformer.h.{layer}.ln_1.weight" for layer in range(LAYERS)}
-    assert "every norm tensor is frozen" in frozen.message
+    assert frozen.message.endswith("layer types frozen whole: norm")
 
 
 def test_a_layer_type_is_heavy_only_beyond_its_share_of_the_weights(tmp_path: Path) -> None:
@@ -189,3 +189,36 @@ def test_structure_changes_are_warnings_and_a_cast_is_info(tmp_path: Path) -> No
     assert cast_only.equal
     assert cast_only.tensors[0].dtype_changed
     assert not result.equal
+
+
+def test_the_python_api_describes_one_checkpoint_and_a_diff(tmp_path: Path) -> None:
+    """load() gives names, parameter count, bytes, layer names, per-tensor statistics and values without reading
+    the rest; diff() gives per-tensor records and a summary with totals; render() every format."""
+    a = gpt2_like()
+    np.savez(tmp_path / "a.npz", **a)
+    with ckpt_diff.load(tmp_path / "a.npz") as checkpoint:
+        assert checkpoint.kind == "npz"
+        assert checkpoint.names == list(a)
+        assert checkpoint.parameter_count == sum(v.size for v in a.values())
+        assert checkpoint.nbytes == sum(v.nbytes for v in a.values())
+        assert checkpoint.layer_names()[:3] == [
+            "transformer.wte",
+            "transformer.h.0.ln_1",
+            "transformer.h.0.attn.c_attn",
+        ]
+        stats = checkpoint.statistics("transformer.wte.weight")
+        assert stats.mean == pytest.approx(float(a["transformer.wte.weight"].astype(np.float64).mean()), rel=1e-6)
+        assert stats.std == pytest.approx(float(a["transformer.wte.weight"].astype(np.float64).std()), rel=1e-6)
+        assert np.array_equal(checkpoint.array("transformer.h.1.mlp.c_fc.weight"), a["transformer.h.1.mlp.c_fc.weight"])
+    result, analysis = analysed(tmp_path, a, moved(a, lambda layer: 0.01))
+    summary = result.summary()
+    assert summary["counts"] == {"changed": len(a), "unchanged": 0, "added": 0, "removed": 0, "shape_changed": 0}
+    assert summary["totals"]["parameters"] == {
+        "a": checkpoint.parameter_count,
+        "b": checkpoint.parameter_count,
+        "delta": 0,
+    }  # type: ignore[index]
+    for output_format in ("text", "markdown", "json", "yaml", "csv", "html"):
+        assert "transformer.h.0.mlp.c_fc.weight" in ckpt_diff.render(result, output_format, analysis=analysis)
+    with pytest.raises(ValueError, match="unknown report format 'pdf'"):
+        ckpt_diff.render(result, "pdf")
