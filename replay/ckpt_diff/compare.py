@@ -291,9 +291,7 @@ def diff_sources(
     Raises:
         InputError: ``include``/``exclude`` select none of either side's tensors.
     """
-    names_b = {name: name for name in source_b.tensors}
-    if rename is not None:
-        names_b = {mapped: name for name in source_b.tensors if (mapped := rename.parameter(name)) is not None}
+    names_b = _renamed(source_b, rename)
     keep = _selector(include, exclude)
     infos_a = {n: i for n, i in source_a.tensors.items() if keep(n)}
     infos_b = {n: source_b.tensors[original] for n, original in names_b.items() if keep(n)}
@@ -310,6 +308,29 @@ def diff_sources(
     result.tensors = [pair.compare(name, infos_a.get(name), infos_b.get(name)) for name in sorted({*infos_a, *infos_b})]
     result.entries = _compare_entries(source_a.entries, source_b.entries, keep)
     return result
+
+
+def _renamed(source: Source, rename: RenameMap | None) -> dict[str, str]:
+    """A's name -> B's stored name. Tensors the map gives no counterpart are noted on B's side (they are not
+    compared); two of B's tensors mapped onto one name are refused (one would hide the other)."""
+    if rename is None:
+        return {name: name for name in source.tensors}
+    names: dict[str, str] = {}
+    dropped = 0
+    for name in source.tensors:
+        mapped = rename.parameter(name)
+        if mapped is None:
+            dropped += 1
+        elif mapped in names:
+            raise InputError(
+                f"--map renames both {names[mapped]!r} and {name!r} of {source.path} to {mapped!r}; one would go "
+                "uncompared: fix the map so that each tensor has its own name"
+            )
+        else:
+            names[mapped] = name
+    if dropped:
+        source.notes.append(f"--map gives {dropped} of its tensors no counterpart: they are not compared")
+    return names
 
 
 def _selector(include: str | None, exclude: str | None) -> Callable[[str], bool]:

@@ -256,3 +256,21 @@ def test_layer_type_patterns_are_configurable(tmp_path: Path) -> None:
     assert kinds["head.bias"] == "classifier"
     assert kinds["embed.weight"] == "other"
     assert "NAME=REGEX" in one_error_line("ckpt-diff", CliRunner().invoke(main, [*args, "--layer-type", "nope"]))
+
+
+def test_a_map_that_merges_or_drops_tensors_cannot_hide_them(tmp_path: Path) -> None:
+    """Two of B's tensors mapped onto one name is exit 2 naming both; tensors the map drops are said in the report
+    (they are not compared)."""
+    a = {"w.weight": torch.ones(2)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file({"x.weight": torch.ones(2), "y.weight": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    merging = tmp_path / "merge.map"
+    merging.write_text("^x$ => w\n^y$ => w\n")
+    args = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [*args, "--map", str(merging)]))
+    assert "'x.weight' and 'y.weight'" in line
+    dropping = tmp_path / "drop.map"
+    dropping.write_text("^x$ => w\n^y$ => -\n")
+    result = CliRunner().invoke(main, [*args, "--map", str(dropping)])
+    assert result.exit_code == 0, result.output
+    assert "--map gives 1 of its tensors no counterpart" in result.stdout
