@@ -9,6 +9,7 @@ files without importing torch at all.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -97,7 +98,19 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"{file}: safetensors __metadata__ is not a map of strings")
     entries = {name: _parse_entry(name, info, size - data_start, file) for name, info in header.items()}
+    _check_disjoint(entries, file)
     return SafetensorsHeader(file, data_start, entries, dict(metadata or {}))
+
+
+def _check_disjoint(entries: dict[str, SafetensorsEntry], path: Path) -> None:
+    """Tensors may not share bytes: overlapping entries let a small file ask for any amount of reading."""
+    spans = sorted((entry.start, entry.end, name) for name, entry in entries.items() if entry.end > entry.start)
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise CheckpointError(
+                f"{path}: tensors {first!r} and {second!r} overlap in the data section (bytes from {start} are "
+                "claimed twice); the file is damaged or crafted"
+            )
 
 
 def _parse_header_json(raw: bytes, path: Path) -> dict[str, Any]:
@@ -214,6 +227,8 @@ def stored_member_offset(archive: zipfile.ZipFile, info: zipfile.ZipInfo, file_s
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         return None
     name_length, extra_length = struct.unpack("<HH", local[26:30])
+    if handle.read(name_length) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        return None  # the local header names another member than the directory says: let zipfile judge it
     start = info.header_offset + 30 + name_length + extra_length
     return start if start + info.file_size <= file_size else None
 

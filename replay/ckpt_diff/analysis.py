@@ -221,7 +221,7 @@ def _depth_patterns(points: list[DepthPoint]) -> list[Pattern]:
     stacks: dict[str, list[DepthPoint]] = defaultdict(list)
     for point in points:
         if math.isfinite(point.relative_change):
-            stacks[point.stack].append(point)
+            stacks[point.stack or "(top level)"].append(point)
     found = []
     for stack, profile in stacks.items():
         if len(profile) < 3:

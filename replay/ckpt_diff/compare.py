@@ -46,7 +46,7 @@ LAYER_TYPES: Final[tuple[tuple[str, str], ...]] = (
     ("mlp", r"mlp|ffn|feed_forward|fc|linear|dense|c_fc|up_proj|down_proj|gate_proj"),
 )
 """Default layer-type patterns (first match wins; ``other`` otherwise), searched in the tensor name."""
-_DEPTH: Final = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+_DEPTH: Final = re.compile(r"^(?:(.*?)\.)?(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,17 @@ class TensorStats:
             side.inf,
         )
 
-    def to_json(self) -> dict[str, float | int | None]:
+    def to_json(self) -> dict[str, float | int | str | None]:
         """As JSON (numbers that are not finite become null)."""
         return {key: _number(value) for key, value in vars(self).items()}
 
 
-def _number(value: float | int) -> float | int | None:
-    return value if isinstance(value, int) or math.isfinite(value) else None
+def _number(value: float | int) -> float | int | str | None:
+    """JSON has no infinities: an infinite metric is the string "inf" or "-inf" (not null, which means not computed);
+    NaN is null."""
+    if isinstance(value, int) or math.isfinite(value):
+        return value
+    return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 @dataclass(frozen=True)
@@ -272,7 +276,7 @@ def layer_type_of(name: str, patterns: tuple[tuple[str, str], ...] = LAYER_TYPES
 def depth_of(name: str) -> tuple[str, int] | None:
     """``(stack, index)`` of the first numbered component (``("transformer.h", 3)`` for ``transformer.h.3.attn.w``)."""
     match = _DEPTH.match(name)
-    return (match.group(1), int(match.group(2))) if match else None
+    return (match.group(1) or "", int(match.group(2))) if match else None
 
 
 def diff_sources(
@@ -349,10 +353,11 @@ class _Pairing:
     shape_only: bool
 
     def compare(self, name: str, info_a: TensorInfo | None, info_b: TensorInfo | None) -> TensorChange:
-        where = depth_of(name)
+        layer_type = layer_type_of(name, self.layer_types)
+        where = depth_of(name) if layer_type != "optimizer" else None  # optimizer state is numbered by parameter
         common: dict[str, Any] = {
             "name": name,
-            "layer_type": layer_type_of(name, self.layer_types),
+            "layer_type": layer_type,
             "depth": where[1] if where else None,
             "stack": where[0] if where else None,
             "shape_a": info_a.shape if info_a else None,

@@ -52,6 +52,6 @@ def diff_document(
         "insights": [i.to_json() for i in analysis.insights],
         "layer_types": [t.to_json() for t in analysis.layer_types],
         "depths": [d.to_json() for d in analysis.depths],
-        "entries": [e.to_json() for e in diff.entries],
+        "entries": [e.to_json() for e in diff.entries if show_unchanged or e.status != "unchanged"],
         "tensors": [c.to_json() for c in shown_tensors(diff, sort_by, show_unchanged)],
     }

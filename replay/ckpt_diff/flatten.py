@@ -7,6 +7,7 @@ end (a ``weights_only`` load has already materialised it, so the bound is on the
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeAlias, TypeVar
 
@@ -108,14 +109,25 @@ def _short_scalars(value: list[object] | tuple[object, ...]) -> bool:
 
 
 def _entry_value(value: object) -> EntryValue:
+    """A JSON-ready value that compares as the original does: long texts keep a prefix and a SHA-256 of the whole,
+    so two values that differ past the prefix still differ."""
     if isinstance(value, float | int | bool | type(None)):
         return value
     if isinstance(value, str):
-        return value if len(value) <= _MAX_TEXT else value[:_MAX_TEXT] + f"... ({len(value)} characters)"
+        return _bounded(value)
     if isinstance(value, (list, tuple)):
-        return [item if not isinstance(item, str) else item[:_MAX_TEXT] for item in value]
-    text = repr(value)  # bytes, torch.Size, dtypes, or objects a --trust-pickle load made
-    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
+        return [_bounded(item) if isinstance(item, str) else item for item in value]  # type: ignore[misc]
+    if isinstance(value, (bytes, bytearray)):
+        digest = hashlib.sha256(value).hexdigest()[:16]
+        return f"<{len(value)} bytes, sha256 {digest}: {bytes(value[:32])!r}...>"
+    return _bounded(repr(value))  # torch.Size, dtypes, or objects a --trust-pickle load made
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= _MAX_TEXT:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{text[:_MAX_TEXT]}... ({len(text)} characters, sha256 {digest})"
 
 
 Named = TypeVar("Named")

@@ -26,6 +26,8 @@ __all__ = ["BLOCK_ELEMENTS", "PairMoments", "SideMoments", "measure_pair", "meas
 BLOCK_ELEMENTS: Final = 1 << 16
 """Elements per block: 256 KB of float32, so a block pair and its difference stay in a core's cache."""
 _WIDE: Final = frozenset({"F64", "C128", "I32", "I64", "U32", "U64"})
+_INTEGER: Final = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL"})
+"""Compared exactly, element against element: float64 cannot tell 2**60 from 2**60 + 1."""
 """Tags whose values float32 cannot hold exactly: compared in float64."""
 _CANCELLATION: Final = 1e-3
 
@@ -64,7 +66,7 @@ class SideMoments:
             return math.nan
         if self.centred is not None:
             return math.sqrt(self.centred / self.finite)
-        return math.sqrt(max(self.squares / self.finite - self.mean**2, 0.0))
+        return math.sqrt(max(self.squares / self.finite - self.mean * self.mean, 0.0))
 
     @property
     def norm(self) -> float:
@@ -75,8 +77,8 @@ class SideMoments:
         """Whether ``E[x^2] - mean^2`` loses most of its digits (a spread small beside the mean)."""
         if self.finite < 2 or self.centred is not None:
             return False
-        variance = self.squares / self.finite - self.mean**2
-        return variance < _CANCELLATION * self.mean**2
+        variance = self.squares / self.finite - self.mean * self.mean  # products: past 1e154 inf, not an error
+        return variance < _CANCELLATION * self.mean * self.mean
 
     def add(self, total: float, squares: float, low: float, high: float) -> None:
         self.total += total
@@ -113,6 +115,8 @@ class PairMoments:
     def cosine(self) -> float:
         """Cosine similarity over elements finite on both sides; 1 when both are all zeros, NaN when one is."""
         norm_a, norm_b = math.sqrt(self.both_a), math.sqrt(self.both_b)
+        if not all(map(math.isfinite, (self.both_a, self.both_b, self.both_delta, self.both_gap))):
+            return math.nan  # squares past float64's range (values beyond 1e154): unknown, not -1
         if norm_a == 0 or norm_b == 0:
             return 1.0 if norm_a == norm_b else math.nan
         norms_apart = self.both_gap / (norm_a + norm_b)  # |B|-|A| without subtracting two rounded norms
@@ -147,8 +151,11 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
             x, y = _numeric(raw_a, tag_a, dtype, complex_pair), _numeric(raw_b, tag_b, dtype, complex_pair)
             moments.a.count += x.size
             moments.b.count += y.size
+            before = moments.differing
             if not _fast_block(x, y, scratch[:, : x.size], epsilon, moments):
                 _careful_block(x, y, epsilon, moments)
+            if tag_a in _INTEGER and tag_b in _INTEGER:
+                moments.differing = before + _integers_differing(raw_a, raw_b, x, y, epsilon)
     for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
         if side.needs_centring():
             _centre(side, blocks, tag, dtype, complex_pair)
@@ -200,6 +207,15 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
     moments.both_delta += squares_d
     moments.both_gap += gap
     return True
+
+
+def _integers_differing(raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: np.ndarray, epsilon: float) -> int:
+    """Integers that differ, by exact comparison (unequal integers differ by at least 1: within an epsilon below 1
+    none is equal; from 1 the float distance decides)."""
+    unequal = raw_a != raw_b
+    if epsilon >= 1:
+        unequal &= np.abs(y.astype(np.float64) - x.astype(np.float64)) > epsilon
+    return int(np.count_nonzero(unequal))
 
 
 def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:

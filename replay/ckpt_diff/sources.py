@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,20 +114,41 @@ class _FileRanges:
     def __init__(self) -> None:
         self._handles: dict[Path, int] = {}
         self._ranges: dict[str, tuple[Path, int, str]] = {}
+        self._checksums: dict[str, tuple[int, int, int]] = {}  # name -> (CRC-32, where it starts, bytes before data)
 
-    def add(self, name: str, path: Path, offset: int, tag: str) -> None:
+    def add(self, name: str, path: Path, offset: int, tag: str, checksum: tuple[int, int, int] | None = None) -> None:
+        """A tensor at ``offset``; ``checksum``: the CRC-32 a zip records over bytes that start before it."""
         if path not in self._handles:
             self._handles[path] = os.open(path, os.O_RDONLY)
         self._ranges[name] = (path, offset, tag)
+        if checksum is not None:
+            self._checksums[name] = checksum
 
     def blocks(self, name: str, count: int, elements: int) -> Iterator[np.ndarray]:
         path, offset, tag = self._ranges[name]
         dtype = storage_dtype(tag)
         buffer = bytearray(min(count, elements) * dtype.itemsize or 1)
+        running = self._checksum_start(name, path)
         for first in range(0, count, elements):
             size = min(elements, count - first) * dtype.itemsize
             _read_exactly(self._handles[path], memoryview(buffer)[:size], offset + first * dtype.itemsize, path, name)
+            if running is not None:
+                running = zlib.crc32(memoryview(buffer)[:size], running)
             yield np.frombuffer(buffer, dtype=dtype, count=size // dtype.itemsize)
+        if running is not None and running != self._checksums[name][0]:
+            raise CheckpointError(
+                f"{path}: member {name!r} fails its CRC-32 (recorded {self._checksums[name][0]:08x}, read "
+                f"{running:08x}); the file is damaged"
+            )
+
+    def _checksum_start(self, name: str, path: Path) -> int | None:
+        """The CRC-32 of the bytes before the tensor's data (an ``.npy`` header inside a zip member), if checked."""
+        if name not in self._checksums:
+            return None
+        _, start, length = self._checksums[name]
+        head = bytearray(length)
+        _read_exactly(self._handles[path], memoryview(head), start, path, name)
+        return zlib.crc32(head)
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -227,7 +249,9 @@ class NumpySource(Source):
         if offset is None or layout.fortran_order:
             self._whole[name] = member
         else:
-            self._ranges.add(name, self.path, offset + layout.data_offset, tag)
+            crc = self._archive.zip.getinfo(f"{member}.npy").CRC if member else None
+            checksum = None if crc is None else (crc, offset, layout.data_offset)
+            self._ranges.add(name, self.path, offset + layout.data_offset, tag, checksum)
 
     def blocks(self, name: str, elements: int) -> Iterator[np.ndarray]:
         if name not in self._whole:

@@ -31,14 +31,23 @@ def _layer_types(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(parsed)
 
 
+def _regex(context: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise click.BadParameter(f"{value!r}: invalid regex ({err})") from err
+    return value
+
+
 @click.command("ckpt-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint_a", type=click.Path())
 @click.argument("checkpoint_b", type=click.Path())
 @click.option(
     "--epsilon", default=0.0, show_default=True, type=Tol(), help="Element differences up to this count as unchanged."
 )
-@click.option("--include", metavar="REGEX", help="Only tensors whose name matches.")
-@click.option("--exclude", metavar="REGEX", help="Leave out tensors whose name matches.")
+@click.option("--include", metavar="REGEX", callback=_regex, help="Only tensors whose name matches.")
+@click.option("--exclude", metavar="REGEX", callback=_regex, help="Leave out tensors whose name matches.")
 @click.option(
     "--map",
     "map_file",

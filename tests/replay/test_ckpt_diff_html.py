@@ -318,3 +318,32 @@ def test_browser_runs_no_injected_script(tmp_path: Path) -> None:
     dom = _browse(page, tmp_path / "profile", "--dump-dom", fragment="#sort=-name")
     assert re.search(r"<body[^>]*data-pwned", dom) is None
     assert dom.count('<tr class="tensor"') == 2
+
+
+def test_browser_opens_the_clis_own_report(tmp_path: Path) -> None:
+    """The page ckpt-diff itself writes for a real pair (an infinity, a reshaped tensor, a zero-start bias) opens in
+    the browser with its sections, and #sort=-l2 orders the rows as the CLI's --sort-by l2 does."""
+    import numpy as np
+    from click.testing import CliRunner
+
+    from parity_harness.replay.cli.ckpt_diff import main
+
+    generator = np.random.default_rng(0)
+    a = {f"h.{i}.attn.weight": generator.standard_normal((16, 16)).astype(np.float32) for i in range(6)}
+    a |= {"h.0.attn.bias": np.zeros(16, np.float32), "head.weight": np.ones((2, 3), np.float32)}
+    b = {name: value + np.float32(0.01 * (1 + i)) for i, (name, value) in enumerate(a.items())}
+    b["h.3.attn.weight"][0, 0] = np.inf
+    b["head.weight"] = np.ones((2, 4), np.float32)
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    args = [str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), "--sort-by", "l2"]
+    page = tmp_path / "report.html"
+    assert CliRunner().invoke(main, [*args, "--format", "html", "--out", str(page)]).exit_code == 1
+    expected = [t["name"] for t in json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).stdout)["tensors"]]
+    dom = _browse(page, tmp_path / "profile", "--dump-dom", fragment="#sort=-l2")
+    for element_id in ("verdict", "summary", "insights", "chart-layer-types", "chart-depths", "tensors"):
+        assert f'id="{element_id}"' in dom
+    shown = [html.unescape(n) for n in re.findall(r'<tr class="tensor" data-name="([^"]*)"', dom)]
+    assert shown[0] == "h.3.attn.weight"  # infinite L2 first, as the CLI puts it
+    assert shown[: len(expected) - 1] == expected[: len(expected) - 1]  # the reshaped tensor (no L2) last
+    assert str(tmp_path / "a.npz") in html.unescape(dom)

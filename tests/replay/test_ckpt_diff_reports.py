@@ -147,5 +147,10 @@ def test_non_tensor_values_are_compared_and_listed(tmp_path: Path) -> None:
     row = next(line for line in result.stdout.splitlines() if " epoch " in line)
     assert row.split()[-2:] == ["3", "4"]
     entries = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).stdout)["entries"]
-    assert {"name": "epoch", "status": "changed", "a": 3, "b": 4} in entries
-    assert {"name": "lr", "status": "unchanged", "a": 0.1, "b": 0.1} in entries
+    assert entries == [{"name": "epoch", "status": "changed", "a": 3, "b": 4}]
+    everything = json.loads(CliRunner().invoke(main, [*args, "--format", "json", "--show-unchanged"]).stdout)
+    assert {"name": "lr", "status": "unchanged", "a": 0.1, "b": 0.1} in everything["entries"]
+    rows = list(csv.DictReader(io.StringIO(CliRunner().invoke(main, [*args, "--format", "csv"]).stdout)))
+    assert [(r["kind"], r["name"], r["value_a"], r["value_b"]) for r in rows if r["kind"] == "value"] == [
+        ("value", "epoch", "3", "4")
+    ]

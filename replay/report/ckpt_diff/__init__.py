@@ -37,6 +37,6 @@ def render(
         document = diff_document(diff, analysis, sort_by=sort_by, show_unchanged=show_unchanged)
         return {"json": render_json, "yaml": render_yaml, "html": render_html}[output_format](document)
     if output_format == "csv":
-        return render_csv(shown)
+        return render_csv(shown, [e for e in diff.entries if show_unchanged or e.status != "unchanged"])
     draw = render_markdown if output_format == "markdown" else render_text
     return draw(diff, analysis, shown, sort_by=sort_by, show_unchanged=show_unchanged)

@@ -132,7 +132,7 @@ _SCRIPT: Final = """
     } catch (error) { /* some file:// contexts refuse it: the sort still stands */ }
   });
   var initial = columnIndex(config.sort_by);  // the caller's order: a first click on it reverses it
-  if (initial >= 0) state = {index: initial, descending: config.sort_by !== "name"};
+  if (initial >= 0) state = {index: initial, descending: config.sort_by !== "name" && config.sort_by !== "cosine"};
   fromHash();
   window.addEventListener("hashchange", fromHash);
 })();
@@ -199,8 +199,10 @@ def _e(value: object) -> str:
 
 
 def _finite(value: object) -> float | None:
-    """``value`` as a finite float, or None (for null, text, bool and non-finite numbers)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """``value`` as a float (the document's "inf"/"-inf" strings as infinities), or None (null, text, bool, NaN)."""
+    if value in ("inf", "-inf"):
+        return float(str(value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return None
     return float(value)
 
@@ -298,11 +300,13 @@ def _summary(document: dict[str, object]) -> str:
     lowest = _map(summary.get("min_cosine"))
     if lowest:
         cards.append(_card(_num(lowest.get("cosine")), f"min cosine: <code>{_e(lowest.get('name', '?'))}</code>"))
+    key = str(_map(document.get("options")).get("sort_by", "relative_change"))
+    shown = key if key in ("relative_change", "l2", "max_abs", "cosine") else "relative_change"
     largest = "".join(
-        f"<li><code>{_e(c.get('name'))}</code> {_num(c.get('relative_change'))}</li>"
+        f"<li><code>{_e(c.get('name'))}</code> {_e(shown.replace('_', ' '))} {_num(c.get(shown))}</li>"
         for c in map(_map, _seq(summary.get("largest_changes")))
     )
-    extra = f'<p class="muted">Largest relative changes:</p><ol>{largest}</ol>' if largest else ""
+    extra = f'<p class="muted">Largest changes by {_e(key.replace("_", " "))}:</p><ol>{largest}</ol>' if largest else ""
     return f'<section id="summary"><h2>Summary</h2><div class="cards">{"".join(cards)}</div>{extra}</section>'
 
 
@@ -513,7 +517,7 @@ def _tensor_table(tensors: list[Any], sort_by: str) -> str:
 
 def _cell(value: float | None, text: str, css: str = "n") -> str:
     """A numeric cell: ``data-value`` holds the raw number the sort reads (empty for null)."""
-    raw = "" if value is None else repr(value)
+    raw = "" if value is None else ("Infinity" if value > 0 else "-Infinity") if math.isinf(value) else repr(value)
     return f'<td class="{css}" data-value="{raw}">{text}</td>'
 
 

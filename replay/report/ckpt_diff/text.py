@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 from typing import Final
 
 from tabulate import tabulate
 
 from parity_harness.replay.ckpt_diff.analysis import Analysis
-from parity_harness.replay.ckpt_diff.compare import METRICS, SYMBOLS, CheckpointDiff, SideSummary, TensorChange
+from parity_harness.replay.ckpt_diff.compare import (
+    METRICS,
+    SYMBOLS,
+    CheckpointDiff,
+    EntryChange,
+    SideSummary,
+    TensorChange,
+    TensorStats,
+)
 
 __all__ = ["render_csv", "render_markdown", "render_text"]
 
@@ -27,7 +36,7 @@ _HEADERS: Final = (
     "cosine",
     "rel change",
     "changed",
-    "NaN a/b",
+    "NaN,Inf a/b",
 )
 _MAX_LISTED: Final = 8
 
@@ -62,11 +71,13 @@ def _pair(change: TensorChange, field: str) -> str:
     return f"{_n(a)}->{_n(b)}"
 
 
+def _nonfinite(stats: TensorStats | None) -> str:
+    return "-" if stats is None else f"{stats.nan},{stats.inf}"
+
+
 def _row(change: TensorChange) -> list[str]:
     nan = (
-        "-"
-        if not (change.stats_a or change.stats_b)
-        else (f"{change.stats_a.nan if change.stats_a else '-'}/{change.stats_b.nan if change.stats_b else '-'}")
+        "-" if not (change.stats_a or change.stats_b) else f"{_nonfinite(change.stats_a)}/{_nonfinite(change.stats_b)}"
     )
     return [
         SYMBOLS[change.status],
@@ -237,11 +248,16 @@ CSV_FIELDS: Final = (
 )
 
 
-def render_csv(shown: list[TensorChange]) -> str:
-    """One row per listed tensor with every metric (shapes as ``3x4``, missing values empty)."""
+def render_csv(shown: list[TensorChange], entries: list[EntryChange]) -> str:
+    """One row per listed tensor with every metric (shapes as ``3x4``, missing values empty), then one per listed
+    non-tensor value (``kind`` says which: ``tensor`` or ``value``, whose A and B are in ``value_a``/``value_b``)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(CSV_FIELDS)
+    writer.writerow(("kind", *CSV_FIELDS, "value_a", "value_b"))
+    for entry in entries:
+        fields = {"name": entry.name, "status": entry.status}
+        values = [json.dumps(entry.to_json()[side]) for side in ("a", "b")]
+        writer.writerow(["value", *(fields.get(f, "") for f in CSV_FIELDS), *values])
     for change in shown:
         document = change.to_json()
         for side in ("a", "b"):
@@ -251,5 +267,5 @@ def render_csv(shown: list[TensorChange]) -> str:
                 document[f"{key}_{side}"] = stats.get(key)
             shape = document[f"shape_{side}"]
             document[f"shape_{side}"] = None if not isinstance(shape, list) else "x".join(map(str, shape))
-        writer.writerow(["" if document[f] is None else document[f] for f in CSV_FIELDS])
+        writer.writerow(["tensor", *("" if document[f] is None else document[f] for f in CSV_FIELDS), "", ""])
     return buffer.getvalue()

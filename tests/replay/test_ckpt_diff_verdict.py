@@ -1,0 +1,140 @@
+"""ckpt-diff verdict holes and hostile files found by a review, each kept as a test: two different checkpoints
+never come out EQUAL, and a crafted file cannot make the tool read without end or trust corrupted bytes."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from parity_harness.replay import ckpt_diff
+from parity_harness.replay.cli.ckpt_diff import main
+from tests.cli_helpers import one_error_line
+
+
+def npz_pair(tmp_path: Path, a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[Path, Path]:
+    """Both sides as uncompressed .npz files."""
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    return tmp_path / "a.npz", tmp_path / "b.npz"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [(np.int64, 2**60), (np.uint64, 2**63 + 2), (np.int64, -(2**62))],
+    ids=["int64", "uint64", "negative-int64"],
+)
+def test_wide_integers_are_compared_exactly(tmp_path: Path, dtype: type, value: int) -> None:
+    """Integers float64 cannot tell apart (2**60 against 2**60 + 1) are different, also within an epsilon below 1."""
+    a, b = np.array([value, 5], dtype=dtype), np.array([value + 1, 5], dtype=dtype)
+    result = ckpt_diff.diff(*npz_pair(tmp_path, {"step": a}, {"step": b}))
+    assert not result.equal
+    assert result.tensors[0].elements_changed == 1
+    assert not ckpt_diff.diff(tmp_path / "a.npz", tmp_path / "b.npz", epsilon=0.5).equal
+    assert ckpt_diff.diff(tmp_path / "a.npz", tmp_path / "b.npz", epsilon=2.0).equal
+
+
+@pytest.mark.parametrize(
+    ("value_a", "value_b"),
+    [
+        ("x" * 300 + "a", "x" * 300 + "b"),
+        (b"\0" * 300 + b"a", b"\0" * 300 + b"b"),
+        (["y" * 300 + "a"], ["y" * 300 + "b"]),
+    ],
+    ids=["long-text", "bytes", "list-of-long-texts"],
+)
+def test_long_values_differing_past_their_shown_prefix_differ(tmp_path: Path, value_a: object, value_b: object) -> None:
+    """A non-tensor value is compared whole, though shown shortened."""
+    weights = {"w": torch.ones(2)}
+    torch.save({"state_dict": weights, "note": value_a}, tmp_path / "a.pt")
+    torch.save({"state_dict": weights, "note": value_b}, tmp_path / "b.pt")
+    result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert [e.status for e in result.entries] == ["changed"]
+    assert len(json.dumps(result.entries[0].to_json())) < 1000
+
+
+def test_overlapping_safetensors_entries_are_refused(tmp_path: Path) -> None:
+    """Entries sharing bytes could make a small file demand terabytes of reading: exit 2 naming both."""
+    data = np.zeros(1024, np.float32).tobytes()
+    header = {f"t{i}": {"dtype": "F32", "shape": [1024], "data_offsets": [0, len(data)]} for i in range(3)}
+    raw = json.dumps(header).encode()
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    path = str(tmp_path / "x.safetensors")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [path, path]))
+    assert "'t0' and 't1' overlap" in line
+
+
+def test_a_corrupted_stored_npz_member_fails_its_crc(tmp_path: Path) -> None:
+    """A byte flipped inside an uncompressed .npz member read in place is caught by the zip's CRC-32: exit 2."""
+    a, _ = npz_pair(tmp_path, {"w": np.arange(100_000, dtype=np.float32)}, {"w": np.zeros(1, np.float32)})
+    raw = bytearray(a.read_bytes())
+    with zipfile.ZipFile(a) as archive:
+        info = archive.getinfo("w.npy")
+    raw[info.header_offset + 30 + len("w.npy") + 128 + 4000] ^= 0xFF  # inside the array, past the .npy header
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(bytes(raw))
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(a), str(broken)]))
+    assert "fails its CRC-32" in line
+
+
+def test_values_beyond_1e154_give_no_error_and_no_false_direction(tmp_path: Path) -> None:
+    """float64 squares overflow past 1e154: the diff still runs (exit 1), B = 2A is not called a reversed tensor."""
+    a = np.array([1e200, 1e200, 3e160], dtype=np.float64)
+    result = ckpt_diff.diff(*npz_pair(tmp_path, {"w": a}, {"w": 2 * a}))
+    change = result.tensors[0]
+    assert change.status == "changed"
+    assert not change.cosine < 0
+    assert not [i for i in ckpt_diff.analyse(result).insights if i.kind == "low_cosine"]
+
+
+def test_infinite_distances_are_inf_in_json_and_sort_first_in_html(tmp_path: Path) -> None:
+    """An infinity appearing in B: JSON says "inf" (null would mean not computed), and the HTML table's L2 column
+    sorts it as the largest."""
+    a = {"w": np.ones(4, np.float32), "v": np.ones(4, np.float32)}
+    b = {"w": np.array([1, 1, np.inf, 1], np.float32), "v": np.full(4, 2.0, np.float32)}
+    result = ckpt_diff.diff(*npz_pair(tmp_path, a, b))
+    document = json.loads(ckpt_diff.render(result, "json", sort_by="l2"))
+    by_name = {t["name"]: t for t in document["tensors"]}
+    assert by_name["w"]["l2"] == "inf"
+    assert by_name["w"]["max_abs"] == "inf"
+    assert [t["name"] for t in document["tensors"]] == ["w", "v"]
+    page = ckpt_diff.render(result, "html", sort_by="l2")
+    assert 'data-value="Infinity"' in page
+
+
+def test_optimizer_state_is_no_depth_and_top_level_layers_are(tmp_path: Path) -> None:
+    """optimizer.state.N is numbered by parameter, not depth; an nn.Sequential's 0.weight is depth 0."""
+    weights = {f"{i}.weight": torch.ones(3) * (i + 1) for i in range(4)}
+    torch.save({"state_dict": weights, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}}, tmp_path / "a.pt")
+    moved = {k: v * 1.1 for k, v in weights.items()}
+    torch.save({"state_dict": moved, "optimizer": {"state": {0: {"exp_avg": torch.ones(3) * 2}}}}, tmp_path / "b.pt")
+    result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    depths = {c.name: (c.stack, c.depth) for c in result.tensors}
+    assert depths["optimizer.state.0.exp_avg"] == (None, None)
+    assert depths["2.weight"] == ("", 2)
+    assert {p.scope for p in ckpt_diff.analyse(result).patterns if "depth" in p.name} == {"(top level)"}
+
+
+def test_an_invalid_include_pattern_names_its_option(tmp_path: Path) -> None:
+    """--include '(' is exit 2 naming --include and the regex error."""
+    a, b = npz_pair(tmp_path, {"w": np.ones(2, np.float32)}, {"w": np.ones(2, np.float32)})
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(a), str(b), "--include", "("]))
+    assert "--include" in line
+    assert "invalid regex" in line
+
+
+def test_a_map_that_drops_tensors_says_so(tmp_path: Path) -> None:
+    """Tensors of B the map gives no counterpart are named in the side's notes, in JSON too."""
+    save_file({"w": torch.ones(2), "extra": torch.ones(1)}, str(tmp_path / "a.safetensors"))
+    save_file({"w": torch.ones(2), "extra": torch.ones(1)}, str(tmp_path / "b.safetensors"))
+    (tmp_path / "m.map").write_text("^extra$ => -\n")
+    result = ckpt_diff.diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", map_file=tmp_path / "m.map")
+    assert any("no counterpart" in note for note in result.b.notes)
+    assert [c.status for c in result.tensors if c.name == "extra"] == ["removed"]
