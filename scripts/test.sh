@@ -35,8 +35,10 @@ fi
 # (the test skips cleanly elsewhere). PARITY_NO_BROWSER=1 leaves the system alone.
 if [ "${PARITY_NO_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null \
   && [ "$(id -u)" = 0 ]; then
-  (apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }) \
-    || echo "test.sh: could not install chromium; the browser test will skip" >&2
+  # bounded: a machine whose package mirrors cannot be reached must not hang the test run
+  (timeout 300 apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+    || { timeout 120 apt-get update -q >/dev/null 2>&1 \
+      && timeout 300 apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }) \
+    || echo "test.sh: could not install chromium; the browser tests will skip" >&2
 fi
 exec "$VENV/bin/python" -m pytest "$@"

@@ -116,7 +116,7 @@ def _entry_value(value: object) -> EntryValue:
     if isinstance(value, str):
         return _bounded(value)
     if isinstance(value, (list, tuple)):
-        return [_bounded(item) if isinstance(item, str) else item for item in value]  # type: ignore[misc]
+        return [_bounded(item) if isinstance(item, str) else item for item in value]
     if isinstance(value, (bytes, bytearray)):
         digest = hashlib.sha256(value).hexdigest()[:16]
         return f"<{len(value)} bytes, sha256 {digest}: {bytes(value[:32])!r}...>"
