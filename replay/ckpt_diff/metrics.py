@@ -145,7 +145,8 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
     complex_pair = tag_a.startswith("C") or tag_b.startswith("C")
     dtype = np.dtype(np.float64) if complex_pair else compute_dtype(tag_a, tag_b)
     moments = PairMoments()
-    scratch = np.empty((2, BLOCK_ELEMENTS * (2 if complex_pair else 1)), dtype=dtype)
+    scratch = np.empty((3, BLOCK_ELEMENTS * (2 if complex_pair else 1)), dtype=dtype)
+    scratch[2] = 1  # ones: a BLAS dot with them sums a block of non-negative terms twice as fast as .sum()
     with np.errstate(all="ignore"):  # overflow and inf - inf are handled: the careful path, in float64
         for raw_a, raw_b in zip(blocks_a(), blocks_b(), strict=True):
             x, y = _numeric(raw_a, tag_a, dtype, complex_pair), _numeric(raw_b, tag_b, dtype, complex_pair)
@@ -188,7 +189,7 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
     low_a, high_a, low_b, high_b = x.min(), x.max(), y.min(), y.max()
     if not (math.isfinite(low_a) and math.isfinite(high_a) and math.isfinite(low_b) and math.isfinite(high_b)):
         return False  # NaN or an infinity somewhere: the careful path
-    d, both = scratch[0], scratch[1]
+    d, both, ones = scratch[0], scratch[1], scratch[2]
     np.subtract(y, x, out=d)
     np.add(x, y, out=both)
     squares_d, squares_a, squares_b = float(np.dot(d, d)), float(np.dot(x, x)), float(np.dot(y, y))
@@ -199,9 +200,12 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
     moments.a.add(total_a, squares_a, float(low_a), float(high_a))
     moments.b.add(total_b, squares_b, float(low_b), float(high_b))
     moments.delta_squares += squares_d
-    moments.delta_abs += float(d.sum())
+    moments.delta_abs += float(np.dot(d, ones))  # every term >= 0: no cancellation to lose digits to
     moments.max_abs = max(moments.max_abs, float(d.max()))
-    moments.differing += int(np.count_nonzero(d)) if epsilon == 0 else int(np.count_nonzero(d > epsilon))
+    if epsilon == 0:  # |B-A| is never -0.0, so nonzero bits are nonzero values; counting ints is 6x faster
+        moments.differing += int(np.count_nonzero(d.view(np.int32 if d.dtype == np.float32 else np.int64)))
+    else:
+        moments.differing += int(np.count_nonzero(d > epsilon))
     moments.both_a += squares_a
     moments.both_b += squares_b
     moments.both_delta += squares_d
