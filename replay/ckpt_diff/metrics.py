@@ -4,10 +4,11 @@ distances between them (L1, L2, max |B-A|, cosine, how many elements differ).
 A block of finite values takes the fast path: a handful of NumPy reductions and BLAS dot products in the
 tensors' own precision (float32 for 16- and 32-bit floats), each block's result summed in float64. A block with a
 NaN or an infinity (seen in its min and max, which NumPy propagates) or one whose sums overflow is redone in
-float64, element by element. Cosine comes from the distance, ``1 - cos = (|B-A|^2 - (|A|-|B|)^2) / (2|A||B|)``,
-with ``|A|-|B|`` from ``sum (B-A)(A+B)``: it keeps its digits when A and B are nearly equal. A standard deviation
-small beside its mean (a LayerNorm weight near 1) is recomputed in a second pass around the mean, where
-``E[x^2] - mean^2`` would cancel.
+smaller parts, those with NaN, infinities or overflow in float64 with the non-finite elements set aside.
+
+Cosine comes from the distance, ``1 - cos = (|B-A|^2 - (|A|-|B|)^2) / (2|A||B|)``, with ``|A|-|B|`` from
+``sum (B-A)(A+B)``: it keeps its digits when A and B are nearly equal. A standard deviation small beside its mean
+(a LayerNorm weight near 1) is recomputed in a second pass around the mean, where ``E[x^2] - mean^2`` would cancel.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _INTEGER: Final = frozenset({"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64
 """Compared exactly, element against element: float64 cannot tell 2**60 from 2**60 + 1."""
 """Tags whose values float32 cannot hold exactly: compared in float64."""
 _CANCELLATION: Final = 1e-3
+_CAREFUL_ELEMENTS: Final = 1 << 14
+"""A block the fast path refuses is redone in parts of this size: the float64 path's temporaries then fit in L2 (twice
+as fast as whole blocks), and a part without NaN or overflow still takes the fast path."""
 
 Blocks = Callable[[], Iterator[np.ndarray]]
 """Opens a fresh pass over a tensor's stored blocks."""
@@ -154,7 +158,10 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
             moments.b.count += y.size
             before = moments.differing
             if not _fast_block(x, y, scratch[:, : x.size], epsilon, moments):
-                _careful_block(x, y, epsilon, moments)
+                for start in range(0, x.size, _CAREFUL_ELEMENTS):  # float64 temporaries that stay in cache
+                    part = slice(start, start + _CAREFUL_ELEMENTS)
+                    if not _fast_block(x[part], y[part], scratch[:, : x[part].size], epsilon, moments):
+                        _careful_block(x[part], y[part], epsilon, moments)
             if tag_a in _INTEGER and tag_b in _INTEGER:
                 moments.differing = before + _integers_differing(raw_a, raw_b, x, y, epsilon)
     for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
@@ -223,21 +230,54 @@ def _integers_differing(raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: 
 
 
 def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:
+    """Add one side's float64 block to its moments over its finite elements; return where those are."""
     finite = np.isfinite(x)
-    nan = int(np.isnan(x).sum())
+    count = int(np.count_nonzero(finite))
+    nan = int(np.count_nonzero(np.isnan(x))) if count < x.size else 0
     side.nan += nan
-    side.inf += x.size - int(finite.sum()) - nan
-    values = x[finite]
-    if values.size:
-        side.add(float(values.sum()), float(np.dot(values, values)), float(values.min()), float(values.max()))
-    return np.asarray(finite, dtype=bool)
+    side.inf += x.size - count - nan
+    if count:
+        values = np.where(finite, x, 0.0)  # masked in place of a gather: zeros add nothing to the sums
+        low, high = np.min(x, where=finite, initial=math.inf), np.max(x, where=finite, initial=-math.inf)
+        side.add(float(values.sum()), float(np.dot(values, values)), float(low), float(high))
+    return finite
 
 
 def _careful_block(x32: np.ndarray, y32: np.ndarray, epsilon: float, moments: PairMoments) -> None:
+    """A block with NaN, infinities or float32 overflow, in float64: the elements finite on both sides as the fast
+    path treats them (the others zeroed), then the few others one by one."""
     x, y = x32.astype(np.float64), y32.astype(np.float64)
     finite_a, finite_b = _careful_side(x, moments.a), _careful_side(y, moments.b)
+    both = finite_a & finite_b
+    xb, yb = np.where(both, x, 0.0), np.where(both, y, 0.0)
+    d = yb - xb
+    squares_d, gap = float(np.dot(d, d)), float(np.dot(d, xb + yb))
+    if not (math.isfinite(squares_d) and math.isfinite(gap)):
+        _elementwise_block(x, y, finite_a, finite_b, epsilon, moments)  # past 1e154: no shortcut holds
+        return
+    np.abs(d, out=d)
+    moments.delta_squares += squares_d
+    moments.delta_abs += float(d.sum())
+    moments.max_abs = max(moments.max_abs, float(d.max(initial=0.0)))
+    moments.differing += int(np.count_nonzero(d > epsilon))
+    moments.both_a += float(np.dot(xb, xb))
+    moments.both_b += float(np.dot(yb, yb))
+    moments.both_delta += squares_d
+    moments.both_gap += gap
+    odd = ~both
+    xs, ys = x[odd], y[odd]  # few: where either side is NaN or infinite
+    same = (xs == ys) | (np.isnan(xs) & np.isnan(ys))  # equal infinities and NaN against NaN are no change
+    changed = int(np.count_nonzero(~same))  # any other pair differs by NaN or an infinity
+    moments.nonfinite_delta += changed
+    moments.differing += changed
+
+
+def _elementwise_block(
+    x: np.ndarray, y: np.ndarray, finite_a: np.ndarray, finite_b: np.ndarray, epsilon: float, moments: PairMoments
+) -> None:
+    """The careful path element by element (values so large that float64's squares overflow)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        same = (x == y) | (np.isnan(x) & np.isnan(y))  # equal infinities and NaN against NaN are no change
+        same = (x == y) | (np.isnan(x) & np.isnan(y))
         delta = np.where(same, 0.0, y - x)
     finite = np.isfinite(delta)
     magnitude = np.abs(delta[finite])
