@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 _DIFFAI = "import sys, diffai; diffai.diff_paths(sys.argv[1], sys.argv[2])"
+_DIFFAI_COUNT = "import sys, diffai; print(len(diffai.diff_paths(sys.argv[1], sys.argv[2])))"
 
 
 def _stored(array: np.ndarray, dtype: str) -> np.ndarray:
@@ -136,7 +137,7 @@ def main() -> None:
             return
         other, other_peak, _ = _run([sys.executable, "-c", _DIFFAI, str(a), str(b)], options.repeats)
         count = subprocess.run(
-            [sys.executable, "-c", _DIFFAI.replace("diffai.diff_paths", "print(len(diffai.diff_paths") + "))", a, b],
+            [sys.executable, "-c", _DIFFAI_COUNT, a, b],
             capture_output=True,
             text=True,
             check=True,

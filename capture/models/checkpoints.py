@@ -18,7 +18,6 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
-from collections import ChainMap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -49,7 +48,6 @@ __all__ = [
     "check_npz_sizes",
     "is_tar_archive",
     "is_torchscript",
-    "lazy_tensors",
     "load_checkpoint",
     "load_torch_object",
     "nemo_limit",
@@ -200,35 +198,6 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 def read_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` file (validating its header first) into CPU tensors."""
     return dict(LazySafetensors(path))
-
-
-def lazy_tensors(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Mapping[str, torch.Tensor]:
-    """A checkpoint's named tensors, loaded as late as the format allows (for one-pair-at-a-time diffs).
-
-    Safetensors files and sharded Hugging Face safetensors folders are read tensor by tensor; zip
-    ``torch.save`` files are memory-mapped; other formats are loaded whole.
-    """
-    file = Path(path)
-    if file.is_file():
-        with file.open("rb") as handle:
-            head = handle.read(16)
-        if is_safetensors(head, file.stat().st_size):
-            return LazySafetensors(file)
-        if (
-            head.startswith(b"PK\x03\x04")
-            and not is_torchscript(file)
-            and not trust_pickle
-            and _torch_release() >= (2, 6)
-        ):
-            try:
-                return _unwrap(torch.load(file, map_location="cpu", weights_only=True, mmap=True), file)
-            except Exception:
-                pass
-    elif (file / "config.json").is_file():
-        shards = hf_weight_files(file)
-        if all(shard.suffix == ".safetensors" and shard.is_file() for shard in shards):
-            return ChainMap(*(LazySafetensors(shard) for shard in shards))  # type: ignore[arg-type]
-    return load_checkpoint(file, trust_pickle=trust_pickle).state_dict
 
 
 # ------------------------------------------------------------------ .nemo

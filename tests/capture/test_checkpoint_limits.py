@@ -20,8 +20,9 @@ from safetensors.torch import save_file
 from parity_harness.capture.cli.capture_run import main as capture_main
 from parity_harness.capture.models import checkpoints
 from parity_harness.capture.models.builtin import hf
-from parity_harness.capture.models.checkpoints import NEMO_LIMIT_VARIABLE, lazy_tensors, load_checkpoint
+from parity_harness.capture.models.checkpoints import NEMO_LIMIT_VARIABLE, load_checkpoint
 from parity_harness.common.errors import CheckpointError
+from parity_harness.replay.ckpt_diff.kinds import open_source
 from parity_harness.replay.cli.ckpt_diff import main as ckpt_diff_main
 from tests.capture.test_checkpoints import NEMO_CONFIG, _add_bytes, _assert_state_equal, _linear_state, _torch_bytes
 from tests.cli_helpers import one_error_line
@@ -194,10 +195,10 @@ def escaping_folder(tmp_path: Path, shard: str) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("shard", ESCAPES)
 def test_every_reader_refuses_an_escaping_shard(tmp_path: Path, shard: str) -> None:
-    """load_checkpoint, lazy_tensors (ckpt-diff) and the hf adapter refuse the same index, naming entry and shard."""
+    """load_checkpoint, ckpt-diff's open_source and the hf adapter refuse the same index, naming entry and shard."""
     folder, _ = escaping_folder(tmp_path, shard)
     expected = rf"model\.safetensors\.index\.json: weight_map entry 'w' names shard '{shard}', which points outside"
-    for read in (load_checkpoint, lazy_tensors, lambda f: hf.load_model(str(f), "cpu")):
+    for read in (load_checkpoint, open_source, lambda f: hf.load_model(str(f), "cpu")):
         with pytest.raises(CheckpointError, match=expected):
             read(folder)
 
@@ -267,7 +268,7 @@ def test_a_fifo_or_device_as_a_folder_json_file_is_refused_unread(tmp_path: Path
     index = folder / "model.safetensors.index.json"
     index.unlink()
     os.mkfifo(index)
-    for read in (load_checkpoint, lazy_tensors, lambda f: hf.load_model(str(f), "cpu")):
+    for read in (load_checkpoint, open_source, lambda f: hf.load_model(str(f), "cpu")):
         with pytest.raises(CheckpointError, match="not a regular file"):
             read(folder)
     index.unlink()
