@@ -19,7 +19,8 @@ from typing import Final
 import numpy as np
 
 from parity_harness.common.errors import BundleFormatError
-from parity_harness.common.numerics.metrics import TensorDiff, dot
+from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.numerics.running import dot
 from parity_harness.common.numerics.tolerances import Tolerance
 
 __all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistics", "stored_crc32"]

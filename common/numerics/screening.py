@@ -1,0 +1,159 @@
+"""float32 chunks screened in float32, with only the elements that can decide a figure redone in float64.
+
+Most records are float32 on both sides. Widened to float64 a chunk costs two copies and every pass moves twice
+the bytes. Here each quantity (``|a - e|``, ``|a - e| / |e|``, ``|a - e| - rtol * |e|``) is computed in float32,
+whose rounding is bounded relative to the operands, and only the elements within that bound of the chunk's
+extreme, or near the tolerance, are recomputed exactly as :mod:`parity_harness.common.numerics.metrics` computes
+them in float64. Every figure (mismatch count, extremes and their first positions, required tolerances) is the
+float64 one, bit for bit; the cosine's sums come from float32 dot products accumulated in float64 over
+``e·e``, ``e·d`` and ``d·d`` (``d = a - e``), so ``1 - cosine`` keeps a relative error near 1e-6.
+
+A chunk this cannot decide cheaply (non-finite values, float32 overflow or underflow of a screened quantity,
+tolerances outside float32's normal range, many elements beyond atol) is left to the float64 fold: nothing is
+folded then.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import numpy as np
+
+from parity_harness.common.numerics.running import RunningDiff, dot, nudge_up, passes
+from parity_harness.common.numerics.tolerances import Tolerance
+
+__all__ = ["Screen", "screenable"]
+
+_BAND: Final = 2.0**-20
+"""Relative width of the screening bands. Each float32 quantity is within 2**-22 of its exact value (relative to
+the operands), so an element outside the band cannot be, or tie with, the extreme."""
+_NORMAL: Final = 2.0**-100
+"""Tolerances below this (float32's subnormals lie below 2**-126), or above _HUGE, are not screened."""
+_HUGE: Final = 2.0**100
+_DENSE: Final = 8
+"""Chunks with more than 1/_DENSE of their elements beyond atol are folded in float64 whole: gathering them
+would cost more than widening."""
+
+
+def screenable(tolerance: Tolerance) -> bool:
+    """Whether ``tolerance``'s atol and rtol survive float32 with their relative precision."""
+    return all(value == 0.0 or _NORMAL <= value <= _HUGE for value in (tolerance.atol, tolerance.rtol))
+
+
+def _exact(e: np.ndarray, a: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``|a - e|`` and ``|e|`` at positions ``at``, in float64 as the float64 fold computes them."""
+    e64, a64 = e[at].astype(np.float64), a[at].astype(np.float64)
+    return np.abs(a64 - e64), np.abs(e64)
+
+
+class Screen:
+    """Chunk-sized float32 buffers, reused for every chunk of a comparison."""
+
+    def __init__(self, size: int, tolerance: Tolerance) -> None:
+        self.d, self.dabs, self.m, self.q = (np.empty(size, dtype=np.float32) for _ in range(4))
+        self.tolerance = tolerance
+        self.atol32, self.rtol32 = np.float32(tolerance.atol), np.float32(tolerance.rtol)
+        self.dense = False
+        """A chunk had many elements beyond atol: the rest of the comparison (most likely alike) goes to float64
+        without being screened first."""
+
+    def fold(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, start: int) -> bool:
+        """Fold the float32 chunk ``e``/``a`` (flat positions from ``start``) into ``run``; False, with nothing
+        folded, when the chunk needs the float64 fold."""
+        if self.dense:
+            return False
+        n = e.size
+        d, dabs, m = self.d[:n], self.dabs[:n], self.m[:n]
+        np.subtract(a, e, out=d)
+        np.abs(d, out=dabs)
+        top = float(dabs[int(np.argmax(dabs))])
+        if not math.isfinite(top):  # NaN or infinity on a side, or a difference past float32's range
+            return False
+        if top == 0.0:
+            run.add_zero(start)
+            self._add_dots(run, e, d, zero=True)
+            return True
+        np.abs(e, out=m)
+        # Rounding is monotonic, so the float64 largest differences are among the float32 largest.
+        largest_at = np.flatnonzero(dabs == top)
+        diff, _ = _exact(e, a, largest_at)
+        largest = float(np.max(diff))
+        beyond = None
+        if largest > self.tolerance.atol:
+            beyond = np.flatnonzero(dabs > self.atol32 * (1.0 - _BAND))
+            if beyond.size * _DENSE > n:
+                self.dense = True
+                return False
+        relative = self._relative(dabs, m)
+        if relative is None:
+            return False
+        first = int(np.argmax(diff))
+        if largest > run.max_abs:
+            run.max_abs, run.max_abs_at = largest, start + int(largest_at[first])
+        self._fold_relative(run, e, a, relative, start)
+        if largest > run.need_atol:
+            self._raise_atol(run, e, a, top)
+        if beyond is not None:
+            self._fold_beyond(run, e, a, beyond)
+        self._add_dots(run, e, d)
+        return True
+
+    def _relative(self, dabs: np.ndarray, m: np.ndarray) -> np.ndarray | None:
+        """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, or None if its maximum overflows or is 0
+        (no difference where the reference is nonzero). A nonzero ratio of float32 values is at least 2**-24:
+        normal, with float32's relative precision."""
+        q = self.q[: dabs.size]
+        if float(np.min(m)) > 0.0:
+            np.divide(dabs, m, out=q)
+        else:
+            q.fill(0.0)
+            np.divide(dabs, m, out=q, where=m > 0)
+        top = float(np.max(q))
+        return q if 0.0 < top < math.inf else None
+
+    def _fold_relative(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, relative: np.ndarray, start: int) -> None:
+        at = np.flatnonzero(relative >= float(np.max(relative)) * (1.0 - _BAND))
+        diff, magnitude = _exact(e, a, at)
+        values = diff / magnitude  # every candidate has a nonzero reference: its float32 ratio is positive
+        first = int(np.argmax(values))
+        if values[first] > run.max_rel:
+            run.max_rel, run.max_rel_at = float(values[first]), start + int(at[first])
+
+    def _raise_atol(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float) -> None:
+        """The float64 ``max(|a - e| - rtol * |e|)`` from the elements within the float32 error of the float32
+        maximum, nudged as the float64 fold nudges it; the others pass it with room to spare."""
+        slack = self.q[: e.size]
+        np.multiply(self.m[: e.size], self.rtol32, out=slack)
+        np.subtract(self.dabs[: e.size], slack, out=slack)
+        error = 2.0**-21 * (top + float(self.rtol32) * float(np.max(self.m[: e.size]))) + 2.0**-140
+        at = np.flatnonzero(slack >= float(np.max(slack)) - 2.0 * error)
+        diff, magnitude = _exact(e, a, at)
+        rtol = self.tolerance.rtol
+        candidate = float(np.max(diff - magnitude * rtol))
+        if candidate > run.need_atol:
+            run.need_atol = nudge_up(candidate, lambda value: passes(diff, magnitude, value, rtol))
+
+    def _fold_beyond(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, beyond: np.ndarray) -> None:
+        """Mismatches and the required rtol from the elements that may exceed atol (the others pass any rtol)."""
+        diff, magnitude = _exact(e, a, beyond)
+        atol, rtol = self.tolerance.atol, self.tolerance.rtol
+        run.mismatched += int(np.count_nonzero(diff > atol + rtol * magnitude))
+        if run.rtol_hopeless:
+            return
+        if np.any((magnitude == 0) & (diff > atol)):
+            run.rtol_hopeless = True
+            return
+        needed = np.zeros_like(diff)
+        np.divide(diff - atol, magnitude, out=needed, where=magnitude > 0)
+        candidate = float(np.max(needed))
+        if candidate > run.need_rtol:
+            run.need_rtol = nudge_up(candidate, lambda value: passes(diff, magnitude, atol, value))
+
+    @staticmethod
+    def _add_dots(run: RunningDiff, e: np.ndarray, d: np.ndarray, zero: bool = False) -> None:
+        """Sums of e*e, a*a and e*a from e*e, e*d and d*d (float32 products, float64 across pieces)."""
+        ee = dot(e, e)
+        ed, dd = (0.0, 0.0) if zero else (dot(e, d), dot(d, d))
+        ee_total, aa_total, ea_total = run.dots
+        run.dots = (ee_total + ee, aa_total + ee + 2.0 * ed + dd, ea_total + ee + ed)

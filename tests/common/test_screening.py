@@ -1,0 +1,236 @@
+"""The float32 screening gives the float64 comparison's figures exactly, on data built to sit on its edges."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from parity_harness.common.numerics import metrics
+from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.running import RunningDiff
+from parity_harness.common.numerics.screening import Screen, screenable
+from parity_harness.common.numerics.tolerances import Tolerance
+
+Pair = tuple[np.ndarray, np.ndarray]
+
+
+def _float64_only(monkeypatch: pytest.MonkeyPatch, e: np.ndarray, a: np.ndarray, tolerance: Tolerance) -> TensorDiff:
+    with monkeypatch.context() as patch:
+        patch.setattr(metrics, "screenable", lambda _: False)
+        return diff_arrays(e, a, tolerance, expected_dtype="F32", actual_dtype="F32")
+
+
+SPECIAL = 0.05
+"""Share of a chunk's elements that are built to sit on an edge; the rest agree to about 1e-7, so that chunks
+stay sparse enough to be screened (a chunk mostly beyond atol goes to float64 whole)."""
+
+
+def _base(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Agreeing elements: within 1e-7 relative, or equal bits when atol is zero (where any difference is beyond)."""
+    e = rng.standard_normal(n).astype(np.float32)
+    if tolerance.atol == 0.0:
+        return e, e.copy()
+    return e, (e * (1 + 1e-7 * rng.standard_normal(n))).astype(np.float32)
+
+
+def _ratio_contest(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Ratios |a - e| / |e| equal to 2**-33 while float32 rounds the sum a - e to 2**-23: float32 orders them
+    differently from float64."""
+    e = (1 + rng.integers(0, 1 << 20, n) * 2.0**-23).astype(np.float32)
+    return e, (-(e.astype(np.float64) * 2.0**-9 * 1.2345)).astype(np.float32)
+
+
+def _slack_contest(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """|a - e| - rtol * |e| nearly constant, cut so that the largest in float64 is not the largest in float32
+    (the required atol comes out of a float32 cancellation)."""
+    rtol = tolerance.rtol or 1e-5
+    e = (1 + rng.random(8 * n)).astype(np.float32)
+    a = (e.astype(np.float64) * (1 + rtol) + (tolerance.atol or 0.25) * 3.0).astype(np.float32)
+    slack64 = np.abs(a.astype(np.float64) - e) - tolerance.rtol * np.abs(e.astype(np.float64))
+    slack32 = np.abs(a - e) - np.float32(tolerance.rtol) * np.abs(e)
+    order = np.argsort(slack64, kind="stable")
+    below, above = order[:-1], order[1:]
+    inverted = np.flatnonzero((slack32[below] > slack32[above]) & (slack64[below] < slack64[above]))
+    keep = order[: inverted[-1] + 2] if inverted.size else order  # the top pair is inverted
+    keep = keep[-n:] if keep.size >= n else np.resize(keep, n)
+    shuffled = rng.permutation(keep)
+    return e[shuffled], a[shuffled]
+
+
+def _topped_by(score: np.ndarray, top: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` positions whose largest ``score`` is at one of the positions flagged in ``top`` (shuffled)."""
+    chosen = int(np.flatnonzero(top)[np.argmax(score[top])]) if top.any() else int(np.argmax(score))
+    below = np.flatnonzero(score < score[chosen])
+    return rng.permutation(np.append(rng.choice(below, n - 1), chosen))
+
+
+def _needs_nudges(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """The largest (|a - e| - atol) / |e| is at an element where ``atol + q*|e| < |a - e|`` in float64: the
+    closed form of the required rtol lands a step short. (The required atol's closed form never does on float32
+    values: ``|a - e|`` has 24 significant bits.)"""
+    e = (rng.standard_normal(16 * n) * 3).astype(np.float32)
+    a = (e + rng.standard_normal(e.size) * 1e-3).astype(np.float32)
+    d, m = np.abs(a.astype(np.float64) - e), np.abs(e.astype(np.float64))
+    with np.errstate(all="ignore"):
+        ratio = np.where(m > 0, (d - tolerance.atol) / m, -np.inf)
+        keep = _topped_by(ratio, tolerance.atol + ratio * m < d, rng, n)
+    return e[keep], a[keep]
+
+
+def _on_the_rule(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Differences at atol + rtol*|e| as float32 gets closest to it (exactly, for dyadic tolerances and
+    values), and one float32 step either side."""
+    e = (rng.integers(-64, 65, n) * 2.0**-4).astype(np.float32)
+    bound = tolerance.atol + tolerance.rtol * np.abs(e.astype(np.float64))
+    a = (e + bound * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+    step = rng.integers(-1, 2, n)
+    a = np.where(step > 0, np.nextafter(a, np.float32(np.inf)), a)
+    return e, np.where(step < 0, np.nextafter(a, np.float32(-np.inf)), a).astype(np.float32)
+
+
+def _ties(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Many equal largest differences and ratios, at positions where the first must win."""
+    e = rng.choice(np.array([0.5, 1.0, 2.0, -1.0], dtype=np.float32), n)
+    return e, (e + rng.choice(np.array([2.0**-3, -(2.0**-3)], dtype=np.float32), n)).astype(np.float32)
+
+
+def _zeros_in_reference(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Exact zeros in the reference, the port's value small or zero there (no rtol passes a difference at 0)."""
+    return np.zeros(n, dtype=np.float32), (rng.standard_normal(n) * rng.choice([0.0, 1e-6, 1e-3], n)).astype(np.float32)
+
+
+def _tiny(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Subnormal float32 values: products and differences that underflow float32."""
+    e = (rng.standard_normal(n) * 1e-39).astype(np.float32)
+    return e, (e + (rng.standard_normal(n) * 1e-44).astype(np.float32)).astype(np.float32)
+
+
+def _huge(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Values near float32's largest: differences that overflow float32 but not float64."""
+    e = (rng.choice([-1.0, 1.0], n) * 3e38).astype(np.float32)
+    return e, (-e * rng.choice([1.0, 0.999999], n)).astype(np.float32)
+
+
+def _wide_range(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Magnitudes from 1e-30 to 1e30: ratios whose float32 value overflows."""
+    e = (rng.standard_normal(n) * 10.0 ** rng.uniform(-30, 30, n)).astype(np.float32)
+    return e, (e * (1 + 1e-4 * rng.standard_normal(n)) + 1e-6 * rng.standard_normal(n)).astype(np.float32)
+
+
+def _non_finite(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    e = rng.standard_normal(n).astype(np.float32)
+    return e, np.where(rng.random(n) < 0.5, np.float32(np.nan), np.float32(np.inf)).astype(np.float32)
+
+
+Builder = Callable[[np.random.Generator, int, Tolerance], Pair]
+CASES: dict[str, Builder] = {
+    "ratio contest": _ratio_contest,
+    "slack contest": _slack_contest,
+    "on the rule": _on_the_rule,
+    "needs nudges": _needs_nudges,
+    "ties": _ties,
+    "zeros in the reference": _zeros_in_reference,
+    "subnormals": _tiny,
+    "near the float32 maximum": _huge,
+    "wide range": _wide_range,
+    "NaN and infinities": _non_finite,
+}
+TOLERANCES = [
+    Tolerance(1e-5, 1e-5),
+    Tolerance(2.0**-10, 2.0**-3),
+    Tolerance(1e-4, 0.0),
+    Tolerance(0.0, 1e-3),
+    Tolerance(0.0, 0.0),
+]
+
+
+def _pair(case: str, tolerance: Tolerance, seed: int) -> Pair:
+    """Agreeing elements with a share of ``case``'s elements at random positions, over two or three chunks."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 4)) * 60_000
+    e, a = _base(rng, n, tolerance)
+    at = rng.choice(n, int(n * SPECIAL), replace=False)
+    e[at], a[at] = CASES[case](rng, at.size, tolerance)
+    return e, a
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tolerance", TOLERANCES, ids=lambda t: f"atol={t.atol:g},rtol={t.rtol:g}")
+def test_screened_figures_are_the_float64_figures(
+    monkeypatch: pytest.MonkeyPatch, case: str, tolerance: Tolerance
+) -> None:
+    """Every figure but the cosine is the float64 fold's, bit for bit; 1 - cosine agrees to 1e-5 relative."""
+    for seed in range(3):
+        e, a = _pair(case, tolerance, seed)
+        screened = diff_arrays(e, a, tolerance, expected_dtype="F32", actual_dtype="F32")
+        exact = _float64_only(monkeypatch, e, a, tolerance)
+        assert dataclasses.replace(screened, cosine=0.0) == dataclasses.replace(exact, cosine=0.0), (case, seed)
+        if math.isfinite(exact.cosine):
+            assert 1.0 - screened.cosine == pytest.approx(1.0 - exact.cosine, rel=1e-5, abs=1e-12)
+
+
+SCREENED = {
+    "needs nudges",
+    "ratio contest",
+    "slack contest",
+    "on the rule",
+    "ties",
+    "zeros in the reference",
+    "subnormals",
+    "wide range",
+}
+"""Cases whose chunks the screening folds at the default tolerance (the others must go to float64)."""
+
+
+def test_the_edge_cases_are_screened_and_do_sit_on_their_edges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above compares two implementations only if the screening folded the chunks, and the data
+    is adversarial only if float32 orders the contested quantities differently from float64 and some elements
+    sit exactly on the rule."""
+    folded: list[bool] = []
+    fold = Screen.fold
+    monkeypatch.setattr(Screen, "fold", lambda *args: folded.append(fold(*args)) or folded[-1])
+    for case in CASES:
+        folded.clear()
+        diff_arrays(*_pair(case, Tolerance(1e-5, 1e-5), 0), Tolerance(1e-5, 1e-5))
+        assert any(folded) is (case in SCREENED), case
+    rule = Tolerance(2.0**-10, 2.0**-3)
+    e, a = (x.astype(np.float64) for x in _pair("on the rule", rule, 0))
+    diff, bound = np.abs(a - e), rule.atol + rule.rtol * np.abs(e)
+    assert np.count_nonzero(diff == bound) > 100
+    assert np.count_nonzero(diff > bound) > 100
+    assert 0 < diff_arrays(*_pair("on the rule", rule, 0), rule).mismatched < e.size * SPECIAL
+    e32, a32 = _pair("ratio contest", Tolerance(1e-5, 1e-5), 0)
+    ratio64 = np.abs(a32.astype(np.float64) - e32) / np.abs(e32.astype(np.float64))
+    ratio32 = np.abs(a32 - e32) / np.abs(e32)
+    assert int(np.argmax(ratio64)) not in np.flatnonzero(ratio32 == ratio32.max())
+    default = Tolerance(1e-5, 1e-5)
+    e32, a32 = _pair("slack contest", default, 0)
+    slack64 = np.abs(a32.astype(np.float64) - e32) - default.rtol * np.abs(e32.astype(np.float64))
+    slack32 = np.abs(a32 - e32) - np.float32(default.rtol) * np.abs(e32)
+    assert int(np.argmax(slack64)) not in np.flatnonzero(slack32 == slack32.max())
+
+
+def test_screening_folds_the_chunks_it_can_and_leaves_the_others() -> None:
+    """A chunk of near values is folded in float32; NaN, float32 overflow, or most elements beyond atol are not,
+    and after a chunk mostly beyond atol the rest of the comparison goes to float64 unscreened."""
+    tolerance = Tolerance(1e-5, 1e-5)
+    with np.errstate(all="ignore"):
+        for case, folded in (("ties", True), ("NaN and infinities", False), ("near the float32 maximum", False)):
+            e, a = _pair(case, tolerance, 1)
+            assert Screen(e.size, tolerance).fold(RunningDiff(tolerance), e, a, 0) is folded, case
+        e, a = _base(np.random.default_rng(1), 1000, tolerance)
+        screen = Screen(1000, tolerance)
+        assert not screen.fold(RunningDiff(tolerance), e, a + np.float32(1.0), 0)
+        assert not screen.fold(RunningDiff(tolerance), e, a, 0)
+
+
+def test_tolerances_outside_float32_are_not_screened() -> None:
+    """An atol or rtol that float32 would round to zero or infinity leaves every chunk to float64."""
+    assert screenable(Tolerance(1e-5, 1e-5))
+    assert screenable(Tolerance(0.0, 0.0))
+    assert not screenable(Tolerance(1e-40, 1e-5))
+    assert not screenable(Tolerance(1e-5, 1e39))
