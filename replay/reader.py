@@ -19,6 +19,7 @@ import contextlib
 import mmap
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -45,6 +46,7 @@ from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.format.packing import unpack
+from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.statistics import stored_crc32
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.preflight import preflight as walk_in_child
@@ -53,6 +55,10 @@ if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): te
     import torch
 
 __all__ = ["BundleReader", "open_bundle_for_listing", "rebuild"]
+
+VERIFY_LATER_FROM = 1 << 20
+"""Bytes from which :meth:`BundleReader.verify` may run a checksum on the second thread: below, handing it over
+costs more than computing it."""
 
 
 def _open_hdf5(path: Path) -> h5py.File:
@@ -89,6 +95,7 @@ class BundleReader:
         self.path = Path(path)
         self._verify = verify
         self._verified: set[str] = set()
+        self._pending: list[tuple[str, int, Future[int]]] = []
         if preflight is not None and self.path.is_file():
             walk_in_child(self.path, seconds=preflight)
         self._file = _open_hdf5(self.path)
@@ -254,19 +261,35 @@ class BundleReader:
         array = view.reshape(stored.shape)
         return self.verify(ref, array) if verify else array
 
-    def verify(self, ref: TensorRef, array: np.ndarray) -> np.ndarray:
-        """``array`` (read for ``ref``) after its CRC-32 matched the one recorded at capture (once per dataset)."""
+    def verify(self, ref: TensorRef, array: np.ndarray, *, later: bool = False) -> np.ndarray:
+        """``array`` (read for ``ref``) after its CRC-32 matched the one recorded at capture (once per dataset).
+
+        ``later``: a large array's CRC-32 runs on the second thread while the caller goes on (the comparison is
+        single-threaded, so the checksum costs no wall time); :meth:`settle` waits for it and raises then.
+        """
         expected = self.index.checksums.get(ref.path)
         if not self._verify or expected is None or ref.path in self._verified:
             return array
-        actual = stored_crc32(array)
+        self._verified.add(ref.path)
+        if later and array.nbytes >= VERIFY_LATER_FROM:
+            self._pending.append((ref.path, expected, on_second_thread(stored_crc32, array)))
+        else:
+            self._check_crc(ref.path, expected, stored_crc32(array))
+        return array
+
+    def settle(self) -> None:
+        """Wait for the checksums :meth:`verify` started with ``later``; raise for the first that did not match."""
+        pending, self._pending = self._pending, []
+        computed = [(path, expected, future.result()) for path, expected, future in pending]
+        for path, expected, actual in computed:
+            self._check_crc(path, expected, actual)
+
+    def _check_crc(self, path: str, expected: int, actual: int) -> None:
         if actual != expected:
             raise BundleFormatError(
-                f"{self.path}:{ref.path}: checksum mismatch (CRC-32 {actual:08x}, recorded {expected:08x}): the "
+                f"{self.path}:{path}: checksum mismatch (CRC-32 {actual:08x}, recorded {expected:08x}): the "
                 "stored bytes changed after capture; copy the bundle again (or pass --no-verify to read it anyway)"
             )
-        self._verified.add(ref.path)
-        return array
 
     def _keep_resident(self, nbytes: int) -> None:
         """Note a record about to be read; first drop the pages of those read before from this process (they
@@ -276,6 +299,7 @@ class BundleReader:
         self._resident_bytes += nbytes
 
     def _release_resident(self) -> None:
+        self.settle()  # checksums still reading the pages would fault them back in
         if self._map is not None and self._resident_bytes and hasattr(mmap, "MADV_DONTNEED"):
             # The whole mapping, not the records' spans: the kernel maps pages around each fault too (fault-around),
             # and those would pile up record after record. Ranges this process never touched cost nothing.
@@ -300,7 +324,11 @@ class BundleReader:
         return rebuild(tree, self.read_tensor)
 
     def close(self) -> None:
-        """Close the file. Arrays read before stay readable until they are dropped."""
+        """Close the file, after any checksum still running (its result unclaimed: :meth:`settle` raises). Arrays
+        read before stay readable until they are dropped."""
+        for *_, future in self._pending:
+            future.exception()  # waited for, not raised: closing must not mask what is already propagating
+        self._pending = []
         self._file.close()
         self._map = None  # unmapped once the last array read from it is gone
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import atexit
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final, TypeVar
 
-__all__ = ["PARALLEL_FROM", "in_halves"]
+__all__ = ["PARALLEL_FROM", "in_halves", "on_second_thread"]
 
 PARALLEL_FROM: Final = 1 << 20
 """Elements from which work is split (4 MiB of float32): below, the hand-off to the second thread (waking it,
@@ -34,6 +34,11 @@ def _second_thread() -> ThreadPoolExecutor:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-compare")
             atexit.register(_executor.shutdown, wait=False)
         return _executor
+
+
+def on_second_thread(work: Callable[..., _T], *args: object) -> Future[_T]:
+    """``work(*args)`` started on the second thread (after anything queued there before)."""
+    return _second_thread().submit(work, *args)
 
 
 def in_halves(size: int, grain: int, work: Callable[[int, int], _T]) -> list[_T]:

@@ -139,11 +139,13 @@ def compare_run(
     session.compare_parameters()
     session.run_every_rank()
     session.compare_gradients()
+    session.settle_checksums()
     session.recheck_rounding()
     session.account_for_unvisited()
     session.note_what_was_left_out()
     if options.isolate:
         session.isolate()
+        session.settle_checksums()
     return session.result
 
 
@@ -195,6 +197,12 @@ class _ReplaySession:
         if not self.index.noise_floor:
             raise InputError(f"{path}: the bundle has no noise floor; capture it with capture-run --noise-floor")
         return tolerances.with_noise_floor(self.index.noise_floor, options.noise_factor)
+
+    def settle_checksums(self) -> None:
+        """Wait for the checksums the comparisons started on the second thread: a damaged record raises here."""
+        self.reader.settle()
+        if self.weights is not self.reader:
+            self.weights.settle()
 
     def compare_parameters(self) -> None:
         """The port's weights against the reference's (a mismatch means other weights were loaded)."""

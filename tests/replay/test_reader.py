@@ -16,6 +16,7 @@ import torch
 
 from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
+from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
 from tests.models import build_tiny, tiny_inputs
 
@@ -431,12 +432,51 @@ def test_a_flipped_bit_in_tensor_data_is_caught_and_named(tiny_bundle: Path) -> 
         assert not np.array_equal(reader.read_array(reader.index.params["head.weight"]), original)
 
 
-def test_replay_cli_reports_a_damaged_tensor_in_one_line(tiny_bundle: Path, tiny_ckpt: Path) -> None:
-    """replay-compare on a bundle altered after capture: exit 2, one line naming the record."""
+def test_a_checksum_left_for_later_raises_when_settled(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large record's checksum runs on the second thread: verify returns, settle names the damaged dataset, and
+    a record verified once is not checked again."""
+    monkeypatch.setattr(reader_module, "VERIFY_LATER_FROM", 0)
+    flipped = flip_data_byte(tiny_bundle, "params/head.weight")
+    with BundleReader(flipped) as reader:
+        ref = reader.index.params["head.weight"]
+        array = reader.read_array(ref, verify=False)
+        assert reader.verify(ref, array, later=True) is array
+        with pytest.raises(BundleFormatError, match=r"/params/head\.weight: checksum mismatch"):
+            reader.settle()
+        reader.settle()
+        intact = reader.index.params["head.bias"]
+        reader.verify(intact, reader.read_array(intact, verify=False), later=True)
+        reader.settle()
+
+
+def test_a_damaged_record_compared_last_fails_the_replay(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every gradient record damaged (the last records a replay compares), checksums left to the second thread:
+    compare_run raises before it returns a result; no checksum is left unclaimed behind the verdict."""
+    from parity_harness.replay.compare.runner import compare_run
+
+    monkeypatch.setattr(reader_module, "VERIFY_LATER_FROM", 0)
+    damaged = tiny_bundle
+    with BundleReader(tiny_bundle) as reader:
+        gradients = [ref.path.lstrip("/") for ref in reader.index.grads.values()]
+    for path in gradients:
+        damaged = flip_data_byte(damaged, path)
+    with BundleReader(damaged) as reader, pytest.raises(BundleFormatError, match=r"/grads/.*: checksum mismatch"):
+        compare_run(build_tiny(), reader)
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["checked at once", "checked on the second thread"])
+def test_replay_cli_reports_a_damaged_tensor_in_one_line(
+    tiny_bundle: Path, tiny_ckpt: Path, later: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replay-compare on a bundle altered after capture: exit 2, one line naming the record, also when the
+    record's checksum was left to the second thread (records from 1 MiB)."""
     from click.testing import CliRunner
 
     from parity_harness.replay.cli.replay_compare import main
     from tests.cli_helpers import one_error_line
+
+    if later:
+        monkeypatch.setattr(reader_module, "VERIFY_LATER_FROM", 0)
 
     flipped = flip_data_byte(tiny_bundle, "params/head.weight")
     args = ["--bundle", str(flipped), "--model", "tests.models:build_tiny", "--ckpt", str(tiny_ckpt), "--quiet"]
