@@ -96,6 +96,9 @@ class BundleReader:
         self._verify = verify
         self._verified: set[str] = set()
         self._pending: list[tuple[str, int, Future[int]]] = []
+        self.differences_seen = False
+        """A record read through this reader differed from the port's value (set by the comparison): later
+        records' checksums then start before their comparison, not after."""
         if preflight is not None and self.path.is_file():
             walk_in_child(self.path, seconds=preflight)
         self._file = _open_hdf5(self.path)
