@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from parity_harness.common.numerics import metrics  # noqa: E402
-from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays  # noqa: E402
-from parity_harness.common.numerics.tolerances import Tolerance  # noqa: E402
+from parity_harness.common.numerics import metrics
+from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays
+from parity_harness.common.numerics.tolerances import Tolerance
 
 
 def best_seconds(e: np.ndarray, a: np.ndarray, repeat: int) -> tuple[float, TensorDiff]:
