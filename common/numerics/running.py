@@ -14,7 +14,7 @@ import numpy as np
 
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["RunningDiff", "dot", "nudge_up", "passes"]
+__all__ = ["RunningDiff", "dot"]
 
 
 _DOT_PIECE = 8192
@@ -83,21 +83,31 @@ class RunningDiff:
     def add_required(
         self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, largest: float, nonzero: bool
     ) -> None:
-        """Raise the required atol and rtol so that this chunk passes (``nonzero``: no reference value is zero).
+        """Raise the required atol and rtol so that this chunk passes (``largest``: its largest difference;
+        ``nonzero``: no reference value is zero).
 
         Each closed form can land one rounding step short, so it is nudged up until the rule,
         evaluated exactly as the comparison evaluates it, passes on the chunk. Rounding is
         monotonic, so the largest value any chunk needs passes every chunk.
         """
-        atol, rtol = self.tolerance.atol, self.tolerance.rtol
         if largest > self.need_atol:  # otherwise diff - rtol*|e| <= diff <= the atol already needed
-            np.multiply(magnitude, rtol, out=scratch)
-            np.subtract(diff, scratch, out=scratch)
-            candidate = float(np.max(scratch))
-            if candidate > self.need_atol:
-                self.need_atol = nudge_up(candidate, lambda value: passes(diff, magnitude, value, rtol))
-        if self.rtol_hopeless or largest <= atol:  # within atol everywhere: no rtol needed here
-            return
+            self.raise_atol(diff, magnitude, scratch)
+        if not self.rtol_hopeless and largest > self.tolerance.atol:  # within atol everywhere: no rtol needed
+            self.raise_rtol(diff, magnitude, scratch, nonzero)
+
+    def raise_atol(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray) -> None:
+        """Raise the required atol so that these elements pass at the tolerance's rtol."""
+        rtol = self.tolerance.rtol
+        np.multiply(magnitude, rtol, out=scratch)
+        np.subtract(diff, scratch, out=scratch)
+        candidate = float(np.max(scratch))
+        if candidate > self.need_atol:
+            self.need_atol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, value, rtol))
+
+    def raise_rtol(self, diff: np.ndarray, magnitude: np.ndarray, scratch: np.ndarray, nonzero: bool) -> None:
+        """Raise the required rtol so that these elements pass at the tolerance's atol, or mark it hopeless (a
+        difference beyond atol where the reference is zero)."""
+        atol = self.tolerance.atol
         if nonzero:  # the values the masked division below gives, without the zero test, the mask and a temporary
             np.subtract(diff, atol, out=scratch)
             np.divide(scratch, magnitude, out=scratch)
@@ -109,10 +119,10 @@ class RunningDiff:
             np.divide(diff - atol, magnitude, out=scratch, where=magnitude > 0)
         candidate = float(np.max(scratch))
         if candidate > self.need_rtol:
-            self.need_rtol = nudge_up(candidate, lambda value: passes(diff, magnitude, atol, value))
+            self.need_rtol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, atol, value))
 
 
-def nudge_up(candidate: float, passes: Callable[[float], bool]) -> float:
+def _nudge_up(candidate: float, passes: Callable[[float], bool]) -> float:
     """``candidate`` raised one rounding step at a time (at most 8) until ``passes`` holds."""
     for _ in range(8):
         if passes(candidate):
@@ -121,5 +131,5 @@ def nudge_up(candidate: float, passes: Callable[[float], bool]) -> float:
     return candidate
 
 
-def passes(diff: np.ndarray, magnitude: np.ndarray, atol: float, rtol: float) -> bool:
+def _passes(diff: np.ndarray, magnitude: np.ndarray, atol: float, rtol: float) -> bool:
     return bool(np.all(diff <= atol + rtol * magnitude))

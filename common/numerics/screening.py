@@ -20,7 +20,7 @@ from typing import Final
 
 import numpy as np
 
-from parity_harness.common.numerics.running import RunningDiff, dot, nudge_up, passes
+from parity_harness.common.numerics.running import RunningDiff, dot
 from parity_harness.common.numerics.tolerances import Tolerance
 
 __all__ = ["Screen", "screenable"]
@@ -121,34 +121,21 @@ class Screen:
             run.max_rel, run.max_rel_at = float(values[first]), start + int(at[first])
 
     def _raise_atol(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float) -> None:
-        """The float64 ``max(|a - e| - rtol * |e|)`` from the elements within the float32 error of the float32
-        maximum, nudged as the float64 fold nudges it; the others pass it with room to spare."""
+        """The required atol from the elements within the float32 error of the float32 maximum of
+        ``|a - e| - rtol * |e|``; the others pass it with room to spare."""
         slack = self.q[: e.size]
         np.multiply(self.m[: e.size], self.rtol32, out=slack)
         np.subtract(self.dabs[: e.size], slack, out=slack)
         error = 2.0**-21 * (top + float(self.rtol32) * float(np.max(self.m[: e.size]))) + 2.0**-140
-        at = np.flatnonzero(slack >= float(np.max(slack)) - 2.0 * error)
-        diff, magnitude = _exact(e, a, at)
-        rtol = self.tolerance.rtol
-        candidate = float(np.max(diff - magnitude * rtol))
-        if candidate > run.need_atol:
-            run.need_atol = nudge_up(candidate, lambda value: passes(diff, magnitude, value, rtol))
+        diff, magnitude = _exact(e, a, np.flatnonzero(slack >= float(np.max(slack)) - 2.0 * error))
+        run.raise_atol(diff, magnitude, np.empty_like(diff))
 
     def _fold_beyond(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, beyond: np.ndarray) -> None:
         """Mismatches and the required rtol from the elements that may exceed atol (the others pass any rtol)."""
         diff, magnitude = _exact(e, a, beyond)
-        atol, rtol = self.tolerance.atol, self.tolerance.rtol
-        run.mismatched += int(np.count_nonzero(diff > atol + rtol * magnitude))
-        if run.rtol_hopeless:
-            return
-        if np.any((magnitude == 0) & (diff > atol)):
-            run.rtol_hopeless = True
-            return
-        needed = np.zeros_like(diff)
-        np.divide(diff - atol, magnitude, out=needed, where=magnitude > 0)
-        candidate = float(np.max(needed))
-        if candidate > run.need_rtol:
-            run.need_rtol = nudge_up(candidate, lambda value: passes(diff, magnitude, atol, value))
+        run.mismatched += int(np.count_nonzero(diff > self.tolerance.atol + self.tolerance.rtol * magnitude))
+        if not run.rtol_hopeless:
+            run.raise_rtol(diff, magnitude, np.empty_like(diff), nonzero=bool(np.min(magnitude) > 0))
 
     @staticmethod
     def _add_dots(run: RunningDiff, e: np.ndarray, d: np.ndarray, zero: bool = False) -> None:
