@@ -15,7 +15,9 @@ Two autograd facts shape this module:
   when the view's own hook did not fire first and the view was modified in place since (its version
   counter moved; an untouched view whose hook stayed silent got no gradient). For an input
   modified in place by the module (``ReLU(inplace=True)``) the fallback sees the gradient of every consumer of the
-  pre-modification value, which after an in-place op is almost always this module alone.
+  pre-modification value, which after an in-place op is almost always this module alone. The fallback lets go of
+  the view as soon as nothing else reaches its memory (``views``), so the hooks keep no tensor alive that the bare run
+  frees.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from parity_harness.capture.observe.naming import (
     positional_names,
     type_name,
 )
+from parity_harness.capture.observe.views import BaseFallback, HeldViews
 from parity_harness.common.format.bundle.layout import join_slot
 
 __all__ = ["CallInfo", "ModuleTap", "TapSink"]
@@ -82,37 +85,6 @@ class _GradTap:
             self.sink.on_grad(self.info, self.slot, grad)
 
 
-class _BaseFallback:
-    """A hook on a view's base that recovers the view's gradient if the view's own hook died."""
-
-    __slots__ = ("base_size", "base_stride", "offset", "size", "stride", "tap", "version", "view")
-
-    def __init__(self, tap: _GradTap, view: torch.Tensor, base: torch.Tensor) -> None:
-        self.tap, self.view, self.version = tap, view, view._version
-        self.size, self.stride = tuple(view.size()), tuple(view.stride())
-        self.offset = view.storage_offset() - base.storage_offset()
-        self.base_size, self.base_stride = tuple(base.size()), tuple(base.stride())
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        if self.tap.fired:  # the view's hook runs before its base's whenever it is alive
-            return
-        if self.view._version == self.version:
-            # Not modified in place since the call, so the view's own hook is alive: it did not fire because no
-            # gradient flows through this view (a detached branch), and the base's gradient belongs to others.
-            return
-        laid_out = torch.empty_strided(self.base_size, self.base_stride, dtype=grad.dtype, device=grad.device)
-        laid_out.copy_(grad)
-        self.tap(laid_out.as_strided(self.size, self.stride, self.offset))
-
-
-def _watch(tensor: torch.Tensor, tap: _GradTap) -> None:
-    """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
-    tensor.register_hook(tap)  # type: ignore[no-untyped-call]
-    base = tensor._base
-    if base is not None and base.requires_grad and base.dtype == tensor.dtype:
-        base.register_hook(_BaseFallback(tap, tensor, base))  # type: ignore[no-untyped-call]
-
-
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """A hook torch.compile runs as Python instead of tracing it (a graph break per module call).
 
@@ -155,6 +127,7 @@ class ModuleTap:
         self._arg_names: dict[int, ArgumentNames] = {}
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
+        self._held = HeldViews()
 
     def __enter__(self) -> ModuleTap:
         before, after = _eager(self._before), _eager(self._after)
@@ -172,6 +145,7 @@ class ModuleTap:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._held.clear()
 
     def _before(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -198,7 +172,7 @@ class ModuleTap:
         for slot, tensor in iter_live_call_inputs(args, kwargs, names):
             # Tensors inside containers we cannot rebuild get a plain hook (sum over consumers).
             if tensor.requires_grad and slot not in aliased:
-                _watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
+                self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
         return (new_args, new_kwargs) if aliased else None
 
     def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str]) -> Any:
@@ -206,7 +180,7 @@ class ModuleTap:
             if not value.requires_grad or value.layout != torch.strided:
                 return value
             alias = value.view_as(value)
-            _watch(alias, _GradTap(self._sink, info, grad_slot(slot)))
+            self._watch(alias, _GradTap(self._sink, info, grad_slot(slot)))
             aliased.add(slot)
             return alias
         if type(value) in (list, tuple):
@@ -221,4 +195,14 @@ class ModuleTap:
         if self._backward and torch.is_grad_enabled():
             for slot, tensor in iter_live_tensors(outputs, "output"):
                 if tensor.requires_grad:
-                    _watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
+                    self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
+            self._held.sweep_if_due()
+
+    def _watch(self, tensor: torch.Tensor, tap: _GradTap) -> None:
+        """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
+        tensor.register_hook(tap)  # type: ignore[no-untyped-call]
+        base = tensor._base
+        if base is not None and base.requires_grad and base.dtype == tensor.dtype:
+            fallback = BaseFallback(tap, tensor, base)
+            base.register_hook(fallback)  # type: ignore[no-untyped-call]
+            self._held.add(fallback)
