@@ -40,24 +40,16 @@ getattr(signal, "alarm", int)(int(sys.argv[2]))  # the kernel ends this process 
 import h5py
 
 from parity_harness.common.errors import BundleFormatError
-from parity_harness.common.format.containment import check_contained
-
-def touch(node):
-    for key in node.attrs:
-        node.attrs[key]
-    if isinstance(node, h5py.Dataset):
-        node.shape, node.dtype, node.chunks
-        if node.id.get_offset() is None and node.size * node.dtype.itemsize <= (1 << 16):
-            node[()]  # compact: the data is in the object header
+from parity_harness.common.format.containment import check_contained, read_other_metadata
 
 with h5py.File(sys.argv[1], "r", locking=False) as file:  # a training file may be being written
+    label = sys.argv[4] or None
     try:
-        check_contained(file, sys.argv[1], sys.argv[3])  # links and storage first: nothing outside is ever opened
+        stored = check_contained(file, sys.argv[1], sys.argv[3], label)  # links and storage first: nothing outside
     except BundleFormatError as err:
         print(err, file=sys.stderr)
         sys.exit(3)
-    touch(file)
-    file.visititems(lambda name, node: touch(node))
+    read_other_metadata(file, stored, label)
 """
 
 
@@ -68,13 +60,13 @@ class Preflight:
     only where it takes longer than that work.
     """
 
-    def __init__(self, path: Path, seconds: float, noun: str) -> None:
+    def __init__(self, path: Path, seconds: float, noun: str, label: str | None = None) -> None:
         self.path, self.seconds = path, seconds
         self._deadline = time.monotonic() + seconds
         # A file, not a pipe: nobody reads while the parent works, and a child blocked on a full pipe would look hung.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by result() or cancel())
         self._child = subprocess.Popen(
-            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun],
+            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun, label or ""],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=self._stderr,
@@ -131,12 +123,17 @@ class Preflight:
         )
 
 
-def start(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle") -> Preflight:
-    """Start walking ``path``'s metadata in a child process; call ``result()`` before opening it."""
-    return Preflight(path, seconds, noun)
+def start(
+    path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle", label: str | None = None
+) -> Preflight:
+    """Start walking ``path``'s metadata in a child process; call ``result()`` before opening it. ``label``: a
+    string attribute every dataset carries (a bundle's ``dtype``), read by the containment walk itself."""
+    return Preflight(path, seconds, noun, label)
 
 
-def preflight(path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle") -> None:
+def preflight(
+    path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle", label: str | None = None
+) -> None:
     """Refuse ``path`` (a ``noun``) if it breaks the containment rule, or walking its HDF5 metadata hangs or
     crashes a child process."""
-    start(path, seconds=seconds, noun=noun).result()
+    start(path, seconds=seconds, noun=noun, label=label).result()

@@ -100,7 +100,7 @@ class BundleReader:
         """A record read through this reader differed from the port's value (set by the comparison): later
         records' checksums then start before their comparison, not after."""
         if preflight is not None and self.path.is_file():
-            walk_in_child(self.path, seconds=preflight)
+            walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
         self._file = _open_hdf5(self.path)
         try:
             with self._damage_guard("/"):

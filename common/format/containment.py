@@ -35,7 +35,7 @@ import numpy as np
 
 from parity_harness.common.errors import BundleFormatError
 
-__all__ = ["StoredDataset", "check_contained", "require_regular_file", "string_attribute"]
+__all__ = ["StoredDataset", "check_contained", "read_other_metadata", "require_regular_file", "string_attribute"]
 
 _ALLOWED_LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact"}
 _LAYOUT_NAMES = {h5py.h5d.CHUNKED: "chunked", h5py.h5d.VIRTUAL: "virtual"}
@@ -100,6 +100,30 @@ def check_contained(
         if stored is not None:
             catalog[name] = stored
     return catalog
+
+
+def read_other_metadata(file: h5py.File, stored: dict[str, StoredDataset], label: str | None = None) -> None:
+    """Read the metadata :func:`check_contained` (which returned ``stored``, asked for ``label``) did not: every other
+    attribute of the root, the groups and the datasets, and the data of each compact dataset (kept in its object
+    header). The preflight child runs both, so that a crafted header fails HDF5 there and not in the reader."""
+
+    def visit(name: bytes, info: h5py.h5o.ObjInfo) -> None:
+        node = stored.get(name.decode("utf-8", "surrogateescape"))
+        labelled = label is not None and node is not None and node.label is not None
+        if info.num_attrs > labelled:
+            kind = h5py.Dataset if info.type == h5py.h5o.TYPE_DATASET else h5py.Group
+            _read_attributes(kind(h5py.h5o.open(file.id, name)), label if labelled else None)
+        if node is not None and node.offset is None and 0 < node.nbytes <= 1 << 16:
+            h5py.Dataset(h5py.h5o.open(file.id, name))[()]
+
+    _read_attributes(file)
+    h5py.h5o.visit(file.id, visit, info=True)  # each object once, however often it is linked
+
+
+def _read_attributes(node: h5py.HLObject, read: str | None = None) -> None:
+    for key in node.attrs:
+        if key != read:
+            node.attrs[key]
 
 
 def _check_object(

@@ -16,6 +16,7 @@ from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.models.guard import no_exit
 from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.common.errors import InputError
+from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
@@ -113,12 +114,12 @@ def _load_port_while_walking(job: ReplayJob, files: list[Path], stack: ExitStack
     for file in files:
         if not file.is_file():  # missing, a folder or a FIFO: its one-line error now, before anything loads
             BundleReader(file, verify=job.verify).close()
-    first = start_preflight(files[0], seconds=DEFAULT_PREFLIGHT_SECONDS)
+    first = start_preflight(files[0], seconds=DEFAULT_PREFLIGHT_SECONDS, label=ATTR_DTYPE)
     stack.callback(first.cancel)
     model = job.adapter.model(job.ckpt, job.options.device)
     first.result()
     for file in files[1:]:
-        start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS).result()
+        start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS, label=ATTR_DTYPE).result()
     return model
 
 

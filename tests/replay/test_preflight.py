@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
 from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format import containment
 from parity_harness.replay import preflight
 from parity_harness.replay.reader import BundleReader
 
@@ -68,3 +72,45 @@ def test_a_cancelled_walk_leaves_no_child(tiny_bundle: Path, monkeypatch: pytest
     walk = preflight.start(tiny_bundle, seconds=30)
     walk.cancel()
     assert walk._child.returncode is not None
+
+
+def test_the_walk_reads_every_attribute_and_compact_dataset(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between them, the containment walk (the ``dtype`` label of each dataset) and the rest of the child's walk read
+    every attribute in the file and the data of every compact dataset, so that a crafted header fails HDF5 in the
+    child; each is read once."""
+    path = tmp_path / "annotated.h5"
+    shutil.copy(tiny_bundle, path)
+    compact = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    compact.set_layout(h5py.h5d.COMPACT)
+    with h5py.File(path, "r+") as file:
+        file["outputs"].attrs["note"] = "a group's"
+        name = next(key for key in file["params"])
+        file["params"][name].attrs["note"] = "a dataset's second"
+        file.create_dataset("extra/plain", data=np.arange(3)).attrs["only"] = 1  # no dtype label
+        h5py.h5d.create(file.id, b"extra/compact", h5py.h5t.NATIVE_INT32, h5py.h5s.create_simple((4,)), dcpl=compact)
+        objects = [file]
+        file.visititems(lambda _, obj: objects.append(obj))  # each object once, as HDF5 names it
+        expected = {(obj.name, key) for obj in objects for key in obj.attrs}
+    read: list[tuple[str, str]] = []
+    read_label, read_attribute = containment.string_attribute, h5py.AttributeManager.__getitem__
+
+    def label(target: h5py.h5o.ObjectID, name: str) -> str | None:
+        if h5py.h5a.exists(target, name.encode()):  # asked of every dataset, read where it is there
+            read.append((h5py.h5i.get_name(target).decode(), name))
+        return read_label(target, name)
+
+    def attribute(self: h5py.AttributeManager, name: str) -> object:
+        read.append((h5py.h5i.get_name(self._id).decode(), name))
+        return read_attribute(self, name)
+
+    data: list[str] = []
+    read_data = h5py.Dataset.__getitem__
+    monkeypatch.setattr(containment, "string_attribute", label)
+    monkeypatch.setattr(h5py.AttributeManager, "__getitem__", attribute)
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", lambda self, key: data.append(self.name) or read_data(self, key))
+    with h5py.File(path, "r") as file:
+        containment.read_other_metadata(file, containment.check_contained(file, path, "bundle", "dtype"), "dtype")
+    assert sorted(read) == sorted(expected)  # every attribute, once
+    assert "/extra/compact" in data
