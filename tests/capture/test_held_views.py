@@ -21,16 +21,7 @@ from torch import nn
 
 from parity_harness.capture.observe import views
 from parity_harness.capture.record.recorder import capture_run
-from parity_harness.replay.reader import BundleReader
-
-
-def _recorded_grads(path: Path) -> dict[tuple[str, str], torch.Tensor]:
-    with BundleReader(path) as reader:
-        return {
-            (call.module, slot): reader.read_tensor(ref)
-            for call in reader.index.calls
-            for slot, ref in {**call.grad_outputs, **call.grad_inputs}.items()
-        }
+from tests.capture.test_hooks import recorded_grads
 
 
 class _Double(nn.Module):
@@ -84,7 +75,7 @@ def test_views_let_go_of_keep_their_gradients(tmp_path: Path, verdicts: list[boo
     for inplace in (False, True):
         path = tmp_path / f"deep_{inplace}.h5"
         capture_run(_deep(inplace), (x,), path, seed=3)
-        recorded[inplace] = _recorded_grads(path)
+        recorded[inplace] = recorded_grads(path)
     assert True in verdicts  # a view let go of after an in-place change, and one without
     assert False in verdicts
     plain, inplace = recorded[False], recorded[True]
@@ -123,7 +114,7 @@ def test_a_view_held_by_python_code_is_not_let_go(tmp_path: Path, monkeypatch: p
         torch.manual_seed(0)
         path = tmp_path / f"late_{inplace}.h5"
         capture_run(_LateInplace(inplace), (x,), path, seed=3)
-        recorded[inplace] = _recorded_grads(path)
+        recorded[inplace] = recorded_grads(path)
     assert len(sweeps) >= 2
     assert torch.count_nonzero(recorded[True][("proj", "grad_output")]) < 80  # the ReLU's mask reached it
     for key, value in recorded[False].items():

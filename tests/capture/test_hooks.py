@@ -35,7 +35,8 @@ class SkipNet(nn.Module):
         return self.head(h * 2 + self.block(h))
 
 
-def _recorded_grads(path: Path) -> dict[tuple[str, str], torch.Tensor]:
+def recorded_grads(path: Path) -> dict[tuple[str, str], torch.Tensor]:
+    """Every gradient record of a bundle, by (module, slot)."""
     with BundleReader(path) as reader:
         return {
             (call.module, slot): reader.read_tensor(ref)
@@ -72,7 +73,7 @@ def test_grads_are_each_modules_own_contribution(tmp_path: Path) -> None:
     model, x = SkipNet(), torch.randn(3, 4, requires_grad=True)
     path = tmp_path / "skip.h5"
     capture_run(model, (x,), path, seed=7)
-    recorded = _recorded_grads(path)
+    recorded = recorded_grads(path)
     expected = _full_backward_hook_grads(model, x, seed=7)
     assert set(expected) <= set(recorded)
     for key, value in expected.items():
@@ -95,7 +96,7 @@ def test_inplace_activation_loses_no_gradient(tmp_path: Path) -> None:
     for inplace in (False, True):
         paths[inplace] = tmp_path / f"inplace_{inplace}.h5"
         capture_run(_inplace_twin(inplace), tiny_inputs(), paths[inplace], seed=3)
-    plain, inplace = _recorded_grads(paths[False]), _recorded_grads(paths[True])
+    plain, inplace = recorded_grads(paths[False]), recorded_grads(paths[True])
     assert sorted(plain) == sorted(inplace)
     assert ("blocks.0.lin", "grad_output") in inplace
     assert ("blocks.0.act", "grad_input.input") in inplace  # ReLU.forward(self, input)
@@ -191,7 +192,7 @@ def test_no_gradient_is_recorded_where_none_flows(tmp_path: Path, block: type[Bl
     model.blocks[1].__class__ = block
     path = tmp_path / "detached.h5"
     capture_run(model, tiny_inputs(), path, seed=3)
-    recorded = _recorded_grads(path)
+    recorded = recorded_grads(path)
     assert ("blocks.1.norm", "grad_input.input") not in recorded
     assert ("blocks.0.norm", "grad_input.input") in recorded  # the intact block still has its gradients
     if block is _DetachedBranchBlock:
