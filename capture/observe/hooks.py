@@ -145,7 +145,6 @@ class ModuleTap:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._held.clear()
 
     def _before(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -10,9 +10,11 @@ So a fallback lets go of its view as soon as nothing but fallbacks reaches the v
 besides theirs, no C++ one (an autograd saved tensor), no other tensor on the same storage, and the view's base
 reached only through the views. From then on nothing can modify the view in place, so its version is final: the
 fallback keeps the verdict (modified or not), drops the view, and the memory goes when the bare run's would.
-Decided from reference counts (under a microsecond a view), in sweeps as module calls return. Views that Python code
-still holds are rechecked at every sweep; views that autograd keeps (saved for backward: holding them costs no
-memory) are rechecked when their number has doubled.
+Decided from reference counts (under a microsecond a view), in sweeps as module calls return, and again when the
+base's gradient arrives (else the view, whose history leads back to the base's node, would keep itself alive in a
+cycle through the graph until Python's garbage collector ran). Views that Python code still holds are rechecked at
+every sweep; views that autograd keeps (saved for backward: holding them costs no memory) when their number has
+doubled.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BaseFallback:
     __slots__ = (
         "base_size",
         "base_stride",
+        "ledger",
         "modified",
         "offset",
         "size",
@@ -62,6 +65,8 @@ class BaseFallback:
         """Whether the view was modified in place since its call; final once ``view`` is None."""
         self.storage = 0
         """The view's storage, for :class:`HeldViews` (0: not tracked)."""
+        self.ledger: HeldViews | None = None
+        """The :class:`HeldViews` tracking the view, if any."""
         self.size, self.stride = tuple(view.size()), tuple(view.stride())
         self.offset = view.storage_offset() - base.storage_offset()
         self.base_size, self.base_stride = tuple(base.size()), tuple(base.stride())
@@ -72,12 +77,14 @@ class BaseFallback:
             self.modified, self.view = self.view._version != self.version, None
 
     def __call__(self, grad: torch.Tensor) -> None:
-        # Done with the view now. Held any longer, it would outlive this node: the view's history leads back here, a
-        # cycle through the graph that only Python's garbage collector breaks, long after the bare run frees it.
-        self.let_go()
+        # Let go of the view here if nothing else reaches it: held any longer, it would outlive this node (its history
+        # leads back here, a cycle through the graph that only Python's garbage collector breaks). Not otherwise: a
+        # gradient taken inside forward (``autograd.grad``) runs this node while forward code still holds the view.
+        if self.ledger is not None:
+            self.ledger.settle(self)
         if self.tap.fired:  # the view's hook runs before its base's whenever it is alive
             return
-        if not self.modified:
+        if not (self.modified if self.view is None else self.view._version != self.version):
             # Not modified in place since the call, so the view's own hook is alive: it did not fire because no
             # gradient flows through this view (a detached branch), and the base's gradient belongs to others.
             return
@@ -113,6 +120,7 @@ class HeldViews:
             fallback.storage = view.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):  # no storage to count (a functional or fake tensor)
             return
+        fallback.ledger = self
         self._on_storage.setdefault(fallback.storage, []).append(fallback)
         self._recent.append(fallback)
         self._since_sweep += 1
@@ -128,9 +136,12 @@ class HeldViews:
             self._recent += recent
             self._kept_sweep_at = 2 * len(self._kept) + _SWEEP_EVERY
 
-    def clear(self) -> None:
-        """Stop tracking: the fallbacks hold their views until backward (the graph owns them)."""
-        self.__init__()  # type: ignore[misc]
+    def settle(self, fallback: BaseFallback) -> None:
+        """Let go of ``fallback``'s view, with every view on its storage, if nothing else reaches them."""
+        group = self._on_storage.get(fallback.storage) if fallback.view is not None else None
+        if group and self._reach(group) is _Reach.NOBODY:
+            for holder in self._on_storage.pop(fallback.storage):
+                holder.let_go()
 
     def _sweep(self, fallbacks: list[BaseFallback]) -> tuple[list[BaseFallback], list[BaseFallback]]:
         """Let go where nobody else reaches a storage; the rest split into (reached by Python, reached elsewhere)."""
@@ -157,6 +168,8 @@ class HeldViews:
         """Who besides ``group`` (every fallback holding a view on one storage) reaches that storage."""
         holders = Counter(id(fallback.view) for fallback in group)
         views = {id(fallback.view): fallback for fallback in group}  # one fallback per distinct view
+        if any(fallback.view._use_count() != 1 for fallback in views.values()):  # type: ignore[union-attr]
+            return _Reach.ELSEWHERE  # autograd saved it for backward (the memory stays anyway)
         for view_id, fallback in views.items():
             # References: each holder's attribute, and getrefcount's own argument.
             if sys.getrefcount(fallback.view) > holders[view_id] + 1:
@@ -167,8 +180,6 @@ class HeldViews:
         # On the storage: each view, their base, and the storage object this query makes.
         if _storage_use_count(first.untyped_storage()._cdata) != len(views) + 2:
             return _Reach.ELSEWHERE
-        if any(fallback.view._use_count() != 1 for fallback in views.values()):  # type: ignore[union-attr]
-            return _Reach.ELSEWHERE  # autograd saved it for backward (the memory stays anyway)
         base = first._base
         if base is None or any(fallback.view._base is not base for fallback in views.values()):  # type: ignore[union-attr]
             return _Reach.ELSEWHERE

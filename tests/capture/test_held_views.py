@@ -121,6 +121,42 @@ def test_a_view_held_by_python_code_is_not_let_go(tmp_path: Path, monkeypatch: p
         assert torch.equal(value, recorded[True][key]), key
 
 
+class _GradientInsideForward(nn.Module):
+    """A gradient taken inside forward runs the base's node (and its fallback) while forward still holds the view,
+    which is modified in place afterwards."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.lin, self.flat, self.act, self.out = (
+            nn.Linear(8, 8),
+            nn.Flatten(),
+            nn.ReLU(inplace=inplace),
+            nn.Linear(16, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin(x)
+        flat = self.flat(hidden)  # a hooked view of ``hidden``
+        (inner,) = torch.autograd.grad((hidden * 3).sum(), x, create_graph=True)
+        return self.out(self.act(flat)) + inner.sum()
+
+
+def test_a_gradient_inside_forward_does_not_let_go_of_a_held_view(tmp_path: Path) -> None:
+    """The fallback called by a gradient taken inside forward keeps a view that forward code still holds: the view
+    modified in place afterwards records the gradients of its out-of-place twin."""
+    x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    recorded = {}
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        path = tmp_path / f"inner_{inplace}.h5"
+        capture_run(_GradientInsideForward(inplace), (x,), path, seed=3)
+        recorded[inplace] = recorded_grads(path)
+    assert ("flat", "grad_output") in recorded[True]
+    assert sorted(recorded[False]) == sorted(recorded[True])
+    for key, value in recorded[False].items():
+        assert torch.equal(value, recorded[True][key]), key
+
+
 _PEAK = textwrap.dedent(
     """
     import sys, torch
