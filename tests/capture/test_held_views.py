@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,17 @@ class _Block(nn.Module):
         return x + self.twice(self.lin2(self.act(self.lin1(self.norm(x)))))
 
 
+def _twins(build: Callable[[bool], nn.Module], x: torch.Tensor, tmp_path: Path) -> dict[bool, dict]:
+    """The gradient records of the out-of-place (False) and in-place (True) twin, each built from the same seed."""
+    recorded = {}
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        path = tmp_path / f"twin_{inplace}.h5"
+        capture_run(build(inplace), (x,), path, seed=3)
+        recorded[inplace] = recorded_grads(path)
+    return recorded
+
+
 def _deep(inplace: bool) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[_Block(inplace) for _ in range(12)])
@@ -71,11 +83,7 @@ def test_views_let_go_of_keep_their_gradients(tmp_path: Path, verdicts: list[boo
     """A deep model whose views are modified in place records bitwise the gradients of its out-of-place twin, while
     sweeps let go of views both modified and unmodified before backward."""
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
-    recorded = {}
-    for inplace in (False, True):
-        path = tmp_path / f"deep_{inplace}.h5"
-        capture_run(_deep(inplace), (x,), path, seed=3)
-        recorded[inplace] = recorded_grads(path)
+    recorded = _twins(_deep, x, tmp_path)
     assert True in verdicts  # a view let go of after an in-place change, and one without
     assert False in verdicts
     plain, inplace = recorded[False], recorded[True]
@@ -109,12 +117,7 @@ def test_a_view_held_by_python_code_is_not_let_go(tmp_path: Path, monkeypatch: p
     original = views.HeldViews._sweep
     monkeypatch.setattr(views.HeldViews, "_sweep", lambda self, f: sweeps.append(len(f)) or original(self, f))
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
-    recorded = {}
-    for inplace in (False, True):
-        torch.manual_seed(0)
-        path = tmp_path / f"late_{inplace}.h5"
-        capture_run(_LateInplace(inplace), (x,), path, seed=3)
-        recorded[inplace] = recorded_grads(path)
+    recorded = _twins(_LateInplace, x, tmp_path)
     assert len(sweeps) >= 2
     assert torch.count_nonzero(recorded[True][("proj", "grad_output")]) < 80  # the ReLU's mask reached it
     for key, value in recorded[False].items():
@@ -145,12 +148,7 @@ def test_a_gradient_inside_forward_does_not_let_go_of_a_held_view(tmp_path: Path
     """The fallback called by a gradient taken inside forward keeps a view that forward code still holds: the view
     modified in place afterwards records the gradients of its out-of-place twin."""
     x = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    recorded = {}
-    for inplace in (False, True):
-        torch.manual_seed(0)
-        path = tmp_path / f"inner_{inplace}.h5"
-        capture_run(_GradientInsideForward(inplace), (x,), path, seed=3)
-        recorded[inplace] = recorded_grads(path)
+    recorded = _twins(_GradientInsideForward, x, tmp_path)
     assert ("flat", "grad_output") in recorded[True]
     assert sorted(recorded[False]) == sorted(recorded[True])
     for key, value in recorded[False].items():
