@@ -140,8 +140,12 @@ class HeldViews:
         """Let go of ``fallback``'s view, with every view on its storage, if nothing else reaches them."""
         group = self._on_storage.get(fallback.storage) if fallback.view is not None else None
         if group and self._reach(group) is _Reach.NOBODY:
-            for holder in self._on_storage.pop(fallback.storage):
-                holder.let_go()
+            self._let_go_of(fallback.storage)
+
+    def _let_go_of(self, storage: int) -> None:
+        """Every fallback holding a view on ``storage`` lets go of it (nothing else reaches them)."""
+        for holder in self._on_storage.pop(storage):
+            holder.let_go()
 
     def _sweep(self, fallbacks: list[BaseFallback]) -> tuple[list[BaseFallback], list[BaseFallback]]:
         """Let go where nobody else reaches a storage; the rest split into (reached by Python, reached elsewhere)."""
@@ -155,8 +159,7 @@ class HeldViews:
             if key not in reach:
                 reach[key] = self._reach(self._on_storage[key])
                 if reach[key] is _Reach.NOBODY:
-                    for holder in self._on_storage.pop(key):
-                        holder.let_go()
+                    self._let_go_of(key)
             if reach[key] is _Reach.PYTHON:
                 python.append(fallback)
             elif reach[key] is _Reach.ELSEWHERE:
