@@ -34,6 +34,7 @@ import mmap
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -43,7 +44,7 @@ import torch
 from parity_harness.common.errors import BundleError
 from parity_harness.common.format.dtypes import to_storage
 
-__all__ = ["DEFAULT_STAGING_BYTES", "TensorStream"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Staged", "TensorStream"]
 
 DEFAULT_STAGING_BYTES: Final = 256 << 20
 BLOCK: Final = 4096
@@ -118,6 +119,15 @@ class _Disk:
                 _write_all(self._direct_fd, self._bounce[: piece.size], offset + begin)
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A tensor's bytes copied into the staging ring, not yet given a place in the file."""
+
+    start: int
+    nbytes: int
+    event: torch.cuda.Event | None
+
+
 @dataclass
 class _Snapshot:
     name: str
@@ -174,6 +184,9 @@ class TensorStream:
         self._closing = False
         self._unannounced = 0  # items queued since the writer was last woken
         self._unannounced_bytes = 0
+        self._unsubmitted = 0  # staged copies not yet submitted
+        self.before_wait: Callable[[], None] | None = None
+        """Called when the ring is full while copies staged and not yet submitted hold some of it: submits them."""
         self.checksums: dict[str, int] = {}
         """Name -> CRC-32 of the bytes written for it (the last write of a name wins)."""
 
@@ -189,13 +202,27 @@ class TensorStream:
         if nbytes == 0:
             self.checksums[name] = self._crc(b"")
             return
-        if nbytes > self._capacity // 2:  # written now, from its memory, while the caller waits
+        if not self.stages(tensor):  # written now, from its memory, while the caller waits
             array, _ = to_storage(tensor)
             data = _bytes_of(array)
             self._disk.put(data, offset)
             with self._lock:
                 self.checksums[name] = self._crc(data.data)
             return
+        self.submit(self.stage(tensor), offset, name)
+
+    def stages(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`stage` takes ``tensor``: not empty and at most half the ring."""
+        return 0 < tensor.numel() * tensor.element_size() <= self._capacity // 2
+
+    def stage(self, tensor: torch.Tensor) -> Staged:
+        """Copy ``tensor`` (one :meth:`stages` takes) into the ring now; :meth:`submit` says later where it goes.
+
+        Staged copies must be submitted in the order they were staged. When the ring is full of copies not yet
+        submitted, :attr:`before_wait` is called to submit them (else they could never be written and freed).
+        """
+        self._raise_pending()
+        nbytes = tensor.numel() * tensor.element_size()
         start = self._reserve(nbytes, pinned=tensor.is_cuda)
         assert self._ring is not None
         slot = self._ring[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
@@ -206,7 +233,14 @@ class TensorStream:
             event.record()
         else:
             slot.copy_(tensor.detach())
-        self._submit(lambda: self._snapshots.append(_Snapshot(name, offset, start, nbytes, event)), nbytes)
+        self._unsubmitted += 1
+        return Staged(start, nbytes, event)
+
+    def submit(self, staged: Staged, offset: int, name: str = "") -> None:
+        """Have a staged copy written at ``offset`` (its CRC-32 lands in :attr:`checksums` under ``name``)."""
+        self._unsubmitted -= 1
+        snapshot = _Snapshot(name, offset, staged.start, staged.nbytes, staged.event)
+        self._submit(lambda: self._snapshots.append(snapshot), staged.nbytes)
 
     def write_stable(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
         """Write ``tensor``'s bytes at ``offset`` from its own memory, later; it must not change before :meth:`drain`.
@@ -214,7 +248,7 @@ class TensorStream:
         Tensors not in plain CPU memory are snapshotted as :meth:`write` does.
         """
         self._raise_pending()
-        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        if not self.writes_from_memory(tensor):
             self.write(offset, tensor, name)
             return
         array, _ = to_storage(tensor)
@@ -223,6 +257,11 @@ class TensorStream:
             return
         item = _Stable(name, offset, _bytes_of(array), tensor)
         self._submit(lambda: self._stables.append(item), array.nbytes)
+
+    @staticmethod
+    def writes_from_memory(tensor: torch.Tensor) -> bool:
+        """Whether :meth:`write_stable` writes ``tensor`` from its own memory (else it stages a copy)."""
+        return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
     def drain(self) -> None:
         """Wait until every queued write reached the OS; raise the first error."""
@@ -233,7 +272,7 @@ class TensorStream:
         self._raise_pending()
 
     def close(self) -> None:
-        """Drain and stop the writer thread."""
+        """Drain, stop the writer thread and free the ring."""
         try:
             self.drain()
         finally:
@@ -243,6 +282,8 @@ class TensorStream:
                     self._lock.notify_all()
                 self._thread.join()
                 self._thread = None
+            self._ring = self._ring_bytes = None  # its memory now, not whenever the stream is collected
+            self.before_wait = None  # usually a method of the stream's owner: no cycle left behind
 
     def _submit(self, enqueue: object, nbytes: int) -> None:
         if self._thread is None:
@@ -270,16 +311,19 @@ class TensorStream:
             self._ring = memory[shift : shift + self._capacity]
             self._ring_bytes = self._ring.numpy()
         need = -(-nbytes // BLOCK) * BLOCK
-        with self._lock:
-            while True:
+        while True:
+            with self._lock:
                 self._raise_pending()
                 start = self._fit(need)
                 if start is not None:
                     self._in_use.append((start, start + need))
                     self._head = start + need
                     return start
-                self._wake()  # the ring is full of what the writer has not been told about yet
-                self._lock.wait(timeout=0.5)
+                if not (self._unsubmitted and self.before_wait):
+                    self._wake()  # the ring is full of what the writer has not been told about yet
+                    self._lock.wait(timeout=0.5)
+                    continue
+            self.before_wait()  # outside the lock: the writer thread takes it to report what it wrote
 
     def _fit(self, need: int) -> int | None:
         """Where ``need`` bytes fit after the newest slice without overrunning the oldest, if anywhere."""

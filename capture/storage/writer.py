@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from parity_harness.capture.distributed import local_tensor
-from parity_harness.capture.storage.streaming import BLOCK, DEFAULT_STAGING_BYTES, TensorStream
+from parity_harness.capture.storage.streaming import BLOCK, DEFAULT_STAGING_BYTES, Staged, TensorStream
 from parity_harness.common.errors import BundleError, BundleExistsError
 from parity_harness.common.format.atomic import commit, sibling_temp
 from parity_harness.common.format.bundle.layout import (
@@ -49,6 +49,11 @@ _ALIGNED_FROM = 64 << 10
 """Datasets of at least this many bytes start on a BLOCK boundary (a few KiB of padding each)."""
 _RECENT_TENSORS = 32
 """How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
+_BATCH, _BATCH_BYTES = 64, 8 << 20
+"""Dataset creations (and hard links) deferred, then made together, up to this many, or snapshots of this many bytes
+waiting in the staging ring. HDF5 creates a dataset several times faster
+when its own state is still in the CPU's caches, which the model's layers between two records evict: a Conformer
+of 569 small datasets spent 48 ms creating them one per record, against 19 ms for the same creations in a row."""
 
 _StorageKey = tuple[object, ...]
 
@@ -103,6 +108,21 @@ class _StringAttribute:
     def write(self, target: h5py.h5o.ObjectID, value: str) -> None:
         attribute = h5py.h5a.create(target, self._name, self._file_type, self._space)
         attribute.write(np.array(value, dtype=self._dtype), mtype=self._memory_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Deferred:
+    """A dataset to create and hand to the stream, or a hard link to make, at the next batch."""
+
+    path: str
+    link_to: str | None = None
+    """Make ``path`` a hard link to this dataset (created before it)."""
+    shape: tuple[int, ...] = ()
+    tag: str = ""
+    staged: Staged | None = None
+    """A snapshot: its bytes already copied into the staging ring."""
+    stable: torch.Tensor | None = None
+    """A tensor that stays unchanged until commit, written from its own memory."""
 
 
 class BundleWriter:
@@ -161,6 +181,10 @@ class BundleWriter:
         self._links: dict[str, str] = {}  # linked path -> the path written
         self._placed: dict[str, tuple[int | None, tuple[int, ...], str]] = {}  # path -> (offset, shape, tag)
         self._tag_attribute = _StringAttribute(ATTR_DTYPE)
+        self._deferred: list[_Deferred] = []  # in the order recorded: links follow what they link to
+        self._deferred_bytes = 0
+        self._claimed: set[str] = set()  # every dataset path recorded, so a second use is refused at once
+        self._stream.before_wait = self._create_deferred  # the ring full of snapshots waiting for a dataset
         self.tensor_bytes = 0
         """Bytes of tensor data stored (a linked repeat adds nothing)."""
         self.tensor_count = 0
@@ -185,8 +209,8 @@ class BundleWriter:
         key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
         if earlier is not None and earlier not in self.summaries:
-            # A hard link: the same dataset under a second name.
-            self._file.id.links.create_hard(path.encode(), self._file.id, earlier.encode(), lcpl=self._lcpl)
+            self._claim(path)
+            self._defer(_Deferred(path, link_to=earlier))  # a hard link: the same dataset under a second name
             self._links[path] = earlier
             self.linked_count += 1
             return ref
@@ -231,6 +255,7 @@ class BundleWriter:
             return ref
         held, version = self._stable[path]
         if held is not tensor or tensor._version != version:
+            self._create_deferred()  # its place in the file, and no snapshot staged before this write's
             offset, shape, stored_tag = self._placed[path]
             if shape != ref.shape or stored_tag != tag:
                 raise BundleError(f"{self.path}:{path}: the tensor changed shape or dtype while it was recorded")
@@ -244,17 +269,55 @@ class BundleWriter:
     def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> None:
         tag = tag_of(tensor.dtype)
         shape = tuple(tensor.shape)
-        offset = self._create_dataset(path, shape, storage_dtype(tag), tag)
-        self._placed[path] = (offset, shape, tag)
+        self._claim(path)
         if stable:
             self._stable[path] = (tensor, tensor._version)
-        if offset is None:  # HDF5 places some datasets (0-d, empty) only when written through it
+        self.tensor_bytes += tensor.numel() * tensor.element_size()
+        if shape and tensor.numel():  # HDF5 places 0-d and empty datasets only when written through it
+            if stable and self._stream.writes_from_memory(tensor):
+                self._defer(_Deferred(path, shape=shape, tag=tag, stable=tensor))
+                return
+            if not stable and self._stream.stages(tensor):
+                self._defer(_Deferred(path, shape=shape, tag=tag, staged=self._stream.stage(tensor)))
+                return
+        self._create_deferred()  # the stream writes in the order it was given
+        offset = self._create_dataset(path, shape, storage_dtype(tag), tag)
+        self._placed[path] = (offset, shape, tag)
+        if offset is None:
             self._write_through_hdf5(path, tensor)
         elif stable:
             self._stream.write_stable(offset, tensor, path)
         else:
             self._stream.write(offset, tensor, path)
-        self.tensor_bytes += tensor.numel() * tensor.element_size()
+
+    def _claim(self, path: str) -> None:
+        if path in self._claimed:
+            raise BundleError(f"{self.path}: cannot create dataset {path}: it was recorded before")
+        self._claimed.add(path)
+
+    def _defer(self, item: _Deferred) -> None:
+        self._deferred.append(item)
+        self._deferred_bytes += 0 if item.staged is None else item.staged.nbytes
+        if len(self._deferred) >= _BATCH or self._deferred_bytes >= _BATCH_BYTES:
+            self._create_deferred()
+
+    def _create_deferred(self) -> None:
+        """Create the deferred datasets and links, in the order recorded, and hand their bytes to the stream."""
+        deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        for item in deferred:
+            if item.link_to is not None:
+                root = self._file.id
+                root.links.create_hard(item.path.encode(), root, item.link_to.encode(), lcpl=self._lcpl)
+                continue
+            offset = self._create_dataset(item.path, item.shape, storage_dtype(item.tag), item.tag)
+            if offset is None:  # not for a dataset of elements allocated early: HDF5 gave it no place
+                raise BundleError(f"{self.path}: HDF5 placed no bytes for dataset {item.path} of shape {item.shape}")
+            self._placed[item.path] = (offset, item.shape, item.tag)
+            if item.staged is not None:
+                self._stream.submit(item.staged, offset, item.path)
+            else:
+                assert item.stable is not None
+                self._stream.write_stable(offset, item.stable, item.path)
 
     def _write_through_hdf5(self, path: str, tensor: torch.Tensor) -> None:
         array = to_storage(tensor)[0]
@@ -306,10 +369,12 @@ class BundleWriter:
 
     def has(self, path: str) -> bool:
         """Whether something is already stored at ``path``."""
+        self._create_deferred()
         return path in self._file
 
     def read_float64(self, path: str) -> np.ndarray | None:
         """Values of a tensor already written (float64), or None when nothing is stored there."""
+        self._create_deferred()
         dataset = self._file.get(path)
         if dataset is None:
             return None
@@ -318,6 +383,7 @@ class BundleWriter:
 
     def read_tensor(self, path: str) -> torch.Tensor:
         """A tensor already written, bit-exact."""
+        self._create_deferred()
         dataset = self._file[path]
         self._stream.drain()
         return from_storage(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
@@ -335,6 +401,7 @@ class BundleWriter:
 
     def commit(self, index: BundleIndex) -> Path:
         """Wait for the tensor writes, write the index, close the file and move it into place atomically."""
+        self._create_deferred()
         self._stream.close()
         self._check_stable()
         self._recent.clear()
@@ -364,6 +431,7 @@ class BundleWriter:
         """Close and delete the temporary file, whatever closing it raises (a full disk); the output path is
         left as it was."""
         try:
+            self._deferred.clear()
             with contextlib.suppress(Exception):  # already failing: the first error is the one to report
                 self._stream.close()
             self._recent.clear()
