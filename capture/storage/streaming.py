@@ -60,6 +60,10 @@ _WAKE_BYTES: Final = 16 << 20
 """The writer thread is woken once this many tensors or bytes are queued (or when the ring is full, or at drain)."""
 
 
+_DISCARDED: Final = -1
+"""The offset of a staged copy given back unwritten (:meth:`TensorStream.discard`)."""
+
+
 def _no_crc(data: object, value: int = 0) -> int:
     return 0
 
@@ -242,6 +246,10 @@ class TensorStream:
         snapshot = _Snapshot(name, offset, staged.start, staged.nbytes, staged.event)
         self._submit(lambda: self._snapshots.append(snapshot), staged.nbytes)
 
+    def discard(self, staged: Staged) -> None:
+        """Give a staged copy's ring space back, in its turn, without writing it (its dataset could not be made)."""
+        self.submit(staged, _DISCARDED)
+
     def write_stable(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
         """Write ``tensor``'s bytes at ``offset`` from its own memory, later; it must not change before :meth:`drain`.
 
@@ -319,11 +327,16 @@ class TensorStream:
                     self._in_use.append((start, start + need))
                     self._head = start + need
                     return start
-                if not (self._unsubmitted and self.before_wait):
+                unsubmitted, submit = self._unsubmitted, self.before_wait
+                if not (unsubmitted and submit):
                     self._wake()  # the ring is full of what the writer has not been told about yet
                     self._lock.wait(timeout=0.5)
                     continue
-            self.before_wait()  # outside the lock: the writer thread takes it to report what it wrote
+            submit()  # outside the lock: the writer thread takes it to report what it wrote
+            if self._unsubmitted >= unsubmitted:  # it could submit nothing: wait as above rather than spin
+                with self._lock:
+                    self._wake()
+                    self._lock.wait(timeout=0.5)
 
     def _fit(self, need: int) -> int | None:
         """Where ``need`` bytes fit after the newest slice without overrunning the oldest, if anywhere."""
@@ -386,6 +399,8 @@ class TensorStream:
             for snapshot in work:
                 if snapshot.event is not None:
                     snapshot.event.synchronize()
+                if snapshot.offset == _DISCARDED:
+                    continue
                 data = self._ring_bytes[snapshot.start : snapshot.start + snapshot.nbytes]
                 self._disk.put(data, snapshot.offset)
                 done[snapshot.name] = self._crc(data.data)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -110,6 +112,18 @@ class _StringAttribute:
         attribute.write(np.array(value, dtype=self._dtype), mtype=self._memory_type)
 
 
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called while its object lives; nothing after."""
+    reference = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = reference()
+        if bound is not None:
+            bound()
+
+    return call
+
+
 @dataclasses.dataclass(frozen=True)
 class _Deferred:
     """A dataset to create and hand to the stream, or a hard link to make, at the next batch."""
@@ -184,7 +198,9 @@ class BundleWriter:
         self._deferred: list[_Deferred] = []  # in the order recorded: links follow what they link to
         self._deferred_bytes = 0
         self._claimed: set[str] = set()  # every dataset path recorded, so a second use is refused at once
-        self._stream.before_wait = self._create_deferred  # the ring full of snapshots waiting for a dataset
+        self._groups: set[str] = set()  # the groups above them
+        # The ring full of snapshots waiting for a dataset; weakly, or the stream's thread would keep the writer.
+        self._stream.before_wait = _weakly(self._create_deferred)
         self.tensor_bytes = 0
         """Bytes of tensor data stored (a linked repeat adds nothing)."""
         self.tensor_count = 0
@@ -263,6 +279,8 @@ class BundleWriter:
             if offset is None:
                 self._write_through_hdf5(path, tensor)
             else:
+                if self._stream.writes_from_memory(held) and not self._stream.writes_from_memory(tensor):
+                    self._stream.drain()  # a copy is written before writes from memory queued earlier: held's too
                 self._stream.write_stable(offset, tensor, path)
         return ref
 
@@ -291,9 +309,23 @@ class BundleWriter:
             self._stream.write(offset, tensor, path)
 
     def _claim(self, path: str) -> None:
-        if path in self._claimed:
-            raise BundleError(f"{self.path}: cannot create dataset {path}: it was recorded before")
-        self._claimed.add(path)
+        """Refuse at the record what HDF5 would refuse when the batch is made: a path recorded before, one running
+        through a dataset, or one naming a group of other records."""
+        parts = [part for part in path.split("/") if part]
+        groups = ["/".join(parts[:end]) for end in range(1, len(parts))]
+        name = "/".join(parts)
+        through = next((group for group in groups if group in self._claimed), None)
+        reason = None
+        if name in self._claimed:
+            reason = "it was recorded before"
+        elif name in self._groups:
+            reason = "a group of that name holds other records"
+        elif through is not None:
+            reason = f"it runs through the dataset {through}"
+        if reason is not None:
+            raise BundleError(f"{self.path}: cannot create dataset {path}: {reason}")
+        self._claimed.add(name)
+        self._groups.update(groups)
 
     def _defer(self, item: _Deferred) -> None:
         self._deferred.append(item)
@@ -302,22 +334,36 @@ class BundleWriter:
             self._create_deferred()
 
     def _create_deferred(self) -> None:
-        """Create the deferred datasets and links, in the order recorded, and hand their bytes to the stream."""
+        """Create the deferred datasets and links, in the order recorded, and hand their bytes to the stream. One
+        that fails does not stop the others; the first failure is raised after them."""
         deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        failure: BundleError | None = None
         for item in deferred:
-            if item.link_to is not None:
-                root = self._file.id
-                root.links.create_hard(item.path.encode(), root, item.link_to.encode(), lcpl=self._lcpl)
-                continue
-            offset = self._create_dataset(item.path, item.shape, storage_dtype(item.tag), item.tag)
-            if offset is None:  # not for a dataset of elements allocated early: HDF5 gave it no place
-                raise BundleError(f"{self.path}: HDF5 placed no bytes for dataset {item.path} of shape {item.shape}")
-            self._placed[item.path] = (offset, item.shape, item.tag)
-            if item.staged is not None:
-                self._stream.submit(item.staged, offset, item.path)
-            else:
-                assert item.stable is not None
-                self._stream.write_stable(offset, item.stable, item.path)
+            try:
+                self._create(item)
+            except Exception as err:  # raised below, after the rest of the batch
+                if item.staged is not None:
+                    self._stream.discard(item.staged)  # its ring space comes back in its turn
+                if failure is None:
+                    failure = err if isinstance(err, BundleError) else BundleError(f"{self.path}:{item.path}: {err}")
+                    failure.__cause__ = err
+        if failure is not None:
+            raise failure
+
+    def _create(self, item: _Deferred) -> None:
+        if item.link_to is not None:
+            root = self._file.id
+            root.links.create_hard(item.path.encode(), root, item.link_to.encode(), lcpl=self._lcpl)
+            return
+        offset = self._create_dataset(item.path, item.shape, storage_dtype(item.tag), item.tag)
+        if offset is None:  # not for a dataset of elements allocated early: HDF5 gave it no place
+            raise BundleError(f"{self.path}: HDF5 placed no bytes for dataset {item.path} of shape {item.shape}")
+        self._placed[item.path] = (offset, item.shape, item.tag)
+        if item.staged is not None:
+            self._stream.submit(item.staged, offset, item.path)
+        else:
+            assert item.stable is not None
+            self._stream.write_stable(offset, item.stable, item.path)
 
     def _write_through_hdf5(self, path: str, tensor: torch.Tensor) -> None:
         array = to_storage(tensor)[0]

@@ -1,11 +1,7 @@
-"""BundleWriter: repeats stored once as links, values of the moment, parameters that must not move, datasets
-created in batches."""
+"""BundleWriter: repeats stored once as links, values of the moment, parameters that must not move."""
 
 from __future__ import annotations
 
-import random
-import threading
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,66 +153,3 @@ def test_without_direct_io_the_bundle_is_the_same(tmp_path: Path, monkeypatch: p
         for name in names:
             if name != "index":
                 assert direct[name][()].tobytes() == buffered[name][()].tobytes(), name
-
-
-def _write_at_random(writer: BundleWriter, rng: random.Random) -> dict[str, torch.Tensor]:
-    """Records of every kind, interleaved at random; returns what each path must hold once written."""
-    expected: dict[str, torch.Tensor] = {}
-    provisional: dict[str, torch.Tensor] = {}
-    for i in range(240):
-        path = f"modules/m{i % 7}/{i}/output"
-        kind = rng.choice(["snapshot", "snapshot", "repeat", "stable", "provisional", "scalar", "empty", "large"])
-        shape = {"scalar": (), "empty": (0, 5), "large": (12_000,)}.get(kind, rng.choice([(3,), (64, 33), (8, 250)]))
-        tensor = torch.randn(shape, dtype=rng.choice([torch.float32, torch.float64, torch.bfloat16]))
-        if kind == "provisional":
-            writer.write_provisional(path, tensor)
-            provisional[path] = tensor
-            continue
-        writer.write_tensor(path, tensor, stable=kind == "stable")
-        expected[path] = tensor.clone()
-        if kind == "repeat":  # unchanged, recorded again: a link to a dataset perhaps not created yet
-            writer.write_tensor(path + ".again", tensor)
-            expected[path + ".again"] = tensor.clone()
-        if kind != "stable":
-            tensor.add_(1)  # the bundle keeps the value of the moment it was recorded
-    for path, tensor in provisional.items():
-        if rng.random() < 0.5:
-            tensor.mul_(3)
-            writer.write_provisional(path, tensor)
-        expected[path] = tensor
-    return expected
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_deferred_datasets_hold_the_values_of_their_moment(tmp_path: Path, seed: int) -> None:
-    """Datasets are created in batches after their bytes were copied: in a ring small enough to fill with copies
-    waiting for their dataset, records of every kind (snapshots changed right after, repeats stored as links, stable
-    and provisional tensors, 0-d, empty, larger than half the ring) read back bit-exactly, each with its CRC-32."""
-    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=64 << 10)
-    done: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]] = []
-
-    def scenario() -> None:
-        expected = _write_at_random(writer, random.Random(seed))
-        done.append((expected, {path: writer.read_tensor(path) for path in expected}, writer.checksums()))
-
-    worker = threading.Thread(target=scenario, daemon=True)
-    worker.start()
-    worker.join(timeout=120)
-    assert done, "the writer failed or hung (a ring full of copies never given a dataset)"
-    expected, read, sums = done[0]
-    for path, value in expected.items():
-        assert read[path].dtype == value.dtype, path
-        stored = value.reshape(-1).view(torch.uint8)
-        assert torch.equal(read[path].reshape(-1).view(torch.uint8), stored), path
-        assert sums[path] == zlib.crc32(stored.numpy()), path
-    writer.abort()
-
-
-def test_a_path_recorded_twice_is_refused_at_once(tmp_path: Path) -> None:
-    """Datasets are created later, in batches; a second record under the same path is still refused when it is made."""
-    writer = BundleWriter(tmp_path / "b.h5")
-    writer.write_tensor("modules/a/0/output", torch.randn(4))
-    with pytest.raises(BundleError, match=r"cannot create dataset modules/a/0/output: it was recorded before"):
-        writer.write_tensor("modules/a/0/output", torch.randn(3))
-    writer.abort()
-    assert list(tmp_path.iterdir()) == []
