@@ -52,10 +52,10 @@ _ALIGNED_FROM = 64 << 10
 _RECENT_TENSORS = 32
 """How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
 _BATCH, _BATCH_BYTES = 64, 8 << 20
-"""Dataset creations (and hard links) deferred, then made together, up to this many, or snapshots of this many bytes
-waiting in the staging ring. HDF5 creates a dataset several times faster
-when its own state is still in the CPU's caches, which the model's layers between two records evict: a Conformer
-of 569 small datasets spent 48 ms creating them one per record, against 19 ms for the same creations in a row."""
+"""Dataset creations (and hard links) deferred, then made together: up to this many, or snapshots of this many bytes
+waiting in the staging ring. HDF5 creates a dataset several times faster when its own state is still in the CPU's
+caches, which the model's layers between two records evict: a Conformer of 569 small datasets spent 48 ms creating
+them one per record, against 19 ms for the same creations in a row."""
 
 _StorageKey = tuple[object, ...]
 
