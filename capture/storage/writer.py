@@ -344,8 +344,10 @@ class BundleWriter:
             except Exception as err:  # raised below, after the rest of the batch
                 if item.staged is not None:
                     self._stream.discard(item.staged)  # its ring space comes back in its turn
-                if failure is None:
-                    failure = err if isinstance(err, BundleError) else BundleError(f"{self.path}:{item.path}: {err}")
+                if failure is None and isinstance(err, BundleError):
+                    failure = err
+                elif failure is None:
+                    failure = BundleError(f"{self.path}:{item.path}: {err}")
                     failure.__cause__ = err
         if failure is not None:
             raise failure
