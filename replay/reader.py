@@ -46,6 +46,7 @@ from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.format.packing import unpack
+from parity_harness.common.heap import HeapTrimmer
 from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.statistics import stored_crc32
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
@@ -118,6 +119,8 @@ class BundleReader:
         # Pages of records read are dropped once they add up to the largest record: peak memory stays within
         # twice that, and small records cost no system call each.
         self._resident_budget = max((stored.nbytes for stored in self._stored.values()), default=0)
+        # What replay frees between the model's allocations would otherwise stay resident (common.heap).
+        self._heap = HeapTrimmer()
 
     def _check_version(self) -> tuple[int, int]:
         attrs = self._file.attrs
@@ -296,10 +299,12 @@ class BundleReader:
 
     def _keep_resident(self, nbytes: int) -> None:
         """Note a record about to be read; first drop the pages of those read before from this process (they
-        stay in the OS page cache) when they and it would exceed the largest record."""
+        stay in the OS page cache) when they and it would exceed the largest record. Every so many bytes read,
+        the C heap's free memory goes back to the OS too."""
         if self._resident_bytes + nbytes > self._resident_budget:
             self._release_resident()
         self._resident_bytes += nbytes
+        self._heap.note(nbytes)
 
     def _release_resident(self) -> None:
         self.settle()  # checksums still reading the pages would fault them back in

@@ -43,6 +43,7 @@ from parity_harness.common.format.bundle.schema import BundleIndex, TensorRef
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_NAME, FORMAT_VERSION
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, tag_of, to_float64, to_numeric, to_storage
 from parity_harness.common.format.packing import pack
+from parity_harness.common.heap import HeapTrimmer
 from parity_harness.common.numerics.statistics import array_statistics, stored_crc32
 
 __all__ = ["BundleWriter"]
@@ -201,6 +202,8 @@ class BundleWriter:
         self._groups: set[str] = set()  # the groups above them
         # The ring full of snapshots waiting for a dataset; weakly, or the stream's thread would keep the writer.
         self._stream.before_wait = _weakly(self._create_deferred)
+        # What the model and the capture free between records would otherwise stay resident (common.heap).
+        self._heap = HeapTrimmer()
         self.tensor_bytes = 0
         """Bytes of tensor data stored (a linked repeat adds nothing)."""
         self.tensor_count = 0
@@ -290,7 +293,9 @@ class BundleWriter:
         self._claim(path)
         if stable:
             self._stable[path] = (tensor, tensor._version)
-        self.tensor_bytes += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.tensor_bytes += nbytes
+        self._heap.note(nbytes)
         if shape and tensor.numel():  # HDF5 places 0-d and empty datasets only when written through it
             if stable and self._stream.writes_from_memory(tensor):
                 self._defer(_Deferred(path, shape=shape, tag=tag, stable=tensor))
