@@ -8,7 +8,9 @@ compact dataset the reader would touch; if it refuses, hangs or crashes, the bun
 one line, and this process never opens it. Any
 ordinary error the child meets is left for the reader, which reports it precisely. Costs one
 interpreter start with h5py (a few tenths of a second); the command-line tools use it, replay-compare while it
-loads the port (:func:`start`).
+loads the port (:func:`start`). What the walk learnt comes back as a
+:class:`~parity_harness.common.format.containment.Catalog`, so that a reader opening the same file unchanged does
+not walk it again (66 ms for the Conformer example's 571 datasets, about 240 ms for a FastConformer's 3540).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Final
 
 from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.containment import Catalog
+from parity_harness.common.format.packing import MAX_INDEX_BYTES
 
 __all__ = ["DEFAULT_PREFLIGHT_SECONDS", "Preflight", "preflight", "start"]
 
@@ -33,6 +37,7 @@ _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
 
 _WALK: Final = r"""
+import os
 import signal
 import sys
 
@@ -40,8 +45,9 @@ getattr(signal, "alarm", int)(int(sys.argv[2]))  # the kernel ends this process 
 import h5py
 
 from parity_harness.common.errors import BundleFormatError
-from parity_harness.common.format.containment import check_contained, read_other_metadata
+from parity_harness.common.format.containment import Catalog, check_contained, file_identity, read_other_metadata
 
+before = file_identity(os.stat(sys.argv[1]))
 with h5py.File(sys.argv[1], "r", locking=False) as file:  # a training file may be being written
     label = sys.argv[4] or None
     try:
@@ -50,6 +56,8 @@ with h5py.File(sys.argv[1], "r", locking=False) as file:  # a training file may 
         print(err, file=sys.stderr)
         sys.exit(3)
     read_other_metadata(file, stored, label)
+if file_identity(os.stat(sys.argv[1])) == before:  # unchanged while walked: the parent may use what it learnt
+    sys.stdout.buffer.write(Catalog(before, stored).to_bytes() or b"")
 """
 
 
@@ -65,19 +73,31 @@ class Preflight:
         self._deadline = time.monotonic() + seconds
         # A file, not a pipe: nobody reads while the parent works, and a child blocked on a full pipe would look hung.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by result() or cancel())
+        self._catalog = tempfile.TemporaryFile()  # noqa: SIM115 (the same)
         self._child = subprocess.Popen(
             [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun, label or ""],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=self._catalog,
             stderr=self._stderr,
         )
 
-    def result(self) -> None:
-        """Wait for the walk; refuse the file (``BundleFormatError``) if it broke the rule, hung or crashed."""
+    def result(self) -> Catalog | None:
+        """Wait for the walk; refuse the file (``BundleFormatError``) if it broke the rule, hung or crashed. Returns
+        what the walk learnt of the file, or None (the file changed meanwhile, or the child met an error the reader
+        will report)."""
         try:
-            self._judge(self._wait())
+            code = self._wait()
+            self._judge(code)
+            if code != 0 or self._catalog.seek(0, os.SEEK_END) > MAX_INDEX_BYTES:
+                return None
+            self._catalog.seek(0)
+            return Catalog.from_bytes(self._catalog.read())
         finally:
-            self._stderr.close()
+            self._close()
+
+    def _close(self) -> None:
+        self._stderr.close()
+        self._catalog.close()
 
     def _wait(self) -> int:
         try:
@@ -108,7 +128,7 @@ class Preflight:
         if self._child.poll() is None:
             self._child.kill()
             self._child.wait()
-        self._stderr.close()
+        self._close()
 
     def _stderr_tail(self) -> str:
         """The end of what the child wrote on stderr (its refusal is the last line)."""
@@ -133,7 +153,7 @@ def start(
 
 def preflight(
     path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle", label: str | None = None
-) -> None:
+) -> Catalog | None:
     """Refuse ``path`` (a ``noun``) if it breaks the containment rule, or walking its HDF5 metadata hangs or
-    crashes a child process."""
-    start(path, seconds=seconds, noun=noun, label=label).result()
+    crashes a child process; what the walk learnt otherwise (:meth:`Preflight.result`)."""
+    return start(path, seconds=seconds, noun=noun, label=label).result()

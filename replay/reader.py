@@ -41,7 +41,7 @@ from parity_harness.common.format.bundle.layout import (
 from parity_harness.common.format.bundle.migrations import migrate
 from parity_harness.common.format.bundle.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
 from parity_harness.common.format.bundle.version import FORMAT_VERSION, check_compatible, parse_format_version
-from parity_harness.common.format.containment import check_contained, require_regular_file
+from parity_harness.common.format.containment import Catalog, StoredDataset, check_contained, require_regular_file
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.manifest import find_manifest
@@ -85,6 +85,8 @@ class BundleReader:
         preflight: first walk the file's HDF5 metadata in a child process for at most this many
             seconds, so that a crafted file that hangs or crashes HDF5 is refused instead
             (:mod:`parity_harness.replay.preflight`); None skips it (files this process or the user wrote).
+        catalog: what such a walk, already made, learnt of the file: used instead of walking it again when it
+            describes the file opened, unchanged (its device, inode, size and modification time).
 
     Raises:
         BundleNotFoundError: nothing at ``path``.
@@ -92,7 +94,14 @@ class BundleReader:
         BundleFormatError: not a bundle, or a part of it is missing or damaged.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, preflight: float | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        preflight: float | None = None,
+        catalog: Catalog | None = None,
+    ) -> None:
         self.path = Path(path)
         self._verify = verify
         self._verified: set[str] = set()
@@ -101,12 +110,12 @@ class BundleReader:
         """A record read through this reader differed from the port's value (set by the comparison): later
         records' checksums then start before their comparison, not after."""
         if preflight is not None and self.path.is_file():
-            walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
+            catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
         self._file = _open_hdf5(self.path)
         try:
             with self._damage_guard("/"):
                 self.format_version, self.format_minor = self._check_version()
-                self._stored = check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
+                self._stored = self._contained(catalog)
                 self.index = self._read_index()
                 self._require_checksums()
                 self._validate_tensors()
@@ -114,13 +123,20 @@ class BundleReader:
             self._file.close()
             raise
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
-        self._map = _map_file(self.path)
+        self._map = _map_file(self._file)
         self._resident_bytes = 0
         # Pages of records read are dropped once they add up to the largest record: peak memory stays within
         # twice that, and small records cost no system call each.
         self._resident_budget = max((stored.nbytes for stored in self._stored.values()), default=0)
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
         self._heap = HeapTrimmer()
+
+    def _contained(self, catalog: Catalog | None) -> dict[str, StoredDataset]:
+        """Every dataset, from ``catalog`` where it describes the file HDF5 opened, else from a walk of the file."""
+        descriptor = _descriptor(self._file)
+        if catalog is not None and descriptor is not None and catalog.describes(os.fstat(descriptor)):
+            return catalog.datasets
+        return check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
 
     def _check_version(self) -> tuple[int, int]:
         attrs = self._file.attrs
@@ -349,11 +365,23 @@ class BundleReader:
         self.close()
 
 
-def _map_file(path: Path) -> mmap.mmap | None:
-    """The whole file mapped read-only, or None where mapping is not possible (empty, special files)."""
+def _descriptor(file: h5py.File) -> int | None:
+    """The descriptor HDF5 reads the file through (its default driver's), or None for another driver."""
     try:
-        with path.open("rb") as handle:
-            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        handle = file.id.get_vfd_handle()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return handle if isinstance(handle, int) and handle >= 0 else None
+
+
+def _map_file(file: h5py.File) -> mmap.mmap | None:
+    """The file HDF5 opened (the same one even if its path was replaced since), mapped whole and read-only; None
+    where mapping is not possible (empty, special files, another driver)."""
+    descriptor = _descriptor(file)
+    if descriptor is None:
+        return None
+    try:
+        return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)  # the mapping holds its own duplicate
     except (OSError, ValueError):
         return None
 

@@ -20,6 +20,8 @@ by the file size. (A repacked file can be restored with ``h5repack -l CONTI -f N
 The walk returns what it learnt of every dataset (:class:`StoredDataset`: where its bytes lie, its shape and
 dtype), so that a reader can read a record straight from the file's bytes without asking HDF5 again: one
 walk of HDF5's low level, about 20 us a dataset, where h5py's high level costs several times that per access.
+A walk made in another process (the preflight child) hands its result over as a :class:`Catalog`, which names
+the file it describes: a reader opening that same file unchanged need not walk it again.
 """
 
 from __future__ import annotations
@@ -34,8 +36,17 @@ import h5py
 import numpy as np
 
 from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.packing import pack, unpack
 
-__all__ = ["StoredDataset", "check_contained", "read_other_metadata", "require_regular_file", "string_attribute"]
+__all__ = [
+    "Catalog",
+    "StoredDataset",
+    "check_contained",
+    "file_identity",
+    "read_other_metadata",
+    "require_regular_file",
+    "string_attribute",
+]
 
 _ALLOWED_LAYOUTS = {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact"}
 _LAYOUT_NAMES = {h5py.h5d.CHUNKED: "chunked", h5py.h5d.VIRTUAL: "virtual"}
@@ -54,6 +65,49 @@ class StoredDataset:
     """Its declared size: shape x item size (the walk checked that exactly this many bytes are stored)."""
     label: str | None = None
     """The string attribute the walk was asked to read (a bundle's ``dtype`` tag), None when absent or no string."""
+
+
+def file_identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file, in which state: device, inode, size and modification time (nanoseconds)."""
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What :func:`check_contained` returned for one file, and that file's :func:`file_identity` before and after
+    the walk (equal: the file did not change meanwhile)."""
+
+    identity: tuple[int, int, int, int]
+    datasets: dict[str, StoredDataset]
+
+    def describes(self, status: os.stat_result) -> bool:
+        """Whether ``status`` (of the file a reader opened) is the file this catalog was made from, unchanged."""
+        return file_identity(status) == self.identity
+
+    def to_bytes(self) -> bytes | None:
+        """Plain msgpack; None when a dataset's dtype has no plain form (the reader then walks the file itself)."""
+        entries = []
+        for name, stored in self.datasets.items():
+            dtype = stored.dtype
+            if dtype.metadata is not None or dtype.fields is not None or np.dtype(dtype.str) != dtype:
+                return None
+            named = name.encode("utf-8", "surrogateescape")  # a crafted name need not be UTF-8
+            entries.append([named, list(stored.shape), dtype.str, stored.offset, stored.nbytes, stored.label])
+        return pack({"identity": list(self.identity), "datasets": entries}).tobytes()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Catalog | None:
+        """The catalog :meth:`to_bytes` wrote; None for anything else (a truncated or empty hand-over)."""
+        try:
+            document = unpack(raw, where="catalog")
+            device, inode, size, modified = (int(n) for n in document["identity"])  # type: ignore[index]
+            datasets = {}
+            for named, shape, dtype, offset, nbytes, label in document["datasets"]:  # type: ignore[index]
+                stored = StoredDataset(tuple(int(n) for n in shape), np.dtype(dtype), offset, int(nbytes), label)
+                datasets[named.decode("utf-8", "surrogateescape")] = stored
+        except (BundleFormatError, KeyError, TypeError, ValueError, AttributeError):
+            return None
+        return cls((device, inode, size, modified), datasets)
 
 
 def require_regular_file(path: Path, noun: str) -> None:

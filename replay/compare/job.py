@@ -4,7 +4,7 @@ multi-rank capture), load the port through its adapter, align names if asked, an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,7 @@ from parity_harness.capture.models.guard import no_exit
 from parity_harness.capture.record.provenance import checkpoint_provenance
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
+from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
@@ -89,8 +90,8 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
     """
     with ExitStack() as stack:
         located = locate_bundles(job)
-        model = _load_port_while_walking(job, located.files, stack)
-        plan = plan_ranks(job, stack, located, preflight=None)
+        model, catalogs = _load_port_while_walking(job, located.files, stack)
+        plan = plan_ranks(job, stack, located, preflight=None, catalogs=catalogs)
         if plan.reader is None:  # more replay processes than capture ranks: only take part in the reduction
             assert plan.data_parallel is not None
             plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
@@ -106,21 +107,23 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)
 
 
-def _load_port_while_walking(job: ReplayJob, files: list[Path], stack: ExitStack) -> torch.nn.Module:
+def _load_port_while_walking(
+    job: ReplayJob, files: list[Path], stack: ExitStack
+) -> tuple[torch.nn.Module, dict[Path, Catalog | None]]:
     """The port, loaded while the first bundle's metadata walk runs in its child (``replay.preflight``): the
     command waits for the longer of the two, not for both. A bundle that is no regular file is refused first; the
     other rank files of a multi-rank capture are walked after, one at a time (walks side by side would share the
-    CPU, and each has a time limit)."""
+    CPU, and each has a time limit). With it, what each walk learnt of its file, for the readers."""
     for file in files:
         if not file.is_file():  # missing, a folder or a FIFO: its one-line error now, before anything loads
             BundleReader(file, verify=job.verify).close()
     first = start_preflight(files[0], seconds=DEFAULT_PREFLIGHT_SECONDS, label=ATTR_DTYPE)
     stack.callback(first.cancel)
     model = job.adapter.model(job.ckpt, job.options.device)
-    first.result()
+    catalogs = {files[0]: first.result()}
     for file in files[1:]:
-        start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS, label=ATTR_DTYPE).result()
-    return model
+        catalogs[file] = start_preflight(file, seconds=DEFAULT_PREFLIGHT_SECONDS, label=ATTR_DTYPE).result()
+    return model, catalogs
 
 
 def _note_uncertain_pairs(result: ComparisonResult, proposal: ProposedMap) -> None:
@@ -196,12 +199,18 @@ def plan_ranks(
     located: LocatedBundles | None = None,
     *,
     preflight: float | None = DEFAULT_PREFLIGHT_SECONDS,
+    catalogs: Mapping[Path, Catalog | None] | None = None,
 ) -> RankPlan:
     """Open the bundle, or every rank of a multi-rank capture with this process's share dealt round-robin
-    (``preflight``: walk each file's metadata in a child first; None when that was done already)."""
+    (``preflight``: walk each file's metadata in a child first; None when that was done already, ``catalogs``
+    then holding what those walks learnt)."""
     located = located or locate_bundles(job)
     context, manifest = located.context, located.manifest
-    readers = [stack.enter_context(BundleReader(f, verify=job.verify, preflight=preflight)) for f in located.files]
+    catalogs = catalogs or {}
+    readers = [
+        stack.enter_context(BundleReader(f, verify=job.verify, preflight=preflight, catalog=catalogs.get(f)))
+        for f in located.files
+    ]
     if manifest is None:
         return RankPlan(readers[0], None, None, [])
     assigned = list(range(len(readers)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -16,7 +17,9 @@ import pytest
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format import containment
 from parity_harness.replay import preflight
+from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
+from tests.hostile import craft_copy, external_storage
 
 
 def test_a_valid_bundle_passes(tiny_bundle: Path) -> None:
@@ -114,3 +117,93 @@ def test_the_walk_reads_every_attribute_and_compact_dataset(
         containment.read_other_metadata(file, containment.check_contained(file, path, "bundle", "dtype"), "dtype")
     assert sorted(read) == sorted(expected)  # every attribute, once
     assert "/extra/compact" in data
+
+
+# ---------------------------------------------------------------- the walk's catalog, handed to the reader
+
+
+def test_the_walks_catalog_is_what_the_reader_would_find(tiny_bundle: Path) -> None:
+    """The child's catalog names every dataset (with its dtype label) with the same place, shape and dtype as the
+    parent's own walk, and the file it describes."""
+    catalog = preflight.preflight(tiny_bundle, seconds=30, label="dtype")
+    assert catalog is not None
+    with h5py.File(tiny_bundle, "r") as file:
+        walked = containment.check_contained(file, tiny_bundle, "bundle", label="dtype")
+    assert catalog.datasets == walked
+    assert len(walked) > 10
+    assert all(stored.label for name, stored in walked.items() if name.startswith("params/"))
+    assert catalog.describes(tiny_bundle.stat())
+
+
+def test_a_reader_uses_the_catalog_of_the_file_unchanged(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the catalog of the file it opens, the reader does not walk the file again; given one of a file since
+    changed (another modification time), it does."""
+    catalog = preflight.preflight(tiny_bundle, seconds=30, label="dtype")
+    walks: list[Path] = []
+    walk = reader_module.check_contained
+    monkeypatch.setattr(
+        reader_module, "check_contained", lambda f, path, *a, **k: walks.append(path) or walk(f, path, *a, **k)
+    )
+    with BundleReader(tiny_bundle, catalog=catalog) as reader:
+        assert reader.index.calls
+    assert walks == []
+    status = tiny_bundle.stat()
+    os.utime(tiny_bundle, ns=(status.st_atime_ns, status.st_mtime_ns + 1))
+    with BundleReader(tiny_bundle, catalog=catalog):
+        pass
+    assert walks == [tiny_bundle]
+
+
+def test_a_catalog_never_vouches_for_a_file_put_in_its_place(tiny_bundle: Path, tmp_path: Path) -> None:
+    """A file swapped in at the path after the walk (here one whose dataset reads another file) is walked by the
+    reader itself and refused: the catalog names the file it came from, not the path."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    catalog = preflight.preflight(path, seconds=30, label="dtype")
+    assert catalog is not None
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"x" * (1 << 16))
+    crafted = craft_copy(path, tmp_path, external_storage, secret)
+    os.replace(crafted, path)
+    with pytest.raises(BundleFormatError, match="stored in another file"):
+        BundleReader(path, catalog=catalog)
+
+
+def test_the_reader_reads_the_file_hdf5_opened_even_if_the_path_is_replaced(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records are read from the file HDF5 opened and the walk described: the path replaced by a file of other bytes
+    right after HDF5 opened it (before the reader maps it) changes nothing the reader returns."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    other = tmp_path / "other.h5"
+    other.write_bytes(b"\xff" * path.stat().st_size)
+    open_hdf5 = reader_module._open_hdf5
+
+    def open_then_swap(opened: Path) -> h5py.File:
+        file = open_hdf5(opened)
+        os.replace(other, opened)
+        return file
+
+    monkeypatch.setattr(reader_module, "_open_hdf5", open_then_swap)
+    with BundleReader(path) as reader:
+        for ref in reader.index.tensor_refs():
+            if ref.path not in reader.index.summaries:
+                reader.read_array(ref)  # every CRC-32 matches: the bytes of the file opened
+        assert reader.verified
+
+
+def test_a_catalog_is_plain_data_or_nothing(tmp_path: Path) -> None:
+    """A catalog survives its bytes exactly (a name that is not UTF-8 included); garbage or a truncated hand-over
+    decodes to None (the reader then walks), and a dataset whose dtype has no plain form gives no catalog."""
+    stored = containment.StoredDataset((2, 3), np.dtype(">u2"), 4096, 12, "U16")
+    catalog = containment.Catalog(
+        (1, 2, 3, 4), {"a/\udcff": stored, "b": containment.StoredDataset((), np.dtype("bool"), None, 1)}
+    )
+    raw = catalog.to_bytes()
+    assert raw is not None
+    assert containment.Catalog.from_bytes(raw) == catalog
+    for broken in (b"", raw[: len(raw) // 2], b"\x93\x01\x02\x03", b"\xc1"):
+        assert containment.Catalog.from_bytes(broken) is None
+    text = containment.StoredDataset((1,), h5py.string_dtype("ascii", 2), None, 2)
+    assert containment.Catalog((1, 2, 3, 4), {"s": text}).to_bytes() is None
