@@ -86,7 +86,7 @@ class BundleReader:
             seconds, so that a crafted file that hangs or crashes HDF5 is refused instead
             (:mod:`parity_harness.replay.preflight`); None skips it (files this process or the user wrote).
         catalog: what such a walk, already made, learnt of the file: used instead of walking it again when it
-            describes the file opened, unchanged (its device, inode, size and modification time).
+            describes the file opened, unchanged (its device, inode, size, and times of change).
 
     Raises:
         BundleNotFoundError: nothing at ``path``.

@@ -67,9 +67,10 @@ class StoredDataset:
     """The string attribute the walk was asked to read (a bundle's ``dtype`` tag), None when absent or no string."""
 
 
-def file_identity(status: os.stat_result) -> tuple[int, int, int, int]:
-    """Which file, in which state: device, inode, size and modification time (nanoseconds)."""
-    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+def file_identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
+    """Which file, in which state: device, inode, size, and the times of its last change of content and of status
+    (nanoseconds; the second moves on every write and cannot be set back by a user)."""
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Catalog:
     """What :func:`check_contained` returned for one file, and that file's :func:`file_identity` before and after
     the walk (equal: the file did not change meanwhile)."""
 
-    identity: tuple[int, int, int, int]
+    identity: tuple[int, int, int, int, int]
     datasets: dict[str, StoredDataset]
 
     def describes(self, status: os.stat_result) -> bool:
@@ -100,14 +101,14 @@ class Catalog:
         """The catalog :meth:`to_bytes` wrote; None for anything else (a truncated or empty hand-over)."""
         try:
             document = unpack(raw, where="catalog")
-            device, inode, size, modified = (int(n) for n in document["identity"])  # type: ignore[index]
+            device, inode, size, modified, changed = (int(n) for n in document["identity"])  # type: ignore[index]
             datasets = {}
             for named, shape, dtype, offset, nbytes, label in document["datasets"]:  # type: ignore[index]
                 stored = StoredDataset(tuple(int(n) for n in shape), np.dtype(dtype), offset, int(nbytes), label)
                 datasets[named.decode("utf-8", "surrogateescape")] = stored
         except (BundleFormatError, KeyError, TypeError, ValueError, AttributeError):
             return None
-        return cls((device, inode, size, modified), datasets)
+        return cls((device, inode, size, modified, changed), datasets)
 
 
 def require_regular_file(path: Path, noun: str) -> None:
