@@ -9,6 +9,7 @@ import h5py
 import numpy as np
 
 from parity_harness.common.errors import CheckpointError
+from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.format.bundle.version import FORMAT_NAME
 from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo, flat_blocks
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
@@ -26,13 +27,14 @@ class BundleSource(Source):
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
         super().__init__(path)
-        walk_in_child(path, seconds=DEFAULT_PREFLIGHT_SECONDS, noun="file")  # before this process opens it at all
+        # Before this process opens it at all; what the walk learnt spares the reader a second walk.
+        catalog = walk_in_child(path, seconds=DEFAULT_PREFLIGHT_SECONDS, noun="file", label=ATTR_DTYPE)
         with h5py.File(path, "r") as probe:
             if probe.attrs.get("format") != FORMAT_NAME:
                 raise CheckpointError(
                     f"{path}: an HDF5 file but no parity bundle (format attribute is not {FORMAT_NAME!r})"
                 )
-        self._reader: BundleReader | None = BundleReader(path, verify=verify)
+        self._reader: BundleReader | None = BundleReader(path, verify=verify, catalog=catalog)
         self._refs = self._reader.index.params
         self.tensors = {name: TensorInfo(name, ref.tag, tuple(ref.shape)) for name, ref in self._refs.items()}
 
