@@ -104,7 +104,9 @@ class Catalog:
             device, inode, size, modified, changed = (int(n) for n in document["identity"])  # type: ignore[index]
             datasets = {}
             for named, shape, dtype, offset, nbytes, label in document["datasets"]:  # type: ignore[index]
-                stored = StoredDataset(tuple(int(n) for n in shape), np.dtype(dtype), offset, int(nbytes), label)
+                at = None if offset is None else int(offset)
+                label = label if isinstance(label, str) else None
+                stored = StoredDataset(tuple(int(n) for n in shape), np.dtype(dtype), at, int(nbytes), label)
                 datasets[named.decode("utf-8", "surrogateescape")] = stored
         except (BundleFormatError, KeyError, TypeError, ValueError, AttributeError):
             return None
