@@ -208,3 +208,26 @@ def test_a_catalog_is_plain_data_or_nothing(tmp_path: Path) -> None:
         assert containment.Catalog.from_bytes(broken) is None
     text = containment.StoredDataset((1,), h5py.string_dtype("ascii", 2), None, 2)
     assert containment.Catalog((1, 2, 3, 4, 5), {"s": text}).to_bytes() is None
+
+
+def test_the_commands_walk_a_bundle_once_in_the_child(
+    tiny_bundle: Path, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replay-compare and ckpt-diff's bundle source open the bundle with the child's catalog: this process does not
+    walk the file a second time."""
+    from click.testing import CliRunner
+
+    from parity_harness.replay.ckpt_diff.bundle_source import BundleSource
+    from parity_harness.replay.cli.replay_compare import main
+
+    walks: list[Path] = []
+    walk = reader_module.check_contained
+    monkeypatch.setattr(
+        reader_module, "check_contained", lambda f, path, *a, **k: walks.append(path) or walk(f, path, *a, **k)
+    )
+    model = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"
+    result = CliRunner().invoke(main, ["--bundle", str(tiny_bundle), "--model", model, "--ckpt", str(tiny_ckpt)])
+    assert result.exit_code == 0, result.output
+    source = BundleSource(tiny_bundle)
+    assert source.tensors
+    assert walks == []
