@@ -41,16 +41,26 @@ def on_second_thread(work: Callable[..., _T], *args: object) -> Future[_T]:
     return _second_thread().submit(work, *args)
 
 
-def in_halves(size: int, grain: int, work: Callable[[int, int], _T]) -> list[_T]:
+def in_halves(
+    size: int, grain: int, work: Callable[[int, int], _T], settled: Callable[[_T], bool] | None = None
+) -> list[_T]:
     """``work(begin, end)`` over ``[0, size)``: in one piece, or from :data:`PARALLEL_FROM` elements on in two
     pieces split at a multiple of ``grain`` (so that chunked work sees the same chunks), the later one on a
-    second thread. Results in order."""
+    second thread. Results in order.
+
+    ``settled(first)``: the first half's result settles the question (a difference, for "all equal?"): the later
+    half is then dropped if it has not started (the second thread may be busy with checksums queued before it),
+    and only the first result is returned.
+    """
     if size < PARALLEL_FROM or size < 2 * grain:
         return [work(0, size)]
     half = size // 2 // grain * grain
     later = _second_thread().submit(work, half, size)
     try:
         first = work(0, half)
-    finally:
-        second = later.result()  # waited for even when the first half failed: no work left running behind
-    return [first, second]
+    except BaseException:
+        later.cancel() or later.exception()  # no work left running behind on arrays the caller may free
+        raise
+    if settled is not None and settled(first) and later.cancel():
+        return [first]
+    return [first, later.result()]  # waited for even when settled: no work left running behind

@@ -50,10 +50,16 @@ def _exact(e: np.ndarray, a: np.ndarray, at: np.ndarray) -> tuple[np.ndarray, np
 class Screen:
     """Chunk-sized float32 buffers, reused for every chunk of a comparison."""
 
-    def __init__(self, size: int, tolerance: Tolerance) -> None:
-        self.d, self.dabs, self.m, self.q = (np.empty(size, dtype=np.float32) for _ in range(4))
+    def __init__(self, size: int, tolerance: Tolerance, buffers: list[np.ndarray] | None = None) -> None:
+        """``buffers``: four float32 arrays of at least ``size`` elements to reuse (else made here)."""
+        buffers = buffers or [np.empty(size, dtype=np.float32) for _ in range(4)]
+        self.d, self.dabs, self.m, self.q = buffers
         self.tolerance = tolerance
         self.atol32, self.rtol32 = np.float32(tolerance.atol), np.float32(tolerance.rtol)
+        self.below_rtol = tolerance.rtol * (1.0 - _BAND)
+        """An element whose float32 ratio ``|a - e| / |e|`` is below this (``|e| > 0``; compared in float32, which
+        rounds monotonically) has ``|a - e| < rtol * |e|``: its ``|a - e| - rtol * |e|`` is negative in float64 too
+        and cannot raise the required atol (never below 0)."""
         self.dense = False
         """A chunk had many elements beyond atol: the rest of the comparison (most likely alike) goes to float64
         without being screened first."""
@@ -88,41 +94,57 @@ class Screen:
         relative = self._relative(dabs, m)
         if relative is None:
             return False
+        ratios, top_ratio, nonzero = relative
         first = int(np.argmax(diff))
         if largest > run.max_abs:
             run.max_abs, run.max_abs_at = largest, start + int(largest_at[first])
-        self._fold_relative(run, e, a, relative, start)
+        self._fold_relative(run, e, a, ratios, top_ratio, start)
         if largest > run.need_atol:
-            self._raise_atol(run, e, a, top)
+            self._raise_atol(run, e, a, top, ratios if nonzero else None)
         if beyond is not None:
             self._fold_beyond(run, e, a, beyond)
         self._add_dots(run, e, d)
         return True
 
-    def _relative(self, dabs: np.ndarray, m: np.ndarray) -> np.ndarray | None:
-        """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, or None if its maximum overflows or is 0
-        (no difference where the reference is nonzero). A nonzero ratio of float32 values is at least 2**-24:
-        normal, with float32's relative precision."""
+    def _relative(self, dabs: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, float, bool] | None:
+        """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, its maximum, and whether every ``|e|`` is
+        nonzero; None if the maximum overflows or is 0 (no difference where the reference is nonzero). A nonzero
+        ratio of float32 values is at least 2**-24: normal, with float32's relative precision."""
         q = self.q[: dabs.size]
-        if float(np.min(m)) > 0.0:
+        nonzero = float(np.min(m)) > 0.0
+        if nonzero:
             np.divide(dabs, m, out=q)
         else:
             q.fill(0.0)
             np.divide(dabs, m, out=q, where=m > 0)
         top = float(np.max(q))
-        return q if 0.0 < top < math.inf else None
+        return (q, top, nonzero) if 0.0 < top < math.inf else None
 
-    def _fold_relative(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, relative: np.ndarray, start: int) -> None:
-        at = np.flatnonzero(relative >= float(np.max(relative)) * (1.0 - _BAND))
+    def _fold_relative(
+        self, run: RunningDiff, e: np.ndarray, a: np.ndarray, relative: np.ndarray, top: float, start: int
+    ) -> None:
+        at = np.flatnonzero(relative >= top * (1.0 - _BAND))
         diff, magnitude = _exact(e, a, at)
         values = diff / magnitude  # every candidate has a nonzero reference: its float32 ratio is positive
         first = int(np.argmax(values))
         if values[first] > run.max_rel:
             run.max_rel, run.max_rel_at = float(values[first]), start + int(at[first])
 
-    def _raise_atol(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float) -> None:
-        """The required atol from the elements within the float32 error of the float32 maximum of
-        ``|a - e| - rtol * |e|``; the others pass it with room to spare."""
+    def _raise_atol(
+        self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float, ratios: np.ndarray | None
+    ) -> None:
+        """The required atol from the elements that can set it; the others pass it with room to spare.
+
+        With ``ratios`` (``|a - e| / |e|``, no zero in the reference) those are the few elements whose ratio may
+        reach rtol; otherwise those within the float32 error of the float32 maximum of ``|a - e| - rtol * |e|``.
+        """
+        if ratios is not None and self.below_rtol > 0.0:
+            at = np.flatnonzero(ratios >= self.below_rtol)
+            if at.size * _DENSE <= e.size:
+                if at.size:
+                    diff, magnitude = _exact(e, a, at)
+                    run.raise_atol(diff, magnitude, np.empty_like(diff))
+                return
         slack = self.q[: e.size]
         np.multiply(self.m[: e.size], self.rtol32, out=slack)
         np.subtract(self.dabs[: e.size], slack, out=slack)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -568,20 +569,21 @@ def test_a_large_comparison_scanned_on_two_threads_reports_what_one_pass_reports
     rng = np.random.default_rng(7)
     expected = rng.standard_normal(size).astype(np.float32)
     actual = expected + rng.standard_normal(size).astype(np.float32) * np.float32(1e-5)
+    actual[:1000] = expected[:1000]  # differing from the start, it would be settled before any split
     if case == "ties":
         actual = expected.copy()
-        actual[[10, size - 10]] += np.float32(0.5)  # the same largest difference in each half
-        expected[[10, size - 10]] = actual[[10, size - 10]] - np.float32(0.5)
+        actual[[100, size - 10]] += np.float32(0.5)  # the same largest difference in each half
+        expected[[100, size - 10]] = actual[[100, size - 10]] - np.float32(0.5)
     if case == "nan-late":
         actual[size - 3] = np.nan
     if case == "inf-early":
-        expected[5], actual[5] = np.inf, -np.inf
+        expected[500], actual[500] = np.inf, -np.inf
     if case == "identical":
         actual = expected.copy()
     tolerance = Tolerance(1e-5, 1e-5)
     pieces: list[int] = []
 
-    def counted(n: int, grain: int, work: Callable[[int, int], object]) -> list[object]:
+    def counted(n: int, grain: int, work: Callable[[int, int], object], settled: object = None) -> list[object]:
         done = parallel.in_halves(n, grain, work)
         pieces.append(len(done))
         return done
@@ -590,13 +592,36 @@ def test_a_large_comparison_scanned_on_two_threads_reports_what_one_pass_reports
     split = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
     assert max(pieces) == 2
     monkeypatch.setattr(parallel, "PARALLEL_FROM", 10 * size)
-    monkeypatch.setattr(metrics, "in_halves", lambda n, grain, work: [work(0, n)])
+    monkeypatch.setattr(metrics, "in_halves", lambda n, grain, work, settled=None: [work(0, n)])
     single = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
     assert split == single or (
         math.isnan(split.cosine) and dataclasses.replace(split, cosine=0) == dataclasses.replace(single, cosine=0)
     )
     if case == "ties":
-        assert split.max_abs_index == (10,)
+        assert split.max_abs_index == (100,)
+
+
+def test_a_difference_found_in_the_first_half_does_not_wait_for_the_second_thread() -> None:
+    """A large record whose first half already differs is settled there: the comparison returns while the second
+    thread is still busy (with the checksums of records read before, in a replay), and its half is never run."""
+    size = 3 * PARALLEL_FROM
+    expected = np.random.default_rng(3).standard_normal(size).astype(np.float32)
+    actual = expected.copy()
+    actual[PARALLEL_FROM // 2] += np.float32(1.0)  # in the first half, past the elements compared before a split
+    busy, results = threading.Event(), []
+    blocker = parallel.on_second_thread(busy.wait, 120)
+    comparing = threading.Thread(target=lambda: results.append(diff_arrays(expected, actual, Tolerance(0.0, 0.0))))
+    try:
+        comparing.start()
+        comparing.join(timeout=60)
+        finished_while_busy = not comparing.is_alive()
+    finally:
+        busy.set()
+        blocker.result()
+        comparing.join()
+    assert finished_while_busy, "the comparison waited for the second thread"
+    assert results[0].mismatched == 1
+    assert results[0].max_abs_index == (PARALLEL_FROM // 2,)
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,23 @@ def _slack_contest(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pa
     return e[shuffled], a[shuffled]
 
 
+def _ratio_over_rtol(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Ratios ``|a - e| / |e|`` just past rtol, only those that float32 rounds to below it where there are any
+    (rtol just above a float32 value): they alone set the required atol, though their float32 ratios pass rtol."""
+    rtol = tolerance.rtol or 1e-5
+    e = (1 + rng.random(64 * n)).astype(np.float32)
+    a = (e.astype(np.float64) * (1 + rtol)).astype(np.float32)
+    a = np.where(_slack64(e, a, rtol) > 0, a, np.nextafter(a, np.float32(np.inf)))
+    hidden = (np.abs(a - e) / e).astype(np.float64) < rtol
+    keep = np.resize(rng.permutation(np.flatnonzero(hidden) if hidden.any() else np.arange(n)), n)
+    return e[keep], a[keep]
+
+
+def _slack64(e: np.ndarray, a: np.ndarray, rtol: float) -> np.ndarray:
+    """``|a - e| - rtol * |e|`` as the float64 comparison computes it."""
+    return np.abs(a.astype(np.float64) - e) - rtol * np.abs(e.astype(np.float64))
+
+
 def _topped_by(score: np.ndarray, top: np.ndarray, rng: np.random.Generator, n: int) -> np.ndarray:
     """``n`` positions whose largest ``score`` is at one of the positions flagged in ``top`` (shuffled)."""
     chosen = int(np.flatnonzero(top)[np.argmax(score[top])]) if top.any() else int(np.argmax(score))
@@ -129,6 +146,7 @@ def _non_finite(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
 Builder = Callable[[np.random.Generator, int, Tolerance], Pair]
 CASES: dict[str, Builder] = {
     "ratio contest": _ratio_contest,
+    "ratio just over rtol": _ratio_over_rtol,
     "slack contest": _slack_contest,
     "on the rule": _on_the_rule,
     "needs nudges": _needs_nudges,
@@ -139,12 +157,15 @@ CASES: dict[str, Builder] = {
     "wide range": _wide_range,
     "NaN and infinities": _non_finite,
 }
+HAIR_OVER = Tolerance(1e-4, float(np.float32(0.3183099)) * (1 + 2.0**-30))
+"""An rtol a hair above a float32 value: ratios between the two round to that value, below rtol."""
 TOLERANCES = [
     Tolerance(1e-5, 1e-5),
     Tolerance(2.0**-10, 2.0**-3),
     Tolerance(1e-4, 0.0),
     Tolerance(0.0, 1e-3),
     Tolerance(0.0, 0.0),
+    HAIR_OVER,
 ]
 
 
@@ -175,6 +196,7 @@ def test_screened_figures_are_the_float64_figures(
 
 SCREENED = {
     "needs nudges",
+    "ratio just over rtol",
     "ratio contest",
     "slack contest",
     "on the rule",
@@ -212,6 +234,10 @@ def test_the_edge_cases_are_screened_and_do_sit_on_their_edges(monkeypatch: pyte
     slack64 = np.abs(a32.astype(np.float64) - e32) - default.rtol * np.abs(e32.astype(np.float64))
     slack32 = np.abs(a32 - e32) - np.float32(default.rtol) * np.abs(e32)
     assert int(np.argmax(slack64)) not in np.flatnonzero(slack32 == slack32.max())
+    e32, a32 = _pair("ratio just over rtol", HAIR_OVER, 0)
+    ratio32 = (np.abs(a32 - e32) / np.abs(e32)).astype(np.float64)
+    hidden = (_slack64(e32, a32, HAIR_OVER.rtol) > 0) & (ratio32 < HAIR_OVER.rtol)
+    assert np.count_nonzero(hidden) > 100
 
 
 def test_screening_folds_the_chunks_it_can_and_leaves_the_others() -> None:
