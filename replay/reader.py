@@ -104,7 +104,8 @@ class BundleReader:
     ) -> None:
         self.path = Path(path)
         self._verify = verify
-        self._verified: set[str] = set()
+        self._verified: dict[object, int] = {}
+        """The checksum each dataset (by :meth:`dataset_identity`, else by name) was verified against."""
         self._pending: list[tuple[str, int, Future[int]]] = []
         self.differences_seen = False
         """A record read through this reader differed from the port's value (set by the comparison): later
@@ -253,6 +254,15 @@ class BundleReader:
         """The statistics of a tensor recorded as statistics only, else None (its values are stored)."""
         return self.index.summaries.get(ref.path)
 
+    def dataset_identity(self, ref: TensorRef) -> tuple[object, ...] | None:
+        """Which bytes of the file hold a record's values: records with equal identities hold the same values (a
+        repeat stored as a link at capture). None for a record kept as statistics, or stored in no bytes of its own
+        (compact or empty)."""
+        stored = self._stored.get(ref.path.lstrip("/"))
+        if stored is None or stored.offset is None or stored.nbytes == 0 or ref.path in self.index.summaries:
+            return None
+        return (stored.offset, stored.nbytes, stored.shape, stored.dtype.str, ref.tag)
+
     def read_array(self, ref: TensorRef, *, verify: bool = True) -> np.ndarray:
         """The stored array of a tensor (raw bits for bf16/fp8); may be a read-only view of the file.
 
@@ -290,9 +300,11 @@ class BundleReader:
         single-threaded, so the checksum costs no wall time); :meth:`settle` waits for it and raises then.
         """
         expected = self.index.checksums.get(ref.path)
-        if not self._verify or expected is None or ref.path in self._verified:
+        # A repeat linked at capture is the same bytes under a second name: checked once, if its checksum agrees.
+        where = self.dataset_identity(ref) or ref.path
+        if not self._verify or expected is None or self._verified.get(where) == expected:
             return array
-        self._verified.add(ref.path)
+        self._verified[where] = expected
         if later and array.nbytes >= VERIFY_LATER_FROM:
             self._pending.append((ref.path, expected, on_second_thread(stored_crc32, array)))
         else:

@@ -19,6 +19,7 @@ from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.padding import PaddingPlan
+from parity_harness.replay.compare.repeats import RecentDiffs
 from parity_harness.replay.compare.rounding import NearMisses
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule, bundle_parameters
@@ -67,6 +68,8 @@ class ComparingSink:
         recorded = reader.index.selection
         self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
         self._padding_plan = PaddingPlan(reader) if mask_padding else None
+        self.diffs = RecentDiffs(reader)
+        """Module records compared, a repeat's result reused."""
         self.masked_records = 0
         index = reader.index
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
@@ -108,7 +111,7 @@ class ComparingSink:
         tolerance = self._result.tolerances.for_record(name, ref.tag)
         ignore, masked = self._padding(info, slot, ref)
         compared = self._transform(name, tensor)
-        diff = diff_record(self._reader, ref, compared, tolerance, ignore)
+        diff = self.diffs.diff(ref, compared, tolerance, ignore)
         self._add(RecordResult(kind, name, diff, order, info.module, slot, masked=masked))
         if self._near is not None:
             self._near.offer("module", name, ref, compared, diff, ignore)

@@ -1,0 +1,153 @@
+"""A tensor the port hands to two records (a layer's output, the next layer's input) is compared once, and only
+while it is provably the same tensor with the same values as when it was first compared."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay import reader as reader_module
+from parity_harness.replay.compare import repeats
+from parity_harness.replay.compare.repeats import RecentDiffs
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+
+
+class Chain(nn.Module):
+    """Three layers in a row, each one's output the next one's input (capture links the repeats); ``bump``
+    scales the first layer's output in place before the second layer sees it."""
+
+    def __init__(self, bump: bool = False) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+        self.bump = bump
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        if self.bump:
+            with torch.no_grad():
+                x.mul_(1.5)
+        return self.last(self.middle(x))
+
+
+def _chain(bump: bool = False, off: float = 0.0) -> Chain:
+    torch.manual_seed(0)
+    model = Chain(bump)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + off * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    return model
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(8, 16, generator=torch.Generator().manual_seed(2))}
+
+
+@pytest.fixture(scope="module")
+def chain_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    bundle = tmp_path_factory.mktemp("repeats") / "chain.h5"
+    summary = capture_run(_chain(), _inputs(), bundle, seed=0)
+    assert summary.linked >= 2  # first's output is middle's input, middle's output is last's input
+    return bundle
+
+
+def _records(bundle: Path, port: nn.Module, tolerance: Tolerance) -> dict[str, tuple[bool, float, int]]:
+    with BundleReader(bundle) as reader:
+        result = compare_run(port, reader, tolerances=ToleranceTable(tolerance))
+    return {r.name: (r.match, r.diff.max_abs, r.diff.mismatched) for r in result.records}
+
+
+def test_a_repeat_is_compared_once_with_the_result_of_two_comparisons(
+    chain_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port off everywhere: every repeated record gets exactly the figures of its own comparison, and the
+    module records cost fewer comparisons than there are records."""
+    port, tolerance = _chain(off=1e-3), Tolerance(1e-6, 1e-6)
+    calls: list[str] = []
+    diff_record = repeats.diff_record
+    monkeypatch.setattr(
+        repeats, "diff_record", lambda reader, ref, *rest: calls.append(ref.path) or diff_record(reader, ref, *rest)
+    )
+    reused = _records(chain_bundle, port, tolerance)
+    reused_calls = len(calls)
+    monkeypatch.setattr(RecentDiffs.__init__, "__defaults__", (0,))  # nothing remembered: each record on its own
+    calls.clear()
+    alone = _records(chain_bundle, port, tolerance)
+    assert reused == alone
+    assert not alone["middle/0/input.input"][0]
+    assert not alone["last/0/input.input"][0]
+    assert reused_calls <= len(calls) - 2
+
+
+def test_a_tensor_changed_in_place_between_two_records_is_compared_again(chain_bundle: Path) -> None:
+    """The port scales the first layer's output in place before the next layer reads it: the bundle stores the
+    next layer's input as a link to that output, yet the port's value there is compared afresh and fails."""
+    with BundleReader(chain_bundle) as reader:
+        output = reader.dataset_identity(_record(reader, "first", "output"))
+        linked = reader.dataset_identity(_record(reader, "middle", "input.input"))
+    assert output is not None
+    assert output == linked
+    records = _records(chain_bundle, _chain(bump=True), Tolerance(0.0, 0.0))
+    assert records["first/0/output"][0]
+    assert not records["middle/0/input.input"][0]
+
+
+def test_a_freed_tensor_is_not_mistaken_for_one_made_later_in_its_memory(chain_bundle: Path) -> None:
+    """A remembered comparison whose tensor was freed is never reused, even for a new tensor of the same shape on
+    the same memory with a fresh version counter, as the allocator can hand out (here numpy's buffer stands in
+    for the allocator, and new values are written behind torch's back)."""
+    with BundleReader(chain_bundle) as reader:
+        ref = _record(reader, "first", "output")
+        memory = np.array(reader.read_array(ref))
+        diffs = RecentDiffs(reader)
+        first = torch.from_numpy(memory)
+        assert diffs.diff(ref, first, Tolerance(0.0, 0.0), None).match
+        del first
+        gc.collect()
+        memory += 1.0
+        again = torch.from_numpy(memory)
+        assert again._version == 0
+        assert not diffs.diff(ref, again, Tolerance(0.0, 0.0), None).match
+        assert diffs.reused == 0
+        assert diffs.diff(ref, again, Tolerance(0.0, 0.0), None).mismatched == again.numel()
+        assert diffs.reused == 1  # alive and unchanged: reused
+
+
+def test_a_dataset_stored_once_is_checksummed_once(chain_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A differing port has every record it reads checksummed: a repeat linked at capture is one dataset under
+    two names, and its bytes are checked once."""
+    summed: list[int] = []
+    crc32 = reader_module.stored_crc32
+    monkeypatch.setattr(reader_module, "stored_crc32", lambda array: summed.append(id(array)) or crc32(array))
+    monkeypatch.setattr(RecentDiffs.__init__, "__defaults__", (0,))  # both names read: only the checksum is shared
+    with BundleReader(chain_bundle) as reader:
+        summed.clear()  # what opening checked (the RNG state)
+        compare_run(_chain(off=1e-3), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
+        datasets = {reader.dataset_identity(ref) for ref in _every_ref(reader)} - {None}
+        names = [ref for ref in _every_ref(reader) if reader.dataset_identity(ref) is not None]
+    assert len(names) > len(datasets)
+    assert len(summed) == len(datasets)
+
+
+def _record(reader: BundleReader, module: str, slot: str) -> TensorRef:
+    call = next(call for call in reader.index.calls if call.module == module)
+    return {**dict(iter_tensors(call.inputs, "input")), **dict(iter_tensors(call.outputs, "output"))}[slot]
+
+
+def _every_ref(reader: BundleReader) -> list[TensorRef]:
+    index = reader.index
+    trees = [tree for tree in (index.inputs, index.outputs, index.cotangent, index.loss) if tree is not None]
+    refs = [ref for tree in trees for _, ref in iter_tensors(tree, "")]
+    refs += [*index.params.values(), *index.grads.values()]
+    for call in index.calls:
+        refs += [ref for _, ref in iter_tensors(call.inputs, "")] + [ref for _, ref in iter_tensors(call.outputs, "")]
+        refs += [*call.grad_outputs.values(), *call.grad_inputs.values()]
+    return refs
