@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -41,7 +43,13 @@ from parity_harness.common.format.bundle.layout import (
 from parity_harness.common.format.bundle.migrations import migrate
 from parity_harness.common.format.bundle.schema import BundleIndex, ModuleCall, TensorRef, Tree, parse_index
 from parity_harness.common.format.bundle.version import FORMAT_VERSION, check_compatible, parse_format_version
-from parity_harness.common.format.containment import Catalog, StoredDataset, check_contained, require_regular_file
+from parity_harness.common.format.containment import (
+    Catalog,
+    StoredDataset,
+    check_contained,
+    file_identity,
+    require_regular_file,
+)
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.manifest import find_manifest
@@ -133,11 +141,19 @@ class BundleReader:
         self._heap = HeapTrimmer()
 
     def _contained(self, catalog: Catalog | None) -> dict[str, StoredDataset]:
-        """Every dataset, from ``catalog`` where it describes the file HDF5 opened, else from a walk of the file."""
+        """Every dataset, from ``catalog`` or this process's last walk of the file where either describes the file
+        HDF5 opened, else from a walk of the file."""
         descriptor = _descriptor(self._file)
-        if catalog is not None and descriptor is not None and catalog.describes(os.fstat(descriptor)):
-            return catalog.datasets
-        return check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
+        if descriptor is None:
+            return check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
+        status = os.fstat(descriptor)
+        for known in (catalog, _walked.get(file_identity(status))):
+            if known is not None and known.describes(status):
+                return known.datasets
+        datasets = check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
+        if file_identity(os.fstat(descriptor)) == file_identity(status):  # not changed while it was walked
+            _walked.put(Catalog(file_identity(status), datasets))
+        return datasets
 
     def _check_version(self) -> tuple[int, int]:
         attrs = self._file.attrs
@@ -375,6 +391,29 @@ class BundleReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class _RecentWalks:
+    """The catalogs of the files this process walked last, by file identity: a test suite opening one bundle test
+    after test walks it once (a file changed since has another identity, and is walked again)."""
+
+    def __init__(self, size: int) -> None:
+        self._size, self._lock = size, threading.Lock()
+        self._catalogs: OrderedDict[tuple[int, ...], Catalog] = OrderedDict()
+
+    def get(self, identity: tuple[int, ...]) -> Catalog | None:
+        with self._lock:
+            return self._catalogs.get(identity)
+
+    def put(self, catalog: Catalog) -> None:
+        with self._lock:
+            self._catalogs[catalog.identity] = catalog
+            self._catalogs.move_to_end(catalog.identity)
+            while len(self._catalogs) > self._size:
+                self._catalogs.popitem(last=False)
+
+
+_walked = _RecentWalks(4)
 
 
 def _descriptor(file: h5py.File) -> int | None:

@@ -19,7 +19,7 @@ from parity_harness.common.format import containment
 from parity_harness.replay import preflight
 from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
-from tests.hostile import craft_copy, external_storage
+from tests.hostile import craft_copy, external_storage, replace_in_place
 
 
 def test_a_valid_bundle_passes(tiny_bundle: Path) -> None:
@@ -153,6 +153,34 @@ def test_a_reader_uses_the_catalog_of_the_file_unchanged(tiny_bundle: Path, monk
     with BundleReader(tiny_bundle, catalog=catalog):
         pass
     assert walks == [tiny_bundle]
+
+
+def test_a_bundle_opened_again_unchanged_is_not_walked_again(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opened again in the same process (a test suite asserting parity test after test), an unchanged bundle is not
+    walked again; changed in place since (here crafted to read another file), it is walked again and refused."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    walks: list[Path] = []
+    walk = reader_module.check_contained
+    monkeypatch.setattr(
+        reader_module, "check_contained", lambda f, path, *a, **k: walks.append(path) or walk(f, path, *a, **k)
+    )
+    for _ in range(3):
+        with BundleReader(path) as reader:
+            assert reader.index.calls
+    assert walks == [path]
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"x" * (1 << 16))
+    inode = path.stat().st_ino
+    replace_in_place(path, "params/head.weight", external_storage, secret)
+    status = path.stat()
+    assert status.st_ino == inode
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))  # changed later than the clock's tick
+    with pytest.raises(BundleFormatError, match="stored in another file"):
+        BundleReader(path)
+    assert walks == [path, path]
 
 
 def test_a_catalog_never_vouches_for_a_file_put_in_its_place(tiny_bundle: Path, tmp_path: Path) -> None:
