@@ -19,7 +19,7 @@ import contextlib
 import mmap
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -137,6 +137,7 @@ class BundleReader:
         # Pages of records read are dropped once they add up to the largest record: peak memory stays within
         # twice that, and small records cost no system call each.
         self._resident_budget = max((stored.nbytes for stored in self._stored.values()), default=0)
+        self._names_per_dataset = Counter(_identity(stored) for stored in self._stored.values())
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
         self._heap = HeapTrimmer()
 
@@ -275,9 +276,18 @@ class BundleReader:
         repeat stored as a link at capture). None for a record kept as statistics, or stored in no bytes of its own
         (compact or empty)."""
         stored = self._stored.get(ref.path.lstrip("/"))
-        if stored is None or stored.offset is None or stored.nbytes == 0 or ref.path in self.index.summaries:
-            return None
-        return (stored.offset, stored.nbytes, stored.shape, stored.dtype.str, ref.tag)
+        return None if stored is None or ref.path in self.index.summaries else _identity(stored)
+
+    def repeated_identity(self, ref: TensorRef) -> tuple[object, ...] | None:
+        """:meth:`dataset_identity` of a record whose bytes another record names too (a repeat linked at capture),
+        else None."""
+        identity = self.dataset_identity(ref)
+        return identity if identity is not None and self._names_per_dataset[identity] > 1 else None
+
+    @property
+    def largest_record_bytes(self) -> int:
+        """The size of the largest dataset's values."""
+        return self._resident_budget
 
     def read_array(self, ref: TensorRef, *, verify: bool = True) -> np.ndarray:
         """The stored array of a tensor (raw bits for bf16/fp8); may be a read-only view of the file.
@@ -391,6 +401,13 @@ class BundleReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _identity(stored: StoredDataset) -> tuple[object, ...] | None:
+    """Where and as what a dataset's values lie in the file; None when it has no bytes of its own."""
+    if stored.offset is None or stored.nbytes == 0:
+        return None
+    return (stored.offset, stored.nbytes, stored.shape, stored.dtype.str, stored.label)
 
 
 class _RecentWalks:

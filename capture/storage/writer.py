@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from parity_harness.capture.distributed import local_tensor
-from parity_harness.capture.observe.identity import StorageKey, storage_key
 from parity_harness.capture.storage.streaming import BLOCK, DEFAULT_STAGING_BYTES, Staged, TensorStream
 from parity_harness.common.errors import BundleError, BundleExistsError
 from parity_harness.common.format.atomic import commit, sibling_temp
@@ -58,6 +57,24 @@ _BATCH, _BATCH_BYTES = 64, 8 << 20
 waiting in the staging ring. HDF5 creates a dataset several times faster when its own state is still in the CPU's
 caches, which the model's layers between two records evict: a Conformer of 569 small datasets spent 48 ms creating
 them one per record, against 19 ms for the same creations in a row."""
+
+_StorageKey = tuple[object, ...]
+
+
+def _storage_key(tensor: torch.Tensor) -> _StorageKey | None:
+    """What makes two tensors views of the same bytes with the same values, or None if unknown."""
+    if tensor.is_inference() or tensor.layout != torch.strided:
+        return None  # inference tensors have no version counter to prove the values unchanged
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
 
 
 def _open_direct(path: Path) -> int | None:
@@ -173,7 +190,7 @@ class BundleWriter:
         self._lcpl.set_create_intermediate_group(True)
         self._type_ids: dict[np.dtype[np.generic], h5py.h5t.TypeID] = {}
         self._deduplicate = deduplicate
-        self._recent: OrderedDict[StorageKey, tuple[torch.Tensor, int, str]] = OrderedDict()
+        self._recent: OrderedDict[_StorageKey, tuple[torch.Tensor, int, str]] = OrderedDict()
         self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
         self._checksums: dict[str, int] = {}  # datasets written through HDF5
         self._links: dict[str, str] = {}  # linked path -> the path written
@@ -208,7 +225,7 @@ class BundleWriter:
         tag = tag_of(tensor.dtype)
         ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
         self.tensor_count += 1
-        key = storage_key(tensor) if self._deduplicate else None
+        key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
         if earlier is not None and earlier not in self.summaries:
             self._claim(path)
@@ -220,7 +237,7 @@ class BundleWriter:
         self._remember(key, tensor, path)
         return ref
 
-    def _remember(self, key: StorageKey | None, tensor: torch.Tensor, path: str) -> None:
+    def _remember(self, key: _StorageKey | None, tensor: torch.Tensor, path: str) -> None:
         """Keep a recently recorded tensor, to recognise it if it is recorded again unchanged."""
         if key is not None:
             self._recent[key] = (tensor, tensor._version, path)
@@ -232,7 +249,7 @@ class BundleWriter:
         tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
         tag = tag_of(tensor.dtype)
         self.tensor_count += 1
-        key = storage_key(tensor) if self._deduplicate else None
+        key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
         if earlier is not None and earlier in self.summaries:  # a repeat: same statistics
             self.summaries[path] = self.summaries[earlier]
@@ -393,7 +410,7 @@ class BundleWriter:
                 "or their gradients during forward and backward"
             )
 
-    def _unchanged_earlier(self, key: StorageKey | None, tensor: torch.Tensor) -> str | None:
+    def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> str | None:
         """The path of a recently written view of the same bytes, if neither changed since."""
         if key is None or key not in self._recent:
             return None

@@ -6,12 +6,14 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay import reader as reader_module
@@ -22,25 +24,31 @@ from parity_harness.replay.reader import BundleReader
 
 
 class Chain(nn.Module):
-    """Three layers in a row, each one's output the next one's input (capture links the repeats); ``bump``
-    scales the first layer's output in place before the second layer sees it."""
+    """Three layers in a row, each one's output the next one's input (capture links the repeats); ``edit`` scales
+    the first layer's negative outputs in place before the next layer sees them, by a way that moves the tensor's
+    version counter (``no_grad``) or not (``data``, ``numpy``)."""
 
-    def __init__(self, bump: bool = False) -> None:
+    def __init__(self, edit: str | None = None) -> None:
         super().__init__()
-        self.first, self.middle, self.last = nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
-        self.bump = bump
+        self.first, self.middle, self.last = nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+        self.edit = edit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.first(x)
-        if self.bump:
+        if self.edit == "no_grad":
             with torch.no_grad():
-                x.mul_(1.5)
+                x[x < 0] *= 1.5
+        elif self.edit == "data":
+            x.data[x.data < 0] *= 1.5
+        elif self.edit == "numpy":
+            alias = x.detach().numpy()
+            alias[alias < 0] *= 1.5
         return self.last(self.middle(x))
 
 
-def _chain(bump: bool = False, off: float = 0.0) -> Chain:
+def _chain(edit: str | None = None, off: float = 0.0) -> Chain:
     torch.manual_seed(0)
-    model = Chain(bump)
+    model = Chain(edit)
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(1 + off * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
@@ -87,38 +95,57 @@ def test_a_repeat_is_compared_once_with_the_result_of_two_comparisons(
     assert reused_calls <= len(calls) - 2
 
 
-def test_a_tensor_changed_in_place_between_two_records_is_compared_again(chain_bundle: Path) -> None:
-    """The port scales the first layer's output in place before the next layer reads it: the bundle stores the
-    next layer's input as a link to that output, yet the port's value there is compared afresh and fails."""
+@pytest.mark.parametrize("edit", ["no_grad", "data", "numpy"])
+def test_a_tensor_changed_in_place_between_two_records_is_compared_again(chain_bundle: Path, edit: str) -> None:
+    """A port close to the reference scales the first layer's output in place before the next layer reads it,
+    whether or not the change moves the tensor's version counter: the bundle stores the next layer's input as a
+    link to that output, yet the port's value there is compared afresh and fails."""
     with BundleReader(chain_bundle) as reader:
-        output = reader.dataset_identity(_record(reader, "first", "output"))
-        linked = reader.dataset_identity(_record(reader, "middle", "input.input"))
+        output = reader.repeated_identity(_record(reader, "first", "output"))
+        linked = reader.repeated_identity(_record(reader, "middle", "input.input"))
     assert output is not None
     assert output == linked
-    records = _records(chain_bundle, _chain(bump=True), Tolerance(0.0, 0.0))
+    records = _records(chain_bundle, _chain(edit, off=1e-6), Tolerance(1e-4, 1e-4))
     assert records["first/0/output"][0]
+    assert records["first/0/output"][1] > 0  # differed: remembered for reuse
     assert not records["middle/0/input.input"][0]
 
 
-def test_a_freed_tensor_is_not_mistaken_for_one_made_later_in_its_memory(chain_bundle: Path) -> None:
-    """A remembered comparison whose tensor was freed is never reused, even for a new tensor of the same shape on
-    the same memory with a fresh version counter, as the allocator can hand out (here numpy's buffer stands in
-    for the allocator, and new values are written behind torch's back)."""
+def test_memory_refilled_behind_a_live_tensor_is_not_mistaken_for_its_values(chain_bundle: Path) -> None:
+    """A remembered comparison is reused only for the same values: a tensor on the same memory, shape and dtype,
+    with a fresh version counter, whose values were written behind torch's back (as an allocator handing the
+    memory of a freed tensor to a new one can), is compared afresh."""
     with BundleReader(chain_bundle) as reader:
         ref = _record(reader, "first", "output")
-        memory = np.array(reader.read_array(ref))
+        memory = np.array(reader.read_array(ref)) * np.float32(1 + 1e-6)
         diffs = RecentDiffs(reader)
         first = torch.from_numpy(memory)
-        assert diffs.diff(ref, first, Tolerance(0.0, 0.0), None).match
+        assert diffs.diff(ref, first, Tolerance(1e-4, 1e-4), None).match
         del first
         gc.collect()
-        memory += 1.0
+        memory *= 1.5
         again = torch.from_numpy(memory)
         assert again._version == 0
-        assert not diffs.diff(ref, again, Tolerance(0.0, 0.0), None).match
+        assert not diffs.diff(ref, again, Tolerance(1e-4, 1e-4), None).match
         assert diffs.reused == 0
-        assert diffs.diff(ref, again, Tolerance(0.0, 0.0), None).mismatched == again.numel()
-        assert diffs.reused == 1  # alive and unchanged: reused
+        assert not diffs.diff(ref, again.clone(), Tolerance(1e-4, 1e-4), None).match
+        assert diffs.reused == 1  # the same values, another tensor: the same comparison
+
+
+def test_a_name_relinked_to_other_bytes_is_still_checksummed(tmp_path: Path) -> None:
+    """A bundle altered after capture, one record's name hard-linked to another record's bytes while the index
+    keeps its own checksum: a port within tolerance of both is refused for the damage, not passed on the other
+    record's comparison."""
+    bundle = tmp_path / "relinked.h5"
+    capture_run(_chain("no_grad"), _inputs(), bundle, seed=0)  # the edit: the middle input stored on its own
+    with BundleReader(bundle) as reader:
+        output, middle = _record(reader, "first", "output"), _record(reader, "middle", "input.input")
+        assert reader.repeated_identity(middle) is None
+    with h5py.File(bundle, "r+") as file:
+        del file[middle.path]
+        file[middle.path] = file[output.path]
+    with BundleReader(bundle) as reader, pytest.raises(BundleFormatError, match="checksum mismatch"):
+        compare_run(_chain(off=1e-6), reader, tolerances=ToleranceTable(Tolerance(1e-4, 1e-4)))
 
 
 def test_a_dataset_stored_once_is_checksummed_once(chain_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
