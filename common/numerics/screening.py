@@ -73,7 +73,7 @@ class Screen:
         d, dabs, m = self.d[:n], self.dabs[:n], self.m[:n]
         np.subtract(a, e, out=d)
         np.abs(d, out=dabs)
-        top = float(dabs[int(np.argmax(dabs))])
+        top = float(np.max(dabs))
         if not math.isfinite(top):  # NaN or infinity on a side, or a difference past float32's range
             return False
         if top == 0.0:
@@ -81,12 +81,9 @@ class Screen:
             self._add_dots(run, e, d, zero=True)
             return True
         np.abs(e, out=m)
-        # Rounding is monotonic, so the float64 largest differences are among the float32 largest.
-        largest_at = np.flatnonzero(dabs == top)
-        diff, _ = _exact(e, a, largest_at)
-        largest = float(np.max(diff))
+        upper = top * (1.0 + _BAND)  # no element's float64 difference is larger
         beyond = None
-        if largest > self.tolerance.atol:
+        if upper > self.tolerance.atol:
             beyond = np.flatnonzero(dabs > self.atol32 * (1.0 - _BAND))
             if beyond.size * _DENSE > n:
                 self.dense = True
@@ -95,16 +92,25 @@ class Screen:
         if relative is None:
             return False
         ratios, top_ratio, nonzero = relative
-        first = int(np.argmax(diff))
-        if largest > run.max_abs:
-            run.max_abs, run.max_abs_at = largest, start + int(largest_at[first])
-        self._fold_relative(run, e, a, ratios, top_ratio, start)
-        if largest > run.need_atol:
+        if upper >= run.max_abs:  # the chunk may hold the largest difference so far
+            self._fold_largest(run, e, a, top, start)
+        if top_ratio * (1.0 + _BAND) >= run.max_rel:
+            self._fold_relative(run, e, a, ratios, top_ratio, start)
+        if upper > run.need_atol:
             self._raise_atol(run, e, a, top, ratios if nonzero else None)
         if beyond is not None:
             self._fold_beyond(run, e, a, beyond)
         self._add_dots(run, e, d)
         return True
+
+    def _fold_largest(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float, start: int) -> None:
+        """The chunk's largest difference in float64, from the elements at its float32 maximum (rounding is
+        monotonic: the float64 largest are among them)."""
+        largest_at = np.flatnonzero(self.dabs[: e.size] == top)
+        diff, _ = _exact(e, a, largest_at)
+        first = int(np.argmax(diff))
+        if diff[first] > run.max_abs:
+            run.max_abs, run.max_abs_at = float(diff[first]), start + int(largest_at[first])
 
     def _relative(self, dabs: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, float, bool] | None:
         """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, its maximum, and whether every ``|e|`` is

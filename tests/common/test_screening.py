@@ -61,6 +61,13 @@ def _slack_contest(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pa
     return e[shuffled], a[shuffled]
 
 
+def _largest_contest(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Differences ``1 + d`` with ``d`` below float32's resolution at 1: every one is 1.0 in float32 while float64
+    tells them apart, and the largest may sit in any chunk, after others float32 calls equal to it."""
+    e = np.ones(n, dtype=np.float32)
+    return e, (-(2.0 ** rng.uniform(-27, -25, n))).astype(np.float32)
+
+
 def _ratio_over_rtol(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
     """Ratios ``|a - e| / |e|`` just past rtol, only those that float32 rounds to below it where there are any
     (rtol just above a float32 value): they alone set the required atol, though their float32 ratios pass rtol."""
@@ -146,6 +153,7 @@ def _non_finite(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
 Builder = Callable[[np.random.Generator, int, Tolerance], Pair]
 CASES: dict[str, Builder] = {
     "ratio contest": _ratio_contest,
+    "largest contest": _largest_contest,
     "ratio just over rtol": _ratio_over_rtol,
     "slack contest": _slack_contest,
     "on the rule": _on_the_rule,
@@ -165,6 +173,7 @@ TOLERANCES = [
     Tolerance(1e-4, 0.0),
     Tolerance(0.0, 1e-3),
     Tolerance(0.0, 0.0),
+    Tolerance(1.0, 0.0),  # the largest contest's differences all 1.0 in float32, beyond atol in float64
     HAIR_OVER,
 ]
 
@@ -196,6 +205,7 @@ def test_screened_figures_are_the_float64_figures(
 
 SCREENED = {
     "needs nudges",
+    "largest contest",
     "ratio just over rtol",
     "ratio contest",
     "slack contest",
@@ -234,6 +244,9 @@ def test_the_edge_cases_are_screened_and_do_sit_on_their_edges(monkeypatch: pyte
     slack64 = np.abs(a32.astype(np.float64) - e32) - default.rtol * np.abs(e32.astype(np.float64))
     slack32 = np.abs(a32 - e32) - np.float32(default.rtol) * np.abs(e32)
     assert int(np.argmax(slack64)) not in np.flatnonzero(slack32 == slack32.max())
+    e32, a32 = _pair("largest contest", default, 0)
+    contested = np.abs(a32 - e32) == 1.0
+    assert np.unique(np.abs(a32.astype(np.float64) - e32)[contested]).size > 100
     e32, a32 = _pair("ratio just over rtol", HAIR_OVER, 0)
     ratio32 = (np.abs(a32 - e32) / np.abs(e32)).astype(np.float64)
     hidden = (_slack64(e32, a32, HAIR_OVER.rtol) > 0) & (ratio32 < HAIR_OVER.rtol)
