@@ -117,13 +117,13 @@ class Screen:
         nonzero; None if the maximum overflows or is 0 (no difference where the reference is nonzero). A nonzero
         ratio of float32 values is at least 2**-24: normal, with float32's relative precision."""
         q = self.q[: dabs.size]
-        nonzero = float(np.min(m)) > 0.0
-        if nonzero:
-            np.divide(dabs, m, out=q)
-        else:
+        np.divide(dabs, m, out=q)
+        top = float(np.max(q))
+        nonzero = math.isfinite(top)  # a zero |e| gives NaN (0/0) or infinity, which the maximum shows
+        if not nonzero and float(np.min(m)) == 0.0:
             q.fill(0.0)
             np.divide(dabs, m, out=q, where=m > 0)
-        top = float(np.max(q))
+            top = float(np.max(q))
         return (q, top, nonzero) if 0.0 < top < math.inf else None
 
     def _fold_relative(
