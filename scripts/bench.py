@@ -23,7 +23,9 @@ bare forward + backward as capture drives it, ``capture_run`` with and without c
 ``--summary-only``, ``compare_run`` of the exact model at atol = rtol = 0 (bit-identical records take the
 comparison's shortcut), with ``isolate``, of a "port" whose weights are off by a relative 1e-6 (every record
 differs a little and is compared in full: float32 screening with float64 rechecks), and of one off by 1e-3 at
-the default tolerances (most records fail, most chunks are compared in float64). "GB/s" is the bundle's size
+the default tolerances (most records fail, most chunks are compared in float64). Each replay opens the bundle;
+its metadata walk happens at the warm-up only, as in any process opening an unchanged bundle again (the whole
+commands include it). "GB/s" is the bundle's size
 over the time the step adds to the bare run. ``--steps replay-near,replay-far`` times only those (bare and
 capture always run).
 
