@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from parity_harness.common.format.bundle.schema import TensorRef
-from parity_harness.common.format.dtypes import to_storage
+from parity_harness.common.format.dtypes import from_storage, to_storage
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import Tolerance
 from parity_harness.replay.reader import BundleReader
@@ -58,15 +58,25 @@ class RecentDiffs:
         key = self._key(ref, tolerance) if ignore is None else None
         if key is None:
             return diff_record(self._reader, ref, actual, tolerance, ignore)
+        if actual.device.type != "cpu":  # one host snapshot, compared and kept: another stream may still write
+            actual = from_storage(*to_storage(actual))
         earlier = self._entries.get(key)
         if earlier is not None and _same_bits(earlier[0], earlier[1], *to_storage(actual)):
             self._entries.move_to_end(key)
             self.reused += 1
+            if self._reader.differences_seen:  # as diff_record would: the record's bytes checksummed (once)
+                self._reader.verify(ref, self._reader.read_array(ref, verify=False), later=True)
             return earlier[2]
         diff = diff_record(self._reader, ref, actual, tolerance, ignore)
         if not diff.bits_equal:
             self._remember(key, *to_storage(actual), diff)
         return diff
+
+    def release(self) -> None:
+        """Let go of every copy and spare buffer (the records that repeat one another are all compared)."""
+        self._entries.clear()
+        self._spares.clear()
+        self._held = 0
 
     def _key(self, ref: TensorRef, tolerance: Tolerance) -> tuple[object, ...] | None:
         """What makes two comparisons of the same port values the same comparison: the same bytes of the file,
@@ -81,24 +91,25 @@ class RecentDiffs:
         self._forget(key)
         while self._entries and (len(self._entries) >= self._size or self._held + values.nbytes > self._budget):
             self._forget(next(iter(self._entries)))
-        buffer = self._spare(values.nbytes)
+        buffer = self._spare(values.nbytes, self._budget - self._held)
         copy = buffer[: values.nbytes].view(values.dtype).reshape(values.shape)
         np.copyto(copy, values)
         self._entries[key] = (copy, tag, diff, buffer)
-        self._held += values.nbytes
+        self._held += buffer.nbytes
 
     def _forget(self, key: tuple[object, ...]) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self._held -= entry[0].nbytes
+            self._held -= entry[3].nbytes
             self._spares.append(entry[3])
             while sum(spare.nbytes for spare in self._spares) > self._budget:
                 self._spares.pop(0)
 
-    def _spare(self, nbytes: int) -> np.ndarray:
-        """A byte buffer of at least ``nbytes`` from those given back (fresh memory costs a page fault a page)."""
+    def _spare(self, nbytes: int, room: int) -> np.ndarray:
+        """A byte buffer of ``nbytes`` to ``room`` bytes from those given back (fresh memory costs a page fault a
+        page), else a new one of ``nbytes``."""
         for position, buffer in enumerate(self._spares):
-            if buffer.nbytes >= nbytes:
+            if nbytes <= buffer.nbytes <= room:
                 return self._spares.pop(position)
         if self._spares:
             self._spares.pop(0)  # too small for the records of the moment: let it go

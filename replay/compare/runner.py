@@ -257,6 +257,7 @@ class _ReplaySession:
         compared = compare_named(self.reader, tolerances, "output", live, expected, self.transform, padding, self.near)
         add_named(self.result, "output", compared)
         backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=self._compare_loss)
+        self.sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
 
     def _compare_loss(self, value: torch.Tensor) -> None:
         assert self.index.loss is not None

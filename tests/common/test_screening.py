@@ -267,6 +267,20 @@ def test_screening_folds_the_chunks_it_can_and_leaves_the_others() -> None:
         assert not screen.fold(RunningDiff(tolerance), e, a, 0)
 
 
+def test_differences_the_bound_calls_beyond_atol_and_float32_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every difference equal to the largest float32 value left out of the elements gathered as beyond atol (just
+    under the default atol, within the rounding band of it): the record passes with the float64 figures, where the
+    screening once raised on the empty gathering."""
+    tolerance = Tolerance()
+    t = np.float32(np.float32(tolerance.atol) * np.float32(1 - 2.0**-20))
+    assert float(t) < tolerance.atol < float(t) * (1 + 2.0**-20)
+    e = np.full(1000, t, dtype=np.float32)
+    a = (e * 2).astype(np.float32)
+    screened = diff_arrays(e, a, tolerance, expected_dtype="F32", actual_dtype="F32")
+    assert screened == _float64_only(monkeypatch, e, a, tolerance)
+    assert screened.match
+
+
 def test_tolerances_outside_float32_are_not_screened() -> None:
     """An atol or rtol that float32 would round to zero or infinity leaves every chunk to float64."""
     assert screenable(Tolerance(1e-5, 1e-5))

@@ -18,6 +18,7 @@ from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay import reader as reader_module
 from parity_harness.replay.compare import repeats
+from parity_harness.replay.compare import runner as runner_module
 from parity_harness.replay.compare.repeats import RecentDiffs
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
@@ -162,6 +163,98 @@ def test_a_dataset_stored_once_is_checksummed_once(chain_bundle: Path, monkeypat
         names = [ref for ref in _every_ref(reader) if reader.dataset_identity(ref) is not None]
     assert len(names) > len(datasets)
     assert len(summed) == len(datasets)
+
+
+class _First(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(super().forward(x))
+
+
+class _Shifted(nn.Linear):
+    def __init__(self, shift: float) -> None:
+        super().__init__(16, 4)
+        self.shift = shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
+class Branches(nn.Module):
+    """``first``'s output (zeros in it, from a ReLU) is ``last``'s input, linked at capture; ``other`` runs in
+    between, shifted by ``shift`` in the port."""
+
+    def __init__(self, shift: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.other, self.last = _First(16, 16), _Shifted(shift), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        shifted = self.other(x)
+        return self.last(hidden) + shifted
+
+
+def test_a_reused_record_is_checksummed_as_a_fresh_comparison_would_be(tmp_path: Path) -> None:
+    """A linked dataset damaged after capture so that its first record differs from the port's value in bits only
+    (a 0.0 stored as -0.0: no difference in value, so no checksum yet); another record then differs within
+    tolerance, after which every record read is checksummed: the repeat, answered from the first comparison, is
+    checksummed too, and the damage refuses the replay."""
+    bundle = tmp_path / "branches.h5"
+    capture_run(Branches(), _inputs(), bundle, seed=0)
+    with BundleReader(bundle) as reader:
+        output = _record(reader, "first", "output")
+        assert reader.repeated_identity(output) == reader.repeated_identity(_record(reader, "last", "input.input"))
+    with h5py.File(bundle, "r+") as file:
+        values = file[output.path][()]
+        values.reshape(-1)[int(np.flatnonzero(values.reshape(-1) == 0)[0])] = -0.0
+        file[output.path][...] = values  # in place: both names still hold these bytes
+    with BundleReader(bundle) as reader, pytest.raises(BundleFormatError, match="checksum mismatch"):
+        compare_run(Branches(shift=1e-7), reader, tolerances=ToleranceTable(Tolerance(1e-5, 1e-5)))
+
+
+def test_the_copies_kept_stay_within_twice_the_budget(chain_bundle: Path) -> None:
+    """However records of different sizes follow one another (a small one taking a large one's buffer, reuse
+    keeping it alive), the buffers held for the proof and those kept spare stay within twice the budget."""
+    with BundleReader(chain_bundle) as reader:
+        diffs = RecentDiffs(reader)
+    budget = diffs._budget
+    rng = np.random.default_rng(0)
+    for step in range(400):
+        key = ("record", int(rng.integers(0, 12)))
+        if key in diffs._entries and rng.random() < 0.5:
+            diffs._entries.move_to_end(key)  # what a reuse does
+            continue
+        nbytes = int(rng.choice([8, budget // 4, budget // 2, budget - 8 * step % budget, budget]))
+        diffs._remember(key, np.zeros(max(nbytes, 1), dtype=np.uint8), "U8", None)  # type: ignore[arg-type]
+        held = sum(entry[3].nbytes for entry in diffs._entries.values())
+        assert held <= budget
+        assert sum(spare.nbytes for spare in diffs._spares) <= budget
+
+
+def test_the_copies_are_let_go_before_parameters_and_gradients_are_compared(
+    chain_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once backward has run no record repeats another: the copies kept for the proof are let go before the
+    parameters and gradients (the largest records) are compared, so they never add to that phase's memory."""
+    made: list[RecentDiffs] = []
+    held_at_parameters: list[int] = []
+    init = RecentDiffs.__init__
+
+    def remembered(self: RecentDiffs, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    compare_gradients = runner_module._ReplaySession.compare_gradients
+
+    def noted(session: object) -> None:
+        held_at_parameters.append(sum(entry[3].nbytes for entry in made[0]._entries.values()) + len(made[0]._spares))
+        compare_gradients(session)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RecentDiffs, "__init__", remembered)
+    monkeypatch.setattr(runner_module._ReplaySession, "compare_gradients", noted)
+    _records(chain_bundle, _chain(off=1e-3), Tolerance(1e-6, 1e-6))
+    assert made[0].reused > 0  # copies were kept during the run
+    assert held_at_parameters == [0]
 
 
 def _record(reader: BundleReader, module: str, slot: str) -> TensorRef:
