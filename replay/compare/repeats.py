@@ -3,8 +3,8 @@
 Capture stores a tensor recorded twice unchanged as a hard link to its first copy: one module's output is the
 next one's input. When the port hands that record the same values as the earlier one, its comparison would
 repeat the earlier one exactly: the same reference bytes (and recorded checksum), the same port values, the same
-tolerance. About a third of a Conformer's module records are such repeats, each as large as a layer's
-activations.
+tolerance. Half of a FastConformer's module records are such repeats when its port is off by 1e-6 (1206 of 2360),
+each as large as a layer's activations.
 
 "The same port values" is proven byte for byte against a copy kept from the first comparison, never from
 tensor identity: version counters miss edits through ``.data``, NumPy or DLPack aliases and in-place collectives,
