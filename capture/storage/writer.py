@@ -9,7 +9,8 @@ Each dataset is created by HDF5 with its space allocated at once (contiguous, ne
 its bytes are written at that offset by a background thread (:mod:`parity_harness.capture.storage.streaming`), so disk
 writes overlap the run. A tensor recorded again unchanged (a module's output that is the next
 module's input, a gradient seen by a module and its last child) is stored once: the second
-record is an HDF5 hard link to the first dataset.
+record is an HDF5 hard link to the first dataset. Unchanged means bit-equal to the copy staged for the first record,
+not only an unmoved version counter, which edits through ``.data`` or an alias do not move.
 """
 
 from __future__ import annotations
@@ -140,6 +141,17 @@ class _Deferred:
     """A tensor that stays unchanged until commit, written from its own memory."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Recent:
+    """A tensor recorded a moment ago, to recognise a repeat of it."""
+
+    tensor: torch.Tensor
+    version: int
+    path: str
+    source: Staged | torch.Tensor
+    """Where the disk takes its bytes from: the copy staged for it, or its own memory (a stable tensor)."""
+
+
 class BundleWriter:
     """Write one bundle: ``write_tensor`` as the run goes, then ``commit(index)``.
 
@@ -190,7 +202,7 @@ class BundleWriter:
         self._lcpl.set_create_intermediate_group(True)
         self._type_ids: dict[np.dtype[np.generic], h5py.h5t.TypeID] = {}
         self._deduplicate = deduplicate
-        self._recent: OrderedDict[_StorageKey, tuple[torch.Tensor, int, str]] = OrderedDict()
+        self._recent: OrderedDict[_StorageKey, _Recent] = OrderedDict()
         self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
         self._checksums: dict[str, int] = {}  # datasets written through HDF5
         self._links: dict[str, str] = {}  # linked path -> the path written
@@ -227,36 +239,27 @@ class BundleWriter:
         self.tensor_count += 1
         key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
-        if earlier is not None and earlier not in self.summaries:
+        if earlier is not None:
             self._claim(path)
             self._defer(_Deferred(path, link_to=earlier))  # a hard link: the same dataset under a second name
             self._links[path] = earlier
             self.linked_count += 1
             return ref
-        self._store(path, tensor, stable=stable)
-        self._remember(key, tensor, path)
-        return ref
-
-    def _remember(self, key: _StorageKey | None, tensor: torch.Tensor, path: str) -> None:
-        """Keep a recently recorded tensor, to recognise it if it is recorded again unchanged."""
-        if key is not None:
-            self._recent[key] = (tensor, tensor._version, path)
+        source = self._store(path, tensor, stable=stable)
+        if key is not None and source is not None:  # else nothing proves a repeat's bytes unchanged
+            self._recent[key] = _Recent(tensor, tensor._version, path, source)
             if len(self._recent) > _RECENT_TENSORS:
                 self._recent.popitem(last=False)
+        return ref
 
     def write_summary(self, path: str, tensor: torch.Tensor) -> TensorRef:
         """Record a tensor as statistics only (``numerics.statistics``): no dataset, an index entry."""
         tensor = local_tensor(tensor)  # a DTensor activation: what this rank holds
-        tag = tag_of(tensor.dtype)
         self.tensor_count += 1
-        key = _storage_key(tensor) if self._deduplicate else None
-        earlier = self._unchanged_earlier(key, tensor)
-        if earlier is not None and earlier in self.summaries:  # a repeat: same statistics
-            self.summaries[path] = self.summaries[earlier]
-        else:
-            stored, tag = to_storage(tensor)
-            self.summaries[path] = array_statistics(stored, to_numeric(stored, tag))
-            self._remember(key, tensor, path)
+        # Computed again for a repeat: with no copy kept, nothing proves its values unchanged (version counters miss
+        # edits through .data or an alias).
+        stored, tag = to_storage(tensor)
+        self.summaries[path] = array_statistics(stored, to_numeric(stored, tag))
         return TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
 
     def write_provisional(self, path: str, tensor: torch.Tensor) -> TensorRef:
@@ -287,7 +290,9 @@ class BundleWriter:
                 self._stream.write_stable(offset, tensor, path)
         return ref
 
-    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> None:
+    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> Staged | torch.Tensor | None:
+        """Store ``tensor`` at ``path``; where the disk takes its bytes from later: the copy staged for it, or the
+        tensor itself (written from its own memory); None for bytes taken now."""
         tag = tag_of(tensor.dtype)
         shape = tuple(tensor.shape)
         self._claim(path)
@@ -299,10 +304,11 @@ class BundleWriter:
         if shape and tensor.numel():  # HDF5 places 0-d and empty datasets only when written through it
             if stable and self._stream.writes_from_memory(tensor):
                 self._defer(_Deferred(path, shape=shape, tag=tag, stable=tensor))
-                return
+                return tensor
             if not stable and self._stream.stages(tensor):
-                self._defer(_Deferred(path, shape=shape, tag=tag, staged=self._stream.stage(tensor)))
-                return
+                staged = self._stream.stage(tensor)
+                self._defer(_Deferred(path, shape=shape, tag=tag, staged=staged))
+                return staged
         self._create_deferred()  # the stream writes in the order it was given
         offset = self._create_dataset(path, shape, storage_dtype(tag), tag)
         self._placed[path] = (offset, shape, tag)
@@ -312,6 +318,7 @@ class BundleWriter:
             self._stream.write_stable(offset, tensor, path)
         else:
             self._stream.write(offset, tensor, path)
+        return None
 
     def _claim(self, path: str) -> None:
         """Refuse at the record what HDF5 would refuse when the batch is made: a path recorded before, one running
@@ -411,14 +418,20 @@ class BundleWriter:
             )
 
     def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> str | None:
-        """The path of a recently written view of the same bytes, if neither changed since."""
-        if key is None or key not in self._recent:
+        """The path of a recently written view of the same bytes, if neither changed since.
+
+        A version counter that moved proves a change; one that did not proves nothing (``.data``, NumPy and DLPack
+        aliases and in-place collectives write without moving it), so the bytes are compared with the copy staged
+        for the earlier record. An earlier record written from its own memory (``stable``) is the same memory: its
+        link holds what the earlier one holds."""
+        if key is None or (earlier := self._recent.get(key)) is None:
             return None
-        held, version, path = self._recent[key]
-        if held._version != version or tensor._version != version:
+        if earlier.tensor._version != earlier.version or tensor._version != earlier.version:
+            return None
+        if isinstance(earlier.source, Staged) and not self._stream.holds(earlier.source, tensor):
             return None
         self._recent.move_to_end(key)
-        return path
+        return earlier.path
 
     def has(self, path: str) -> bool:
         """Whether something is already stored at ``path``."""

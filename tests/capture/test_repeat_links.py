@@ -1,0 +1,178 @@
+"""A tensor recorded again is stored as a link only when its bytes are proven unchanged, not its version counter.
+
+Edits through ``.data``, a NumPy or DLPack alias, or an in-place collective leave the version counter where it was;
+a link made on the counter alone stored the later record with the earlier values, and a correct port then failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from torch import nn
+
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.capture.storage import streaming
+from parity_harness.capture.storage.streaming import BLOCK
+from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's exact bits, comparable with torch.equal (-0.0 differs from 0.0, a NaN equals itself)."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return tensor.contiguous().view(width)
+
+
+def zero_to_negative_zero(tensor: torch.Tensor) -> None:
+    tensor.data[0, 0] = 0.0
+    tensor.data[0, 1] = -0.0
+
+
+def through_data(tensor: torch.Tensor) -> None:
+    tensor.data.mul_(2)
+
+
+def through_numpy(tensor: torch.Tensor) -> None:
+    tensor.data.numpy()[1, 2] += 1.0
+
+
+def through_dlpack(tensor: torch.Tensor) -> None:
+    torch.from_dlpack(tensor.data).add_(0.5)
+
+
+def last_bit_only(tensor: torch.Tensor) -> None:
+    tensor.data.view(-1).view(torch.int32)[-1] ^= 1 << 31  # the sign of the last element: its last byte
+
+
+@pytest.fixture(params=["memcmp", "torch.equal"])
+def comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways the bytes are compared: the C library's memcmp, and torch.equal on integer views without it."""
+    if request.param == "torch.equal":
+        monkeypatch.setattr(streaming, "_MEMCMP", None)
+    else:
+        assert streaming._MEMCMP is not None
+
+
+EDITS = {
+    "data": through_data,
+    "numpy": through_numpy,
+    "dlpack": through_dlpack,
+    "last bit": last_bit_only,
+    "sign of zero": zero_to_negative_zero,
+}
+
+
+@pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
+def test_a_repeat_edited_without_moving_its_version_is_stored_with_its_new_values(
+    tmp_path: Path, edit: Callable[[torch.Tensor], None], comparison: None
+) -> None:
+    """Recorded, edited behind autograd's back, recorded again: the second record holds the edited bits."""
+    writer = BundleWriter(tmp_path / "b.h5")
+    tensor = torch.randn(4, 5, requires_grad=True)
+    if edit is zero_to_negative_zero:
+        with torch.no_grad():
+            tensor[0, :2] = 0.0  # the edit turns 0.0 into -0.0: equal as numbers, different bits
+    before = tensor.detach().clone()
+    version = tensor._version
+    writer.write_tensor("first", tensor)
+    edit(tensor)
+    assert tensor._version == version  # the edit is invisible to the counter
+    writer.write_tensor("second", tensor)
+    assert torch.equal(bits(writer.read_tensor("first")), bits(before))
+    assert torch.equal(bits(writer.read_tensor("second")), bits(tensor.detach()))
+    assert writer.linked_count == 0
+    writer.abort()
+
+
+SHAPED: dict[str, Callable[[], torch.Tensor]] = {
+    "float32": lambda: torch.randn(6, 7),
+    "transposed view": lambda: torch.randn(7, 6).t(),
+    "bfloat16": lambda: torch.randn(6, 7).to(torch.bfloat16),
+    "complex128": lambda: torch.randn(6, 7, dtype=torch.complex128),
+    "bool": lambda: torch.randn(6, 7) > 0,
+    "int8": lambda: torch.randint(-100, 100, (6, 7), dtype=torch.int8),
+    "NaN payloads": lambda: torch.full((6, 7), float("nan")),
+}
+
+
+@pytest.mark.parametrize("make", SHAPED.values(), ids=SHAPED.keys())
+def test_a_repeat_left_unchanged_is_one_dataset(
+    tmp_path: Path, make: Callable[[], torch.Tensor], comparison: None
+) -> None:
+    """Unchanged bytes (any dtype or layout) are still stored once: the second name links the first dataset."""
+    writer = BundleWriter(tmp_path / "b.h5")
+    tensor = make()
+    writer.write_tensor("first", tensor)
+    writer.write_tensor("second", tensor)
+    assert writer.linked_count == 1
+    assert torch.equal(bits(writer.read_tensor("second")), bits(tensor))
+    writer.abort()
+
+
+def test_a_copy_overwritten_in_the_ring_proves_nothing(tmp_path: Path) -> None:
+    """Once later records have overwritten the earlier copy's ring slot (here with exactly the edited values), a
+    repeat is stored again: the slot no longer holds what the earlier record wrote."""
+    ring = 4 * BLOCK
+    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=ring)
+    tensor = torch.randn(BLOCK // 4)  # one BLOCK of float32
+    before = tensor.clone()
+    writer.write_tensor("first", tensor)
+    through_data(tensor)
+    for lap in range(4):  # a full lap of the ring, each slot refilled with the edited values
+        writer.write_tensor(f"other{lap}", tensor.clone())
+    writer.write_tensor("second", tensor)
+    assert torch.equal(writer.read_tensor("first"), before)
+    assert torch.equal(writer.read_tensor("second"), tensor)
+    assert writer.linked_count == 0
+    writer.abort()
+
+
+class EditedBetweenModules(nn.Module):
+    """lin1's output is edited through ``.data`` (as an in-place collective would) before lin2 takes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin1(x)
+        hidden.data.mul_(2)
+        return self.lin2(hidden)
+
+
+def test_a_model_editing_behind_autograd_replays_exactly_against_itself(tmp_path: Path) -> None:
+    """The bundle holds lin2's input as lin2 saw it, so the reference itself, replayed, matches at atol = rtol = 0
+    (with the values linked to lin1's output, lin2's input failed)."""
+    inputs = (torch.randn(3, 5),)
+    out = tmp_path / "b.h5"
+    torch.manual_seed(0)
+    capture_run(EditedBetweenModules(), inputs, out)
+    with BundleReader(out) as reader:
+        calls = {(call.module, call.call): call for call in reader.index.calls}
+        torch.manual_seed(0)
+        result = compare_run(EditedBetweenModules(), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
+    lin1_out, lin2_in = calls[("lin1", 0)].outputs[1], calls[("lin2", 0)].inputs[1][0][1][1]
+    with h5py.File(out, "r") as file:
+        assert file[lin1_out].id != file[lin2_in].id
+        assert (file[lin2_in][()] == 2 * file[lin1_out][()]).all()
+    assert result.match, [record.name for record in result.records if not record.match]
+
+
+def test_a_repeat_recorded_as_statistics_is_summarised_again(tmp_path: Path) -> None:
+    """Statistics only (no copy to compare with): a repeat edited through ``.data`` gets its own statistics."""
+    writer = BundleWriter(tmp_path / "b.h5")
+    tensor = torch.randn(50)
+    writer.write_summary("first", tensor)
+    through_data(tensor)
+    writer.write_summary("second", tensor)
+    assert writer.summaries["second"]["max"] == pytest.approx(float(tensor.max()))
+    assert writer.summaries["second"] != writer.summaries["first"]
+    writer.abort()
