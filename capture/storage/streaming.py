@@ -334,8 +334,9 @@ class TensorStream:
                     self._closing = True
                     self._lock.notify_all()
                 self._thread.join()
-                self._thread = None
+                self._thread, self._closing = None, False  # a stream used again starts a writer again
             self._ring = self._ring_bytes = None  # its memory now, not whenever the stream is collected
+            self._tape_head += self._capacity  # the copies went with the ring: none may prove a repeat any more
             self.before_wait = None  # usually a method of the stream's owner: no cycle left behind
 
     def _submit(self, enqueue: object, nbytes: int) -> None:

@@ -148,8 +148,8 @@ class _Recent:
     tensor: torch.Tensor
     version: int
     path: str
-    source: Staged | torch.Tensor
-    """Where the disk takes its bytes from: the copy staged for it, or its own memory (a stable tensor)."""
+    staged: Staged
+    """The copy of its bytes staged for the disk, which a repeat must equal bit for bit."""
 
 
 class BundleWriter:
@@ -245,9 +245,11 @@ class BundleWriter:
             self._links[path] = earlier
             self.linked_count += 1
             return ref
-        source = self._store(path, tensor, stable=stable)
-        if key is not None and source is not None:  # else nothing proves a repeat's bytes unchanged
-            self._recent[key] = _Recent(tensor, tensor._version, path, source)
+        staged = self._store(path, tensor, stable=stable)
+        # Only a staged copy proves a repeat's bytes: one written from memory later (a parameter) holds what the
+        # memory holds then, and an edit through .data between the two records would go unseen.
+        if key is not None and staged is not None:
+            self._recent[key] = _Recent(tensor, tensor._version, path, staged)
             if len(self._recent) > _RECENT_TENSORS:
                 self._recent.popitem(last=False)
         return ref
@@ -290,9 +292,8 @@ class BundleWriter:
                 self._stream.write_stable(offset, tensor, path)
         return ref
 
-    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> Staged | torch.Tensor | None:
-        """Store ``tensor`` at ``path``; where the disk takes its bytes from later: the copy staged for it, or the
-        tensor itself (written from its own memory); None for bytes taken now."""
+    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> Staged | None:
+        """Store ``tensor`` at ``path``; the copy staged for it, if one was."""
         tag = tag_of(tensor.dtype)
         shape = tuple(tensor.shape)
         self._claim(path)
@@ -304,7 +305,7 @@ class BundleWriter:
         if shape and tensor.numel():  # HDF5 places 0-d and empty datasets only when written through it
             if stable and self._stream.writes_from_memory(tensor):
                 self._defer(_Deferred(path, shape=shape, tag=tag, stable=tensor))
-                return tensor
+                return None
             if not stable and self._stream.stages(tensor):
                 staged = self._stream.stage(tensor)
                 self._defer(_Deferred(path, shape=shape, tag=tag, staged=staged))
@@ -422,13 +423,12 @@ class BundleWriter:
 
         A version counter that moved proves a change; one that did not proves nothing (``.data``, NumPy and DLPack
         aliases and in-place collectives write without moving it), so the bytes are compared with the copy staged
-        for the earlier record. An earlier record written from its own memory (``stable``) is the same memory: its
-        link holds what the earlier one holds."""
+        for the earlier record."""
         if key is None or (earlier := self._recent.get(key)) is None:
             return None
         if earlier.tensor._version != earlier.version or tensor._version != earlier.version:
             return None
-        if isinstance(earlier.source, Staged) and not self._stream.holds(earlier.source, tensor):
+        if not self._stream.holds(earlier.staged, tensor):
             return None
         self._recent.move_to_end(key)
         return earlier.path

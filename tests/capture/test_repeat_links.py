@@ -176,3 +176,29 @@ def test_a_repeat_recorded_as_statistics_is_summarised_again(tmp_path: Path) -> 
     assert writer.summaries["second"]["max"] == pytest.approx(float(tensor.max()))
     assert writer.summaries["second"] != writer.summaries["first"]
     writer.abort()
+
+
+class ParameterAsInput(nn.Module):
+    """A parameter is a submodule's input, then edited through ``.data`` (a constraint, an EMA update)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(3, 5))
+        self.proj = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projected = self.proj(self.query)
+        self.query.data.clamp_(-0.1, 0.1)
+        return x + projected
+
+
+def test_a_record_of_a_parameter_holds_its_value_of_the_moment(tmp_path: Path) -> None:
+    """proj's input is the parameter itself, whose bytes are written from its memory later: the input record is
+    a copy of the moment, not a link to that later write (which the .data edit reaches)."""
+    torch.manual_seed(0)
+    model = ParameterAsInput()
+    before = model.query.detach().clone()
+    out = tmp_path / "b.h5"
+    capture_run(model, (torch.randn(3, 5),), out)
+    with h5py.File(out, "r") as file:
+        assert torch.equal(torch.from_numpy(file["modules/proj/0/input.input"][()]), before)

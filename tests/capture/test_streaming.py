@@ -139,3 +139,45 @@ def test_ring_space_is_reused_in_order() -> None:
     stream._head = 200
     assert stream._fit(56) == 200  # wrapped: only between the newest and the oldest
     assert stream._fit(57) is None
+
+
+@pytest.mark.parametrize(
+    "capacity", [streaming.BLOCK, 4 * streaming.BLOCK, 5 * streaming.BLOCK - 1, 7 * streaming.BLOCK + 3]
+)
+def test_a_copy_counts_as_held_only_while_the_ring_holds_its_bytes(tmp_path: Path, capacity: int) -> None:
+    """Random sizes, copies submitted late or discarded, the ring wrapping and emptying, the writer at its own
+    pace: whenever the stream would let a staged copy prove a repeat, the ring still holds exactly its bytes; after
+    close none does (a repeat is proven only by bytes still there, never by a slot refilled since)."""
+    generator = torch.Generator().manual_seed(capacity)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=capacity, checksums=False)
+    waiting: list[streaming.Staged] = []
+
+    def submit_waiting() -> None:
+        for index, staged in enumerate(waiting):
+            stream.discard(staged) if index % 5 == 4 else stream.submit(staged, 0)
+        waiting.clear()
+
+    stream.before_wait = submit_waiting
+    staged_copies: list[tuple[streaming.Staged, torch.Tensor]] = []
+    held = 0
+    for step in range(300):
+        size = int(torch.randint(1, capacity // 2 + 1, (), generator=generator))
+        values = torch.randint(0, 256, (size,), generator=generator, dtype=torch.uint8)
+        waiting.append(stream.stage(values))
+        staged_copies.append((waiting[-1], values))
+        if step % 3 == 0:
+            submit_waiting()
+        for staged, expected in staged_copies[-40:]:
+            if stream.holds(staged, expected):
+                held += 1
+                assert stream._ring is not None
+                assert torch.equal(stream._ring[staged.start : staged.start + staged.nbytes], expected)
+    assert held >= 300  # the check ran on copies still held, not only on overwritten ones
+    submit_waiting()
+    stream.close()
+    assert not any(stream.holds(staged, expected) for staged, expected in staged_copies[-10:])
+    stream.submit(stream.stage(torch.zeros(8, dtype=torch.uint8)), 0)  # used again: a new ring, maybe the same memory
+    assert not any(stream.holds(staged, expected) for staged, expected in staged_copies[-10:])
+    stream.close()
+    os.close(fd)
