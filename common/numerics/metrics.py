@@ -16,6 +16,7 @@ from typing import Final, Literal
 
 import numpy as np
 
+from parity_harness.common.numerics.bytewise import memory_equal
 from parity_harness.common.numerics.parallel import PARALLEL_FROM, in_halves
 from parity_harness.common.numerics.running import RunningDiff, dot
 from parity_harness.common.numerics.screening import Screen, screenable
@@ -63,8 +64,9 @@ class TensorDiff:
 
 _CHUNK = 1 << 16
 """Elements per pass: the float64 temporaries of one chunk stay in the CPU cache."""
-_SCAN = 1 << 20
-"""Elements per block of the bit-equality scan, which needs one boolean buffer."""
+_SCAN = 1 << 16
+"""Elements per block of the bit-equality scan: small enough that the finiteness check reads the block again from
+the CPU cache (1M-element blocks: 4.3 GB/s; 64K: 6.0 GB/s)."""
 
 
 def _index(flat_position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -124,6 +126,9 @@ _EARLY: Final = 16
 
 def _same_bits(e: np.ndarray, a: np.ndarray, flags: np.ndarray) -> bool:
     """Whether two chunks of one dtype hold identical bytes (no allocation: ``flags`` is reused)."""
+    same = memory_equal(e, a)
+    if same is not None:
+        return same
     width = _WIDTHS.get(e.dtype.itemsize)
     if width is None:  # complex: compare as float pairs
         e, a, width = e.view(np.uint8), a.view(np.uint8), np.uint8
@@ -147,20 +152,26 @@ def _identical_and_finite(e: np.ndarray, a: np.ndarray) -> bool:
 
 
 def _identical_range(e: np.ndarray, a: np.ndarray) -> bool:
-    width = _WIDTHS.get(e.dtype.itemsize)
-    if width is None:  # a wider type (long double): its bytes
-        bits_e, bits_a, per = e.view(np.uint8), a.view(np.uint8), e.dtype.itemsize
-    else:
-        bits_e, bits_a, per = e.view(width), a.view(width), 1
     for begin in range(0, e.size, _SCAN):
-        e_block, a_block = bits_e[begin * per : (begin + _SCAN) * per], bits_a[begin * per : (begin + _SCAN) * per]
-        if e_block.size > _EARLY and np.not_equal(e_block[:_EARLY], a_block[:_EARLY]).any():
-            return False  # a port that differs, differs early: the rest of a large block is not scanned
-        if np.not_equal(e_block, a_block).any():
+        e_block, a_block = e[begin : begin + _SCAN], a[begin : begin + _SCAN]
+        same = memory_equal(e_block, a_block)
+        if not (_equal_bits(e_block, a_block) if same is None else same):
             return False
-        if e.dtype.kind == "f" and not np.isfinite(e[begin : begin + _SCAN]).all():
+        if e.dtype.kind == "f" and not np.isfinite(e_block).all():  # read again while the block is in the cache
             return False
     return True
+
+
+def _equal_bits(e: np.ndarray, a: np.ndarray) -> bool:
+    """Bit equality without ``memcmp``: integer views compared element by element."""
+    width = _WIDTHS.get(e.dtype.itemsize)
+    if width is None:  # a wider type (long double): its bytes
+        bits_e, bits_a = e.view(np.uint8), a.view(np.uint8)
+    else:
+        bits_e, bits_a = e.view(width), a.view(width)
+    if bits_e.size > _EARLY and np.not_equal(bits_e[:_EARLY], bits_a[:_EARLY]).any():
+        return False  # a port that differs, differs early: the rest of a large block is not scanned
+    return not np.not_equal(bits_e, bits_a).any()
 
 
 def _identical(shape: tuple[int, ...], numel: int, tags: tuple[str, str]) -> TensorDiff:

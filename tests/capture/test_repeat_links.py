@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
-from parity_harness.capture.storage import streaming
 from parity_harness.capture.storage.streaming import BLOCK
 from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.numerics import bytewise
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
@@ -56,9 +56,9 @@ def last_bit_only(tensor: torch.Tensor) -> None:
 def comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both ways the bytes are compared: the C library's memcmp, and torch.equal on integer views without it."""
     if request.param == "torch.equal":
-        monkeypatch.setattr(streaming, "_MEMCMP", None)
+        monkeypatch.setattr(bytewise, "_MEMCMP", None)
     else:
-        assert streaming._MEMCMP is not None
+        assert bytewise._MEMCMP is not None
 
 
 EDITS = {

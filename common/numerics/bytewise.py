@@ -1,0 +1,40 @@
+"""Whether two buffers hold the same bytes, at memory speed.
+
+The C library's ``memcmp`` reads both buffers once, stops at the first difference and lets go of the GIL while it
+runs: 8.7 GB/s on this project's 2-core VM, where ``np.not_equal(...).any()`` on integer views (which writes a
+boolean buffer first) gave 4.3 and ``torch.equal`` 3.5. Capture proves a repeated record unchanged with it, and
+replay proves a port's record bit-identical to the bundle's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Final
+
+import numpy as np
+
+__all__ = ["memory_equal"]
+
+
+def _load_memcmp() -> Callable[[int, int, int], int] | None:
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, TypeError, AttributeError):  # no C library loaded under that name (Windows)
+        return None
+    memcmp.restype = ctypes.c_int
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memcmp
+
+
+_MEMCMP: Final = _load_memcmp()
+
+
+def memory_equal(first: np.ndarray, second: np.ndarray) -> bool | None:
+    """Whether two C-contiguous arrays of the same size in bytes hold the same bytes; None where ``memcmp`` cannot
+    tell (no C library found, an array not contiguous, sizes that differ): the caller then compares its own way."""
+    if _MEMCMP is None or first.nbytes != second.nbytes:
+        return None
+    if not (first.flags.c_contiguous and second.flags.c_contiguous):
+        return None
+    return first.nbytes == 0 or _MEMCMP(first.ctypes.data, second.ctypes.data, first.nbytes) == 0
