@@ -32,7 +32,8 @@ _MEMCMP: Final = _load_memcmp()
 
 def memory_equal(first: np.ndarray, second: np.ndarray) -> bool | None:
     """Whether two C-contiguous arrays of the same size in bytes hold the same bytes; None where ``memcmp`` cannot
-    tell (no C library found, an array not contiguous, sizes that differ): the caller then compares its own way."""
+    tell (no C library found, an array not contiguous, sizes that differ): the caller then compares its own way.
+    Bytes only: the caller checks that the dtypes (byte order included) are the same."""
     if _MEMCMP is None or first.nbytes != second.nbytes:
         return None
     if not (first.flags.c_contiguous and second.flags.c_contiguous):
