@@ -12,6 +12,7 @@ import torch._dynamo  # (see below)
 
 from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.numerics import bytewise
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.reader import BundleReader
@@ -28,6 +29,16 @@ EXAMPLES = ROOT / "examples"
 REF_ADAPTER = EXAMPLES / "conformer_ref" / "adapter.py"
 PORT_DIR = EXAMPLES / "conformer_port"
 PORT_MAP = PORT_DIR / "port_to_ref.map"
+
+
+@pytest.fixture(params=["memcmp", "fallback"])
+def comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways bytes are compared: the C library's memcmp, and without it the caller's own way (torch.equal or
+    NumPy on integer views), as where no C library is found."""
+    if request.param == "fallback":
+        monkeypatch.setattr(bytewise, "_MEMCMP", None)
+    else:
+        assert bytewise._MEMCMP is not None
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from torch import nn
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.capture.storage.streaming import BLOCK
 from parity_harness.capture.storage.writer import BundleWriter
-from parity_harness.common.numerics import bytewise
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
@@ -50,15 +49,6 @@ def through_dlpack(tensor: torch.Tensor) -> None:
 
 def last_bit_only(tensor: torch.Tensor) -> None:
     tensor.data.view(-1).view(torch.int32)[-1] ^= 1 << 31  # the sign of the last element: its last byte
-
-
-@pytest.fixture(params=["memcmp", "torch.equal"])
-def comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both ways the bytes are compared: the C library's memcmp, and torch.equal on integer views without it."""
-    if request.param == "torch.equal":
-        monkeypatch.setattr(bytewise, "_MEMCMP", None)
-    else:
-        assert bytewise._MEMCMP is not None
 
 
 EDITS = {

@@ -7,19 +7,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from parity_harness.common.numerics import bytewise, metrics
+from parity_harness.common.numerics import metrics
 from parity_harness.common.numerics.bytewise import memory_equal
 from parity_harness.common.numerics.metrics import diff_arrays
 from parity_harness.common.numerics.tolerances import Tolerance
-
-
-@pytest.fixture(params=["memcmp", "numpy"])
-def comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both ways bits are compared: the C library's memcmp, and NumPy integer views where it cannot be found."""
-    if request.param == "numpy":
-        monkeypatch.setattr(bytewise, "_MEMCMP", None)
-    else:
-        assert bytewise._MEMCMP is not None
 
 
 def test_memory_equal_tells_bytes_and_says_when_it_cannot() -> None:
