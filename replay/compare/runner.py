@@ -461,15 +461,13 @@ class _ReplaySession:
             find_origins_below_tolerance(self.result, levels)
 
     def _chained_records(self) -> ChainedRecords:
-        """The chained run's module records, unmasked ones only (a masked record's equality says nothing about
-        the padding a rerun would see), for isolation to reuse."""
-        diffs = {
-            record.name: record.diff
-            for record in self.result.records
-            if record.kind in ("forward", "backward") and not record.masked and record.rule == "atol/rtol"
-        }
+        """The chained run's module records and parameter gradients, unmasked ones only (a masked record's equality
+        says nothing about the padding a rerun would see), for isolation to reuse."""
+        usable = [record for record in self.result.records if not record.masked and record.rule == "atol/rtol"]
+        diffs = {record.name: record.diff for record in usable if record.kind in ("forward", "backward")}
+        grads = {record.name: record.diff for record in usable if record.kind == "param_grad"}
         unpaired = frozenset(name.rsplit("/", 1)[0] for name in self.result.replay_only if name.count("/") >= 2)
-        return ChainedRecords(diffs, unpaired)
+        return ChainedRecords(diffs, unpaired, grads)
 
     def _local_levels(self, modules: set[str]) -> dict[str, float] | None:
         """The port's own float32 rounding on the isolated calls of ``modules`` (None: not measurable)."""

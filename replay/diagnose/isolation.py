@@ -11,6 +11,11 @@ Parameter gradients of a module called several times are the sum of the local gr
 its calls, compared with the reference's gradient of that parameter; the two agree exactly only
 when the parameter is used by that module alone.
 
+What the chained run already settled is not run again: a call whose every record held the reference's
+exact bits, and a parameter gradient that did too when every call of every module owning it did
+(:func:`_plan_reuse`). Isolating an exact port then costs no module call; a port that diverges reruns
+the calls from the divergence on, and the calls upstream of it in either direction are taken as they were.
+
 Isolation runs after the chained replay and uses ``torch.autograd.grad``, so it changes neither
 the chained numbers nor the port's ``.grad``; module buffers (BatchNorm statistics) are restored
 after each isolated call.
@@ -136,6 +141,8 @@ class ChainedRecords:
     diffs: dict[str, TensorDiff]
     unpaired_calls: frozenset[str]
     """``module/call`` of calls with records only in the replay."""
+    param_grads: dict[str, TensorDiff] = field(default_factory=dict)
+    """Bundle parameter name -> its gradient's difference in the chained run."""
 
     def reusable(self, call: ModuleCall, module: torch.nn.Module) -> dict[str, TensorDiff] | None:
         """The local differences of ``call`` without running it again, or None when it must run.
@@ -143,14 +150,11 @@ class ChainedRecords:
         A call whose every recorded input, output, ``grad_output`` and ``grad_input`` was compared in the chained
         run and held the reference's exact bits (``TensorDiff.bits_equal``), in eval mode, already ran on the
         reference's inputs with the reference's ``grad_output``: running it alone would repeat that computation
-        bit for bit (a container holding a whole block costs as much as the block). Only calls of modules without
-        parameters of their own are reused, since isolation sums each call's parameter gradients (the calls that
-        matter are containers).
+        bit for bit (a container holding a whole block costs as much as the block). A module with parameters of
+        its own also needs their gradients settled (:func:`_plan_reuse`).
         """
         if f"{call.module}/{call.call}" in self.unpaired_calls or module.training:
             return None  # in train mode a rerun draws its own random numbers, as every other isolated call does
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            return None
         prefix = f"{call.module}/{call.call}/"
         slots = [slot for slot, _ in iter_tensors(call.inputs, "input")]
         local = [slot for slot, _ in iter_tensors(call.outputs, "output")] + [*call.grad_inputs]
@@ -158,6 +162,57 @@ class ChainedRecords:
         if not slots or not all(diff is not None and _bit_identical(diff) for diff in diffs.values()):
             return None
         return {prefix + slot: diffs[slot] for slot in local}  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class _Reuse:
+    """What isolation takes from the chained run instead of running it again."""
+
+    calls: dict[int, dict[str, TensorDiff]]
+    """Call position in the bundle -> the call's local differences."""
+    params: dict[str, TensorDiff]
+    """Bundle parameter name -> its local gradient difference (the chained one)."""
+
+
+def _plan_reuse(
+    calls: list[ModuleCall], modules: dict[str, torch.nn.Module], param_names: dict[int, str], chained: ChainedRecords
+) -> _Reuse:
+    """The calls and parameter gradients isolation takes from the chained run.
+
+    A parameter's local gradient is the sum of what its modules' calls give it. When every call of every module
+    owning it is reusable and its chained gradient held the reference's bits, a rerun would add up those same
+    contributions again (in call order rather than autograd's): its chained difference stands. A call of a
+    module with parameters is reused only when all of them are settled so; otherwise it runs, for their sums.
+    """
+    found: dict[int, dict[str, TensorDiff]] = {}
+    must_run: set[str] = set()
+    for position, call in enumerate(calls):
+        module = modules.get(call.module)
+        if module is None:
+            continue
+        local = chained.reusable(call, module) if not_recordable(call.inputs) is None else None
+        if local is None:
+            must_run.add(call.module)
+        else:
+            found[position] = local
+    owners: dict[int, set[str]] = {}
+    for name, module in modules.items():
+        for param in module.parameters(recurse=False):
+            if param.requires_grad:
+                owners.setdefault(id(param), set()).add(name)
+    settled: dict[str, TensorDiff] = {}
+    unsettled: set[str] = set()  # modules owning a parameter whose gradient must be summed again
+    for key, names in owners.items():
+        bundle_name = param_names.get(key)
+        diff = chained.param_grads.get(bundle_name) if bundle_name is not None else None
+        if bundle_name is None:
+            continue  # a parameter the bundle does not name gets no local gradient either way
+        if diff is not None and _bit_identical(diff) and not names & must_run:
+            settled[bundle_name] = diff
+        else:
+            unsettled |= names
+    reused = {position: local for position, local in found.items() if calls[position].module not in unsettled}
+    return _Reuse(reused, settled)
 
 
 def _bit_identical(diff: TensorDiff) -> bool:
@@ -341,9 +396,13 @@ class Isolator:
             if grad is not None and key is not None:
                 self.param_sums[key] = self.param_sums[key] + grad if key in self.param_sums else grad.detach()
 
-    def compare_params(self) -> None:
+    def compare_params(self, settled: dict[str, TensorDiff]) -> None:
+        """Every summed parameter gradient against the reference's; ``settled`` ones take the given difference."""
+        self.outcome.param_local.update(settled)
         for name, total in self.param_sums.items():
             ref = self.reader.index.grads.get(name)
+            if name in settled:
+                continue
             if ref is not None:
                 self.outcome.param_local[name] = self.judge(name, [ref], self.transform(name, total))
 
@@ -378,7 +437,7 @@ def isolate(
         forward_context: the context each isolated call runs in (autocast).
         mask_padding: leave padded positions out, as ``--mask-padding`` does in the chained comparison.
         chained: the chained run's records; a call it already ran on the reference's exact inputs is not run
-            again (:meth:`ChainedRecords.reusable`).
+            again, nor summed again a parameter gradient those calls alone give (:func:`_plan_reuse`).
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -393,20 +452,21 @@ def isolate(
         reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
     )
     isolator.padding = PaddingPlan(reader) if mask_padding else None
-    for position, call in enumerate(reader.index.calls, start=1):
+    reuse = _plan_reuse(reader.index.calls, modules, named, chained) if chained is not None else _Reuse({}, {})
+    for position, call in enumerate(reader.index.calls):
         if progress is not None:
-            progress("isolate", position, len(reader.index.calls))
+            progress("isolate", position + 1, len(reader.index.calls))
         if call.module not in modules or call.module in isolator.outcome.skipped:
             continue
         reason = not_recordable(call.inputs)
         if reason is not None:
             isolator.outcome.skipped[call.module] = reason
             continue
-        isolator.position = position - 1
-        reused = chained.reusable(call, modules[call.module]) if chained is not None else None
+        reused = reuse.calls.get(position)
         if reused is not None:
             isolator.outcome.local.update(reused)
             continue
+        isolator.position = position
         isolator.run_call(modules[call.module], call, isolation_inputs)
-    isolator.compare_params()
+    isolator.compare_params(reuse.params)
     return isolator.outcome

@@ -226,3 +226,115 @@ def test_isolation_reuses_exact_chained_calls_without_changing_a_verdict(
     assert reused.to_json()["first_origin"] == rerun.to_json()["first_origin"]
     if changed is not None:
         assert reused.to_json()["first_origin"]["forward"] == "encoder.layers.1.conv.pointwise_conv1"
+
+
+class _Linear(nn.Linear):
+    """A linear layer whose input goes through dropout in train mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(nn.functional.dropout(x, 0.5, self.training))
+
+
+class _AlwaysTraining(_Linear):
+    """Stays in train mode whatever the model is put in: its isolated reruns draw their own dropout masks."""
+
+    def train(self, mode: bool = True) -> _AlwaysTraining:
+        return super().train(True)
+
+
+class _SharedWeights(nn.Module):
+    """Owners of one weight three ways: ``first`` and ``second`` tie theirs, ``shared`` is called twice."""
+
+    def __init__(self, second_training: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.first, self.shared, self.last = (_Linear(6, 6) for _ in range(3))
+        self.second = _AlwaysTraining(6, 6) if second_training else _Linear(6, 6)
+        self.second.weight = self.first.weight
+        with torch.no_grad():
+            for param in self.parameters():
+                param.uniform_(-0.8, 0.8)  # biases too: no zero to hide a difference behind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = self.shared(torch.tanh(self.shared(h)))
+        return self.last(torch.tanh(self.second(torch.tanh(h))))
+
+
+def _shared_weights_bundle(folder: Path, second_training: bool = False) -> Path:
+    inputs = {"x": torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(4))}
+    path = folder / "shared.h5"
+    capture_run(_SharedWeights(second_training).eval(), inputs, path, seed=7)
+    return path
+
+
+def _calls_while_replaying(bundle: Path, model: nn.Module, isolate: bool) -> tuple[ComparisonResult, int]:
+    calls = [0]
+
+    def count(module: nn.Module, args: object) -> None:
+        calls[0] += 1
+
+    handle = nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        with BundleReader(bundle) as reader:
+            return compare_run(model, reader, tolerances=PORT_TOLERANCE, isolate=isolate), calls[0]
+    finally:
+        handle.remove()
+
+
+def test_isolating_an_exact_port_runs_no_module_again(tmp_path: Path) -> None:
+    """Every record held the reference's bits, parameter gradients included (tied, and summed over two calls): the
+    isolation reruns no module, and every local difference, parameter gradients' too, is exact."""
+    bundle = _shared_weights_bundle(tmp_path)
+    model = _SharedWeights().eval()
+    chained, chained_calls = _calls_while_replaying(bundle, model, isolate=False)
+    isolated, isolated_calls = _calls_while_replaying(bundle, model, isolate=True)
+    assert isolated_calls == chained_calls
+    grads = isolated.of_kind("param_grad")
+    assert {r.name for r in grads} == {name for name, _ in model.named_parameters()}
+    assert all(r.local is not None and r.local.bits_equal and r.verdict == "ok" for r in grads)
+    assert {r.verdict for r in isolated.records} == {"ok"}
+    assert [r.diff for r in isolated.records] == [r.diff for r in chained.records]
+
+
+def _break(model: _SharedWeights, defect: str) -> None:
+    with torch.no_grad():
+        if defect == "last bias":  # the output differs, nothing upstream does
+            model.last.bias[0] += 1e-2
+        elif defect == "weight of a module called twice":
+            model.shared.weight[1, 2] += 1e-2
+        elif defect == "tied weight":
+            model.first.weight[0, 0] += 1e-2
+        elif defect == "gradient of one weight":  # a backward-only defect in no module record
+            model.shared.weight.register_hook(lambda grad: grad * 1.001)
+
+
+@pytest.mark.parametrize(
+    "defect",
+    ["last bias", "weight of a module called twice", "tied weight", "gradient of one weight", "tied owner training"],
+)
+def test_reused_calls_and_gradients_give_what_a_full_rerun_gives(
+    tmp_path: Path, defect: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever differs, isolation taking calls and parameter gradients from the chained run gives every record
+    the local difference and verdict that rerunning every call gives. A tied weight whose other owner stays in
+    train mode is summed again, that owner's rerun drawing its own dropout mask, though its chained gradient held
+    the reference's bits."""
+    second_training = defect == "tied owner training"
+    bundle = _shared_weights_bundle(tmp_path, second_training)
+    model = _SharedWeights(second_training).eval()
+    _break(model, defect)
+    reused, reused_calls = _calls_while_replaying(bundle, model, isolate=True)
+    monkeypatch.setattr(ChainedRecords, "reusable", lambda self, call, module: None)
+    rerun, rerun_calls = _calls_while_replaying(bundle, model, isolate=True)
+    assert reused_calls <= rerun_calls
+    assert [(r.name, r.verdict, r.local) for r in reused.records] == [
+        (r.name, r.verdict, r.local) for r in rerun.records
+    ]
+    if second_training:  # the chained run drew the capture's masks: only the isolated reruns differ
+        tied = next(r for r in reused.records if r.name == "first.weight")
+        assert reused.match
+        assert tied.local is not None
+        assert not tied.local.match
+    else:
+        assert not reused.match
