@@ -179,22 +179,25 @@ def _plan_reuse(
 ) -> _Reuse:
     """The calls and parameter gradients isolation takes from the chained run.
 
-    A parameter's local gradient is the sum of what its modules' calls give it. When every call of every module
-    owning it is reusable and its chained gradient held the reference's bits, a rerun would add up those same
-    contributions again (in call order rather than autograd's): its chained difference stands. A call of a
-    module with parameters is reused only when all of them are settled so; otherwise it runs, for their sums.
+    A parameter's local gradient is the sum of what its modules' recorded calls give it. When every call of every
+    module owning it is reusable, each with a recorded ``grad_output``, and its chained gradient held the
+    reference's bits, its chained difference stands: the port computes the reference's gradient exactly. A rerun
+    would add up the same contributions (in call order rather than autograd's), or, for a parameter also used
+    outside those calls (a head tied to an embedding through ``F.linear``, an owner the capture skipped), only
+    part of them, failing against the reference's whole gradient where nothing differs. A call of a module with
+    parameters is reused only when all of them are settled so; otherwise it runs, for their sums.
     """
     found: dict[int, dict[str, TensorDiff]] = {}
-    must_run: set[str] = set()
+    must_run: set[str] = set()  # modules with a call that runs: their parameters' shares are summed again
     for position, call in enumerate(calls):
         module = modules.get(call.module)
         if module is None:
             continue
         local = chained.reusable(call, module) if not_recordable(call.inputs) is None else None
-        if local is None:
-            must_run.add(call.module)
-        else:
+        if local is not None:
             found[position] = local
+        if local is None or not call.grad_outputs:  # without a grad_output no rerun gives a local gradient either
+            must_run.add(call.module)
     owners: dict[int, set[str]] = {}
     for name, module in modules.items():
         for param in module.parameters(recurse=False):

@@ -11,6 +11,7 @@ from torch import nn
 
 from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
@@ -338,3 +339,49 @@ def test_reused_calls_and_gradients_give_what_a_full_rerun_gives(
         assert not tied.local.match
     else:
         assert not reused.match
+
+
+def test_without_module_gradients_no_parameter_gets_a_local_gradient(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture without module gradient records gives isolation no grad_output to run a call's backward with:
+    no parameter gradient gets a local difference, reused or not, as a full rerun gives none."""
+    bundle = tmp_path / "no-grads.h5"
+    inputs = {"x": torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(4))}
+    kinds = ("inputs", "outputs", "params", "param-grads")
+    capture_run(_SharedWeights().eval(), inputs, bundle, seed=7, selection=Selection(kinds=kinds))
+    reused, _ = _calls_while_replaying(bundle, _SharedWeights().eval(), isolate=True)
+    monkeypatch.setattr(ChainedRecords, "reusable", lambda self, call, module: None)
+    rerun, _ = _calls_while_replaying(bundle, _SharedWeights().eval(), isolate=True)
+    assert reused.of_kind("param_grad")
+    assert all(r.local is None for r in reused.of_kind("param_grad"))
+    assert [(r.name, r.verdict, r.local) for r in reused.records] == [
+        (r.name, r.verdict, r.local) for r in rerun.records
+    ]
+
+
+class _TiedHead(nn.Module):
+    """A language model whose head is its embedding's weight, used through ``F.linear`` outside any module call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.inner(self.embed(ids))), self.embed.weight)
+
+
+def test_weight_also_used_outside_its_module_is_no_origin_of_an_exact_port(tmp_path: Path) -> None:
+    """The embedding's weight gets gradient from the embedding's call and from the tied head outside any module:
+    on an exact port its local gradient is the chained one, exact, where summing the embedding call's share alone
+    would fail against the reference's whole gradient and name the embedding an origin."""
+    bundle = tmp_path / "tied-head.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(_TiedHead().eval(), {"ids": ids}, bundle, seed=1)
+    result, _ = _calls_while_replaying(bundle, _TiedHead().eval(), isolate=True)
+    embedding = next(r for r in result.records if r.name == "embed.weight")
+    assert embedding.local is not None
+    assert embedding.local.bits_equal
+    assert {r.verdict for r in result.records} == {"ok"}
+    assert result.to_json()["first_origin"] == {"forward": None, "backward": None}
