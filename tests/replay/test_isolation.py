@@ -193,20 +193,6 @@ def test_self_replay_with_isolation_is_exact(inputs: dict, tmp_path: Path) -> No
     assert all(diff.match for diff in locals_)
 
 
-def _isolate_counting_calls(bundle: Path, model: nn.Module) -> tuple[ComparisonResult, int]:
-    calls = [0]
-
-    def count(module: nn.Module, args: object) -> None:
-        calls[0] += 1
-
-    handle = nn.modules.module.register_module_forward_pre_hook(count)
-    try:
-        with BundleReader(bundle) as reader:
-            return compare_run(model, reader, tolerances=PORT_TOLERANCE, isolate=True), calls[0]
-    finally:
-        handle.remove()
-
-
 @pytest.mark.parametrize("changed", [None, "encoder.layers.1.conv.pointwise_conv1.weight"], ids=["exact", "bug"])
 def test_isolation_reuses_exact_chained_calls_without_changing_a_verdict(
     ref_bundle: Path, ref_checkpoint: Path, changed: str | None, monkeypatch: pytest.MonkeyPatch
@@ -217,9 +203,9 @@ def test_isolation_reuses_exact_chained_calls_without_changing_a_verdict(
     if changed is not None:
         with torch.no_grad():
             model.get_parameter(changed).mul_(1.01)
-    reused, reused_calls = _isolate_counting_calls(ref_bundle, model)
+    reused, reused_calls = _calls_while_replaying(ref_bundle, model, isolate=True)
     monkeypatch.setattr(ChainedRecords, "reusable", lambda self, call, module: None)
-    rerun, rerun_calls = _isolate_counting_calls(ref_bundle, model)
+    rerun, rerun_calls = _calls_while_replaying(ref_bundle, model, isolate=True)
     assert reused_calls < rerun_calls
     assert [(r.name, r.verdict, r.local) for r in reused.records] == [
         (r.name, r.verdict, r.local) for r in rerun.records
