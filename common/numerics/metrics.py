@@ -16,7 +16,7 @@ from typing import Final, Literal
 
 import numpy as np
 
-from parity_harness.common.numerics.bytewise import memory_equal
+from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.parallel import PARALLEL_FROM, in_halves
 from parity_harness.common.numerics.running import RunningDiff, dot
 from parity_harness.common.numerics.screening import Screen, screenable
@@ -118,25 +118,8 @@ def _workspace(wide: type) -> _Workspace:
     return spaces[wide]
 
 
-_WIDTHS: Final = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-"""Unsigned integer of each item size: bits compared as integers (NaN payloads and -0.0 included)."""
 _EARLY: Final = 16
-"""Elements compared first in a large block."""
-
-
-def _same_bits(e: np.ndarray, a: np.ndarray, flags: np.ndarray) -> bool:
-    """Whether two chunks of one dtype hold identical bytes (no allocation: ``flags`` is reused)."""
-    same = memory_equal(e, a)
-    if same is not None:
-        return same
-    width = _WIDTHS.get(e.dtype.itemsize)
-    if width is None:  # complex: compare as float pairs
-        e, a, width = e.view(np.uint8), a.view(np.uint8), np.uint8
-        flags = np.empty(e.size, dtype=bool)
-    if not np.array_equal(e[:16].view(width), a[:16].view(width)):  # a port that differs, differs early
-        return False
-    np.not_equal(e.view(width), a.view(width), out=flags[: e.size])
-    return not flags[: e.size].any()
+"""Elements compared first in a large record."""
 
 
 def _identical_and_finite(e: np.ndarray, a: np.ndarray) -> bool:
@@ -154,24 +137,11 @@ def _identical_and_finite(e: np.ndarray, a: np.ndarray) -> bool:
 def _identical_range(e: np.ndarray, a: np.ndarray) -> bool:
     for begin in range(0, e.size, _SCAN):
         e_block, a_block = e[begin : begin + _SCAN], a[begin : begin + _SCAN]
-        same = memory_equal(e_block, a_block)
-        if not (_equal_bits(e_block, a_block) if same is None else same):
+        if not same_bytes(e_block, a_block):
             return False
         if e.dtype.kind == "f" and not np.isfinite(e_block).all():  # read again while the block is in the cache
             return False
     return True
-
-
-def _equal_bits(e: np.ndarray, a: np.ndarray) -> bool:
-    """Bit equality without ``memcmp``: integer views compared element by element."""
-    width = _WIDTHS.get(e.dtype.itemsize)
-    if width is None:  # a wider type (long double): its bytes
-        bits_e, bits_a = e.view(np.uint8), a.view(np.uint8)
-    else:
-        bits_e, bits_a = e.view(width), a.view(width)
-    if bits_e.size > _EARLY and np.not_equal(bits_e[:_EARLY], bits_a[:_EARLY]).any():
-        return False  # a port that differs, differs early: the rest of a large block is not scanned
-    return not np.not_equal(bits_e, bits_a).any()
 
 
 def _identical(shape: tuple[int, ...], numel: int, tags: tuple[str, str]) -> TensorDiff:
@@ -198,7 +168,7 @@ def _identical(shape: tuple[int, ...], numel: int, tags: tuple[str, str]) -> Ten
 def _fold_chunk(run: RunningDiff, work: _Workspace, e_raw: np.ndarray, a_raw: np.ndarray, start: int) -> None:
     """Fold one chunk of the raw arrays into the running statistics."""
     tolerance = run.tolerance
-    same = e_raw.dtype == a_raw.dtype and _same_bits(e_raw, a_raw, work.flags)
+    same = e_raw.dtype == a_raw.dtype and same_bytes(e_raw, a_raw)
     e, a, delta, diff, magnitude, scratch, flags = work.take(e_raw, a_raw)
     if same:
         before = run.dots

@@ -22,6 +22,7 @@ import torch
 
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.dtypes import from_storage, to_storage
+from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import Tolerance
 from parity_harness.replay.reader import BundleReader
@@ -120,7 +121,4 @@ def _same_bits(kept: np.ndarray, kept_tag: str, values: np.ndarray, tag: str) ->
     """Whether two stored arrays hold the same values bit for bit (NaN payloads and -0.0 included)."""
     if kept_tag != tag or kept.dtype != values.dtype or kept.shape != values.shape:
         return False
-    kept_bytes, value_bytes = kept.reshape(-1).view(np.uint8), values.reshape(-1).view(np.uint8)
-    if kept_bytes.size % 8 == 0:  # compared as 64-bit words: an eighth of the comparisons
-        kept_bytes, value_bytes = kept_bytes.view(np.uint64), value_bytes.view(np.uint64)
-    return bool(np.array_equal(kept_bytes, value_bytes))
+    return same_bytes(kept, values)
