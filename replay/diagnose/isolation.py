@@ -207,9 +207,9 @@ def _plan_reuse(
     unsettled: set[str] = set()  # modules owning a parameter whose gradient must be summed again
     for key, names in owners.items():
         bundle_name = param_names.get(key)
-        diff = chained.param_grads.get(bundle_name) if bundle_name is not None else None
         if bundle_name is None:
             continue  # a parameter the bundle does not name gets no local gradient either way
+        diff = chained.param_grads.get(bundle_name)
         if diff is not None and _bit_identical(diff) and not names & must_run:
             settled[bundle_name] = diff
         else:
