@@ -46,13 +46,19 @@ _HOOKS = "module hooks and naming"
 _COMPARE = "comparing records"
 _CHECKSUMS = "checksums (CRC-32)"
 
-CAPTURE: tuple[tuple[str, str, str], ...] = (
+_SHARED: tuple[tuple[str, str, str], ...] = (
     ("model build (the adapter's load_model)", "parity_harness.capture.models.adapters", "Adapter.model"),
     ("forward: the model's own code", "parity_harness.capture.observe.driving", "call_forward"),
-    ("backward: the model's own code", "parity_harness.capture.record.gradients", "run_backward"),
     (_HOOKS, "parity_harness.capture.observe.hooks", "ModuleTap._before"),
     (_HOOKS, "parity_harness.capture.observe.hooks", "ModuleTap._after"),
     (_HOOKS, "parity_harness.capture.observe.hooks", "_GradTap.__call__"),
+    (_CHECKSUMS, "zlib", "crc32"),
+)
+"""The phases both commands have: (phase, module, function or Class.method) for every timed function."""
+
+CAPTURE: tuple[tuple[str, str, str], ...] = (
+    *_SHARED,
+    ("backward: the model's own code", "parity_harness.capture.record.gradients", "run_backward"),
     ("dataset creation (HDF5)", "parity_harness.capture.storage.writer", "BundleWriter._create"),
     ("dataset creation (HDF5)", "parity_harness.capture.storage.writer", "BundleWriter._create_dataset"),
     ("staging copies", "parity_harness.capture.storage.streaming", "TensorStream.stage"),
@@ -61,29 +67,23 @@ CAPTURE: tuple[tuple[str, str, str], ...] = (
     ("waiting for the writer thread", "parity_harness.capture.storage.streaming", "TensorStream._reserve"),
     ("index, provenance and closing the file", "parity_harness.capture.storage.writer", "BundleWriter.commit"),
     ("disk writes", "parity_harness.capture.storage.streaming", "_write_all"),
-    (_CHECKSUMS, "zlib", "crc32"),
 )
-"""Capture's phases: (phase, module, function or Class.method) for every timed function."""
+"""Capture's phases, its own and :data:`_SHARED`."""
 
 REPLAY: tuple[tuple[str, str, str], ...] = (
-    ("model build (the adapter's load_model)", "parity_harness.capture.models.adapters", "Adapter.model"),
+    *_SHARED,
     ("metadata walk (the child's, waited for)", "parity_harness.replay.preflight", "Preflight.result"),
     ("opening the bundle: index and checks", "parity_harness.replay.reader", "BundleReader.__init__"),
-    ("forward: the model's own code", "parity_harness.capture.observe.driving", "call_forward"),
     ("backward: the model's own code", "parity_harness.replay.compare.records", "backward_as_recorded"),
-    (_HOOKS, "parity_harness.capture.observe.hooks", "ModuleTap._before"),
-    (_HOOKS, "parity_harness.capture.observe.hooks", "ModuleTap._after"),
-    (_HOOKS, "parity_harness.capture.observe.hooks", "_GradTap.__call__"),
     ("reading records", "parity_harness.replay.reader", "BundleReader._read_array"),
     (_COMPARE, "parity_harness.replay.result", "diff_record"),
     (_COMPARE, "parity_harness.replay.compare.repeats", "RecentDiffs.diff"),
     (_COMPARE, "parity_harness.common.numerics.metrics", "_identical_range"),
     (_COMPARE, "parity_harness.common.numerics.metrics", "_fold_range"),
-    (_CHECKSUMS, "zlib", "crc32"),
     ("isolation (--isolate)", "parity_harness.replay.diagnose.isolation", "isolate"),
     ("the report (tables, verdict)", "parity_harness.replay.cli.replay_compare_run", "_render"),
 )
-"""Replay's phases, as :data:`CAPTURE`."""
+"""Replay's phases, its own and :data:`_SHARED`."""
 
 
 # ------------------------------------------------------------------ inside the command (a child process)
@@ -213,7 +213,9 @@ def drop_from_page_cache(path: Path) -> None:
             os.close(descriptor)
 
 
-def profile_command(options: argparse.Namespace, command: str, bundle: Path, variables: dict[str, str]) -> dict[str, Any]:
+def profile_command(
+    options: argparse.Namespace, command: str, bundle: Path, variables: dict[str, str]
+) -> dict[str, Any]:
     """The command's whole time and its phases, from its fastest of ``rounds`` runs (a fresh capture each round)."""
     best: dict[str, Any] | None = None
     for _ in range(options.rounds):
