@@ -119,7 +119,7 @@ class PhaseTimers:
         return timed_call
 
     def install(self, phases: tuple[tuple[str, str, str], ...]) -> None:
-        """Wrap every listed function where it is defined and wherever a loaded module imported it by name.
+        """Wrap every listed function where it is defined and wherever a loaded module imported it (any alias).
         A function that moved fails here, loudly: the profile would otherwise leave its time in "the rest"."""
         for phase, module_name, qualified in phases:
             module = importlib.import_module(module_name)
@@ -133,8 +133,10 @@ class PhaseTimers:
             if owner_name:
                 continue
             for other in list(sys.modules.values()):
-                if getattr(other, "__name__", "").startswith("parity_harness.") and vars(other).get(name) is original:
-                    setattr(other, name, wrapped)
+                if not getattr(other, "__name__", "").startswith("parity_harness."):
+                    continue
+                for alias in [key for key, value in vars(other).items() if value is original]:  # `import f as g`
+                    setattr(other, alias, wrapped)
 
 
 def run_command(options: argparse.Namespace) -> None:
@@ -175,20 +177,11 @@ def run_command(options: argparse.Namespace) -> None:
 
 
 def command_arguments(options: argparse.Namespace, command: str, bundle: Path) -> list[str]:
-    sizes = ["--batch-size", str(options.batch_size), "--seq-len", str(options.seq_len)]
-    adapter = ["--adapter", str(MODELS_FILE)]
-    if command == "capture":
-        return [*adapter, "--out", str(bundle), "--seed", "42", *sizes]
-    return [*adapter, "--bundle", str(bundle), "--quiet", *(["--isolate"] if options.isolate else [])]
+    """The command's arguments, as ``scripts/bench.py`` times it (its console script left out)."""
+    import bench
 
-
-def environment(options: argparse.Namespace, folder: Path) -> dict[str, str]:
-    """The model to build, and Python's bytecode cached (compiled ahead), as for a user who ran the tool before."""
-    variables = {**os.environ, "PARITY_BENCH_MODEL": options.model, "PYTHONPYCACHEPREFIX": str(folder / "pycache")}
-    variables.pop("PYTHONDONTWRITEBYTECODE", None)
-    sources = [str(ROOT / name) for name in ("capture", "common", "replay")] + [str(MODELS_FILE), __file__]
-    subprocess.run([sys.executable, "-m", "compileall", "-q", *sources], env=variables, check=True)
-    return variables
+    name = "replay-isolate" if command == "replay" and options.isolate else command
+    return bench.commands(options, bundle)[name][1:]
 
 
 def time_child(arguments: list[str], variables: dict[str, str]) -> tuple[float, float]:
@@ -284,9 +277,13 @@ def main() -> None:
     options.seq_len = options.seq_len or spec.seq_len
     print(f"model: {spec.description}; batch {options.batch_size} x {options.seq_len}")
     with tempfile.TemporaryDirectory(dir=options.dir) as folder:
-        bundle, variables = Path(folder) / "phases.h5", environment(options, Path(folder))
+        import bench
+
+        bundle = Path(folder) / "phases.h5"
+        variables = bench.command_environment(options.model, Path(folder))  # bytecode cached, as for a user
         bare_command = [sys.executable, str(MODELS_FILE), "bare", "--model", options.model]
         bare_command += ["--batch-size", str(options.batch_size), "--seq-len", str(options.seq_len)]
+        time_child(bare_command, variables)  # warm-up: torch's files into the page cache, as the commands find them
         bare = min(time_child(bare_command, variables)[0] for _ in range(options.rounds))
         for command, title in (("capture", "capture-run"), ("replay", "replay-compare")):
             figures = profile_command(options, command, bundle, variables)

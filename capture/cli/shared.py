@@ -28,7 +28,6 @@ __all__ = [
     "fail",
     "handle_errors",
     "resolve_adapter",
-    "skip_last_collection_at_exit",
     "tolerances_given",
     "write_report",
 ]
@@ -81,7 +80,7 @@ class OneLineErrors(click.Command):
     ) -> Any:
         program = prog_name or self.name or "parity-harness"
         if standalone_mode:
-            skip_last_collection_at_exit()
+            _skip_last_collection_at_exit()
         try:
             code = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.ClickException as err:
@@ -96,7 +95,7 @@ class OneLineErrors(click.Command):
 
 
 @functools.cache  # once a process
-def skip_last_collection_at_exit() -> None:
+def _skip_last_collection_at_exit() -> None:
     """Let this process's exit skip the interpreter's last garbage collection over the objects alive then.
 
     That collection walks every object torch's import made (hundreds of thousands) to find cycles nobody holds:
