@@ -21,6 +21,7 @@ Replay reads the bundle the capture just wrote, past the page cache, as its firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import inspect
@@ -32,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,35 +143,58 @@ class PhaseTimers:
 def run_command(options: argparse.Namespace) -> None:
     """The command itself, timed phase by phase; its figures written to ``options.figures`` as JSON."""
     os.environ["PARITY_BENCH_MODEL"] = options.model
-    started = time.perf_counter()
-    import torch  # noqa: F401  (timed: the bare process pays it too)
-
-    torch_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    if options.child == "capture":
-        from parity_harness.capture.cli.capture_run import main
-    else:
-        import parity_harness.replay.cli.replay_compare_run  # noqa: F401  (what the command imports once it compares)
-        from parity_harness.replay.cli.replay_compare import main
-    project_seconds = time.perf_counter() - started
-    timers = PhaseTimers()
-    timers.install(CAPTURE if options.child == "capture" else REPLAY)
+    timers, imports = PhaseTimers(), {"torch": 0.0, "project": 0.0}
+    main = (import_capture if options.child == "capture" else import_replay)(timers, imports)
     started = time.perf_counter()
     try:
         main(options.arguments)  # as its console script runs it: the command's own exit code and exit handling
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
-    run_seconds = time.perf_counter() - started
-    figures = {
-        "entered": ENTERED,
-        "torch": torch_seconds,
-        "project": project_seconds,
-        "run": run_seconds,
-        "phases": timers.seconds,
-        "left": time.time(),
-    }
+    run_seconds = time.perf_counter() - started - imports.pop("during the run", 0.0)
+    figures = {"entered": ENTERED, **imports, "run": run_seconds, "phases": timers.seconds, "left": time.time()}
     Path(options.figures).write_text(json.dumps(figures))
+
+
+def import_capture(timers: PhaseTimers, imports: dict[str, float]) -> Callable[..., Any]:
+    """capture-run's entry point, torch and the project imported and timed first, as its console script does."""
+    started = time.perf_counter()
+    import torch  # noqa: F401  (timed: the bare process pays it too)
+
+    imports["torch"] = time.perf_counter() - started
+    started = time.perf_counter()
+    from parity_harness.capture.cli.capture_run import main
+
+    imports["project"] = time.perf_counter() - started
+    timers.install(CAPTURE)
+    return main
+
+
+def import_replay(timers: PhaseTimers, imports: dict[str, float]) -> Callable[..., Any]:
+    """replay-compare's entry point. Its console script imports a light module, starts the bundle's metadata walk,
+    and only then imports torch and the comparison: the same happens here, those imports timed where they run."""
+    started = time.perf_counter()
+    from parity_harness.replay.cli import replay_compare
+
+    imports["project"] = time.perf_counter() - started
+    walking_early = replay_compare.walking_early
+
+    @contextlib.contextmanager
+    def walking_then_importing(*args: Any, **kwargs: Any) -> Iterator[None]:
+        with walking_early(*args, **kwargs):
+            started = time.perf_counter()
+            import torch  # noqa: F401
+
+            imports["torch"] = time.perf_counter() - started
+            import parity_harness.replay.cli.replay_compare_run  # noqa: F401
+
+            imports["project"] += time.perf_counter() - started - imports["torch"]
+            timers.install(REPLAY)
+            imports["during the run"] = time.perf_counter() - started
+            yield
+
+    replay_compare.walking_early = walking_then_importing  # type: ignore[assignment]
+    return replay_compare.main
 
 
 # ------------------------------------------------------------------ the parent

@@ -14,7 +14,9 @@ from click.core import ParameterSource
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, adapter_options, handle_errors
 from parity_harness.common.format.atomic import check_output
+from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
+from parity_harness.replay.preflight import walking_early
 from parity_harness.replay.reader import open_bundle_for_listing
 from parity_harness.replay.report.listing import render_listing
 
@@ -237,9 +239,15 @@ def main(
             return
         if save_map and map_file != "auto" and not (training or resync):
             raise click.UsageError("--save-map needs --map auto")
-        # torch and the comparison, imported only now: listing a bundle needs neither
-        from parity_harness.replay.cli import replay_compare_run
-
         params = click.get_current_context().params
-        code = replay_compare_run.train(params) if training or resync else replay_compare_run.compare(params)
+        if training or resync:
+            from parity_harness.replay.cli import replay_compare_run
+
+            code = replay_compare_run.train(params)
+        else:  # the bundle's metadata walk starts before torch imports, on the other core; the job adopts it
+            with walking_early(Path(bundle), label=ATTR_DTYPE):
+                # torch and the comparison, imported only now: listing a bundle needs neither
+                from parity_harness.replay.cli import replay_compare_run
+
+                code = replay_compare_run.compare(params)
     sys.exit(code)

@@ -16,6 +16,7 @@ import pytest
 
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format import containment
+from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.replay import preflight
 from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
@@ -259,3 +260,103 @@ def test_the_commands_walk_a_bundle_once_in_the_child(
     source = BundleSource(tiny_bundle)
     assert source.tensors
     assert walks == []
+
+
+# --------------------------------------------------------------------------- the walk started early
+
+
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every walk child started from now on."""
+    started: list[object] = []
+    popen = subprocess.Popen
+
+    def counting(*args: object, **kwargs: object) -> object:
+        started.append(args[0])
+        return popen(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(preflight.subprocess, "Popen", counting)
+    return started
+
+
+def test_a_walk_started_early_is_the_one_the_job_waits_for(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line starts the walk before torch imports; the job's own start of the same file takes that walk
+    over: one child walks the bundle, and its catalog reaches the reader."""
+    started = _count_walks(monkeypatch)
+    with preflight.walking_early(tiny_bundle, label=ATTR_DTYPE):
+        catalog = preflight.start(tiny_bundle, label=ATTR_DTYPE).result()
+    assert len(started) == 1
+    assert catalog is not None
+    assert catalog.identity == containment.file_identity(os.stat(tiny_bundle))
+
+
+def test_an_early_walk_of_a_file_changed_since_is_not_taken_over(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bundle rewritten between the early start and the job's (another file put in its place) is walked again, as
+    it is now; the walk of what the path held before is ended."""
+    monkeypatch.setattr(preflight, "_WALK", "import time\ntime.sleep(60)")
+    with preflight.walking_early(tiny_bundle, label=ATTR_DTYPE):
+        early = preflight._EARLY[next(iter(preflight._EARLY))][1]
+        replacement = tmp_path / "replacement.h5"
+        shutil.copyfile(tiny_bundle, replacement)
+        os.replace(replacement, tiny_bundle)
+        monkeypatch.undo()
+        walk = preflight.start(tiny_bundle, label=ATTR_DTYPE)
+        assert early._child.returncode is not None  # ended, not waited for
+        assert walk is not early
+        catalog = walk.result()
+    assert catalog is not None
+    assert catalog.identity == containment.file_identity(os.stat(tiny_bundle))
+
+
+def test_an_early_walk_nobody_takes_over_is_ended_with_its_block(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command that fails before its job starts (or replays other files) leaves no child walking behind it."""
+    monkeypatch.setattr(preflight, "_WALK", "import time\ntime.sleep(60)")
+    walks: list[preflight.Preflight] = []
+
+    def fail_while_walking() -> None:
+        with preflight.walking_early(tiny_bundle, label=ATTR_DTYPE):
+            walks.extend(walk for _, walk in preflight._EARLY.values())
+            raise RuntimeError("the adapter failed to import")
+
+    with pytest.raises(RuntimeError):
+        fail_while_walking()
+    (early,) = walks
+    assert early._child.returncode is not None
+    assert preflight._EARLY == {}
+
+
+def test_an_early_walk_leaves_a_path_that_is_no_file_to_the_command(tmp_path: Path) -> None:
+    """A missing path or a folder starts no walk: the command's own check names it."""
+    for path in (tmp_path / "missing.h5", tmp_path):
+        with preflight.walking_early(path, label=ATTR_DTYPE):
+            assert preflight._EARLY == {}
+
+
+_WALK_ORDER_PROBE = """
+import sys
+walks = []
+def note_walks(event, args):
+    if event == "subprocess.Popen" and "check_contained" in " ".join(map(str, args[1])):
+        walks.append("torch" in sys.modules)
+sys.addaudithook(note_walks)
+from parity_harness.replay.cli.replay_compare import main
+try:
+    main(sys.argv[1:])
+finally:
+    print("torch imported as each walk started:", walks, file=sys.stderr)
+"""
+
+
+def test_replay_compare_starts_the_walk_before_it_imports_torch(tiny_bundle: Path, tiny_ckpt: Path) -> None:
+    """replay-compare, as its own process, starts its one metadata walk before importing torch, so that the child's
+    start and walk (0.2 s) run while torch imports rather than after; the replay still matches."""
+    model = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"
+    arguments = ["--bundle", str(tiny_bundle), "--model", model, "--ckpt", str(tiny_ckpt), "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-c", _WALK_ORDER_PROBE, *arguments], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torch imported as each walk started: [False]" in done.stderr
