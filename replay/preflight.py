@@ -162,27 +162,29 @@ _EARLY: dict[_EarlyKey, tuple[tuple[int, ...], Preflight]] = {}
 
 @contextmanager
 def walking_early(
-    path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle", label: str | None = None
+    path: Path | None, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle", label: str | None = None
 ) -> Iterator[None]:
     """Start walking ``path`` now, before the command imports torch and loads the port (a second, idle core then
     hides the child's start, most of the walk's cost on a small port); a :func:`start` of the same file, unchanged,
-    inside the block adopts this walk. A path that is no regular file is left to the command's own checks. A walk
-    nobody adopted is ended as the block exits."""
+    inside the block adopts this walk. None, or a path that is no regular file, starts nothing (the command's own
+    checks report it). As the block exits the walk is ended if it still runs (nobody adopted it, or the block was
+    interrupted)."""
     try:
-        status = os.stat(path)
+        status = None if path is None else os.stat(path)
     except (OSError, ValueError):
         status = None
-    key = (os.path.realpath(path), seconds, noun, label)
-    if status is None or not stat.S_ISREG(status.st_mode) or key in _EARLY:
+    if path is None or status is None or not stat.S_ISREG(status.st_mode):
         yield
         return
-    _EARLY[key] = (file_identity(status), Preflight(path, seconds, noun, label))
+    key = (os.path.realpath(path), seconds, noun, label)
+    walk = Preflight(path, seconds, noun, label)
+    _EARLY[key] = (file_identity(status), walk)
     try:
         yield
     finally:
-        left = _EARLY.pop(key, None)
-        if left is not None:
-            left[1].cancel()
+        if _EARLY.get(key, (None, None))[1] is walk:
+            del _EARLY[key]
+        walk.cancel()  # a walk already waited for is left as it is
 
 
 def _adopt_early(path: Path, seconds: float, noun: str, label: str | None) -> Preflight | None:

@@ -13,8 +13,10 @@ import click
 from click.core import ParameterSource
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, adapter_options, handle_errors
+from parity_harness.common.errors import ParityError
 from parity_harness.common.format.atomic import check_output
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
+from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.preflight import walking_early
 from parity_harness.replay.reader import open_bundle_for_listing
@@ -45,6 +47,16 @@ def _refuse_ignored_by_training(context: click.Context) -> None:
         raise click.UsageError(
             f"{names}: not used with --steps (a training rerun); drop it, or compare without --steps"
         )
+
+
+def _walked_first(bundle: Path) -> Path | None:
+    """The file the job walks first: the bundle, or a multi-rank capture's first rank file (its manifest read, which
+    needs no torch); None where the manifest is refused (the job then reports why)."""
+    try:
+        manifest = find_manifest(bundle)
+    except ParityError:
+        return None
+    return bundle if manifest is None else manifest.files[0]
 
 
 @click.command("replay-compare", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -245,7 +257,7 @@ def main(
 
             code = replay_compare_run.train(params)
         else:  # the bundle's metadata walk starts before torch imports, on the other core; the job adopts it
-            with walking_early(Path(bundle), label=ATTR_DTYPE):
+            with walking_early(_walked_first(Path(bundle)), label=ATTR_DTYPE):
                 # torch and the comparison, imported only now: listing a bundle needs neither
                 from parity_harness.replay.cli import replay_compare_run
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -21,6 +22,8 @@ from parity_harness.replay import preflight
 from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
 from tests.hostile import craft_copy, external_storage, replace_in_place
+
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def test_a_valid_bundle_passes(tiny_bundle: Path) -> None:
@@ -289,17 +292,34 @@ def test_a_walk_started_early_is_the_one_the_job_waits_for(tiny_bundle: Path, mo
     assert catalog.identity == containment.file_identity(os.stat(tiny_bundle))
 
 
+def _replace(path: Path) -> None:
+    """Another file put in ``path``'s place (a new inode)."""
+    replacement = path.with_name("replacement.h5")
+    shutil.copyfile(path, replacement)
+    os.replace(replacement, path)
+
+
+def _rewrite_in_place(path: Path) -> None:
+    """The same file written again in place (same inode and size; a crafted header could be written so)."""
+    status = os.stat(path)
+    with path.open("r+b") as file:
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(last)
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 1_000_000_000))  # past the clock's granularity
+
+
+@pytest.mark.parametrize("change", [_replace, _rewrite_in_place], ids=["replaced", "rewritten-in-place"])
 def test_an_early_walk_of_a_file_changed_since_is_not_taken_over(
-    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_bundle: Path, change: Callable[[Path], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bundle rewritten between the early start and the job's (another file put in its place) is walked again, as
-    it is now; the walk of what the path held before is ended."""
+    """A bundle changed between the early start and the job's (another file put in its place, or its bytes written
+    again) is walked again, as it is now; the walk of what the path held before is ended."""
     monkeypatch.setattr(preflight, "_WALK", "import time\ntime.sleep(60)")
     with preflight.walking_early(tiny_bundle, label=ATTR_DTYPE):
         early = preflight._EARLY[next(iter(preflight._EARLY))][1]
-        replacement = tmp_path / "replacement.h5"
-        shutil.copyfile(tiny_bundle, replacement)
-        os.replace(replacement, tiny_bundle)
+        change(tiny_bundle)
         monkeypatch.undo()
         walk = preflight.start(tiny_bundle, label=ATTR_DTYPE)
         assert early._child.returncode is not None  # ended, not waited for
@@ -330,7 +350,7 @@ def test_an_early_walk_nobody_takes_over_is_ended_with_its_block(
 
 def test_an_early_walk_leaves_a_path_that_is_no_file_to_the_command(tmp_path: Path) -> None:
     """A missing path or a folder starts no walk: the command's own check names it."""
-    for path in (tmp_path / "missing.h5", tmp_path):
+    for path in (tmp_path / "missing.h5", tmp_path, None):
         with preflight.walking_early(path, label=ATTR_DTYPE):
             assert preflight._EARLY == {}
 
@@ -360,3 +380,25 @@ def test_replay_compare_starts_the_walk_before_it_imports_torch(tiny_bundle: Pat
     )
     assert done.returncode == 0, done.stderr
     assert "torch imported as each walk started: [False]" in done.stderr
+
+
+def test_a_multi_rank_capture_is_walked_from_its_rank_files_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """replay-compare given a manifest starts its early walk on the first rank file, which the job takes over, and
+    walks no file twice, nor the manifest (a JSON file, no HDF5)."""
+    from click.testing import CliRunner
+
+    from parity_harness.replay.cli.replay_compare import main
+
+    golden = sorted(DATA.glob("manifest-golden-*.manifest.json"))[-1]
+    stem = golden.name.removesuffix(".manifest.json")
+    for file in DATA.glob(f"{stem}.*"):
+        shutil.copy(file, tmp_path / file.name)
+    started = _count_walks(monkeypatch)
+    model = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"
+    arguments = ["--bundle", str(tmp_path / golden.name), "--model", model, "--atol", "1e-6", "--rtol", "1e-6", "-q"]
+    result = CliRunner().invoke(main, arguments)
+    assert result.exit_code == 0, result.output
+    walked = [Path(str(argv[3])).name for argv in started]  # type: ignore[index]
+    assert walked == [f"{stem}.rank0.h5", f"{stem}.rank1.h5"]
