@@ -1,12 +1,12 @@
 """Walk a bundle's HDF5 metadata in a child process before this process touches it.
 
-HDF5 is not hardened against crafted files: a damaged object header can make it loop for
-minutes or crash the process, inside C code that no Python timeout can interrupt. The child
-first checks that the file reads nothing outside its own bytes (``common.format.containment``: no
-link or storage leaves it, so nothing can block on a FIFO), then walks every attribute, object and
-compact dataset the reader would touch; if it refuses, hangs or crashes, the bundle is refused with
-one line, and this process never opens it. Any
-ordinary error the child meets is left for the reader, which reports it precisely. Costs one
+HDF5 is not hardened against crafted files: a damaged object header can make it loop for minutes or crash the
+process, inside C code that no Python timeout can interrupt. The child first checks that it has the file this
+process sees at the path (same device and inode; a path naming one of this process's descriptors, such as
+/dev/stdin, is refused), then that the file reads nothing outside its own bytes (``common.format.containment``: no
+link or storage leaves it, so nothing can block on a FIFO), then walks every attribute, object and compact dataset
+the reader would touch; if it refuses, hangs or crashes, the bundle is refused with one line, and this process
+never opens it. Any ordinary error the child meets is left for the reader, which reports it precisely. Costs one
 interpreter start with h5py (a few tenths of a second); the command-line tools use it, replay-compare while it
 imports torch and loads the port (:func:`walking_early`, :func:`start`). What the walk learnt comes back as a
 :class:`~parity_harness.common.format.containment.Catalog`, so that a reader opening the same file unchanged does
@@ -50,6 +50,19 @@ import h5py
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.containment import Catalog, check_contained, file_identity, read_other_metadata
 
+try:
+    status = os.stat(sys.argv[1])
+except OSError:
+    status = None
+if sys.argv[5] and (status is None or f"{status.st_dev}:{status.st_ino}" != sys.argv[5]):  # not the parent's file
+    found = "no file" if status is None else "another file"
+    print(
+        f"{sys.argv[1]}: the metadata walk's own process finds {found} at this path (it was replaced meanwhile, or "
+        f"it names a descriptor of this process, such as /dev/stdin, which no other process can check first); give "
+        f"the {sys.argv[3]}'s own file path",
+        file=sys.stderr,
+    )
+    sys.exit(3)
 before = file_identity(os.stat(sys.argv[1]))
 with h5py.File(sys.argv[1], "r", locking=False) as file:  # a training file may be being written
     label = sys.argv[4] or None
@@ -62,6 +75,16 @@ with h5py.File(sys.argv[1], "r", locking=False) as file:  # a training file may 
 if file_identity(os.stat(sys.argv[1])) == before:  # unchanged while walked: the parent may use what it learnt
     sys.stdout.buffer.write(Catalog(before, stored).to_bytes() or b"")
 """
+
+
+def _which_file(path: Path) -> str:
+    """The file ``path`` names in this process (device and inode), for the child to check it walks that one; empty
+    where there is none (the child then fails as the reader will)."""
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return ""
+    return f"{status.st_dev}:{status.st_ino}"
 
 
 class Preflight:
@@ -77,8 +100,9 @@ class Preflight:
         # A file, not a pipe: nobody reads while the parent works, and a child blocked on a full pipe would look hung.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by result() or cancel())
         self._catalog = tempfile.TemporaryFile()  # noqa: SIM115 (the same)
+        arguments = [str(path), str(max(1, math.ceil(seconds)) + 1), noun, label or "", _which_file(path)]
         self._child = subprocess.Popen(
-            [sys.executable, "-c", _WALK, str(path), str(max(1, math.ceil(seconds)) + 1), noun, label or ""],
+            [sys.executable, "-c", _WALK, *arguments],
             stdin=subprocess.DEVNULL,
             stdout=self._catalog,
             stderr=self._stderr,

@@ -402,3 +402,42 @@ def test_a_multi_rank_capture_is_walked_from_its_rank_files_only(
     assert result.exit_code == 0, result.output
     walked = [Path(str(argv[3])).name for argv in started]  # type: ignore[index]
     assert walked == [f"{stem}.rank0.h5", f"{stem}.rank1.h5"]
+
+
+# --------------------------------------------------------------------------- the file the walk checks
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_a_path_to_a_descriptor_of_this_process_is_refused(tiny_bundle: Path) -> None:
+    """/proc/self/fd/N (or /dev/stdin) names a file only in this process: the child cannot walk it first, so it is
+    refused rather than opened unchecked (the child's error would otherwise count as an ordinary one)."""
+    with tiny_bundle.open("rb") as file:
+        path = Path(f"/proc/self/fd/{file.fileno()}")
+        with pytest.raises(BundleFormatError, match=r"finds no file at this path .*give the bundle's own file path"):
+            preflight.preflight(path, seconds=30)
+
+
+def test_a_file_replaced_before_the_child_walks_it_is_refused(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child walks the file this process sees at the path, or refuses: one put in its place between the two
+    looks (here, this process's view made to differ) is not vouched for."""
+    monkeypatch.setattr(preflight, "_which_file", lambda path: "0:0")
+    with pytest.raises(BundleFormatError, match=r"finds another file at this path \(it was replaced meanwhile"):
+        preflight.preflight(tiny_bundle, seconds=30)
+
+
+@pytest.mark.skipif(not Path("/dev/stdin").exists(), reason="needs /dev/stdin")
+def test_replay_compare_refuses_a_bundle_given_as_its_standard_input(tiny_bundle: Path, tiny_ckpt: Path) -> None:
+    """``replay-compare --bundle /dev/stdin < bundle.h5``: one line and exit 2, never the file opened unwalked."""
+    model = f"{Path(__file__).resolve().parent.parent / 'models.py'}:build_tiny"
+    program = "import sys\nfrom parity_harness.replay.cli.replay_compare import main\nmain(sys.argv[1:])"
+    arguments = ["--bundle", "/dev/stdin", "--model", model, "--ckpt", str(tiny_ckpt), "--quiet"]
+    with tiny_bundle.open("rb") as stdin:
+        done = subprocess.run(
+            [sys.executable, "-c", program, *arguments], stdin=stdin, capture_output=True, text=True, check=False
+        )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "/dev/stdin: the metadata walk's own process finds another file at this path" in lines[0]
