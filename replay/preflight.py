@@ -23,18 +23,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Final
 
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.containment import Catalog, file_identity
 from parity_harness.common.format.packing import MAX_INDEX_BYTES
+from parity_harness.common.format.tensor_files import is_hdf5_file
 
-__all__ = ["DEFAULT_PREFLIGHT_SECONDS", "Preflight", "preflight", "start", "walking_early"]
+__all__ = [
+    "DEFAULT_PREFLIGHT_SECONDS",
+    "Preflight",
+    "preflight",
+    "start",
+    "walking_early",
+    "walking_early_each",
+]
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
+
 
 _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
@@ -209,6 +218,26 @@ def walking_early(
         if _EARLY.get(key, (None, None))[1] is walk:
             del _EARLY[key]
         walk.cancel()  # a walk already waited for is left as it is
+
+
+@contextmanager
+def walking_early_each(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    seconds: float = DEFAULT_PREFLIGHT_SECONDS,
+    noun: str = "bundle",
+    label: str | None = None,
+) -> Iterator[None]:
+    """:func:`walking_early` for each path that is an HDF5 file (:func:`is_hdf5_file`), once per file, all at once:
+    a command's inputs of other kinds (a torch checkpoint, a CSV) are left to it."""
+    with ExitStack() as walks:
+        seen: set[str] = set()
+        for path in paths:
+            real = os.path.realpath(path)
+            if real not in seen and is_hdf5_file(path):
+                walks.enter_context(walking_early(Path(path), seconds=seconds, noun=noun, label=label))
+            seen.add(real)
+        yield
 
 
 def _adopt_early(path: Path, seconds: float, noun: str, label: str | None) -> Preflight | None:

@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from parity_harness.common.format.bundle.selection import parse_byte_size
 from parity_harness.common.format.dtypes import TAGS, storage_dtype
 
 __all__ = [
+    "HDF5_SIGNATURE",
     "NEMO_LIMIT_VARIABLE",
     "NpyLayout",
     "SafetensorsEntry",
@@ -33,6 +35,7 @@ __all__ = [
     "check_hf_folder",
     "check_npz_sizes",
     "hf_weight_files",
+    "is_hdf5_file",
     "is_safetensors",
     "nemo_limit",
     "read_npy_layout",
@@ -65,6 +68,26 @@ class SafetensorsHeader:
     data_start: int
     entries: dict[str, SafetensorsEntry]
     metadata: dict[str, str] = field(default_factory=dict)
+
+
+HDF5_SIGNATURE: Final = b"\x89HDF\r\n\x1a\n"
+"""The first bytes of an HDF5 file (parity bundles and training files)."""
+
+
+def is_hdf5_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file that starts as HDF5 files do; its first bytes are read only from a regular
+    file (a FIFO is never opened: that would wait for a writer)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError):
+        return False
+    try:
+        head = os.read(descriptor, len(HDF5_SIGNATURE))
+        return stat.S_ISREG(os.fstat(descriptor).st_mode) and head == HDF5_SIGNATURE
+    finally:
+        os.close(descriptor)
 
 
 def is_safetensors(head: bytes, size: int) -> bool:

@@ -6,15 +6,12 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Final
 
 from parity_harness.common.errors import CheckpointError
-from parity_harness.common.format.tensor_files import hf_weight_files, is_safetensors
+from parity_harness.common.format.tensor_files import HDF5_SIGNATURE, hf_weight_files, is_safetensors
 from parity_harness.replay.ckpt_diff.sources import NumpySource, SafetensorsSource, Source
 
 __all__ = ["open_source"]
-
-HDF5_MAGIC: Final = b"\x89HDF\r\n\x1a\n"
 
 
 def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False, verify: bool = True) -> Source:
@@ -39,7 +36,7 @@ def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False, ver
         return SafetensorsSource(file, [file], "safetensors")
     if head.startswith(b"\x93NUMPY"):
         return NumpySource(file, "npy")
-    if head.startswith(HDF5_MAGIC):
+    if head.startswith(HDF5_SIGNATURE):
         from parity_harness.replay.ckpt_diff.bundle_source import BundleSource
 
         return BundleSource(file, verify=verify)

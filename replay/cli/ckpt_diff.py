@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -9,6 +10,8 @@ import click
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, write_report
 from parity_harness.common.format.atomic import check_output
+from parity_harness.common.format.bundle.layout import ATTR_DTYPE
+from parity_harness.common.format.tensor_files import is_hdf5_file
 from parity_harness.replay.ckpt_diff.compare import LAYER_TYPES, diff_checkpoint_files
 from parity_harness.replay.report.ckpt_diff import FORMATS, SORT_KEYS, render
 
@@ -38,6 +41,16 @@ def _regex(context: click.Context, param: click.Parameter, value: str | None) ->
         except re.error as err:
             raise click.BadParameter(f"{value!r}: invalid regex ({err})") from err
     return value
+
+
+def _walking_bundles_early(*paths: str) -> contextlib.AbstractContextManager[None]:
+    """Parity bundles among the checkpoints have their metadata walked side by side from the start, not one after
+    the other as each opens (``replay.preflight``, with h5py, imported only for them)."""
+    if not any(is_hdf5_file(path) for path in paths):
+        return contextlib.nullcontext()
+    from parity_harness.replay.preflight import walking_early_each
+
+    return walking_early_each(paths, noun="file", label=ATTR_DTYPE)
 
 
 @click.command("ckpt-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -110,18 +123,19 @@ def main(
     with handle_errors("ckpt-diff", debug):
         if out:  # before reading the checkpoints: a run must not end in a path it cannot write
             check_output(out, what="--out")
-        diff = diff_checkpoint_files(
-            checkpoint_a,
-            checkpoint_b,
-            trust_pickle=trust_pickle,
-            verify=not no_verify,
-            map_file=map_file,
-            epsilon=epsilon,
-            include=include,
-            exclude=exclude,
-            layer_types=_layer_types(layer_type_specs) if layer_type_specs else LAYER_TYPES,
-            shape_only=shape_only,
-        )
+        with _walking_bundles_early(checkpoint_a, checkpoint_b):
+            diff = diff_checkpoint_files(
+                checkpoint_a,
+                checkpoint_b,
+                trust_pickle=trust_pickle,
+                verify=not no_verify,
+                map_file=map_file,
+                epsilon=epsilon,
+                include=include,
+                exclude=exclude,
+                layer_types=_layer_types(layer_type_specs) if layer_type_specs else LAYER_TYPES,
+                shape_only=shape_only,
+            )
         text = render(diff, output_format, sort_by=sort_by, top=top, show_unchanged=show_unchanged)
         if out:
             write_report(out, text, "--out")

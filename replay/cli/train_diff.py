@@ -9,50 +9,15 @@ step diverges, batches were fed in another order or parameters went unpaired, 2 
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import click
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, tolerances_given, write_report
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
-from parity_harness.replay.preflight import walking_early
+from parity_harness.replay.preflight import walking_early_each
 
 __all__ = ["main"]
-
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-@contextmanager
-def _walking_early(*runs: str) -> Iterator[None]:
-    """Start the metadata walk of each run that is a training file (an HDF5 file) before torch imports; opening the
-    run takes the walk over (``replay.preflight.walking_early``)."""
-    with ExitStack() as walks:
-        seen: set[str] = set()
-        for run in runs:
-            real = os.path.realpath(run)
-            if real not in seen and _is_hdf5(run):
-                walks.enter_context(walking_early(Path(run), noun="training file"))
-            seen.add(real)
-        yield
-
-
-def _is_hdf5(path: str) -> bool:
-    """Whether ``path`` is a regular file that starts as HDF5 files do (a training file, not a dump or a CSV)."""
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            return False  # a FIFO or device is refused later, unopened
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except (OSError, ValueError):
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(descriptor).st_mode) and os.pread(descriptor, 8, 0) == _HDF5_SIGNATURE
-    finally:
-        os.close(descriptor)
 
 
 @click.command("parity-train-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,7 +62,7 @@ def main(
 ) -> None:
     """Compare two training runs (training files, dump folders or prediction CSVs), step by step."""
     tolerances_given()
-    with handle_errors("parity-train-diff", debug), _walking_early(run_a, run_b):
+    with handle_errors("parity-train-diff", debug), walking_early_each((run_a, run_b), noun="training file"):
         # torch and the comparison, imported only now: the training files' metadata walks run meanwhile
         from parity_harness.replay.report.training import (
             render_csv,

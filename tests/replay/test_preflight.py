@@ -19,6 +19,7 @@ import pytest
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format import containment
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
+from parity_harness.common.format.tensor_files import is_hdf5_file
 from parity_harness.replay import preflight
 from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
@@ -409,16 +410,15 @@ def test_train_diff_walks_both_training_files_while_torch_imports(tmp_path: Path
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
-def test_train_diff_never_opens_a_fifo_to_look_for_hdf5(tmp_path: Path) -> None:
-    """Deciding whether a run is a training file reads the first bytes of regular files only: a FIFO given as a run
-    is refused by the command's own check, never opened (opening one for reading would wait for a writer)."""
-    from parity_harness.replay.cli import train_diff
-
+def test_looking_for_hdf5_never_opens_a_fifo(tmp_path: Path) -> None:
+    """Deciding whether a command's input is an HDF5 file to walk early reads the first bytes of regular files only:
+    a FIFO given as a run or checkpoint is refused by the command's own check, never opened (opening one for reading
+    would wait for a writer)."""
     fifo = tmp_path / "run.h5"
     os.mkfifo(fifo)
-    assert not train_diff._is_hdf5(str(fifo))
-    assert not train_diff._is_hdf5(str(tmp_path))
-    assert train_diff._is_hdf5(str(DATA / "training-golden-2.0.h5"))
+    assert not is_hdf5_file(fifo)
+    assert not is_hdf5_file(tmp_path)
+    assert is_hdf5_file(DATA / "training-golden-2.0.h5")
 
 
 def test_a_multi_rank_capture_is_walked_from_its_rank_files_only(
@@ -480,3 +480,25 @@ def test_replay_compare_refuses_a_bundle_given_as_its_standard_input(tiny_bundle
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "/dev/stdin: the metadata walk's own process finds another file at this path" in lines[0]
+
+
+def test_ckpt_diff_walks_two_bundles_side_by_side(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckpt-diff A B of two bundles starts both walks at the start, side by side (each took 0.47 s, one after the
+    other, before); opening each source waits for its own: two walks in all."""
+    from click.testing import CliRunner
+
+    from parity_harness.replay.cli.ckpt_diff import main
+
+    events: list[str] = []
+    started, waited = preflight.Preflight.__init__, preflight.Preflight.result
+    monkeypatch.setattr(
+        preflight.Preflight, "__init__", lambda self, *a, **k: events.append("start") or started(self, *a, **k)
+    )
+    monkeypatch.setattr(preflight.Preflight, "result", lambda self: events.append("wait") or waited(self))
+    other = tmp_path / "other.h5"
+    shutil.copy(tiny_bundle, other)
+    result = CliRunner().invoke(main, [str(tiny_bundle), str(other)])
+    assert result.exit_code == 0, result.output
+    assert events == ["start", "start", "wait", "wait"]
