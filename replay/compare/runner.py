@@ -46,8 +46,9 @@ from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, 
 from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
+from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
-from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules
+from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters, describe_slot_rule, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
@@ -173,6 +174,8 @@ class _ReplaySession:
         self.port = model if backend is None else cast(torch.nn.Module, torch.compile(model, backend=backend))
         self.module_records = backend is None or options.compiled_module_records
         self.sink: ComparingSink | None = None
+        self.used_outside: frozenset[str] = frozenset()
+        """Bundle names of parameters the port used outside their modules' calls (watched with ``isolate``)."""
         self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
@@ -248,9 +251,15 @@ class _ReplaySession:
         tap = ModuleTap(
             self.model, self.sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
         )
-        with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext():
+        # With --isolate (not compiled): which parameters the port also uses outside their modules' calls
+        watch = OutsideUses(self.model) if options.isolate and self.port is self.model else contextlib.nullcontext()
+        with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext(), watch:
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
+        if isinstance(watch, OutsideUses):
+            used = watch.params(tensor for _, tensor in live)
+            named = bundle_parameters(self.model, self.rename, self.index.params)
+            self.used_outside = frozenset(name for name, param in named if id(param) in used)
         expected = slots(self.index.outputs, "output")
         padding = self.sink.output_padding if options.mask_padding else None
         tolerances = self.result.tolerances
@@ -467,7 +476,7 @@ class _ReplaySession:
         diffs = {record.name: record.diff for record in usable if record.kind in ("forward", "backward")}
         grads = {record.name: record.diff for record in usable if record.kind == "param_grad"}
         unpaired = frozenset(name.rsplit("/", 1)[0] for name in self.result.replay_only if name.count("/") >= 2)
-        return ChainedRecords(diffs, unpaired, grads)
+        return ChainedRecords(diffs, unpaired, grads, self.used_outside)
 
     def _local_levels(self, modules: set[str]) -> dict[str, float] | None:
         """The port's own float32 rounding on the isolated calls of ``modules`` (None: not measurable)."""

@@ -80,6 +80,8 @@ class Isolation:
     param_local: dict[str, TensorDiff] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     """Module (bundle name) -> why it could not be isolated; said once per module."""
+    params_skipped: dict[str, str] = field(default_factory=dict)
+    """Parameter (bundle name) -> why its local gradient could not be isolated."""
 
 
 def not_recordable(tree: Tree) -> str | None:
@@ -143,6 +145,9 @@ class ChainedRecords:
     """``module/call`` of calls with records only in the replay."""
     param_grads: dict[str, TensorDiff] = field(default_factory=dict)
     """Bundle parameter name -> its gradient's difference in the chained run."""
+    params_used_outside: frozenset[str] = frozenset()
+    """Bundle names of parameters the port used outside every call of their modules (``outside_uses``): the sum
+    over those calls is not their local gradient."""
 
     def reusable(self, call: ModuleCall, module: torch.nn.Module) -> dict[str, TensorDiff] | None:
         """The local differences of ``call`` without running it again, or None when it must run.
@@ -399,15 +404,25 @@ class Isolator:
             if grad is not None and key is not None:
                 self.param_sums[key] = self.param_sums[key] + grad if key in self.param_sums else grad.detach()
 
-    def compare_params(self, settled: dict[str, TensorDiff]) -> None:
-        """Every summed parameter gradient against the reference's; ``settled`` ones take the given difference."""
+    def compare_params(self, settled: dict[str, TensorDiff], used_outside: frozenset[str] = frozenset()) -> None:
+        """Every summed parameter gradient against the reference's; ``settled`` ones take the given difference, and
+        those ``used_outside`` their modules' calls get none (the sum misses what the other uses give)."""
         self.outcome.param_local.update(settled)
         for name, total in self.param_sums.items():
             ref = self.reader.index.grads.get(name)
-            if name in settled:
+            if name in settled or ref is None:
                 continue
-            if ref is not None:
-                self.outcome.param_local[name] = self.judge(name, [ref], self.transform(name, total))
+            if name in used_outside:
+                self.outcome.params_skipped[name] = _USED_OUTSIDE
+                continue
+            self.outcome.param_local[name] = self.judge(name, [ref], self.transform(name, total))
+
+
+_USED_OUTSIDE = (
+    "the port also uses this parameter outside its module's calls (a head tied to an embedding through F.linear, "
+    "a parent using a child's weight), so summing those calls does not give its local gradient; its chained "
+    "comparison stands"
+)
 
 
 def isolate(
@@ -471,5 +486,5 @@ def isolate(
             continue
         isolator.position = position
         isolator.run_call(modules[call.module], call, isolation_inputs)
-    isolator.compare_params(reuse.params)
+    isolator.compare_params(reuse.params, chained.params_used_outside if chained is not None else frozenset())
     return isolator.outcome

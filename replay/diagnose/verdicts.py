@@ -77,6 +77,8 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict
     compared_modules = {record.module for record in result.records if record.module is not None}
     # A module none of whose records is compared (a waived wrapper) needs no isolation, nor a note saying so.
     result.not_isolated = {module: why for module, why in isolation.skipped.items() if module in compared_modules}
+    gradients = {record.name for record in result.of_kind("param_grad")}
+    result.not_isolated |= {name: why for name, why in isolation.params_skipped.items() if name in gradients}
 
 
 def needs_levels(result: ComparisonResult, isolation: Isolation) -> set[str]:

@@ -371,3 +371,93 @@ def test_weight_also_used_outside_its_module_is_no_origin_of_an_exact_port(tmp_p
     assert embedding.local.bits_equal
     assert {r.verdict for r in result.records} == {"ok"}
     assert result.to_json()["first_origin"] == {"forward": None, "backward": None}
+
+
+class _ParentUsesChildWeight(nn.Module):
+    """A parent whose forward multiplies by its child's weight itself, besides calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.inner(self.embed(ids)))
+        return hidden @ self.inner.weight.t()
+
+
+class _ParentReadsChildWeight(nn.Module):
+    """A parent that only reads its child's weight where no gradient flows: its dtype, and a statistic under
+    ``no_grad`` and through ``detach``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.inner.weight.abs().mean()
+        shift = self.inner.weight.detach().mean().to(self.inner.weight.dtype)
+        return self.inner(self.embed(ids)) * scale + shift
+
+
+def _near_port(model: nn.Module) -> nn.Module:
+    """``model`` with ``inner``'s weight off by a relative 1e-7: every gradient near the reference's, few exact."""
+    with torch.no_grad():
+        noise = torch.randn(model.inner.weight.shape, generator=torch.Generator().manual_seed(3))
+        model.inner.weight.mul_(1 + 1e-7 * noise)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "outside"),
+    [(_TiedHead, "embed.weight"), (_ParentUsesChildWeight, "inner.weight")],
+    ids=["tied head via F.linear", "parent multiplies by a child's weight"],
+)
+def test_weight_also_used_outside_its_module_is_no_origin_of_a_near_port(
+    tmp_path: Path, build: type[nn.Module], outside: str
+) -> None:
+    """A port within tolerance everywhere, whose weight gets gradient also from outside its module's calls: summing
+    those calls alone would miss that share and name the module an origin. Its local gradient is not judged (the
+    note says why), its chained comparison stands, and nothing is an origin."""
+    bundle = tmp_path / "outside.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(build().eval(), {"ids": ids}, bundle, seed=1)
+    result, _ = _calls_while_replaying(bundle, _near_port(build().eval()), isolate=True)
+    weight = next(r for r in result.records if r.name == outside)
+    assert weight.match
+    assert weight.local is None
+    assert {r.verdict for r in result.records} == {"ok"}
+    assert "outside its module's calls" in result.not_isolated[outside]
+    others = [r for r in result.of_kind("param_grad") if r.name != outside]
+    assert others
+    assert all(r.local is not None for r in others)
+
+
+def test_weight_read_only_without_gradient_outside_its_module_is_still_isolated(tmp_path: Path) -> None:
+    """A parent reading its child's weight where no gradient flows (its dtype, a statistic under no_grad or through
+    detach) adds nothing to that weight's gradient: the weight's local gradient is judged as usual."""
+    bundle = tmp_path / "reads.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(_ParentReadsChildWeight().eval(), {"ids": ids}, bundle, seed=1)
+    result, _ = _calls_while_replaying(bundle, _near_port(_ParentReadsChildWeight().eval()), isolate=True)
+    weight = next(r for r in result.records if r.name == "inner.weight")
+    assert weight.local is not None
+    assert "inner.weight" not in result.not_isolated
+
+
+def test_a_wrong_tied_weight_is_found_where_it_is_used_by_its_module(tmp_path: Path) -> None:
+    """A tied embedding whose weight differs: the embedding's forward output on the reference's ids is the origin;
+    the weight's gradient fails chained and, used outside its module, is 'not isolated' rather than judged on a
+    partial sum."""
+    bundle = tmp_path / "tied-wrong.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(_TiedHead().eval(), {"ids": ids}, bundle, seed=1)
+    port = _TiedHead().eval()
+    with torch.no_grad():
+        port.embed.weight.add_(1e-2)
+    result, _ = _calls_while_replaying(bundle, port, isolate=True)
+    assert _verdict(result, "embed/0/output") == "origin"
+    assert _verdict(result, "embed.weight") == "not isolated"
+    assert result.to_json()["first_origin"]["forward"] is not None
