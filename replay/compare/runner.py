@@ -252,21 +252,32 @@ class _ReplaySession:
             self.model, self.sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
         )
         # With --isolate (not compiled): which parameters the port also uses outside their modules' calls
-        watch = OutsideUses(self.model) if options.isolate and self.port is self.model else contextlib.nullcontext()
-        with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext(), watch:
+        watch = OutsideUses(self.model) if options.isolate and self.port is self.model else None
+        tapped = tap if self.module_records else contextlib.nullcontext()
+        with self.precision.forward(self.target), tapped, watch or contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
-        if isinstance(watch, OutsideUses):
-            used = watch.params(tensor for _, tensor in live)
-            named = bundle_parameters(self.model, self.rename, self.index.params)
-            self.used_outside = frozenset(name for name, param in named if id(param) in used)
+        self._note_outside_uses(watch, [tensor for _, tensor in live])
         expected = slots(self.index.outputs, "output")
         padding = self.sink.output_padding if options.mask_padding else None
         tolerances = self.result.tolerances
         compared = compare_named(self.reader, tolerances, "output", live, expected, self.transform, padding, self.near)
         add_named(self.result, "output", compared)
-        backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=self._compare_loss)
+
+        def on_loss(value: torch.Tensor) -> None:  # the adapter's loss may use parameters too (a weight penalty)
+            self._note_outside_uses(watch, [value])
+            self._compare_loss(value)
+
+        backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
         self.sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
+
+    def _note_outside_uses(self, watch: OutsideUses | None, roots: list[torch.Tensor]) -> None:
+        """Add the parameters that the graph behind ``roots`` uses outside their modules' calls (by bundle name)."""
+        if watch is None:
+            return
+        used = watch.params(roots)
+        named = bundle_parameters(self.model, self.rename, self.index.params)
+        self.used_outside |= {name for name, param in named if id(param) in used}
 
     def _compare_loss(self, value: torch.Tensor) -> None:
         assert self.index.loss is not None

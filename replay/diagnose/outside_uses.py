@@ -6,9 +6,12 @@ parent multiplying by a child's weight) gets gradient that those calls do not gi
 reference's whole gradient and name an innocent module an origin.
 
 Autograd numbers the graph's nodes in the order they are made. During the chained forward of an ``--isolate``
-replay, each call of a module owning parameters notes the span of numbers made while it ran; after the forward, the
-graph is walked from the outputs, and a parameter one of whose consuming nodes was made outside every span of its
-owners is used outside. Reading a parameter's shape or dtype, or using it under ``no_grad``, makes no node.
+replay, each call of a module owning parameters notes the span of numbers made while it ran (its forward pre-hook
+runs first, so a weight-norm hook's work counts as the call's) and the nodes of its outputs; the graph is then walked
+from the outputs (and the adapter's loss). A parameter is used outside when a node consuming it was made outside
+every span of its owners, or was made inside but is a mere view or cast of it (one input: autocast's cached cast, a
+stored ``weight.t()``) that is not a call's output and that such a node consumes in turn. Reading a parameter's
+shape or dtype, or using it under ``no_grad``, makes no node.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
+
+from parity_harness.capture.observe.naming import iter_live_tensors
 
 __all__ = ["OutsideUses"]
 
@@ -38,12 +43,14 @@ class OutsideUses:
                 self._modules.append(module)
         self._spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
         self._starts: dict[int, list[int | None]] = defaultdict(list)
+        self._returned: dict[int, Any] = {}
+        """The nodes of the owners' calls' outputs (held, so that their ids stay theirs)."""
         self._handles: list[Any] = []
         self._probe = torch.zeros((), requires_grad=True)
 
     def __enter__(self) -> OutsideUses:
         for module in self._modules:
-            self._handles.append(module.register_forward_pre_hook(self._entered))
+            self._handles.append(module.register_forward_pre_hook(self._entered, prepend=True))
             self._handles.append(module.register_forward_hook(self._left))
         return self
 
@@ -68,26 +75,58 @@ class OutsideUses:
         start, end = self._starts[id(module)].pop(), self._now()
         if start is not None and end is not None:
             self._spans[id(module)].append((start, end))
+        for _, tensor in iter_live_tensors(output, "output"):
+            if tensor.grad_fn is not None:
+                self._returned[id(tensor.grad_fn)] = tensor.grad_fn
 
     def params(self, outputs: Iterable[torch.Tensor]) -> set[int]:
         """The parameters used outside their modules' calls, found in the graph behind ``outputs``."""
+        consumers = _consumers(tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None)
         used: set[int] = set()
-        pending = [tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None]
-        seen = {id(node): node for node in pending}  # holding each node keeps its id from being reused meanwhile
-        while pending:
-            node = pending.pop()
-            for parent, _ in node.next_functions:
-                if parent is None:
-                    continue
-                variable = getattr(parent, "variable", None)  # an AccumulateGrad: ``node`` consumes that leaf
-                if variable is not None and id(variable) in self._owners and not self._inside(variable, node):
-                    used.add(id(variable))
-                if id(parent) not in seen:
-                    seen[id(parent)] = parent
-                    pending.append(parent)
+        for leaf, nodes in consumers.items():
+            param = getattr(leaf, "variable", None)  # an AccumulateGrad, of a parameter
+            if param is None or id(param) not in self._owners:
+                continue
+            if any(self._used_outside(param, node, consumers, 0) for node in nodes):
+                used.add(id(param))
         return used
+
+    def _used_outside(self, param: torch.Tensor, node: Any, consumers: dict[Any, list[Any]], depth: int) -> bool:
+        """Whether ``node``, consuming ``param`` (directly, or through views and casts), was made outside its owners'
+        calls, or is a view or cast made inside that a node made outside consumes."""
+        if not self._inside(param, node):
+            return True
+        if id(node) in self._returned or depth > _MAX_VIEWS or not _one_input(node):
+            return False
+        return any(self._used_outside(param, user, consumers, depth + 1) for user in consumers.get(node, ()))
 
     def _inside(self, param: torch.Tensor, node: Any) -> bool:
         number = int(node._sequence_nr())
         spans = (span for owner in self._owners[id(param)] for span in self._spans[owner])
         return any(start < number < end for start, end in spans)
+
+
+_MAX_VIEWS = 16
+"""Views and casts followed from a parameter to the node using it."""
+
+
+def _one_input(node: Any) -> bool:
+    return sum(parent is not None for parent, _ in node.next_functions) == 1
+
+
+def _consumers(roots: Iterable[Any]) -> dict[Any, list[Any]]:
+    """Every node of the graph behind ``roots`` -> the nodes that consume it (keys hold the nodes: ids stay theirs)."""
+    consumers: dict[Any, list[Any]] = {}
+    pending = list(roots)
+    for node in pending:
+        consumers.setdefault(node, [])
+    while pending:
+        node = pending.pop()
+        for parent, _ in node.next_functions:
+            if parent is None:
+                continue
+            if parent not in consumers:
+                consumers[parent] = []
+                pending.append(parent)
+            consumers[parent].append(node)
+    return consumers

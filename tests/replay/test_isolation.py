@@ -461,3 +461,117 @@ def test_a_wrong_tied_weight_is_found_where_it_is_used_by_its_module(tmp_path: P
     assert _verdict(result, "embed/0/output") == "origin"
     assert _verdict(result, "embed.weight") == "not isolated"
     assert result.to_json()["first_origin"]["forward"] is not None
+
+
+class _KeepsItsTranspose(nn.Embedding):
+    """An embedding that keeps its weight's transpose, made during its call, for the head to use."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.head = self.weight.t()
+        return super().forward(ids)
+
+
+class _HeadThroughKeptView(nn.Module):
+    """A tied head using the view its embedding made: the view is made inside the embedding's call, used outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.embed, self.inner = _KeepsItsTranspose(11, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(self.embed(ids))) @ self.embed.head
+
+
+class _LinearOnChildWeight(nn.Module):
+    """A parent applying its child's weight through ``F.linear`` (under autocast, the child's cached cast of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.inner(self.embed(ids))), self.inner.weight)
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(10)
+        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(self.embed(ids)))
+
+
+def _isolated(bundle: Path, port: nn.Module, **options: object) -> ComparisonResult:
+    with BundleReader(bundle) as reader:
+        return compare_run(port, reader, isolate=True, **{"tolerances": PORT_TOLERANCE, **options})  # type: ignore[arg-type]
+
+
+def test_a_view_made_inside_the_module_and_used_outside_is_an_outside_use(tmp_path: Path) -> None:
+    """The embedding's call makes its weight's transpose and the parent's head uses it: that share of the gradient
+    is outside the embedding's calls, so the near port's embedding weight is not judged on their sum."""
+    bundle = tmp_path / "kept-view.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(_HeadThroughKeptView().eval(), {"ids": ids}, bundle, seed=1)
+    result = _isolated(bundle, _near_port(_HeadThroughKeptView().eval()))
+    assert "embed.weight" in result.not_isolated
+    assert {r.verdict for r in result.records} == {"ok"}
+
+
+def test_a_cast_autocast_made_inside_the_module_does_not_hide_an_outside_use(tmp_path: Path) -> None:
+    """Under --autocast the child's call casts its weight once and the parent's F.linear reuses that cached cast,
+    made inside the child's call: the parent's use is still outside, and no origin is named."""
+    from parity_harness.replay.compare.precision import Precision
+
+    bundle = tmp_path / "autocast.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(_LinearOnChildWeight().eval(), {"ids": ids}, bundle, seed=1)
+    loose = ToleranceTable(Tolerance(5e-2, 5e-2))
+    result = _isolated(bundle, _LinearOnChildWeight().eval(), tolerances=loose, precision=Precision(autocast="bf16"))
+    assert "inner.weight" in result.not_isolated
+    assert result.to_json()["first_origin"] == {"forward": None, "backward": None}
+    assert "origin" not in {r.verdict for r in result.records}
+
+
+def test_a_parameter_in_the_adapters_loss_is_an_outside_use(tmp_path: Path) -> None:
+    """A loss with a weight penalty gives that weight gradient outside every module call: it is not judged on the
+    sum of its module's calls."""
+    bundle = tmp_path / "penalty.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    reference, port = _Plain().eval(), _near_port(_Plain().eval())
+    capture_run(
+        reference, {"ids": ids}, bundle, seed=1, loss=lambda out: out.pow(2).sum() + reference.inner.weight.pow(2).sum()
+    )
+    result = _isolated(bundle, port, loss=lambda out: out.pow(2).sum() + port.inner.weight.pow(2).sum())
+    assert "inner.weight" in result.not_isolated
+    assert "origin" not in {r.verdict for r in result.records}
+
+
+def test_a_weight_norm_hook_registered_before_works_inside_its_module(tmp_path: Path) -> None:
+    """Old-style weight norm recomputes the weight in a forward pre-hook registered when the model was built: that
+    work belongs to the module's call, whose isolated rerun runs the hook too, so every local gradient is judged."""
+    import warnings
+
+    def build() -> nn.Module:
+        model = _Plain()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated, still used
+            model.inner = nn.utils.weight_norm(model.inner)
+        return model.eval()
+
+    bundle = tmp_path / "weight-norm.h5"
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    capture_run(build(), {"ids": ids}, bundle, seed=1)
+    port = build()
+    with torch.no_grad():
+        port.inner.weight_v.mul_(
+            1 + 1e-7 * torch.randn(port.inner.weight_v.shape, generator=torch.Generator().manual_seed(3))
+        )
+    result = _isolated(bundle, port)
+    assert result.not_isolated == {}
+    grads = result.of_kind("param_grad")
+    assert {r.name for r in grads} >= {"inner.weight_g", "inner.weight_v"}
+    assert all(r.local is not None for r in grads)
