@@ -44,7 +44,6 @@ __all__ = [
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
 
-
 _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
 
