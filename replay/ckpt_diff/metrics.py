@@ -231,7 +231,7 @@ def _integers_differing(raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: 
 
 def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:
     """Add one side's float64 block to its moments over its finite elements; return where those are."""
-    finite = np.isfinite(x)
+    finite: np.ndarray = np.isfinite(x)
     count = int(np.count_nonzero(finite))
     nan = int(np.count_nonzero(np.isnan(x))) if count < x.size else 0
     side.nan += nan
