@@ -346,13 +346,20 @@ def test_without_module_gradients_no_parameter_gets_a_local_gradient(
     ]
 
 
-class _TiedHead(nn.Module):
-    """A language model whose head is its embedding's weight, used through ``F.linear`` outside any module call."""
+class _EmbedInner(nn.Module):
+    """An embedding and a linear layer, seeded; subclasses say how the forward uses them."""
+
+    seed = 5
+    embedding: type[nn.Embedding] = nn.Embedding
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(5)
-        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+        torch.manual_seed(self.seed)
+        self.embed, self.inner = self.embedding(11, 8), nn.Linear(8, 8)
+
+
+class _TiedHead(_EmbedInner):
+    """A language model whose head is its embedding's weight, used through ``F.linear`` outside any module call."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(torch.tanh(self.inner(self.embed(ids))), self.embed.weight)
@@ -373,27 +380,21 @@ def test_weight_also_used_outside_its_module_is_no_origin_of_an_exact_port(tmp_p
     assert result.to_json()["first_origin"] == {"forward": None, "backward": None}
 
 
-class _ParentUsesChildWeight(nn.Module):
+class _ParentUsesChildWeight(_EmbedInner):
     """A parent whose forward multiplies by its child's weight itself, besides calling the child."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(6)
-        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+    seed = 6
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.inner(self.embed(ids)))
         return hidden @ self.inner.weight.t()
 
 
-class _ParentReadsChildWeight(nn.Module):
+class _ParentReadsChildWeight(_EmbedInner):
     """A parent that only reads its child's weight where no gradient flows: its dtype, and a statistic under
     ``no_grad`` and through ``detach``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(7)
-        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+    seed = 7
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -471,35 +472,27 @@ class _KeepsItsTranspose(nn.Embedding):
         return super().forward(ids)
 
 
-class _HeadThroughKeptView(nn.Module):
+class _HeadThroughKeptView(_EmbedInner):
     """A tied head using the view its embedding made: the view is made inside the embedding's call, used outside."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(8)
-        self.embed, self.inner = _KeepsItsTranspose(11, 8), nn.Linear(8, 8)
+    seed = 8
+    embedding = _KeepsItsTranspose
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.inner(self.embed(ids))) @ self.embed.head
 
 
-class _LinearOnChildWeight(nn.Module):
+class _LinearOnChildWeight(_EmbedInner):
     """A parent applying its child's weight through ``F.linear`` (under autocast, the child's cached cast of it)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(9)
-        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+    seed = 9
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(torch.tanh(self.inner(self.embed(ids))), self.inner.weight)
 
 
-class _Plain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(10)
-        self.embed, self.inner = nn.Embedding(11, 8), nn.Linear(8, 8)
+class _Plain(_EmbedInner):
+    seed = 10
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.inner(self.embed(ids)))
