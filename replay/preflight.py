@@ -31,7 +31,6 @@ from typing import Final
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.containment import Catalog, file_identity
 from parity_harness.common.format.packing import MAX_INDEX_BYTES
-from parity_harness.common.format.tensor_files import is_hdf5_file
 
 __all__ = [
     "DEFAULT_PREFLIGHT_SECONDS",
@@ -227,13 +226,12 @@ def walking_early_each(
     noun: str = "bundle",
     label: str | None = None,
 ) -> Iterator[None]:
-    """:func:`walking_early` for each path that is an HDF5 file (:func:`is_hdf5_file`), once per file, all at once:
-    a command's inputs of other kinds (a torch checkpoint, a CSV) are left to it."""
+    """:func:`walking_early` for each of ``paths`` (the command's HDF5 inputs), once per file, all at once."""
     with ExitStack() as walks:
         seen: set[str] = set()
         for path in paths:
             real = os.path.realpath(path)
-            if real not in seen and is_hdf5_file(path):
+            if real not in seen:
                 walks.enter_context(walking_early(Path(path), seconds=seconds, noun=noun, label=label))
             seen.add(real)
         yield

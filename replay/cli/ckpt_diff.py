@@ -46,11 +46,12 @@ def _regex(context: click.Context, param: click.Parameter, value: str | None) ->
 def _walking_bundles_early(*paths: str) -> contextlib.AbstractContextManager[None]:
     """Parity bundles among the checkpoints have their metadata walked side by side from the start, not one after
     the other as each opens (``replay.preflight``, with h5py, imported only for them)."""
-    if not any(is_hdf5_file(path) for path in paths):
+    bundles = [path for path in paths if is_hdf5_file(path)]
+    if not bundles:
         return contextlib.nullcontext()
     from parity_harness.replay.preflight import walking_early_each
 
-    return walking_early_each(paths, noun="file", label=ATTR_DTYPE)
+    return walking_early_each(bundles, noun="file", label=ATTR_DTYPE)
 
 
 @click.command("ckpt-diff", cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})

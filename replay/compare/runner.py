@@ -48,7 +48,7 @@ from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
-from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters, describe_slot_rule, unused_rules
+from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
@@ -174,8 +174,8 @@ class _ReplaySession:
         self.port = model if backend is None else cast(torch.nn.Module, torch.compile(model, backend=backend))
         self.module_records = backend is None or options.compiled_module_records
         self.sink: ComparingSink | None = None
-        self.used_outside: frozenset[str] = frozenset()
-        """Bundle names of parameters the port used outside their modules' calls (watched with ``isolate``)."""
+        self.used_outside: set[int] = set()
+        """The port's parameters (by ``id``) it used outside their modules' calls (watched with ``isolate``)."""
         self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
@@ -272,12 +272,10 @@ class _ReplaySession:
         self.sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
 
     def _note_outside_uses(self, watch: OutsideUses | None, roots: list[torch.Tensor]) -> None:
-        """Add the parameters that the graph behind ``roots`` uses outside their modules' calls (by bundle name)."""
+        """Add the parameters that the graph behind ``roots`` uses outside their modules' calls."""
         if watch is None:
             return
-        used = watch.params(roots)
-        named = bundle_parameters(self.model, self.rename, self.index.params)
-        self.used_outside |= {name for name, param in named if id(param) in used}
+        self.used_outside |= watch.params(roots)
 
     def _compare_loss(self, value: torch.Tensor) -> None:
         assert self.index.loss is not None
@@ -487,7 +485,7 @@ class _ReplaySession:
         diffs = {record.name: record.diff for record in usable if record.kind in ("forward", "backward")}
         grads = {record.name: record.diff for record in usable if record.kind == "param_grad"}
         unpaired = frozenset(name.rsplit("/", 1)[0] for name in self.result.replay_only if name.count("/") >= 2)
-        return ChainedRecords(diffs, unpaired, grads, self.used_outside)
+        return ChainedRecords(diffs, unpaired, grads, frozenset(self.used_outside))
 
     def _local_levels(self, modules: set[str]) -> dict[str, float] | None:
         """The port's own float32 rounding on the isolated calls of ``modules`` (None: not measurable)."""

@@ -145,8 +145,8 @@ class ChainedRecords:
     """``module/call`` of calls with records only in the replay."""
     param_grads: dict[str, TensorDiff] = field(default_factory=dict)
     """Bundle parameter name -> its gradient's difference in the chained run."""
-    params_used_outside: frozenset[str] = frozenset()
-    """Bundle names of parameters the port used outside every call of their modules (``outside_uses``): the sum
+    params_used_outside: frozenset[int] = frozenset()
+    """The port's parameters (by ``id``) it used outside every call of their modules (``outside_uses``): the sum
     over those calls is not their local gradient."""
 
     def reusable(self, call: ModuleCall, module: torch.nn.Module) -> dict[str, TensorDiff] | None:
@@ -486,5 +486,6 @@ def isolate(
             continue
         isolator.position = position
         isolator.run_call(modules[call.module], call, isolation_inputs)
-    isolator.compare_params(reuse.params, chained.params_used_outside if chained is not None else frozenset())
+    outside = frozenset(named[key] for key in chained.params_used_outside if key in named) if chained else frozenset()
+    isolator.compare_params(reuse.params, outside)
     return isolator.outcome
