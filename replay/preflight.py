@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_PREFLIGHT_SECONDS",
     "Preflight",
     "preflight",
+    "require_walked",
     "start",
     "walking_early",
     "walking_early_each",
@@ -251,6 +252,24 @@ def _adopt_early(path: Path, seconds: float, noun: str, label: str | None) -> Pr
         early[1].cancel()
         return None
     return early[1]
+
+
+def require_walked(catalog: Catalog | None, descriptor: int, path: Path, noun: str) -> Catalog:
+    """``catalog``, when it describes the file this process opened (``descriptor``) unchanged; else refuse the file.
+
+    A walk in a child vouches only for the file it walked: one replaced or rewritten since (another process racing
+    the command) is not walked in this process, which is what the child was there to spare it.
+    """
+    if catalog is not None and catalog.describes(os.fstat(descriptor)):
+        return catalog
+    if catalog is None:
+        why = "the separate process that checks its metadata gave no description of it (it changed meanwhile)"
+    else:
+        why = "it changed or was replaced after a separate process checked its metadata"
+    raise BundleFormatError(
+        f"{path}: the {noun} opened is not the one checked: {why}; it is not read unchecked. Run again once "
+        f"nothing is writing or replacing it"
+    )
 
 
 def preflight(

@@ -57,7 +57,7 @@ from parity_harness.common.format.packing import unpack
 from parity_harness.common.heap import HeapTrimmer
 from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.statistics import stored_crc32
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, require_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 
 if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): tensors are made in common.format.dtypes
@@ -118,13 +118,15 @@ class BundleReader:
         self.differences_seen = False
         """A record read through this reader differed from the port's value (set by the comparison): later
         records' checksums then start before their comparison, not after."""
+        # A file from elsewhere is read only as a walk in a child described it (walked here, or by the caller).
+        checked = preflight is not None or catalog is not None
         if preflight is not None and self.path.is_file():
             catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
         self._file = _open_hdf5(self.path)
         try:
             with self._damage_guard("/"):
+                self._stored = self._contained(catalog, checked)
                 self.format_version, self.format_minor = self._check_version()
-                self._stored = self._contained(catalog)
                 self.index = self._read_index()
                 self._require_checksums()
                 self._validate_tensors()
@@ -141,10 +143,15 @@ class BundleReader:
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
         self._heap = HeapTrimmer()
 
-    def _contained(self, catalog: Catalog | None) -> dict[str, StoredDataset]:
+    def _contained(self, catalog: Catalog | None, checked: bool) -> dict[str, StoredDataset]:
         """Every dataset, from ``catalog`` or this process's last walk of the file where either describes the file
-        HDF5 opened, else from a walk of the file."""
+        HDF5 opened, else from a walk of the file in this process: never for a ``checked`` file (from elsewhere),
+        which only its child's walk describes."""
         descriptor = _descriptor(self._file)
+        if checked:
+            if descriptor is None:  # no descriptor to tell which file HDF5 opened
+                raise BundleFormatError(f"{self.path}: HDF5 opened it through a driver this reader cannot check")
+            return require_walked(catalog, descriptor, self.path, "bundle").datasets
         if descriptor is None:
             return check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
         status = os.fstat(descriptor)

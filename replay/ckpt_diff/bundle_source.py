@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from parity_harness.common.errors import CheckpointError
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
-from parity_harness.common.format.bundle.version import FORMAT_NAME
 from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo, flat_blocks
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.preflight import preflight as walk_in_child
@@ -29,11 +27,7 @@ class BundleSource(Source):
         super().__init__(path)
         # Before this process opens it at all; what the walk learnt spares the reader a second walk.
         catalog = walk_in_child(path, seconds=DEFAULT_PREFLIGHT_SECONDS, noun="file", label=ATTR_DTYPE)
-        with h5py.File(path, "r") as probe:
-            if probe.attrs.get("format") != FORMAT_NAME:
-                raise CheckpointError(
-                    f"{path}: an HDF5 file but no parity bundle (format attribute is not {FORMAT_NAME!r})"
-                )
+        # The reader opens only the file walked, and refuses one that is not a bundle (its format attribute).
         self._reader: BundleReader | None = BundleReader(path, verify=verify, catalog=catalog)
         self._refs = self._reader.index.params
         self.tensors = {name: TensorInfo(name, ref.tag, tuple(ref.shape)) for name, ref in self._refs.items()}

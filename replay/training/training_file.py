@@ -21,7 +21,7 @@ from parity_harness.common.format.bundle.layout import unescape_dotted
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_float64
 from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, require_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import rebuild
 from parity_harness.replay.training.runs import StepInfo, StepKey
@@ -61,8 +61,9 @@ class TrainingRun:
                 time.sleep(0.25)  # the writer was mid-step: its next flush makes the file whole again
 
     def _open(self, preflight: float | None) -> None:
+        catalog = None
         if preflight is not None:  # a file from elsewhere: its metadata walked in a child first (replay.preflight)
-            walk_in_child(self.path, seconds=preflight, noun="training file")
+            catalog = walk_in_child(self.path, seconds=preflight, noun="training file")
         try:
             self._file = h5py.File(self.path, "r", locking=False) if self.live else h5py.File(self.path, "r")
         except OSError as err:
@@ -70,6 +71,10 @@ class TrainingRun:
                 f"{self.path}: not an HDF5 file, or a damaged one ({err}); pass a training file TrainingRecorder wrote"
             ) from err
         try:
+            # Read only as the walk found it. A live file changes between any two looks: the process writing it
+            # holds HDF5's lock on it here, and each open of it is walked again.
+            if preflight is not None and not self.live:
+                require_walked(catalog, self._file.id.get_vfd_handle(), self.path, "training file")
             with self._damage_guard("/"):
                 header = read_header(self._file, str(self.path))
         except BaseException:

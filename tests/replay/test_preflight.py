@@ -23,6 +23,7 @@ from parity_harness.common.format.tensor_files import is_hdf5_file
 from parity_harness.replay import preflight
 from parity_harness.replay import reader as reader_module
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.training import training_file
 from tests.hostile import craft_copy, external_storage, replace_in_place
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -143,7 +144,8 @@ def test_the_walks_catalog_is_what_the_reader_would_find(tiny_bundle: Path) -> N
 
 def test_a_reader_uses_the_catalog_of_the_file_unchanged(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Given the catalog of the file it opens, the reader does not walk the file again; given one of a file since
-    changed (another modification time, set back by a user: the status change time still moved), it does."""
+    changed (another modification time, set back by a user: the status change time still moved), it refuses the file
+    rather than walk in this process what a child was to walk."""
     catalog = preflight.preflight(tiny_bundle, seconds=30, label="dtype")
     walks: list[Path] = []
     walk = reader_module.check_contained
@@ -156,9 +158,9 @@ def test_a_reader_uses_the_catalog_of_the_file_unchanged(tiny_bundle: Path, monk
     status = tiny_bundle.stat()
     os.utime(tiny_bundle, ns=(status.st_atime_ns, status.st_mtime_ns + 1))
     os.utime(tiny_bundle, ns=(status.st_atime_ns, status.st_mtime_ns))
-    with BundleReader(tiny_bundle, catalog=catalog):
-        pass
-    assert walks == [tiny_bundle]
+    with pytest.raises(BundleFormatError, match="the bundle opened is not the one checked: it changed or was replaced"):
+        BundleReader(tiny_bundle, catalog=catalog)
+    assert walks == []
 
 
 def test_a_bundle_opened_again_unchanged_is_not_walked_again(
@@ -189,9 +191,11 @@ def test_a_bundle_opened_again_unchanged_is_not_walked_again(
     assert walks == [path, path]
 
 
-def test_a_catalog_never_vouches_for_a_file_put_in_its_place(tiny_bundle: Path, tmp_path: Path) -> None:
-    """A file swapped in at the path after the walk (here one whose dataset reads another file) is walked by the
-    reader itself and refused: the catalog names the file it came from, not the path."""
+def test_a_catalog_never_vouches_for_a_file_put_in_its_place(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file swapped in at the path after the walk (here one whose dataset reads another file) is refused unwalked:
+    the catalog names the file it came from, not the path."""
     path = tmp_path / "bundle.h5"
     shutil.copyfile(tiny_bundle, path)
     catalog = preflight.preflight(path, seconds=30, label="dtype")
@@ -200,8 +204,56 @@ def test_a_catalog_never_vouches_for_a_file_put_in_its_place(tiny_bundle: Path, 
     secret.write_bytes(b"x" * (1 << 16))
     crafted = craft_copy(path, tmp_path, external_storage, secret)
     os.replace(crafted, path)
-    with pytest.raises(BundleFormatError, match="stored in another file"):
+    monkeypatch.setattr(reader_module, "check_contained", lambda *a, **k: pytest.fail("walked in this process"))
+    with pytest.raises(BundleFormatError, match="not the one checked"):
         BundleReader(path, catalog=catalog)
+
+
+@pytest.mark.parametrize("hand_over", ["catalog", "none"])
+def test_a_bundle_replaced_between_its_walk_and_its_opening_is_refused_unwalked(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hand_over: str
+) -> None:
+    """A reader asked to walk a bundle in a child reads only the file that walk described: one put in its place
+    after the child's walk (a crafted file whose dataset reads another file) is refused before this process walks
+    any of its metadata, whether the walk described the first file or described nothing."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"x" * (1 << 16))
+    crafted = craft_copy(path, tmp_path, external_storage, secret)
+    walk = reader_module.walk_in_child
+
+    def walk_then_swap(walked: Path, **options: object) -> containment.Catalog | None:
+        catalog = walk(walked, **options)
+        os.replace(crafted, walked)
+        return catalog if hand_over == "catalog" else None
+
+    monkeypatch.setattr(reader_module, "walk_in_child", walk_then_swap)
+    monkeypatch.setattr(reader_module, "check_contained", lambda *a, **k: pytest.fail("walked in this process"))
+    with pytest.raises(BundleFormatError, match=r"bundle\.h5: the bundle opened is not the one checked"):
+        BundleReader(path, preflight=30)
+
+
+def test_a_training_file_replaced_between_its_walk_and_its_opening_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a training file (parity-train-diff): the file swapped in after the child walked the first is
+    refused before its header is read in this process."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(DATA / "training-golden-2.0.h5", path)
+    other = tmp_path / "other.h5"
+    shutil.copyfile(DATA / "training-golden-2.0.h5", other)
+    walk = training_file.walk_in_child
+
+    def walk_then_swap(walked: Path, **options: object) -> containment.Catalog | None:
+        catalog = walk(walked, **options)
+        os.replace(other, walked)
+        return catalog
+
+    monkeypatch.setattr(training_file, "walk_in_child", walk_then_swap)
+    monkeypatch.setattr(training_file, "read_header", lambda *a, **k: pytest.fail("read in this process"))
+    with pytest.raises(BundleFormatError, match=r"run\.h5: the training file opened is not the one checked"):
+        training_file.TrainingRun(path)
 
 
 def test_the_reader_reads_the_file_hdf5_opened_even_if_the_path_is_replaced(
