@@ -65,6 +65,11 @@ if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): te
 
 __all__ = ["BundleReader", "open_bundle_for_listing", "rebuild"]
 
+_FAULT_AROUND = 1 << 21
+"""Alignment of the span whose pages are dropped: a read fault also maps the cached pages around it, within an
+aligned block (64 KiB by default) that never crosses a page table's 2 MiB reach, as a large folio mapped whole
+does not either."""
+
 VERIFY_LATER_FROM = 1 << 20
 """Bytes from which :meth:`BundleReader.verify` may run a checksum on the second thread: below, handing it over
 costs more than computing it."""
@@ -136,6 +141,8 @@ class BundleReader:
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
         self._map = _map_file(self._file)
         self._resident_bytes = 0
+        self._resident_span = (len(self._map) if self._map is not None else 0, 0)
+        """The first and last byte of the file read since pages were last dropped."""
         # Pages of records read are dropped once they add up to the largest record: peak memory stays within
         # twice that, and small records cost no system call each.
         self._resident_budget = max((stored.nbytes for stored in self._stored.values()), default=0)
@@ -321,7 +328,7 @@ class BundleReader:
                 f"{self.path}:{ref.path}: data at bytes {offset}..{offset + nbytes} lies past the end of the "
                 f"file ({len(self._map)} bytes); the bundle is truncated"
             )
-        self._keep_resident(nbytes)
+        self._keep_resident(offset, nbytes)
         view = np.frombuffer(self._map, dtype=stored.dtype, count=nbytes // stored.dtype.itemsize, offset=offset)
         array = view.reshape(stored.shape)
         return self.verify(ref, array) if verify else array
@@ -358,22 +365,30 @@ class BundleReader:
                 "stored bytes changed after capture; copy the bundle again (or pass --no-verify to read it anyway)"
             )
 
-    def _keep_resident(self, nbytes: int) -> None:
+    def _keep_resident(self, offset: int, nbytes: int) -> None:
         """Note a record about to be read; first drop the pages of those read before from this process (they
         stay in the OS page cache) when they and it would exceed the largest record. Every so many bytes read,
         the C heap's free memory goes back to the OS too."""
         if self._resident_bytes + nbytes > self._resident_budget:
             self._release_resident()
         self._resident_bytes += nbytes
+        low, high = self._resident_span
+        self._resident_span = (min(low, offset), max(high, offset + nbytes))
         self._heap.note(nbytes)
 
     def _release_resident(self) -> None:
         self.settle()  # checksums still reading the pages would fault them back in
-        if self._map is not None and self._resident_bytes and hasattr(mmap, "MADV_DONTNEED"):
-            # The whole mapping, not the records' spans: the kernel maps pages around each fault too (fault-around),
-            # and those would pile up record after record. Ranges this process never touched cost nothing.
-            self._map.madvise(mmap.MADV_DONTNEED, 0, len(self._map))
+        low, high = self._resident_span
+        if self._map is not None and high > low and hasattr(mmap, "MADV_DONTNEED"):
+            # The span of the records read, widened to the blocks the kernel maps around each fault (fault-around),
+            # so that those pages do not pile up record after record. Not the whole mapping: dropping a span costs
+            # in proportion to its length, mapped or not (35 us for a 90 MB bundle, a small model's thousand records
+            # drop pages a hundred times).
+            low = low // _FAULT_AROUND * _FAULT_AROUND
+            high = min(len(self._map), -(-high // _FAULT_AROUND) * _FAULT_AROUND)
+            self._map.madvise(mmap.MADV_DONTNEED, low, high - low)
         self._resident_bytes = 0
+        self._resident_span = (len(self._map) if self._map is not None else 0, 0)
 
     def read_tensor(self, ref: TensorRef) -> torch.Tensor:
         """A tensor exactly as captured (dtype and bits), on the CPU."""

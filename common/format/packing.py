@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 import msgpack
@@ -17,6 +18,8 @@ or crafted size must not make the reader allocate without bound."""
 
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None))
+_LEAVES: Final = frozenset(_PLAIN)
+"""The exact types of plain values, told apart in C from containers (and from anything else)."""
 
 
 def _check_plain(obj: object, where: str) -> None:
@@ -24,13 +27,20 @@ def _check_plain(obj: object, where: str) -> None:
     pending = [obj]
     while pending:
         item = pending.pop()
+        groups: tuple[Iterable[object], ...]
         if isinstance(item, dict):
-            pending.extend(item.keys())
-            pending.extend(item.values())
+            groups = (item.keys(), item.values())
         elif isinstance(item, (list, tuple)) and type(item) in (list, tuple):  # msgpack.ExtType is a namedtuple
-            pending.extend(item)
-        elif not isinstance(item, _PLAIN):
+            groups = (item,)
+        elif isinstance(item, _PLAIN):  # a subclass of a plain type (an IntEnum)
+            continue
+        else:
             raise BundleFormatError(f"{where}: metadata holds a {type(item).__name__}, not plain msgpack data")
+        for group in groups:
+            # An index holds several plain values for each container: told apart by their types in C, so that only
+            # containers (and values of other types) take a step of this loop.
+            if not _LEAVES.issuperset(map(type, group)):
+                pending.extend(child for child in group if type(child) not in _LEAVES)
 
 
 def pack(obj: object) -> np.ndarray:

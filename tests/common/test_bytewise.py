@@ -13,9 +13,10 @@ from parity_harness.common.numerics.metrics import diff_arrays
 from parity_harness.common.numerics.tolerances import Tolerance
 
 
-def test_memory_equal_tells_bytes_and_says_when_it_cannot() -> None:
+@pytest.mark.parametrize("size", [1000, 100_000], ids=["compared as copies", "compared in place"])
+def test_memory_equal_tells_bytes_and_says_when_it_cannot(size: int) -> None:
     """Equal bytes, a last byte that differs, -0.0 against 0.0; None for a strided view or another size."""
-    values = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     assert memory_equal(values, values.copy()) is True
     changed = values.copy()
     changed.view(np.uint8)[-1] ^= 1
@@ -26,9 +27,8 @@ def test_memory_equal_tells_bytes_and_says_when_it_cannot() -> None:
     assert memory_equal(values[:0], values[:0]) is True
 
 
-def spanning_blocks() -> np.ndarray:
-    """float32 values over several blocks of the scan, past the two-thread split."""
-    return np.random.default_rng(1).standard_normal(3 * metrics.PARALLEL_FROM + 17).astype(np.float32)
+SIZES = {"spanning blocks and threads": 3 * metrics.PARALLEL_FROM + 17, "one small block": 257}
+"""float32 records over several blocks of the scan, past the two-thread split; and one of a small module."""
 
 
 def last_sign_of_zero(values: np.ndarray) -> np.ndarray:
@@ -51,13 +51,14 @@ def infinity_kept(values: np.ndarray) -> np.ndarray:
 CASES = {"signed zero": last_sign_of_zero, "NaN payload": last_nan_payload, "infinity": infinity_kept}
 
 
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
 @pytest.mark.parametrize("edit", CASES.values(), ids=CASES.keys())
 def test_a_record_is_bit_identical_only_when_every_bit_is_and_every_value_finite(
-    edit: Callable[[np.ndarray], np.ndarray], comparison: None
+    edit: Callable[[np.ndarray], np.ndarray], size: int, comparison: None
 ) -> None:
-    """The identity fast path of a large record: a difference in its very last element, or a non-finite value
-    that equals itself, keeps it from being called bit-identical and finite; an exact copy is."""
-    expected = spanning_blocks()
+    """The identity fast path, of a large record and of a small one: a difference in its very last element, or a
+    non-finite value that equals itself, keeps it from being called bit-identical and finite; an exact copy is."""
+    expected = np.random.default_rng(1).standard_normal(size).astype(np.float32)
     assert diff_arrays(expected, expected.copy(), Tolerance(0.0, 0.0)).bits_equal
     actual = edit(expected)
     diff = diff_arrays(expected, actual, Tolerance(0.0, 0.0, equal_nan=True))
