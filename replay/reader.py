@@ -130,8 +130,9 @@ class BundleReader:
         self._file = _open_hdf5(self.path)
         try:
             with self._damage_guard("/"):
-                self._stored = self._contained(catalog, checked)
+                walked = self._walked_by_child(catalog) if checked else None  # before reading any of it here
                 self.format_version, self.format_minor = self._check_version()
+                self._stored = walked if walked is not None else self._contained()
                 self.index = self._read_index()
                 self._require_checksums()
                 self._validate_tensors()
@@ -150,21 +151,24 @@ class BundleReader:
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
         self._heap = HeapTrimmer()
 
-    def _contained(self, catalog: Catalog | None, checked: bool) -> dict[str, StoredDataset]:
-        """Every dataset, from ``catalog`` or this process's last walk of the file where either describes the file
-        HDF5 opened, else from a walk of the file in this process: never for a ``checked`` file (from elsewhere),
-        which only its child's walk describes."""
+    def _walked_by_child(self, catalog: Catalog | None) -> dict[str, StoredDataset]:
+        """Every dataset, as the child's walk (``catalog``) found them in the file HDF5 opened; refuse the file when
+        the walk did not describe that file unchanged: a file from elsewhere is never walked in this process."""
         descriptor = _descriptor(self._file)
-        if checked:
-            if descriptor is None:  # no descriptor to tell which file HDF5 opened
-                raise BundleFormatError(f"{self.path}: HDF5 opened it through a driver this reader cannot check")
-            return require_walked(catalog, descriptor, self.path, "bundle").datasets
+        if descriptor is None:  # nothing tells which file HDF5 opened
+            raise BundleFormatError(f"{self.path}: HDF5 opened it through a driver this reader cannot check")
+        return require_walked(catalog, descriptor, self.path, "bundle").datasets
+
+    def _contained(self) -> dict[str, StoredDataset]:
+        """Every dataset, from this process's last walk of the file where it describes the file HDF5 opened, else
+        from a walk of the file."""
+        descriptor = _descriptor(self._file)
         if descriptor is None:
             return check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
         status = os.fstat(descriptor)
-        for known in (catalog, _walked.get(file_identity(status))):
-            if known is not None and known.describes(status):
-                return known.datasets
+        known = _walked.get(file_identity(status))
+        if known is not None and known.describes(status):
+            return known.datasets
         datasets = check_contained(self._file, self.path, "bundle", label=ATTR_DTYPE)
         if file_identity(os.fstat(descriptor)) == file_identity(status):  # not changed while it was walked
             _walked.put(Catalog(file_identity(status), datasets))

@@ -239,10 +239,11 @@ def test_text_file_is_not_hdf5(tmp_path: Path) -> None:
 
 
 def test_plain_hdf5_is_not_a_bundle(tmp_path: Path) -> None:
-    """An HDF5 file without the format attribute is 'not a parity-harness bundle'."""
+    """An HDF5 file without the format attribute is 'not a parity-harness bundle', said before anything about its
+    datasets (here a chunked, compressed one that no bundle holds)."""
     path = tmp_path / "other.h5"
     with h5py.File(path, "w") as file:
-        file.create_dataset("weights", data=np.arange(3))
+        file.create_dataset("weights", data=np.arange(3000), chunks=(100,), compression="gzip")
     error = open_error(path)
     assert type(error) is BundleFormatError
     assert "not a parity-harness bundle" in str(error)
