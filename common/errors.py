@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AdapterError",
+    "BundleChangedError",
     "BundleError",
     "BundleExistsError",
     "BundleFormatError",
@@ -42,6 +43,11 @@ class BundleExistsError(BundleError, FileExistsError):
 
 class BundleFormatError(BundleError, ValueError):
     """The file is not a bundle, or a part of it is missing or damaged."""
+
+
+class BundleChangedError(BundleFormatError):
+    """The file changed while it was checked or opened (another process writes or replaces it): running again may
+    succeed."""
 
 
 class UnsupportedBundleVersion(BundleFormatError):

@@ -23,18 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
-from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.errors import BundleChangedError, BundleFormatError
 from parity_harness.common.format.containment import Catalog, file_identity
 from parity_harness.common.format.packing import MAX_INDEX_BYTES
+from parity_harness.common.format.tensor_files import is_hdf5_file
 
 __all__ = [
     "DEFAULT_PREFLIGHT_SECONDS",
     "Preflight",
+    "open_walked",
     "preflight",
     "require_walked",
     "start",
@@ -44,8 +46,12 @@ __all__ = [
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
 
+_File = TypeVar("_File")
+
 _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
+_UNOPENED: Final = 4
+"""The child's exit code when HDF5 cannot open the file at all (not HDF5, or damaged at its start)."""
 
 _WALK: Final = r"""
 import os
@@ -58,30 +64,48 @@ import h5py
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.containment import Catalog, check_contained, file_identity, read_other_metadata
 
-try:
-    status = os.stat(sys.argv[1])
-except OSError:
-    status = None
-if sys.argv[5] and (status is None or f"{status.st_dev}:{status.st_ino}" != sys.argv[5]):  # not the parent's file
-    found = "no file" if status is None else "another file"
-    print(
-        f"{sys.argv[1]}: the metadata walk's own process finds {found} at this path (it was replaced meanwhile, or "
-        f"it names a descriptor of this process, such as /dev/stdin, which no other process can check first); give "
-        f"the {sys.argv[3]}'s own file path",
-        file=sys.stderr,
-    )
+
+def refuse(message):
+    print(message.replace("\n", " "), file=sys.stderr)
     sys.exit(3)
-before = file_identity(os.stat(sys.argv[1]))
-with h5py.File(sys.argv[1], "r", locking=False) as file:  # a training file may be being written
+
+
+def check_same(status):  # refuse unless it is the parent's file (device, inode); none to compare if it saw none
+    if sys.argv[5] and (status is None or f"{status.st_dev}:{status.st_ino}" != sys.argv[5]):
+        found = "no file" if status is None else "another file"
+        refuse(
+            f"{sys.argv[1]}: the metadata walk's own process finds {found} at this path (it was replaced meanwhile, "
+            f"or it names a descriptor of this process, such as /dev/stdin, which no other process can check first); "
+            f"give the {sys.argv[3]}'s own file path"
+        )
+
+
+try:
+    check_same(os.stat(sys.argv[1]))  # before HDF5 opens what the path names (a FIFO would block it)
+except OSError:
+    check_same(None)
+try:
+    file = h5py.File(sys.argv[1], "r", locking=False)  # a training file may be being written
+except OSError as err:
+    print(f"{type(err).__name__}: {err}", file=sys.stderr)
+    sys.exit(4)
+with file:
+    before = os.fstat(file.id.get_vfd_handle())
+    check_same(before)  # and the file HDF5 opened: the path may name another by now
     label = sys.argv[4] or None
     try:
         stored = check_contained(file, sys.argv[1], sys.argv[3], label)  # links and storage first: nothing outside
     except BundleFormatError as err:
-        print(err, file=sys.stderr)
-        sys.exit(3)
+        refuse(str(err))
     read_other_metadata(file, stored, label)
-if file_identity(os.stat(sys.argv[1])) == before:  # unchanged while walked: the parent may use what it learnt
-    sys.stdout.buffer.write(Catalog(before, stored).to_bytes() or b"")
+    after = os.fstat(file.id.get_vfd_handle())
+if file_identity(after) == file_identity(before):  # unchanged while walked: the parent may use what it learnt
+    catalog = Catalog(file_identity(before), stored)
+    raw = catalog.to_bytes()
+    if raw is None:  # a dtype with no plain form: no bundle or training file holds one
+        odd = next(name for name in stored if Catalog(catalog.identity, {name: stored[name]}).to_bytes() is None)
+        refuse(f"{sys.argv[1]}:/{odd}: a dataset of type {stored[odd].dtype}, which no {sys.argv[3]} holds")
+    sys.stdout.buffer.write(raw)
 """
 
 
@@ -103,7 +127,7 @@ class Preflight:
     """
 
     def __init__(self, path: Path, seconds: float, noun: str, label: str | None = None) -> None:
-        self.path, self.seconds = path, seconds
+        self.path, self.seconds, self.noun = path, seconds, noun
         self._deadline = time.monotonic() + seconds
         # A file, not a pipe: nobody reads while the parent works, and a child blocked on a full pipe would look hung.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by result() or cancel())
@@ -116,17 +140,22 @@ class Preflight:
             stderr=self._stderr,
         )
 
-    def result(self) -> Catalog | None:
-        """Wait for the walk; refuse the file (``BundleFormatError``) if it broke the rule, hung or crashed. Returns
-        what the walk learnt of the file, or None (the file changed meanwhile, or the child met an error the reader
-        will report)."""
+    def result(self) -> Catalog:
+        """Wait for the walk; what it learnt of the file, which a reader then holds the file it opens to
+        (:func:`require_walked`). Refuse the file (``BundleFormatError``) where it broke the rule, hung or crashed
+        HDF5, could not be read, or changed while it was walked (``BundleChangedError``)."""
         try:
             code = self._wait()
             self._judge(code)
-            if code != 0 or self._catalog.seek(0, os.SEEK_END) > MAX_INDEX_BYTES:
-                return None
+            size = self._catalog.seek(0, os.SEEK_END)
             self._catalog.seek(0)
-            return Catalog.from_bytes(self._catalog.read())
+            catalog = Catalog.from_bytes(self._catalog.read()) if 0 < size <= MAX_INDEX_BYTES else None
+            if catalog is None:  # the child ended well but wrote nothing: the file changed under its walk
+                raise BundleChangedError(
+                    f"{self.path}: the {self.noun} changed while a separate process checked its metadata; run again "
+                    "once nothing is writing or replacing it"
+                )
+            return catalog
         finally:
             self._close()
 
@@ -156,6 +185,17 @@ class Preflight:
             name = signal.Signals(-code).name
             raise BundleFormatError(
                 f"{self.path}: HDF5 crashed ({name}) reading its metadata; the file is damaged or crafted"
+            )
+        if code == _UNOPENED:  # HDF5 refused the file at its first bytes: the reader's own words
+            detail = self._stderr_tail().splitlines()[-1:] or ["no reason given"]
+            if is_hdf5_file(self.path):
+                raise BundleFormatError(f"{self.path}: HDF5 cannot open this {self.noun} ({detail[0][:200]})")
+            raise BundleFormatError(f"{self.path}: not an HDF5 file, so not a {self.noun} ({detail[0][:200]})")
+        if code != 0:
+            detail = self._stderr_tail().splitlines()[-1:] or [f"exit code {code}"]
+            raise BundleFormatError(
+                f"{self.path}: the {self.noun} is damaged: reading its metadata failed ({detail[0][:200]}); copy or "
+                "capture it again"
             )
 
     def cancel(self) -> None:
@@ -254,27 +294,50 @@ def _adopt_early(path: Path, seconds: float, noun: str, label: str | None) -> Pr
     return early[1]
 
 
-def require_walked(catalog: Catalog | None, descriptor: int, path: Path, noun: str) -> Catalog:
-    """``catalog``, when it describes the file this process opened (``descriptor``) unchanged; else refuse the file.
+def require_walked(catalog: Catalog, descriptor: int, path: Path, noun: str, *, growing: bool = False) -> Catalog:
+    """``catalog``, when it describes the file open as ``descriptor`` unchanged; else refuse the file.
 
     A walk in a child vouches only for the file it walked: one replaced or rewritten since (another process racing
-    the command) is not walked in this process, which is what the child was there to spare it.
+    the command) is not read in this process, which is what the child was there to spare it. ``growing``: a file
+    being written (a live training file) may have grown since, but must be the same file.
     """
-    if catalog is not None and catalog.describes(os.fstat(descriptor)):
+    status = os.fstat(descriptor)
+    if catalog.describes(status):
         return catalog
-    if catalog is None:
-        why = "the separate process that checks its metadata gave no description of it (it changed meanwhile)"
-    else:
-        why = "it changed or was replaced after a separate process checked its metadata"
-    raise BundleFormatError(
-        f"{path}: the {noun} opened is not the one checked: {why}; it is not read unchecked. Run again once "
-        f"nothing is writing or replacing it"
+    device, inode, size = catalog.identity[:3]
+    if growing and (status.st_dev, status.st_ino) == (device, inode) and status.st_size >= size:
+        return catalog
+    raise BundleChangedError(
+        f"{path}: the {noun} opened is not the one checked: it changed or was replaced after a separate process "
+        f"checked its metadata ({size} bytes then, {status.st_size} now), so it is not read; run again once nothing "
+        "is writing or replacing it"
     )
+
+
+def open_walked(
+    path: Path, catalog: Catalog, noun: str, opener: Callable[[str], _File], *, growing: bool = False
+) -> _File:
+    """``opener`` (an HDF5 open) applied to the very file ``catalog`` describes, checked before HDF5 reads a byte of
+    it; where ``/proc/self/fd`` exists, HDF5 is handed that file itself, leaving no path lookup to race. The caller
+    checks the file HDF5 opened once more (:func:`require_walked`): a file rewritten in place meanwhile."""
+    try:
+        # Non-blocking: a FIFO put at the path since must not wait for a writer (it is then refused as not the file).
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise BundleChangedError(
+            f"{path}: the {noun} checked is gone ({err.strerror}); run again once nothing is writing or replacing it"
+        ) from err
+    try:
+        require_walked(catalog, descriptor, path, noun, growing=growing)
+        own = f"/proc/self/fd/{descriptor}"
+        return opener(own if os.path.exists(own) else str(path))
+    finally:
+        os.close(descriptor)
 
 
 def preflight(
     path: Path, *, seconds: float = DEFAULT_PREFLIGHT_SECONDS, noun: str = "bundle", label: str | None = None
-) -> Catalog | None:
+) -> Catalog:
     """Refuse ``path`` (a ``noun``) if it breaks the containment rule, or walking its HDF5 metadata hangs or
     crashes a child process; what the walk learnt otherwise (:meth:`Preflight.result`)."""
     return start(path, seconds=seconds, noun=noun, label=label).result()

@@ -57,13 +57,13 @@ from parity_harness.common.format.packing import unpack
 from parity_harness.common.heap import HeapTrimmer
 from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.statistics import stored_crc32
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, require_walked
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked, require_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 
 if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): tensors are made in common.format.dtypes
     import torch
 
-__all__ = ["BundleReader", "open_bundle_for_listing", "rebuild"]
+__all__ = ["BundleReader", "open_bundle_for_listing", "rebuild", "refuse_unusable_path"]
 
 _FAULT_AROUND = 1 << 21
 """Alignment of the span whose pages are dropped: a read fault also maps the cached pages around it, within an
@@ -75,14 +75,20 @@ VERIFY_LATER_FROM = 1 << 20
 costs more than computing it."""
 
 
-def _open_hdf5(path: Path) -> h5py.File:
+def refuse_unusable_path(path: Path) -> None:
+    """Refuse, without opening it, a path that names no bundle file: nothing, a folder, a FIFO or a device."""
     if not path.exists():
         raise BundleNotFoundError(f"{path}: no such bundle; check the path or run capture-run first")
     if path.is_dir():
         raise BundleFormatError(f"{path}: is a folder, expected a bundle file written by capture-run")
     require_regular_file(path, "bundle")
+
+
+def _open_hdf5(path: Path, target: str | None = None) -> h5py.File:
+    """HDF5's open of the bundle ``path`` (through ``target``: the same file, named as :func:`open_walked` gives
+    it)."""
     try:
-        return h5py.File(path, "r")
+        return h5py.File(target or path, "r")
     except OSError as err:
         raise BundleFormatError(f"{path}: not an HDF5 file, so not a bundle ({err})") from err
 
@@ -123,14 +129,17 @@ class BundleReader:
         self.differences_seen = False
         """A record read through this reader differed from the port's value (set by the comparison): later
         records' checksums then start before their comparison, not after."""
+        refuse_unusable_path(self.path)
         # A file from elsewhere is read only as a walk in a child described it (walked here, or by the caller).
-        checked = preflight is not None or catalog is not None
-        if preflight is not None and self.path.is_file():
+        if preflight is not None:
             catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
-        self._file = _open_hdf5(self.path)
+        if catalog is None:
+            self._file = _open_hdf5(self.path)
+        else:
+            self._file = open_walked(self.path, catalog, "bundle", lambda target: _open_hdf5(self.path, target))
         try:
             with self._damage_guard("/"):
-                walked = self._walked_by_child(catalog) if checked else None  # before reading any of it here
+                walked = None if catalog is None else self._walked_by_child(catalog)  # before reading any of it here
                 self.format_version, self.format_minor = self._check_version()
                 self._stored = walked if walked is not None else self._contained()
                 self.index = self._read_index()
@@ -151,9 +160,10 @@ class BundleReader:
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
         self._heap = HeapTrimmer()
 
-    def _walked_by_child(self, catalog: Catalog | None) -> dict[str, StoredDataset]:
+    def _walked_by_child(self, catalog: Catalog) -> dict[str, StoredDataset]:
         """Every dataset, as the child's walk (``catalog``) found them in the file HDF5 opened; refuse the file when
-        the walk did not describe that file unchanged: a file from elsewhere is never walked in this process."""
+        the walk did not describe that file unchanged (rewritten in place since :func:`open_walked` checked it): a
+        file from elsewhere is never walked in this process."""
         descriptor = _descriptor(self._file)
         if descriptor is None:  # nothing tells which file HDF5 opened
             raise BundleFormatError(f"{self.path}: HDF5 opened it through a driver this reader cannot check")

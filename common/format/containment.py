@@ -135,7 +135,7 @@ def check_contained(
     Raises:
         BundleFormatError: one line naming the first object breaking the rule.
     """
-    size = Path(path).stat().st_size
+    size = _opened_size(file, path)
     links: list[tuple[bytes, int, int]] = []
     # H5Lvisit walks each group once however often it is linked (no loop), and names every link below it.
     file.id.links.visit(lambda name, info: links.append((name, info.type, info.u)), info=True)
@@ -157,6 +157,15 @@ def check_contained(
         if stored is not None:
             catalog[name] = stored
     return catalog
+
+
+def _opened_size(file: h5py.File, path: str | os.PathLike[str]) -> int:
+    """The size of the file HDF5 opened (the path may name another by now); the path's where HDF5 gives no
+    descriptor."""
+    try:
+        return os.fstat(file.id.get_vfd_handle()).st_size
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return Path(path).stat().st_size
 
 
 def read_other_metadata(file: h5py.File, stored: dict[str, StoredDataset], label: str | None = None) -> None:

@@ -26,7 +26,7 @@ from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDE
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.preflight import start as start_preflight
-from parity_harness.replay.reader import BundleReader, open_bundle_for_listing
+from parity_harness.replay.reader import BundleReader, open_bundle_for_listing, refuse_unusable_path
 from parity_harness.replay.result import ComparisonResult
 
 __all__ = [
@@ -109,14 +109,13 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
 
 def _load_port_while_walking(
     job: ReplayJob, files: list[Path], stack: ExitStack
-) -> tuple[torch.nn.Module, dict[Path, Catalog | None]]:
+) -> tuple[torch.nn.Module, dict[Path, Catalog]]:
     """The port, loaded while the first bundle's metadata walk runs in its child (``replay.preflight``): the
     command waits for the longer of the two, not for both. A bundle that is no regular file is refused first; the
     other rank files of a multi-rank capture are walked after, one at a time (walks side by side would share the
     CPU, and each has a time limit). With it, what each walk learnt of its file, for the readers."""
     for file in files:
-        if not file.is_file():  # missing, a folder or a FIFO: its one-line error now, before anything loads
-            BundleReader(file, verify=job.verify).close()
+        refuse_unusable_path(file)  # missing, a folder or a FIFO: its one-line error now, before anything loads
     first = start_preflight(files[0], seconds=DEFAULT_PREFLIGHT_SECONDS, label=ATTR_DTYPE)
     stack.callback(first.cancel)
     model = job.adapter.model(job.ckpt, job.options.device)
@@ -199,7 +198,7 @@ def plan_ranks(
     located: LocatedBundles | None = None,
     *,
     preflight: float | None = DEFAULT_PREFLIGHT_SECONDS,
-    catalogs: Mapping[Path, Catalog | None] | None = None,
+    catalogs: Mapping[Path, Catalog] | None = None,
 ) -> RankPlan:
     """Open the bundle, or every rank of a multi-rank capture with this process's share dealt round-robin
     (``preflight``: walk each file's metadata in a child first; None when that was done already, ``catalogs``
@@ -208,7 +207,15 @@ def plan_ranks(
     context, manifest = located.context, located.manifest
     catalogs = catalogs or {}
     readers = [
-        stack.enter_context(BundleReader(f, verify=job.verify, preflight=preflight, catalog=catalogs.get(f)))
+        # A file the caller's walks missed is walked here: only one named by neither is opened unchecked.
+        stack.enter_context(
+            BundleReader(
+                f,
+                verify=job.verify,
+                preflight=DEFAULT_PREFLIGHT_SECONDS if catalogs and f not in catalogs else preflight,
+                catalog=catalogs.get(f),
+            )
+        )
         for f in located.files
     ]
     if manifest is None:

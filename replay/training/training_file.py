@@ -16,12 +16,12 @@ import h5py
 import numpy as np
 import torch
 
-from parity_harness.common.errors import BundleFormatError, BundleNotFoundError
+from parity_harness.common.errors import BundleChangedError, BundleFormatError, BundleNotFoundError
 from parity_harness.common.format.bundle.layout import unescape_dotted
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_float64
 from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, require_walked
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked, require_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import rebuild
 from parity_harness.replay.training.runs import StepInfo, StepKey
@@ -51,30 +51,28 @@ class TrainingRun:
         if not self.path.is_file():
             raise BundleFormatError(f"{self.path}: not a regular file; pass a training file TrainingRecorder wrote")
         self.live = _held_by_writer(self.path)
-        for attempt in range(_LIVE_ATTEMPTS if self.live else 1):
+        for attempt in range(_LIVE_ATTEMPTS):
             try:
                 self._open(preflight)
                 break
-            except BundleFormatError:
-                if attempt + 1 == (_LIVE_ATTEMPTS if self.live else 1):
+            except BundleFormatError as err:
+                # A live file was mid-step, or a file written without HDF5's lock changed under its walk: the
+                # writer's next flush makes it whole again.
+                if attempt + 1 == _LIVE_ATTEMPTS or not (self.live or isinstance(err, BundleChangedError)):
                     raise
-                time.sleep(0.25)  # the writer was mid-step: its next flush makes the file whole again
+                time.sleep(0.25)
 
     def _open(self, preflight: float | None) -> None:
         catalog = None
-        if preflight is not None:  # a file from elsewhere: its metadata walked in a child first (replay.preflight)
+        if preflight is None:
+            self._file = self._open_hdf5(str(self.path))
+        else:  # a file from elsewhere: its metadata walked in a child first (replay.preflight), and read only as
+            # the walk found it (a live file, being written, may only have grown)
             catalog = walk_in_child(self.path, seconds=preflight, noun="training file")
+            self._file = open_walked(self.path, catalog, "training file", self._open_hdf5, growing=self.live)
         try:
-            self._file = h5py.File(self.path, "r", locking=False) if self.live else h5py.File(self.path, "r")
-        except OSError as err:
-            raise BundleFormatError(
-                f"{self.path}: not an HDF5 file, or a damaged one ({err}); pass a training file TrainingRecorder wrote"
-            ) from err
-        try:
-            # Read only as the walk found it. A live file changes between any two looks: the process writing it
-            # holds HDF5's lock on it here, and each open of it is walked again.
-            if preflight is not None and not self.live:
-                require_walked(catalog, self._file.id.get_vfd_handle(), self.path, "training file")
+            if catalog is not None:  # rewritten in place between that check and HDF5's open
+                require_walked(catalog, self._file.id.get_vfd_handle(), self.path, "training file", growing=self.live)
             with self._damage_guard("/"):
                 header = read_header(self._file, str(self.path))
         except BaseException:
@@ -85,6 +83,15 @@ class TrainingRun:
         self.meta: dict[StepKey, StepMeta] = {StepKey(*key): meta for key, meta in header.steps.items()}
         self._groups = {StepKey(*key): group for key, group in header.groups.items()}
         self._steps = {key: _info(self.meta[key]) for key in self.full_steps()}
+
+    def _open_hdf5(self, target: str) -> h5py.File:
+        """HDF5's open of this training file, named ``target`` (the path, or the file :func:`open_walked` opened)."""
+        try:
+            return h5py.File(target, "r", locking=False) if self.live else h5py.File(target, "r")
+        except OSError as err:
+            raise BundleFormatError(
+                f"{self.path}: not an HDF5 file, or a damaged one ({err}); pass a training file TrainingRecorder wrote"
+            ) from err
 
     def _damage_guard(self, where: str) -> AbstractContextManager[None]:
         """Whatever h5py raises on a damaged file, as one BundleFormatError naming the file."""

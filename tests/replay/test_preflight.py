@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
-from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.errors import BundleChangedError, BundleFormatError
 from parity_harness.common.format import containment
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.format.tensor_files import is_hdf5_file
@@ -58,13 +59,29 @@ def test_a_crashing_walk_is_refused_naming_the_signal(tiny_bundle: Path, monkeyp
         preflight.preflight(tiny_bundle, seconds=30)
 
 
-def test_ordinary_damage_is_left_to_the_reader(tmp_path: Path) -> None:
-    """A file HDF5 refuses quickly passes the preflight; the reader then names the problem itself."""
+def test_a_file_hdf5_cannot_open_is_named_by_the_walk(tmp_path: Path) -> None:
+    """A file that is not HDF5 is refused by the walk in the reader's words (the walk describes no file for the
+    reader to hold its open to)."""
     path = tmp_path / "not-hdf5.h5"
     path.write_bytes(b"not an HDF5 file at all")
-    preflight.preflight(path, seconds=30)
+    with pytest.raises(BundleFormatError, match=r"not-hdf5\.h5: not an HDF5 file, so not a bundle \(OSError"):
+        preflight.preflight(path, seconds=30)
     with pytest.raises(BundleFormatError, match="not an HDF5 file"):
         BundleReader(path, preflight=30)
+
+
+def test_damage_past_the_superblock_is_called_damage_not_a_change(tiny_bundle: Path, tmp_path: Path) -> None:
+    """A bundle whose metadata HDF5 fails on (its index's object header overwritten), unchanged, is refused as
+    damaged, with HDF5's reason: never as a file that changed, which running again cannot mend."""
+    path = tmp_path / "damaged.h5"
+    shutil.copyfile(tiny_bundle, path)
+    with h5py.File(path, "r") as file:
+        header = h5py.h5o.get_info(file["index"].id).addr
+    raw = bytearray(path.read_bytes())
+    raw[header : header + 64] = b"\xa5" * 64
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BundleFormatError, match=r"damaged\.h5: the bundle is damaged: reading its metadata failed \("):
+        preflight.preflight(path, seconds=30)
 
 
 def test_a_walk_that_ended_while_the_port_loaded_passes_however_long_the_load(tiny_bundle: Path) -> None:
@@ -209,13 +226,12 @@ def test_a_catalog_never_vouches_for_a_file_put_in_its_place(
         BundleReader(path, catalog=catalog)
 
 
-@pytest.mark.parametrize("hand_over", ["catalog", "none"])
-def test_a_bundle_replaced_between_its_walk_and_its_opening_is_refused_unwalked(
-    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hand_over: str
+def test_a_bundle_replaced_between_its_walk_and_its_opening_is_refused_unopened(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reader asked to walk a bundle in a child reads only the file that walk described: one put in its place
-    after the child's walk (a crafted file whose dataset reads another file) is refused before this process walks
-    any of its metadata, whether the walk described the first file or described nothing."""
+    after the child's walk (a crafted file whose dataset reads another file) is refused before HDF5 opens it in
+    this process, let alone walks it."""
     path = tmp_path / "bundle.h5"
     shutil.copyfile(tiny_bundle, path)
     secret = tmp_path / "secret.bin"
@@ -223,37 +239,106 @@ def test_a_bundle_replaced_between_its_walk_and_its_opening_is_refused_unwalked(
     crafted = craft_copy(path, tmp_path, external_storage, secret)
     walk = reader_module.walk_in_child
 
-    def walk_then_swap(walked: Path, **options: object) -> containment.Catalog | None:
+    def walk_then_swap(walked: Path, **options: object) -> containment.Catalog:
         catalog = walk(walked, **options)
         os.replace(crafted, walked)
-        return catalog if hand_over == "catalog" else None
+        return catalog
 
     monkeypatch.setattr(reader_module, "walk_in_child", walk_then_swap)
-    monkeypatch.setattr(reader_module, "check_contained", lambda *a, **k: pytest.fail("walked in this process"))
-    with pytest.raises(BundleFormatError, match=r"bundle\.h5: the bundle opened is not the one checked"):
+    monkeypatch.setattr(reader_module, "_open_hdf5", lambda *a, **k: pytest.fail("opened by HDF5 in this process"))
+    with pytest.raises(BundleChangedError, match=r"bundle\.h5: the bundle opened is not the one checked"):
         BundleReader(path, preflight=30)
 
 
-def test_a_training_file_replaced_between_its_walk_and_its_opening_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_walk_that_saw_its_file_change_vouches_for_nothing(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same for a training file (parity-train-diff): the file swapped in after the child walked the first is
-    refused before its header is read in this process."""
-    path = tmp_path / "run.h5"
-    shutil.copyfile(DATA / "training-golden-2.0.h5", path)
-    other = tmp_path / "other.h5"
-    shutil.copyfile(DATA / "training-golden-2.0.h5", other)
-    walk = training_file.walk_in_child
+    """A child that ends well but describes no file (the file changed under its walk) makes the file refused as
+    changed, to be run again: never opened unchecked."""
+    monkeypatch.setattr(preflight, "_WALK", "import sys")
+    monkeypatch.setattr(reader_module, "_open_hdf5", lambda *a, **k: pytest.fail("opened by HDF5 in this process"))
+    with pytest.raises(BundleChangedError, match="changed while a separate process checked its metadata; run again"):
+        BundleReader(tiny_bundle, preflight=30)
 
-    def walk_then_swap(walked: Path, **options: object) -> containment.Catalog | None:
+
+def _swapping_walks(monkeypatch: pytest.MonkeyPatch, module: object, replacement: Path) -> None:
+    """Make ``module``'s walks put a fresh copy of ``replacement`` at the walked path as each walk ends."""
+    walk = module.walk_in_child  # type: ignore[attr-defined]
+
+    def walk_then_swap(walked: Path, **options: object) -> containment.Catalog:
         catalog = walk(walked, **options)
-        os.replace(other, walked)
+        copy = walked.with_suffix(".swap")
+        shutil.copyfile(replacement, copy)
+        os.replace(copy, walked)
         return catalog
 
-    monkeypatch.setattr(training_file, "walk_in_child", walk_then_swap)
+    monkeypatch.setattr(module, "walk_in_child", walk_then_swap)
+
+
+@pytest.mark.parametrize("locked", [False, True], ids=["idle", "someone holds a lock on it"])
+def test_a_training_file_replaced_between_its_walk_and_its_opening_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, locked: bool
+) -> None:
+    """The same for a training file (parity-train-diff), however often it is tried again: the file swapped in after
+    each walk is refused before its header is read in this process. A lock held on the file (as a writer's would
+    be, or anyone's who can read it) lets it grow between the walk and the open, never be another file."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(DATA / "training-golden-2.0.h5", path)
+    _swapping_walks(monkeypatch, training_file, DATA / "training-golden-2.0.h5")
     monkeypatch.setattr(training_file, "read_header", lambda *a, **k: pytest.fail("read in this process"))
-    with pytest.raises(BundleFormatError, match=r"run\.h5: the training file opened is not the one checked"):
-        training_file.TrainingRun(path)
+    with path.open("rb") as holder:
+        if locked:
+            fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(BundleChangedError, match=r"run\.h5: the training file opened is not the one checked"):
+            training_file.TrainingRun(path)
+
+
+def test_a_training_file_that_changed_under_a_walk_is_walked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training file written without HDF5's lock (file locking off, as on some network file systems) that changed
+    between one walk and the open is walked again, and read once a walk describes it."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(DATA / "training-golden-2.0.h5", path)
+    walk, walks = training_file.walk_in_child, []
+
+    def walk_then_touch_once(walked: Path, **options: object) -> containment.Catalog:
+        catalog = walk(walked, **options)
+        walks.append(walked)
+        if len(walks) == 1:
+            with walked.open("ab") as file:  # a step flushed
+                file.write(b"\0")
+        return catalog
+
+    monkeypatch.setattr(training_file, "walk_in_child", walk_then_touch_once)
+    run = training_file.TrainingRun(path)
+    assert len(walks) == 2
+    assert run.full_steps()
+
+
+def test_the_walk_describes_the_file_hdf5_opened_not_the_path(tmp_path: Path, tiny_bundle: Path) -> None:
+    """A path through a folder link flipped to another folder just while the child's HDF5 opens it, and back
+    (a race made certain here), is refused by the child: the file it walked is not the one this process sees."""
+    for folder in ("first", "second"):
+        (tmp_path / folder).mkdir()
+        shutil.copyfile(tiny_bundle, tmp_path / folder / "bundle.h5")
+    link = tmp_path / "link"
+    link.symlink_to("first")
+
+    def flip(target: str) -> str:
+        return (
+            f"os.symlink({target!r}, {str(tmp_path / 'tmp')!r}); os.replace({str(tmp_path / 'tmp')!r}, {str(link)!r})"
+        )
+
+    race = (
+        "import os, h5py\n_open = h5py.File\n"
+        f"def racing(*a, **k):\n    {flip('second')}\n    f = _open(*a, **k)\n    {flip('first')}\n    return f\n"
+        "h5py.File = racing\n"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(preflight, "_WALK", preflight._WALK.replace("import h5py\n", "import h5py\n" + race, 1))
+        with pytest.raises(BundleFormatError, match="finds another file at this path"):
+            preflight.preflight(link / "bundle.h5", seconds=30)
 
 
 def test_the_reader_reads_the_file_hdf5_opened_even_if_the_path_is_replaced(
