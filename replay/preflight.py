@@ -52,6 +52,10 @@ _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
 _UNOPENED: Final = 4
 """The child's exit code when HDF5 cannot open the file at all (not HDF5, or damaged at its start)."""
+_REPLACED: Final = 5
+"""The child's exit code when the path names another file than the parent's (replaced meanwhile, or a descriptor)."""
+_CHANGED: Final = 6
+"""The child's exit code when the file changed or went while it was walked (its message on stderr)."""
 
 _WALK: Final = r"""
 import os
@@ -65,9 +69,9 @@ from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.containment import Catalog, check_contained, file_identity, read_other_metadata
 
 
-def refuse(message):
+def refuse(message, code=3):
     print(message.replace("\n", " "), file=sys.stderr)
-    sys.exit(3)
+    sys.exit(code)
 
 
 def check_same(status):  # refuse unless it is the parent's file (device, inode); none to compare if it saw none
@@ -76,36 +80,59 @@ def check_same(status):  # refuse unless it is the parent's file (device, inode)
         refuse(
             f"{sys.argv[1]}: the metadata walk's own process finds {found} at this path (it was replaced meanwhile, "
             f"or it names a descriptor of this process, such as /dev/stdin, which no other process can check first); "
-            f"give the {sys.argv[3]}'s own file path"
+            f"give the {sys.argv[3]}'s own file path",
+            5,
         )
 
 
 try:
-    check_same(os.stat(sys.argv[1]))  # before HDF5 opens what the path names (a FIFO would block it)
+    initial = os.stat(sys.argv[1])  # before HDF5 opens what the path names (a FIFO would block it)
 except OSError:
-    check_same(None)
+    initial = None
+check_same(initial)
+
+
+def changed(status):  # whether the file moved on since this process first looked (a write, or another file)
+    return initial is None or file_identity(status) != file_identity(initial)
+
+
 try:
     file = h5py.File(sys.argv[1], "r", locking=False)  # a training file may be being written
+except FileNotFoundError as err:
+    refuse(f"{sys.argv[1]}: removed before its metadata could be checked ({err})", 6)
 except OSError as err:
-    print(f"{type(err).__name__}: {err}", file=sys.stderr)
-    sys.exit(4)
+    try:
+        moved = changed(os.stat(sys.argv[1]))
+    except OSError:
+        moved = True
+    if moved:
+        refuse(f"{sys.argv[1]}: changed while its metadata was checked ({type(err).__name__}: {err})", 6)
+    refuse(f"{type(err).__name__}: {err}", 4)
 with file:
-    before = os.fstat(file.id.get_vfd_handle())
-    check_same(before)  # and the file HDF5 opened: the path may name another by now
+    check_same(os.fstat(file.id.get_vfd_handle()))  # the file HDF5 opened: the path may name another by now
     label = sys.argv[4] or None
     try:
         stored = check_contained(file, sys.argv[1], sys.argv[3], label)  # links and storage first: nothing outside
+        read_other_metadata(file, stored, label)
     except BundleFormatError as err:
         refuse(str(err))
-    read_other_metadata(file, stored, label)
+    except Exception as err:  # HDF5 failed on the metadata: damage, or a file written meanwhile
+        if changed(os.fstat(file.id.get_vfd_handle())):
+            refuse(f"{sys.argv[1]}: changed while its metadata was checked ({type(err).__name__}: {err})", 6)
+        refuse(f"{type(err).__name__}: {err}", 1)
     after = os.fstat(file.id.get_vfd_handle())
-if file_identity(after) == file_identity(before):  # unchanged while walked: the parent may use what it learnt
-    catalog = Catalog(file_identity(before), stored)
-    raw = catalog.to_bytes()
-    if raw is None:  # a dtype with no plain form: no bundle or training file holds one
-        odd = next(name for name in stored if Catalog(catalog.identity, {name: stored[name]}).to_bytes() is None)
-        refuse(f"{sys.argv[1]}:/{odd}: a dataset of type {stored[odd].dtype}, which no {sys.argv[3]} holds")
-    sys.stdout.buffer.write(raw)
+if changed(after):  # HDF5 may have read some of it before a write and the rest after
+    refuse(f"{sys.argv[1]}: changed while its metadata was checked", 6)
+catalog = Catalog(file_identity(initial), stored)
+raw = catalog.to_bytes()
+if raw is None:  # a dtype with no plain form: no bundle or training file holds one
+    odd = next(name for name in stored if Catalog(catalog.identity, {name: stored[name]}).to_bytes() is None)
+    refuse(
+        f"{sys.argv[1]}:/{odd}: a dataset of type {stored[odd].dtype}, which no parity-harness bundle or training "
+        f"file holds; pass a file capture-run or TrainingRecorder wrote"
+    )
+sys.stdout.buffer.write(raw)
+sys.stdout.flush()
 """
 
 
@@ -150,10 +177,10 @@ class Preflight:
             size = self._catalog.seek(0, os.SEEK_END)
             self._catalog.seek(0)
             catalog = Catalog.from_bytes(self._catalog.read()) if 0 < size <= MAX_INDEX_BYTES else None
-            if catalog is None:  # the child ended well but wrote nothing: the file changed under its walk
-                raise BundleChangedError(
-                    f"{self.path}: the {self.noun} changed while a separate process checked its metadata; run again "
-                    "once nothing is writing or replacing it"
+            if catalog is None:  # the child ended well, yet what it wrote cannot be read back
+                raise BundleFormatError(
+                    f"{self.path}: the separate process that checks its metadata could not hand back what it found "
+                    f"({size} bytes; is the temporary folder {tempfile.gettempdir()} full?)"
                 )
             return catalog
         finally:
@@ -176,11 +203,17 @@ class Preflight:
             raise
 
     def _judge(self, code: int) -> None:
-        if code == -signal.SIGALRM:
+        if code == -getattr(signal, "SIGALRM", 14):
             raise self._too_long()
-        if code == _REFUSED:
+        if code in (_REFUSED, _REPLACED):
             lines = self._stderr_tail().splitlines()
-            raise BundleFormatError(lines[-1] if lines else f"{self.path}: refused by the metadata walk")
+            refused = BundleFormatError if code == _REFUSED else BundleChangedError
+            raise refused(lines[-1] if lines else f"{self.path}: refused by the metadata walk")
+        if code == _CHANGED:
+            detail = self._stderr_tail().splitlines()[-1:] or ["it changed"]
+            raise BundleChangedError(
+                f"{detail[0][:300]}: the {self.noun} is not read; run again once nothing is writing or replacing it"
+            )
         if code < 0:
             name = signal.Signals(-code).name
             raise BundleFormatError(
@@ -318,7 +351,8 @@ def open_walked(
     path: Path, catalog: Catalog, noun: str, opener: Callable[[str], _File], *, growing: bool = False
 ) -> _File:
     """``opener`` (an HDF5 open) applied to the very file ``catalog`` describes, checked before HDF5 reads a byte of
-    it; where ``/proc/self/fd`` exists, HDF5 is handed that file itself, leaving no path lookup to race. The caller
+    it; where ``/proc/self/fd`` (Linux) or ``/dev/fd`` exists, HDF5 is handed that file itself, leaving no path lookup
+    to race. The caller
     checks the file HDF5 opened once more (:func:`require_walked`): a file rewritten in place meanwhile."""
     try:
         # Non-blocking: a FIFO put at the path since must not wait for a writer (it is then refused as not the file).
@@ -329,8 +363,8 @@ def open_walked(
         ) from err
     try:
         require_walked(catalog, descriptor, path, noun, growing=growing)
-        own = f"/proc/self/fd/{descriptor}"
-        return opener(own if os.path.exists(own) else str(path))
+        own = next((f"{d}/{descriptor}" for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), str(path))
+        return opener(own)
     finally:
         os.close(descriptor)
 

@@ -7,6 +7,7 @@ sees the steps completed by then (a step counts once its ``meta``, written last,
 from __future__ import annotations
 
 import os
+import stat
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from parity_harness.common.errors import BundleChangedError, BundleFormatError, BundleNotFoundError
 from parity_harness.common.format.bundle.layout import unescape_dotted
+from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_float64
 from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
@@ -52,23 +54,39 @@ class TrainingRun:
             raise BundleFormatError(f"{self.path}: not a regular file; pass a training file TrainingRecorder wrote")
         self.live = _held_by_writer(self.path)
         for attempt in range(_LIVE_ATTEMPTS):
-            try:
-                self._open(preflight)
-                break
-            except BundleFormatError as err:
-                # A live file was mid-step, or a file written without HDF5's lock changed under its walk: the
-                # writer's next flush makes it whole again.
-                if attempt + 1 == _LIVE_ATTEMPTS or not (self.live or isinstance(err, BundleChangedError)):
+            last = attempt + 1 == _LIVE_ATTEMPTS
+            try:  # a walk's refusal, hang or crash ends it here: another try would only repeat it
+                catalog = self._walk(preflight)
+            except BundleChangedError:  # changed under its walk: a step was being flushed
+                if last:
                     raise
-                time.sleep(0.25)
+            else:
+                try:
+                    self._open(catalog)
+                    return
+                except BundleFormatError as err:  # changed since its walk, or a live file read mid-step
+                    if last or not (self.live or isinstance(err, BundleChangedError)):
+                        raise
+            time.sleep(0.25)  # the writer's next flush makes the file whole again
 
-    def _open(self, preflight: float | None) -> None:
-        catalog = None
+    def _walk(self, preflight: float | None) -> Catalog | None:
+        """What a walk in a child learnt of the file (None: no walk asked for, or a live file changing faster than
+        it can be walked, which this process then reads as its writer leaves it: the user's own, being written)."""
         if preflight is None:
+            return None
+        try:
+            return walk_in_child(self.path, seconds=preflight, noun="training file")
+        except BundleChangedError:
+            if self.live:
+                return None
+            raise
+
+    def _open(self, catalog: Catalog | None) -> None:
+        """Open the file (the one ``catalog`` describes, where there is one; a live one may have grown) and read its
+        header."""
+        if catalog is None:
             self._file = self._open_hdf5(str(self.path))
-        else:  # a file from elsewhere: its metadata walked in a child first (replay.preflight), and read only as
-            # the walk found it (a live file, being written, may only have grown)
-            catalog = walk_in_child(self.path, seconds=preflight, noun="training file")
+        else:
             self._file = open_walked(self.path, catalog, "training file", self._open_hdf5, growing=self.live)
         try:
             if catalog is not None:  # rewritten in place between that check and HDF5's open
@@ -170,21 +188,31 @@ class TrainingRun:
 
 
 def _held_by_writer(path: Path) -> bool:
-    """Whether a process holds ``path`` open for writing: HDF5 keeps an exclusive ``flock`` on a file it writes
-    (asked without opening the file through HDF5, which must not touch it before the preflight)."""
+    """Whether ``path`` is the user's own file and a process holds it open for writing: HDF5 keeps an exclusive
+    ``flock`` on a file it writes (asked without opening the file through HDF5, which must not touch it before the
+    preflight). Anyone who can read a file can lock it: another user's file is never taken for one being written."""
     try:
         import fcntl
     except ImportError:  # no flock here (Windows): HDF5 does not lock files there either
         return False
-    with path.open("rb") as handle:
+    try:  # non-blocking: a FIFO put at the path must not wait for a writer
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid():
+            return False
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
         except OSError:
             return False  # a file system without locks: HDF5 cannot have locked it
-        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-    return False
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(descriptor)
 
 
 def _unescaped(name: str) -> str:

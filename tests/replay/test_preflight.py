@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from parity_harness.replay.training import training_file
 from tests.hostile import craft_copy, external_storage, replace_in_place
 
 DATA = Path(__file__).resolve().parent.parent / "data"
+_Walk = preflight.Preflight
 
 
 def test_a_valid_bundle_passes(tiny_bundle: Path) -> None:
@@ -253,12 +255,49 @@ def test_a_bundle_replaced_between_its_walk_and_its_opening_is_refused_unopened(
 def test_a_walk_that_saw_its_file_change_vouches_for_nothing(
     tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A child that ends well but describes no file (the file changed under its walk) makes the file refused as
-    changed, to be run again: never opened unchecked."""
-    monkeypatch.setattr(preflight, "_WALK", "import sys")
+    """A child that saw the file change under its walk, or go, makes the file refused as changed, to be run again;
+    one that ends well but hands back nothing readable is refused as such. Never opened unchecked."""
     monkeypatch.setattr(reader_module, "_open_hdf5", lambda *a, **k: pytest.fail("opened by HDF5 in this process"))
-    with pytest.raises(BundleChangedError, match="changed while a separate process checked its metadata; run again"):
+    changed = "import sys\nprint('x.h5: changed while its metadata was checked', file=sys.stderr)\nsys.exit(6)"
+    monkeypatch.setattr(preflight, "_WALK", changed)
+    with pytest.raises(
+        BundleChangedError, match=r"x\.h5: changed while its metadata was checked: the bundle is not read"
+    ):
         BundleReader(tiny_bundle, preflight=30)
+    monkeypatch.setattr(preflight, "_WALK", "import sys")
+    with pytest.raises(BundleFormatError, match=r"could not hand back what it found \(0 bytes; is the temporary"):
+        BundleReader(tiny_bundle, preflight=30)
+
+
+def test_a_file_written_to_while_the_child_walks_it_is_refused_as_changed(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child compares the file HDF5 opened before and after its walk: a byte appended meanwhile (here as its
+    containment walk ends) makes it report a change, which the reader refuses without opening the file."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    appending = (
+        "import parity_harness.common.format.containment as walk\n_walk = walk.check_contained\n"
+        "def walk_then_append(file, where, *a, **k):\n    found = _walk(file, where, *a, **k)\n"
+        "    with open(where, 'ab') as out:\n        out.write(b'\\0')\n    return found\n"
+        "walk.check_contained = walk_then_append\n"
+    )
+    monkeypatch.setattr(preflight, "_WALK", appending + preflight._WALK)
+    monkeypatch.setattr(reader_module, "_open_hdf5", lambda *a, **k: pytest.fail("opened by HDF5 in this process"))
+    with pytest.raises(BundleChangedError, match=r"bundle\.h5: changed while its metadata was checked"):
+        BundleReader(path, preflight=30)
+
+
+def test_a_file_removed_before_the_child_opens_it_is_called_changed(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bundle removed between this process's look and the child's is refused as changed (run again), not as a file
+    that is not HDF5."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    monkeypatch.setattr(preflight, "_WALK", "import os, sys\nos.unlink(sys.argv[1])\n" + preflight._WALK)
+    with pytest.raises(BundleChangedError, match="finds no file at this path"):
+        preflight.preflight(path, seconds=30)
 
 
 def _swapping_walks(monkeypatch: pytest.MonkeyPatch, module: object, replacement: Path) -> None:
@@ -291,6 +330,58 @@ def test_a_training_file_replaced_between_its_walk_and_its_opening_is_refused(
             fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
         with pytest.raises(BundleChangedError, match=r"run\.h5: the training file opened is not the one checked"):
             training_file.TrainingRun(path)
+
+
+def test_the_users_own_training_file_being_written_fast_is_read_as_its_writer_leaves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training file of the user's own that a writer holds (HDF5's lock) and changes under every walk is read in
+    this process, as before walks were compared with the file; another user's locked file is not: anyone who can
+    read a file can lock it."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(DATA / "training-golden-2.0.h5", path)
+
+    def always_changing(walked: Path, **options: object) -> containment.Catalog:
+        raise BundleChangedError(f"{walked}: changed while its metadata was checked")
+
+    monkeypatch.setattr(training_file, "walk_in_child", always_changing)
+    with path.open("rb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        run = training_file.TrainingRun(path)
+        assert run.live
+        assert run.full_steps()
+        run.close()
+        monkeypatch.setattr(training_file.os, "getuid", lambda: os.stat(path).st_uid + 1)
+        with pytest.raises(BundleChangedError, match="changed while its metadata was checked"):
+            training_file.TrainingRun(path)
+
+
+def test_a_walk_that_hangs_on_a_live_training_file_is_not_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk's refusal, hang or crash is the verdict on a live training file too: not repeated at its full time
+    limit as a file read mid-step is."""
+    path = tmp_path / "run.h5"
+    shutil.copyfile(DATA / "training-golden-2.0.h5", path)
+    monkeypatch.setattr(preflight, "_WALK", "import time\ntime.sleep(60)")
+    starts = []
+    monkeypatch.setattr(preflight, "Preflight", lambda *a, **k: starts.append(a) or _Walk(*a, **k))
+    with path.open("rb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(BundleFormatError, match="did not finish within 1 s"):
+            training_file.TrainingRun(path, preflight=1)
+    assert len(starts) == 1
+
+
+def test_asking_whether_a_fifo_is_being_written_never_waits(tmp_path: Path) -> None:
+    """A FIFO put where a training file was is not opened for reading in a way that waits for a writer."""
+    fifo = tmp_path / "run.h5"
+    os.mkfifo(fifo)
+    answers: list[bool] = []
+    asking = threading.Thread(target=lambda: answers.append(training_file._held_by_writer(fifo)), daemon=True)
+    asking.start()
+    asking.join(timeout=20)
+    assert answers == [False]
 
 
 def test_a_training_file_that_changed_under_a_walk_is_walked_again(
