@@ -13,6 +13,7 @@ from parity_harness.common.errors import InputError, ParityMismatch
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import RenameMap, read_map
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.failure import failure_message
 from parity_harness.replay.result import ComparisonResult
@@ -58,7 +59,8 @@ def assert_parity(
         options.setdefault("rounding", True)
     else:
         tolerances = ToleranceTable(Tolerance(atol, rtol, equal_nan))
-    with BundleReader(Path(bundle)) as reader:
+    # A bundle from elsewhere as the commands take it: its metadata walked in a child first, once per file.
+    with BundleReader(Path(bundle), preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
         result = compare_run(
             model, reader, forward=forward, loss=loss, tolerances=tolerances, rename=rename, isolate=isolate, **options
         )

@@ -132,7 +132,10 @@ class BundleReader:
         refuse_unusable_path(self.path)
         # A file from elsewhere is read only as a walk in a child described it (walked here, or by the caller).
         if preflight is not None:
-            catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
+            catalog = _walked.get(file_identity(os.stat(self.path)))  # this file, unchanged, walked before
+            if catalog is None:
+                catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
+                _walked.put(catalog)
         if catalog is None:
             self._file = _open_hdf5(self.path)
         else:

@@ -730,3 +730,25 @@ def test_ckpt_diff_walks_two_bundles_side_by_side(
     result = CliRunner().invoke(main, [str(tiny_bundle), str(other)])
     assert result.exit_code == 0, result.output
     assert events == ["start", "start", "wait", "wait"]
+
+
+def test_assert_parity_walks_a_bundle_in_a_child_once_per_file(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pytest fixture's assertion takes a bundle as the commands do: a crafted header that crashes HDF5 crashes
+    the child, and the test fails with one line; an unchanged bundle asserted again is not walked again."""
+    from parity_harness.replay.assertions import assert_parity
+    from tests.models import build_tiny
+
+    copy = tmp_path / "again.h5"
+    shutil.copyfile(tiny_bundle, copy)
+    starts: list[tuple[object, ...]] = []
+    monkeypatch.setattr(preflight, "Preflight", lambda *a, **k: starts.append(a) or _Walk(*a, **k))
+    assert_parity(build_tiny(), copy)
+    assert_parity(build_tiny(), copy)
+    assert len(starts) == 1
+    crashing = tmp_path / "crashing.h5"
+    shutil.copyfile(tiny_bundle, crashing)
+    monkeypatch.setattr(preflight, "_WALK", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(BundleFormatError, match=r"crashing\.h5: HDF5 crashed \(SIGSEGV\)"):
+        assert_parity(build_tiny(), crashing)
