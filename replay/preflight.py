@@ -6,11 +6,12 @@ process sees at the path (same device and inode; a path naming one of this proce
 /dev/stdin, is refused), then that the file reads nothing outside its own bytes (``common.format.containment``: no
 link or storage leaves it, so nothing can block on a FIFO), then walks every attribute, object and compact dataset
 the reader would touch; if it refuses, hangs or crashes, the bundle is refused with one line, and this process
-never opens it. Any ordinary error the child meets is left for the reader, which reports it precisely. Costs one
-interpreter start with h5py (a few tenths of a second); the command-line tools use it, replay-compare while it
-imports torch and loads the port (:func:`walking_early`, :func:`start`). What the walk learnt comes back as a
-:class:`~parity_harness.common.format.containment.Catalog`, so that a reader opening the same file unchanged does
-not walk it again (66 ms for the Conformer example's 571 datasets, about 240 ms for a FastConformer's 3540).
+never opens it. A file HDF5 cannot open, a damaged one, and one that changed while it was walked are refused too,
+each in its own words. Costs one interpreter start with h5py (a few tenths of a second); the command-line tools and
+``assert_parity`` use it, replay-compare while it imports torch and loads the port (:func:`walking_early`,
+:func:`start`). What the walk learnt comes back as a :class:`~parity_harness.common.format.containment.Catalog` of
+the file the child's HDF5 opened, and the reader opens only that file, unchanged (:func:`open_walked`), without
+walking it again (66 ms for the Conformer example's 571 datasets, about 240 ms for a FastConformer's 3540).
 """
 
 from __future__ import annotations
@@ -352,8 +353,8 @@ def open_walked(
 ) -> _File:
     """``opener`` (an HDF5 open) applied to the very file ``catalog`` describes, checked before HDF5 reads a byte of
     it; where ``/proc/self/fd`` (Linux) or ``/dev/fd`` exists, HDF5 is handed that file itself, leaving no path lookup
-    to race. The caller
-    checks the file HDF5 opened once more (:func:`require_walked`): a file rewritten in place meanwhile."""
+    to race. The caller checks the file HDF5 opened once more (:func:`require_walked`): one rewritten in place
+    meanwhile."""
     try:
         # Non-blocking: a FIFO put at the path since must not wait for a writer (it is then refused as not the file).
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))

@@ -132,7 +132,7 @@ class BundleReader:
         refuse_unusable_path(self.path)
         # A file from elsewhere is read only as a walk in a child described it (walked here, or by the caller).
         if preflight is not None:
-            catalog = _walked.get(file_identity(os.stat(self.path)))  # this file, unchanged, walked before
+            catalog = _walked.get(_identity_now(self.path))  # this file, unchanged, walked before
             if catalog is None:
                 catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
                 _walked.put(catalog)
@@ -457,9 +457,9 @@ class _RecentWalks:
         self._size, self._lock = size, threading.Lock()
         self._catalogs: OrderedDict[tuple[int, ...], Catalog] = OrderedDict()
 
-    def get(self, identity: tuple[int, ...]) -> Catalog | None:
+    def get(self, identity: tuple[int, ...] | None) -> Catalog | None:
         with self._lock:
-            return self._catalogs.get(identity)
+            return None if identity is None else self._catalogs.get(identity)
 
     def put(self, catalog: Catalog) -> None:
         with self._lock:
@@ -470,6 +470,14 @@ class _RecentWalks:
 
 
 _walked = _RecentWalks(4)
+
+
+def _identity_now(path: Path) -> tuple[int, ...] | None:
+    """The file identity of ``path`` now; None when it cannot be had (gone meanwhile: the walk will say so)."""
+    try:
+        return file_identity(os.stat(path))
+    except OSError:
+        return None
 
 
 def _descriptor(file: h5py.File) -> int | None:
