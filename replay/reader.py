@@ -129,17 +129,7 @@ class BundleReader:
         self.differences_seen = False
         """A record read through this reader differed from the port's value (set by the comparison): later
         records' checksums then start before their comparison, not after."""
-        refuse_unusable_path(self.path)
-        # A file from elsewhere is read only as a walk in a child described it (walked here, or by the caller).
-        if preflight is not None:
-            catalog = _walked.get(_identity_now(self.path))  # this file, unchanged, walked before
-            if catalog is None:
-                catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
-                _walked.put(catalog)
-        if catalog is None:
-            self._file = _open_hdf5(self.path)
-        else:
-            self._file = open_walked(self.path, catalog, "bundle", lambda target: _open_hdf5(self.path, target))
+        self._file, catalog = self._open(preflight, catalog)
         try:
             with self._damage_guard("/"):
                 walked = None if catalog is None else self._walked_by_child(catalog)  # before reading any of it here
@@ -162,6 +152,19 @@ class BundleReader:
         self._names_per_dataset = Counter(_identity(stored) for stored in self._stored.values())
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
         self._heap = HeapTrimmer()
+
+    def _open(self, preflight: float | None, catalog: Catalog | None) -> tuple[h5py.File, Catalog | None]:
+        """HDF5's open of the bundle, and the walk that vouches for it: a file from elsewhere (``preflight`` asked
+        for, or a ``catalog`` given) is opened only as a walk in a child described it."""
+        refuse_unusable_path(self.path)
+        if preflight is not None:
+            catalog = _walked.get(_identity_now(self.path))  # this file, unchanged, walked before
+            if catalog is None:
+                catalog = walk_in_child(self.path, seconds=preflight, label=ATTR_DTYPE)
+                _walked.put(catalog)
+        if catalog is None:
+            return _open_hdf5(self.path), None
+        return open_walked(self.path, catalog, "bundle", lambda target: _open_hdf5(self.path, target)), catalog
 
     def _walked_by_child(self, catalog: Catalog) -> dict[str, StoredDataset]:
         """Every dataset, as the child's walk (``catalog``) found them in the file HDF5 opened; refuse the file when
