@@ -27,12 +27,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import TYPE_CHECKING, Final
 
 from parity_harness.common.errors import BundleChangedError, BundleFormatError
 from parity_harness.common.format.containment import Catalog, file_identity
 from parity_harness.common.format.packing import MAX_INDEX_BYTES
 from parity_harness.common.format.tensor_files import is_hdf5_file
+
+if TYPE_CHECKING:  # the commands import this module before h5py, which only the walk's child needs here
+    import h5py
 
 __all__ = [
     "DEFAULT_PREFLIGHT_SECONDS",
@@ -46,8 +49,6 @@ __all__ = [
 ]
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
-
-_File = TypeVar("_File")
 
 _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
@@ -349,12 +350,11 @@ def require_walked(catalog: Catalog, descriptor: int, path: Path, noun: str, *, 
 
 
 def open_walked(
-    path: Path, catalog: Catalog, noun: str, opener: Callable[[str], _File], *, growing: bool = False
-) -> _File:
+    path: Path, catalog: Catalog, noun: str, opener: Callable[[str], h5py.File], *, growing: bool = False
+) -> h5py.File:
     """``opener`` (an HDF5 open) applied to the very file ``catalog`` describes, checked before HDF5 reads a byte of
-    it; where ``/proc/self/fd`` (Linux) or ``/dev/fd`` exists, HDF5 is handed that file itself, leaving no path lookup
-    to race. The caller checks the file HDF5 opened once more (:func:`require_walked`): one rewritten in place
-    meanwhile."""
+    it (where ``/proc/self/fd`` (Linux) or ``/dev/fd`` exists, HDF5 is handed that file itself, leaving no path
+    lookup to race) and again once HDF5 has it open: a file rewritten in place meanwhile is closed and refused."""
     try:
         # Non-blocking: a FIFO put at the path since must not wait for a writer (it is then refused as not the file).
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -365,9 +365,15 @@ def open_walked(
     try:
         require_walked(catalog, descriptor, path, noun, growing=growing)
         own = next((f"{d}/{descriptor}" for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), str(path))
-        return opener(own)
+        file = opener(own)
     finally:
         os.close(descriptor)
+    try:
+        require_walked(catalog, file.id.get_vfd_handle(), path, noun, growing=growing)
+    except BaseException:
+        file.close()
+        raise
+    return file
 
 
 def preflight(

@@ -57,7 +57,7 @@ from parity_harness.common.format.packing import unpack
 from parity_harness.common.heap import HeapTrimmer
 from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.statistics import stored_crc32
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked, require_walked
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 
 if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): tensors are made in common.format.dtypes
@@ -132,9 +132,9 @@ class BundleReader:
         self._file, catalog = self._open(preflight, catalog)
         try:
             with self._damage_guard("/"):
-                walked = None if catalog is None else self._walked_by_child(catalog)  # before reading any of it here
                 self.format_version, self.format_minor = self._check_version()
-                self._stored = walked if walked is not None else self._contained()
+                # A file from elsewhere as the child's walk found it: never walked in this process.
+                self._stored = self._contained() if catalog is None else catalog.datasets
                 self.index = self._read_index()
                 self._require_checksums()
                 self._validate_tensors()
@@ -165,15 +165,6 @@ class BundleReader:
         if catalog is None:
             return _open_hdf5(self.path), None
         return open_walked(self.path, catalog, "bundle", lambda target: _open_hdf5(self.path, target)), catalog
-
-    def _walked_by_child(self, catalog: Catalog) -> dict[str, StoredDataset]:
-        """Every dataset, as the child's walk (``catalog``) found them in the file HDF5 opened; refuse the file when
-        the walk did not describe that file unchanged (rewritten in place since :func:`open_walked` checked it): a
-        file from elsewhere is never walked in this process."""
-        descriptor = _descriptor(self._file)
-        if descriptor is None:  # nothing tells which file HDF5 opened
-            raise BundleFormatError(f"{self.path}: HDF5 opened it through a driver this reader cannot check")
-        return require_walked(catalog, descriptor, self.path, "bundle").datasets
 
     def _contained(self) -> dict[str, StoredDataset]:
         """Every dataset, from this process's last walk of the file where it describes the file HDF5 opened, else

@@ -207,15 +207,7 @@ def plan_ranks(
     context, manifest = located.context, located.manifest
     catalogs = catalogs or {}
     readers = [
-        # A file the caller's walks missed is walked here: only one named by neither is opened unchecked.
-        stack.enter_context(
-            BundleReader(
-                f,
-                verify=job.verify,
-                preflight=DEFAULT_PREFLIGHT_SECONDS if catalogs and f not in catalogs else preflight,
-                catalog=catalogs.get(f),
-            )
-        )
+        stack.enter_context(BundleReader(f, verify=job.verify, preflight=preflight, catalog=catalogs.get(f)))
         for f in located.files
     ]
     if manifest is None:

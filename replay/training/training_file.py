@@ -23,7 +23,7 @@ from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_float64
 from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
-from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked, require_walked
+from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import rebuild
 from parity_harness.replay.training.runs import StepInfo, StepKey
@@ -89,8 +89,6 @@ class TrainingRun:
         else:
             self._file = open_walked(self.path, catalog, "training file", self._open_hdf5, growing=self.live)
         try:
-            if catalog is not None:  # rewritten in place between that check and HDF5's open
-                require_walked(catalog, self._file.id.get_vfd_handle(), self.path, "training file", growing=self.live)
             with self._damage_guard("/"):
                 header = read_header(self._file, str(self.path))
         except BaseException:

@@ -752,3 +752,26 @@ def test_assert_parity_walks_a_bundle_in_a_child_once_per_file(
     monkeypatch.setattr(preflight, "_WALK", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
     with pytest.raises(BundleFormatError, match=r"crashing\.h5: HDF5 crashed \(SIGSEGV\)"):
         assert_parity(build_tiny(), crashing)
+
+
+def test_a_bundle_rewritten_in_place_while_hdf5_opens_it_is_closed_and_refused(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is checked against its walk once more after HDF5 opened it: one written to between the first check
+    and HDF5's open (here, as HDF5 opens it) is closed and refused, before the reader reads its index."""
+    path = tmp_path / "bundle.h5"
+    shutil.copyfile(tiny_bundle, path)
+    open_hdf5, opened = reader_module._open_hdf5, []
+
+    def open_then_append(named: Path, target: str | None = None) -> h5py.File:
+        file = open_hdf5(named, target)
+        opened.append(file)
+        with named.open("ab") as out:
+            out.write(b"\0")
+        return file
+
+    monkeypatch.setattr(reader_module, "_open_hdf5", open_then_append)
+    with pytest.raises(BundleChangedError, match=r"bundle\.h5: the bundle opened is not the one checked"):
+        BundleReader(path, preflight=30)
+    assert len(opened) == 1
+    assert not opened[0].id.valid
