@@ -12,6 +12,7 @@ Framework-neutral: works on stored NumPy arrays (see :func:`parity_harness.commo
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Final
@@ -23,17 +24,61 @@ from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.running import dot
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["STATISTICS", "array_statistics", "diff_statistics", "parse_statistics", "stored_crc32"]
+__all__ = ["STATISTICS", "array_statistics", "crc32_combine", "diff_statistics", "parse_statistics", "stored_crc32"]
 
 STATISTICS: Final = ("numel", "sum", "sum_abs", "sum_sq", "min", "max", "nan", "posinf", "neginf", "crc32")
 """Keys of a summary; sums, minimum and maximum are over the finite elements, in float64."""
 _COUNTS: Final = ("numel", "nan", "posinf", "neginf", "crc32")
 _CHUNK: Final = 1 << 16
+_CRC32_POLYNOMIAL: Final = 0xEDB88320
+"""zlib's CRC-32 polynomial, bit-reversed: bit 31 holds the coefficient of x^0, bit 0 that of x^31."""
 
 
 def stored_crc32(stored: np.ndarray) -> int:
     """The CRC-32 of an array's bytes as stored (C order, raw bits): what a bundle's checksums hold."""
     return zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
+
+
+def crc32_combine(first: int, second: int, second_length: int) -> int:
+    """The CRC-32 (zlib's) of two byte strings laid end to end, from each one's CRC-32 and the second one's length
+    in bytes, so that the pieces of a long buffer can be checksummed apart, on any thread, in any order.
+
+    zlib's own ``crc32_combine`` is not exposed to Python. The CRC of the whole is the first CRC moved past the
+    second string's bits (multiplied by x^(8 * length) modulo the polynomial) added to the second CRC."""
+    return _multiply_modulo(_shift_by_bytes(second_length), first) ^ second
+
+
+def _multiply_modulo(left: int, right: int) -> int:
+    """``left * right`` modulo the CRC-32 polynomial, both bit-reversed like a CRC."""
+    product, bit = 0, 1 << 31  # bit: the coefficient of x^k in left, for k = 0, 1, ...
+    while left:
+        if left & bit:
+            product ^= right
+            left ^= bit
+        bit >>= 1
+        right = (right >> 1) ^ _CRC32_POLYNOMIAL if right & 1 else right >> 1  # right * x
+    return product
+
+
+def _shift_by_bytes(length: int) -> int:
+    """x^(8 * length) modulo the polynomial: the product of x^(8 * 2^k) over the bits k set in ``length``."""
+    power = 1 << 31  # x^0
+    for square in _byte_shift_squares()[: length.bit_length()]:
+        if length & 1:
+            power = _multiply_modulo(square, power)
+        length >>= 1
+    return power
+
+
+@functools.cache
+def _byte_shift_squares() -> tuple[int, ...]:
+    """x^(8 * 2^k) modulo the polynomial for k = 0..63, each the square of the one before."""
+    square = 1 << (31 - 8)  # x^8
+    squares = [square]
+    for _ in range(63):
+        square = _multiply_modulo(square, square)
+        squares.append(square)
+    return tuple(squares)
 
 
 def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float | int]:

@@ -221,3 +221,16 @@ def test_capture_and_replay_import_no_torch_compile_machinery(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_cotangent_has_the_same_values_whatever_the_outputs_dtype() -> None:
+    """The seeded cotangent of a float64 output holds exactly the float32 output's values (a float64 rerun of a float32
+    model backpropagates the same cotangent), and a bfloat16 output's is those values rounded once."""
+    shape = (3, 7, 11)
+    cotangents = {
+        dtype: make_cotangents(torch.zeros(shape, dtype=dtype, requires_grad=True), seed=5)[0][2]
+        for dtype in (torch.float64, torch.float32, torch.bfloat16)
+    }
+    assert cotangents[torch.float64].dtype == torch.float64
+    assert torch.equal(cotangents[torch.float64], cotangents[torch.float32].double())
+    assert torch.equal(cotangents[torch.bfloat16], cotangents[torch.float32].bfloat16())

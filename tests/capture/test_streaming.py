@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +184,68 @@ def test_a_copy_counts_as_held_only_while_the_ring_holds_its_bytes(tmp_path: Pat
     assert not any(stream.holds(staged, expected) for staged, expected in staged_copies[-10:])
     stream.close()
     os.close(fd)
+
+
+@pytest.mark.parametrize("hand_over_from", [1, 1 << 40], ids=["every-write-handed-over", "none-handed-over"])
+def test_every_checksum_is_the_crc32_of_the_bytes_written(
+    tmp_path: Path, hand_over_from: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whichever thread takes a write's CRC-32 (the disk thread, the checksum thread, or the caller while it waits
+    for ring space), each name's checksum is zlib's CRC-32 of the bytes written for it last: stable tensors of many
+    slices folded into one, snapshots through a ring that wraps, a name written twice."""
+    monkeypatch.setattr(streaming, "_SUM_APART_FROM", hand_over_from)
+    monkeypatch.setattr(streaming, "_SLICE", 3 * streaming.BLOCK)  # stable tensors of many slices, the last short
+    rng = torch.Generator().manual_seed(1)
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=16 * streaming.BLOCK)
+    expected, offset = {}, 0
+    for number, tensor in enumerate(tensors_of_every_kind(rng) + [torch.randn(n, generator=rng) for n in (9000, 5)]):
+        name = f"t{number % 40}"  # names 0..(n - 40) are written twice: the later write's checksum counts
+        stream.write_stable(offset, tensor, name) if number % 2 else stream.write(offset, tensor, name)
+        expected[name] = zlib.crc32(stored_bytes(tensor))
+        offset += len(stored_bytes(tensor))
+    stream.close()
+    os.close(fd)
+    assert stream.checksums == expected
+
+
+def test_the_caller_takes_the_checksums_the_checksum_thread_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no checksum thread running (one starved of CPU), writes that wait for ring space and the final drain take
+    the CRC-32s themselves: the stream finishes, every checksum right, instead of waiting for ever."""
+    monkeypatch.setattr(streaming, "_SUM_APART_FROM", 1)
+    monkeypatch.setattr(TensorStream, "_start_summer", lambda self: None)
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=8 * streaming.BLOCK)
+    tensors = [torch.randn(streaming.BLOCK // 2, generator=torch.Generator().manual_seed(n)) for n in range(40)]
+
+    def write_all() -> None:
+        for number, tensor in enumerate(tensors):  # each a quarter of the ring: it fills and waits, again and again
+            stream.write(number * streaming.BLOCK * 2, tensor, str(number))
+        stream.close()
+
+    writer = threading.Thread(target=write_all, daemon=True)
+    writer.start()
+    writer.join(timeout=60)
+    assert not writer.is_alive(), "the stream waited for checksums nobody was taking"
+    os.close(fd)
+    assert stream.checksums == {str(n): zlib.crc32(stored_bytes(t)) for n, t in enumerate(tensors)}
+
+
+def test_written_work_is_given_back_in_the_order_it_was_handed_out() -> None:
+    """A later write whose checksum was taken first (by another thread) waits for the earlier ones: ring slots come
+    back oldest first, never under a copy still being checksummed, and of two writes of one name the later's
+    checksum is the one kept."""
+    stream = TensorStream(-1, staging_bytes=1024)
+    stream._in_use.extend([(0, 256), (256, 512)])
+    first = streaming._Written(1, ["x"], [np.zeros(4, np.uint8)], [None])
+    second = streaming._Written(1, ["x"], [np.ones(4, np.uint8)], [222])
+    stream._written.extend([first, second])
+    stream._give_back()
+    assert list(stream._in_use) == [(0, 256), (256, 512)]
+    assert "x" not in stream.checksums
+    first.sums = [111]
+    stream._give_back()
+    assert not stream._in_use
+    assert stream.checksums == {"x": 222}

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from parity_harness.common.errors import BundleFormatError
-from parity_harness.common.numerics.statistics import STATISTICS, array_statistics, diff_statistics, parse_statistics
+from parity_harness.common.numerics.statistics import (
+    STATISTICS,
+    array_statistics,
+    crc32_combine,
+    diff_statistics,
+    parse_statistics,
+)
 from parity_harness.common.numerics.tolerances import Tolerance
 
 
@@ -102,3 +108,17 @@ def test_damaged_statistics_are_refused(damage: object) -> None:
     """A summary with missing keys or wrong types is a BundleFormatError naming where it is."""
     with pytest.raises(BundleFormatError, match="summaries"):
         parse_statistics(damage, "summaries['/modules/x/0/output']")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_crc32s_of_pieces_combine_into_the_crc32_of_the_whole(seed: int) -> None:
+    """Checksummed apart (on any thread), the pieces of a buffer give zlib's CRC-32 of the whole buffer: empty pieces,
+    one byte, lengths around powers of two and a piece of several MiB."""
+    rng = np.random.default_rng(seed)
+    lengths = [0, 1, 3, 4095, 4096, 4097, 65537, int(rng.integers(0, 1 << 16)), (8 << 20) + int(rng.integers(0, 99))]
+    pieces = [rng.integers(0, 256, size=length, dtype=np.uint8).tobytes() for length in rng.permutation(lengths)]
+    combined = 0
+    for piece in pieces:
+        combined = crc32_combine(combined, zlib.crc32(piece), len(piece))
+    assert combined == zlib.crc32(b"".join(pieces))
+    assert crc32_combine(zlib.crc32(pieces[0]), zlib.crc32(b""), 0) == zlib.crc32(pieces[0])
