@@ -108,6 +108,14 @@ def _address(data: np.ndarray) -> int:
     return int(data.__array_interface__["data"][0])
 
 
+def _started(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running ``target``, started (kept only once it runs: one that failed to start is never
+    joined)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
     view = data.data
     while view:
@@ -126,13 +134,14 @@ class _Disk:
     def put(self, data: np.ndarray, offset: int) -> None:
         start = -(-offset // BLOCK) * BLOCK
         end = (offset + data.size) // BLOCK * BLOCK
-        if self._direct_fd is None or end - start < _DIRECT_FROM:
+        direct_fd = self._direct_fd  # read once: a write on another thread may turn O_DIRECT off meanwhile
+        if direct_fd is None or end - start < _DIRECT_FROM:
             _write_all(self._fd, data, offset)
             return
         head, middle, tail = data[: start - offset], data[start - offset : end - offset], data[end - offset :]
         _write_all(self._fd, head, offset)
         try:
-            self._put_direct(middle, start)
+            self._put_direct(middle, start, direct_fd)
         except OSError as err:
             if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
@@ -140,10 +149,9 @@ class _Disk:
             _write_all(self._fd, middle, start)
         _write_all(self._fd, tail, end)
 
-    def _put_direct(self, data: np.ndarray, offset: int) -> None:
-        assert self._direct_fd is not None
+    def _put_direct(self, data: np.ndarray, offset: int, direct_fd: int) -> None:
         if _address(data) % BLOCK == 0:
-            _write_all(self._direct_fd, data, offset)
+            _write_all(direct_fd, data, offset)
             return
         with self._bounce_lock:
             if self._bounce is None:
@@ -151,7 +159,7 @@ class _Disk:
             for begin in range(0, data.size, _SLICE):
                 piece = data[begin : begin + _SLICE]
                 np.copyto(self._bounce[: piece.size], piece)
-                _write_all(self._direct_fd, self._bounce[: piece.size], offset + begin)
+                _write_all(direct_fd, self._bounce[: piece.size], offset + begin)
 
 
 @dataclass(frozen=True)
@@ -191,8 +199,9 @@ class _Stable:
 
 @dataclass
 class _Written:
-    """Work the disk thread finished: its bytes are in the file, their CRC-32s still to be taken before it is given
-    back, in the order it was handed out (the ring slots of a batch of snapshots, a slice of a stable tensor)."""
+    """Work the disk thread finished: its bytes are in the file (unless the stream failed), their CRC-32s still to
+    be taken before it is given back, in the order it was handed out (the ring slots of a batch of snapshots, a
+    slice of a stable tensor)."""
 
     slots: int
     names: list[str]
@@ -351,15 +360,14 @@ class TensorStream:
                 self._wake()
                 if not (self._snapshots or self._stables or self._busy or self._written) or self._error is not None:
                     break
-                written = self._to_sum.popleft() if self._to_sum else None
-                if written is None:
+                if not self._to_sum:
                     self._lock.wait(timeout=0.5)
                     continue
-            self._sum(written)
+            self._sum_next()
         self._raise_pending()
 
     def close(self) -> None:
-        """Drain, stop the writer thread and free the ring."""
+        """Drain, stop the disk and checksum threads and free the ring."""
         try:
             self.drain()
         finally:
@@ -368,18 +376,21 @@ class TensorStream:
                 with self._lock:
                     self._closing = True
                     self._lock.notify_all()
-                for thread in threads:
+                for thread in threads:  # the disk thread first: it may still pass work to the checksum thread
                     thread.join()
                 self._thread = self._summer = None  # a stream used again starts its threads again
                 self._closing = False
+            while self._sum_next():  # what a drain cut short left (an interrupt, an error): given back
+                pass
             self._ring = self._ring_bytes = None  # its memory now, not whenever the stream is collected
             self._tape_head += self._capacity  # the copies went with the ring: none may prove a repeat any more
             self.before_wait = None  # usually a method of the stream's owner: no cycle left behind
 
     def _submit(self, enqueue: object, nbytes: int) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="parity-bundle-writer", daemon=True)
-            self._thread.start()
+            self._thread = _started(self._run, "parity-bundle-writer")
+        if self._summer is None and self._checksums_on and nbytes >= _SUM_APART_FROM:  # a write to hand over
+            self._summer = _started(self._run_sums, "parity-bundle-checksums")
         with self._lock:
             enqueue()  # type: ignore[operator]
             self._unannounced += 1
@@ -413,14 +424,13 @@ class TensorStream:
                     self._head = start + need
                     self._tape_head = lap + self._head
                     return start
-                unsubmitted, submit = self._unsubmitted, self.before_wait
-                written = self._to_sum.popleft() if self._to_sum else None
-                if written is None and not (unsubmitted and submit):
+                unsubmitted, submit, summable = self._unsubmitted, self.before_wait, bool(self._to_sum)
+                if not (summable or (unsubmitted and submit)):
                     self._wake()  # the ring is full of what the writer has not been told about yet
                     self._lock.wait(timeout=0.5)
                     continue
-            if written is not None:  # the ring waits for checksums: take one here
-                self._sum(written)
+            if summable:  # the ring waits for checksums: take some here
+                self._sum_next()
                 continue
             assert submit is not None
             submit()  # outside the lock: the writer thread takes it to report what it wrote
@@ -479,12 +489,11 @@ class TensorStream:
                 self._error = err
             with self._lock:
                 self._busy -= 1
-                if self._error is not None:  # nothing more is written or summed: given back as it is
+                if self._error is not None:  # nothing more is written or summed: given back unrecorded
                     written.sums = [0] * len(written.pieces)
                 self._written.append(written)
                 if not written.summed:
                     self._to_sum.append(written)
-                    self._start_summer()
                 self._give_back()
                 self._lock.notify_all()
 
@@ -509,11 +518,6 @@ class TensorStream:
         self._disk.put(piece, offset)
         written.pieces.append(piece)
 
-    def _start_summer(self) -> None:
-        if self._summer is None:
-            self._summer = threading.Thread(target=self._run_sums, name="parity-bundle-checksums", daemon=True)
-            self._summer.start()
-
     def _run_sums(self) -> None:
         """The checksum thread: takes the CRC-32s of written work, oldest first, until the stream closes."""
         while True:
@@ -522,34 +526,58 @@ class TensorStream:
                     self._lock.wait()
                 if not self._to_sum:
                     return
-                written = self._to_sum.popleft()
-            self._sum(written)
+            self._sum_next()
 
-    def _sum(self, written: _Written) -> None:
-        """Take ``written``'s CRC-32s (outside the lock: zlib releases the GIL), then give back what is done."""
+    def _sum_next(self) -> bool:
+        """Take the CRC-32s of the oldest written work waiting for them, if any, outside the lock (zlib releases the
+        GIL), then give back what is done; whether there was any. Work taken by a caller whose thread is interrupted
+        (Ctrl-C) goes back to the queue, for another thread."""
+        written = None
         try:
+            with self._lock:
+                if not self._to_sum:
+                    return False
+                written = self._to_sum.popleft()
             pairs = zip(written.pieces, written.sums, strict=True)
             sums: list[int | None] = [self._crc(piece.data) if crc is None else crc for piece, crc in pairs]
-        except BaseException as err:  # handed to the main thread
-            self._error, sums = err, [0] * len(written.pieces)
+        except Exception as err:  # handed to the caller
+            self._error, sums = self._error or err, [0] * (0 if written is None else len(written.pieces))
+        except BaseException:
+            if written is not None:
+                with self._lock:
+                    self._to_sum.appendleft(written)
+                    self._lock.notify_all()
+            raise
+        if written is None:
+            return False
         with self._lock:
             written.sums = sums
             self._give_back()
             self._lock.notify_all()
+        return True
 
     def _give_back(self) -> None:
         """Give back the written work whose checksums are taken, in the order it was handed out: its ring slots,
-        its CRC-32s, each stable tensor's slices folded into one (call holding the lock)."""
+        its CRC-32s, each stable tensor's slices folded into one (call holding the lock). Once the stream failed,
+        no checksum is recorded: some of its bytes may not be in the file."""
         while self._written and self._written[0].summed:
             written = self._written.popleft()
             for _ in range(written.slots):
                 self._in_use.popleft()
-            item, sums = written.stable, cast(list[int], written.sums)
-            if item is None:
-                self.checksums.update(zip(written.names, sums, strict=True))
+            if self._error is not None:
                 continue
-            for piece, crc in zip(written.pieces, sums, strict=True):  # none where the write failed
-                item.crc = crc32_combine(item.crc, crc, piece.size) if item.folded else crc
-                item.folded += piece.size
-            if item.folded == len(item.data):
-                self.checksums[item.name] = item.crc
+            try:
+                self._record(written)
+            except Exception as err:  # handed to the caller, not lost with a background thread
+                self._error = err
+
+    def _record(self, written: _Written) -> None:
+        item, sums = written.stable, cast(list[int], written.sums)
+        if item is None:
+            self.checksums.update(zip(written.names, sums, strict=True))
+            return
+        for piece, crc in zip(written.pieces, sums, strict=True):
+            item.crc = crc32_combine(item.crc, crc, piece.size) if item.folded and self._checksums_on else crc
+            item.folded += piece.size
+        if item.folded == len(item.data):
+            self.checksums[item.name] = item.crc

@@ -215,7 +215,7 @@ def test_the_caller_takes_the_checksums_the_checksum_thread_does_not(
     """With no checksum thread running (one starved of CPU), writes that wait for ring space and the final drain take
     the CRC-32s themselves: the stream finishes, every checksum right, instead of waiting for ever."""
     monkeypatch.setattr(streaming, "_SUM_APART_FROM", 1)
-    monkeypatch.setattr(TensorStream, "_start_summer", lambda self: None)
+    monkeypatch.setattr(TensorStream, "_run_sums", lambda self: None)  # the checksum thread ends at once
     fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
     stream = TensorStream(fd, staging_bytes=8 * streaming.BLOCK)
     tensors = [torch.randn(streaming.BLOCK // 2, generator=torch.Generator().manual_seed(n)) for n in range(40)]
@@ -249,3 +249,59 @@ def test_written_work_is_given_back_in_the_order_it_was_handed_out() -> None:
     stream._give_back()
     assert not stream._in_use
     assert stream.checksums == {"x": 222}
+
+
+def test_ctrl_c_while_the_caller_takes_checksums_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt (Ctrl-C) that lands while the caller takes a checksum reaches it as itself, not as a failed
+    write, and the work it was checksumming goes back: closing the stream afterwards finishes, every checksum
+    right."""
+    monkeypatch.setattr(streaming, "_SUM_APART_FROM", 1)
+    monkeypatch.setattr(TensorStream, "_run_sums", lambda self: None)  # the caller takes every handed-over checksum
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=1 << 20)
+    tensors = [torch.randn(1000, generator=torch.Generator().manual_seed(n)) for n in range(5)]
+    for number, tensor in enumerate(tensors):
+        stream.write(number * 4000, tensor, str(number))
+    crc = stream._crc
+
+    def interrupted(data: object, value: int = 0) -> int:
+        stream._crc = crc  # once
+        raise KeyboardInterrupt
+
+    stream._crc = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        stream.drain()
+    closing = threading.Thread(target=stream.close, daemon=True)
+    closing.start()
+    closing.join(timeout=60)
+    assert not closing.is_alive(), "close() waited for checksum work the interrupt dropped"
+    os.close(fd)
+    assert stream.checksums == {str(n): zlib.crc32(stored_bytes(t)) for n, t in enumerate(tensors)}
+
+
+@pytest.mark.parametrize("hand_over_from", [1, 1 << 40], ids=["handed-over", "taken-by-the-disk-thread"])
+def test_no_wrong_checksum_is_recorded_when_a_write_fails(
+    tmp_path: Path, hand_over_from: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third write of a batch fails (a full disk): the stream raises, and any checksum it still holds is the
+    CRC-32 of its tensor's bytes, never a placeholder for work that was given back unwritten or unsummed."""
+    monkeypatch.setattr(streaming, "_SUM_APART_FROM", hand_over_from)
+    pwrite, calls = os.pwrite, [0]
+
+    def third_fails(fd: int, data: object, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(28, "No space left on device")
+        return pwrite(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(streaming.os, "pwrite", third_fails)
+    fd = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=1 << 20)
+    tensors = [torch.randn(100, generator=torch.Generator().manual_seed(n)) for n in range(5)]
+    for number, tensor in enumerate(tensors):
+        stream.write(number * 400, tensor, str(number))
+    with pytest.raises(BundleError, match="No space left"):
+        stream.close()
+    os.close(fd)
+    expected = {str(n): zlib.crc32(stored_bytes(t)) for n, t in enumerate(tensors)}
+    assert all(stream.checksums[name] == expected[name] for name in stream.checksums), stream.checksums
