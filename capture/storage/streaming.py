@@ -540,8 +540,9 @@ class TensorStream:
                 written = self._to_sum.popleft()
             pairs = zip(written.pieces, written.sums, strict=True)
             sums: list[int | None] = [self._crc(piece.data) if crc is None else crc for piece, crc in pairs]
-        except Exception as err:  # handed to the caller
-            self._error, sums = self._error or err, [0] * (0 if written is None else len(written.pieces))
+        except Exception as err:  # handed to the caller; the work is given back unrecorded
+            self._error = self._error or err
+            sums = [] if written is None else [0] * len(written.pieces)
         except BaseException:
             if written is not None:
                 with self._lock:

@@ -305,3 +305,26 @@ def test_no_wrong_checksum_is_recorded_when_a_write_fails(
     os.close(fd)
     expected = {str(n): zlib.crc32(stored_bytes(t)) for n, t in enumerate(tensors)}
     assert all(stream.checksums[name] == expected[name] for name in stream.checksums), stream.checksums
+
+
+def test_a_write_under_way_finishes_when_another_turns_o_direct_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's write that finds O_DIRECT refused turns it off while this write is between its buffered head
+    and its O_DIRECT middle: this write still lands whole, through the descriptor it started with."""
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    direct_fd = os.open(path, os.O_WRONLY)  # stands in for the O_DIRECT descriptor: only the ordering matters here
+    disk = streaming._Disk(fd, direct_fd)
+    data = np.arange(3 * (1 << 20), dtype=np.uint8)
+    write_all = streaming._write_all
+
+    def turned_off_meanwhile(target: int, chunk: np.ndarray, offset: int) -> None:
+        disk._direct_fd = None  # what the other thread's fallback does
+        write_all(target, chunk, offset)
+
+    monkeypatch.setattr(streaming, "_write_all", turned_off_meanwhile)
+    disk.put(data, 100)  # an unaligned offset: a buffered head first, then the aligned middle
+    os.close(fd)
+    os.close(direct_fd)
+    assert path.read_bytes()[100:] == data.tobytes()
