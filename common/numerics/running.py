@@ -25,8 +25,15 @@ its thread pool, whose threads then spin and take the cores from the model's own
 
 def dot(x: np.ndarray, y: np.ndarray) -> float:
     """Re(sum conj(x) * y) of two flat arrays, float64, without waking BLAS threads."""
+    whole = x.size - x.size % _DOT_PIECE if x.dtype == y.dtype and x.dtype.kind == "f" else 0
     total = 0.0
-    for begin in range(0, x.size, _DOT_PIECE):
+    if whole:
+        # All whole pieces in one call: a stack of 1 x N by N x 1 products is a BLAS dot each (as np.vdot is),
+        # at a third of the cost of a call per piece.
+        rows = whole // _DOT_PIECE
+        pieces = np.matmul(x[:whole].reshape(rows, 1, _DOT_PIECE), y[:whole].reshape(rows, _DOT_PIECE, 1))
+        total = float(pieces.sum(dtype=np.float64))
+    for begin in range(whole, x.size, _DOT_PIECE):
         total += float(np.real(np.vdot(x[begin : begin + _DOT_PIECE], y[begin : begin + _DOT_PIECE])))
     return total
 

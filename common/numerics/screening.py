@@ -70,7 +70,7 @@ class Screen:
         if self.dense:
             return False
         n = e.size
-        d, dabs, m = self.d[:n], self.dabs[:n], self.m[:n]
+        d, dabs = self.d[:n], self.dabs[:n]
         np.subtract(a, e, out=d)
         np.abs(d, out=dabs)
         top = float(np.max(dabs))
@@ -80,7 +80,6 @@ class Screen:
             run.add_zero(start)
             self._add_dots(run, e, d, zero=True)
             return True
-        np.abs(e, out=m)
         upper = top * (1.0 + _BAND)  # no element's float64 difference is larger
         beyond = None
         if upper > self.tolerance.atol:
@@ -90,7 +89,7 @@ class Screen:
                 return False
             if beyond.size == 0:  # the bound allowed some, float32 shows none: every element is within atol
                 beyond = None
-        relative = self._relative(dabs, m)
+        relative = self._relative(e, d)
         if relative is None:
             return False
         ratios, top_ratio, nonzero = relative
@@ -114,17 +113,20 @@ class Screen:
         if diff[first] > run.max_abs:
             run.max_abs, run.max_abs_at = float(diff[first]), start + int(largest_at[first])
 
-    def _relative(self, dabs: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, float, bool] | None:
+    def _relative(self, e: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, float, bool] | None:
         """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, its maximum, and whether every ``|e|`` is
         nonzero; None if the maximum overflows or is 0 (no difference where the reference is nonzero). A nonzero
         ratio of float32 values is at least 2**-24: normal, with float32's relative precision."""
-        q = self.q[: dabs.size]
-        np.divide(dabs, m, out=q)
+        q = self.q[: e.size]
+        # |d / e| rather than |d| / |e|: the same bits (rounding is symmetric in sign), without a pass for |e|.
+        np.divide(d, e, out=q)
+        np.abs(q, out=q)
         top = float(np.max(q))
         nonzero = math.isfinite(top)  # a zero |e| gives NaN (0/0) or infinity, which the maximum shows
-        if not nonzero and float(np.min(m)) == 0.0:
+        if not nonzero and not np.all(e):
+            m = np.abs(e, out=self.m[: e.size])
             q.fill(0.0)
-            np.divide(dabs, m, out=q, where=m > 0)
+            np.divide(self.dabs[: e.size], m, out=q, where=m > 0)
             top = float(np.max(q))
         return (q, top, nonzero) if 0.0 < top < math.inf else None
 
@@ -153,10 +155,10 @@ class Screen:
                     diff, magnitude = _exact(e, a, at)
                     run.raise_atol(diff, magnitude, np.empty_like(diff))
                 return
-        slack = self.q[: e.size]
-        np.multiply(self.m[: e.size], self.rtol32, out=slack)
+        slack, m = self.q[: e.size], np.abs(e, out=self.m[: e.size])
+        np.multiply(m, self.rtol32, out=slack)
         np.subtract(self.dabs[: e.size], slack, out=slack)
-        error = 2.0**-21 * (top + float(self.rtol32) * float(np.max(self.m[: e.size]))) + 2.0**-140
+        error = 2.0**-21 * (top + float(self.rtol32) * float(np.max(m))) + 2.0**-140
         diff, magnitude = _exact(e, a, np.flatnonzero(slack >= float(np.max(slack)) - 2.0 * error))
         run.raise_atol(diff, magnitude, np.empty_like(diff))
 

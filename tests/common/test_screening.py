@@ -287,3 +287,19 @@ def test_tolerances_outside_float32_are_not_screened() -> None:
     assert screenable(Tolerance(0.0, 0.0))
     assert not screenable(Tolerance(1e-40, 1e-5))
     assert not screenable(Tolerance(1e-5, 1e39))
+
+
+def test_a_chunk_crowded_at_rtol_gives_the_float64_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than an eighth of the ratios within the band of rtol (a port off by rtol almost everywhere): the
+    required atol comes from the slack of every element, computed from this record's own magnitudes, whatever the
+    records compared before left in the reused buffers. The values are small enough (about atol / rtol) that
+    few differences exceed atol, so the chunks are screened, not left to float64."""
+    tolerance = Tolerance(1e-5, 1e-3)
+    rng = np.random.default_rng(11)
+    for scale in (4e-3, 1e-3, 2.5e-4):
+        e = (rng.standard_normal(120_000) * scale).astype(np.float32)
+        a = (e * (1 + tolerance.rtol * (1 + 1e-4 * rng.standard_normal(e.size)))).astype(np.float32)
+        screened = diff_arrays(e, a, tolerance, expected_dtype="F32", actual_dtype="F32")
+        exact = _float64_only(monkeypatch, e, a, tolerance)
+        assert dataclasses.replace(screened, cosine=0.0) == dataclasses.replace(exact, cosine=0.0), scale
+        assert screened.required_atol > 0.0

@@ -1,0 +1,31 @@
+"""The dot product every cosine and norm is built on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity_harness.common.numerics.running import dot
+
+SIZES = [0, 1, 8191, 8192, 8193, 3 * 8192, 65_536 + 77]
+"""Around and across the pieces the products are taken in."""
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtypes", [("f4", "f4"), ("f8", "f8"), ("f4", "f8"), ("c8", "c8")], ids="-".join)
+def test_dot_is_the_exact_sum_to_the_precision_of_its_pieces(size: int, dtypes: tuple[str, str]) -> None:
+    """Every element counts once, the tail after the last whole piece included; complex values are conjugated on
+    the left (``Re(sum conj(x) * y)``); the result is within the pieces' own rounding of the exact sum."""
+    rng = np.random.default_rng(size)
+
+    def values(dtype: str) -> np.ndarray:
+        real = rng.standard_normal(size) + 0.5
+        return (real + 1j * rng.standard_normal(size) if dtype.startswith("c") else real).astype(dtype)
+
+    x, y = values(dtypes[0]), values(dtypes[1])
+    if size:
+        x[-1] = y[-1] = 64  # far beyond the rounding: a dropped tail shows
+    exact = float(np.real(np.sum(np.conj(x.astype(np.clongdouble)) * y.astype(np.clongdouble))))
+    scale = float(np.sum(np.abs(x).astype(np.float64) * np.abs(y).astype(np.float64)))
+    precision = np.finfo(np.result_type(x, y)).eps
+    assert abs(dot(x, y) - exact) <= 256 * precision * scale
