@@ -98,7 +98,7 @@ class Screen:
         if top_ratio * (1.0 + _BAND) >= run.max_rel:
             self._fold_relative(run, e, a, ratios, top_ratio, start)
         if upper > run.need_atol:
-            self._raise_atol(run, e, a, top, ratios if nonzero else None)
+            self._raise_atol(run, e, a, top, (ratios, top_ratio) if nonzero else None)
         if beyond is not None:
             self._fold_beyond(run, e, a, beyond)
         self._add_dots(run, e, d)
@@ -141,15 +141,18 @@ class Screen:
             run.max_rel, run.max_rel_at = float(values[first]), start + int(at[first])
 
     def _raise_atol(
-        self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float, ratios: np.ndarray | None
+        self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float, ratios: tuple[np.ndarray, float] | None
     ) -> None:
         """The required atol from the elements that can set it; the others pass it with room to spare.
 
-        With ``ratios`` (``|a - e| / |e|``, no zero in the reference) those are the few elements whose ratio may
-        reach rtol; otherwise those within the float32 error of the float32 maximum of ``|a - e| - rtol * |e|``.
+        With ``ratios`` (``|a - e| / |e|`` and their maximum, no zero in the reference) those are the few elements
+        whose ratio may reach rtol; otherwise those within the float32 error of the float32 maximum of
+        ``|a - e| - rtol * |e|``.
         """
         if ratios is not None and self.below_rtol > 0.0:
-            at = np.flatnonzero(ratios >= self.below_rtol)
+            if ratios[1] < self.below_rtol:
+                return  # no element's ratio reaches rtol: none needs an atol above 0
+            at = np.flatnonzero(ratios[0] >= self.below_rtol)
             if at.size * _DENSE <= e.size:
                 if at.size:
                     diff, magnitude = _exact(e, a, at)
