@@ -30,6 +30,9 @@ checksum thread at idle priority, so that torch's threads would never wait for i
 that capture on an idle machine, but made it twice as slow beside two busy processes: its CRC-32s waited.)
 
 The ring is a FIFO: space is reclaimed in the order it was handed out, once the write and its checksum are done.
+A write of a name still queued under that name lands after it, bytes and checksum alike: snapshots are written
+before stable tensors queued earlier, and a synchronous write at once, so those two wait for the drain first when
+the name has such a write queued.
 The disk thread is woken once a batch is queued, not per tensor, and then writes every queued snapshot. A write
 error (a full disk) is kept and raised by the next call.
 """
@@ -263,6 +266,12 @@ class TensorStream:
         """Called when the ring is full while copies staged and not yet submitted hold some of it: submits them."""
         self.checksums: dict[str, int] = {}
         """Name -> CRC-32 of the bytes written for it (the last write of a name wins)."""
+        self._queued: collections.Counter[str] = collections.Counter()
+        """Names with writes queued whose checksums are not recorded yet. Counted up on the caller's thread and down
+        on any, so the caller's unlocked look can only see a write as still queued after it was recorded: a spare
+        drain, never a missed one."""
+        self._queued_stable: collections.Counter[str] = collections.Counter()
+        """The same for writes of stable tensors."""
 
     # ------------------------------------------------------------------ main thread
 
@@ -273,6 +282,8 @@ class TensorStream:
         """
         self._raise_pending()
         nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or not self.stages(tensor):
+            self._after_queued(name, self._queued)  # written now: after what is queued for the name, not before
         if nbytes == 0:
             self.checksums[name] = self._crc(b"")
             return
@@ -324,8 +335,15 @@ class TensorStream:
     def submit(self, staged: Staged, offset: int, name: str = "") -> None:
         """Have a staged copy written at ``offset`` (its CRC-32 lands in :attr:`checksums` under ``name``)."""
         self._unsubmitted -= 1
+        if offset != _DISCARDED:
+            self._after_queued(name, self._queued_stable)  # snapshots go first: not before a stable write of the name
         snapshot = _Snapshot(name, offset, staged.start, staged.nbytes, staged.event)
-        self._submit(lambda: self._snapshots.append(snapshot), staged.nbytes)
+        self._submit(lambda: self._enqueue_snapshot(snapshot), staged.nbytes)
+
+    def _enqueue_snapshot(self, snapshot: _Snapshot) -> None:
+        self._snapshots.append(snapshot)
+        if snapshot.offset != _DISCARDED:
+            self._queued[snapshot.name] += 1
 
     def discard(self, staged: Staged) -> None:
         """Give a staged copy's ring space back, in its turn, without writing it (its dataset could not be made)."""
@@ -342,10 +360,21 @@ class TensorStream:
             return
         array, _ = to_storage(tensor)
         if array.nbytes == 0:
+            self._after_queued(name, self._queued)
             self.checksums[name] = self._crc(b"")
             return
         item = _Stable(name, offset, _bytes_of(array), tensor)
-        self._submit(lambda: self._stables.append(item), array.nbytes)
+        self._submit(lambda: self._enqueue_stable(item), array.nbytes)
+
+    def _enqueue_stable(self, item: _Stable) -> None:
+        self._stables.append(item)
+        self._queued[item.name] += 1
+        self._queued_stable[item.name] += 1
+
+    def _after_queued(self, name: str, queued: collections.Counter[str]) -> None:
+        """Drain first if ``queued`` holds a write of ``name`` that would otherwise land after the one coming."""
+        if name in queued:
+            self.drain()
 
     @staticmethod
     def writes_from_memory(tensor: torch.Tensor) -> bool:
@@ -576,9 +605,20 @@ class TensorStream:
         item, sums = written.stable, cast(list[int], written.sums)
         if item is None:
             self.checksums.update(zip(written.names, sums, strict=True))
+            for name in written.names:
+                _count_down(self._queued, name)
             return
         for piece, crc in zip(written.pieces, sums, strict=True):
             item.crc = crc32_combine(item.crc, crc, piece.size) if item.folded and self._checksums_on else crc
             item.folded += piece.size
         if item.folded == len(item.data):
             self.checksums[item.name] = item.crc
+            _count_down(self._queued, item.name)
+            _count_down(self._queued_stable, item.name)
+
+
+def _count_down(counter: collections.Counter[str], name: str) -> None:
+    if counter[name] > 1:
+        counter[name] -= 1
+    else:
+        del counter[name]

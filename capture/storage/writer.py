@@ -293,9 +293,7 @@ class BundleWriter:
             if offset is None:
                 self._write_through_hdf5(path, tensor)
             else:
-                if self._stream.writes_from_memory(held) and not self._stream.writes_from_memory(tensor):
-                    self._stream.drain()  # a copy is written before writes from memory queued earlier: held's too
-                self._stream.write_stable(offset, tensor, path)
+                self._stream.write_stable(offset, tensor, path)  # after held's, if that is still queued
         return ref
 
     def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> Staged | None:

@@ -328,3 +328,50 @@ def test_a_write_under_way_finishes_when_another_turns_o_direct_off(
     os.close(fd)
     os.close(direct_fd)
     assert path.read_bytes()[100:] == data.tobytes()
+
+
+KINDS_OF_WRITE = {
+    "stable": lambda tensor: tensor,  # written from its memory, in slices of a block
+    "snapshot": lambda tensor: tensor,  # a copy in the ring
+    "synchronous": lambda tensor: torch.cat([tensor, tensor]),  # past half the ring: written at once
+    "empty": lambda tensor: tensor[:0],
+}
+"""What each kind of write stores for a 20,000-element tensor."""
+
+
+@pytest.mark.parametrize("second", KINDS_OF_WRITE)
+@pytest.mark.parametrize("first", ["stable", "snapshot"])
+def test_the_last_write_of_a_name_wins_whatever_kinds_the_writes_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str, second: str
+) -> None:
+    """A name written again while its first write is still queued ends with the second write's bytes and checksum,
+    though the disk thread writes snapshots before stable tensors queued earlier and a synchronous write goes to
+    the file at once. The disk thread is held until a drain, so the first write is queued when the second comes."""
+    monkeypatch.setattr(streaming, "_SLICE", streaming.BLOCK)
+    released = threading.Event()
+    write_all = streaming._write_all
+
+    def held_on_the_disk_thread(fd: int, data: np.ndarray, offset: int) -> None:
+        if threading.current_thread().name == "parity-bundle-writer":
+            released.wait(timeout=60)
+        write_all(fd, data, offset)
+
+    drain = TensorStream.drain
+
+    def releasing_drain(self: TensorStream) -> None:
+        released.set()
+        drain(self)
+
+    monkeypatch.setattr(streaming, "_write_all", held_on_the_disk_thread)
+    monkeypatch.setattr(TensorStream, "drain", releasing_drain)
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    stream = TensorStream(fd, staging_bytes=256 << 10)
+    for kind, value in ((first, 1.0), (second, 2.0)):
+        tensor = KINDS_OF_WRITE[kind](torch.full((20_000,), value))
+        stream.write_stable(0, tensor, "x") if kind == "stable" else stream.write(0, tensor, "x")
+    stream.close()
+    os.close(fd)
+    expected = stored_bytes(tensor)
+    assert path.read_bytes()[: len(expected)] == expected
+    assert stream.checksums == {"x": zlib.crc32(expected)}
