@@ -31,8 +31,9 @@ def dot(x: np.ndarray, y: np.ndarray) -> float:
         # All whole pieces in one call: a stack of 1 x N by N x 1 products is a BLAS dot each (as np.vdot is),
         # at a third of the cost of a call per piece.
         rows = whole // _DOT_PIECE
-        pieces = np.matmul(x[:whole].reshape(rows, 1, _DOT_PIECE), y[:whole].reshape(rows, _DOT_PIECE, 1))
-        total = float(pieces.sum(dtype=np.float64))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is inf, as from np.vdot: not a warning
+            pieces = np.matmul(x[:whole].reshape(rows, 1, _DOT_PIECE), y[:whole].reshape(rows, _DOT_PIECE, 1))
+            total = float(pieces.sum(dtype=np.float64))
     for begin in range(whole, x.size, _DOT_PIECE):
         total += float(np.real(np.vdot(x[begin : begin + _DOT_PIECE], y[begin : begin + _DOT_PIECE])))
     return total

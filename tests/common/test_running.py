@@ -29,3 +29,14 @@ def test_dot_is_the_exact_sum_to_the_precision_of_its_pieces(size: int, dtypes: 
     scale = float(np.sum(np.abs(x).astype(np.float64) * np.abs(y).astype(np.float64)))
     precision = np.finfo(np.result_type(x, y)).eps
     assert abs(dot(x, y) - exact) <= 256 * precision * scale
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("dtype", ["f4", "f8"])
+def test_a_dot_product_past_the_float_range_is_infinite_without_a_warning(dtype: str) -> None:
+    """Products that overflow give inf (and inf - inf NaN), as BLAS's dot does, not a RuntimeWarning: the
+    comparison reports extreme but finite values instead of failing on a warning filter."""
+    huge = np.full(3 * 8192 + 5, np.finfo(dtype).max / 4, dtype=dtype)
+    assert dot(huge, huge) == np.inf
+    mixed = np.concatenate([huge[:8192], -huge[:8192]])
+    assert np.isnan(dot(mixed, np.abs(mixed)))
