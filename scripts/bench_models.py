@@ -1,7 +1,7 @@
 """The models scripts/bench.py times, and an adapter that drives them from the command line.
 
     PARITY_BENCH_MODEL=conformer capture-run --adapter scripts/bench_models.py --out b.h5 --batch-size 4 --seq-len 16000
-    python scripts/bench_models.py bare --model conformer --batch-size 4 --seq-len 16000   # the bare process
+    python scripts/bench_models.py bare --model conformer --batch-size 4 --seq-len 16000 [--device cuda]  # bare
 
 Models (seeded random weights, built in code, nothing downloaded):
 
@@ -164,8 +164,10 @@ def seeded_step(model: nn.Module, inputs: dict[str, Any], seed: int = 42) -> Non
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     live = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     generator = torch.Generator().manual_seed(seed)
-    cotangents = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in live]
+    cotangents = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in live]
     torch.autograd.backward(live, cotangents)
+    if any(t.is_cuda for t in live):
+        torch.cuda.synchronize()  # the step ends when the device is done, as the tools' steps do
 
 
 def main() -> None:
@@ -174,12 +176,14 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="conformer")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     options = parser.parse_args()
     os.environ[MODEL_VARIABLE] = options.model
     spec = MODELS[options.model]
     started = time.perf_counter()
-    model = load_model(None, "cpu")
+    model = load_model(None, options.device)
     inputs = make_inputs(42, options.batch_size or spec.batch_size, options.seq_len or spec.seq_len)
+    inputs = {name: tensor.to(options.device) for name, tensor in inputs.items()}
     seeded_step(model, inputs)
     print(f"bare step done in {time.perf_counter() - started:.2f} s")
 
