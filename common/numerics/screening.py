@@ -36,6 +36,10 @@ _DENSE: Final = 8
 would cost more than widening."""
 
 
+_largest, _smallest = np.maximum.reduce, np.minimum.reduce
+"""The reductions themselves: ``np.max``'s Python wrapper costs more than a chunk's reduction takes."""
+
+
 def screenable(tolerance: Tolerance) -> bool:
     """Whether ``tolerance``'s atol and rtol survive float32 with their relative precision."""
     return all(value == 0.0 or _NORMAL <= value <= _HUGE for value in (tolerance.atol, tolerance.rtol))
@@ -63,6 +67,8 @@ class Screen:
         self.dense = False
         """A chunk had many elements beyond atol: the rest of the comparison (most likely alike) goes to float64
         without being screened first."""
+        self._dabs_taken = False
+        """Whether ``dabs`` holds ``|a - e|`` of the chunk being folded (:meth:`_abs_diff`)."""
 
     def fold(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, start: int) -> bool:
         """Fold the float32 chunk ``e``/``a`` (flat positions from ``start``) into ``run``; False, with nothing
@@ -70,12 +76,13 @@ class Screen:
         if self.dense:
             return False
         n = e.size
-        d, dabs = self.d[:n], self.dabs[:n]
+        d = self.d[:n]
         np.subtract(a, e, out=d)
-        np.abs(d, out=dabs)
-        top = float(np.max(dabs))
-        if not math.isfinite(top):  # NaN or infinity on a side, or a difference past float32's range
+        high, low = float(_largest(d)), float(_smallest(d))  # |d|'s maximum without a pass writing |d|
+        if not (math.isfinite(high) and math.isfinite(low)):  # NaN or infinity, or past float32's range
             return False
+        top = max(high, -low)
+        self._dabs_taken = False
         if top == 0.0:
             run.add_zero(start)
             self._add_dots(run, e, d, zero=True)
@@ -83,7 +90,7 @@ class Screen:
         upper = top * (1.0 + _BAND)  # no element's float64 difference is larger
         beyond = None
         if upper > self.tolerance.atol:
-            beyond = np.flatnonzero(dabs > self.atol32 * (1.0 - _BAND))
+            beyond = np.flatnonzero(self._abs_diff(n) > self.atol32 * (1.0 - _BAND))
             if beyond.size * _DENSE > n:
                 self.dense = True
                 return False
@@ -92,43 +99,55 @@ class Screen:
         relative = self._relative(e, d)
         if relative is None:
             return False
-        ratios, top_ratio, nonzero = relative
+        ratios, top_ratio, by_ratio = relative
         if upper >= run.max_abs:  # the chunk may hold the largest difference so far
             self._fold_largest(run, e, a, top, start)
         if top_ratio * (1.0 + _BAND) >= run.max_rel:
             self._fold_relative(run, e, a, ratios, top_ratio, start)
         if upper > run.need_atol:
-            self._raise_atol(run, e, a, top, (ratios, top_ratio) if nonzero else None)
+            self._raise_atol(run, e, a, top, (ratios, top_ratio) if by_ratio else None)
         if beyond is not None:
             self._fold_beyond(run, e, a, beyond)
         self._add_dots(run, e, d)
         return True
 
+    def _abs_diff(self, n: int) -> np.ndarray:
+        """``|a - e|`` of the chunk being folded (``n`` elements), taken at its first use: most chunks need none."""
+        dabs = self.dabs[:n]
+        if not self._dabs_taken:
+            np.abs(self.d[:n], out=dabs)
+            self._dabs_taken = True
+        return dabs
+
     def _fold_largest(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, top: float, start: int) -> None:
         """The chunk's largest difference in float64, from the elements at its float32 maximum (rounding is
         monotonic: the float64 largest are among them)."""
-        largest_at = np.flatnonzero(self.dabs[: e.size] == top)
+        largest_at = np.flatnonzero(self._abs_diff(e.size) == top)
         diff, _ = _exact(e, a, largest_at)
         first = int(np.argmax(diff))
         if diff[first] > run.max_abs:
             run.max_abs, run.max_abs_at = float(diff[first]), start + int(largest_at[first])
 
     def _relative(self, e: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, float, bool] | None:
-        """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, its maximum, and whether every ``|e|`` is
-        nonzero; None if the maximum overflows or is 0 (no difference where the reference is nonzero). A nonzero
-        ratio of float32 values is at least 2**-24: normal, with float32's relative precision."""
+        """``|a - e| / |e|`` where ``|e| > 0`` (0 elsewhere) in float32, its maximum, and whether these ratios decide
+        the required atol alone (no difference where the reference is 0); None if the maximum overflows or is 0 (no
+        difference where the reference is nonzero). A nonzero ratio of float32 values is at least 2**-24: normal,
+        with float32's relative precision."""
         q = self.q[: e.size]
         # |d / e| rather than |d| / |e|: the same bits (rounding is symmetric in sign), without a pass for |e|.
         np.divide(d, e, out=q)
         np.abs(q, out=q)
-        top = float(np.max(q))
-        nonzero = math.isfinite(top)  # a zero |e| gives NaN (0/0) or infinity, which the maximum shows
-        if not nonzero and not np.all(e):
-            m = np.abs(e, out=self.m[: e.size])
+        top = float(_largest(q))
+        if math.isnan(top):  # 0 / 0 (both sides finite): the port matched a zero of the reference, a ratio of 0
+            np.fmax(q, 0.0, out=q)  # a masked division costs 20 times as much: ReLU outputs, sparse gradients
+            top = float(_largest(q))
+        by_ratio = math.isfinite(top)  # else a difference where the reference is 0, or a ratio past float32's range
+        m = self.m[: e.size]
+        if not by_ratio and float(_smallest(np.abs(e, out=m))) == 0.0:
             q.fill(0.0)
-            np.divide(self.dabs[: e.size], m, out=q, where=m > 0)
-            top = float(np.max(q))
-        return (q, top, nonzero) if 0.0 < top < math.inf else None
+            np.divide(self._abs_diff(e.size), m, out=q, where=m > 0)
+            top = float(_largest(q))
+        return (q, top, by_ratio) if 0.0 < top < math.inf else None
 
     def _fold_relative(
         self, run: RunningDiff, e: np.ndarray, a: np.ndarray, relative: np.ndarray, top: float, start: int
@@ -145,9 +164,9 @@ class Screen:
     ) -> None:
         """The required atol from the elements that can set it; the others pass it with room to spare.
 
-        With ``ratios`` (``|a - e| / |e|`` and their maximum, no zero in the reference) those are the few elements
-        whose ratio may reach rtol; otherwise those within the float32 error of the float32 maximum of
-        ``|a - e| - rtol * |e|``.
+        With ``ratios`` (``|a - e| / |e|`` and their maximum; no difference where the reference is 0, so that
+        ``|a - e| - rtol * |e|`` is 0 there) those are the few elements whose ratio may reach rtol; otherwise those
+        within the float32 error of the float32 maximum of ``|a - e| - rtol * |e|``.
         """
         if ratios is not None and self.below_rtol > 0.0:
             if ratios[1] < self.below_rtol:
@@ -160,9 +179,9 @@ class Screen:
                 return
         slack, m = self.q[: e.size], np.abs(e, out=self.m[: e.size])
         np.multiply(m, self.rtol32, out=slack)
-        np.subtract(self.dabs[: e.size], slack, out=slack)
-        error = 2.0**-21 * (top + float(self.rtol32) * float(np.max(m))) + 2.0**-140
-        diff, magnitude = _exact(e, a, np.flatnonzero(slack >= float(np.max(slack)) - 2.0 * error))
+        np.subtract(self._abs_diff(e.size), slack, out=slack)
+        error = 2.0**-21 * (top + float(self.rtol32) * float(_largest(m))) + 2.0**-140
+        diff, magnitude = _exact(e, a, np.flatnonzero(slack >= float(_largest(slack)) - 2.0 * error))
         run.raise_atol(diff, magnitude, np.empty_like(diff))
 
     def _fold_beyond(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, beyond: np.ndarray) -> None:
