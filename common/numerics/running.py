@@ -14,7 +14,7 @@ import numpy as np
 
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["RunningDiff", "dot"]
+__all__ = ["RunningDiff", "dot", "ratio_where_nonzero"]
 
 
 _DOT_PIECE = 8192
@@ -37,6 +37,20 @@ def dot(x: np.ndarray, y: np.ndarray) -> float:
     for begin in range(whole, x.size, _DOT_PIECE):
         total += float(np.real(np.vdot(x[begin : begin + _DOT_PIECE], y[begin : begin + _DOT_PIECE])))
     return total
+
+
+def ratio_where_nonzero(numerator: np.ndarray, magnitude: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``numerator / magnitude`` into ``out`` where ``magnitude > 0``, and 0 where it is 0 (-0.0 for a negative
+    numerator); ``magnitude >= 0``, ``numerator`` finite where ``magnitude`` is 0 and not ``out`` itself.
+
+    Branch-free: a division masked with ``where=`` costs 5-20 times a plain one when the zeros are scattered (ReLU
+    outputs, sparse gradients). Here a zero denominator is made 1 and its quotient multiplied by 0; elsewhere the
+    division is the plain one, bit for bit."""
+    zero = magnitude == 0
+    np.add(magnitude, zero, out=out)
+    np.divide(numerator, out, out=out)
+    np.multiply(out, np.logical_not(zero, out=zero), out=out)
+    return out
 
 
 @dataclass
@@ -81,8 +95,7 @@ class RunningDiff:
         if nonzero:
             np.divide(diff, magnitude, out=scratch)
         else:  # relative differences only where the reference is nonzero
-            scratch.fill(0.0)
-            np.divide(diff, magnitude, out=scratch, where=magnitude > 0)
+            ratio_where_nonzero(diff, magnitude, scratch)
         at = int(np.argmax(scratch))
         if scratch[at] > self.max_rel:
             self.max_rel, self.max_rel_at = float(scratch[at]), start + at
@@ -123,8 +136,7 @@ class RunningDiff:
             self.rtol_hopeless = True
             return
         else:
-            scratch.fill(0.0)
-            np.divide(diff - atol, magnitude, out=scratch, where=magnitude > 0)
+            ratio_where_nonzero(diff - atol, magnitude, scratch)
         candidate = float(np.max(scratch))
         if candidate > self.need_rtol:
             self.need_rtol = _nudge_up(candidate, lambda value: _passes(diff, magnitude, atol, value))

@@ -20,7 +20,7 @@ from typing import Final
 
 import numpy as np
 
-from parity_harness.common.numerics.running import RunningDiff, dot
+from parity_harness.common.numerics.running import RunningDiff, dot, ratio_where_nonzero
 from parity_harness.common.numerics.tolerances import Tolerance
 
 __all__ = ["Screen", "screenable"]
@@ -144,8 +144,7 @@ class Screen:
         by_ratio = math.isfinite(top)  # else a difference where the reference is 0, or a ratio past float32's range
         m = self.m[: e.size]
         if not by_ratio and float(_smallest(np.abs(e, out=m))) == 0.0:
-            q.fill(0.0)
-            np.divide(self._abs_diff(e.size), m, out=q, where=m > 0)
+            ratio_where_nonzero(self._abs_diff(e.size), m, q)
             top = float(_largest(q))
         return (q, top, by_ratio) if 0.0 < top < math.inf else None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parity_harness.common.numerics.running import dot
+from parity_harness.common.numerics.running import dot, ratio_where_nonzero
 
 SIZES = [0, 1, 8191, 8192, 8193, 3 * 8192, 65_536 + 77]
 """Around and across the pieces the products are taken in."""
@@ -40,3 +40,24 @@ def test_a_dot_product_past_the_float_range_is_infinite_without_a_warning(dtype:
     assert dot(huge, huge) == np.inf
     mixed = np.concatenate([huge[:8192], -huge[:8192]])
     assert np.isnan(dot(mixed, np.abs(mixed)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ratio_where_nonzero_is_the_masked_division(dtype: type) -> None:
+    """The branch-free ratio equals a division masked to the nonzero magnitudes, bit for bit where the magnitude is
+    nonzero (subnormal, huge and overflowing quotients included) and 0 where it is 0."""
+    rng = np.random.default_rng(3)
+    n = 50_000
+    top = float(np.log10(np.finfo(dtype).max))
+    with np.errstate(all="ignore"):
+        magnitude = np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-top - 5, top / 2, n)).astype(dtype)
+        numerator = (rng.standard_normal(n) * 10.0 ** rng.uniform(-top / 2, top - 1, n)).astype(dtype)
+    magnitude[rng.random(n) < 0.3] = 0.0
+    with np.errstate(all="ignore"):
+        masked = np.zeros(n, dtype=dtype)
+        np.divide(numerator, magnitude, out=masked, where=magnitude > 0)
+        ratio = ratio_where_nonzero(numerator, magnitude, np.empty(n, dtype=dtype))
+    nonzero = magnitude > 0
+    assert np.array_equal(ratio[nonzero].view(np.uint8), masked[nonzero].view(np.uint8))
+    assert np.isinf(ratio).any()
+    assert np.all(ratio[~nonzero] == 0.0)
