@@ -41,15 +41,19 @@ def dot(x: np.ndarray, y: np.ndarray) -> float:
 
 def ratio_where_nonzero(numerator: np.ndarray, magnitude: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``numerator / magnitude`` into ``out`` where ``magnitude > 0``, and 0 where it is 0 (-0.0 for a negative
-    numerator); ``magnitude >= 0``, ``numerator`` finite where ``magnitude`` is 0 and not ``out`` itself.
+    numerator); ``magnitude >= 0``, ``numerator`` not ``out`` itself.
 
-    Branch-free: a division masked with ``where=`` costs 5-20 times a plain one when the zeros are scattered (ReLU
-    outputs, sparse gradients). Here a zero denominator is made 1 and its quotient multiplied by 0; elsewhere the
-    division is the plain one, bit for bit."""
+    Branch-free where it can be: a division masked with ``where=`` costs 5-20 times a plain one when the zeros are
+    scattered (ReLU outputs, sparse gradients). Here a zero denominator is made 1 and its quotient multiplied by 0;
+    elsewhere the division is the plain one, bit for bit. Only where that gives NaN (an infinite numerator over a
+    zero, say a complex difference whose modulus overflows; or inf / inf) is the masked division taken instead."""
     zero = magnitude == 0
     np.add(magnitude, zero, out=out)
     np.divide(numerator, out, out=out)
     np.multiply(out, np.logical_not(zero, out=zero), out=out)
+    if math.isnan(float(np.maximum.reduce(out, initial=-math.inf))):
+        out.fill(0.0)
+        np.divide(numerator, magnitude, out=out, where=magnitude > 0)
     return out
 
 

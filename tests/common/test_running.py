@@ -1,11 +1,15 @@
-"""The dot product every cosine and norm is built on."""
+"""The dot product every cosine and norm is built on, and the ratios restricted to a nonzero reference."""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
 
+from parity_harness.common.numerics.metrics import diff_arrays
 from parity_harness.common.numerics.running import dot, ratio_where_nonzero
+from parity_harness.common.numerics.tolerances import Tolerance
 
 SIZES = [0, 1, 8191, 8192, 8193, 3 * 8192, 65_536 + 77]
 """Around and across the pieces the products are taken in."""
@@ -61,3 +65,28 @@ def test_ratio_where_nonzero_is_the_masked_division(dtype: type) -> None:
     assert np.array_equal(ratio[nonzero].view(np.uint8), masked[nonzero].view(np.uint8))
     assert np.isinf(ratio).any()
     assert np.all(ratio[~nonzero] == 0.0)
+
+
+def test_ratio_where_nonzero_takes_the_masked_division_where_a_quotient_is_nan() -> None:
+    """An infinite numerator over a zero magnitude (inf * 0) or inf / inf: the result is still the masked
+    division's, 0 where the magnitude is 0, never a NaN that an argmax would pick."""
+    numerator = np.array([np.inf, 1.0, np.inf, 2.0, -np.inf])
+    magnitude = np.array([0.0, 0.0, np.inf, 4.0, 0.0])
+    with np.errstate(all="ignore"):
+        masked = np.zeros(5)
+        np.divide(numerator, magnitude, out=masked, where=magnitude > 0)
+        ratio = ratio_where_nonzero(numerator, magnitude, np.empty(5))
+    assert np.array_equal(ratio, masked, equal_nan=True)
+    assert ratio[0] == ratio[1] == ratio[4] == 0.0
+
+
+def test_a_complex_difference_that_overflows_at_a_zero_reference_keeps_the_largest_ratio() -> None:
+    """A complex reference of 0 against a port value whose modulus overflows float64 (found by a fuzzing review):
+    the largest relative difference is that of the nonzero reference, not lost to a NaN."""
+    expected = np.array([0j, 2 + 0j])
+    actual = np.array([1.5e308 + 1.5e308j, 3 + 0j])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diff = diff_arrays(expected, actual, Tolerance(1e-5, 1e-5), expected_dtype="C128", actual_dtype="C128")
+    assert (diff.max_rel, diff.max_rel_index) == (0.5, (1,))
+    assert not diff.match
