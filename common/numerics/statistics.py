@@ -21,6 +21,7 @@ import numpy as np
 
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.running import dot
 from parity_harness.common.numerics.tolerances import Tolerance
 
@@ -30,6 +31,8 @@ STATISTICS: Final = ("numel", "sum", "sum_abs", "sum_sq", "min", "max", "nan", "
 """Keys of a summary; sums, minimum and maximum are over the finite elements, in float64."""
 _COUNTS: Final = ("numel", "nan", "posinf", "neginf", "crc32")
 _CHUNK: Final = 1 << 16
+_CRC_APART_FROM: Final = 4 << 20
+"""Bytes from which a tensor's CRC-32 is taken on the second thread (as comparisons split their work)."""
 _CRC32_POLYNOMIAL: Final = 0xEDB88320
 """zlib's CRC-32 polynomial, bit-reversed: bit 31 holds the coefficient of x^0, bit 0 that of x^31."""
 
@@ -85,35 +88,56 @@ def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float 
     """Statistics of a tensor: ``stored`` its bytes as stored in a bundle, ``values`` them as numbers.
 
     Complex values count as their real and imaginary parts. Computed a cache-sized chunk at a
-    time in reused float64 buffers.
+    time in reused float64 buffers; the CRC-32 of a large tensor's bytes is taken on the second thread meanwhile
+    (zlib lets go of the GIL): it costs more than the float64 passes, and the model waits for both.
     """
-    flat = np.ravel(values)
+    crc = on_second_thread(stored_crc32, stored) if stored.nbytes >= _CRC_APART_FROM else None
+    try:
+        total, counts = _finite_statistics(np.ravel(values))
+    except BaseException:
+        if crc is not None:
+            crc.exception()  # waited for: nothing left reading memory the caller may change or free
+        raise
+    checksum = stored_crc32(stored) if crc is None else crc.result()
+    return {"numel": int(np.size(values)) * (2 if np.iscomplexobj(values) else 1), **total, **counts, "crc32": checksum}
+
+
+def _finite_statistics(flat: np.ndarray) -> tuple[dict[str, float], dict[str, int]]:
+    """Sums, minimum and maximum of the finite elements (float64), and the counts of the others."""
     if np.iscomplexobj(flat):
         flat = flat.view(flat.real.dtype)
     total = {"sum": 0.0, "sum_abs": 0.0, "sum_sq": 0.0, "min": math.inf, "max": -math.inf}
     counts = {"nan": 0, "posinf": 0, "neginf": 0}
     wide, magnitude = np.empty(min(flat.size, _CHUNK)), np.empty(min(flat.size, _CHUNK))
-    for begin in range(0, flat.size, _CHUNK):
-        part = flat[begin : begin + _CHUNK]
-        chunk, scratch = wide[: part.size], magnitude[: part.size]
-        np.copyto(chunk, part, casting="unsafe")
-        if not math.isfinite(float(chunk.sum())):  # NaN or infinity here (or a float64 overflow)
-            counts["nan"] += int(np.count_nonzero(np.isnan(chunk)))
-            counts["posinf"] += int(np.count_nonzero(chunk == math.inf))
-            counts["neginf"] += int(np.count_nonzero(chunk == -math.inf))
-            chunk = chunk[np.isfinite(chunk)]
-            scratch = scratch[: chunk.size]
-            if not chunk.size:
-                continue
-        total["sum"] += float(chunk.sum())
-        total["sum_abs"] += float(np.abs(chunk, out=scratch).sum())
-        total["sum_sq"] += dot(chunk, chunk)
-        total["min"] = min(total["min"], float(chunk.min()))
-        total["max"] = max(total["max"], float(chunk.max()))
-    crc = stored_crc32(stored)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and float64 overflow are counted, not warned of
+        for begin in range(0, flat.size, _CHUNK):
+            _fold_chunk(flat[begin : begin + _CHUNK], wide, magnitude, total, counts)
     if total["min"] > total["max"]:  # no finite element
         total["min"] = total["max"] = 0.0
-    return {"numel": int(flat.size), **total, **counts, "crc32": crc}
+    return total, counts
+
+
+def _fold_chunk(
+    part: np.ndarray, wide: np.ndarray, magnitude: np.ndarray, total: dict[str, float], counts: dict[str, int]
+) -> None:
+    """Fold one chunk into ``total`` and ``counts``, in the reused float64 buffers ``wide`` and ``magnitude``."""
+    chunk, scratch = wide[: part.size], magnitude[: part.size]
+    np.copyto(chunk, part, casting="unsafe")
+    chunk_sum = float(np.add.reduce(chunk))  # what chunk.sum() gives, without its Python wrapper
+    if not math.isfinite(chunk_sum):  # NaN or infinity here (or a float64 overflow)
+        counts["nan"] += int(np.count_nonzero(np.isnan(chunk)))
+        counts["posinf"] += int(np.count_nonzero(chunk == math.inf))
+        counts["neginf"] += int(np.count_nonzero(chunk == -math.inf))
+        chunk = chunk[np.isfinite(chunk)]
+        scratch = scratch[: chunk.size]
+        if not chunk.size:
+            return
+        chunk_sum = float(np.add.reduce(chunk))
+    total["sum"] += chunk_sum
+    total["sum_abs"] += float(np.add.reduce(np.abs(chunk, out=scratch)))
+    total["sum_sq"] += dot(chunk, chunk)
+    total["min"] = min(total["min"], float(np.minimum.reduce(chunk)))
+    total["max"] = max(total["max"], float(np.maximum.reduce(chunk)))
 
 
 def parse_statistics(obj: object, where: str) -> dict[str, float | int]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 
 import numpy as np
 import pytest
 
 from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.numerics import statistics
 from parity_harness.common.numerics.statistics import (
     STATISTICS,
     array_statistics,
@@ -122,3 +124,27 @@ def test_crc32s_of_pieces_combine_into_the_crc32_of_the_whole(seed: int) -> None
         combined = crc32_combine(combined, zlib.crc32(piece), len(piece))
     assert combined == zlib.crc32(b"".join(pieces))
     assert crc32_combine(zlib.crc32(pieces[0]), zlib.crc32(b""), 0) == zlib.crc32(pieces[0])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bf16 bits", "complex64"])
+def test_a_large_tensors_statistics_are_those_taken_on_one_thread(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A tensor of several MiB has its CRC-32 taken on the second thread while the sums run: the same summary,
+    bit for bit, as all of it on the calling thread, and the checksum is the stored bytes' CRC-32."""
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal(1_500_000).astype(np.float32)
+    values[rng.choice(values.size, 50, replace=False)] = [np.nan, np.inf, -np.inf, 0.0, -0.0] * 10
+    stored = values
+    if kind == "bf16 bits":
+        stored = (values.view(np.uint32) >> 16).astype(np.uint16)
+        values = (stored.astype(np.uint32) << 16).view(np.float32)
+    elif kind == "complex64":
+        pairs = values.reshape(2, -1)
+        values = stored = np.empty(750_000, dtype=np.complex64)
+        values.real, values.imag = pairs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inf - inf in a chunk's sum is counted, not warned of
+        apart = array_statistics(stored, values)
+    monkeypatch.setattr(statistics, "_CRC_APART_FROM", 1 << 62)
+    assert apart == array_statistics(stored, values)
+    assert apart["crc32"] == zlib.crc32(np.ascontiguousarray(stored).tobytes())
+    assert apart["numel"] == 1_500_000
