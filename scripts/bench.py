@@ -314,8 +314,42 @@ def time_commands(options: argparse.Namespace, bundle: Path) -> dict[str, tuple[
 
 # ------------------------------------------------------------------ report
 
+_SMALL_MODULES: dict[str, tuple[str, float]] = {
+    "capture": ("x", 2.0),
+    "replay": ("x", 2.5),
+    "replay-isolate": ("x", 4.0),
+    "replay-near": ("GB/s", 1.0),
+}
+TARGETS: dict[str, dict[str, tuple[str, float]]] = {
+    "gpt2": {
+        "capture": ("x", 1.2),
+        "replay": ("x", 1.3),
+        "replay-near": ("GB/s", 1.0),
+        "command capture": ("x", 1.3),
+        "command replay": ("x", 1.4),
+        "command list": ("s", 1.0),
+    },
+    "conformer": _SMALL_MODULES,
+    "fastconformer": _SMALL_MODULES,
+}
+"""Issue #19's targets per model: a ratio to the bare run ("x", at most), a rate ("GB/s", at least) or seconds
+("s", under). Steps by their key; whole commands as "command <key>"."""
 
-def print_steps(figures: dict[str, dict[str, Any]], size: int, summary_size: int) -> None:
+
+def against_target(model: str, key: str, ratio: float, rate: float | None, seconds: float) -> str:
+    """``key``'s target and whether this run met it, or "" where it has none."""
+    target = TARGETS.get(model, {}).get(key)
+    if target is None:
+        return ""
+    unit, bound = target
+    if unit == "x":
+        return f"<= {bound:g}x: {'met' if ratio <= bound else 'not met'}"
+    if unit == "s":
+        return f"< {bound:g} s: {'met' if seconds < bound else 'not met'}"
+    return f">= {bound:g} GB/s: {'met' if rate is not None and rate >= bound else 'not met'}"
+
+
+def print_steps(model: str, figures: dict[str, dict[str, Any]], size: int, summary_size: int) -> None:
     bare, capture = figures["bare"], figures["capture"]
     print(
         f"bundle: {size / 1e9:.2f} GB on disk, {capture['tensor_bytes'] / 1e9:.2f} GB of tensor data; "
@@ -335,16 +369,17 @@ def print_steps(figures: dict[str, dict[str, Any]], size: int, summary_size: int
         ("msprobe dump (tensor, L0)", "msprobe-dump", 0),
         ("msprobe compare of two dumps", "msprobe-compare", 0),
     ]
-    print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}")
+    print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}  target")
     for name, key, nbytes in rows:
         if key not in figures:
             continue
         figure = figures[key]
         added = figure["seconds"] - bare["seconds"]
-        rate = f"{nbytes / 1e9 / added:.2f}" if nbytes and added > 0 else "-"
+        rate = nbytes / 1e9 / added if nbytes and added > 0 else None
+        ratio = figure["seconds"] / bare["seconds"]
         print(
-            f"{name:34s} {figure['seconds']:8.3f} {figure['seconds'] / bare['seconds']:6.2f}x {rate:>6s} "
-            f"{figure['peak_rss'] / 1e9:8.2f}G"
+            f"{name:34s} {figure['seconds']:8.3f} {ratio:6.2f}x {'-' if rate is None else f'{rate:.2f}':>6s} "
+            f"{figure['peak_rss'] / 1e9:8.2f}G  {against_target(model, key, ratio, rate, figure['seconds'])}"
         )
     for key, name in (("replay", "exact replay"), ("replay-near", "port off 1e-6"), ("replay-far", "port off 1e-3")):
         if key in figures and (key != "replay" or figures[key]["failing"]):
@@ -357,9 +392,9 @@ def print_steps(figures: dict[str, dict[str, Any]], size: int, summary_size: int
         print(f"msprobe dump: {figures['msprobe-dump']['dump_bytes'] / 1e9:.2f} GB on disk")
 
 
-def print_commands(best: dict[str, tuple[float, int]], largest: int) -> None:
+def print_commands(model: str, best: dict[str, tuple[float, int]], largest: int) -> None:
     bare_seconds, bare_rss = best["bare"]
-    print(f"\nWHOLE COMMANDS (best of rounds) {'seconds':>8s} {'/ bare':>7s} {'peak RSS':>9s}")
+    print(f"\nWHOLE COMMANDS (best of rounds) {'seconds':>8s} {'/ bare':>7s} {'peak RSS':>9s}  target")
     names = {
         "bare": "bare process",
         "capture": "capture-run",
@@ -369,11 +404,13 @@ def print_commands(best: dict[str, tuple[float, int]], largest: int) -> None:
     }
     for key, name in names.items():
         seconds, rss = best[key]
-        print(f"{name:34s} {seconds:6.2f} {seconds / bare_seconds:6.2f}x {rss / 1e9:8.2f}G")
-    replay_rss = best["replay"][1]
+        ratio = seconds / bare_seconds
+        target = against_target(model, f"command {key}", ratio, None, seconds)
+        print(f"{name:34s} {seconds:6.2f} {ratio:6.2f}x {rss / 1e9:8.2f}G  {target}")
+    replay_rss, allowed = best["replay"][1], bare_rss + 2 * largest
     print(
         f"replay peak RSS - bare = {(replay_rss - bare_rss) / 1e6:.0f} MB; largest record {largest / 1e6:.0f} MB; "
-        f"target: <= bare + 2 x largest = {(bare_rss + 2 * largest) / 1e9:.2f} GB"
+        f"target: <= bare + 2 x largest = {allowed / 1e9:.2f} GB: {'met' if replay_rss <= allowed else 'not met'}"
     )
 
 
@@ -425,11 +462,11 @@ def main() -> None:
         bundle, summary_bundle = Path(folder) / "bench.h5", Path(folder) / "summary.h5"
         if not options.no_commands:
             best = time_commands(options, bundle)
-            print_commands(best, largest_record(bundle))
+            print_commands(options.model, best, largest_record(bundle))
             bundle.unlink()
         if not options.no_steps:
             figures = measure_steps(options, bundle, summary_bundle)
-            print_steps(figures, figures.pop("_size"), figures.pop("_summary_size"))
+            print_steps(options.model, figures, figures.pop("_size"), figures.pop("_summary_size"))
 
 
 def measure_steps(options: argparse.Namespace, bundle: Path, summary_bundle: Path) -> dict[str, Any]:
