@@ -20,7 +20,7 @@ import numpy as np
 from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.parallel import PARALLEL_FROM, in_halves
 from parity_harness.common.numerics.running import RunningDiff, dot
-from parity_harness.common.numerics.screening import Screen, screenable
+from parity_harness.common.numerics.screening import SCREEN_BUFFERS, Screen, screenable
 from parity_harness.common.numerics.tolerances import Tolerance
 
 __all__ = ["TensorDiff", "diff_arrays", "unmatchable"]
@@ -95,7 +95,7 @@ class _Workspace:
         self.magnitude: np.ndarray = np.empty(size)
         self.scratch: np.ndarray = np.empty(size)
         self.flags: np.ndarray = np.empty(size, dtype=bool)
-        self.screen = [np.empty(size, dtype=np.float32) for _ in range(4)]
+        self.screen = [np.empty(size, dtype=np.float32) for _ in range(SCREEN_BUFFERS)]
         """The float32 screening's buffers (``screening.Screen``)."""
 
     def take(self, e: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, ...]:

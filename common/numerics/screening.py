@@ -23,7 +23,7 @@ import numpy as np
 from parity_harness.common.numerics.running import RunningDiff, dot, ratio_where_nonzero
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["Screen", "screenable"]
+__all__ = ["SCREEN_BUFFERS", "Screen", "screenable"]
 
 _BAND: Final = 2.0**-20
 """Relative width of the screening bands. Each float32 quantity is within 2**-22 of its exact value (relative to
@@ -36,6 +36,8 @@ _DENSE: Final = 8
 would cost more than widening."""
 
 
+SCREEN_BUFFERS: Final = 6
+"""Chunk-sized float32 buffers a :class:`Screen` works in."""
 _largest, _smallest = np.maximum.reduce, np.minimum.reduce
 """The reductions themselves: ``np.max``'s Python wrapper costs more than a chunk's reduction takes."""
 
@@ -55,9 +57,10 @@ class Screen:
     """Chunk-sized float32 buffers, reused for every chunk of a comparison."""
 
     def __init__(self, size: int, tolerance: Tolerance, buffers: list[np.ndarray] | None = None) -> None:
-        """``buffers``: four float32 arrays of at least ``size`` elements to reuse (else made here)."""
-        buffers = buffers or [np.empty(size, dtype=np.float32) for _ in range(4)]
-        self.d, self.dabs, self.m, self.q = buffers
+        """``buffers``: :data:`SCREEN_BUFFERS` float32 arrays of at least ``size`` elements to reuse (else made
+        here)."""
+        buffers = buffers or [np.empty(size, dtype=np.float32) for _ in range(SCREEN_BUFFERS)]
+        self.d, self.dabs, self.m, self.q, self.e_finite, self.a_finite = buffers
         self.tolerance = tolerance
         self.atol32, self.rtol32 = np.float32(tolerance.atol), np.float32(tolerance.rtol)
         self.below_rtol = tolerance.rtol * (1.0 - _BAND)
@@ -69,6 +72,8 @@ class Screen:
         without being screened first."""
         self._dabs_taken = False
         """Whether ``dabs`` holds ``|a - e|`` of the chunk being folded (:meth:`_abs_diff`)."""
+        self._in_finite_part = False
+        """Folding the finite part of a chunk (:meth:`_fold_finite_part`)."""
 
     def fold(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, start: int) -> bool:
         """Fold the float32 chunk ``e``/``a`` (flat positions from ``start``) into ``run``; False, with nothing
@@ -80,7 +85,7 @@ class Screen:
         np.subtract(a, e, out=d)
         high, low = float(_largest(d)), float(_smallest(d))  # |d|'s maximum without a pass writing |d|
         if not (math.isfinite(high) and math.isfinite(low)):  # NaN or infinity, or past float32's range
-            return False
+            return self._fold_finite_part(run, e, a, start)
         top = max(high, -low)
         self._dabs_taken = False
         if top == 0.0:
@@ -110,6 +115,30 @@ class Screen:
             self._fold_beyond(run, e, a, beyond)
         self._add_dots(run, e, d)
         return True
+
+    def _fold_finite_part(self, run: RunningDiff, e: np.ndarray, a: np.ndarray, start: int) -> bool:
+        """Fold a chunk whose only non-finite values are infinities equal on both sides (masked attention scores);
+        False, with nothing folded, for anything else non-finite (NaN, an infinity that moved, a difference past
+        float32's range), which the float64 fold decides.
+
+        The float64 fold counts an equal infinity as close, with a difference, magnitude and value of 0 in every
+        figure: what folding the chunk with 0 in its place on both sides gives."""
+        if self._in_finite_part:
+            return False
+        finite = np.isfinite(e)
+        finite &= np.isfinite(a)
+        if finite.all() or not np.all((e == a) | finite):  # NaN never equals itself
+            return False
+        infinite = np.logical_not(finite, out=finite)
+        e_finite, a_finite = self.e_finite[: e.size], self.a_finite[: e.size]
+        for source, target in ((e, e_finite), (a, a_finite)):
+            np.copyto(target, source)
+            np.putmask(target, infinite, 0.0)
+        self._in_finite_part = True
+        try:
+            return self.fold(run, e_finite, a_finite, start)
+        finally:
+            self._in_finite_part = False
 
     def _abs_diff(self, n: int) -> np.ndarray:
         """``|a - e|`` of the chunk being folded (``n`` elements), taken at its first use: most chunks need none."""

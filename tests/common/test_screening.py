@@ -135,6 +135,12 @@ def _matched_zeros(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pa
     return e, a
 
 
+def _matched_infinities(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
+    """Infinities equal on both sides (attention scores masked with -inf)."""
+    e = rng.choice(np.array([-np.inf, np.inf], dtype=np.float32), n)
+    return e, e.copy()
+
+
 def _tiny(rng: np.random.Generator, n: int, tolerance: Tolerance) -> Pair:
     """Subnormal float32 values: products and differences that underflow float32."""
     e = (rng.standard_normal(n) * 1e-39).astype(np.float32)
@@ -169,6 +175,7 @@ CASES: dict[str, Builder] = {
     "ties": _ties,
     "zeros in the reference": _zeros_in_reference,
     "zeros the port matches": _matched_zeros,
+    "infinities the port matches": _matched_infinities,
     "subnormals": _tiny,
     "near the float32 maximum": _huge,
     "wide range": _wide_range,
@@ -222,6 +229,7 @@ SCREENED = {
     "ties",
     "zeros in the reference",
     "zeros the port matches",
+    "infinities the port matches",
     "subnormals",
     "wide range",
 }
@@ -343,3 +351,38 @@ def test_zeros_the_port_matches_stay_in_float32(
     assert dataclasses.replace(screened, cosine=0.0) == dataclasses.replace(
         _float64_only(monkeypatch, e, a, tolerance), cosine=0.0
     )
+
+
+@pytest.mark.parametrize("share", [0.001, 0.2], ids=["one in a thousand", "a fifth"])
+def test_infinities_the_port_matches_are_screened(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
+    """Attention scores masked with -inf on both sides, near values elsewhere: every chunk is screened (a single
+    infinity once sent its whole chunk to the float64 fold's slow non-finite path), with the float64 figures; an
+    infinity the port moved, or a NaN, still leaves its chunk to the float64 fold."""
+    tolerance = Tolerance(1e-5, 1e-5)
+    rng = np.random.default_rng(6)
+    e = rng.standard_normal(200_000).astype(np.float32)
+    a = (e * (1 + 1e-7 * rng.standard_normal(e.size))).astype(np.float32)
+    masked = rng.random(e.size) < share
+    e[masked] = a[masked] = -np.inf
+    folded: list[bool] = []
+    fold = Screen.fold
+    monkeypatch.setattr(Screen, "fold", lambda *args: folded.append(fold(*args)) or folded[-1])
+    screened = diff_arrays(e, a, tolerance, expected_dtype="F32", actual_dtype="F32")
+    assert len(folded) >= 4  # a chunk with infinities is folded again without them: two calls
+    assert all(folded)
+    assert screened.match
+    assert dataclasses.replace(screened, cosine=0.0) == dataclasses.replace(
+        _float64_only(monkeypatch, e, a, tolerance), cosine=0.0
+    )
+    first = int(np.flatnonzero(masked)[0])
+    for value in (np.float32(np.nan), np.float32(1.0)):
+        changed = a.copy()
+        changed[first] = value
+        folded.clear()
+        with np.errstate(all="ignore"):
+            diff = diff_arrays(e, changed, tolerance, expected_dtype="F32", actual_dtype="F32")
+        assert folded.count(False) == 1
+        assert not diff.match
+        assert dataclasses.replace(diff, cosine=0.0) == dataclasses.replace(
+            _float64_only(monkeypatch, e, changed, tolerance), cosine=0.0
+        )
