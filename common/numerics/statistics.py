@@ -111,13 +111,13 @@ def _finite_statistics(flat: np.ndarray) -> tuple[dict[str, float], dict[str, in
     wide, magnitude = np.empty(min(flat.size, _CHUNK)), np.empty(min(flat.size, _CHUNK))
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and float64 overflow are counted, not warned of
         for begin in range(0, flat.size, _CHUNK):
-            _fold_chunk(flat[begin : begin + _CHUNK], wide, magnitude, total, counts)
+            _add_chunk(flat[begin : begin + _CHUNK], wide, magnitude, total, counts)
     if total["min"] > total["max"]:  # no finite element
         total["min"] = total["max"] = 0.0
     return total, counts
 
 
-def _fold_chunk(
+def _add_chunk(
     part: np.ndarray, wide: np.ndarray, magnitude: np.ndarray, total: dict[str, float], counts: dict[str, int]
 ) -> None:
     """Fold one chunk into ``total`` and ``counts``, in the reused float64 buffers ``wide`` and ``magnitude``."""
