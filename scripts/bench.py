@@ -451,12 +451,15 @@ def main() -> None:
 
     import torch
 
+    from parity_harness.common.numerics.checksum import CRC32_IMPLEMENTATION
+
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False)")
     where = torch.cuda.get_device_name(options.device) if options.device.startswith("cuda") else "the CPU"
     print(
         f"model: {spec.description}; batch {options.batch_size} x {options.seq_len}; on {where}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+        f"CRC-32 by {CRC32_IMPLEMENTATION} (PARITY_HARNESS_CRC32=zlib for the standard library's)"
     )
     with tempfile.TemporaryDirectory(dir=options.dir) as folder:
         bundle, summary_bundle = Path(folder) / "bench.h5", Path(folder) / "summary.h5"

@@ -53,7 +53,7 @@ _SHARED: tuple[tuple[str, str, str], ...] = (
     (_HOOKS, "parity_harness.capture.observe.hooks", "ModuleTap._before"),
     (_HOOKS, "parity_harness.capture.observe.hooks", "ModuleTap._after"),
     (_HOOKS, "parity_harness.capture.observe.hooks", "_GradTap.__call__"),
-    (_CHECKSUMS, "zlib", "crc32"),
+    (_CHECKSUMS, "parity_harness.common.numerics.checksum", "crc32"),
 )
 """The phases both commands have: (phase, module, function or Class.method) for every timed function."""
 
@@ -295,6 +295,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs per command (the fastest shown)")
     parser.add_argument("--isolate", action="store_true", help="replay-compare --isolate")
     parser.add_argument("--dir", default=None, help="folder for the bundle (default: a temporary folder)")
+    parser.add_argument("--device", default="cpu", help="where the model runs (as bench.py's --device)")
     options = parser.parse_args()
     spec = bench_models.MODELS[options.model]
     options.batch_size = options.batch_size or spec.batch_size

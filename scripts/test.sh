@@ -11,7 +11,7 @@ VENV=${VENV:-.venv-test}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # torch first, from its pinned CPU build; every later install is constrained to it.
 "$VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[test]"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -c scripts/constraints.txt -e ".[test,fast]"
 # A second, capture-only interpreter (no tabulate, no pytest) for the cross-environment test.
 CAPTURE_VENV=${CAPTURE_VENV:-.venv-test-capture}
 [ -x "$CAPTURE_VENV/bin/python" ] || python3 -m venv "$CAPTURE_VENV"

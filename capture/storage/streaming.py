@@ -44,7 +44,6 @@ import errno
 import mmap
 import os
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, cast
@@ -55,6 +54,7 @@ import torch
 from parity_harness.common.errors import BundleError
 from parity_harness.common.format.dtypes import to_storage
 from parity_harness.common.numerics.bytewise import memory_equal
+from parity_harness.common.numerics.checksum import crc32
 from parity_harness.common.numerics.statistics import crc32_combine
 
 __all__ = ["DEFAULT_STAGING_BYTES", "Staged", "TensorStream"]
@@ -242,7 +242,7 @@ class TensorStream:
     ) -> None:
         self._disk = _Disk(fd, direct_fd)
         self._capacity, self._where = staging_bytes, where
-        self._crc = zlib.crc32 if checksums else _no_crc
+        self._crc = crc32 if checksums else _no_crc
         self._ring: torch.Tensor | None = None
         self._ring_bytes: np.ndarray | None = None
         self._head = 0  # end of the newest slice handed out

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from typing import Final
 
 import numpy as np
 
 from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.numerics.checksum import crc32
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.running import dot
@@ -39,7 +39,7 @@ _CRC32_POLYNOMIAL: Final = 0xEDB88320
 
 def stored_crc32(stored: np.ndarray) -> int:
     """The CRC-32 of an array's bytes as stored (C order, raw bits): what a bundle's checksums hold."""
-    return zlib.crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
+    return crc32(np.ascontiguousarray(stored).reshape(-1).view(np.uint8).data)
 
 
 def crc32_combine(first: int, second: int, second_length: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import zipfile
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from parity_harness.common.format.tensor_files import (
     read_safetensors_header,
     stored_member_offset,
 )
+from parity_harness.common.numerics.checksum import crc32
 from parity_harness.replay.ckpt_diff.flatten import EntryValue, strip_wrappers
 
 __all__ = ["NumpySource", "SafetensorsSource", "Source", "TensorInfo", "flat_blocks", "tag_of_numpy"]
@@ -133,7 +133,7 @@ class _FileRanges:
             size = min(elements, count - first) * dtype.itemsize
             _read_exactly(self._handles[path], memoryview(buffer)[:size], offset + first * dtype.itemsize, path, name)
             if running is not None:
-                running = zlib.crc32(memoryview(buffer)[:size], running)
+                running = crc32(memoryview(buffer)[:size], running)
             yield np.frombuffer(buffer, dtype=dtype, count=size // dtype.itemsize)
         if running is not None and running != self._checksums[name][0]:
             raise CheckpointError(
@@ -148,7 +148,7 @@ class _FileRanges:
         _, start, length = self._checksums[name]
         head = bytearray(length)
         _read_exactly(self._handles[path], memoryview(head), start, path, name)
-        return zlib.crc32(head)
+        return crc32(head)
 
     def close(self) -> None:
         for handle in self._handles.values():
