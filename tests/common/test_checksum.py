@@ -85,3 +85,14 @@ def test_the_environment_variable_picks_the_implementation() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True
     )
     assert done.stdout.strip() == "zlib"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "module"), IMPLEMENTATIONS[1:])
+def test_a_buffer_past_4_gib_gets_zlibs_crc32(name: str, module: str) -> None:
+    """A tensor over 4 GiB (a large embedding's gradient): an implementation taking a 32-bit length would wrap."""
+    crc32 = _implementation(module)
+    data = np.zeros((1 << 32) + 4099, dtype=np.uint8)
+    data[::4096] = 7
+    data[(1 << 32) - 3 : (1 << 32) + 3] = 9  # bytes on both sides of the 4 GiB mark
+    assert crc32(data) == zlib.crc32(data), name
