@@ -18,7 +18,9 @@ best of ``--rounds``, the rounds interleaved so that a busy machine slows all al
   ``--isolate``; ``replay-compare --list`` of the bundle.
 
 **Steps** (the library call alone, interpreter start and model construction excluded): each in its own
-child process so that peak memory belongs to that step alone, median of ``--repeat`` runs after a warm-up:
+child process so that peak memory belongs to that step alone, median of ``--repeat`` runs after a warm-up, each
+run just after a bare forward + backward in the same process, whose median is what that step's ratio divides by
+(a shared machine whose load drifts during the bench slows a step and its bare run alike):
 bare forward + backward as capture drives it, ``capture_run`` with and without checksums and with
 ``--summary-only``, ``compare_run`` of the exact model at atol = rtol = 0 (bit-identical records take the
 comparison's shortcut), with ``isolate``, of a "port" whose weights are off by a relative 1e-6 (every record
@@ -85,17 +87,30 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def median_seconds(step: Callable[[], object], repeat: int, prepare: Callable[[], object] = lambda: None) -> float:
-    """Median wall time of ``step`` over ``repeat`` runs after a warm-up; ``prepare`` runs untimed before each."""
+def median_seconds(
+    step: Callable[[], object],
+    repeat: int,
+    prepare: Callable[[], object] = lambda: None,
+    bare: Callable[[], object] | None = None,
+) -> tuple[float, float | None]:
+    """Median wall time of ``step`` over ``repeat`` runs after a warm-up (``prepare`` runs untimed before each), and
+    with ``bare`` that of the bare step timed just before each of them in the same process, so that a machine whose
+    load changes during the run slows both alike."""
     prepare()
     step()  # warm-up: allocator, kernels, page cache
-    times = []
+    times, bare_times = [], []
     for _ in range(repeat):
+        if bare is not None:
+            bare_times.append(timed(bare))
         prepare()
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        times.append(timed(step))
+    return statistics.median(times), statistics.median(bare_times) if bare_times else None
+
+
+def timed(work: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
 
 
 # ------------------------------------------------------------------ steps (each in a child process)
@@ -126,16 +141,25 @@ def child(options: argparse.Namespace) -> None:
     inputs = {name: tensor.to(options.device) for name, tensor in inputs.items()}
     startup = time.perf_counter() - started
     extra: dict[str, object] = {}
-    if options.child.startswith("msprobe"):
+
+    def bare() -> None:
+        model.zero_grad(set_to_none=True)
+        bench_models.seeded_step(model, inputs)
+        model.zero_grad(set_to_none=True)  # the measured step starts as it would alone
+
+    beside = None
+    if options.child.startswith("msprobe"):  # its hooks stay installed: no bare step beside it
         step, prepare = msprobe_step(options, model, inputs, extra)
     elif options.child == "bare":
-        step, prepare = (lambda: (model.zero_grad(set_to_none=True), bench_models.seeded_step(model, inputs))), None
-    elif options.child.startswith("capture"):
-        step, prepare = capture_step(options, model, inputs, extra)
+        step, prepare = bare, None
     else:
-        step, prepare = replay_step(options, model, extra)
-    seconds = median_seconds(synchronized(step, options.device), options.repeat, prepare or (lambda: None))
-    print(json.dumps({"seconds": seconds, "startup": startup, "peak_rss": peak_rss_bytes(), **extra}))
+        maker = capture_step if options.child.startswith("capture") else replay_step
+        step, prepare = maker(options, model, inputs, extra)
+        beside = synchronized(bare, options.device)
+    run = synchronized(step, options.device)
+    seconds, bare_seconds = median_seconds(run, options.repeat, prepare or (lambda: None), beside)
+    figures = {"seconds": seconds, "bare_seconds": bare_seconds, "startup": startup, "peak_rss": peak_rss_bytes()}
+    print(json.dumps(figures | extra))
 
 
 def capture_step(options: argparse.Namespace, model: Any, inputs: Any, extra: dict[str, object]) -> tuple[Any, Any]:
@@ -157,7 +181,7 @@ def capture_step(options: argparse.Namespace, model: Any, inputs: Any, extra: di
     return step, prepare
 
 
-def replay_step(options: argparse.Namespace, model: Any, extra: dict[str, object]) -> tuple[Any, None]:
+def replay_step(options: argparse.Namespace, model: Any, inputs: Any, extra: dict[str, object]) -> tuple[Any, None]:
     import torch
 
     from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
@@ -370,13 +394,15 @@ def print_steps(model: str, figures: dict[str, dict[str, Any]], size: int, summa
         ("msprobe compare of two dumps", "msprobe-compare", 0),
     ]
     print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}  target")
+    print("(each step's ratio is to the bare step timed beside it in its own process, the two interleaved)")
     for name, key, nbytes in rows:
         if key not in figures:
             continue
         figure = figures[key]
-        added = figure["seconds"] - bare["seconds"]
+        bare_seconds = figure.get("bare_seconds") or bare["seconds"]  # the bare step beside it, where timed
+        added = figure["seconds"] - bare_seconds
         rate = nbytes / 1e9 / added if nbytes and added > 0 else None
-        ratio = figure["seconds"] / bare["seconds"]
+        ratio = figure["seconds"] / bare_seconds
         print(
             f"{name:34s} {figure['seconds']:8.3f} {ratio:6.2f}x {'-' if rate is None else f'{rate:.2f}':>6s} "
             f"{figure['peak_rss'] / 1e9:8.2f}G  {against_target(model, key, ratio, rate, figure['seconds'])}"
