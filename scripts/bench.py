@@ -394,7 +394,8 @@ def print_steps(model: str, figures: dict[str, dict[str, Any]], size: int, summa
         ("msprobe compare of two dumps", "msprobe-compare", 0),
     ]
     print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}  target")
-    print("(each step's ratio is to the bare step timed beside it in its own process, the two interleaved)")
+    print("(a capture or replay step's ratio is to the bare step timed before each of its runs in its process;")
+    print(" msprobe's, to the bare row)")
     for name, key, nbytes in rows:
         if key not in figures:
             continue

@@ -132,6 +132,27 @@ BUILTIN_ONLY = {"transformers", "nemo", "omegaconf", "lightning", "yaml"}
 MODELS_OPTIONAL = {"yaml"}
 
 
+# Optional, imported by name where installed: the same CRC-32 as zlib's, faster (the fast extra). A name import
+# is invisible to the scan above, so the list is pinned here.
+CHECKSUM_OPTIONAL = {"isal", "zlib_ng"}
+
+
+def test_the_only_imports_by_name_in_common_are_the_crc32_accelerators() -> None:
+    from parity_harness.common.numerics.checksum import _ACCELERATED
+
+    assert {module.split(".")[0] for _, module in _ACCELERATED} == CHECKSUM_OPTIONAL
+    by_name = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "common").rglob("*.py")
+        if "import_module(" in path.read_text(encoding="utf-8")
+    )
+    # common/__init__.py imports its own modules by name, lazily (their targets are checked there).
+    assert by_name == ["common/__init__.py", "common/numerics/checksum.py"]
+    from parity_harness.common import _LAZY
+
+    assert all(target.startswith(f"{NAMESPACE}.common.") for target in _LAZY.values())
+
+
 def test_capture_side_imports_only_its_light_dependencies() -> None:
     """capture/ and common/ import torch, numpy, h5py, msgpack and the standard library (click in cli/)."""
     allowed = set(sys.stdlib_module_names) | CAPTURE_THIRD_PARTY | {NAMESPACE}

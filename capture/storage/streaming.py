@@ -558,9 +558,9 @@ class TensorStream:
             self._sum_next()
 
     def _sum_next(self) -> bool:
-        """Take the CRC-32s of the oldest written work waiting for them, if any, outside the lock (zlib releases the
-        GIL), then give back what is done; whether there was any. Work taken by a caller whose thread is interrupted
-        (Ctrl-C) goes back to the queue, for another thread."""
+        """Take the CRC-32s of the oldest written work waiting for them, if any, outside the lock (each CRC-32
+        implementation releases the GIL), then give back what is done; whether there was any. Work taken by a caller
+        whose thread is interrupted (Ctrl-C) goes back to the queue, for another thread."""
         written = None
         try:
             with self._lock:

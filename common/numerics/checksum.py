@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Final
@@ -30,12 +31,15 @@ Crc32 = Callable[..., int]
 """``crc32(data, value=0) -> int``: data is any C-contiguous buffer; value the CRC-32 of the bytes before it."""
 
 
-def _probe() -> list[tuple[bytes, int]]:
+def _probe() -> list[tuple[memoryview, int]]:
     """Inputs whose CRC-32 an implementation must agree with zlib's on: lengths around the block sizes fast
-    implementations switch at, and a running value carried in."""
-    pattern = bytes(range(256)) * 40
-    lengths = (0, 1, 15, 16, 63, 64, 255, 256, 4095, 4096, 10240)
-    return [(pattern[:length], start) for length in lengths for start in (0, 0x9E3779B9)]
+    implementations switch at, up to past a MiB (zlib-ng changes algorithm for large inputs, where its known
+    wrong-CRC bugs lay), starting at unaligned addresses, with a running value carried in."""
+    pattern = memoryview(bytes(range(251)) * 4200)  # a prime period: no block lines up with it
+    lengths = (0, 1, 15, 16, 63, 64, 255, 256, 4095, 4096, 10240, (1 << 20) + 7)
+    return [
+        (pattern[offset : offset + length], start) for length in lengths for offset, start in ((0, 0), (3, 0x9E3779B9))
+    ]
 
 
 def _agrees(candidate: Crc32) -> bool:
@@ -46,14 +50,22 @@ def _agrees(candidate: Crc32) -> bool:
 
 
 def _choose(wanted: str | None) -> tuple[str, Crc32]:
-    """The implementation to use: the first accelerated one importable that agrees with zlib, unless ``wanted``
-    names zlib (or names one that is not there)."""
+    """The implementation to use: the first accelerated one importable that agrees with zlib, or the one ``wanted``
+    names if it is importable and agrees; else zlib's."""
+    names = [name for name, _ in _ACCELERATED]
+    if wanted not in (None, "zlib", *names):
+        warnings.warn(
+            f"{_ENVIRONMENT}={wanted!r} names no CRC-32 implementation (expected zlib, {' or '.join(names)}); "
+            "using the fastest one available",
+            stacklevel=2,
+        )
+        wanted = None
     for name, module in _ACCELERATED:
         if wanted not in (None, name):
             continue
         try:
             candidate: Crc32 = importlib.import_module(module).crc32
-        except ImportError:
+        except Exception:  # not installed, or a build that fails to load: zlib's serves
             continue
         if _agrees(candidate):
             return name, candidate

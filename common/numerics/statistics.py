@@ -89,7 +89,8 @@ def array_statistics(stored: np.ndarray, values: np.ndarray) -> dict[str, float 
 
     Complex values count as their real and imaginary parts. Computed a cache-sized chunk at a
     time in reused float64 buffers; the CRC-32 of a large tensor's bytes is taken on the second thread meanwhile
-    (zlib lets go of the GIL): it costs more than the float64 passes, and the model waits for both.
+    (every CRC-32 implementation lets go of the GIL): with zlib's it costs more than the float64 passes, and the
+    model waits for both.
     """
     crc = on_second_thread(stored_crc32, stored) if stored.nbytes >= _CRC_APART_FROM else None
     try:
