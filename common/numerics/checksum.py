@@ -1,12 +1,12 @@
-"""zlib's CRC-32, from the fastest implementation this environment has.
+"""zlib's CRC-32, from ISA-L where it is installed.
 
 Every checksum a bundle holds is zlib's CRC-32 (``zlib.crc32``: anyone can recompute it without this project).
 The standard library's zlib computes it at about 2.2 GB/s on one core of this project's VM, and a bundle's
 CRC-32s are a large part of what capture and a differing replay cost: 0.8 s of a core for GPT-2's 1.75 GB, 2.5 s
-for a FastConformer's 4.2 GB. ISA-L (``pip install isal``) and zlib-ng (``pip install zlib-ng``) compute the
-same checksum with carry-less multiplication at 12-18 GB/s. When one of them is importable it is used, after it
-gave zlib's value on a probe at import; the bundle format does not change, and a bundle checksummed by one
-implementation verifies with any other. Neither is required (``pip install parity-harness[fast]`` adds ISA-L).
+for a FastConformer's 4.2 GB. ISA-L (``pip install isal``, or ``pip install parity-harness[fast]``) computes the
+same checksum with carry-less multiplication at 12-18 GB/s. Where it is importable it is used, after it gave
+zlib's value on a probe at import; the bundle format does not change, and a bundle checksummed by one
+implementation verifies with the other.
 
 ``PARITY_HARNESS_CRC32=zlib`` keeps the standard library's (to measure the difference, or to rule the accelerator
 out when a checksum disagrees).
@@ -23,9 +23,10 @@ from typing import Final
 
 __all__ = ["CRC32_IMPLEMENTATION", "crc32"]
 
-_ACCELERATED: Final = (("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng"))
-"""Implementations tried in order (name, module), before the standard library's."""
+ACCELERATOR: Final = "isal.isal_zlib"
+"""The module whose ``crc32`` is used where importable (ISA-L's, through python-isal)."""
 _ENVIRONMENT: Final = "PARITY_HARNESS_CRC32"
+_NAMES: Final = ("isal", "zlib")
 
 Crc32 = Callable[..., int]
 """``crc32(data, value=0) -> int``: data is any C-contiguous buffer; value the CRC-32 of the bytes before it."""
@@ -33,13 +34,12 @@ Crc32 = Callable[..., int]
 
 def _probe() -> list[tuple[memoryview, int]]:
     """Inputs whose CRC-32 an implementation must agree with zlib's on: lengths around the block sizes fast
-    implementations switch at, up to past a MiB (zlib-ng changes algorithm for large inputs, where its known
-    wrong-CRC bugs lay), starting at unaligned addresses, with a running value carried in."""
+    implementations switch at, up to past a MiB (where they change algorithm again), starting at unaligned
+    addresses, with a running value carried in."""
     pattern = memoryview(bytes(range(251)) * 4200)  # a prime period: no block lines up with it
     lengths = (0, 1, 15, 16, 63, 64, 255, 256, 4095, 4096, 10240, (1 << 20) + 7)
-    return [
-        (pattern[offset : offset + length], start) for length in lengths for offset, start in ((0, 0), (3, 0x9E3779B9))
-    ]
+    starts = ((0, 0), (3, 0x9E3779B9))
+    return [(pattern[offset : offset + length], start) for length in lengths for offset, start in starts]
 
 
 def _agrees(candidate: Crc32) -> bool:
@@ -50,27 +50,22 @@ def _agrees(candidate: Crc32) -> bool:
 
 
 def _choose(wanted: str | None) -> tuple[str, Crc32]:
-    """The implementation to use: the first accelerated one importable that agrees with zlib, or the one ``wanted``
-    names if it is importable and agrees; else zlib's."""
-    names = [name for name, _ in _ACCELERATED]
-    if wanted not in (None, "zlib", *names):
+    """ISA-L's CRC-32 if importable and agreeing with zlib, unless ``wanted`` is "zlib"; else zlib's."""
+    if wanted not in (None, *_NAMES):
         warnings.warn(
-            f"{_ENVIRONMENT}={wanted!r} names no CRC-32 implementation (expected zlib, {' or '.join(names)}); "
+            f"{_ENVIRONMENT}={wanted!r} names no CRC-32 implementation (expected {' or '.join(_NAMES)}); "
             "using the fastest one available",
             stacklevel=2,
         )
-        wanted = None
-    for name, module in _ACCELERATED:
-        if wanted not in (None, name):
-            continue
+    if wanted != "zlib":
         try:
-            candidate: Crc32 = importlib.import_module(module).crc32
+            candidate: Crc32 = importlib.import_module(ACCELERATOR).crc32
         except Exception:  # not installed, or a build that fails to load: zlib's serves
-            continue
+            return "zlib", zlib.crc32
         if _agrees(candidate):
-            return name, candidate
+            return "isal", candidate
     return "zlib", zlib.crc32
 
 
 CRC32_IMPLEMENTATION, crc32 = _choose(os.environ.get(_ENVIRONMENT) or None)
-"""Which implementation ``crc32`` is ("isal", "zlib-ng" or "zlib"), and the function itself."""
+"""Which implementation ``crc32`` is ("isal" or "zlib"), and the function itself."""

@@ -15,7 +15,7 @@ import pytest
 from parity_harness.common.numerics import checksum
 from parity_harness.common.numerics.statistics import stored_crc32
 
-ACCELERATED = [("isal", "isal.isal_zlib"), ("zlib-ng", "zlib_ng.zlib_ng")]
+ACCELERATED = [("isal", "isal.isal_zlib")]
 
 
 def _implementation(module: str) -> checksum.Crc32:
@@ -59,27 +59,32 @@ def test_asking_for_zlib_keeps_the_standard_librarys() -> None:
 
 
 def test_a_misspelt_choice_is_said_and_the_fastest_used() -> None:
-    with pytest.warns(UserWarning, match="PARITY_HARNESS_CRC32='zlib_ng' names no CRC-32 implementation"):
-        chosen = checksum._choose("zlib_ng")
+    with pytest.warns(UserWarning, match="PARITY_HARNESS_CRC32='ISA-L' names no CRC-32 implementation"):
+        chosen = checksum._choose("ISA-L")
     assert chosen == checksum._choose(None)
 
 
 def test_an_accelerator_that_disagrees_with_zlib_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An importable accelerator whose CRC-32 differs from zlib's on the probe (a broken build), or that raises,
-    is passed over: checksums never depend on which library a machine happens to have."""
+    """An importable accelerator whose CRC-32 differs from zlib's on the probe (a broken build), that raises, or
+    that fails to load is passed over: checksums never depend on which library a machine happens to have."""
     wrong = types.SimpleNamespace(crc32=lambda data, value=0: (zlib.crc32(data, value) + 1) & 0xFFFFFFFF)
+    wrong_when_large = types.SimpleNamespace(crc32=lambda data, value=0: zlib.crc32(data[:65536], value))
     broken = types.SimpleNamespace(crc32=lambda data, value=0: 1 // 0)
-    modules = {"isal.isal_zlib": wrong, "zlib_ng.zlib_ng": broken}
+    loaded: list[object] = []
 
     def fake_import(name: str) -> object:
-        if name in modules:
-            return modules[name]
-        raise ImportError(name)
+        assert name == checksum.ACCELERATOR
+        if isinstance(loaded[0], Exception):
+            raise loaded[0]
+        return loaded[0]
 
     monkeypatch.setattr(checksum.importlib, "import_module", fake_import)
-    assert checksum._choose(None) == ("zlib", zlib.crc32)
-    modules["zlib_ng.zlib_ng"] = types.SimpleNamespace(crc32=zlib.crc32)  # a good one after the wrong one
-    assert checksum._choose(None)[0] == "zlib-ng"
+    for module in (wrong, wrong_when_large, broken, ImportError("no isal"), OSError("bad build")):
+        loaded[:] = [module]
+        assert checksum._choose(None) == ("zlib", zlib.crc32), module
+    loaded[:] = [types.SimpleNamespace(crc32=zlib.crc32)]
+    assert checksum._choose(None)[0] == "isal"
+    assert checksum._choose("zlib")[0] == "zlib"
 
 
 @pytest.mark.parametrize(("name", "module"), [("zlib", "zlib"), *ACCELERATED])
