@@ -19,8 +19,9 @@ best of ``--rounds``, the rounds interleaved so that a busy machine slows all al
 
 **Steps** (the library call alone, interpreter start and model construction excluded): each in its own
 child process so that peak memory belongs to that step alone, median of ``--repeat`` runs after a warm-up, each
-run just after a bare forward + backward in the same process, whose median is what that step's ratio divides by
-(a shared machine whose load drifts during the bench slows a step and its bare run alike):
+run just after a bare forward + backward in the same process (itself timed after another, untimed, so that it
+never pays for what the step left behind), whose median is what that step's ratio divides by (a shared machine
+whose load drifts during the bench slows a step and its bare run alike):
 bare forward + backward as capture drives it, ``capture_run`` with and without checksums and with
 ``--summary-only``, ``compare_run`` of the exact model at atol = rtol = 0 (bit-identical records take the
 comparison's shortcut), with ``isolate``, of a "port" whose weights are off by a relative 1e-6 (every record
@@ -95,12 +96,14 @@ def median_seconds(
 ) -> tuple[float, float | None]:
     """Median wall time of ``step`` over ``repeat`` runs after a warm-up (``prepare`` runs untimed before each), and
     with ``bare`` that of the bare step timed just before each of them in the same process, so that a machine whose
-    load changes during the run slows both alike."""
+    load changes during the run slows both alike. The bare step is timed after another bare step, never right after
+    ``step``: what a step leaves behind (memory given back, caches filled with its data) is not charged to it."""
     prepare()
     step()  # warm-up: allocator, kernels, page cache
     times, bare_times = [], []
     for _ in range(repeat):
         if bare is not None:
+            bare()  # the state a bare step leaves, as in the bare row's own process
             bare_times.append(timed(bare))
         prepare()
         times.append(timed(step))
@@ -394,8 +397,8 @@ def print_steps(model: str, figures: dict[str, dict[str, Any]], size: int, summa
         ("msprobe compare of two dumps", "msprobe-compare", 0),
     ]
     print(f"\nSTEPS (median of repeats) {'seconds':>14s} {'/ bare':>7s} {'GB/s':>6s} {'peak RSS':>9s}  target")
-    print("(a capture or replay step's ratio is to the bare step timed before each of its runs in its process;")
-    print(" msprobe's, to the bare row)")
+    print("(a capture or replay step's ratio is to a bare step timed before each of its runs in its process, itself")
+    print(" after an untimed bare step; msprobe's, to the bare row)")
     for name, key, nbytes in rows:
         if key not in figures:
             continue
