@@ -53,7 +53,7 @@ import torch
 
 from parity_harness.common.errors import BundleError
 from parity_harness.common.format.dtypes import to_storage
-from parity_harness.common.numerics.bytewise import memory_equal
+from parity_harness.common.numerics.bytewise import memory_equal, same_bytes
 from parity_harness.common.numerics.checksum import crc32
 from parity_harness.common.numerics.statistics import crc32_combine
 
@@ -331,6 +331,20 @@ class TensorStream:
             return False
         copy = self._ring[staged.start : staged.start + staged.nbytes]
         return staged.nbytes == tensor.numel() * tensor.element_size() and _same_bits(copy, tensor)
+
+    def same_copies(self, earlier: Staged, later: Staged) -> bool:
+        """Whether two staged copies, ``earlier`` still in the ring (no copy since overwrote it), hold the same bytes:
+        the proof for a tensor not in CPU memory, whose copy is made before it can be compared. Waits for both copies
+        (non-blocking ones from a GPU) to be done."""
+        if self._ring_bytes is None or earlier.nbytes != later.nbytes:
+            return False
+        if self._tape_head > earlier.lap_start + self._capacity:
+            return False
+        for staged in (earlier, later):
+            if staged.event is not None:
+                staged.event.synchronize()
+        first = self._ring_bytes[earlier.start : earlier.start + earlier.nbytes]
+        return same_bytes(first, self._ring_bytes[later.start : later.start + later.nbytes])
 
     def submit(self, staged: Staged, offset: int, name: str = "") -> None:
         """Have a staged copy written at ``offset`` (its CRC-32 lands in :attr:`checksums` under ``name``)."""

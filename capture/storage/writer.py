@@ -10,7 +10,8 @@ its bytes are written at that offset by a background thread (:mod:`parity_harnes
 writes overlap the run. A tensor recorded again unchanged (a module's output that is the next
 module's input, a gradient seen by a module and its last child) is stored once: the second
 record is an HDF5 hard link to the first dataset. Unchanged means bit-equal to the copy staged for the first record,
-not only an unmoved version counter, which edits through ``.data`` or an alias do not move.
+not only an unmoved version counter, which edits through ``.data`` or an alias do not move. A CPU tensor is compared
+as it is recorded; one elsewhere (a GPU) is staged too, and the two copies are compared when its batch is made.
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class _Deferred:
     """A snapshot: its bytes already copied into the staging ring."""
     stable: torch.Tensor | None = None
     """A tensor that stays unchanged until commit, written from its own memory."""
+    repeat_of: _Recent | None = None
+    """An earlier record of the same memory (a tensor not in CPU memory): a link to it if the two staged copies
+    prove equal when the batch is made, else a dataset of its own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,16 +249,16 @@ class BundleWriter:
         self.tensor_count += 1
         key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)
-        if earlier is not None:
+        if earlier is not None and self._stream.holds(earlier.staged, tensor):  # proven now, from CPU memory
             self._claim(path)
-            self._defer(_Deferred(path, link_to=earlier))  # a hard link: the same dataset under a second name
-            self._links[path] = earlier
-            self.linked_count += 1
+            self._link(path, earlier.path)
             return ref
-        staged = self._store(path, tensor, stable=stable)
+        # Elsewhere (a GPU) the bytes are only seen once copied: the proof waits for the copy, at the batch.
+        repeat_of = earlier if earlier is not None and not stable and self._proven_after_staging(tensor) else None
+        staged = self._store(path, tensor, stable=stable, repeat_of=repeat_of)
         # Only a staged copy proves a repeat's bytes: one written from memory later (a parameter) holds what the
         # memory holds then, and an edit through .data between the two records would go unseen.
-        if key is not None and staged is not None:
+        if key is not None and staged is not None and repeat_of is None:
             self._recent[key] = _Recent(tensor, tensor._version, path, staged)
             if len(self._recent) > _RECENT_TENSORS:
                 self._recent.popitem(last=False)
@@ -296,8 +300,23 @@ class BundleWriter:
                 self._stream.write_stable(offset, tensor, path)  # after held's, if that is still queued
         return ref
 
-    def _store(self, path: str, tensor: torch.Tensor, *, stable: bool) -> Staged | None:
-        """Store ``tensor`` at ``path``; the copy staged for it, if one was."""
+    def _link(self, path: str, target: str) -> None:
+        """Record ``path`` as a hard link to the dataset ``target``: the same dataset under a second name."""
+        self._defer(_Deferred(path, link_to=target))
+        self._links[path] = target
+        self.linked_count += 1
+
+    @staticmethod
+    def _proven_after_staging(tensor: torch.Tensor) -> bool:
+        """Whether a repeat of ``tensor`` is proven by comparing its staged copy with the earlier one (a tensor not
+        in CPU memory) rather than its own memory with that copy."""
+        return tensor.device.type != "cpu"
+
+    def _store(
+        self, path: str, tensor: torch.Tensor, *, stable: bool, repeat_of: _Recent | None = None
+    ) -> Staged | None:
+        """Store ``tensor`` at ``path``; the copy staged for it, if one was (to be linked to ``repeat_of`` instead
+        if the two copies prove equal)."""
         tag = tag_of(tensor.dtype)
         shape = tuple(tensor.shape)
         self._claim(path)
@@ -312,7 +331,7 @@ class BundleWriter:
                 return None
             if not stable and self._stream.stages(tensor):
                 staged = self._stream.stage(tensor)
-                self._defer(_Deferred(path, shape=shape, tag=tag, staged=staged))
+                self._defer(_Deferred(path, shape=shape, tag=tag, staged=staged, repeat_of=repeat_of))
                 return staged
         self._create_deferred()  # the stream writes in the order it was given
         offset = self._create_dataset(path, shape, storage_dtype(tag), tag)
@@ -374,6 +393,8 @@ class BundleWriter:
             root = self._file.id
             root.links.create_hard(item.path.encode(), root, item.link_to.encode(), lcpl=self._lcpl)
             return
+        if self._linked_as_repeat(item):
+            return
         offset = self._create_dataset(item.path, item.shape, storage_dtype(item.tag), item.tag)
         if offset is None:  # not for a dataset of elements allocated early: HDF5 gave it no place
             raise BundleError(f"{self.path}: HDF5 placed no bytes for dataset {item.path} of shape {item.shape}")
@@ -383,6 +404,19 @@ class BundleWriter:
         else:
             assert item.stable is not None
             self._stream.write_stable(offset, item.stable, item.path)
+
+    def _linked_as_repeat(self, item: _Deferred) -> bool:
+        """Make ``item`` a hard link to the earlier record it may repeat if their staged copies hold the same bytes."""
+        earlier, staged = item.repeat_of, item.staged
+        if earlier is None or staged is None or not self._stream.same_copies(earlier.staged, staged):
+            return False
+        root = self._file.id
+        root.links.create_hard(item.path.encode(), root, earlier.path.encode(), lcpl=self._lcpl)
+        self._stream.discard(staged)  # its ring space comes back in its turn, unwritten
+        self._links[item.path] = earlier.path
+        self.linked_count += 1
+        self.tensor_bytes -= staged.nbytes
+        return True
 
     def _write_through_hdf5(self, path: str, tensor: torch.Tensor) -> None:
         array = to_storage(tensor)[0]
@@ -422,20 +456,18 @@ class BundleWriter:
                 "or their gradients during forward and backward"
             )
 
-    def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> str | None:
-        """The path of a recently written view of the same bytes, if neither changed since.
+    def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> _Recent | None:
+        """A recently staged record of a view of the same bytes, if neither version counter moved since.
 
         A version counter that moved proves a change; one that did not proves nothing (``.data``, NumPy and DLPack
-        aliases and in-place collectives write without moving it), so the bytes are compared with the copy staged
-        for the earlier record."""
+        aliases and in-place collectives write without moving it), so the caller still compares the bytes with the
+        copy staged for the earlier record."""
         if key is None or (earlier := self._recent.get(key)) is None:
             return None
         if earlier.tensor._version != earlier.version or tensor._version != earlier.version:
             return None
-        if not self._stream.holds(earlier.staged, tensor):
-            return None
         self._recent.move_to_end(key)
-        return earlier.path
+        return earlier
 
     def has(self, path: str) -> bool:
         """Whether something is already stored at ``path``."""

@@ -2,6 +2,10 @@
 
 Edits through ``.data``, a NumPy or DLPack alias, or an in-place collective leave the version counter where it was;
 a link made on the counter alone stored the later record with the earlier values, and a correct port then failed.
+
+Two proofs, each test run with both (the ``proof`` fixture): a tensor in CPU memory is compared with the copy staged
+for the earlier record as it is recorded; one elsewhere (a GPU) is copied first, and the two copies are compared when
+the batch of datasets is made. Without a GPU the second runs on CPU tensors routed that way.
 """
 
 from __future__ import annotations
@@ -15,11 +19,21 @@ import torch
 from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
-from parity_harness.capture.storage.streaming import BLOCK
+from parity_harness.capture.storage.streaming import BLOCK, TensorStream
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
+
+
+@pytest.fixture(params=["from memory", "after staging"])
+def proof(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a repeat is proven: its memory against the earlier copy (CPU tensors), or its own staged copy against the
+    earlier one once both are made (tensors elsewhere; here CPU tensors routed that way)."""
+    if request.param == "after staging":
+        monkeypatch.setattr(BundleWriter, "_proven_after_staging", staticmethod(lambda tensor: True))
+        monkeypatch.setattr(TensorStream, "holds", lambda self, staged, tensor: False)
+    return str(request.param)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,7 +76,7 @@ EDITS = {
 
 @pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
 def test_a_repeat_edited_without_moving_its_version_is_stored_with_its_new_values(
-    tmp_path: Path, edit: Callable[[torch.Tensor], None], comparison: None
+    tmp_path: Path, edit: Callable[[torch.Tensor], None], comparison: None, proof: str
 ) -> None:
     """Recorded, edited behind autograd's back, recorded again: the second record holds the edited bits."""
     writer = BundleWriter(tmp_path / "b.h5")
@@ -95,19 +109,25 @@ SHAPED: dict[str, Callable[[], torch.Tensor]] = {
 
 @pytest.mark.parametrize("make", SHAPED.values(), ids=SHAPED.keys())
 def test_a_repeat_left_unchanged_is_one_dataset(
-    tmp_path: Path, make: Callable[[], torch.Tensor], comparison: None
+    tmp_path: Path, make: Callable[[], torch.Tensor], comparison: None, proof: str
 ) -> None:
-    """Unchanged bytes (any dtype or layout) are still stored once: the second name links the first dataset."""
+    """Unchanged bytes (any dtype or layout) are still stored once: the second and third names link the first
+    dataset, and the bytes stored count once."""
     writer = BundleWriter(tmp_path / "b.h5")
     tensor = make()
-    writer.write_tensor("first", tensor)
-    writer.write_tensor("second", tensor)
-    assert writer.linked_count == 1
-    assert torch.equal(bits(writer.read_tensor("second")), bits(tensor))
+    for name in ("first", "second", "third"):
+        writer.write_tensor(name, tensor)
+    assert torch.equal(bits(writer.read_tensor("third")), bits(tensor))
+    assert writer.linked_count == 2
+    assert writer.tensor_bytes == tensor.numel() * tensor.element_size()
+    with h5py.File(writer._tmp, "r") as file:  # read_tensor made the pending links
+        assert file["first"].id == file["second"].id == file["third"].id
+    checksums = writer.checksums()
+    assert checksums["second"] == checksums["third"] == checksums["first"]
     writer.abort()
 
 
-def test_a_copy_overwritten_in_the_ring_proves_nothing(tmp_path: Path) -> None:
+def test_a_copy_overwritten_in_the_ring_proves_nothing(tmp_path: Path, proof: str) -> None:
     """Once later records have overwritten the earlier copy's ring slot (here with exactly the edited values), a
     repeat is stored again: the slot no longer holds what the earlier record wrote."""
     ring = 4 * BLOCK
@@ -138,7 +158,7 @@ class EditedBetweenModules(nn.Module):
         return self.lin2(hidden)
 
 
-def test_a_model_editing_behind_autograd_replays_exactly_against_itself(tmp_path: Path) -> None:
+def test_a_model_editing_behind_autograd_replays_exactly_against_itself(tmp_path: Path, proof: str) -> None:
     """The bundle holds lin2's input as lin2 saw it, so the reference itself, replayed, matches at atol = rtol = 0
     (with the values linked to lin1's output, lin2's input failed)."""
     inputs = (torch.randn(3, 5),)
@@ -192,3 +212,48 @@ def test_a_record_of_a_parameter_holds_its_value_of_the_moment(tmp_path: Path) -
     capture_run(model, (torch.randn(3, 5),), out)
     with h5py.File(out, "r") as file:
         assert torch.equal(torch.from_numpy(file["modules/proj/0/input.input"][()]), before)
+
+
+class Chain(nn.Module):
+    """Each layer's output is the next layer's input (and its gradient the next's input gradient): repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def capture_and_replay(out: Path) -> tuple[int, bool]:
+    torch.manual_seed(0)
+    summary = capture_run(Chain(), (torch.randn(8, 16),), out)
+    with BundleReader(out) as reader:  # checksums verified as records are read
+        torch.manual_seed(0)
+        result = compare_run(Chain(), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
+    return summary.linked, result.match and not result.bundle_only
+
+
+def test_a_whole_capture_links_the_same_repeats_either_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies compared once made (a GPU's way) link exactly the repeats the CPU's proof links, and the bundle
+    verifies and replays bit for bit."""
+    from_memory = capture_and_replay(tmp_path / "memory.h5")
+    monkeypatch.setattr(BundleWriter, "_proven_after_staging", staticmethod(lambda tensor: True))
+    monkeypatch.setattr(TensorStream, "holds", lambda self, staged, tensor: False)
+    after_staging = capture_and_replay(tmp_path / "staged.h5")
+    assert from_memory[0] > 10  # every layer's output and its gradient, at least
+    assert after_staging == from_memory == (from_memory[0], True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_capture_stores_repeats_as_links(tmp_path: Path) -> None:
+    """On a GPU (pinned staging, non-blocking copies) the repeats the CPU capture links are linked too."""
+    torch.manual_seed(0)
+    cpu = capture_run(Chain(), (torch.randn(8, 16),), tmp_path / "cpu.h5")
+    torch.manual_seed(0)
+    cuda = capture_run(Chain().cuda(), (torch.randn(8, 16).cuda(),), tmp_path / "cuda.h5")
+    assert cuda.linked == cpu.linked > 10
+    with BundleReader(tmp_path / "cuda.h5") as reader:
+        torch.manual_seed(0)
+        result = compare_run(Chain().cuda(), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)), device="cuda")
+    assert result.match
