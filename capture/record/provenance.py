@@ -48,6 +48,7 @@ def snapshot(device: str = "cpu") -> dict[str, str]:
         "cudnn_deterministic": str(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": str(torch.backends.cudnn.benchmark),
         "tf32_matmul": str(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": str(torch.backends.cudnn.allow_tf32),  # on by default: float32 convolutions in TF32 on a GPU
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "num_threads": str(torch.get_num_threads()),
         "command_line": " ".join(sys.argv),

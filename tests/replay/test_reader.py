@@ -17,7 +17,9 @@ import torch
 from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
 from parity_harness.replay import reader as reader_module
+from parity_harness.capture.record.provenance import snapshot
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.tables import render_provenance
 from tests.models import build_tiny, tiny_inputs
 
 # --------------------------------------------------------------------------- helpers
@@ -196,6 +198,20 @@ def test_provenance_names_the_environment(tiny_bundle: Path) -> None:
     assert provenance["torch"] == torch.__version__
     assert provenance["harness"] == HARNESS_VERSION
     assert all(isinstance(value, str) for value in provenance.values())
+
+
+def test_provenance_shows_a_replay_with_the_other_tf32_convolutions(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN's TF32 switch (on by default: float32 convolutions rounded to TF32 on a GPU) is recorded beside the
+    matmul one, so a replay that ran with the other setting says so among the environment's differences."""
+    with BundleReader(tiny_bundle) as reader:
+        recorded = reader.provenance()
+    assert recorded["tf32_cudnn"] == str(torch.backends.cudnn.allow_tf32)
+    assert recorded["tf32_matmul"] == str(torch.backends.cuda.matmul.allow_tf32)
+    assert "tf32_cudnn" not in render_provenance(recorded, snapshot())
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
+    assert "tf32_cudnn" in render_provenance(recorded, snapshot())
 
 
 def test_find_call_distinguishes_repeated_calls(tiny_bundle: Path) -> None:
