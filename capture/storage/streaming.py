@@ -300,22 +300,24 @@ class TensorStream:
         """Whether :meth:`stage` takes ``tensor``: not empty and at most half the ring."""
         return 0 < tensor.numel() * tensor.element_size() <= self._capacity // 2
 
-    def stage(self, tensor: torch.Tensor) -> Staged:
+    def stage(self, tensor: torch.Tensor, keep: Staged | None = None) -> Staged:
         """Copy ``tensor`` (one :meth:`stages` takes) into the ring now; :meth:`submit` says later where it goes.
+        ``keep``: an earlier copy the new one is to be compared with (:meth:`same_copies`), not to be overwritten
+        by it where the ring has room elsewhere.
 
         Staged copies must be submitted in the order they were staged. When the ring is full of copies not yet
         submitted, :attr:`before_wait` is called to submit them (else they could never be written and freed).
         """
         self._raise_pending()
         nbytes = tensor.numel() * tensor.element_size()
-        start = self._reserve(nbytes, pinned=tensor.is_cuda)
+        start = self._reserve(nbytes, pinned=tensor.is_cuda, keep=keep)
         assert self._ring is not None
         slot = self._ring[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
         event = None
         if tensor.is_cuda and self._ring.is_pinned():
-            slot.copy_(tensor.detach(), non_blocking=True)
+            slot.copy_(tensor.detach(), non_blocking=True)  # on the current stream of the tensor's device
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
+            event.record(torch.cuda.current_stream(tensor.device))
         else:
             slot.copy_(tensor.detach())
         self._unsubmitted += 1
@@ -325,20 +327,22 @@ class TensorStream:
         """Whether ``staged``'s copy is still in the ring (no later copy overwrote it) and holds ``tensor``'s exact
         bits: the proof that a tensor recorded again is unchanged, where its version counter misses edits through
         ``.data``, a NumPy or DLPack alias or an in-place collective. A tensor not in CPU memory is not compared."""
-        if self._ring is None or staged.event is not None or self._tape_head > staged.lap_start + self._capacity:
+        if self._ring is None or staged.event is not None or not self.intact(staged):
             return False
         if tensor.device.type != "cpu" or tensor.is_conj() or tensor.is_neg() or tensor.layout != torch.strided:
             return False
         copy = self._ring[staged.start : staged.start + staged.nbytes]
         return staged.nbytes == tensor.numel() * tensor.element_size() and _same_bits(copy, tensor)
 
+    def intact(self, staged: Staged) -> bool:
+        """Whether no copy staged since overwrote ``staged``'s (the tape's head has not gone a ring further)."""
+        return self._tape_head <= staged.lap_start + self._capacity
+
     def same_copies(self, earlier: Staged, later: Staged) -> bool:
         """Whether two staged copies, ``earlier`` still in the ring (no copy since overwrote it), hold the same bytes:
         the proof for a tensor not in CPU memory, whose copy is made before it can be compared. Waits for both copies
-        (non-blocking ones from a GPU) to be done."""
-        if self._ring_bytes is None or earlier.nbytes != later.nbytes:
-            return False
-        if self._tape_head > earlier.lap_start + self._capacity:
+        (non-blocking ones from a GPU) to be done: the caller's thread waits for the GPU to reach the later copy."""
+        if self._ring_bytes is None or earlier.nbytes != later.nbytes or not self.intact(earlier):
             return False
         for staged in (earlier, later):
             if staged.event is not None:
@@ -447,8 +451,9 @@ class TensorStream:
         self._unannounced = self._unannounced_bytes = 0
         self._lock.notify_all()
 
-    def _reserve(self, nbytes: int, *, pinned: bool) -> int:
-        """Space for ``nbytes`` in the ring, waiting for the writer to free some if needed."""
+    def _reserve(self, nbytes: int, *, pinned: bool, keep: Staged | None = None) -> int:
+        """Space for ``nbytes`` in the ring, waiting for the writer to free some if needed (``keep``: see
+        :meth:`stage`)."""
         if self._ring is None:
             pin = pinned and torch.cuda.is_available()
             memory = torch.empty(self._capacity + BLOCK, dtype=torch.uint8, pin_memory=pin)
@@ -459,7 +464,7 @@ class TensorStream:
         while True:
             with self._lock:
                 self._raise_pending()
-                start = self._fit(need)
+                start = self._fit(need, keep)
                 if start is not None:
                     self._in_use.append((start, start + need))
                     # on the tape, a slice at or after the head follows it; one before it starts the next lap
@@ -482,16 +487,23 @@ class TensorStream:
                     self._wake()
                     self._lock.wait(timeout=0.5)
 
-    def _fit(self, need: int) -> int | None:
+    def _fit(self, need: int, keep: Staged | None = None) -> int | None:
         """Where ``need`` bytes fit after the newest slice without overrunning the oldest, if anywhere."""
         if not self._in_use:
-            return 0
+            return self._restart(need, keep)
         oldest, newest_end = self._in_use[0][0], self._head
         if self._in_use[-1][0] >= oldest:  # not wrapped: free are [newest_end, capacity) and [0, oldest)
             if newest_end + need <= self._capacity:
                 return newest_end
             return 0 if need <= oldest else None
         return newest_end if newest_end + need <= oldest else None  # wrapped: free is [newest_end, oldest)
+
+    def _restart(self, need: int, keep: Staged | None) -> int:
+        """Where a slice goes in an empty ring: at its start (the fewest pages touched, a small footprint for small
+        models), unless ``keep`` is still intact and the head has room: going back to the start begins a lap of the
+        tape, after which no earlier copy counts as intact."""
+        keeping = keep is not None and self.intact(keep)
+        return self._head if keeping and self._head + need <= self._capacity else 0
 
     def _raise_pending(self) -> None:
         if self._error is not None:

@@ -60,9 +60,11 @@ _RECENT_TENSORS = 32
 """How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
 _BATCH, _BATCH_BYTES = 64, 8 << 20
 """Dataset creations (and hard links) deferred, then made together: up to this many, or snapshots of this many bytes
-waiting in the staging ring. HDF5 creates a dataset several times faster when its own state is still in the CPU's
-caches, which the model's layers between two records evict: a Conformer of 569 small datasets spent 48 ms creating
-them one per record, against 19 ms for the same creations in a row."""
+waiting in the staging ring (at most a quarter of the ring: a copy made after staging is compared with the earlier
+one when its batch is made, before the ring has moved on a lap past it). HDF5 creates a dataset several times
+faster when its own state is still in the CPU's caches, which the model's layers between two records evict: a
+Conformer of 569 small datasets spent 48 ms creating them one per record, against 19 ms for the same creations in
+a row."""
 
 _StorageKey = tuple[object, ...]
 
@@ -220,6 +222,7 @@ class BundleWriter:
         self._tag_attribute = _StringAttribute(ATTR_DTYPE)
         self._deferred: list[_Deferred] = []  # in the order recorded: links follow what they link to
         self._deferred_bytes = 0
+        self._batch_bytes = min(_BATCH_BYTES, staging_bytes // 4)
         self._claimed: set[str] = set()  # every dataset path recorded, so a second use is refused at once
         self._groups: set[str] = set()  # the groups above them
         # The ring full of snapshots waiting for a dataset; weakly, or the stream's thread would keep the writer.
@@ -254,11 +257,14 @@ class BundleWriter:
             self._link(path, earlier.path)
             return ref
         # Elsewhere (a GPU) the bytes are only seen once copied: the proof waits for the copy, at the batch.
-        repeat_of = earlier if earlier is not None and not stable and self._proven_after_staging(tensor) else None
+        repeat_of = None
+        if earlier is not None and not stable and self._proven_after_staging(tensor):
+            repeat_of = earlier if self._stream.intact(earlier.staged) else None
         staged = self._store(path, tensor, stable=stable, repeat_of=repeat_of)
         # Only a staged copy proves a repeat's bytes: one written from memory later (a parameter) holds what the
-        # memory holds then, and an edit through .data between the two records would go unseen.
-        if key is not None and staged is not None and repeat_of is None:
+        # memory holds then, and an edit through .data between the two records would go unseen. A copy proven
+        # after staging is the newest of those bytes: the next repeat is compared with it, and links its target.
+        if key is not None and staged is not None:
             self._recent[key] = _Recent(tensor, tensor._version, path, staged)
             if len(self._recent) > _RECENT_TENSORS:
                 self._recent.popitem(last=False)
@@ -330,7 +336,7 @@ class BundleWriter:
                 self._defer(_Deferred(path, shape=shape, tag=tag, stable=tensor))
                 return None
             if not stable and self._stream.stages(tensor):
-                staged = self._stream.stage(tensor)
+                staged = self._stream.stage(tensor, keep=None if repeat_of is None else repeat_of.staged)
                 self._defer(_Deferred(path, shape=shape, tag=tag, staged=staged, repeat_of=repeat_of))
                 return staged
         self._create_deferred()  # the stream writes in the order it was given
@@ -366,7 +372,7 @@ class BundleWriter:
     def _defer(self, item: _Deferred) -> None:
         self._deferred.append(item)
         self._deferred_bytes += 0 if item.staged is None else item.staged.nbytes
-        if len(self._deferred) >= _BATCH or self._deferred_bytes >= _BATCH_BYTES:
+        if len(self._deferred) >= _BATCH or self._deferred_bytes >= self._batch_bytes:
             self._create_deferred()
 
     def _create_deferred(self) -> None:
@@ -410,12 +416,13 @@ class BundleWriter:
         earlier, staged = item.repeat_of, item.staged
         if earlier is None or staged is None or not self._stream.same_copies(earlier.staged, staged):
             return False
+        target = self._links.get(earlier.path, earlier.path)  # the dataset itself, where the earlier is a link
         root = self._file.id
-        root.links.create_hard(item.path.encode(), root, earlier.path.encode(), lcpl=self._lcpl)
-        self._stream.discard(staged)  # its ring space comes back in its turn, unwritten
-        self._links[item.path] = earlier.path
+        root.links.create_hard(item.path.encode(), root, target.encode(), lcpl=self._lcpl)
+        self._links[item.path] = target
         self.linked_count += 1
         self.tensor_bytes -= staged.nbytes
+        self._stream.discard(staged)  # its ring space comes back in its turn, unwritten
         return True
 
     def _write_through_hdf5(self, path: str, tensor: torch.Tensor) -> None:

@@ -51,8 +51,10 @@ def test_staged_copies_are_submitted_in_stage_order_and_read_back_exactly(
     submitted: list[int] = []
     stage, submit = streaming.TensorStream.stage, streaming.TensorStream.submit
 
-    def recording_stage(self: streaming.TensorStream, tensor: torch.Tensor) -> streaming.Staged:
-        result = stage(self, tensor)
+    def recording_stage(
+        self: streaming.TensorStream, tensor: torch.Tensor, keep: streaming.Staged | None = None
+    ) -> streaming.Staged:
+        result = stage(self, tensor, keep)
         staged.append(id(result))
         return result
 
@@ -187,7 +189,7 @@ def test_a_creation_failing_in_a_batch_takes_no_other_record_down(
         return create(self, path, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(BundleWriter, "_create_dataset", failing)
-    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=RING)
+    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=4 * RING)  # a batch holds up to a quarter of the ring
     for i in range(8):
         writer.write_tensor(f"m/{i}", torch.randn(1024))  # 4 KiB each: all deferred
     with pytest.raises(BundleError, match="cannot create dataset m/3"):
@@ -197,9 +199,9 @@ def test_a_creation_failing_in_a_batch_takes_no_other_record_down(
     assert not writer._stream._in_use, "the failed record's copy still holds ring space"
 
     def later() -> bool:
-        for i in range(40):  # 8 KiB each: the 64 KiB ring many times over
+        for i in range(100):  # 8 KiB each: the 256 KiB ring three times over
             writer.write_tensor(f"t/{i}", torch.randn(2048))
-        return all(writer.has(f"t/{i}") for i in range(40))
+        return all(writer.has(f"t/{i}") for i in range(100))
 
     done = _in_thread(later, seconds=30)
     if not done:

@@ -10,6 +10,7 @@ the batch of datasets is made. Without a GPU the second runs on CPU tensors rout
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,6 +144,80 @@ def test_a_copy_overwritten_in_the_ring_proves_nothing(tmp_path: Path, proof: st
     assert torch.equal(writer.read_tensor("second"), tensor)
     assert writer.linked_count == 0
     writer.abort()
+
+
+def test_after_an_edit_the_next_repeats_link_the_edited_record(tmp_path: Path, proof: str) -> None:
+    """Recorded, edited behind autograd's back, recorded twice more: the edited record gets its own dataset and the
+    record after it links that one, whichever way repeats are proven."""
+    writer = BundleWriter(tmp_path / "b.h5")
+    tensor = torch.randn(4, 5)
+    writer.write_tensor("first", tensor)
+    through_data(tensor)
+    writer.write_tensor("second", tensor)
+    writer.write_tensor("third", tensor)
+    assert torch.equal(writer.read_tensor("third"), tensor)
+    assert writer.linked_count == 1
+    assert writer.checksums()["third"] == writer.checksums()["second"] != writer.checksums()["first"]
+    writer.abort()
+
+
+def test_many_repeats_through_a_small_ring_all_link_and_give_their_space_back(tmp_path: Path, proof: str) -> None:
+    """A tensor recorded 30 times through a ring of 8 slots (each copy made after staging takes a slot until the
+    proof, so the first copy is overwritten long before the last repeat): every repeat links, and once drained the
+    ring holds nothing."""
+    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=8 * BLOCK)
+    tensor = torch.randn(BLOCK // 4)
+
+    def record_all() -> None:
+        for record in range(30):
+            writer.write_tensor(f"r{record}", tensor)
+        finished.set()
+
+    finished = threading.Event()
+    threading.Thread(target=record_all, daemon=True).start()
+    assert finished.wait(timeout=60), "the writer hung: copies discarded after their proof kept their ring slots"
+    assert torch.equal(writer.read_tensor("r29"), tensor)
+    assert writer.linked_count == 29
+    stream = writer._stream
+    stream.drain()
+    assert not stream._in_use  # no slot kept by a discarded copy
+    assert stream._unsubmitted == 0
+    writer.abort()
+
+
+class Deep(nn.Module):
+    """Sixty layers: more records and parameters than one batch of datasets, so batches end between repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(16, 16) for _ in range(60)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_the_ring_emptied_between_a_record_and_its_repeat_still_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk thread may catch up with everything at any moment (here after every batch). A copy made after
+    staging then must not go back to the ring's start over the copy it is to be compared with: the same repeats
+    link as when each is compared from memory."""
+    create = BundleWriter._create_deferred
+
+    def create_then_drain(writer: BundleWriter) -> None:
+        create(writer)
+        writer._stream.drain()
+
+    monkeypatch.setattr(BundleWriter, "_create_deferred", create_then_drain)
+
+    def linked(name: str) -> int:
+        torch.manual_seed(0)
+        return capture_run(Deep(), (torch.randn(8, 16),), tmp_path / name).linked
+
+    from_memory = linked("memory.h5")
+    monkeypatch.setattr(BundleWriter, "_proven_after_staging", staticmethod(lambda tensor: True))
+    monkeypatch.setattr(TensorStream, "holds", lambda self, staged, tensor: False)
+    assert linked("staged.h5") == from_memory > 100
 
 
 class EditedBetweenModules(nn.Module):

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from parity_harness.capture.record.provenance import snapshot
 from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
 from parity_harness.replay import reader as reader_module
-from parity_harness.capture.record.provenance import snapshot
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.tables import render_provenance
 from tests.models import build_tiny, tiny_inputs
