@@ -61,6 +61,8 @@ class RecentDiffs:
             return diff_record(self._reader, ref, actual, tolerance, ignore)
         if actual.device.type != "cpu":  # one host snapshot, compared and kept: another stream may still write
             actual = from_storage(*to_storage(actual))
+        elif not actual.is_contiguous():  # one copy for the proof, the comparison and the copy kept, not one each
+            actual = actual.contiguous()
         earlier = self._entries.get(key)
         if earlier is not None and _same_bits(earlier[0], earlier[1], *to_storage(actual)):
             self._entries.move_to_end(key)

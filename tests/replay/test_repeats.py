@@ -133,6 +133,25 @@ def test_memory_refilled_behind_a_live_tensor_is_not_mistaken_for_its_values(cha
         assert diffs.reused == 1  # the same values, another tensor: the same comparison
 
 
+def test_a_transposed_view_is_compared_and_remembered_as_a_snapshot_of_its_values(chain_bundle: Path) -> None:
+    """A port handing over a non-contiguous view (a transpose of its own layout): the comparison, the copy kept for
+    reuse and the proof of a repeat all see the view's values at that moment, and an edit of the memory behind it
+    afterwards is compared afresh."""
+    with BundleReader(chain_bundle) as reader:
+        ref = _record(reader, "first", "output")
+        values = torch.from_numpy(np.array(reader.read_array(ref))) * (1 + 1e-6)
+        behind = values.t().contiguous()  # the port's own layout; it hands over behind.t()
+        diffs, tolerance = RecentDiffs(reader), Tolerance(1e-4, 1e-4)
+        first = diffs.diff(ref, behind.t(), tolerance, None)
+        assert first.match
+        assert first.max_abs > 0  # differed: remembered
+        assert diffs.diff(ref, behind.t(), tolerance, None) == first
+        assert diffs.reused == 1
+        behind.data.mul_(1.5)  # behind torch's back: no version counter moved
+        assert not diffs.diff(ref, behind.t(), tolerance, None).match
+        assert diffs.reused == 1
+
+
 def test_a_name_relinked_to_other_bytes_is_still_checksummed(tmp_path: Path) -> None:
     """A bundle altered after capture, one record's name hard-linked to another record's bytes while the index
     keeps its own checksum: a port within tolerance of both is refused for the damage, not passed on the other
