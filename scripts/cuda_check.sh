@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA paths end to end, on a machine with a GPU (CI has none): the example reference captured on
 # CUDA (pinned staging, non-blocking copies) and on the CPU, each replayed by the port on CUDA and on the
-# CPU, with --isolate; then the CUDA tests (a CUDA replay, repeats linked in a CUDA capture). Prints each command's exit code and wall time.
+# CPU, with --isolate; then the CUDA tests (a CUDA replay, repeats linked in a CUDA capture). Prints each
+# command's exit code and wall time.
 #   scripts/cuda_check.sh [OUT_DIR]        # uses the python3 on PATH, with parity-harness installed
 set -uo pipefail
 cd "$(dirname "$0")/.."
