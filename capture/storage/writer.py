@@ -222,7 +222,7 @@ class BundleWriter:
         self._tag_attribute = _StringAttribute(ATTR_DTYPE)
         self._deferred: list[_Deferred] = []  # in the order recorded: links follow what they link to
         self._deferred_bytes = 0
-        self._batch_bytes = min(_BATCH_BYTES, staging_bytes // 4)
+        self._batch_bytes = min(_BATCH_BYTES, max(staging_bytes // 4, 1))  # no ring: batches by count alone
         self._claimed: set[str] = set()  # every dataset path recorded, so a second use is refused at once
         self._groups: set[str] = set()  # the groups above them
         # The ring full of snapshots waiting for a dataset; weakly, or the stream's thread would keep the writer.
