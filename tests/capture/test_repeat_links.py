@@ -5,35 +5,69 @@ a link made on the counter alone stored the later record with the earlier values
 
 Two proofs, each test run with both (the ``proof`` fixture): a tensor in CPU memory is compared with the copy staged
 for the earlier record as it is recorded; one elsewhere (a GPU) is copied first, and the two copies are compared when
-the batch of datasets is made. Without a GPU the second runs on CPU tensors routed that way.
+the batch of datasets is made. Without a GPU the second runs on CPU tensors routed that way, once with each copy
+left in flight until its event is waited on, as a GPU's non-blocking copy is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
-from parity_harness.capture.storage.streaming import BLOCK, TensorStream
+from parity_harness.capture.storage.streaming import BLOCK, Staged, TensorStream
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 
 
-@pytest.fixture(params=["from memory", "after staging"])
+class CopyInFlight:
+    """A staged copy whose bytes land only when waited on, as a GPU's non-blocking copy into pinned memory: until
+    then its ring slot holds garbage."""
+
+    def __init__(self, slot: np.ndarray) -> None:
+        self._slot, self._values, self._lock = slot, slot.copy(), threading.Lock()
+        slot.fill(0xAB)
+
+    def synchronize(self) -> None:
+        with self._lock:  # the disk thread and the proof may both wait on it
+            if self._values is not None:
+                self._slot[:] = self._values
+                self._values = None
+
+
+def staged_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy the ring takes is left in flight (:class:`CopyInFlight`)."""
+    stage = TensorStream.stage
+
+    def in_flight(self: TensorStream, tensor: torch.Tensor, keep: Staged | None = None) -> Staged:
+        staged = stage(self, tensor, keep)
+        assert self._ring_bytes is not None
+        slot = self._ring_bytes[staged.start : staged.start + staged.nbytes]
+        return dataclasses.replace(staged, event=CopyInFlight(slot))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TensorStream, "stage", in_flight)
+
+
+@pytest.fixture(params=["from memory", "after staging", "after staging, copies in flight"])
 def proof(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How a repeat is proven: its memory against the earlier copy (CPU tensors), or its own staged copy against the
-    earlier one once both are made (tensors elsewhere; here CPU tensors routed that way)."""
-    if request.param == "after staging":
+    earlier one once both are made (tensors elsewhere; here CPU tensors routed that way, their copies made at once
+    or left in flight until waited on)."""
+    if request.param != "from memory":
         monkeypatch.setattr(BundleWriter, "_proven_after_staging", staticmethod(lambda tensor: True))
         monkeypatch.setattr(TensorStream, "holds", lambda self, staged, tensor: False)
+    if request.param.endswith("in flight"):
+        staged_in_flight(monkeypatch)
     return str(request.param)
 
 
@@ -309,12 +343,17 @@ def capture_and_replay(out: Path) -> tuple[int, bool]:
     return summary.linked, result.match and not result.bundle_only
 
 
-def test_a_whole_capture_links_the_same_repeats_either_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("in_flight", [False, True], ids=["copies made at once", "copies in flight"])
+def test_a_whole_capture_links_the_same_repeats_either_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_flight: bool
+) -> None:
     """The copies compared once made (a GPU's way) link exactly the repeats the CPU's proof links, and the bundle
     verifies and replays bit for bit."""
     from_memory = capture_and_replay(tmp_path / "memory.h5")
     monkeypatch.setattr(BundleWriter, "_proven_after_staging", staticmethod(lambda tensor: True))
     monkeypatch.setattr(TensorStream, "holds", lambda self, staged, tensor: False)
+    if in_flight:
+        staged_in_flight(monkeypatch)
     after_staging = capture_and_replay(tmp_path / "staged.h5")
     assert from_memory[0] > 10  # every layer's output and its gradient, at least
     assert after_staging == from_memory == (from_memory[0], True)
