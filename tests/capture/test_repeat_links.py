@@ -202,21 +202,30 @@ def test_many_repeats_through_a_small_ring_all_link_and_give_their_space_back(tm
     writer = BundleWriter(tmp_path / "b.h5", staging_bytes=8 * BLOCK)
     tensor = torch.randn(BLOCK // 4)
 
+    failures: list[BaseException] = []
+
     def record_all() -> None:
-        for record in range(30):
-            writer.write_tensor(f"r{record}", tensor)
+        try:
+            for record in range(30):
+                writer.write_tensor(f"r{record}", tensor)
+        except BaseException as err:  # raised in the test, not lost with the thread
+            failures.append(err)
         finished.set()
 
     finished = threading.Event()
     threading.Thread(target=record_all, daemon=True).start()
-    assert finished.wait(timeout=60), "the writer hung: copies discarded after their proof kept their ring slots"
-    assert torch.equal(writer.read_tensor("r29"), tensor)
-    assert writer.linked_count == 29
-    stream = writer._stream
-    stream.drain()
-    assert not stream._in_use  # no slot kept by a discarded copy
-    assert stream._unsubmitted == 0
-    writer.abort()
+    try:
+        assert finished.wait(timeout=60), "the writer hung: copies discarded after their proof kept their ring slots"
+        if failures:
+            raise failures[0]
+        assert torch.equal(writer.read_tensor("r29"), tensor)
+        assert writer.linked_count == 29
+        stream = writer._stream
+        stream.drain()
+        assert not stream._in_use  # no slot kept by a discarded copy
+        assert stream._unsubmitted == 0
+    finally:
+        writer.abort()
 
 
 class Deep(nn.Module):
@@ -252,6 +261,41 @@ def test_the_ring_emptied_between_a_record_and_its_repeat_still_links(
     monkeypatch.setattr(BundleWriter, "_proven_after_staging", staticmethod(lambda tensor: True))
     monkeypatch.setattr(TensorStream, "holds", lambda self, staged, tensor: False)
     assert linked("staged.h5") == from_memory > 100
+
+
+def test_tiny_records_each_holding_a_ring_block_still_link(tmp_path: Path, proof: str) -> None:
+    """Records of a few bytes each take a whole block of the ring: a batch is cut by the blocks its copies hold,
+    not their bytes, so a repeat is still proven before a lap of the ring overwrites the earlier copy."""
+    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=64 * BLOCK)
+    for pair in range(50):
+        tensor = torch.randn(1)
+        writer.write_tensor(f"a{pair}", tensor)
+        for other in range(12):
+            writer.write_tensor(f"other{pair}/{other}", torch.randn(1))
+        writer.write_tensor(f"b{pair}", tensor)
+    assert torch.equal(writer.read_tensor("b49"), writer.read_tensor("a49"))
+    assert writer.linked_count == 50
+    writer.abort()
+
+
+def test_a_copy_overwritten_after_its_repeat_was_recorded_proves_nothing(tmp_path: Path, proof: str) -> None:
+    """The earlier copy is intact when the repeat is recorded, then a record of the same batch is staged over it,
+    holding the repeat's new values: those bytes no longer are what the earlier dataset holds, and no link is
+    made on them."""
+    writer = BundleWriter(tmp_path / "b.h5", staging_bytes=8 * BLOCK)
+    tensor = torch.zeros(BLOCK // 4)  # one BLOCK of float32
+    writer.write_tensor("first", tensor)  # slot 0
+    for other in range(6):  # slots 1 to 6
+        writer.write_tensor(f"other{other}", torch.full_like(tensor, other + 10.0))
+    assert writer.has("other5")  # the batch made
+    writer._stream.drain()  # and written: the ring empty, its head at slot 7
+    tensor.data.fill_(7.0)  # behind the version counter
+    writer.write_tensor("second", tensor)  # slot 7, while the first copy is intact
+    writer.write_tensor("third", torch.full_like(tensor, 7.0))  # back at slot 0, over the first copy
+    assert torch.equal(writer.read_tensor("second"), tensor)
+    assert torch.equal(writer.read_tensor("first"), torch.zeros_like(tensor))
+    assert writer.linked_count == 0
+    writer.abort()
 
 
 class EditedBetweenModules(nn.Module):
