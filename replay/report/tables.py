@@ -205,7 +205,8 @@ def _param_values(result: ComparisonResult) -> list[str]:
 def render_provenance(reference: dict[str, str], replay: dict[str, str]) -> str:
     """Side-by-side table of the provenance keys whose values differ between the two runs."""
     keys = sorted((set(reference) | set(replay)) - _PROVENANCE_NOISE)
-    rows = [[k, reference.get(k, "-"), replay.get(k, "-")] for k in keys if reference.get(k) != replay.get(k)]
+    absent = "not recorded"  # a key older bundles or other versions lack
+    rows = [[k, reference.get(k, absent), replay.get(k, absent)] for k in keys if reference.get(k) != replay.get(k)]
     if not rows:
         return "environments: no provenance difference"
     return "\n".join(["== Environments (where they differ) ==", tabulate(rows, headers=["", "reference", "replay"])])

@@ -212,6 +212,9 @@ def test_provenance_shows_a_replay_with_the_other_tf32_convolutions(
     assert "tf32_cudnn" not in render_provenance(recorded, snapshot())
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
     assert "tf32_cudnn" in render_provenance(recorded, snapshot())
+    older = {key: value for key, value in recorded.items() if key != "tf32_cudnn"}  # a bundle from before the key
+    line = next(row for row in render_provenance(older, snapshot()).splitlines() if row.startswith("tf32_cudnn"))
+    assert "not recorded" in line
 
 
 def test_find_call_distinguishes_repeated_calls(tiny_bundle: Path) -> None:
