@@ -57,7 +57,7 @@ from parity_harness.common.numerics.bytewise import memory_equal, same_bytes
 from parity_harness.common.numerics.checksum import crc32
 from parity_harness.common.numerics.statistics import crc32_combine
 
-__all__ = ["DEFAULT_STAGING_BYTES", "Staged", "TensorStream"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Staged", "TensorStream", "ring_span"]
 
 DEFAULT_STAGING_BYTES: Final = 256 << 20
 BLOCK: Final = 4096
@@ -105,6 +105,11 @@ def _same_bits(copy: torch.Tensor, tensor: torch.Tensor) -> bool:
         tensor = torch.view_as_real(tensor)
     bits = _BITS[tensor.element_size()]
     return torch.equal(copy.view(bits).view(tensor.shape), tensor.detach().view(bits))
+
+
+def ring_span(nbytes: int) -> int:
+    """The ring space a staged copy of ``nbytes`` holds: whole BLOCKs, so every slot starts aligned for O_DIRECT."""
+    return -(-nbytes // BLOCK) * BLOCK
 
 
 def _address(data: np.ndarray) -> int:
@@ -460,7 +465,7 @@ class TensorStream:
             shift = -memory.data_ptr() % BLOCK  # slots start on BLOCK boundaries, ready for O_DIRECT
             self._ring = memory[shift : shift + self._capacity]
             self._ring_bytes = self._ring.numpy()
-        need = -(-nbytes // BLOCK) * BLOCK
+        need = ring_span(nbytes)
         while True:
             with self._lock:
                 self._raise_pending()

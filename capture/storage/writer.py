@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from parity_harness.capture.distributed import local_tensor
-from parity_harness.capture.storage.streaming import BLOCK, DEFAULT_STAGING_BYTES, Staged, TensorStream
+from parity_harness.capture.storage.streaming import BLOCK, DEFAULT_STAGING_BYTES, Staged, TensorStream, ring_span
 from parity_harness.common.errors import BundleError, BundleExistsError
 from parity_harness.common.format.atomic import commit, sibling_temp
 from parity_harness.common.format.bundle.layout import (
@@ -372,7 +372,7 @@ class BundleWriter:
     def _defer(self, item: _Deferred) -> None:
         self._deferred.append(item)
         if item.staged is not None:  # the ring space it holds: whole blocks
-            self._deferred_bytes += -(-item.staged.nbytes // BLOCK) * BLOCK
+            self._deferred_bytes += ring_span(item.staged.nbytes)
         if len(self._deferred) >= _BATCH or self._deferred_bytes >= self._batch_bytes:
             self._create_deferred()
 
