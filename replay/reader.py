@@ -210,14 +210,15 @@ class BundleReader:
     def _validate_tensors(self) -> None:
         referenced: set[str] = set()
         sums = self.index.checksums
-        for ref in self.index.tensor_refs():
+        refs = list(self.index.tensor_refs())
+        for ref in refs:
             if ref.path not in self.index.summaries:
                 self._check_dataset(ref)
                 referenced.add(ref.path.lstrip("/"))
                 if sums and ref.path not in sums:
                     raise BundleFormatError(f"{self.path}:{ref.path}: the index has no checksum for this tensor")
         orphans = [name for name in self._stored if name not in referenced and not _is_auxiliary(name)]
-        self._verify_auxiliary()
+        self._verify_auxiliary({ref.path for ref in refs})
         if orphans:
             raise BundleFormatError(
                 f"{self.path}: {len(orphans)} dataset(s) not named by the index, e.g. /{orphans[0]}; "
@@ -234,7 +235,7 @@ class BundleReader:
                 "capture it again with checksums"
             )
 
-    def _verify_auxiliary(self) -> None:
+    def _verify_auxiliary(self, tensors: set[str]) -> None:
         """The RNG state's checksum (format 1.4 on, where every RNG dataset has one; a few kilobytes, checked at
         once), and no checksum naming nothing."""
         sums = self.index.checksums
@@ -245,7 +246,6 @@ class BundleReader:
             unsummed = [name for name in stored if name not in sums]
             if unsummed:
                 raise BundleFormatError(f"{self.path}:{unsummed[0]}: no checksum in the index; the bundle was altered")
-            tensors = {ref.path for ref in self.index.tensor_refs()}
             stray = [name for name in sums if name not in tensors and name not in stored]
             if stray:
                 raise BundleFormatError(f"{self.path}: the index has a checksum for {stray[0]!r}, which is no dataset")
@@ -267,6 +267,13 @@ class BundleReader:
 
     def _check_dataset(self, ref: TensorRef) -> None:
         node = self._stored.get(ref.path.lstrip("/"))
+        if (
+            node is not None
+            and node.label == ref.tag
+            and node.dtype == storage_dtype(ref.tag)
+            and tuple(node.shape) == ref.shape
+        ):
+            return
         where = f"{self.path}:{ref.path}"
         if node is None:
             raise BundleFormatError(f"{where}: tensor named by the index is missing; the bundle is incomplete")

@@ -96,6 +96,17 @@ ArgumentNames = tuple[str | None, ...]
 """Per position: the parameter a positional argument binds to, or None where it keeps its position."""
 
 
+def _attribute(module: Any, name: str) -> Any:
+    """``getattr(module, name, None)`` without the exception ``torch.nn.Module.__getattr__`` raises and catches for
+    a name it lacks (a few microseconds, four names for every module at every capture and replay)."""
+    found = getattr(module, "__dict__", {}).get("_modules", {}).get(name)
+    if found is None:
+        found = vars(module).get(name) if hasattr(module, "__dict__") else None
+    if found is None and hasattr(type(module), name):  # a property or class attribute
+        found = getattr(module, name, None)
+    return found
+
+
 def _variadic_only(forward: Any) -> bool:
     try:
         kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
@@ -129,7 +140,7 @@ def positional_names(module: Any) -> ArgumentNames:
     if forward is None:
         return ()
     for attribute in _WRAPPERS:
-        inner = getattr(module, attribute, None)
+        inner = _attribute(module, attribute)
         if isinstance(inner, torch.nn.Module) and inner is not module and _variadic_only(forward):
             return positional_names(inner)
     if "forward" in getattr(module, "__dict__", {}):  # set on the instance: read it, never cache it

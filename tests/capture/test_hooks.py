@@ -6,6 +6,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -234,3 +235,72 @@ def test_a_cotangent_has_the_same_values_whatever_the_outputs_dtype() -> None:
     assert cotangents[torch.float64].dtype == torch.float64
     assert torch.equal(cotangents[torch.float64], cotangents[torch.float32].double())
     assert torch.equal(cotangents[torch.bfloat16], cotangents[torch.float32].bfloat16())
+
+
+class _Block(torch.nn.Module):
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return hidden
+
+
+class _AsSubmodule(torch.nn.Module):
+    """A wrapper keeping the module it forwards to as a submodule (torch.compile, DDP, FSDP1, checkpointing)."""
+
+    def __init__(self, attribute: str) -> None:
+        super().__init__()
+        setattr(self, attribute, _Block())
+        self.attribute = attribute
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, self.attribute)(*args, **kwargs)
+
+
+class _AsPlainAttribute(torch.nn.Module):
+    """A wrapper holding the module outside torch's registry (as object.__setattr__ leaves it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "_orig_mod", _Block())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod(*args, **kwargs)
+
+
+class _AsProperty(torch.nn.Module):
+    """A wrapper reaching the module through a property of its class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Block()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [
+        *(_AsSubmodule(name) for name in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module")),
+        _AsPlainAttribute(),
+        _AsProperty(),
+    ],
+    ids=["compile", "checkpoint", "fsdp1", "ddp", "plain-attribute", "property"],
+)
+def test_positional_names_read_through_wrappers(wrapper: torch.nn.Module) -> None:
+    """A wrapper whose forward takes only ``*args, **kwargs`` names arguments as the module it wraps does, however
+    it holds that module."""
+    assert positional_names(wrapper) == ("hidden", "mask")
+    assert positional_names(_Block()) == ("hidden", "mask")
+
+
+def test_positional_names_of_a_variadic_module_that_wraps_nothing() -> None:
+    """A forward of ``*args`` alone, with no wrapped module, names nothing (positions are kept)."""
+
+    class Variadic(torch.nn.Module):
+        def forward(self, *args: Any) -> Any:
+            return args
+
+    assert positional_names(Variadic()) == ()

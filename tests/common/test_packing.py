@@ -161,3 +161,41 @@ def test_metadata_of_many_tiny_containers_is_refused() -> None:
         ]
     }
     assert unpack(pack(real), where="index") == real
+
+
+def _plain_types(value: object) -> set[type]:
+    """Every type found in a decoded value, containers included."""
+    found, pending = set(), [value]
+    while pending:
+        item = pending.pop()
+        found.add(type(item))
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return found
+
+
+@pytest.mark.parametrize("implementation", ["c", "fallback"])
+def test_unpack_gives_plain_data_or_refuses(implementation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the bytes, unpack yields only plain types (nothing walks the result afterwards to check): ext type
+    markers spliced into a real document at every position, by msgpack's C decoder and by its pure-Python one."""
+    if implementation == "fallback":
+        from msgpack import fallback
+
+        monkeypatch.setattr(packing.msgpack, "unpackb", fallback.unpackb)
+    plain = {dict, list, str, bytes, int, float, bool, type(None)}
+    raw = pack(DOCUMENT).tobytes()
+    markers = [b"\xd6\xff\x00\x00\x00\x00", b"\xd4\x05x", b"\xc7\x00\xff", b"\xc7\x00\x05", b"\xd8\xff" + b"\x00" * 16]
+    decoded = 0
+    for at in range(len(raw) + 1):
+        for marker in markers:
+            for blob in (raw[:at] + marker + raw[at:], raw[:at] + marker + raw[at + len(marker) :]):
+                try:
+                    value = unpack(blob, where="/index")
+                except BundleFormatError:
+                    continue
+                decoded += 1
+                assert _plain_types(value) <= plain, blob
+    assert decoded > 0  # some splices land inside strings and bytes, and decode

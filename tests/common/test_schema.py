@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.format.bundle import schema
 from parity_harness.common.format.bundle.schema import BundleIndex, TensorRef, iter_tensors, parse_index, parse_tree
 from parity_harness.common.format.packing import pack, unpack
 
@@ -355,3 +356,53 @@ def test_escaped_slot_names_are_unambiguous() -> None:
     slots = _slots(tree, "input")
     assert len(set(slots)) == 4
     assert all(re.fullmatch(r"input(\.[^./]+)+", slot) for slot in slots)
+
+
+_ODD_VALUES: list[object] = [
+    None, True, False, -1, 0, 1 << 49, 2.5, "x", "/x", "F32", b"x", [], {}, ["T"], ["N"], [1], ["S", []],
+    ["T", "/p", "F32", [2], False], ["T", "p", "F32", [2], False], ["T", "/p", "F32", [True], False],
+    ["T", "/p", "F32", [-1], False], ["T", "/p", "nope", [2], 0], ["O", "m.C", "tuple", []], ["X", "a", 1],
+    [["k", ["N"]]], [[1, 2]], [["dup", T("/a")], ["dup", T("/b")]],
+]  # fmt: skip
+
+
+def _mutations(node: object) -> Any:
+    """The document with one value replaced (each of :data:`_ODD_VALUES`), dropped or doubled, at every place."""
+    if isinstance(node, dict):
+        for key in node:
+            for value in _ODD_VALUES:
+                yield {**node, key: value}
+            yield {k: v for k, v in node.items() if k != key}
+            for inner in _mutations(node[key]):
+                yield {**node, key: inner}
+    elif isinstance(node, list):
+        for at in range(len(node)):
+            for value in _ODD_VALUES:
+                yield [*node[:at], value, *node[at + 1 :]]
+            yield node[:at] + node[at + 1 :]
+            yield [*node[:at], node[at], *node[at:]]
+            for inner in _mutations(node[at]):
+                yield [*node[:at], inner, *node[at + 1 :]]
+
+
+def _outcome(document: object) -> object:
+    try:
+        return parse_index(copy.deepcopy(document))
+    except BundleFormatError as err:
+        return str(err)
+
+
+def test_fast_checks_agree_with_the_named_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index is checked first by fast predicates, which name nothing, then (for a bad one) by the checks that
+    name the bad field: both must take and refuse the same documents, with the same message. Every field of a full
+    index replaced by an odd value, dropped or doubled, parsed both ways."""
+    documents = list(_mutations(good_index()))
+    fast = [_outcome(document) for document in documents]
+    for name in ("_is_tree", "_is_tensor_node", "_is_call", "_is_order"):
+        monkeypatch.setattr(schema, name, lambda *args: False)
+    monkeypatch.setattr(schema, "_named_refs", lambda obj: None)
+    named = [_outcome(document) for document in documents]
+    refused = sum(isinstance(outcome, str) for outcome in fast)
+    assert 0 < refused < len(documents)  # the mutations both break and keep documents valid
+    for document, one, other in zip(documents, fast, named, strict=True):
+        assert one == other, document

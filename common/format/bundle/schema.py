@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Final, Literal, cast
+from typing import Any, Final, Literal, cast
 
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.layout import join_slot
@@ -177,16 +177,32 @@ class BundleIndex:
 
     def tensor_refs(self) -> Iterator[TensorRef]:
         """Every tensor the index references, once per reference."""
+        refs: list[TensorRef] = []
         for tree in (self.inputs, self.outputs, self.cotangent, self.loss):
             if tree is not None:
-                yield from (ref for _, ref in iter_tensors(tree, ""))
-        yield from self.params.values()
-        yield from self.grads.values()
+                _collect_refs(tree, refs)
+        refs.extend(self.params.values())
+        refs.extend(self.grads.values())
         for call in self.calls:
-            yield from (ref for _, ref in iter_tensors(call.inputs, "input"))
-            yield from (ref for _, ref in iter_tensors(call.outputs, "output"))
-            yield from call.grad_outputs.values()
-            yield from call.grad_inputs.values()
+            _collect_refs(call.inputs, refs)
+            _collect_refs(call.outputs, refs)
+            refs.extend(call.grad_outputs.values())
+            refs.extend(call.grad_inputs.values())
+        return iter(refs)
+
+
+def _collect_refs(tree: Tree, refs: list[TensorRef]) -> None:
+    """Append the tensor leaves of a validated tree to ``refs``, in order (:func:`iter_tensors` without the slot
+    names, which an index of thousands of records would build for nothing)."""
+    kind = tree[0]
+    if kind == "T":
+        refs.append(_tensor_ref(tree))
+    elif kind in ("L", "U"):
+        for child in cast(list[Tree], tree[1]):
+            _collect_refs(child, refs)
+    elif kind in ("D", "O"):
+        for _, node in cast(list[Tree], tree[-1]):
+            _collect_refs(cast(Tree, node), refs)
 
 
 def iter_tensors(tree: Tree, prefix: str) -> Iterator[tuple[str, TensorRef]]:
@@ -228,8 +244,33 @@ def _parse_map(obj: object, where: str) -> dict[str, object]:
     return cast(dict[str, object], mapping)
 
 
+_MAX_SIZE: Final = 1 << 48
+"""The largest dimension an index may declare."""
+
+
+def _is_tensor_node(node: object) -> bool:
+    """Whether ``node`` is a valid ``T`` node: one pass of cheap checks, for the many valid ones (no message is
+    built); :func:`parse_tensor_ref` finds and names the problem of one that is not."""
+    if type(node) is not list or len(node) != 5:
+        return False
+    kind, path, tag, shape, requires_grad = node
+    return (
+        kind == "T"
+        and type(path) is str
+        and path.startswith("/")
+        and type(tag) is str
+        and tag in TAGS
+        and type(shape) is list
+        and type(requires_grad) is bool
+        and all(type(size) is int and 0 <= size <= _MAX_SIZE for size in shape)
+    )
+
+
 def parse_tensor_ref(node: object, where: str) -> TensorRef:
     """Validate one ``T`` node."""
+    if _is_tensor_node(node):
+        _, path, tag, shape, requires_grad = cast(list[Any], node)
+        return TensorRef(path, tag, tuple(shape), requires_grad)
     items = cast(list[object], _expect(node, list, where))
     if len(items) != 5 or items[0] != "T":
         raise _fail(where, f"expected a tensor node ['T', path, tag, shape, requires_grad], got {items!r:.80}")
@@ -241,14 +282,48 @@ def parse_tensor_ref(node: object, where: str) -> TensorRef:
         raise _fail(where, f"unknown dtype tag {tag!r}")
     dims = cast(list[object], _expect(shape, list, f"{where} shape"))
     for size in dims:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > 1 << 48:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > _MAX_SIZE:
             raise _fail(where, f"shape {dims!r} has an invalid size")
     _expect(requires_grad, bool, f"{where} requires_grad")
     return TensorRef(cast(str, path), str(tag), tuple(cast(list[int], dims)), cast(bool, requires_grad))
 
 
+def _is_tree(node: object, depth: int) -> bool:
+    """Whether ``node`` is a valid value tree: :func:`parse_tree`'s checks without the names of where each node
+    lies, which a valid index (thousands of nodes) never needs."""
+    if depth > MAX_DEPTH or type(node) is not list or not node:
+        return False
+    kind, size = node[0], len(node)
+    if kind == "T":
+        return _is_tensor_node(node)
+    if kind == "N":
+        return size == 1
+    if kind == "S":
+        return size == 2 and type(node[1]) in _SCALARS
+    if kind in ("L", "U"):
+        return size == 2 and type(node[1]) is list and all(_is_tree(child, depth + 1) for child in node[1])
+    if kind == "D":
+        return size == 2 and _are_pairs(node[1], depth)
+    if kind == "O":
+        return size == 4 and node[2] in OBJECT_FLAVORS and type(node[1]) is str and _are_pairs(node[3], depth)
+    return kind == "X" and size == 3 and type(node[1]) is str and type(node[2]) is str
+
+
+_SCALARS: Final = frozenset((bool, int, float, str, bytes))
+_KEYS: Final = frozenset((str, int, float, bool))
+
+
+def _are_pairs(pairs: object, depth: int) -> bool:
+    return type(pairs) is list and all(
+        type(pair) is list and len(pair) == 2 and type(pair[0]) in _KEYS and _is_tree(pair[1], depth + 1)
+        for pair in pairs
+    )
+
+
 def parse_tree(node: object, where: str, depth: int = 0) -> Tree:
     """Validate a value tree recursively and return it unchanged."""
+    if _is_tree(node, depth):
+        return cast(Tree, node)
     if depth > MAX_DEPTH:
         raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
     items = cast(list[object], _expect(node, list, where))
@@ -284,7 +359,26 @@ def _parse_pairs(pairs: object, where: str, depth: int) -> None:
         parse_tree(key_child[1], f"{where}.{key_child[0]}", depth + 1)
 
 
+def _named_refs(obj: object) -> dict[str, TensorRef] | None:
+    """A valid list of ``[name, tensor]`` pairs as a dict; None for an invalid one, which
+    :func:`_parse_named_refs` names."""
+    if type(obj) is not list:
+        return None
+    refs: dict[str, TensorRef] = {}
+    for pair in obj:
+        if not (type(pair) is list and len(pair) == 2 and type(pair[0]) is str and _is_tensor_node(pair[1])):
+            return None
+        name, (_, path, tag, shape, requires_grad) = pair
+        if name in refs:
+            return None
+        refs[name] = TensorRef(path, tag, tuple(shape), requires_grad)
+    return refs
+
+
 def _parse_named_refs(obj: object, where: str) -> dict[str, TensorRef]:
+    valid = _named_refs(obj)
+    if valid is not None:
+        return valid
     refs: dict[str, TensorRef] = {}
     for pair in cast(list[object], _expect(obj, list, where)):
         items = cast(list[object], _expect(pair, list, where))
@@ -338,7 +432,37 @@ def parse_run(obj: object) -> RunInfo:
 
 def parse_call(obj: object, position: int) -> ModuleCall:
     """Validate one entry of ``calls``."""
-    where = f"calls[{position}]"
+    if type(obj) is dict and _CALL_FIELDS.issuperset(obj) and _is_call(obj):
+        call = cast(dict[str, Any], obj)
+        grad_outputs, grad_inputs = _named_refs(call.get("grad_outputs", [])), _named_refs(call.get("grad_inputs", []))
+        if grad_outputs is not None and grad_inputs is not None:
+            return ModuleCall(
+                module=call["module"],
+                call=call["call"],
+                type=call["type"],
+                inputs=call["inputs"],
+                outputs=call["outputs"],
+                grad_outputs=grad_outputs,
+                grad_inputs=grad_inputs,
+            )
+    return _parse_call_named(obj, f"calls[{position}]")
+
+
+_CALL_FIELDS: Final = frozenset(("module", "call", "type", "inputs", "outputs", "grad_outputs", "grad_inputs"))
+
+
+def _is_call(call: dict[object, object]) -> bool:
+    """Whether a call's fields (no others: checked first) are valid, its lists of gradients aside."""
+    return (
+        type(call.get("module")) is str
+        and type(call.get("call")) is int
+        and type(call.get("type")) is str
+        and _is_tree(call.get("inputs"), 0)
+        and _is_tree(call.get("outputs"), 0)
+    )
+
+
+def _parse_call_named(obj: object, where: str) -> ModuleCall:
     call = _parse_map(obj, where)
     return ModuleCall(
         module=cast(str, _expect(call.get("module"), str, f"{where}.module")),
@@ -351,7 +475,20 @@ def parse_call(obj: object, position: int) -> ModuleCall:
     )
 
 
+def _is_order(obj: object, n_calls: int) -> bool:
+    return type(obj) is list and all(
+        type(event) is list
+        and len(event) == 2
+        and type(event[0]) is int
+        and 0 <= event[0] < n_calls
+        and type(event[1]) is str
+        for event in obj
+    )
+
+
 def _parse_order(obj: object, where: str, n_calls: int) -> list[tuple[int, str]]:
+    if _is_order(obj, n_calls):
+        return [(event[0], event[1]) for event in cast(list[list[Any]], obj)]
     events: list[tuple[int, str]] = []
     for event in cast(list[object], _expect(obj, list, where)):
         items = cast(list[object], _expect(event, list, where))

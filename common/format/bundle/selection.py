@@ -54,6 +54,8 @@ class Selection:
 
     def records_module(self, path: str) -> bool:
         """Whether the module at ``path`` (or a parent of it) is selected and not skipped."""
+        if not (self.layers or self.skip_layers):
+            return True  # every module: asked once per module of a model at every replay
         prefixes = [".".join(path.split(".")[: i + 1]) for i in range(path.count(".") + 1)]
         if any(_match_any(prefix, self.skip_layers) for prefix in prefixes):
             return False
