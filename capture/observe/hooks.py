@@ -100,7 +100,8 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ModuleTap:
-    """Context manager hooking every submodule of ``model`` (the root itself is not hooked).
+    """Context manager hooking every submodule of ``model`` (the root itself is not hooked). Gradient hooks put on
+    tensors during the ``with`` block stay until :meth:`release`, to be called after backward.
 
     Args:
         model: the model to observe.
@@ -123,6 +124,7 @@ class ModuleTap:
         self._model, self._sink, self._backward, self._by_signature = model, sink, record_backward, by_signature
         self._rename = rename or (lambda path: path)
         self._handles: list[RemovableHandle] = []
+        self._tensor_hooks: list[RemovableHandle] = []  # on tensors, until :meth:`release`
         self._names: dict[int, str] = {}
         self._arg_names: dict[int, ArgumentNames] = {}
         self._calls: defaultdict[str, int] = defaultdict(int)
@@ -199,9 +201,20 @@ class ModuleTap:
 
     def _watch(self, tensor: torch.Tensor, tap: _GradTap) -> None:
         """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
-        tensor.register_hook(tap)  # type: ignore[no-untyped-call]
+        self._tensor_hooks.append(tensor.register_hook(tap))  # type: ignore[no-untyped-call]
         base = tensor._base
         if base is not None and base.requires_grad and base.dtype == tensor.dtype:
             fallback = BaseFallback(tap, tensor, base)
-            base.register_hook(fallback)  # type: ignore[no-untyped-call]
+            self._tensor_hooks.append(base.register_hook(fallback))  # type: ignore[no-untyped-call]
             self._held.add(fallback)
+
+    def release(self) -> None:
+        """Take this tap's gradient hooks off every tensor: call it once backward is over (they outlive the ``with``
+        block, which covers forward only). A hook left on a tensor that autograd or the caller still holds keeps the
+        sink, its records and the fallbacks' views alive, in cycles through C++ that Python's garbage collector
+        cannot see: before this, each capture of the Conformer example left 16 activations and ~3,000 objects
+        behind for good, each replay ~3,600."""
+        for handle in self._tensor_hooks:
+            handle.remove()
+        self._tensor_hooks.clear()
+        self._held = HeldViews()

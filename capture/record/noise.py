@@ -130,17 +130,21 @@ def _float64_run(
     floors: dict[str, float] = {}
     sink = _NoiseSink(writer, floors)
     seed_everything(seed)
-    with ModuleTap(exact_model, sink):
-        outputs = call_forward(exact_model, _to_float64(inputs), forward)
-    for slot, tensor in iter_live_tensors(outputs, "output"):
-        sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
-    if loss is not None:
-        loss(outputs).backward()  # type: ignore[no-untyped-call]
-    else:
-        seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
-        pairs = [(t, writer.read_tensor(p).to(t.device, torch.float64)) for t, p in seeded if writer.has(p)]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
+    tap = ModuleTap(exact_model, sink)
+    try:
+        with tap:
+            outputs = call_forward(exact_model, _to_float64(inputs), forward)
+        for slot, tensor in iter_live_tensors(outputs, "output"):
+            sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
+        if loss is not None:
+            loss(outputs).backward()  # type: ignore[no-untyped-call]
+        else:
+            seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
+            pairs = [(t, writer.read_tensor(p).to(t.device, torch.float64)) for t, p in seeded if writer.has(p)]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
+    finally:
+        tap.release()
     for name, param in exact_model.named_parameters():
         if param.grad is not None:
             sink.measure(name, f"{GRADS}/{escape_dotted(name)}", param.grad)

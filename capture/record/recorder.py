@@ -157,8 +157,11 @@ def _capture(
     with BundleWriter(out, overwrite=options.overwrite, checksums=options.checksums) as writer:
         run = _CaptureRun(writer, model, inputs, options, context)
         run.record_inputs_and_parameters()
-        outputs = run.record_forward()
-        run.record_backward(outputs)
+        try:
+            outputs = run.record_forward()
+            run.record_backward(outputs)
+        finally:
+            run.release_hooks()
         run.check(outputs)
         index = run.index()
         path = writer.commit(index)
@@ -188,6 +191,7 @@ class _CaptureRun:
         self.grads: dict[str, TensorRef] = {}
         self.rng: dict[str, Any] = {}
         self.floors: dict[str, float] = {}
+        self.tap: ModuleTap | None = None
 
     def record_inputs_and_parameters(self) -> None:
         """Provenance, the seed and RNG state, the inputs and the parameters (before anything runs)."""
@@ -209,7 +213,8 @@ class _CaptureRun:
         """The forward pass under the tap: every module call's inputs and outputs, then the model's outputs."""
         selection = self.options.selection
         rename = None if selection.is_everything else selected_modules(selection)
-        with ModuleTap(self.model, self.recorder, record_backward=selection.records("grads"), rename=rename):
+        self.tap = ModuleTap(self.model, self.recorder, record_backward=selection.records("grads"), rename=rename)
+        with self.tap:
             outputs = call_forward(self.model, self.inputs, self.options.forward)
         self.trees["outputs"] = encode_value(outputs, "output", SelectiveStore(self.writer, OUTPUTS, selection))
         return outputs
@@ -222,6 +227,11 @@ class _CaptureRun:
                 self.writer, outputs, options.seed, options.loss, options.lengths
             )
         self.grads = gradients.finish()
+
+    def release_hooks(self) -> None:
+        """Take the forward's gradient hooks off the tensors, once backward is over (or failed)."""
+        if self.tap is not None:
+            self.tap.release()
 
     def check(self, outputs: Any) -> None:
         """The observer self-check and the float64 noise floor, when asked for."""

@@ -175,6 +175,10 @@ class RoundingRun:
             return name if name in wanted else None
 
         sink = _LevelSink(self.reader, self.rename, near, self.transform)
+
+        def report(kind: str, name: str, value: torch.Tensor) -> None:
+            near.measure(kind, name, self.transform(name, value))
+
         try:
             with _buffers_restored(self.buffers), in_float64(self.model, index.run.train_mode) as exact:
                 tap = ModuleTap(
@@ -184,7 +188,10 @@ class RoundingRun:
                     rename=hooked,
                     by_signature=index.run.arguments == "by-signature",
                 )
-                self.run(exact, tap, lambda kind, name, value: near.measure(kind, name, self.transform(name, value)))
+                try:
+                    self.run(exact, tap, report)
+                finally:
+                    tap.release()
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             return f"{type(err).__name__}: {first}"[:200]

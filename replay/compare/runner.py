@@ -243,23 +243,33 @@ class _ReplaySession:
         options, recorded = self.options, self.index.selection
         inputs = self.precision.inputs(to_device(rebuild(self.index.inputs, self._input_tensor), self.target))
         seed_everything(self.index.run.seed)
-        self.sink = ComparingSink(
+        self.sink = sink = ComparingSink(
             self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename, self.near
         )
         wanted = compared_modules(self.rename, recorded, options.layers)
         by_signature = self.index.run.arguments == "by-signature"
         tap = ModuleTap(
-            self.model, self.sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
+            self.model, sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
         )
         # With --isolate (not compiled): which parameters the port also uses outside their modules' calls
         watch = OutsideUses(self.model) if options.isolate and self.port is self.model else None
+        try:
+            self._forward_and_backward(tap, sink, watch, inputs)
+        finally:
+            tap.release()
+
+    def _forward_and_backward(
+        self, tap: ModuleTap, sink: ComparingSink, watch: OutsideUses | None, inputs: Any
+    ) -> None:
+        """The port's forward under ``tap``, its outputs compared, and backward as the bundle ran it."""
+        options = self.options
         tapped = tap if self.module_records else contextlib.nullcontext()
         with self.precision.forward(self.target), tapped, watch or contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
         self._note_outside_uses(watch, [tensor for _, tensor in live])
         expected = slots(self.index.outputs, "output")
-        padding = self.sink.output_padding if options.mask_padding else None
+        padding = sink.output_padding if options.mask_padding else None
         tolerances = self.result.tolerances
         compared = compare_named(self.reader, tolerances, "output", live, expected, self.transform, padding, self.near)
         add_named(self.result, "output", compared)
@@ -269,7 +279,7 @@ class _ReplaySession:
             self._compare_loss(value)
 
         backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
-        self.sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
+        sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
 
     def _note_outside_uses(self, watch: OutsideUses | None, roots: list[torch.Tensor]) -> None:
         """Add the parameters that the graph behind ``roots`` uses outside their modules' calls."""
