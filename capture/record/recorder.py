@@ -22,7 +22,6 @@ from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.selfcheck import observer_differences
 from parity_harness.capture.record.sink import BundleRecorder, SelectiveStore, selected_modules, store_at
 from parity_harness.capture.storage.writer import BundleWriter
-from parity_harness.common.collector import older_objects_frozen
 from parity_harness.common.errors import CaptureError, InputError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
 from parity_harness.common.format.bundle.schema import BackwardMode, BundleIndex, RunInfo, TensorRef, Tree
@@ -122,12 +121,11 @@ def capture_run(
     given = {key: (defaults[key]() if value is None and key in defaults else value) for key, value in fields.items()}
     options = dataclasses.replace(options or CaptureOptions(), **given)
     context = current_rank()
-    if context is not None and options.noise_floor:
+    if context is None:
+        return _capture(model, inputs, Path(out), options, None)
+    if options.noise_floor:
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
-    with older_objects_frozen():
-        if context is None:
-            return _capture(model, inputs, Path(out), options, None)
-        return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))
+    return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))
 
 
 def _capture_rank(

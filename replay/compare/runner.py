@@ -22,7 +22,6 @@ from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forwa
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.provenance import model_provenance, snapshot
-from parity_harness.common.collector import older_objects_frozen
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
@@ -137,11 +136,6 @@ def compare_run(
             inputs, a noise floor it does not have).
     """
     options = dataclasses.replace(options or ReplayOptions(), **fields)
-    with older_objects_frozen():
-        return _replay(model, reader, options)
-
-
-def _replay(model: torch.nn.Module, reader: BundleReader, options: ReplayOptions) -> ComparisonResult:
     session = _ReplaySession(model, reader, options)
     session.compare_parameters()
     session.run_every_rank()
