@@ -97,14 +97,21 @@ ArgumentNames = tuple[str | None, ...]
 
 
 def _attribute(module: Any, name: str) -> Any:
-    """``getattr(module, name, None)`` without the exception ``torch.nn.Module.__getattr__`` raises and catches for
-    a name it lacks (a few microseconds, four names for every module at every capture and replay)."""
-    found = getattr(module, "__dict__", {}).get("_modules", {}).get(name)
+    """``getattr(module, name, None)``, without the exception ``torch.nn.Module.__getattr__`` raises and catches for
+    a name it lacks (a few microseconds, four names for every module at every capture and replay). A class with a
+    ``__getattr__`` of its own (a ScriptModule, a wrapper forwarding lookups) gets plain ``getattr``."""
+    if getattr(type(module), "__getattr__", None) is not _MODULE_GETATTR:
+        return getattr(module, name, None)
+    own = module.__dict__
+    found = own.get("_modules", {}).get(name)  # where nn.Module.__getattr__ finds submodules
     if found is None:
-        found = vars(module).get(name) if hasattr(module, "__dict__") else None
+        found = own.get(name)
     if found is None and hasattr(type(module), name):  # a property or class attribute
         found = getattr(module, name, None)
     return found
+
+
+_MODULE_GETATTR: Final = torch.nn.Module.__getattr__
 
 
 def _variadic_only(forward: Any) -> bool:

@@ -304,3 +304,42 @@ def test_positional_names_of_a_variadic_module_that_wraps_nothing() -> None:
             return args
 
     assert positional_names(Variadic()) == ()
+
+
+class _Forwarding(torch.nn.Module):
+    """A wrapper whose own ``__getattr__`` forwards lookups it cannot answer to the module it wraps."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_modules"]["inner"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def test_positional_names_through_a_wrapper_that_forwards_lookups() -> None:
+    """A forwarding wrapper around a DDP-like wrapper reaches the block, as ``getattr`` does."""
+    assert positional_names(_Forwarding(_AsSubmodule("module"))) == ("hidden", "mask")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_positional_names_of_a_scripted_module() -> None:
+    """A TorchScript module (its own ``__getattr__``, submodules not in a dict) is named, not an AttributeError."""
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return self.lin(hidden)
+
+    scripted = torch.jit.script(Outer())
+    assert positional_names(scripted) == ("hidden",)
+    assert positional_names(scripted.lin) == ("input",)

@@ -406,3 +406,49 @@ def test_fast_checks_agree_with_the_named_checks(monkeypatch: pytest.MonkeyPatch
     assert 0 < refused < len(documents)  # the mutations both break and keep documents valid
     for document, one, other in zip(documents, fast, named, strict=True):
         assert one == other, document
+
+
+def test_a_bad_node_deep_in_a_large_tree_costs_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree the fast check refuses is named by checks that do not run the fast check again at every level (that
+    walked a crafted index once per level above its bad node: 18 s for 11 MB)."""
+    leaves = [T(f"/t/{i}") for i in range(500)]
+    tree: list[object] = ["L", [*leaves, ["Q"]]]
+    for _ in range(60):
+        tree = ["L", [tree]]
+    calls = 0
+    fast = schema._is_tree
+
+    def counted(node: object, depth: int) -> bool:
+        nonlocal calls
+        calls += 1
+        return fast(node, depth)
+
+    monkeypatch.setattr(schema, "_is_tree", counted)
+    with pytest.raises(BundleFormatError, match=r"unknown value node \['Q'\]"):
+        parse_tree(tree, "inputs")
+    assert calls <= 600  # one pass: 61 lists, 500 tensors and the bad node
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["Q", "nested"],  # replaced below by a list nested far deeper than repr can go
+        ["T", "/p", "F32", [*range(100_000), -1], False],
+        ["T", "/p", "x" * 100_000, [2], False],
+        ["D", [["k" * 100_000, ["Q"]]]],
+    ],
+    ids=["too-deep-for-repr", "huge-shape", "huge-tag", "huge-key"],
+)
+def test_messages_about_crafted_values_stay_short(bad: list[object]) -> None:
+    """A value the message shows is cut short, however large or deep: one line, never a RecursionError."""
+    if bad[1] == "nested":
+        deep: list[object] = []
+        inner = deep
+        for _ in range(5000):
+            inner.append([])
+            inner = inner[0]  # type: ignore[assignment]
+        bad[1] = deep
+    with pytest.raises(BundleFormatError) as caught:
+        parse_tree(bad, "inputs")
+    assert len(str(caught.value)) < 400
+    assert "\n" not in str(caught.value)

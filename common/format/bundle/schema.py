@@ -18,6 +18,7 @@ node       layout                                       Python value
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
@@ -228,7 +229,29 @@ def _tensor_ref(node: Tree) -> TensorRef:
 
 
 def _fail(where: str, what: str) -> BundleFormatError:
+    if len(where) > _SHOWN_CHARACTERS:  # built from the index's own names, which a crafted one makes long
+        where = where[:_SHOWN_CHARACTERS] + "..."
     return BundleFormatError(f"bundle index, {where}: {what}; the bundle is damaged, capture it again")
+
+
+_SHOWN_CHARACTERS: Final = 120
+
+
+def _preview() -> reprlib.Repr:
+    shown = reprlib.Repr()  # Python 3.11's takes no limits as arguments
+    shown.maxlevel, shown.maxtuple, shown.maxlist, shown.maxdict = 3, 6, 6, 6
+    shown.maxstring, shown.maxlong, shown.maxother = 60, 40, 60
+    return shown
+
+
+_PREVIEW: Final = _preview()
+
+
+def _shown(value: object) -> str:
+    """A short repr of a value from the index, for a message: bounded in length and depth whatever the value (a
+    full repr of a crafted one could be megabytes long, or nest too deep for ``repr``)."""
+    text = _PREVIEW.repr(value)
+    return text if len(text) <= _SHOWN_CHARACTERS else text[:_SHOWN_CHARACTERS] + "..."
 
 
 def _expect(value: object, kind: type | tuple[type, ...], where: str) -> object:
@@ -273,17 +296,17 @@ def parse_tensor_ref(node: object, where: str) -> TensorRef:
         return TensorRef(path, tag, tuple(shape), requires_grad)
     items = cast(list[object], _expect(node, list, where))
     if len(items) != 5 or items[0] != "T":
-        raise _fail(where, f"expected a tensor node ['T', path, tag, shape, requires_grad], got {items!r:.80}")
+        raise _fail(where, f"expected a tensor node ['T', path, tag, shape, requires_grad], got {_shown(items)}")
     _, path, tag, shape, requires_grad = items
     _expect(path, str, f"{where} path")
     if not cast(str, path).startswith("/"):
-        raise _fail(where, f"tensor path {path!r} is not absolute")
+        raise _fail(where, f"tensor path {_shown(path)} is not absolute")
     if not isinstance(tag, str) or tag not in TAGS:
-        raise _fail(where, f"unknown dtype tag {tag!r}")
+        raise _fail(where, f"unknown dtype tag {_shown(tag)}")
     dims = cast(list[object], _expect(shape, list, f"{where} shape"))
     for size in dims:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > _MAX_SIZE:
-            raise _fail(where, f"shape {dims!r} has an invalid size")
+            raise _fail(where, f"shape {_shown(dims)} has an invalid size")
     _expect(requires_grad, bool, f"{where} requires_grad")
     return TensorRef(cast(str, path), str(tag), tuple(cast(list[int], dims)), cast(bool, requires_grad))
 
@@ -322,8 +345,14 @@ def _are_pairs(pairs: object, depth: int) -> bool:
 
 def parse_tree(node: object, where: str, depth: int = 0) -> Tree:
     """Validate a value tree recursively and return it unchanged."""
-    if _is_tree(node, depth):
-        return cast(Tree, node)
+    if not _is_tree(node, depth):
+        _check_tree_named(node, where, depth)  # raises, naming where the tree goes wrong
+    return cast(Tree, node)
+
+
+def _check_tree_named(node: object, where: str, depth: int) -> None:
+    """:func:`parse_tree`'s checks, naming the node that fails. Its recursion never runs the fast predicate again:
+    that would walk each subtree once per level above a bad node (a crafted index of 11 MB took 18 s)."""
     if depth > MAX_DEPTH:
         raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
     items = cast(list[object], _expect(node, list, where))
@@ -336,27 +365,26 @@ def parse_tree(node: object, where: str, depth: int = 0) -> Tree:
         _expect(items[1], (bool, int, float, str, bytes), where)
     elif kind in ("L", "U") and len(items) == 2:
         for position, child in enumerate(cast(list[object], _expect(items[1], list, where))):
-            parse_tree(child, f"{where}[{position}]", depth + 1)
+            _check_tree_named(child, f"{where}[{position}]", depth + 1)
     elif kind == "D" and len(items) == 2:
-        _parse_pairs(items[1], where, depth)
+        _check_pairs_named(items[1], where, depth)
     elif kind == "O" and len(items) == 4 and items[2] in OBJECT_FLAVORS:
         _expect(items[1], str, where)
-        _parse_pairs(items[3], where, depth)
+        _check_pairs_named(items[3], where, depth)
     elif kind == "X" and len(items) == 3:
         _expect(items[1], str, where)
         _expect(items[2], str, where)
     else:
-        raise _fail(where, f"unknown value node {items!r:.80}")
-    return items
+        raise _fail(where, f"unknown value node {_shown(items)}")
 
 
-def _parse_pairs(pairs: object, where: str, depth: int) -> None:
+def _check_pairs_named(pairs: object, where: str, depth: int) -> None:
     for pair in cast(list[object], _expect(pairs, list, where)):
         key_child = cast(list[object], _expect(pair, list, where))
         if len(key_child) != 2:
             raise _fail(where, "a dict entry is not a [key, value] pair")
         _expect(key_child[0], (str, int, float, bool), f"{where} key")
-        parse_tree(key_child[1], f"{where}.{key_child[0]}", depth + 1)
+        _check_tree_named(key_child[1], f"{where}.{key_child[0]}", depth + 1)
 
 
 def _named_refs(obj: object) -> dict[str, TensorRef] | None:
@@ -386,8 +414,8 @@ def _parse_named_refs(obj: object, where: str) -> dict[str, TensorRef]:
             raise _fail(where, "an entry is not a [name, tensor] pair")
         name = cast(str, _expect(items[0], str, where))
         if name in refs:
-            raise _fail(where, f"name {name!r} appears twice")
-        refs[name] = parse_tensor_ref(items[1], f"{where}[{name!r}]")
+            raise _fail(where, f"name {_shown(name)} appears twice")
+        refs[name] = parse_tensor_ref(items[1], f"{where}[{_shown(name)}]")
     return refs
 
 
@@ -395,7 +423,7 @@ def _parse_floats(obj: object, where: str) -> dict[str, float]:
     values = _parse_map(obj, where)
     for name, value in values.items():
         if not isinstance(value, float) or not value >= 0:
-            raise _fail(f"{where}[{name!r}]", f"expected a float >= 0, got {value!r}")
+            raise _fail(f"{where}[{_shown(name)}]", f"expected a float >= 0, got {_shown(value)}")
     return cast(dict[str, float], values)
 
 
@@ -404,7 +432,7 @@ def parse_run(obj: object) -> RunInfo:
     run = _parse_map(obj, "run")
     backward = run.get("backward")
     if backward not in ("cotangent", "loss", "none"):
-        raise _fail("run.backward", f"expected 'cotangent', 'loss' or 'none', got {backward!r}")
+        raise _fail("run.backward", f"expected 'cotangent', 'loss' or 'none', got {_shown(backward)}")
     for key in ("batch_size", "seq_len"):
         if run.get(key) is not None:
             _expect(run[key], int, f"run.{key}")
@@ -412,10 +440,10 @@ def parse_run(obj: object) -> RunInfo:
     if lengths is not None and (
         not isinstance(lengths, list) or not lengths or not all(isinstance(n, int) and n >= 0 for n in lengths)
     ):
-        raise _fail("run.lengths", f"expected a non-empty list of integers >= 0 or nil, got {lengths!r}")
+        raise _fail("run.lengths", f"expected a non-empty list of integers >= 0 or nil, got {_shown(lengths)}")
     arguments = run.get("arguments", "by-position")  # absent before format 1.3
     if arguments not in ("by-signature", "by-position"):
-        raise _fail("run.arguments", f"expected 'by-signature' or 'by-position', got {arguments!r}")
+        raise _fail("run.arguments", f"expected 'by-signature' or 'by-position', got {_shown(arguments)}")
     return RunInfo(
         seed=cast(int, _expect(run.get("seed"), int, "run.seed")),
         train_mode=cast(bool, _expect(run.get("train_mode"), bool, "run.train_mode")),
@@ -494,7 +522,7 @@ def _parse_order(obj: object, where: str, n_calls: int) -> list[tuple[int, str]]
         items = cast(list[object], _expect(event, list, where))
         position = items[0] if len(items) == 2 else None
         if not isinstance(position, int) or isinstance(position, bool) or not isinstance(items[1], str):
-            raise _fail(where, f"expected [call index, slot], got {items!r:.80}")
+            raise _fail(where, f"expected [call index, slot], got {_shown(items)}")
         if not 0 <= position < n_calls:
             raise _fail(where, f"call index {position} is out of range (there are {n_calls} calls)")
         events.append((position, items[1]))
@@ -528,7 +556,7 @@ def parse_index(obj: object) -> BundleIndex:
         noise_floor=_parse_floats(index.get("noise_floor", {}), "noise_floor"),
         selection=parse_selection(index.get("selection", {})),
         summaries={
-            path: parse_statistics(stats, f"bundle index, summaries[{path!r}]")
+            path: parse_statistics(stats, f"bundle index, summaries[{_shown(path)}]")
             for path, stats in _parse_map(index.get("summaries", {}), "summaries").items()
         },
         checksums=_parse_checksums(index.get("checksums", {})),
@@ -539,5 +567,5 @@ def _parse_checksums(obj: object) -> dict[str, int]:
     sums = _parse_map(obj, "checksums")
     for path, value in sums.items():
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
-            raise _fail(f"checksums[{path!r}]", f"expected a CRC-32 (an int in [0, 2**32)), got {value!r}")
+            raise _fail(f"checksums[{_shown(path)}]", f"expected a CRC-32 (an int in [0, 2**32)), got {_shown(value)}")
     return cast(dict[str, int], sums)
