@@ -369,6 +369,11 @@ class BundleReader:
             self._check_crc(ref.path, expected, stored_crc32(array))
         return array
 
+    def trims_paused(self) -> contextlib.AbstractContextManager[None]:
+        """No heap trims while records are read within the block (``common.heap.HeapTrimmer.paused``): for the
+        port's backward, during which its memory only shrinks."""
+        return self._heap.paused()
+
     def settle(self) -> None:
         """Wait for the checksums :meth:`verify` started with ``later``; raise for the first that did not match."""
         pending, self._pending = self._pending, []

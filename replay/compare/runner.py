@@ -278,7 +278,8 @@ class _ReplaySession:
             self._note_outside_uses(watch, [value])
             self._compare_loss(value)
 
-        backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
+        with self.reader.trims_paused():  # the peak is past: trims now would only fault pages in again
+            backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
         sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
 
     def _note_outside_uses(self, watch: OutsideUses | None, roots: list[torch.Tensor]) -> None:

@@ -69,3 +69,52 @@ def test_capture_and_replay_trim_as_records_go(tmp_path: Path, monkeypatch: pyte
         result = compare_run(build_tiny(), reader)
     assert result.match
     assert len(calls) - captured >= 3
+
+
+def test_no_trims_while_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes noted while paused (nested pauses too) count, but trim only once the pause ends, an exception included."""
+    calls: list[int] = []
+    monkeypatch.setattr(heap, "return_free_memory", lambda: calls.append(1) or True)
+    trimmer = heap.HeapTrimmer(every=100)
+    with trimmer.paused():
+        with trimmer.paused():
+            trimmer.note(150)
+        trimmer.note(150)
+    assert calls == []
+    trimmer.note(1)
+    assert calls == [1]
+    with pytest.raises(RuntimeError, match="inside"), trimmer.paused():
+        raise RuntimeError("inside")
+    trimmer.note(100)
+    assert calls == [1, 1]
+
+
+def test_replay_trims_during_forward_not_during_backward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay's backward only frees what the forward built, past the peak: records read then (gradients)
+    trim nothing, those read during forward do."""
+    from parity_harness.replay.compare import runner
+
+    phase = ["forward"]
+    trims: list[str] = []
+    reads: list[str] = []
+    monkeypatch.setattr(heap, "TRIM_EVERY", 64)
+    monkeypatch.setattr(heap, "return_free_memory", lambda: trims.append(phase[0]) or True)
+    backward = runner.backward_as_recorded
+
+    def tracked(*args: object, **kwargs: object) -> None:
+        phase[0] = "backward"
+        try:
+            backward(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            phase[0] = "after"
+
+    monkeypatch.setattr(runner, "backward_as_recorded", tracked)
+    bundle = tmp_path / "b.h5"
+    capture_run(build_tiny(), tiny_inputs(), bundle)
+    with BundleReader(bundle) as reader:
+        note = reader._heap.note
+        monkeypatch.setattr(reader._heap, "note", lambda n: (reads.append(phase[0]), note(n)))
+        assert compare_run(build_tiny(), reader).match
+    assert reads.count("backward") >= 3  # gradients are read and compared in backward
+    assert "forward" in trims
+    assert "backward" not in trims
