@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 
 from parity_harness.common.errors import BundleFormatError, UnsupportedBundleVersion
+from parity_harness.common.format.preview import shown
 
 __all__ = ["FormatGate", "parse_format_version"]
 
@@ -15,13 +16,13 @@ __all__ = ["FormatGate", "parse_format_version"]
 def parse_format_version(value: object, *, where: str) -> int:
     """Return a stored version attribute as a non-negative int, or raise ``BundleFormatError``."""
     if isinstance(value, bool):
-        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected an integer")
+        raise BundleFormatError(f"{where}: version attribute is {shown(value)}, expected an integer")
     try:
         number: int = int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError, OverflowError) as err:
-        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected an integer") from err
+        raise BundleFormatError(f"{where}: version attribute is {shown(value)}, expected an integer") from err
     if number < 0 or number != value:
-        raise BundleFormatError(f"{where}: version attribute is {value!r}, expected a non-negative integer")
+        raise BundleFormatError(f"{where}: version attribute is {shown(value)}, expected a non-negative integer")
     return number
 
 
@@ -51,7 +52,7 @@ class FormatGate:
         """
         if name != self.name:
             raise BundleFormatError(
-                f"{where}: not a parity-harness {self.noun} ({self.format_field} is {name!r}, "
+                f"{where}: not a parity-harness {self.noun} ({self.format_field} is {shown(name)}, "
                 f"expected {self.name!r}); pass a file written by {self.writer}"
             )
         if major > self.major or major < 1:

@@ -18,6 +18,7 @@ from typing import Any, Final
 from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.atomic import write_text_atomically
 from parity_harness.common.format.gate import FormatGate
+from parity_harness.common.format.preview import shown
 
 __all__ = [
     "GRAD_REDUCTIONS",
@@ -213,13 +214,13 @@ def parse_rank_entry(entry: object, position: int, path: Path) -> RankEntry:
     if not isinstance(entry, dict):
         raise BundleFormatError(f"{where}: expected an object, got {type(entry).__name__}")
     if _parse_int(entry, "rank", Path(where), low=0, high=None) != position:
-        raise BundleFormatError(f"{where}: 'rank' is {entry.get('rank')!r}, expected {position} (rank order)")
+        raise BundleFormatError(f"{where}: 'rank' is {shown(entry.get('rank'))}, expected {position} (rank order)")
     file = _parse_str(entry, "file", Path(where))
     if Path(file).name != file or file in {"", ".", ".."} or os.sep in file or "\0" in file:
-        raise BundleFormatError(f"{where}: 'file' {file!r} is not a plain file name beside the manifest")
+        raise BundleFormatError(f"{where}: 'file' {shown(file)} is not a plain file name beside the manifest")
     sha = _parse_str(entry, "sha256", Path(where), default="")
     if sha and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
-        raise BundleFormatError(f"{where}: 'sha256' {sha!r} is not 64 lowercase hex digits")
+        raise BundleFormatError(f"{where}: 'sha256' {shown(sha)} is not 64 lowercase hex digits")
     return RankEntry(
         rank=position,
         file=file,
@@ -238,9 +239,9 @@ def parse_mesh(value: object, world: int, path: Path) -> dict[str, Any] | None:
     names = value.get("dim_names", []) if isinstance(value, dict) else None
     ok_shape = isinstance(shape, list) and shape and all(type(n) is int and n > 0 for n in shape)
     if not ok_shape or math.prod(shape) != world:  # type: ignore[arg-type]
-        raise BundleFormatError(f"{path}: 'mesh.shape' {shape!r} must be positive integers multiplying to {world}")
+        raise BundleFormatError(f"{path}: 'mesh.shape' {shown(shape)} must be positive integers multiplying to {world}")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise BundleFormatError(f"{path}: 'mesh.dim_names' {names!r} must be a list of strings")
+        raise BundleFormatError(f"{path}: 'mesh.dim_names' {shown(names)} must be a list of strings")
     return {"shape": list(shape), "dim_names": list(names)}  # type: ignore[arg-type]
 
 
@@ -260,19 +261,19 @@ def _parse_int(
     value = _field(document, key, path, default)
     if type(value) is not int or value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in {low}..{high}"
-        raise BundleFormatError(f"{path}: {key!r} is {value!r}, expected an integer {bounds}")
+        raise BundleFormatError(f"{path}: {key!r} is {shown(value)}, expected an integer {bounds}")
     return value
 
 
 def _parse_str(document: dict[str, Any], key: str, path: Path, *, default: object = _MISSING) -> str:
     value = _field(document, key, path, default)
     if not isinstance(value, str) or len(value) > 4096:
-        raise BundleFormatError(f"{path}: {key!r} is {str(value)[:80]!r}, expected a string")
+        raise BundleFormatError(f"{path}: {key!r} is {shown(value)}, expected a string")
     return value
 
 
 def _parse_choice(document: dict[str, Any], key: str, choices: tuple[str, ...], path: Path, *, default: str) -> str:
     value = _field(document, key, path, default)
     if value not in choices:
-        raise BundleFormatError(f"{path}: {key!r} is {str(value)[:80]!r}, expected one of {', '.join(choices)}")
+        raise BundleFormatError(f"{path}: {key!r} is {shown(value)}, expected one of {', '.join(choices)}")
     return str(value)

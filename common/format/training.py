@@ -24,6 +24,7 @@ from parity_harness.common.format.containment import check_contained
 from parity_harness.common.format.dtypes import TAGS, storage_dtype
 from parity_harness.common.format.gate import FormatGate, parse_format_version
 from parity_harness.common.format.packing import unpack
+from parity_harness.common.format.preview import clipped, shown
 
 __all__ = [
     "ATTR_DTYPE",
@@ -167,7 +168,7 @@ def _damaged(err: BundleFormatError) -> NoReturn:
 
 
 def _got(value: object) -> str:
-    return f"{value!r:.60} ({type(value).__name__})"
+    return f"{shown(value)} ({type(value).__name__})"
 
 
 def _document(obj: object, where: str, required: tuple[str, ...]) -> dict[str, object]:
@@ -175,7 +176,7 @@ def _document(obj: object, where: str, required: tuple[str, ...]) -> dict[str, o
         _fail(where, f"expected a map with string keys, got {type(obj).__name__}")
     missing = [key for key in required if key not in obj]
     if missing:
-        _fail(where, f"required keys {missing} are missing (expected {list(required)}, got {sorted(obj)})")
+        _fail(where, f"required keys {missing} are missing (expected {list(required)}, got {shown(sorted(obj))})")
     return cast(dict[str, object], obj)
 
 
@@ -248,13 +249,13 @@ def parse_step_meta(obj: object, where: str, step: int, epoch: int | None = None
     """
     meta = _document(obj, where, _STEP_REQUIRED)
     if _integer(meta["step"], where, "step", 0) != step:
-        _fail(where, f"'step' is {meta['step']!r}, expected {step} (the number of its group)")
+        _fail(where, f"'step' is {shown(meta['step'])}, expected {step} (the number of its group)")
     if not isinstance(meta.get("full", True), bool):
         _fail(where, f"'full' is {_got(meta['full'])}, expected true or false")
     loss, ids = meta["loss"], meta.get("sample_ids")
     stored_epoch = None if meta.get("epoch") is None else _integer(meta.get("epoch"), where, "epoch", 0)
     if epoch is not None and stored_epoch != epoch:
-        _fail(where, f"'epoch' is {meta.get('epoch')!r}, expected {epoch} (the epoch its group's name gives)")
+        _fail(where, f"'epoch' is {shown(meta.get('epoch'))}, expected {epoch} (the epoch its group's name gives)")
     return {
         "step": step,
         "epoch": stored_epoch,
@@ -272,8 +273,8 @@ def parse_step_key(key: str, where: str) -> tuple[int | None, int]:
     parts = key.split("_")
     if len(parts) > 2 or not all(len(part) >= STEP_DIGITS and part.isdigit() and part.isascii() for part in parts):
         _fail(
-            f"{where}:{STEPS}/{key}",
-            f"expected a step group named by {STEP_DIGITS} digits (<step> or <epoch>_<step>), got {key!r}",
+            f"{where}:{STEPS}/{clipped(key)}",
+            f"expected a step group named by {STEP_DIGITS} digits (<step> or <epoch>_<step>), got {shown(key)}",
         )
     return (None, int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
@@ -372,11 +373,11 @@ def _check_tensor(
     stored = node.attrs.get(ATTR_DTYPE)
     stored = stored.decode() if isinstance(stored, bytes) else stored
     if not isinstance(stored, str) or stored not in TAGS:
-        _fail(at, f"attribute {ATTR_DTYPE!r} is {stored!r}, expected a dtype tag such as 'F32' or 'BF16'")
+        _fail(at, f"attribute {ATTR_DTYPE!r} is {shown(stored)}, expected a dtype tag such as 'F32' or 'BF16'")
     if node.dtype != storage_dtype(stored):
-        _fail(at, f"holds {node.dtype} values, expected {storage_dtype(stored)} (the storage of tag {stored!r})")
+        _fail(at, f"holds {node.dtype} values, expected {storage_dtype(stored)} (the storage of tag {shown(stored)})")
     if tag is not None and stored != tag:
-        _fail(at, f"dtype tag is {stored!r}, expected {tag!r} (the step's meta)")
+        _fail(at, f"dtype tag is {shown(stored)}, expected {shown(tag)} (the step's meta)")
     if shape is not None and node.shape != shape:
         _fail(at, f"shape is {list(node.shape)}, expected {list(shape)}")
     return tuple(node.shape)
@@ -445,7 +446,8 @@ def _check_batch(group: h5py.Group, meta: StepMeta, where: str) -> None:
     for slot, ref in iter_tensors(meta["batch"], BATCH):
         if not ref.path.startswith(prefix):
             _fail(
-                f"{where}:{group.name}/{META}", f"batch tensor {slot!r} is at {ref.path!r}, expected under {prefix!r}"
+                f"{where}:{group.name}/{META}",
+                f"batch tensor {shown(slot)} is at {shown(ref.path)}, expected under {prefix!r}",
             )
         _check_tensor(group.file.get(ref.path), f"{where}:{ref.path}", ref.tag, ref.shape)
 

@@ -18,7 +18,6 @@ node       layout                                       Python value
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
@@ -27,6 +26,7 @@ from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.layout import join_slot
 from parity_harness.common.format.bundle.selection import Selection, parse_selection
 from parity_harness.common.format.dtypes import TAGS
+from parity_harness.common.format.preview import clipped, shown
 from parity_harness.common.numerics.statistics import parse_statistics
 
 __all__ = [
@@ -229,29 +229,8 @@ def _tensor_ref(node: Tree) -> TensorRef:
 
 
 def _fail(where: str, what: str) -> BundleFormatError:
-    if len(where) > _SHOWN_CHARACTERS:  # built from the index's own names, which a crafted one makes long
-        where = where[:_SHOWN_CHARACTERS] + "..."
+    where = clipped(where)  # built from the index's own names, which a crafted one makes long
     return BundleFormatError(f"bundle index, {where}: {what}; the bundle is damaged, capture it again")
-
-
-_SHOWN_CHARACTERS: Final = 120
-
-
-def _preview() -> reprlib.Repr:
-    shown = reprlib.Repr()  # Python 3.11's takes no limits as arguments
-    shown.maxlevel, shown.maxtuple, shown.maxlist, shown.maxdict = 3, 6, 6, 6
-    shown.maxstring, shown.maxlong, shown.maxother = 60, 40, 60
-    return shown
-
-
-_PREVIEW: Final = _preview()
-
-
-def _shown(value: object) -> str:
-    """A short repr of a value from the index, for a message: bounded in length and depth whatever the value (a
-    full repr of a crafted one could be megabytes long, or nest too deep for ``repr``)."""
-    text = _PREVIEW.repr(value)
-    return text if len(text) <= _SHOWN_CHARACTERS else text[:_SHOWN_CHARACTERS] + "..."
 
 
 def _expect(value: object, kind: type | tuple[type, ...], where: str) -> object:
@@ -296,17 +275,17 @@ def parse_tensor_ref(node: object, where: str) -> TensorRef:
         return TensorRef(path, tag, tuple(shape), requires_grad)
     items = cast(list[object], _expect(node, list, where))
     if len(items) != 5 or items[0] != "T":
-        raise _fail(where, f"expected a tensor node ['T', path, tag, shape, requires_grad], got {_shown(items)}")
+        raise _fail(where, f"expected a tensor node ['T', path, tag, shape, requires_grad], got {shown(items)}")
     _, path, tag, shape, requires_grad = items
     _expect(path, str, f"{where} path")
     if not cast(str, path).startswith("/"):
-        raise _fail(where, f"tensor path {_shown(path)} is not absolute")
+        raise _fail(where, f"tensor path {shown(path)} is not absolute")
     if not isinstance(tag, str) or tag not in TAGS:
-        raise _fail(where, f"unknown dtype tag {_shown(tag)}")
+        raise _fail(where, f"unknown dtype tag {shown(tag)}")
     dims = cast(list[object], _expect(shape, list, f"{where} shape"))
     for size in dims:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > _MAX_SIZE:
-            raise _fail(where, f"shape {_shown(dims)} has an invalid size")
+            raise _fail(where, f"shape {shown(dims)} has an invalid size")
     _expect(requires_grad, bool, f"{where} requires_grad")
     return TensorRef(cast(str, path), str(tag), tuple(cast(list[int], dims)), cast(bool, requires_grad))
 
@@ -375,7 +354,7 @@ def _check_tree_named(node: object, where: str, depth: int) -> None:
         _expect(items[1], str, where)
         _expect(items[2], str, where)
     else:
-        raise _fail(where, f"unknown value node {_shown(items)}")
+        raise _fail(where, f"unknown value node {shown(items)}")
 
 
 def _check_pairs_named(pairs: object, where: str, depth: int) -> None:
@@ -414,8 +393,8 @@ def _parse_named_refs(obj: object, where: str) -> dict[str, TensorRef]:
             raise _fail(where, "an entry is not a [name, tensor] pair")
         name = cast(str, _expect(items[0], str, where))
         if name in refs:
-            raise _fail(where, f"name {_shown(name)} appears twice")
-        refs[name] = parse_tensor_ref(items[1], f"{where}[{_shown(name)}]")
+            raise _fail(where, f"name {shown(name)} appears twice")
+        refs[name] = parse_tensor_ref(items[1], f"{where}[{shown(name)}]")
     return refs
 
 
@@ -423,7 +402,7 @@ def _parse_floats(obj: object, where: str) -> dict[str, float]:
     values = _parse_map(obj, where)
     for name, value in values.items():
         if not isinstance(value, float) or not value >= 0:
-            raise _fail(f"{where}[{_shown(name)}]", f"expected a float >= 0, got {_shown(value)}")
+            raise _fail(f"{where}[{shown(name)}]", f"expected a float >= 0, got {shown(value)}")
     return cast(dict[str, float], values)
 
 
@@ -432,7 +411,7 @@ def parse_run(obj: object) -> RunInfo:
     run = _parse_map(obj, "run")
     backward = run.get("backward")
     if backward not in ("cotangent", "loss", "none"):
-        raise _fail("run.backward", f"expected 'cotangent', 'loss' or 'none', got {_shown(backward)}")
+        raise _fail("run.backward", f"expected 'cotangent', 'loss' or 'none', got {shown(backward)}")
     for key in ("batch_size", "seq_len"):
         if run.get(key) is not None:
             _expect(run[key], int, f"run.{key}")
@@ -440,10 +419,10 @@ def parse_run(obj: object) -> RunInfo:
     if lengths is not None and (
         not isinstance(lengths, list) or not lengths or not all(isinstance(n, int) and n >= 0 for n in lengths)
     ):
-        raise _fail("run.lengths", f"expected a non-empty list of integers >= 0 or nil, got {_shown(lengths)}")
+        raise _fail("run.lengths", f"expected a non-empty list of integers >= 0 or nil, got {shown(lengths)}")
     arguments = run.get("arguments", "by-position")  # absent before format 1.3
     if arguments not in ("by-signature", "by-position"):
-        raise _fail("run.arguments", f"expected 'by-signature' or 'by-position', got {_shown(arguments)}")
+        raise _fail("run.arguments", f"expected 'by-signature' or 'by-position', got {shown(arguments)}")
     return RunInfo(
         seed=cast(int, _expect(run.get("seed"), int, "run.seed")),
         train_mode=cast(bool, _expect(run.get("train_mode"), bool, "run.train_mode")),
@@ -522,7 +501,7 @@ def _parse_order(obj: object, where: str, n_calls: int) -> list[tuple[int, str]]
         items = cast(list[object], _expect(event, list, where))
         position = items[0] if len(items) == 2 else None
         if not isinstance(position, int) or isinstance(position, bool) or not isinstance(items[1], str):
-            raise _fail(where, f"expected [call index, slot], got {_shown(items)}")
+            raise _fail(where, f"expected [call index, slot], got {shown(items)}")
         if not 0 <= position < n_calls:
             raise _fail(where, f"call index {position} is out of range (there are {n_calls} calls)")
         events.append((position, items[1]))
@@ -556,7 +535,7 @@ def parse_index(obj: object) -> BundleIndex:
         noise_floor=_parse_floats(index.get("noise_floor", {}), "noise_floor"),
         selection=parse_selection(index.get("selection", {})),
         summaries={
-            path: parse_statistics(stats, f"bundle index, summaries[{_shown(path)}]")
+            path: parse_statistics(stats, f"bundle index, summaries[{shown(path)}]")
             for path, stats in _parse_map(index.get("summaries", {}), "summaries").items()
         },
         checksums=_parse_checksums(index.get("checksums", {})),
@@ -567,5 +546,5 @@ def _parse_checksums(obj: object) -> dict[str, int]:
     sums = _parse_map(obj, "checksums")
     for path, value in sums.items():
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
-            raise _fail(f"checksums[{_shown(path)}]", f"expected a CRC-32 (an int in [0, 2**32)), got {_shown(value)}")
+            raise _fail(f"checksums[{shown(path)}]", f"expected a CRC-32 (an int in [0, 2**32)), got {shown(value)}")
     return cast(dict[str, int], sums)
