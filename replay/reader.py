@@ -54,6 +54,7 @@ from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, storage_dtype, to_float64
 from parity_harness.common.format.manifest import find_manifest
 from parity_harness.common.format.packing import unpack
+from parity_harness.common.format.preview import clipped, shown
 from parity_harness.common.heap import HeapTrimmer
 from parity_harness.common.numerics.parallel import on_second_thread
 from parity_harness.common.numerics.statistics import stored_crc32
@@ -248,7 +249,8 @@ class BundleReader:
                 raise BundleFormatError(f"{self.path}:{unsummed[0]}: no checksum in the index; the bundle was altered")
             stray = [name for name in sums if name not in tensors and name not in stored]
             if stray:
-                raise BundleFormatError(f"{self.path}: the index has a checksum for {stray[0]!r}, which is no dataset")
+                named = shown(stray[0])
+                raise BundleFormatError(f"{self.path}: the index has a checksum for {named}, which is no dataset")
         for name in (path for path in sums if path.startswith(RNG + "/")):
             node = self._file.get(name)
             if not isinstance(node, h5py.Dataset):
@@ -274,12 +276,12 @@ class BundleReader:
             and tuple(node.shape) == ref.shape
         ):
             return
-        where = f"{self.path}:{ref.path}"
+        where = f"{self.path}:{clipped(ref.path)}"
         if node is None:
             raise BundleFormatError(f"{where}: tensor named by the index is missing; the bundle is incomplete")
         tag = node.label
         if tag != ref.tag:
-            raise BundleFormatError(f"{where}: dtype tag {tag!r} != {ref.tag!r} declared in the index")
+            raise BundleFormatError(f"{where}: dtype tag {shown(tag)} != {ref.tag!r} declared in the index")
         if node.dtype != storage_dtype(ref.tag):
             raise BundleFormatError(f"{where}: stored as {node.dtype}, expected {storage_dtype(ref.tag)} for {ref.tag}")
         if tuple(node.shape) != ref.shape:

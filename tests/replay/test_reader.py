@@ -590,3 +590,22 @@ def test_reading_every_record_keeps_at_most_twice_the_largest_resident(tmp_path:
             assert reader.read_array(ref).size == int(np.prod(ref.shape))
             peak = max(peak, _mapped_rss(path))
     assert peak <= 2 * largest + (64 << 10)
+
+
+@pytest.mark.parametrize("change", ["stray-checksum", "missing-dataset"])
+def test_a_crafted_name_in_the_index_makes_a_short_message(tiny_bundle: Path, change: str) -> None:
+    """A checksum, or a tensor, named by a 100,000-character path is refused in one short line."""
+    long_path = "/" + "x" * 100_000
+    with h5py.File(tiny_bundle, "r+") as file:
+        document = msgpack.unpackb(file["index"][()].tobytes(), raw=False, strict_map_key=False)
+        if change == "stray-checksum":
+            document["checksums"][long_path] = 7
+        else:
+            document["outputs"] = ["T", long_path, "F32", [2], False]
+            document["checksums"][long_path] = 7
+        del file["index"]
+        file.create_dataset("index", data=np.frombuffer(msgpack.packb(document, use_bin_type=True), dtype=np.uint8))
+    expected = "which is no dataset" if change == "stray-checksum" else "is missing"
+    with pytest.raises(BundleFormatError, match=expected) as caught:
+        BundleReader(tiny_bundle)
+    assert len(str(caught.value)) < len(str(tiny_bundle)) + 400
