@@ -25,6 +25,7 @@ import numpy as np
 from parity_harness.common.errors import CheckpointError, InputError
 from parity_harness.common.format.bundle.selection import parse_byte_size
 from parity_harness.common.format.dtypes import TAGS, storage_dtype
+from parity_harness.common.format.preview import shown
 
 __all__ = [
     "HDF5_SIGNATURE",
@@ -131,8 +132,8 @@ def _check_disjoint(entries: dict[str, SafetensorsEntry], path: Path) -> None:
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise CheckpointError(
-                f"{path}: tensors {first!r} and {second!r} overlap in the data section (bytes from {start} are "
-                "claimed twice); the file is damaged or crafted"
+                f"{path}: tensors {shown(first)} and {shown(second)} overlap in the data section (bytes from "
+                f"{start} are claimed twice); the file is damaged or crafted"
             )
 
 
@@ -149,18 +150,18 @@ def _parse_header_json(raw: bytes, path: Path) -> dict[str, Any]:
 def _parse_entry(name: str, info: object, data_size: int, path: Path) -> SafetensorsEntry:
     dtype = info.get("dtype") if isinstance(info, dict) else None
     if not isinstance(dtype, str) or dtype not in TAGS:
-        raise CheckpointError(f"{path}: tensor {name!r}: unknown or missing dtype {info!r:.80}")
+        raise CheckpointError(f"{path}: tensor {shown(name)}: unknown or missing dtype {shown(info)}")
     assert isinstance(info, dict)
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-        raise CheckpointError(f"{path}: tensor {name!r}: invalid shape {shape!r}")
+        raise CheckpointError(f"{path}: tensor {shown(name)}: invalid shape {shown(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise CheckpointError(f"{path}: tensor {name!r}: invalid data_offsets {offsets!r}")
+        raise CheckpointError(f"{path}: tensor {shown(name)}: invalid data_offsets {shown(offsets)}")
     start, end = offsets
     expected = math.prod(shape) * storage_dtype(dtype).itemsize  # Python ints: no overflow
     if not 0 <= start <= end <= data_size or end - start != expected:
         raise CheckpointError(
-            f"{path}: tensor {name!r}: data_offsets {offsets} do not hold {expected} bytes of "
+            f"{path}: tensor {shown(name)}: data_offsets {offsets} do not hold {expected} bytes of "
             f"{dtype} {tuple(shape)} inside {data_size} bytes of data; the file is damaged"
         )
     return SafetensorsEntry(dtype, tuple(shape), start, end)

@@ -4,16 +4,18 @@ long, never a RecursionError from ``repr`` (the bundle index, a manifest, a form
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.errors import BundleFormatError, CheckpointError
 from parity_harness.common.format.bundle.schema import parse_tree
 from parity_harness.common.format.gate import parse_format_version
 from parity_harness.common.format.manifest import read_manifest
 from parity_harness.common.format.preview import SHOWN_CHARACTERS, shown
+from parity_harness.common.format.tensor_files import read_safetensors_header
 from parity_harness.common.format.training import parse_step_meta
 
 
@@ -81,3 +83,26 @@ def test_a_manifest_field_holding_a_huge_value_gives_a_short_message(field: str,
     with pytest.raises(BundleFormatError) as caught:
         read_manifest(path)
     assert len(str(caught.value)) < 500
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [-1, *range(100_000)], "data_offsets": [0, 0]},
+        {"dtype": "F32", "shape": [2], "data_offsets": list(range(100_000))},
+        {"dtype": ["F32"] * 100_000, "shape": [2], "data_offsets": [0, 8]},
+    ],
+    ids=["shape", "data_offsets", "dtype"],
+)
+@pytest.mark.parametrize("name", ["w", "w" * 100_000])
+def test_a_safetensors_header_holding_huge_values_gives_a_short_message(
+    entry: dict[str, object], name: str, tmp_path: Path
+) -> None:
+    """A checkpoint from elsewhere: its header's entry (or the tensor's name) is quoted in a few dozen characters."""
+    raw = json.dumps({name: entry}).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+    with pytest.raises(CheckpointError) as caught:
+        read_safetensors_header(path)
+    assert len(str(caught.value)) < len(str(path)) + 400
