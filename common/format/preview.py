@@ -29,8 +29,7 @@ _PREVIEW: Final = _preview()
 def shown(value: object) -> str:
     """A short repr of ``value`` for a message: at most three levels deep, six items a container, 60 characters a
     string and :data:`SHOWN_CHARACTERS` in all."""
-    text = _PREVIEW.repr(value)
-    return text if len(text) <= SHOWN_CHARACTERS else text[:SHOWN_CHARACTERS] + "..."
+    return clipped(_PREVIEW.repr(value))
 
 
 def clipped(text: str) -> str:
