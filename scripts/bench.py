@@ -1,6 +1,6 @@
 """What capture and replay cost, as ratios to the bare model, measured in one run: steps and whole commands.
 
-    python scripts/bench.py [--model gpt2|conformer|fastconformer] [--device cpu|cuda] [--repeat 3] [--rounds 2]
+    python scripts/bench.py [--model gpt2|conformer|fastconformer] [--device cpu|cuda] [--repeat 3] [--rounds 3]
                             [--no-steps] [--no-commands] [--steps STEP,...] [--dir DIR]
 
 Models (``scripts/bench_models.py``): ``gpt2`` (GPT-2-small-shaped, 163 M parameters, a few large
@@ -8,8 +8,10 @@ modules), ``conformer`` (the bundled Conformer-CTC example at d_model 256, 6.1 M
 modules; the default) and ``fastconformer`` (the same architecture at 17 layers, d_model 512, 10 s of audio,
 batch 4).
 
-**Whole commands** (what a user waits for): each command timed as its own process from start to exit,
-best of ``--rounds``, the rounds interleaved so that a busy machine slows all alike:
+**Whole commands** (what a user waits for): each command timed as its own process from start to exit, in
+``--rounds`` interleaved rounds; each round's time divided by the bare process's in the same round, and the
+median of those ratios printed with their range (peak RSS: the median of the rounds, and replay's target judged
+against the spread between them):
 
 * bare process: ``python scripts/bench_models.py bare``: interpreter start, import torch, build the model,
   one seeded forward and backward with a random cotangent, in plain torch;
@@ -309,6 +311,10 @@ def command_environment(model: str, folder: Path) -> dict[str, str]:
     environment.pop("PYTHONDONTWRITEBYTECODE", None)
     sources = [str(ROOT / name) for name in ("capture", "common", "replay")] + [str(MODELS_FILE)]
     subprocess.run([sys.executable, "-m", "compileall", "-q", *sources], env=environment, check=True)
+    # The prefix holds every module's bytecode, torch's too: the first process to import them compiles them there
+    # (4-5 s: the first bare process of a run took 7.2 s, the next ones 2.2-2.7). Imported once here, untimed.
+    warm = "import torch, parity_harness.capture.cli.capture_run, parity_harness.replay.cli.replay_compare"
+    subprocess.run([sys.executable, "-c", warm], env=environment, check=True)
     return environment
 
 
@@ -325,18 +331,56 @@ def time_command(command: list[str], environment: dict[str, str]) -> tuple[float
     return seconds, usage.ru_maxrss * 1024
 
 
-def time_commands(options: argparse.Namespace, bundle: Path) -> dict[str, tuple[float, int]]:
-    """Best of ``rounds`` whole-process times per command, interleaved; a fresh capture each round."""
-    best: dict[str, tuple[float, int]] = {}
+def time_commands(options: argparse.Namespace, bundle: Path) -> dict[str, CommandRuns]:
+    """Every round's whole-process time and peak RSS per command, the rounds interleaved; a fresh capture each
+    round."""
+    runs: dict[str, CommandRuns] = {}
     environment = command_environment(options.model, bundle.parent)
     for _ in range(options.rounds):
         for name, command in commands(options, bundle).items():
             if name == "capture":
                 bundle.unlink(missing_ok=True)
             seconds, rss = time_command(command, environment)
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, rss)
-    return best
+            runs.setdefault(name, CommandRuns([], [])).add(seconds, rss)
+    return runs
+
+
+class CommandRuns:
+    """One command's rounds: wall seconds and peak RSS in bytes, in the order run."""
+
+    def __init__(self, seconds: list[float], rss: list[int]) -> None:
+        self.seconds, self.rss = seconds, rss
+
+    def add(self, seconds: float, rss: int) -> None:
+        self.seconds.append(seconds)
+        self.rss.append(rss)
+
+    def ratios_to(self, bare: CommandRuns) -> list[float]:
+        """Each round's seconds over the bare process's in the same round: a machine slowed for a while slows
+        both (the bare process alone took 4.1-5.5 s in four runs in a row on this project's VM)."""
+        return [seconds / bare_seconds for seconds, bare_seconds in zip(self.seconds, bare.seconds, strict=True)]
+
+    @property
+    def rss_spread(self) -> int:
+        """How far apart its rounds' peaks were: what a difference of peaks must exceed to mean anything."""
+        return max(self.rss) - min(self.rss)
+
+
+def rss_verdict(replay: CommandRuns, bare: CommandRuns, allowed: int) -> str:
+    """Whether replay's peak RSS stays within ``allowed`` bytes over the bare process's, judged on the medians and
+    decided only where the margin is clear of the spread between rounds. On the FastConformer-sized model three
+    runs of the same ``replay-compare`` peaked at 2746-2850 MB and of the bare process at 2732-2757 MB (threads and
+    allocators take memory in a different order each run): more than the 16 MB its target allows, so one run of
+    each would decide nothing."""
+    if len(replay.rss) < 2 or len(bare.rss) < 2:
+        return "not decided (one round: no spread measured; --rounds 3 or more)"
+    over = statistics.median(replay.rss) - statistics.median(bare.rss)
+    noise = max(replay.rss_spread, bare.rss_spread)
+    if over + noise <= allowed:
+        return "met"
+    if over - noise > allowed:
+        return "not met"
+    return f"not decided (peaks {noise / 1e6:.0f} MB apart between rounds)"
 
 
 # ------------------------------------------------------------------ report
@@ -422,9 +466,11 @@ def print_steps(model: str, figures: dict[str, dict[str, Any]], size: int, summa
         print(f"msprobe dump: {figures['msprobe-dump']['dump_bytes'] / 1e9:.2f} GB on disk")
 
 
-def print_commands(model: str, best: dict[str, tuple[float, int]], largest: int) -> None:
-    bare_seconds, bare_rss = best["bare"]
-    print(f"\nWHOLE COMMANDS (best of rounds) {'seconds':>8s} {'/ bare':>7s} {'peak RSS':>9s}  target")
+def print_commands(model: str, runs: dict[str, CommandRuns], largest: int) -> None:
+    bare = runs["bare"]
+    heading = f"{'seconds':>10s} {'/ bare':>7s} {'rounds':>11s} {'peak RSS':>9s}  target"
+    print(f"\nWHOLE COMMANDS (median of rounds) {heading}")
+    print("(each round's command divided by the bare process of its round; RSS: the median peak)")
     names = {
         "bare": "bare process",
         "capture": "capture-run",
@@ -433,15 +479,23 @@ def print_commands(model: str, best: dict[str, tuple[float, int]], largest: int)
         "list": "replay-compare --list",
     }
     for key, name in names.items():
-        seconds, rss = best[key]
-        ratio = seconds / bare_seconds
+        ratios = runs[key].ratios_to(bare)
+        seconds, ratio = statistics.median(runs[key].seconds), statistics.median(ratios)
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
         target = against_target(model, f"command {key}", ratio, None, seconds)
-        print(f"{name:34s} {seconds:6.2f} {ratio:6.2f}x {rss / 1e9:8.2f}G  {target}")
-    replay_rss, allowed = best["replay"][1], bare_rss + 2 * largest
+        rss = statistics.median(runs[key].rss)
+        print(f"{name:34s} {seconds:8.2f} {ratio:6.2f}x {spread:>11s} {rss / 1e9:8.2f}G  {target}")
+    replay = runs["replay"]
+    over = statistics.median(replay.rss) - statistics.median(bare.rss)
     print(
-        f"replay peak RSS - bare = {(replay_rss - bare_rss) / 1e6:.0f} MB; largest record {largest / 1e6:.0f} MB; "
-        f"target: <= bare + 2 x largest = {allowed / 1e9:.2f} GB: {'met' if replay_rss <= allowed else 'not met'}"
+        f"replay peak RSS - bare = {over / 1e6:.0f} MB (medians of {len(replay.rss)} rounds; peaks per round: bare "
+        f"{_megabytes(bare.rss)}, replay {_megabytes(replay.rss)}); largest record {largest / 1e6:.0f} MB; "
+        f"target: <= bare + 2 x largest: {rss_verdict(replay, bare, 2 * largest)}"
     )
+
+
+def _megabytes(values: list[int]) -> str:
+    return "/".join(f"{value / 1e6:.0f}" for value in values) + " MB"
 
 
 def largest_record(bundle: Path) -> int:
@@ -462,7 +516,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=3, help="runs per step (median, after a warm-up)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per whole command (best of)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the whole commands (medians and ranges over them)"
+    )
     parser.add_argument("--no-steps", action="store_true", help="only the whole commands")
     parser.add_argument("--no-commands", action="store_true", help="only the steps")
     parser.add_argument(
@@ -494,8 +550,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=options.dir) as folder:
         bundle, summary_bundle = Path(folder) / "bench.h5", Path(folder) / "summary.h5"
         if not options.no_commands:
-            best = time_commands(options, bundle)
-            print_commands(options.model, best, largest_record(bundle))
+            runs = time_commands(options, bundle)
+            print_commands(options.model, runs, largest_record(bundle))
             bundle.unlink()
         if not options.no_steps:
             figures = measure_steps(options, bundle, summary_bundle)

@@ -3,6 +3,7 @@ elsewhere (an option it no longer passes, a function it times that moved) must f
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,32 @@ def test_bench_phases_splits_both_commands_into_phases(tmp_path: Path) -> None:
     phases = ("capture-run: ", "replay-compare: ", "import torch", "dataset creation (HDF5)", "comparing records")
     for phase in (*phases, "checksums (CRC-32)"):
         assert phase in out, out
+
+
+def _bench_module() -> object:
+    spec = importlib.util.spec_from_file_location("bench_under_test", ROOT / "scripts" / "bench.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("replay_mb", "bare_mb", "allowed_mb", "verdict"),
+    [
+        ((1020, 1030, 1025), (1000, 1010, 1005), 50, "met"),  # 20 MB over, 10 MB apart: clear of the target
+        ((1200, 1210, 1205), (1000, 1010, 1005), 50, "not met"),
+        ((2746, 2850, 2800), (2757, 2735, 2732), 16, "not decided (peaks 104 MB apart between rounds)"),
+        ((1010, 1012, 1011), (1000, 1080, 1001), 16, "not decided (peaks 80 MB apart between rounds)"),
+        ((1001,), (1000,), 16, "not decided (one round: no spread measured; --rounds 3 or more)"),
+    ],
+)
+def test_bench_decides_the_rss_target_only_beyond_the_spread_between_rounds(
+    replay_mb: tuple[int, ...], bare_mb: tuple[int, ...], allowed_mb: int, verdict: str
+) -> None:
+    bench = _bench_module()
+    runs = bench.CommandRuns  # type: ignore[attr-defined]
+    replay = runs([1.0] * len(replay_mb), [value * 10**6 for value in replay_mb])
+    bare = runs([1.0] * len(bare_mb), [value * 10**6 for value in bare_mb])
+    assert bench.rss_verdict(replay, bare, allowed_mb * 10**6) == verdict  # type: ignore[attr-defined]
