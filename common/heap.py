@@ -6,8 +6,8 @@ Capture and replay allocate and free between the model's own allocations (snapsh
 bookkeeping), and the memory so kept showed as peak resident memory the bare model never had. On the
 FastConformer-sized bench model (bare process 2.8 GB): ``capture-run`` 4.3-4.4 GB, ``replay-compare`` 2.95-3.1 GB
 though its largest record is 8 MB. :class:`HeapTrimmer` calls glibc's ``malloc_trim`` once every
-:data:`TRIM_EVERY` bytes of records, so that resident memory follows what the process holds (3.0 and 2.65 GB
-then). Elsewhere (no glibc) it does nothing.
+:data:`TRIM_EVERY` bytes of records written (:data:`READ_TRIM_EVERY` read), so that resident memory follows what
+the process holds (3.0 and 2.65 GB then). Elsewhere (no glibc) it does nothing.
 """
 
 from __future__ import annotations
@@ -18,12 +18,18 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Final
 
-__all__ = ["TRIM_EVERY", "HeapTrimmer", "return_free_memory"]
+__all__ = ["READ_TRIM_EVERY", "TRIM_EVERY", "HeapTrimmer", "return_free_memory"]
 
 TRIM_EVERY: Final = 256 << 20
 """Bytes of work between two trims. A trim itself takes 1-4 ms; the pages it gives back are faulted in again by
 later allocations, which glibc would have served without a fault. A one-shot command measured no cost; a process
 replaying again and again pays it (a repeated FastConformer replay: 5.2 -> 5.8 s)."""
+READ_TRIM_EVERY: Final = 1 << 30
+"""Bytes of records read between two of replay's trims. Exact replays of the FastConformer-sized bench model
+(4.2 GB bundle) in fresh processes, interleaved: 6.9-8.7 s (median 8.0) with a trim every 1 GiB in eight runs,
+8.3-9.5 s (median 8.5) every 256 MiB in six; the peak 1-49 MB over the replay's start against 1-14 MB, while the
+bare step's own peak moved 2807-2892 MB between those runs. Without trims: 7.1-7.7 s, the peak 160-208 MB over
+its start."""
 
 
 @functools.cache
@@ -53,6 +59,11 @@ class HeapTrimmer:
         self.every = TRIM_EVERY if every is None else every
         self._since = 0
         self._paused = 0
+
+    @classmethod
+    def for_reading(cls) -> HeapTrimmer:
+        """A trimmer for replay's reads (:data:`READ_TRIM_EVERY`)."""
+        return cls(READ_TRIM_EVERY)
 
     def note(self, nbytes: int) -> None:
         """Count ``nbytes`` of work done; trim once the count since the last trim reaches ``every`` (not while

@@ -152,7 +152,7 @@ class BundleReader:
         self._resident_budget = max((stored.nbytes for stored in self._stored.values()), default=0)
         self._names_per_dataset = Counter(_identity(stored) for stored in self._stored.values())
         # What replay frees between the model's allocations would otherwise stay resident (common.heap).
-        self._heap = HeapTrimmer()
+        self._heap = HeapTrimmer.for_reading()
 
     def _open(self, preflight: float | None, catalog: Catalog | None) -> tuple[h5py.File, Catalog | None]:
         """HDF5's open of the bundle, and the walk that vouches for it: a file from elsewhere (``preflight`` asked

@@ -60,6 +60,7 @@ def test_capture_and_replay_trim_as_records_go(tmp_path: Path, monkeypatch: pyte
     replay each trim several times (not only at the end)."""
     calls: list[str] = []
     monkeypatch.setattr(heap, "TRIM_EVERY", 256)
+    monkeypatch.setattr(heap, "READ_TRIM_EVERY", 256)
     monkeypatch.setattr(heap, "return_free_memory", lambda: calls.append("trim") or True)
     bundle = tmp_path / "b.h5"
     summary = capture_run(build_tiny(), tiny_inputs(), bundle)
@@ -97,7 +98,7 @@ def test_replay_trims_during_forward_not_during_backward(tmp_path: Path, monkeyp
     phase = ["forward"]
     trims: list[str] = []
     reads: list[str] = []
-    monkeypatch.setattr(heap, "TRIM_EVERY", 64)
+    monkeypatch.setattr(heap, "READ_TRIM_EVERY", 64)
     monkeypatch.setattr(heap, "return_free_memory", lambda: trims.append(phase[0]) or True)
     backward = runner.backward_as_recorded
 
