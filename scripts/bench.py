@@ -48,6 +48,7 @@ Peak RSS is the process's own (VmHWM for steps, ``wait4``'s ru_maxrss for comman
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -341,15 +342,16 @@ def time_commands(options: argparse.Namespace, bundle: Path) -> dict[str, Comman
             if name == "capture":
                 bundle.unlink(missing_ok=True)
             seconds, rss = time_command(command, environment)
-            runs.setdefault(name, CommandRuns([], [])).add(seconds, rss)
+            runs.setdefault(name, CommandRuns()).add(seconds, rss)
     return runs
 
 
+@dataclasses.dataclass
 class CommandRuns:
     """One command's rounds: wall seconds and peak RSS in bytes, in the order run."""
 
-    def __init__(self, seconds: list[float], rss: list[int]) -> None:
-        self.seconds, self.rss = seconds, rss
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    rss: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, seconds: float, rss: int) -> None:
         self.seconds.append(seconds)
