@@ -21,7 +21,7 @@ from typing import Final
 __all__ = ["READ_TRIM_EVERY", "TRIM_EVERY", "HeapTrimmer", "return_free_memory"]
 
 TRIM_EVERY: Final = 256 << 20
-"""Bytes of work between two trims. A trim itself takes 1-4 ms; the pages it gives back are faulted in again by
+"""Bytes of records written between two of capture's trims (the default of :class:`HeapTrimmer`). A trim itself takes 1-4 ms; the pages it gives back are faulted in again by
 later allocations, which glibc would have served without a fault. A one-shot command measured no cost; a process
 replaying again and again pays it (a repeated FastConformer replay: 5.2 -> 5.8 s)."""
 READ_TRIM_EVERY: Final = 1 << 30
