@@ -83,3 +83,25 @@ def test_bench_decides_the_rss_target_only_beyond_the_spread_between_rounds(
     replay = runs([1.0] * len(replay_mb), [value * 10**6 for value in replay_mb])
     bare = runs([1.0] * len(bare_mb), [value * 10**6 for value in bare_mb])
     assert bench.rss_verdict(replay, bare, allowed_mb * 10**6) == verdict  # type: ignore[attr-defined]
+
+
+def test_bench_pairs_each_whole_command_with_the_bare_process_of_its_round(capsys: pytest.CaptureFixture[str]) -> None:
+    """A round in which the machine was slow slows the bare process and the command alike: each command's ratio is
+    taken round by round, and the median of those is judged against the target, its range printed beside it."""
+    bench = _bench_module()
+    runs = bench.CommandRuns  # type: ignore[attr-defined]
+    rss = [1800 * 10**6] * 3
+    table = {
+        "bare": runs([4.0, 8.0, 5.0], rss),  # the second round ran on a busy machine
+        "capture": runs([5.0, 8.8, 6.0], rss),  # per round 1.25x, 1.10x, 1.20x
+        "replay": runs([6.0, 12.8, 7.5], rss),  # 1.50x, 1.60x, 1.50x
+        "replay-isolate": runs([4.0, 8.0, 5.0], rss),
+        "list": runs([0.5, 0.9, 0.6], [230 * 10**6] * 3),
+    }
+    bench.print_commands("gpt2", table, 154 * 10**6)  # type: ignore[attr-defined]
+    lines = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "1.20x  1.10-1.25x" in lines["capture-run"]
+    assert lines["capture-run"].endswith("<= 1.3x: met")
+    assert "1.50x  1.50-1.60x" in lines["replay-compare"]
+    assert lines["replay-compare"].endswith("<= 1.4x: not met")
+    assert lines["replay-compare --list"].endswith("< 1 s: met")
