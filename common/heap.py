@@ -21,9 +21,10 @@ from typing import Final
 __all__ = ["READ_TRIM_EVERY", "TRIM_EVERY", "HeapTrimmer", "return_free_memory"]
 
 TRIM_EVERY: Final = 256 << 20
-"""Bytes of records written between two of capture's trims (the default of :class:`HeapTrimmer`). A trim itself takes 1-4 ms; the pages it gives back are faulted in again by
-later allocations, which glibc would have served without a fault. A one-shot command measured no cost; a process
-replaying again and again pays it (a repeated FastConformer replay: 5.2 -> 5.8 s)."""
+"""Bytes of records written between two of capture's trims (the default of :class:`HeapTrimmer`). A trim itself
+takes 1-4 ms; the pages it gives back are faulted in again by later allocations, which glibc would have served
+without a fault. A one-shot command measured no cost; a process replaying again and again pays it (a repeated
+FastConformer replay: 5.2 -> 5.8 s)."""
 READ_TRIM_EVERY: Final = 1 << 30
 """Bytes of records read between two of replay's trims. Exact replays of the FastConformer-sized bench model
 (4.2 GB bundle) in fresh processes, interleaved: 6.9-8.7 s (median 8.0) with a trim every 1 GiB in eight runs,
