@@ -148,7 +148,7 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
         click.option(
             "--trust-pickle",
             is_flag=True,
-            help="Allow loading checkpoints that run code when unpickled (only for files you trust).",
+            help="Allow checkpoints that run code when loaded: pickled modules, TorchScript (only files you trust).",
         ),
         click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors."),
     ]

@@ -1,12 +1,12 @@
 """Load checkpoints safely, recognised by content: state dicts, safetensors, TorchScript, ``.nemo``
 archives and Hugging Face folders.
 
-Nothing here unpickles with code execution unless the caller passes ``trust_pickle=True``
-(``--trust-pickle``): state dicts go through ``torch.load(weights_only=True)``, safetensors are
-parsed by a validating reader of their own, and of a ``.nemo`` archive only the two members used
-(config and weights) are extracted, after a check of every member's name, kind and declared size, into a
-temporary folder removed on every path. A Hugging Face folder's shard indexes may name files inside the
-folder only.
+Nothing here unpickles or runs code from a file unless the caller passes ``trust_pickle=True``
+(``--trust-pickle``), which TorchScript archives therefore need (``torch.jit.load`` runs the code they hold):
+state dicts go through ``torch.load(weights_only=True)``, safetensors are parsed by a validating reader of their
+own, and of a ``.nemo`` archive only the two members used (config and weights) are extracted, after a check of every
+member's name, kind and declared size, into a temporary folder removed on every path. A Hugging Face folder's shard
+indexes may name files inside the folder only.
 """
 
 from __future__ import annotations
@@ -392,6 +392,11 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust_pickle: bool = False)
     if is_safetensors(head, size):
         return Checkpoint("safetensors", file, read_safetensors(file))
     if head.startswith(b"PK\x03\x04") and is_torchscript(file):
+        if not trust_pickle:  # torch.jit.load runs the archive's own code (a class's __setstate__, say)
+            raise CheckpointError(
+                f"{file}: a TorchScript archive, and loading one runs code stored in it; pass --trust-pickle if you "
+                "trust its source, or export a state dict or safetensors file instead"
+            )
         try:
             module = torch.jit.load(str(file), map_location="cpu")  # type: ignore[no-untyped-call]
         except RuntimeError as err:

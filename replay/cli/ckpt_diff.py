@@ -96,7 +96,9 @@ def _walking_bundles_early(*paths: str) -> contextlib.AbstractContextManager[Non
 @click.option("--show-unchanged", is_flag=True, help="Also list unchanged tensors and values, in every format.")
 @click.option("--shape-only", is_flag=True, help="Compare names, shapes and dtypes only; read no values (fast).")
 @click.option(
-    "--trust-pickle", is_flag=True, help="Allow checkpoints that run code when unpickled (only files you trust)."
+    "--trust-pickle",
+    is_flag=True,
+    help="Allow checkpoints that run code when loaded: pickles, TorchScript (only files you trust).",
 )
 @click.option(
     "--no-verify", is_flag=True, help="Read parity bundles without checking their checksums (or without any)."

@@ -393,7 +393,7 @@ def scripted(tmp_path: Path) -> tuple[Path, SmallNet]:
 def test_torchscript_loads_module_and_state(scripted: tuple[Path, SmallNet]) -> None:
     """A TorchScript file is kind torchscript, with its module and full state dict."""
     path, model = scripted
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, trust_pickle=True)
     assert checkpoint.kind == "torchscript"
     assert checkpoint.module is not None
     _assert_state_equal(checkpoint.state_dict, model.state_dict())
@@ -402,14 +402,56 @@ def test_torchscript_loads_module_and_state(scripted: tuple[Path, SmallNet]) -> 
 
 
 def test_resolve_adapter_uses_torchscript_as_model(scripted: tuple[Path, SmallNet]) -> None:
-    """With neither --adapter nor --model, a TorchScript --ckpt is the model and runs."""
+    """With neither --adapter nor --model, a TorchScript --ckpt (with --trust-pickle) is the model and runs."""
     path, model = scripted
-    adapter = resolve_adapter(None, None, ckpt=str(path))
+    adapter = resolve_adapter(None, None, ckpt=str(path), trust_pickle=True)
     assert adapter.name == f"torchscript:{path}"
     loaded = adapter.model(None, "cpu")
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+class _WritesOnLoad(nn.Module):
+    """A scripted module whose loading writes a file: TorchScript runs the archive's own code."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[str, bool]:
+        return (self.target, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        torch.save(torch.ones(1), state[0])  # any side effect of loading would do
+        self.target, self.training = state
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("entry", ["load_checkpoint", "resolve_adapter", "checkpoint_adapter"])
+def test_torchscript_runs_no_code_without_trust_pickle(tmp_path: Path, entry: str) -> None:
+    """Loading a TorchScript archive runs code stored in it: refused in one line without --trust-pickle, before any
+    of that code ran; with it, loaded (and its code runs, as the user allowed)."""
+    written = tmp_path / "written-by-the-archive.pt"
+    path = tmp_path / "hostile.pt"
+    torch.jit.script(_WritesOnLoad(str(written))).save(str(path))
+    written.unlink(missing_ok=True)  # saving ran no __setstate__, but make sure
+    load = {
+        "load_checkpoint": lambda trust: load_checkpoint(path, trust_pickle=trust),
+        "resolve_adapter": lambda trust: resolve_adapter(None, None, ckpt=str(path), trust_pickle=trust),
+        "checkpoint_adapter": lambda trust: checkpoint_adapter(str(path), trust_pickle=trust),
+    }[entry]
+    with pytest.raises(CheckpointError, match=r"hostile\.pt: a TorchScript archive.*--trust-pickle") as caught:
+        load(False)
+    assert "\n" not in str(caught.value)
+    assert not written.exists()
+    load(True)
+    assert written.exists()
 
 
 @pytest.mark.parametrize("kind", ["state_dict", "safetensors"], ids=["state-dict", "safetensors"])
