@@ -130,13 +130,31 @@ def read_manifest(path: Path) -> Manifest:
         UnsupportedBundleVersion: written by a newer major version.
     """
     manifest = parse_manifest(_load_json(path), path)
+    folder = path.parent.resolve()
     for entry, file in zip(manifest.ranks, manifest.files, strict=True):
+        _check_beside(file, folder, f"{path}: rank {entry.rank}'s bundle")
         if not file.is_file() or file.stat().st_size != entry.bytes:
             raise BundleFormatError(
                 f"{path}: rank {entry.rank}'s bundle {file} is missing or has another size than recorded "
                 f"({entry.bytes} bytes); copy every rank file with the manifest"
             )
     return manifest
+
+
+def _check_beside(file: Path, folder: Path, what: str) -> None:
+    """Refuse a rank file that is a link to a file outside the manifest's (resolved) folder: a manifest from someone
+    else must not make replay read any other file of the user's."""
+    if not file.is_symlink():
+        return
+    try:
+        target = file.resolve(strict=True)
+    except (OSError, RuntimeError):  # dangling, or a loop of links: the size check says "missing"
+        return
+    if target.parent != folder:
+        raise BundleFormatError(
+            f"{what} {file} is a link to {target}, outside the manifest's folder {folder}; refusing to read it: copy "
+            "the rank file beside the manifest"
+        )
 
 
 def _load_json(path: Path) -> object:

@@ -182,6 +182,32 @@ def test_a_missing_rank_file_is_refused(manifest: Path) -> None:
         read_manifest(manifest)
 
 
+@pytest.mark.parametrize("where", ["outside", "subfolder"])
+def test_a_rank_file_linked_from_elsewhere_is_refused(
+    manifest: Path, tmp_path_factory: pytest.TempPathFactory, where: str
+) -> None:
+    """A rank file that is a link to a file outside the manifest's folder (of the right size: the manifest's only
+    check of a file's identity) is never read: replay-compare exits 2 with one line naming the link and its target."""
+    rank_file = read_manifest(manifest).files[1]
+    elsewhere = tmp_path_factory.mktemp("elsewhere") if where == "outside" else manifest.parent / "sub"
+    elsewhere.mkdir(exist_ok=True)
+    target = elsewhere / rank_file.name
+    shutil.move(rank_file, target)
+    rank_file.symlink_to(target)
+    with pytest.raises(BundleFormatError, match=r"rank 1's bundle .* is a link to .*outside the manifest's folder"):
+        read_manifest(manifest)
+    result = CliRunner().invoke(replay_main, ["--bundle", str(manifest), "--model", f"{MODELS}:build_tiny"])
+    assert "is a link to" in one_error_line("replay-compare", result)
+
+
+def test_a_rank_file_linked_within_its_folder_reads(manifest: Path) -> None:
+    """A link to a file beside the manifest is that file: read as usual."""
+    rank_file = read_manifest(manifest).files[1]
+    rank_file.rename(manifest.parent / "renamed.h5")
+    rank_file.symlink_to("renamed.h5")
+    assert read_manifest(manifest).files[1] == rank_file
+
+
 @pytest.mark.parametrize(("change", "message"), [d[1:] for d in DAMAGE[:6]], ids=[d[0] for d in DAMAGE[:6]])
 def test_replay_compare_on_a_damaged_manifest_exits_2_with_one_line(
     manifest: Path, change: Callable[..., object], message: str
