@@ -18,6 +18,7 @@ from typing import Final, Literal
 import numpy as np
 
 from parity_harness.common.numerics.bytewise import same_bytes
+from parity_harness.common.numerics.integers import exact_difference, needs_exact_difference
 from parity_harness.common.numerics.parallel import PARALLEL_FROM, in_halves
 from parity_harness.common.numerics.running import RunningDiff, dot
 from parity_harness.common.numerics.screening import SCREEN_BUFFERS, Screen, screenable
@@ -55,7 +56,7 @@ class TensorDiff:
     ``mismatched`` then counts statistics out of bounds and ``max_abs`` is a lower bound."""
     bits_equal: bool = False
     """The two arrays were found to hold the same bits in the same dtype (and only finite values): stronger than
-    ``max_abs == 0``, which -0.0 against 0.0, or integers beyond 2**53 compared in float64, also give."""
+    ``max_abs == 0``, which -0.0 against 0.0 also gives."""
 
     @property
     def mismatched_pct(self) -> float:
@@ -172,8 +173,11 @@ def _identical(shape: tuple[int, ...], numel: int, tags: tuple[str, str]) -> Ten
     )
 
 
-def _fold_chunk(run: RunningDiff, work: _Workspace, e_raw: np.ndarray, a_raw: np.ndarray, start: int) -> None:
-    """Fold one chunk of the raw arrays into the running statistics."""
+def _fold_chunk(
+    run: RunningDiff, work: _Workspace, e_raw: np.ndarray, a_raw: np.ndarray, start: int, in_integers: bool
+) -> None:
+    """Fold one chunk of the raw arrays into the running statistics (``in_integers``: differences taken in the
+    arrays' own integers, which float64 cannot all hold)."""
     tolerance = run.tolerance
     same = e_raw.dtype == a_raw.dtype and same_bytes(e_raw, a_raw)
     e, a, delta, diff, magnitude, scratch, flags = work.take(e_raw, a_raw)
@@ -184,7 +188,10 @@ def _fold_chunk(run: RunningDiff, work: _Workspace, e_raw: np.ndarray, a_raw: np
             run.add_zero(start)
             return
         run.dots = before
-    np.subtract(a, e, out=delta)
+    if in_integers:
+        exact_difference(e_raw, a_raw, delta)
+    else:
+        np.subtract(a, e, out=delta)
     np.abs(delta, out=diff)
     np.abs(e, out=magnitude)
     at = int(np.argmax(diff))
@@ -231,11 +238,12 @@ def _fold_range(e: np.ndarray, a: np.ndarray, tolerance: Tolerance, begin: int, 
     work = _workspace(_wide_type(e, a))
     screened = e.dtype == a.dtype == np.float32 and screenable(tolerance)
     screen = Screen(size, tolerance, work.screen) if screened else None
+    in_integers = needs_exact_difference(e[begin:end], a[begin:end])
     with np.errstate(all="ignore"):  # extreme but finite values must give a report, not a warning
         for start in range(begin, end, _CHUNK):
             stop = min(start + _CHUNK, end)
             if screen is None or not screen.fold(run, e[start:stop], a[start:stop], start):
-                _fold_chunk(run, work, e[start:stop], a[start:stop], start)
+                _fold_chunk(run, work, e[start:stop], a[start:stop], start, in_integers)
     return run
 
 
@@ -307,9 +315,10 @@ def diff_arrays(
     """Compare two arrays with the rule ``|actual - expected| <= atol + rtol * |expected|``.
 
     Arrays may have any numeric NumPy dtype (bf16 and float8 decoded first, see
-    :func:`parity_harness.common.format.dtypes.to_numeric`); the arithmetic is float64. NaN matches NaN only with
-    ``tolerance.equal_nan``; infinities must be equal (same sign); a shape or dtype difference
-    makes the record a mismatch and is named in ``problem``.
+    :func:`parity_harness.common.format.dtypes.to_numeric`); the arithmetic is float64, but 64-bit integers past
+    float64's exact range are subtracted as integers (:mod:`parity_harness.common.numerics.integers`). NaN matches
+    NaN only with ``tolerance.equal_nan``; infinities must be equal (same sign); a shape or dtype difference makes
+    the record a mismatch and is named in ``problem``.
     """
     if expected.shape != actual.shape:
         return _shape_problem(expected, actual, (expected_dtype, actual_dtype))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from parity_harness.common.errors import InputError
+from parity_harness.common.format.dtypes import FLOAT_TAGS
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "TORCH_PRESET", "Tolerance", "ToleranceTable", "parse_override"]
 
@@ -56,9 +57,15 @@ class ToleranceTable:
     per_record: dict[str, Tolerance] | None = None
 
     def for_record(self, name: str, dtype: str | None = None) -> Tolerance:
-        """Return the tolerance for a record name (bundle naming) whose reference dtype tag is ``dtype``."""
+        """Return the tolerance for a record name (bundle naming) whose reference dtype tag is ``dtype``.
+
+        Integer and bool records are exact unless a glob override or a record's own entry names them: a default
+        or preset tolerance is meant for rounding, which they do not have (a length of 1000 against 1040 would
+        pass a bf16 preset's rtol of 5e-2)."""
         chosen = self.default
-        if self.per_dtype is not None and dtype is not None:
+        if dtype is not None and dtype not in FLOAT_TAGS:
+            chosen = Tolerance(0.0, 0.0, self.default.equal_nan)
+        elif self.per_dtype is not None and dtype is not None:
             chosen = self.per_dtype.get(dtype, Tolerance(0.0, 0.0, self.default.equal_nan))
         if self.per_record is not None:
             chosen = self.per_record.get(name, chosen)

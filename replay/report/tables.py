@@ -9,6 +9,7 @@ from typing import Final, Literal
 
 from tabulate import tabulate
 
+from parity_harness.common.format.dtypes import is_float_tag
 from parity_harness.replay.naming.alignment import ProposedMap
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult
 
@@ -241,6 +242,8 @@ def result_line(result: ComparisonResult) -> str:
         judged = f"atol={tolerance.atol:g}, rtol={tolerance.rtol:g}, equal_nan={tolerance.equal_nan}"
     if result.rounding_factor is not None:
         judged += f"; float32 near misses: or within {result.rounding_factor:g} x the port's own rounding"
+    if any(not is_float_tag(record.diff.dtype) for record in result.records):
+        judged += "; integer and bool records exactly, unless a --tol glob names them"
     line = f"RESULT: {verdict} ({judged})"
     if result.alignment_uncertain:
         line += (

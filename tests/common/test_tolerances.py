@@ -174,3 +174,26 @@ def test_noise_floor_becomes_a_per_record_absolute_tolerance() -> None:
     assert table.for_record("b/0/output", "F32") == Tolerance(1e-6, 1e-3)
     with pytest.raises(InputError):
         ToleranceTable().with_noise_floor({}, -1.0)
+
+
+@pytest.mark.parametrize("tag", ["I64", "I32", "U8", "BOOL"])
+@pytest.mark.parametrize(
+    "table",
+    [ToleranceTable(), ToleranceTable(Tolerance(5e-2, 5e-2)), ToleranceTable.torch_preset()],
+    ids=["default", "bf16-preset", "torch-preset"],
+)
+def test_integer_and_bool_records_are_exact_unless_named(tag: str, table: ToleranceTable) -> None:
+    """A default or preset tolerance is for rounding: integer and bool records get atol = rtol = 0 from it (a length
+    of 1000 against 1040 must not pass a bf16 preset), float records keep it."""
+    assert table.for_record("output.length", tag) == Tolerance(0.0, 0.0)
+    assert table.for_record("output.logits", "F32") != Tolerance(0.0, 0.0)
+
+
+def test_a_glob_or_a_record_entry_still_loosens_an_integer_record() -> None:
+    """The user's own rule for a record (a --tol glob, a per-record entry) applies to integers as asked."""
+    table = ToleranceTable(
+        overrides=(("output.len*", Tolerance(1.0, 0.0)),), per_record={"output.count": Tolerance(2.0, 0.0)}
+    )
+    assert table.for_record("output.length", "I64") == Tolerance(1.0, 0.0)
+    assert table.for_record("output.count", "I64") == Tolerance(2.0, 0.0)
+    assert table.for_record("output.ids", "I64") == Tolerance(0.0, 0.0)
