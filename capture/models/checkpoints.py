@@ -229,20 +229,35 @@ def _load_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
     try:
         return _extract_nemo(path, trust_pickle)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as err:
+        if "extended tar header" in str(err):  # crafted, not damaged
+            raise CheckpointError(f"{path}: refused as a tar header bomb ({err})") from err
         raise CheckpointError(f"{path}: damaged .nemo archive ({type(err).__name__}: {err})") from err
 
 
 _MAX_EXTENDED_HEADER: Final = 1 << 20
 """A tar member's extended header (PAX, GNU long name) is a few hundred bytes; tarfile reads it whole into memory."""
+_MAX_EXTENDED_HEADERS: Final = 4 << 20
+"""Extended headers of a whole archive, in bytes: tarfile keeps every member's (decoded, at several times their
+size), so a header under the one-header bound on each of thousands of members would take gigabytes."""
 
 
 class _BoundedTarInfo(tarfile.TarInfo):
-    """Refuses an extended header larger than ``_MAX_EXTENDED_HEADER`` before tarfile reads it (a header bomb)."""
+    """Refuses an extended header larger than ``_MAX_EXTENDED_HEADER``, or one taking the archive's past
+    ``_MAX_EXTENDED_HEADERS``, before tarfile reads it (a header bomb)."""
 
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
         extended = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
-        if self.type in (*extended, tarfile.SOLARIS_XHDTYPE) and self.size > _MAX_EXTENDED_HEADER:
-            raise tarfile.HeaderError(f"an extended tar header of {self.size} bytes (at most {_MAX_EXTENDED_HEADER})")
+        if self.type in (*extended, tarfile.SOLARIS_XHDTYPE):
+            if self.size > _MAX_EXTENDED_HEADER:
+                raise tarfile.HeaderError(
+                    f"an extended tar header of {self.size} bytes (at most {_MAX_EXTENDED_HEADER})"
+                )
+            total = getattr(tarfile_, "_parity_extended_bytes", 0) + self.size
+            if total > _MAX_EXTENDED_HEADERS:
+                raise tarfile.HeaderError(
+                    f"extended tar headers of more than {total} bytes in all (at most {_MAX_EXTENDED_HEADERS})"
+                )
+            tarfile_._parity_extended_bytes = total  # type: ignore[attr-defined]
         member: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
         return member
 

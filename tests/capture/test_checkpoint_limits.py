@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -320,6 +321,32 @@ def test_a_tar_header_bomb_is_refused_before_it_is_read(tmp_path: Path) -> None:
         archive.addfile(info, io.BytesIO(NEMO_CONFIG.encode()))
         _add_bytes(archive, "model_weights.ckpt", _torch_bytes(_linear_state()))
     assert archive_path.stat().st_size < 64 * 1024
+    line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(archive_path), str(archive_path)]))
+    assert "refused as a tar header bomb" in line
+
+
+def test_many_extended_headers_each_under_the_bound_are_refused_in_all(tmp_path: Path) -> None:
+    """Members whose PAX headers are each under the one-header bound but add up (tarfile keeps every one, decoded,
+    in its member list: 100 such members took 330 MB from a 110 KB file) are refused once their sum passes the
+    archive's bound: one line, and memory stays near that bound, not the members' count times it."""
+    archive_path = tmp_path / "model.nemo"
+    with tarfile.open(archive_path, "w:gz", format=tarfile.PAX_FORMAT) as archive:
+        _add_bytes(archive, "model_config.yaml", NEMO_CONFIG.encode())
+        for index in range(40):
+            info = tarfile.TarInfo(f"padding{index}")
+            info.pax_headers = {"comment": "x" * (MB - 1000)}
+            archive.addfile(info, io.BytesIO(b""))
+        _add_bytes(archive, "model_weights.ckpt", _torch_bytes(_linear_state()))
+    assert archive_path.stat().st_size < 256 * 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=r"model\.nemo: refused as a tar header bomb.*in all") as caught:
+            load_checkpoint(archive_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "\n" not in str(caught.value)
+    assert peak < 64 * MB, f"peak {peak / MB:.0f} MB"
     line = one_error_line("ckpt-diff", CliRunner().invoke(ckpt_diff_main, [str(archive_path), str(archive_path)]))
     assert "refused as a tar header bomb" in line
 
