@@ -277,6 +277,14 @@ def load_inputs_npz(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     file = Path(path)
     if not file.is_file():  # a FIFO would block, a device never end
         raise InputError(f"{file}: not a regular file; expected an .npz of arrays (numpy.savez)")
+    with file.open("rb") as handle:
+        magic = handle.read(6)
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # np.load would take an .npy (one array) or a pickle
+        kind = "an .npy file (one unnamed array)" if magic == b"\x93NUMPY" else "not a zip archive"
+        raise InputError(
+            f"{file}: {kind}; expected an .npz of named arrays, one per forward argument: "
+            "numpy.savez(path, input_values=array, ...)"
+        )
     try:
         with np.load(file, allow_pickle=False) as archive:
             check_npz_sizes(archive, file)

@@ -44,6 +44,11 @@ def _value(number: float) -> float:
     return max(number, _FLOOR) if number == number and number != float("inf") else float("nan")
 
 
+def _literal(text: str | None) -> str:
+    """``text`` drawn as written: matplotlib reads ``$...$`` as math, and a module may be named with dollars."""
+    return str(text).replace("$", r"\$")
+
+
 def _panel(axes: Any, records: list[RecordResult], kind: str, origin: RecordResult | None, atol: float) -> None:
     positions = range(len(records))
     axes.semilogy(
@@ -56,10 +61,10 @@ def _panel(axes: Any, records: list[RecordResult], kind: str, origin: RecordResu
         axes.axhline(atol, color="grey", ls="--", lw=0.8, label=f"atol {atol:g}")
     first_bad = next((i for i, r in enumerate(records) if not r.match), None)
     if first_bad is not None:
-        axes.axvline(first_bad, color="orange", lw=1, label=f"first divergence: {records[first_bad].module}")
+        axes.axvline(first_bad, color="orange", lw=1, label=f"first divergence: {_literal(records[first_bad].module)}")
     if origin is not None:
         at = next(i for i, r in enumerate(records) if r.name == origin.name)
-        axes.axvline(at, color="red", lw=1.5, label=f"first origin: {origin.module}")
+        axes.axvline(at, color="red", lw=1.5, label=f"first origin: {_literal(origin.module)}")
     axes.set_title(f"{kind}: {len(records)} records in {'execution' if kind == 'forward' else 'backward'} order")
     axes.set_ylabel("max |port - reference|")
     axes.legend(fontsize=7, loc="upper left")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import re
 import subprocess
 import sys
@@ -149,6 +150,27 @@ def test_existing_output_is_refused(tmp_path: Path, npz: Path) -> None:
     assert "--overwrite" in line
     assert out.read_bytes() == b"someone's earlier bundle"
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("npy", "an .npy file (one unnamed array); expected an .npz of named arrays"),
+        ("pickle", "not a zip archive; expected an .npz of named arrays"),
+    ],
+)
+def test_inputs_that_are_not_an_npz_are_named_for_what_they_are(tmp_path: Path, content: str, expected: str) -> None:
+    """--inputs of an .npy (np.load would give one array) or anything not a zip: one line saying what it is and what
+    to save instead, exit 2; nothing unpickled, no output left."""
+    given = tmp_path / "inputs.npy"
+    if content == "npy":
+        np.save(given, np.zeros((2, 3), np.float32))
+    else:
+        given.write_bytes(pickle.dumps({"x": 1}))
+    line = one_error_line("capture-run", capture("--model", TINY, "--inputs", given, "--out", tmp_path / "o.h5"))
+    assert f"{given}: {expected}" in line
+    assert "numpy.savez" in line
+    assert not (tmp_path / "o.h5").exists()
 
 
 def test_overwrite_replaces_existing_output(tmp_path: Path, npz: Path) -> None:

@@ -92,6 +92,35 @@ def test_plot_writes_a_png(tiny_bundle: Path, tmp_path: Path) -> None:
     assert image.stat().st_size > 10_000
 
 
+class _Dollars(torch.nn.Module):
+    """A module named with matplotlib's math markup (a legal torch name), before a head."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.add_module("$\\nosuchcmd{$", torch.nn.Linear(4, 4))
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(getattr(self, "$\\nosuchcmd{$")(x))
+
+
+def test_plot_draws_module_names_as_written(tmp_path: Path) -> None:
+    """A module name holding ``$...$`` is drawn as text, not parsed as math (which failed the whole --plot)."""
+    pytest.importorskip("matplotlib")
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.report.plot import plot_errors
+
+    bundle = tmp_path / "dollars.h5"
+    capture_run(_Dollars(0), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}, bundle, seed=0)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_Dollars(1), reader, isolate=True)
+    assert not result.match
+    image = tmp_path / "errors.png"
+    plot_errors(result, image)
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(
     tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
