@@ -8,7 +8,9 @@ with ``shards``, written by every rank as its local shard with the dimension it 
 (``run.extra["shard_dims"]``), for replay to put back together.
 
 When every rank has committed its bundle, rank 0 writes ``<out stem>.manifest.json``: world
-size, backend, each rank's file with its size and SHA-256, and how gradients were reduced. The
+size, backend, each rank's file with its size and SHA-256, and how gradients were reduced: averaged, as DDP and FSDP
+do, unless the model has no such wrapper and the ranks' gradients differ, which proves they were never reduced
+(``none``: each rank's are its own, and replay compares rank 0's run with them). The
 manifest is written last and atomically, after all ranks reported success, so a manifest never
 points at a missing or partial file; a rank that fails makes every rank raise, and a rank that
 dies leaves the others to the process group's timeout (torchrun stops them sooner).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -36,6 +39,7 @@ __all__ = [
     "current_rank",
     "device_mesh",
     "full_tensor",
+    "gradients_digest",
     "leave_job",
     "local_shard",
     "local_tensor",
@@ -113,18 +117,24 @@ def _sha256(path: Path) -> str:
 
 
 def report_and_write_manifest(
-    out: Path, context: RankContext, written: Path | None, error: BaseException | None, extra: dict[str, Any]
+    out: Path,
+    context: RankContext,
+    written: Path | None,
+    error: BaseException | None,
+    extra: dict[str, Any],
+    gradients: str | None = None,
 ) -> Path | None:
     """Tell every rank how this one ended; rank 0 writes the manifest if all succeeded.
 
     A collective: every rank must call it, after its capture succeeded (``written``) or failed
-    (``error``). Raises :class:`DistributedError` on every rank when any rank failed.
+    (``error``). Raises :class:`DistributedError` on every rank when any rank failed. ``gradients``: this rank's
+    :func:`gradients_digest`; digests that differ between ranks make ``extra``'s ``grad_reduction`` ``none``.
     """
     import torch.distributed as dist
 
     status: dict[str, Any] = {"rank": context.rank, "host": socket.gethostname(), "pid": os.getpid()}
     if written is not None:
-        status.update(file=written.name, bytes=written.stat().st_size, sha256=_sha256(written))
+        status.update(file=written.name, bytes=written.stat().st_size, sha256=_sha256(written), gradients=gradients)
     else:
         status["error"] = f"{type(error).__name__}: {error}" if error is not None else "no bundle written"
     statuses: list[dict[str, Any] | None] = [None] * context.world_size
@@ -144,6 +154,9 @@ def report_and_write_manifest(
         )
     if context.rank != 0:
         return None
+    digests = {status.pop("gradients") for status in statuses}  # type: ignore[union-attr]
+    if None not in digests and len(digests) > 1:  # never reduced: each rank's gradients are its own
+        extra = {**extra, "grad_reduction": "none"}
     document = build_manifest(context.world_size, context.backend, statuses, **extra)  # type: ignore[arg-type]
     return write_manifest(manifest_path(out), document)
 
@@ -168,6 +181,35 @@ def leave_job() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _reduces_gradients(model: torch.nn.Module) -> bool:
+    """Whether the model holds a wrapper of torch's that reduces gradients across ranks (DDP, FSDP1, FSDP2)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    reducers: tuple[type, ...] = (DistributedDataParallel,)
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        reducers += (FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # an older torch without FSDP2: FSDP1 alone
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        reducers += (FullyShardedDataParallel,)
+    return any(isinstance(module, reducers) for module in model.modules())
+
+
+def gradients_digest(model: torch.nn.Module) -> str | None:
+    """A CRC-32 of this rank's parameter gradients, to tell whether the ranks' are the same (reduced) or their own;
+    None where a difference would prove nothing: a wrapper that reduces them, or DTensor (sharded) parameters."""
+    if _reduces_gradients(model) or any(_is_dtensor(param) for param in model.parameters()):
+        return None
+    digest = 0
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad.detach().to("cpu").contiguous().reshape(-1)
+            digest = zlib.crc32(grad.view(torch.uint8).numpy(), zlib.crc32(name.encode(), digest))
+    return f"{digest:08x}"
 
 
 WRAPS: Final = ("none", "ddp", "fsdp")

@@ -30,7 +30,13 @@ def build_stack() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-BUILDERS = {"ddp": build_tiny, "fsdp": build_stack, "fsdp-shards": build_stack, "dies": build_tiny}
+BUILDERS = {
+    "ddp": build_tiny,
+    "fsdp": build_stack,
+    "fsdp-shards": build_stack,
+    "dies": build_tiny,
+    "unwrapped": build_tiny,
+}
 
 
 def rank_inputs(rank: int) -> dict[str, torch.Tensor]:
@@ -49,7 +55,7 @@ class DiesOnRank1(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("job", choices=["ddp", "fsdp", "fsdp-shards", "dies"])
+    parser.add_argument("job", choices=list(BUILDERS))
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
@@ -61,7 +67,7 @@ def main() -> None:
     if options.job == "dies":
         model.inp = nn.Sequential(model.inp, DiesOnRank1())
     sharded = options.job.startswith("fsdp")
-    model = wrap_model(model, "fsdp" if sharded else "ddp", "cpu")
+    model = wrap_model(model, "none" if options.job == "unwrapped" else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job == "fsdp-shards"
     capture_run(model, (inputs["x"],) if sharded else inputs, options.out, seed=42, shards=shards)

@@ -113,6 +113,26 @@ def test_data_parallel_capture_replays_in_one_process(tmp_path: Path, job: str) 
 
 
 @pytest.mark.slow
+def test_an_unwrapped_capture_under_torchrun_replays_its_own_gradients(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """Ranks that never combined their gradients (no DDP/FSDP, different batches): the manifest says ``none``, and the
+    reference replayed against its own capture matches from either rank, in one process and through the CLI (it
+    had compared rank 0's gradients with the mean over both ranks' batches: a false mismatch)."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("unwrapped", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    assert json.loads(manifest_path(out).read_text())["grad_reduction"] == "none"
+    for rank in (0, 1):
+        result = replay_all_ranks(out, BUILDERS["unwrapped"], rank)
+        assert result.match, [r.name for r in result.records if not r.match][:5]
+        assert len(result.of_kind("param_grad")) == len(list(BUILDERS["unwrapped"]().parameters()))
+        assert any("never combined their gradients" in note for note in result.notes)
+    cli = CliRunner().invoke(
+        replay_main, ["--bundle", str(manifest_path(out)), "--model", "tests.models:build_tiny", "--rank", "1"]
+    )
+    assert cli.exit_code == 0, cli.output
+
+
+@pytest.mark.slow
 def test_local_shards_are_recorded_and_put_back_together(tmp_path: Path) -> None:
     """shards=True: every rank writes its own half of each FSDP2 parameter and gradient (no all-gather);
     one process puts them back together and everything matches."""

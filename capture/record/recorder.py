@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from parity_harness.capture.distributed import RankContext, current_rank, device_mesh, report_and_write_manifest
+from parity_harness.capture.distributed import (
+    RankContext,
+    current_rank,
+    device_mesh,
+    gradients_digest,
+    report_and_write_manifest,
+)
 from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, rng_state, seed_everything
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
@@ -146,7 +152,7 @@ def _capture_rank(
         "params": "local shards" if options.shards else "gathered",
         "mesh": device_mesh(model),
     }
-    report_and_write_manifest(out, context, summary.path, None, extra)
+    report_and_write_manifest(out, context, summary.path, None, extra, gradients_digest(model))
     return summary
 
 

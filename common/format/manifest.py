@@ -42,7 +42,7 @@ MANIFEST_VERSION: Final = 1
 """Major version: bumped when a reader of the previous major could misread a manifest."""
 MANIFEST_MINOR: Final = 1
 """Minor version: bumped when fields are only added (1: ``minor`` itself, stated explicitly)."""
-GRAD_REDUCTIONS: Final = ("mean", "sum")
+GRAD_REDUCTIONS: Final = ("mean", "sum", "none")
 PARAMS_KINDS: Final = ("gathered", "local shards")
 MAX_MANIFEST_BYTES: Final = 16 << 20
 """A manifest of a million ranks is ~200 MB; refuse anything this side of absurd before reading it."""

@@ -76,6 +76,12 @@ class DataParallelRuns:
         world = len(self.captured or self.ranks)
         if self.across_processes:
             _sum_gradients_across_processes(model)
+        if self.grad_reduction == "none":
+            result.notes.append(
+                f"data parallel: the capture's {world} ranks never combined their gradients (no DDP/FSDP wrapper); "
+                "rank 0's run compared with rank 0's recorded gradients"
+            )
+            return
         if self.grad_reduction == "mean":
             with torch.no_grad():
                 for param in model.parameters():

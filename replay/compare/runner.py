@@ -229,14 +229,31 @@ class _ReplaySession:
         """Forward and backward on the recorded inputs: tapped for this bundle, untapped for other ranks."""
         self.model.train(self.index.run.train_mode)
         self.model.zero_grad(set_to_none=True)
-        data_parallel, options = self.options.data_parallel, self.options
-        for run in data_parallel.ranks if data_parallel else [self.reader]:
-            if run is self.reader:
-                self._run_tapped()
-            else:  # another rank's share of the gradients
-                untapped_run(self.port, run, options.forward, options.loss, self.transform, self.target, self.precision)
+        data_parallel = self.options.data_parallel
+        if data_parallel is not None and data_parallel.grad_reduction == "none":
+            self._run_own_gradients(data_parallel)
+        else:
+            for run in data_parallel.ranks if data_parallel else [self.reader]:
+                if run is self.reader:
+                    self._run_tapped()
+                else:  # another rank's share of the gradients
+                    self._run_untapped(run)
         if data_parallel:
             data_parallel.reduce_gradients(self.model, self.result)
+
+    def _run_untapped(self, run: BundleReader) -> None:
+        options = self.options
+        untapped_run(self.port, run, options.forward, options.loss, self.transform, self.target, self.precision)
+
+    def _run_own_gradients(self, data_parallel: DataParallelRuns) -> None:
+        """A capture whose ranks never combined their gradients: this bundle's run tapped, and the gradients left
+        those of the rank that recorded them (rank 0's run, rerun untapped where this bundle is another rank's)."""
+        if self.reader in data_parallel.ranks:
+            self._run_tapped()
+        if data_parallel.parameters is not self.reader:
+            self.model.zero_grad(set_to_none=True)  # another rank's gradients: not the recorded ones
+            if data_parallel.parameters in data_parallel.ranks:
+                self._run_untapped(data_parallel.parameters)
 
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
