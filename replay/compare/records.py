@@ -348,9 +348,10 @@ def backward_as_recorded(
     loss: LossFn | None,
     transform: LayoutTransform,
     on_loss: Callable[[torch.Tensor], None] | None = None,
-) -> None:
+) -> list[str]:
     """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss (shown to ``on_loss``
-    first)."""
+    first). Returns the outputs (``"loss"`` for the loss) the reference backpropagated through but the port's graph
+    does not reach (detached, or computed without grad): left out of the backward, a difference of the port's."""
     index = reader.index
     if index.run.backward == "loss":
         if loss is None:
@@ -358,12 +359,14 @@ def backward_as_recorded(
         value = loss(outputs)
         if on_loss is not None:
             on_loss(value)
+        if not value.requires_grad:
+            return ["loss"]
         value.backward()  # type: ignore[no-untyped-call]
-        return
+        return []
     if index.run.backward == "none" or index.cotangent is None:
-        return
+        return []
     live = dict(iter_live_tensors(outputs, "output"))
-    tensors, cotangents = [], []
+    tensors, cotangents, cut = [], [], []
     for slot, ref in iter_tensors(index.cotangent, ""):
         if slot not in live:
             raise InputError(
@@ -371,9 +374,14 @@ def backward_as_recorded(
                 f"(it has {sorted(live)}); make the port's forward return the same structure"
             )
         in_reference_layout = transform(slot, live[slot])  # the cotangent flows back through the transform
+        if not in_reference_layout.requires_grad:
+            cut.append(slot)
+            continue
         tensors.append(in_reference_layout)
         cotangents.append(reader.read_tensor(ref).to(in_reference_layout.device, in_reference_layout.dtype))
-    torch.autograd.backward(tensors, cotangents)
+    if tensors:
+        torch.autograd.backward(tensors, cotangents)
+    return cut
 
 
 def compared_modules(rename: RenameMap, recorded: Selection, layers: Selection | None) -> Callable[[str], str | None]:

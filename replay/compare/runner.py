@@ -296,8 +296,25 @@ class _ReplaySession:
             self._compare_loss(value)
 
         with self.reader.trims_paused():  # the peak is past: trims now would only fault pages in again
-            backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
+            cut = backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
+        self._fail_cut_outputs(cut)
         sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
+
+    def _fail_cut_outputs(self, cut: list[str]) -> None:
+        """Fail the output records the reference backpropagated through and the port's graph does not reach: its
+        gradients then lack what flowed back through them (a ``.detach()``, a ``no_grad`` in the port)."""
+        problem = "the port's value does not require grad, the reference backpropagated through it (a detach?)"
+        for position, record in enumerate(self.result.records):
+            if record.kind == "output" and record.name in cut:
+                diff = record.diff
+                problem_now = f"{diff.problem}; {problem}" if diff.problem else problem
+                failed = dataclasses.replace(diff, match=False, problem=problem_now)
+                self.result.records[position] = dataclasses.replace(record, diff=failed)
+        if cut:
+            self.result.notes.append(
+                f"backward: {', '.join(cut)} left out: the reference backpropagated through them, the port's "
+                "do not require grad; its gradients lack what flowed back through them"
+            )
 
     def _note_outside_uses(self, watch: OutsideUses | None, roots: list[torch.Tensor]) -> None:
         """Add the parameters that the graph behind ``roots`` uses outside their modules' calls."""

@@ -304,3 +304,40 @@ def test_a_gradient_the_port_never_computes_is_shown_as_absent(
         assert records[name]["max_abs"] is None, name
     shown = {name for name, record in records.items() if "no gradient in the port" in (record["problem"] or "")}
     assert {name for name in shown if "/" in name} == absent
+
+
+class _TwoHeads(nn.Module):
+    """Two differentiable outputs; ``cut`` detaches one (or the whole loss) as a buggy port might."""
+
+    def __init__(self, cut: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.lin(x)
+        aux = y.pow(2).sum()
+        if self.cut == "aux":
+            aux = aux.detach()
+        if self.cut == "all":
+            y, aux = y.detach(), aux.detach()
+        return {"y": y, "aux": aux}
+
+
+@pytest.mark.parametrize("cut", ["aux", "all"])
+def test_an_output_the_port_detached_fails_its_record_not_the_run(tmp_path: Path, cut: str) -> None:
+    """The reference backpropagated through an output the port detached: that output's record fails naming why, the
+    backward runs through the rest, and the run is a MISMATCH (exit 1), not a crash (exit 2)."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "heads.h5"
+    capture_run(_TwoHeads(), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(2))}, bundle, seed=0)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_TwoHeads(cut), reader)
+    failing = {record.name: record.diff.problem for record in result.records if not record.match}
+    cut_outputs = ["output.aux"] if cut == "aux" else ["output.y", "output.aux"]
+    for name in cut_outputs:
+        assert "does not require grad" in (failing[name] or "")
+    assert result.verdict == "MISMATCH"
+    assert any("left out: the reference backpropagated through them" in note for note in result.notes)
