@@ -102,10 +102,10 @@ def test_replay_trims_during_forward_not_during_backward(tmp_path: Path, monkeyp
     monkeypatch.setattr(heap, "return_free_memory", lambda: trims.append(phase[0]) or True)
     backward = runner.backward_as_recorded
 
-    def tracked(*args: object, **kwargs: object) -> None:
+    def tracked(*args: object, **kwargs: object) -> list[str]:
         phase[0] = "backward"
         try:
-            backward(*args, **kwargs)  # type: ignore[arg-type]
+            return backward(*args, **kwargs)  # type: ignore[arg-type]
         finally:
             phase[0] = "after"
 
