@@ -23,6 +23,7 @@ from parity_harness.replay.compare.runner import DataParallelRuns, compare_run
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
 from tests.distributed_jobs import BUILDERS, rank_inputs
+from tests.models import TinyNet, build_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
@@ -130,6 +131,38 @@ def test_an_unwrapped_capture_under_torchrun_replays_its_own_gradients(tmp_path:
         replay_main, ["--bundle", str(manifest_path(out)), "--model", "tests.models:build_tiny", "--rank", "1"]
     )
     assert cli.exit_code == 0, cli.output
+
+
+class _WrongOnRankOne(TinyNet):
+    """build_tiny's model, its head off by 1e-3 on rank 1's batch alone: a port that is right where rank 0 looks."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)  # build_tiny's weights
+        super().__init__()
+        self.on_rank_one = False
+        self.head.register_forward_hook(lambda _module, _args, output: output + 1e-3 if self.on_rank_one else None)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.on_rank_one = torch.equal(x, rank_inputs(1)["x"])
+        return super().forward(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_is_compared_not_only_the_chosen_one(tmp_path: Path, rank: int) -> None:
+    """A port wrong on rank 1's batch only: replaying either rank finds it (rank 1's own records, or rank 1's under
+    rank1: names when rank 0 is the one reported in full); the same port right everywhere matches."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("ddp", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    wrong = replay_all_ranks(out, _WrongOnRankOne, rank)
+    assert wrong.verdict == "MISMATCH"
+    failing = [record.name for record in wrong.records if not record.match]
+    prefix = "rank1:" if rank == 0 else ""
+    assert f"{prefix}output.logits" in failing, failing
+    assert f"{prefix}module.head/0/output" in failing, failing  # bundle names: DDP's wrapper kept
+    assert any(note.startswith(f"rank {1 - rank}: ") for note in wrong.notes)
+    assert replay_all_ranks(out, build_tiny, rank).match
 
 
 @pytest.mark.slow

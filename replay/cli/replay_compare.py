@@ -195,7 +195,8 @@ def _walked_first(bundle: Path) -> Path | None:
     default=0,
     show_default=True,
     type=click.IntRange(min=0),
-    help="Multi-rank capture (--bundle X.manifest.json): the rank whose module records are compared.",
+    help="Multi-rank capture (--bundle X.manifest.json): the rank whose records the tables show in full (every "
+    "rank's are compared; another rank's failing ones are listed as rank<r>:NAME).",
 )
 def main(
     bundle: str,

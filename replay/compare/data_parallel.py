@@ -8,15 +8,12 @@ from typing import Literal
 import numpy as np
 import torch
 
-from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.precision import Precision
-from parity_harness.replay.compare.records import backward_as_recorded
 from parity_harness.replay.diagnose.isolation import LayoutTransform
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordResult, diff_tensor
 
-__all__ = ["DataParallelRuns", "Verdict", "gather_verdicts", "untapped_run"]
+__all__ = ["DataParallelRuns", "Verdict", "gather_verdicts"]
 
 Verdict = tuple[int, list[int], bool | None]
 """A replay process's (process rank, capture ranks it replayed, match or None when it had none)."""
@@ -108,22 +105,6 @@ def _sum_gradients_across_processes(model: torch.nn.Module) -> None:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad)
-
-
-def untapped_run(
-    model: torch.nn.Module,
-    run: BundleReader,
-    forward: ForwardFn | None,
-    loss: LossFn | None,
-    transform: LayoutTransform,
-    device: torch.device,
-    precision: Precision,
-) -> None:
-    """Another rank's forward and backward on its recorded inputs: gradients accumulate, nothing is compared."""
-    seed_everything(run.index.run.seed)
-    with precision.forward(device):
-        outputs = call_forward(model, precision.inputs(to_device(run.rebuild(run.index.inputs), device)), forward)
-    backward_as_recorded(run, outputs, loss, transform)
 
 
 def gather_verdicts(process: int, world_size: int, assigned: list[int], match: bool | None) -> list[Verdict]:

@@ -26,7 +26,7 @@ from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.data_parallel import DataParallelRuns, untapped_run
+from parity_harness.replay.compare.data_parallel import DataParallelRuns
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.records import (
     ComparingSink,
@@ -226,34 +226,48 @@ class _ReplaySession:
         ]
 
     def run_every_rank(self) -> None:
-        """Forward and backward on the recorded inputs: tapped for this bundle, untapped for other ranks."""
+        """Forward and backward on the recorded inputs of this bundle and of every other rank this process replays,
+        each rank's outputs and module records compared; the gradients combined as the capture's ranks did."""
         self.model.train(self.index.run.train_mode)
         self.model.zero_grad(set_to_none=True)
         data_parallel = self.options.data_parallel
-        if data_parallel is not None and data_parallel.grad_reduction == "none":
-            self._run_own_gradients(data_parallel)
-        else:
-            for run in data_parallel.ranks if data_parallel else [self.reader]:
-                if run is self.reader:
-                    self._run_tapped()
-                else:  # another rank's share of the gradients
-                    self._run_untapped(run)
-        if data_parallel:
-            data_parallel.reduce_gradients(self.model, self.result)
-
-    def _run_untapped(self, run: BundleReader) -> None:
-        options = self.options
-        untapped_run(self.port, run, options.forward, options.loss, self.transform, self.target, self.precision)
-
-    def _run_own_gradients(self, data_parallel: DataParallelRuns) -> None:
-        """A capture whose ranks never combined their gradients: this bundle's run tapped, and the gradients left
-        those of the rank that recorded them (rank 0's run, rerun untapped where this bundle is another rank's)."""
-        if self.reader in data_parallel.ranks:
+        if data_parallel is None:
             self._run_tapped()
-        if data_parallel.parameters is not self.reader:
-            self.model.zero_grad(set_to_none=True)  # another rank's gradients: not the recorded ones
+            return
+        if data_parallel.grad_reduction == "none":  # gradients: those of the rank that recorded them, alone
+            others = [run for run in data_parallel.ranks if run is not data_parallel.parameters]
+            for run in others:
+                self._run_rank(run, data_parallel)
+                self.model.zero_grad(set_to_none=True)
             if data_parallel.parameters in data_parallel.ranks:
-                self._run_untapped(data_parallel.parameters)
+                self._run_rank(data_parallel.parameters, data_parallel)
+        else:
+            for run in data_parallel.ranks:  # every rank's share of the gradients
+                self._run_rank(run, data_parallel)
+        data_parallel.reduce_gradients(self.model, self.result)
+
+    def _run_rank(self, run: BundleReader, data_parallel: DataParallelRuns) -> None:
+        """One rank's run: this bundle's, or another rank's compared in a session of its own, its failing and
+        uncompared records added here under ``rank<r>:`` names (a MATCH covers every rank's records)."""
+        if run is self.reader:
+            self._run_tapped()
+            return
+        rank = (data_parallel.captured or data_parallel.ranks).index(run)
+        other = _ReplaySession(self.model, run, dataclasses.replace(self.options, isolate=False))
+        other.port = self.port  # the same (compiled) port, not compiled again
+        other._run_tapped()
+        other.account_for_unvisited(strict_waivers=False)
+        run.settle()  # a damaged record of that rank raises here
+        records, result = other.result.records, self.result
+        failing = [record for record in records if not record.match]
+        result.records += [dataclasses.replace(record, name=f"rank{rank}:{record.name}") for record in failing]
+        for name in other.result.bundle_only:
+            kind = other.result.missing_kinds.get(name) or kind_of_module_record(name)
+            result.add_missing(kind, [f"rank{rank}:{name}"])
+        result.notes.append(
+            f"rank {rank}: {len(records)} records compared, {len(failing)} differ (listed as rank{rank}:NAME), "
+            f"{len(other.result.bundle_only)} not compared"
+        )
 
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
@@ -419,9 +433,10 @@ class _ReplaySession:
             return tensor
         return tensor.to(torch.float64).requires_grad_(ref.requires_grad)
 
-    def account_for_unvisited(self) -> None:
+    def account_for_unvisited(self, strict_waivers: bool = True) -> None:
         """Module records the port never produced: missing, or waived when left out on purpose (--layers,
-        --skip-layers, wrappers the port does not have, --compile without module records)."""
+        --skip-layers, wrappers the port does not have, --compile without module records, --waive);
+        ``strict_waivers``: a waiver that matches nothing is an error (not for another rank's records)."""
         if self.sink is None:
             return
         if self.index.selection.records("grads") and self.index.run.backward != "none":
@@ -438,13 +453,14 @@ class _ReplaySession:
                 self.result.waive(name, kind, "a wrapper the port does not have")
             else:
                 self.result.add_missing(kind, [name])
-        self._apply_waivers()
+        self._apply_waivers(strict_waivers)
 
-    def _apply_waivers(self) -> None:
-        """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error."""
+    def _apply_waivers(self, strict: bool = True) -> None:
+        """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error
+        (``strict``)."""
         for pattern in (*self.rename.waivers, *self.options.waive):
             hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
-            if not hits and not any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
+            if strict and not hits and not any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
                 raise InputError(
                     f"waiver {pattern!r} (--waive or a map's 'waive' line) matches no record left uncompared; the "
                     "uncompared ones are "
