@@ -208,7 +208,7 @@ def gradients_digest(model: torch.nn.Module) -> str | None:
     for name, param in model.named_parameters():
         if param.grad is not None:
             grad = param.grad.detach().to("cpu").contiguous().reshape(-1)
-            digest = zlib.crc32(grad.view(torch.uint8).numpy(), zlib.crc32(name.encode(), digest))
+            digest = zlib.crc32(grad.view(torch.uint8).numpy().data, zlib.crc32(name.encode(), digest))
     return f"{digest:08x}"
 
 
