@@ -30,12 +30,30 @@ def build_stack() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+class Branchy(nn.Module):
+    """``extra`` runs on rank 0's batch only: a data-dependent branch (an expert a rank never routes to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.extra = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        if torch.equal(x, rank_inputs(0)["x"]):
+            h = self.extra(h)
+        return {"logits": self.head(h)}
+
+
 BUILDERS = {
     "ddp": build_tiny,
     "fsdp": build_stack,
     "fsdp-shards": build_stack,
     "dies": build_tiny,
     "unwrapped": build_tiny,
+    "branchy": Branchy,
 }
 
 
@@ -67,7 +85,8 @@ def main() -> None:
     if options.job == "dies":
         model.inp = nn.Sequential(model.inp, DiesOnRank1())
     sharded = options.job.startswith("fsdp")
-    model = wrap_model(model, "none" if options.job == "unwrapped" else "fsdp" if sharded else "ddp", "cpu")
+    unwrapped = options.job in ("unwrapped", "branchy")
+    model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job == "fsdp-shards"
     capture_run(model, (inputs["x"],) if sharded else inputs, options.out, seed=42, shards=shards)

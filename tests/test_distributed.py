@@ -163,6 +163,59 @@ def test_every_rank_is_compared_not_only_the_chosen_one(tmp_path: Path, rank: in
     assert f"{prefix}module.head/0/output" in failing, failing  # bundle names: DDP's wrapper kept
     assert any(note.startswith(f"rank {1 - rank}: ") for note in wrong.notes)
     assert replay_all_ranks(out, build_tiny, rank).match
+    if rank == 0:  # isolation runs on rank 0's inputs: rank 1's divergence is pointed to, not misdiagnosed
+        port = f"{Path(__file__).resolve()}:_WrongOnRankOne"
+        isolated = CliRunner().invoke(replay_main, ["--bundle", str(manifest_path(out)), "--model", port, "--isolate"])
+        assert isolated.exit_code == 1, isolated.output
+        assert "--isolate judged this rank's records only; rank1 differ(s) too" in isolated.output
+
+
+class _HeadUncalledOnRankOne(TinyNet):
+    """build_tiny's model computing its head without calling the module on rank 1's batch: the same numbers, but
+    rank 1's head records never appear."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not torch.equal(x, rank_inputs(1)["x"]):
+            return super().forward(x)
+        h = self.inp(x)
+        for block in (*self.blocks, self.blocks[0]):
+            h = block(h)
+        logits = torch.nn.functional.linear(h, self.head.weight, self.head.bias)
+        return {"logits": logits, "label": logits.argmax(-1)}
+
+
+@pytest.mark.slow
+def test_records_only_another_rank_left_uncompared_are_listed_and_waivable(tmp_path: Path) -> None:
+    """Rank 1's head records, never produced by the port: INCOMPLETE, listed as rank1:NAME; a --waive naming them
+    as the bundle does is used by rank 1 alone, and the run passes (it was "matches no record", exit 2)."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("ddp", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    port = f"{Path(__file__).resolve()}:_HeadUncalledOnRankOne"
+    plain = CliRunner().invoke(replay_main, ["--bundle", str(manifest_path(out)), "--model", port])
+    assert plain.exit_code == 1, plain.output
+    assert "rank1:module.head/0/output" in plain.output
+    waived = CliRunner().invoke(
+        replay_main, ["--bundle", str(manifest_path(out)), "--model", port, "--waive", "module.head/*"]
+    )
+    assert waived.exit_code == 0, waived.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["--layers", "--skip-layers"])
+def test_a_layer_filter_may_name_a_module_only_some_ranks_ran(tmp_path: Path, option: str) -> None:
+    """A module rank 1 never ran (a data-dependent branch) is a valid --layers/--skip-layers name: it is in rank 0's
+    bundle, the one the filters are checked against; the reference against itself passes."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("branchy", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    model = "tests.distributed_jobs:Branchy"
+    result = CliRunner().invoke(replay_main, ["--bundle", str(manifest_path(out)), "--model", model, option, "extra"])
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.slow

@@ -130,9 +130,9 @@ def read_manifest(path: Path) -> Manifest:
         UnsupportedBundleVersion: written by a newer major version.
     """
     manifest = parse_manifest(_load_json(path), path)
-    folder = path.parent.resolve()
+    folders = {path.parent.resolve(), path.resolve().parent}  # beside the manifest, or beside the file it links to
     for entry, file in zip(manifest.ranks, manifest.files, strict=True):
-        _check_beside(file, folder, f"{path}: rank {entry.rank}'s bundle")
+        _check_beside(file, folders, f"{path}: rank {entry.rank}'s bundle")
         if not file.is_file() or file.stat().st_size != entry.bytes:
             raise BundleFormatError(
                 f"{path}: rank {entry.rank}'s bundle {file} is missing or has another size than recorded "
@@ -141,19 +141,20 @@ def read_manifest(path: Path) -> Manifest:
     return manifest
 
 
-def _check_beside(file: Path, folder: Path, what: str) -> None:
-    """Refuse a rank file that is a link to a file outside the manifest's (resolved) folder: a manifest from someone
-    else must not make replay read any other file of the user's."""
+def _check_beside(file: Path, folders: set[Path], what: str) -> None:
+    """Refuse a rank file that is a link to a file outside the manifest's (resolved) folder, or the folder of the
+    manifest it links to (a capture linked file by file into a work folder): a manifest from someone else must not
+    make replay read any other file of the user's."""
     if not file.is_symlink():
         return
     try:
         target = file.resolve(strict=True)
     except (OSError, RuntimeError):  # dangling, or a loop of links: the size check says "missing"
         return
-    if target.parent != folder:
+    if target.parent not in folders:
         raise BundleFormatError(
-            f"{what} {file} is a link to {target}, outside the manifest's folder {folder}; refusing to read it: copy "
-            "the rank file beside the manifest"
+            f"{what} {file} is a link to {target}, outside the manifest's folder {min(folders)}; refusing to read "
+            "it: copy the rank file beside the manifest"
         )
 
 

@@ -153,7 +153,10 @@ def compare_run(
 class _ReplaySession:
     """One replay, in the phases :func:`compare_run` runs them."""
 
-    def __init__(self, model: torch.nn.Module, reader: BundleReader, options: ReplayOptions) -> None:
+    def __init__(
+        self, model: torch.nn.Module, reader: BundleReader, options: ReplayOptions, *, other_rank: bool = False
+    ) -> None:
+        """``other_rank``: a session comparing another rank's run for the main one (``_run_rank``)."""
         self.model, self.reader, self.options = model, reader, options
         self.index = reader.index
         data_parallel = options.data_parallel
@@ -179,7 +182,12 @@ class _ReplaySession:
         self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
-        _check_layer_filters(options.layers, reader)
+        self.other_rank_names: set[str] = set()
+        """Records of other ranks added here (``rank<r>:NAME``): outside this rank's chain of calls."""
+        self.waivers_used: set[str] = set()
+        """Waiver patterns that waived a record here or on another rank."""
+        if not other_rank:  # a module only some ranks ran (an expert a rank never routes to) is no error there
+            _check_layer_filters(options.layers, reader)
 
     def _rounding_applies(self) -> bool:
         options = self.options
@@ -253,17 +261,22 @@ class _ReplaySession:
             self._run_tapped()
             return
         rank = (data_parallel.captured or data_parallel.ranks).index(run)
-        other = _ReplaySession(self.model, run, dataclasses.replace(self.options, isolate=False))
+        other = _ReplaySession(self.model, run, dataclasses.replace(self.options, isolate=False), other_rank=True)
         other.port = self.port  # the same (compiled) port, not compiled again
         other._run_tapped()
         other.account_for_unvisited(strict_waivers=False)
         run.settle()  # a damaged record of that rank raises here
         records, result = other.result.records, self.result
-        failing = [record for record in records if not record.match]
-        result.records += [dataclasses.replace(record, name=f"rank{rank}:{record.name}") for record in failing]
+        failing = [
+            dataclasses.replace(record, name=f"rank{rank}:{record.name}") for record in records if not record.match
+        ]
+        result.records += failing
+        self.other_rank_names.update(record.name for record in failing)
         for name in other.result.bundle_only:
             kind = other.result.missing_kinds.get(name) or kind_of_module_record(name)
             result.add_missing(kind, [f"rank{rank}:{name}"])
+        result.waived.update({f"rank{rank}:{name}": waived for name, waived in other.result.waived.items()})
+        self.waivers_used |= other.waivers_used
         result.notes.append(
             f"rank {rank}: {len(records)} records compared, {len(failing)} differ (listed as rank{rank}:NAME), "
             f"{len(other.result.bundle_only)} not compared"
@@ -460,7 +473,9 @@ class _ReplaySession:
         (``strict``)."""
         for pattern in (*self.rename.waivers, *self.options.waive):
             hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
-            if strict and not hits and not any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
+            if hits or any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
+                self.waivers_used.add(pattern)
+            if strict and pattern not in self.waivers_used:
                 raise InputError(
                     f"waiver {pattern!r} (--waive or a map's 'waive' line) matches no record left uncompared; the "
                     "uncompared ones are "
@@ -518,7 +533,22 @@ class _ReplaySession:
         _warn_if_mostly_unpaired(self.result)
 
     def isolate(self) -> None:
-        """Teacher-forced isolation of every matched module, then a verdict per record."""
+        """Teacher-forced isolation of every matched module, then a verdict per record (this rank's records: another
+        rank's are outside its chain of calls, and isolation runs on this rank's inputs)."""
+        others = [record for record in self.result.records if record.name in self.other_rank_names]
+        self.result.records = [record for record in self.result.records if record.name not in self.other_rank_names]
+        try:
+            self._isolate_this_rank()
+        finally:
+            self.result.records += others
+        ranks = sorted({record.name.split(":", 1)[0] for record in others})
+        if ranks:
+            self.result.notes.append(
+                f"--isolate judged this rank's records only; {', '.join(ranks)} differ(s) too: rerun with --rank R "
+                "--isolate to find where its divergence starts"
+            )
+
+    def _isolate_this_rank(self) -> None:
         options = self.options
         isolation = isolate_modules(
             self.model,

@@ -9,8 +9,9 @@ from typing import Final, Literal
 
 from tabulate import tabulate
 
+from parity_harness.common.format.dtypes import is_float_tag
 from parity_harness.replay.report.tables import record_headers, record_row
-from parity_harness.replay.result import ComparisonResult
+from parity_harness.replay.result import ComparisonResult, RecordResult
 
 __all__ = ["failure_message"]
 
@@ -45,10 +46,25 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
             if kind in result.origins_below_tolerance:
                 module, why = result.origins_below_tolerance[kind]
                 lines.append(f"origin below tolerance ({kind}): {module or 'none'}  [{why}]")
-    needed = max((r.diff.required_atol for r in failing), default=0.0)
-    if failing and math.isfinite(needed):
-        lines.append(f"tolerance that would have passed: atol={needed:.3g} at rtol={tolerance.rtol:g}")
-    return "\n".join([*lines, *_uncompared(result, max_rows)])
+    return "\n".join([*lines, *_what_would_pass(failing, tolerance.rtol), *_uncompared(result, max_rows)])
+
+
+def _what_would_pass(failing: list[RecordResult], rtol: float) -> list[str]:
+    """The atol that would pass the failing float records; integer and bool ones are exact whatever the atol."""
+    floats = [r for r in failing if is_float_tag(r.diff.dtype)]
+    exact = [r.name for r in failing if not is_float_tag(r.diff.dtype)]
+    lines = []
+    needed = max((r.diff.required_atol for r in floats), default=0.0)
+    if floats and math.isfinite(needed):
+        which = " (float records)" if exact else ""
+        lines.append(f"tolerance that would have passed{which}: atol={needed:.3g} at rtol={rtol:g}")
+    if exact:
+        shown = ", ".join(exact[:5]) + (f", ... ({len(exact) - 5} more)" if len(exact) > 5 else "")
+        lines.append(
+            f"integer or bool records differ ({shown}): these are compared exactly whatever atol and rtol say; "
+            "only a tolerance override naming them (--tol GLOB=ATOL,RTOL) loosens them"
+        )
+    return lines
 
 
 def _uncompared(result: ComparisonResult, max_rows: int) -> list[str]:

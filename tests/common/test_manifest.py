@@ -200,6 +200,17 @@ def test_a_rank_file_linked_from_elsewhere_is_refused(
     assert "is a link to" in one_error_line("replay-compare", result)
 
 
+def test_a_capture_linked_file_by_file_into_another_folder_reads(manifest: Path, tmp_path: Path) -> None:
+    """``ln -s /shared/run/* work/``: the manifest and its rank files all links, each rank file beside the file
+    the manifest links to; read as the capture itself."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for file in manifest.parent.iterdir():
+        if file.is_file():
+            (work / file.name).symlink_to(file)
+    assert read_manifest(work / manifest.name).world_size == 2
+
+
 def test_a_rank_file_linked_within_its_folder_reads(manifest: Path) -> None:
     """A link to a file beside the manifest is that file: read as usual."""
     rank_file = read_manifest(manifest).files[1]

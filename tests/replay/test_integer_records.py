@@ -88,3 +88,20 @@ def test_a_glob_loosens_an_integer_record_on_request(integer_bundle: tuple[Path,
     tol = ["--tol", "output.length=40,0", "--tol", "output.big=1,0", "--tol", "output.flag=1,0"]
     result = CliRunner().invoke(replay_main, ["--bundle", str(bundle), "--model", f"{models}:port", *tol])
     assert result.exit_code == 0, result.output
+
+
+def test_the_failure_message_never_suggests_an_atol_for_integers(integer_bundle: tuple[Path, Path]) -> None:
+    """assert_parity's message suggests an atol only for float records: integer ones are exact whatever the atol
+    (a suggested atol=40 would fail again); it names them and the override that loosens them."""
+    from parity_harness.common.errors import ParityMismatch
+    from parity_harness.replay.assertions import assert_parity
+
+    bundle, models = integer_bundle
+    namespace: dict[str, object] = {}
+    exec(compile(models.read_text(), str(models), "exec"), namespace)
+    with pytest.raises(ParityMismatch) as caught:
+        assert_parity(namespace["port"](), bundle)  # type: ignore[operator]
+    message = str(caught.value)
+    assert "tolerance that would have passed" not in message
+    assert "integer or bool records differ (output.big, output.length, output.flag)" in message
+    assert "--tol GLOB=ATOL,RTOL" in message
