@@ -164,6 +164,9 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
                         _careful_block(x[part], y[part], epsilon, moments)
             if tag_a in _INTEGER and tag_b in _INTEGER:
                 moments.differing = before + _integers_differing(raw_a, raw_b, x, y, epsilon)
+            elif (tag_a in _INTEGER) != (tag_b in _INTEGER) and not complex_pair and epsilon < 1:
+                integers, floats = (raw_a, y) if tag_a in _INTEGER else (raw_b, x)
+                moments.differing = before + _cast_differing(integers, floats, epsilon)
     for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
         if side.needs_centring():
             _centre(side, blocks, tag, dtype, complex_pair)
@@ -227,6 +230,22 @@ def _integers_differing(raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: 
     if epsilon >= 1:
         unequal &= np.abs(y.astype(np.float64) - x.astype(np.float64)) > epsilon
     return int(np.count_nonzero(unequal))
+
+
+def _cast_differing(integers: np.ndarray, floats: np.ndarray, epsilon: float) -> int:
+    """Elements of an integer tensor and a float one (a cast) that differ, exactly: a whole float against its
+    integer as integers (float64 holds 2**60 + 1 as 2**60), any other float by its distance (such a float is below
+    2**53 in magnitude, where the integers near it are exact in float64)."""
+    kind = integers.dtype if integers.dtype.kind in "iu" else np.dtype(np.uint8)  # bool as 0 and 1
+    info = np.iinfo(kind)
+    values = floats.astype(np.float64)
+    whole = np.isfinite(values) & (np.floor(values) == values)
+    in_range = (values >= info.min) & (values < float(info.max) + 1)  # float(max) + 1: 2**63 or 2**64 exactly
+    as_integers = np.where(whole & in_range, values, 0.0).astype(kind)
+    unequal_whole = whole & (~in_range | (as_integers != integers))
+    with np.errstate(invalid="ignore"):
+        unequal_other = ~whole & ~(np.abs(values - integers.astype(np.float64)) <= epsilon)  # NaN and inf differ
+    return int(np.count_nonzero(unequal_whole) + np.count_nonzero(unequal_other))
 
 
 def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:

@@ -42,6 +42,28 @@ def test_wide_integers_are_compared_exactly(tmp_path: Path, dtype: type, value: 
 
 
 @pytest.mark.parametrize(
+    ("integers", "floats", "changed"),
+    [
+        (np.array([2**60 + 1, 3], np.int64), np.array([2.0**60, 3.0]), 1),  # float64 rounds 2**60 + 1 away
+        (np.array([2**60, 3], np.int64), np.array([2.0**60, 3.0]), 0),  # a cast that keeps every value
+        (np.array([2**64 - 1], np.uint64), np.array([2.0**64]), 1),  # past the integers' range
+        (np.array([7, 8], np.int32), np.array([7.0, np.nan], np.float32), 1),
+        (np.array([True, False]), np.array([1.0, 0.5], np.float32), 1),
+    ],
+    ids=["int64-past-2**53", "int64-kept", "uint64-max", "nan", "bool"],
+)
+def test_a_cast_between_integers_and_floats_is_compared_exactly(
+    tmp_path: Path, integers: np.ndarray, floats: np.ndarray, changed: int
+) -> None:
+    """An integer tensor against a float one is equal element by element only where the float is that very integer
+    (float64 cannot tell 2**60 from 2**60 + 1: that cast changed a value), in either order."""
+    for a, b in ((integers, floats), (floats, integers)):
+        result = ckpt_diff.diff(*npz_pair(tmp_path, {"step": a}, {"step": b}))
+        assert result.tensors[0].elements_changed == changed
+        assert result.equal is (changed == 0)
+
+
+@pytest.mark.parametrize(
     ("value_a", "value_b"),
     [
         ("x" * 300 + "a", "x" * 300 + "b"),
