@@ -11,6 +11,8 @@ import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeAlias, TypeVar
 
+import numpy as np
+
 from parity_harness.common.errors import CheckpointError
 
 __all__ = ["MODEL_KEYS", "EntryValue", "Flattened", "flatten", "strip_wrappers"]
@@ -120,6 +122,10 @@ def _entry_value(value: object) -> EntryValue:
     if isinstance(value, (bytes, bytearray)):
         digest = hashlib.sha256(value).hexdigest()[:16]
         return f"<{len(value)} bytes, sha256 {digest}: {bytes(value[:32])!r}...>"
+    if isinstance(value, np.ndarray):  # a --trust-pickle load: its repr elides and rounds, its bytes do not
+        whole = repr(value.tolist()).encode() if value.dtype.hasobject else value.tobytes()
+        digest = hashlib.sha256(whole).hexdigest()[:16]
+        return f"<ndarray {value.dtype.str} {list(value.shape)}, sha256 {digest}: {_bounded(repr(value))[:80]}>"
     return _bounded(repr(value))  # torch.Size, dtypes, or objects a --trust-pickle load made
 
 

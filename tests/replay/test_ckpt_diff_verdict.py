@@ -64,6 +64,28 @@ def test_a_cast_between_integers_and_floats_is_compared_exactly(
 
 
 @pytest.mark.parametrize(
+    ("array_a", "array_b"),
+    [
+        (np.zeros(2000), np.where(np.arange(2000) == 1000, 1.0, 0.0)),  # differs inside the elided middle
+        (np.array([1.0]), np.array([1.0000000001])),  # differs past the shown digits
+        (np.array([1, 2], np.int64), np.array([1, 2], np.int32)),
+    ],
+    ids=["elided", "rounded", "dtype"],
+)
+def test_numpy_arrays_in_a_trusted_pickle_are_compared_whole(
+    tmp_path: Path, array_a: np.ndarray, array_b: np.ndarray
+) -> None:
+    """NumPy arrays a --trust-pickle load finds beside the tensors compare by their bytes, dtype and shape, not by
+    their printed form (which elides and rounds): any difference is DIFFERENT; the same array is EQUAL."""
+    weights = {"w": torch.ones(2)}
+    torch.save({"model": weights, "extra": array_a}, tmp_path / "a.pt")
+    torch.save({"model": weights, "extra": array_b}, tmp_path / "b.pt")
+    torch.save({"model": weights, "extra": array_a.copy()}, tmp_path / "c.pt")
+    assert not ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt", trust_pickle=True).equal
+    assert ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "c.pt", trust_pickle=True).equal
+
+
+@pytest.mark.parametrize(
     ("value_a", "value_b"),
     [
         ("x" * 300 + "a", "x" * 300 + "b"),
