@@ -62,8 +62,10 @@ def flatten(loaded: object, is_tensor: Callable[[object], bool], where: str) -> 
 
 
 def _model_key(loaded: object, is_tensor: Callable[[object], bool]) -> str | None:
-    if not isinstance(loaded, Mapping) or any(is_tensor(v) for v in loaded.values()):
-        return None  # a plain state dict
+    """The key of a training checkpoint's model state dict: the first of :data:`MODEL_KEYS` holding a mapping with
+    tensors, whatever sits beside it (a step counter saved as a tensor, say); None for a plain state dict."""
+    if not isinstance(loaded, Mapping):
+        return None
     return next((k for k in MODEL_KEYS if _holds_tensor(loaded.get(k), is_tensor, 1)), None)
 
 

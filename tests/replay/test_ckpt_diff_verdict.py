@@ -182,3 +182,14 @@ def test_a_map_that_drops_tensors_says_so(tmp_path: Path) -> None:
     result = ckpt_diff.diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", map_file=tmp_path / "m.map")
     assert any("no counterpart" in note for note in result.b.notes)
     assert [c.status for c in result.tensors if c.name == "extra"] == ["removed"]
+
+
+def test_a_step_tensor_beside_the_model_state_dict_keeps_the_model_names(tmp_path: Path) -> None:
+    """A training checkpoint saving its step as a tensor beside ``model`` is still one: the weights keep their own
+    names and pair with a plain state dict's (they were all listed as removed and added under two names)."""
+    weights = {"lin.weight": torch.ones(2, 2), "lin.bias": torch.zeros(2)}
+    torch.save({"model": weights, "step": torch.tensor(5)}, tmp_path / "a.pt")
+    torch.save(weights, tmp_path / "b.pt")
+    result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    status = {change.name: change.status for change in result.tensors}
+    assert status == {"lin.weight": "unchanged", "lin.bias": "unchanged", "step": "removed"}
