@@ -189,6 +189,11 @@ class SafetensorsSource(Source):
     def _read_header(self, file: Path, found: dict[str, tuple[str, tuple[int, ...], Path, int]]) -> None:
         header = read_safetensors_header(file)
         for key, text in header.metadata.items():
+            if key == "format":  # the writer's framework ("pt", "np"): the container, not its contents
+                note = f"safetensors __metadata__.format ({text!r:.40}) is the writer's container marker: not compared"
+                if note not in self.notes:
+                    self.notes.append(note)
+                continue
             name = f"__metadata__.{key}"
             if self.entries.get(name, text) != text:  # shards disagree: keep both, the later one named by its file
                 name = f"{name} ({file.name})"

@@ -193,3 +193,15 @@ def test_a_step_tensor_beside_the_model_state_dict_keeps_the_model_names(tmp_pat
     result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt")
     status = {change.name: change.status for change in result.tensors}
     assert status == {"lin.weight": "unchanged", "lin.bias": "unchanged", "step": "removed"}
+
+
+def test_the_safetensors_format_marker_is_not_a_difference(tmp_path: Path) -> None:
+    """The same weights as a torch.save file and as safetensors written with ``{"format": "pt"}`` (as every
+    save_pretrained writes it) are EQUAL, the marker noted; other metadata is still compared."""
+    weights = {"lin.weight": torch.ones(2, 2), "lin.bias": torch.zeros(2)}
+    torch.save(weights, tmp_path / "a.pt")
+    save_file(weights, str(tmp_path / "b.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(tmp_path / "c.safetensors"), metadata={"format": "pt", "note": "other"})
+    result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.safetensors")
+    assert result.equal
+    assert not ckpt_diff.diff(tmp_path / "b.safetensors", tmp_path / "c.safetensors").equal
