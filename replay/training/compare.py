@@ -280,6 +280,17 @@ def _predictions(
     return PredictionDiff(samples, differs, _max_abs(flat_a, flat_b), plan.tolerance.all_close(a, b))
 
 
+def _labels(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
+    """What makes a step's labels disagree: recorded by one run only, or not the same values (exactly: a label
+    is a class, not a measurement)."""
+    if not a and not b:
+        return []
+    problems = [f"labels of {side} only" for side, names in _one_sided(a, b) if names]
+    if any(not np.array_equal(a[n], b[n], equal_nan=True) for n in a if n in b):
+        problems.append("labels differ")
+    return problems
+
+
 def _sample_indices(run: RunSource, key: StepKey) -> list[int] | None:
     """The samples' indices in their batch, for runs that record them (prediction CSVs)."""
     indices = getattr(run, "sample_indices", None)
@@ -303,6 +314,7 @@ def _compare_step(
         if values_a or values_b:
             others[group], ok, missing = _group(plan, group, values_a, values_b)
             uncompared += missing + ([] if ok or missing else [f"{group} differ"])
+    uncompared += _labels(run_a.tensors(key_a, "labels"), run_b.tensors(key_b, "labels"))
     predictions = _predictions(plan, run_a, run_b, key_a, key_b)
     if isinstance(predictions, str):
         uncompared.append(f"predictions of {predictions} only")

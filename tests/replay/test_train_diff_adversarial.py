@@ -128,6 +128,20 @@ def test_csv_batches_of_different_samples_are_not_a_match(tmp_path: Path) -> Non
     assert _run(a, b).exit_code == 1
 
 
+def test_labels_that_differ_are_not_a_match(tmp_path: Path) -> None:
+    """Recorded labels are compared, exactly: swapped labels in prediction CSVs (same logits, the same accuracy on
+    both) and other labels in dumps are exit 1; labels in one run only too; equal labels match."""
+    header = "batch_idx,sample_idx,label,logit_0,logit_1\n"
+    a = _csv(tmp_path / "a.csv", header + "0,0,0,1.0,0.0\n0,1,1,2.0,0.0\n")
+    b = _csv(tmp_path / "b.csv", header + "0,0,1,1.0,0.0\n0,1,0,2.0,0.0\n")
+    assert _run(a, b).exit_code == 1
+    assert _run(a, a).exit_code == 0
+    same, other = _dump(tmp_path / "A", labels=torch.tensor([0, 1])), _dump(tmp_path / "B", labels=torch.tensor([1, 1]))
+    assert _run(same, other).exit_code == 1
+    assert _run(same, _dump(tmp_path / "C", labels=torch.tensor([0, 1]))).exit_code == 0
+    assert _run(same, _dump(tmp_path / "D")).exit_code == 1
+
+
 def test_params_filter_also_selects_gradients(tmp_path: Path) -> None:
     """--params head: equal head weights and gradients match although the backbone's gradients differ."""
     head = torch.ones(2, 3)
