@@ -14,6 +14,7 @@ import sys
 import click
 
 from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, tolerances_given, write_report
+from parity_harness.common.format.atomic import check_output
 from parity_harness.common.format.tensor_files import is_hdf5_file
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.preflight import walking_early_each
@@ -63,6 +64,11 @@ def main(
 ) -> None:
     """Compare two training runs (training files, dump folders or prediction CSVs), step by step."""
     tolerances_given()
+    outputs = {"--csv": csv_path, "--json": json_path, "--report": report_path, "--plot": plot_path}
+    with handle_errors("parity-train-diff", debug):  # before any work: a run must not end in a path it cannot write
+        for option, path in {**outputs, "--predictions-csv": predictions_csv}.items():
+            if path:
+                check_output(path, what=option)
     training_files = [run for run in (run_a, run_b) if is_hdf5_file(run)]  # dumps and CSVs have no metadata walk
     with handle_errors("parity-train-diff", debug), walking_early_each(training_files, noun="training file"):
         # torch and the comparison, imported only now: the training files' metadata walks run meanwhile

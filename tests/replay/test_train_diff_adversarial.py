@@ -302,3 +302,13 @@ def test_map_file_that_is_a_device_is_refused_without_reading_it(tmp_path: Path)
     assert done.returncode == 2
     assert "MemoryError" not in done.stderr
     assert "/dev/zero" in done.stderr
+
+
+@pytest.mark.parametrize("option", ["--csv", "--json", "--report", "--predictions-csv", "--plot"])
+def test_an_unwritable_report_is_refused_before_the_comparison(tmp_path: Path, option: str) -> None:
+    """A report path in a missing folder: exit 2 and one line, before any run is read (no table printed)."""
+    a, b = _dump(tmp_path / "A"), _dump(tmp_path / "B")
+    result = _run(a, b, option, tmp_path / "missing" / "out")
+    assert result.exit_code == 2
+    assert "does not exist; create it first" in result.output
+    assert "match" not in result.output.lower()  # the table's verdict line was printed first
