@@ -51,13 +51,13 @@ def flatten(loaded: object, is_tensor: Callable[[object], bool], where: str) -> 
     if model_key is not None:
         assert isinstance(loaded, Mapping)
         walker.walk(loaded[model_key], "", 1)
-        found.tensors = strip_wrappers(found.tensors, found.notes)
+        found.tensors = strip_wrappers(found.tensors, found.notes, found.entries)
         for key, value in loaded.items():
             if key != model_key:
                 walker.walk(value, str(key), 1)
     else:
         walker.walk(loaded, "", 0)
-        found.tensors = strip_wrappers(found.tensors, found.notes)
+        found.tensors = strip_wrappers(found.tensors, found.notes, found.entries)
     return found
 
 
@@ -141,13 +141,21 @@ def _bounded(text: str) -> str:
 Named = TypeVar("Named")
 
 
-def strip_wrappers(tensors: dict[str, Named], notes: list[str]) -> dict[str, Named]:
+def strip_wrappers(
+    tensors: dict[str, Named], notes: list[str], entries: dict[str, EntryValue] | None = None
+) -> dict[str, Named]:
     """Take off a prefix that every name carries (``module.`` from DataParallel, ``_orig_mod.`` from
-    torch.compile), repeatedly, noting each; other names are left alone."""
+    torch.compile), repeatedly, noting each; other names are left alone. ``entries``: the same state dict's other
+    values, whose names lose the prefix too where they carry it (in place)."""
     while tensors:
         prefix = next((p for p in WRAPPERS if all(name.startswith(p) for name in tensors)), None)
         if prefix is None:
             break
         tensors = {name[len(prefix) :]: value for name, value in tensors.items()}
+        if entries is not None:
+            renamed = {name[len(prefix) :] if name.startswith(prefix) else name: v for name, v in entries.items()}
+            if len(renamed) == len(entries):  # never two values under one name
+                entries.clear()
+                entries.update(renamed)
         notes.append(f"took the {prefix!r} prefix off every tensor name")
     return tensors

@@ -205,3 +205,14 @@ def test_the_safetensors_format_marker_is_not_a_difference(tmp_path: Path) -> No
     result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.safetensors")
     assert result.equal
     assert not ckpt_diff.diff(tmp_path / "b.safetensors", tmp_path / "c.safetensors").equal
+
+
+def test_the_wrapper_prefix_comes_off_a_state_dicts_other_values_too(tmp_path: Path) -> None:
+    """A DDP state dict (every name under ``module.``) holding a non-tensor value pairs with the plain one: the
+    value loses the prefix with the tensors (it was listed as removed and added under two names)."""
+    plain = {"lin.weight": torch.ones(2, 2), "lin._extra_state": 3}
+    torch.save(plain, tmp_path / "a.pt")
+    torch.save({f"module.{name}": value for name, value in plain.items()}, tmp_path / "b.pt")
+    result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert result.equal
+    assert [entry.name for entry in result.entries] == ["lin._extra_state"]
