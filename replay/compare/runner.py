@@ -226,7 +226,13 @@ class _ReplaySession:
             return
         expected = self.weights.index.params
         params, padded = unpad(params, expected)
-        self.result.param_values = compare_named(self.weights, tolerances, "param", params, expected, self.transform)[0]
+        compared = compare_named(self.weights, tolerances, "param", params, expected, self.transform)
+        self.result.param_values, absent = compared[0], compared[2]
+        if absent:  # its gradient, when recorded, is missing too (INCOMPLETE); a frozen one would go unmentioned
+            shown = ", ".join(absent[:5]) + (f", ... ({len(absent) - 5} more)" if len(absent) > 5 else "")
+            self.result.notes.append(
+                f"WARNING: {len(absent)} recorded parameter(s) the port does not have (or --map does not name): {shown}"
+            )
         self.result.notes += [
             f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
             "compared on the overlap (its gradient beyond it must be zero)"

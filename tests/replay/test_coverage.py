@@ -341,3 +341,30 @@ def test_an_output_the_port_detached_fails_its_record_not_the_run(tmp_path: Path
         assert "does not require grad" in (failing[name] or "")
     assert result.verdict == "MISMATCH"
     assert any("left out: the reference backpropagated through them" in note for note in result.notes)
+
+
+class _WithSpare(nn.Module):
+    """A linear layer and, unless ``spare`` is False, a parameter the forward never uses (no gradient recorded)."""
+
+    def __init__(self, spare: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        if spare:
+            self.spare = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_recorded_parameter_the_port_lacks_is_named(tmp_path: Path) -> None:
+    """A parameter of the reference's that the port does not have (unused, so no gradient record goes missing) is
+    named in a warning rather than passed over in silence."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "spare.h5"
+    capture_run(_WithSpare(), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(3))}, bundle, seed=0)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_WithSpare(spare=False), reader)
+    assert any(note.startswith("WARNING: 1 recorded parameter(s) the port does not have") for note in result.notes)
+    assert "spare" in " ".join(result.notes)
