@@ -16,6 +16,7 @@ import os
 import re
 import tarfile
 import tempfile
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -121,7 +122,9 @@ def _torch_load(path: Path, trust_pickle: bool, *, mmap: bool = False) -> object
             "--trust-pickle if you trust this file"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap or None)
+        with warnings.catch_warnings():  # torch's deprecations of what a file holds (quantized storages): noise
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch(\.|$)")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap or None)
     except Exception as err:
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         refusal = [line for line in lines if "GLOBAL" in line]  # "Unsupported operand": bytes that are no pickle

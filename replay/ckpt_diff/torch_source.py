@@ -49,7 +49,10 @@ class TorchSource(Source):
             try:
                 tag = tag_of(tensor.dtype)
             except BundleFormatError as err:
-                raise CheckpointError(f"{path}: tensor {name!r}: {err}") from err
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is {tensor.dtype}, which ckpt-diff does not compare (quantized and other "
+                    "special dtypes); dequantize or convert it first"
+                ) from err
             if tensor.layout != torch.strided:
                 raise CheckpointError(f"{path}: tensor {name!r} is {tensor.layout}; only dense tensors are compared")
             self.tensors[name] = TensorInfo(name, tag, tuple(tensor.shape))

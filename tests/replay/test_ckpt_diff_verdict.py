@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -216,3 +218,23 @@ def test_the_wrapper_prefix_comes_off_a_state_dicts_other_values_too(tmp_path: P
     result = ckpt_diff.diff(tmp_path / "a.pt", tmp_path / "b.pt")
     assert result.equal
     assert [entry.name for entry in result.entries] == ["lin._extra_state"]
+
+
+def test_a_quantized_tensor_is_one_line_with_no_torch_warning_before_it(tmp_path: Path) -> None:
+    """A quantized tensor (a dtype ckpt-diff does not compare): one error line saying so, in a process of its own so
+    that torch's deprecation warnings, printed while loading, would show on stderr (pytest would catch them here)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_tensor(torch.ones(4), scale=0.1, zero_point=0, dtype=torch.qint8)
+    torch.save({"w": quantized}, tmp_path / "quant.pt")
+    torch.save({"w": torch.ones(4)}, tmp_path / "plain.pt")
+    command = [sys.executable, "-c", "from parity_harness.replay.cli.ckpt_diff import main; main()"]
+    done = subprocess.run([*command, "quant.pt", "plain.pt"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    expected = (
+        "ckpt-diff: error: quant.pt: tensor 'w' is torch.qint8, which ckpt-diff does not compare (quantized and other "
+        "special dtypes); dequantize or convert it first"
+    )
+    assert done.stderr.splitlines() == [expected]
