@@ -320,6 +320,7 @@ def _compare_step(
         uncompared.append(f"predictions of {predictions} only")
         predictions = None
     metrics = _metrics(info_a, info_b)
+    uncompared += _one_sided_metrics(info_a, info_b)
     order_differs = info_a.sample_ids is not None and info_b.sample_ids is not None
     order_differs = order_differs and info_a.sample_ids != info_b.sample_ids
     match = (
@@ -361,6 +362,18 @@ def _metrics(info_a: StepInfo, info_b: StepInfo) -> dict[str, tuple[float, float
     a, b = _canonical(info_a.metrics), _canonical(info_b.metrics)
     names = list(a) + [n for n in b if n not in a]
     return {n: (a.get(n, math.nan), b.get(n, math.nan)) for n in names}
+
+
+def _one_sided_metrics(info_a: StepInfo, info_b: StepInfo) -> list[str]:
+    """Metrics one run recorded at the step and the other did not: never a match, also where the one recorded is NaN
+    (which the NaN standing in for the absent one would otherwise equal)."""
+    a, b = _canonical(info_a.metrics), _canonical(info_b.metrics)
+    return [
+        f"metric {name} of {side} only"
+        for side, mine, theirs in (("A", a, b), ("B", b, a))
+        for name in mine
+        if name not in theirs
+    ]
 
 
 def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: TrainingComparison) -> None:

@@ -59,6 +59,14 @@ def test_infinite_reference_metric_against_a_finite_one_is_not_a_match(tmp_path:
     assert _run(a, b).exit_code == 1
 
 
+def test_a_metric_recorded_by_one_run_only_is_not_a_match_even_when_nan(tmp_path: Path) -> None:
+    """A's accuracy NaN, B without one: the NaN standing in for B's absent metric must not make them equal; the same
+    NaN on both sides still matches."""
+    a = _dump(tmp_path / "a", acc=float("nan"))
+    assert _run(a, _dump(tmp_path / "b")).exit_code == 1
+    assert _run(a, _dump(tmp_path / "c", acc=float("nan"))).exit_code == 0
+
+
 def test_two_b_parameters_mapped_onto_one_a_name_is_refused(tmp_path: Path) -> None:
     """--map sending two of B's parameters to one A name is a clear error, not a silent last-one-wins."""
     w = torch.ones(3, 2)
