@@ -25,7 +25,7 @@ import torch
 
 from parity_harness.capture.models.checkpoints import load_torch_object
 from parity_harness.common.errors import BundleNotFoundError, InputError, ParityError
-from parity_harness.replay.training.runs import StepInfo, StepKey
+from parity_harness.replay.training.runs import ACCURACY_NAMES, StepInfo, StepKey
 
 __all__ = ["DUMP_SUFFIXES", "MAX_DUMP_FILES", "DumpRun"]
 
@@ -45,7 +45,8 @@ _STATE_KEYS: Final = ("model_state_dict", "state_dict", "model")
 _OPTIMIZER_KEYS: Final = ("optimizer_state_dict", "optimizer")
 _FILE_EPOCH_KEYS: Final = ("epoch",)
 _FILE_BATCH_KEYS: Final = ("batch", "batch_idx", "step")
-_METRIC_KEYS: Final = ("acc", "accuracy")
+_METRIC_KEYS: Final = ACCURACY_NAMES
+"""Top-level numbers read as metrics: every name the comparison reads as an accuracy (``train_acc`` too)."""
 _SAMPLE_ID_KEYS: Final = ("sample_ids", "ids", "files")
 _BUFFER_NAMES: Final = ("running_mean", "running_var", "num_batches_tracked")
 _GROUP_KEYS: Final[dict[str, tuple[str, ...]]] = {

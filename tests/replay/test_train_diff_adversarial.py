@@ -67,6 +67,13 @@ def test_a_metric_recorded_by_one_run_only_is_not_a_match_even_when_nan(tmp_path
     assert _run(a, _dump(tmp_path / "c", acc=float("nan"))).exit_code == 0
 
 
+@pytest.mark.parametrize("name", ["train_acc", "train_accuracy", "top1"])
+def test_every_accuracy_name_at_a_dumps_top_level_is_compared(tmp_path: Path, name: str) -> None:
+    """A dump's top-level accuracy under any name the comparison knows (0.1 against 0.9) is not a match."""
+    assert _run(_dump(tmp_path / "a", **{name: 0.1}), _dump(tmp_path / "b", **{name: 0.9})).exit_code == 1
+    assert _run(_dump(tmp_path / "c", **{name: 0.1}), _dump(tmp_path / "d", **{name: 0.1})).exit_code == 0
+
+
 def test_two_b_parameters_mapped_onto_one_a_name_is_refused(tmp_path: Path) -> None:
     """--map sending two of B's parameters to one A name is a clear error, not a silent last-one-wins."""
     w = torch.ones(3, 2)
