@@ -130,7 +130,7 @@ def read_manifest(path: Path) -> Manifest:
         UnsupportedBundleVersion: written by a newer major version.
     """
     manifest = parse_manifest(_load_json(path), path)
-    folders = {path.parent.resolve(), path.resolve().parent}  # beside the manifest, or beside the file it links to
+    folders = (path.parent.resolve(), path.resolve().parent)  # beside the manifest, or beside the file it links to
     for entry, file in zip(manifest.ranks, manifest.files, strict=True):
         _check_beside(file, folders, f"{path}: rank {entry.rank}'s bundle")
         if not file.is_file() or file.stat().st_size != entry.bytes:
@@ -141,7 +141,7 @@ def read_manifest(path: Path) -> Manifest:
     return manifest
 
 
-def _check_beside(file: Path, folders: set[Path], what: str) -> None:
+def _check_beside(file: Path, folders: tuple[Path, ...], what: str) -> None:
     """Refuse a rank file that is a link to a file outside the manifest's (resolved) folder, or the folder of the
     manifest it links to (a capture linked file by file into a work folder): a manifest from someone else must not
     make replay read any other file of the user's."""
@@ -153,7 +153,7 @@ def _check_beside(file: Path, folders: set[Path], what: str) -> None:
         return
     if target.parent not in folders:
         raise BundleFormatError(
-            f"{what} {file} is a link to {target}, outside the manifest's folder {min(folders)}; refusing to read "
+            f"{what} {file} is a link to {target}, outside the manifest's folder {folders[0]}; refusing to read "
             "it: copy the rank file beside the manifest"
         )
 
