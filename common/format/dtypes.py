@@ -25,6 +25,7 @@ __all__ = [
     "is_float_tag",
     "storage_dtype",
     "tag_of",
+    "to_compared",
     "to_float64",
     "to_numeric",
     "to_storage",
@@ -144,6 +145,15 @@ def to_float64(array: np.ndarray, tag: str) -> np.ndarray:
     if _TABLE[tag][2]:
         return from_storage(array, tag).double().numpy()
     return np.asarray(array, dtype=np.float64)
+
+
+def to_compared(array: np.ndarray, tag: str) -> np.ndarray:
+    """The values of a stored array as a comparison of two runs reads them: a copy, real floating values in float64
+    and complex in complex128 (both exact), integers and bools in their own dtype (float64 rounds 64-bit integers
+    past 2**53, so that 2**53 + 1 would equal 2**53)."""
+    if tag in FLOAT_TAGS:
+        return to_float64(array, tag)
+    return np.array(to_numeric(array, tag))
 
 
 def to_numeric(array: np.ndarray, tag: str) -> np.ndarray:

@@ -81,7 +81,7 @@ def _verdict(result: TrainingComparison) -> list[str]:
     else:
         step = next(s for s in result.steps if s.key == first)
         where = f" (largest weight difference in {step.worst_param})" if step.worst_param else ""
-        lines.append(f"first diverging step: {first.label()}{where}")
+        lines.append(f"first diverging step: {first.label()}{where}: {'; '.join(step.reasons)}")
     order = ", ".join(s.key.label() for s in result.steps if s.batch_order_differs)
     if order:
         lines.append(f"batch order differs at steps {order}: the runs were not fed the same samples")

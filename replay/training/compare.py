@@ -11,10 +11,13 @@ import math
 import os
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from parity_harness.common.errors import InputError
+from parity_harness.common.format.dtypes import is_float_tag
+from parity_harness.common.numerics.integers import exact_difference, needs_exact_difference
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
@@ -33,6 +36,11 @@ __all__ = [
     "diff_training_runs",
 ]
 
+_V = TypeVar("_V")
+_NAMED_GROUPS = ("params", "grads", "optimizer")
+"""Groups named by parameter (``--map`` renames B's, ``--params`` selects A's)."""
+_TAGGED_GROUPS = (*_NAMED_GROUPS, "predictions")
+"""Groups whose dtypes are compared (labels are classes: their width does not matter)."""
 _DETAIL_SAMPLES = 20
 """Samples whose prediction differs, listed per step in the JSON (every one is in ``--predictions-csv``)."""
 
@@ -101,7 +109,10 @@ class StepComparison:
     """Max abs difference of the step's ``grads`` and ``optimizer`` state (when both recorded)."""
     predictions: PredictionDiff | None = None
     uncompared: list[str] = field(default_factory=list)
-    """What one run recorded at this step and the other did not (each makes the step a mismatch)."""
+    """What one run recorded at this step and the other did not, labels or dtypes that differ (each makes the step
+    a mismatch)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why the step does not match: :attr:`uncompared`, then what differs beyond the tolerance (empty: a match)."""
 
     @property
     def step(self) -> int:
@@ -133,6 +144,7 @@ class StepComparison:
             "predictions": None if self.predictions is None else self.predictions.to_json(),
             "parameters": [p.to_json() for p in self.parameters],
             "uncompared": self.uncompared,
+            "reasons": self.reasons,
         }
 
 
@@ -185,15 +197,37 @@ class _Tolerance:
 
     def all_close(self, a: np.ndarray, b: np.ndarray) -> bool:
         """Element rule of replay-compare; NaN matches NaN (a run compared with itself matches), infinities match
-        only the same infinity."""
-        return a.shape == b.shape and bool(np.allclose(b, a, atol=self.atol, rtol=self.rtol, equal_nan=True))
+        only the same infinity; integers and bools (labels, counters, an optimizer's step) only the same value."""
+        if a.shape != b.shape:
+            return False
+        if _integral(a) or _integral(b):
+            return bool(np.array_equal(a, b))
+        return bool(np.allclose(b, a, atol=self.atol, rtol=self.rtol, equal_nan=True))
+
+
+def _integral(values: np.ndarray) -> bool:
+    return values.dtype.kind in "iub"
+
+
+def _float64(values: np.ndarray) -> np.ndarray:
+    return values if values.dtype == np.float64 else values.astype(np.float64)
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``b - a`` in float64; 64-bit integers subtracted as integers first, so that values past 2**53 that differ
+    never differ by 0.0."""
+    x, y = a.ravel(), b.ravel()
+    if needs_exact_difference(x, y):
+        return exact_difference(x, y, np.empty(x.size))
+    difference: np.ndarray = _float64(y) - _float64(x)
+    return difference
 
 
 def _parameter_diff(name: str, a: np.ndarray, b: np.ndarray, tolerance: _Tolerance) -> ParameterDiff:
     if a.shape != b.shape:
         return ParameterDiff(name, math.nan, math.nan, math.inf, False)
-    x, y = a.ravel(), b.ravel()
-    delta = y - x
+    x, y = _float64(a).ravel(), _float64(b).ravel()
+    delta = _difference(a, b)
     norm_a, norm_b = float(np.dot(x, x)), float(np.dot(y, y))
     cosine = float(np.dot(x, y)) / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else float(norm_a == norm_b)
     max_abs = float(np.max(np.abs(delta), initial=0.0))
@@ -206,16 +240,16 @@ def _weights(diffs: list[ParameterDiff], a: dict[str, np.ndarray], b: dict[str, 
         return math.nan, math.nan
     same = [d.name for d in diffs if a[d.name].shape == b[d.name].shape]
     squared = sum(d.l2**2 for d in diffs if d.name in same)
-    dot = sum(float(np.dot(a[n].ravel(), b[n].ravel())) for n in same)
-    norm_a = sum(float(np.dot(a[n].ravel(), a[n].ravel())) for n in same)
-    norm_b = sum(float(np.dot(b[n].ravel(), b[n].ravel())) for n in same)
+    dot = sum(float(np.dot(_float64(a[n]).ravel(), _float64(b[n]).ravel())) for n in same)
+    norm_a = sum(float(np.dot(_float64(a[n]).ravel(), _float64(a[n]).ravel())) for n in same)
+    norm_b = sum(float(np.dot(_float64(b[n]).ravel(), _float64(b[n]).ravel())) for n in same)
     cosine = dot / math.sqrt(norm_a * norm_b) if norm_a > 0 and norm_b > 0 else float(norm_a == norm_b)
     return math.sqrt(squared), cosine
 
 
-def _renamed(values: dict[str, np.ndarray], rename: RenameMap) -> dict[str, np.ndarray]:
-    """B's tensors under A's names (a name the map sends to ``-`` is dropped)."""
-    out: dict[str, np.ndarray] = {}
+def _renamed(values: dict[str, _V], rename: RenameMap) -> dict[str, _V]:
+    """B's tensors (or what is known of them) under A's names (a name the map sends to ``-`` is dropped)."""
+    out: dict[str, _V] = {}
     for name, value in values.items():
         head, sep, tail = name.partition("/")  # optimizer state: <parameter>/<key>
         mapped = rename.parameter(head)
@@ -238,8 +272,10 @@ def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
     if a.shape != b.shape:
         return math.inf
     with np.errstate(invalid="ignore"):
-        delta = np.abs(b - a)
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
+        delta = np.abs(_difference(a, b))
+    same = (a == b).ravel()
+    if not (_integral(a) or _integral(b)):
+        same |= (np.isnan(a) & np.isnan(b)).ravel()
     return float(np.max(np.where(same, 0.0, np.nan_to_num(delta, nan=math.inf)), initial=0.0))
 
 
@@ -280,6 +316,24 @@ def _predictions(
     return PredictionDiff(samples, differs, _max_abs(flat_a, flat_b), plan.tolerance.all_close(a, b))
 
 
+def _dtype_differences(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tuple[StepKey, StepKey]) -> list[str]:
+    """Floating tensors both runs recorded at the step in different dtypes (float32 against float64, bf16 against
+    float32): a mismatch however close their values, as the two runs did not compute in the same precision.
+    Integers of two widths holding the same values (a label, a counter) are the same numbers."""
+    found = []
+    for group in _TAGGED_GROUPS:
+        tags_a, tags_b = runs[0].dtype_tags(keys[0], group), runs[1].dtype_tags(keys[1], group)
+        if group in _NAMED_GROUPS:
+            tags_b = _renamed(tags_b, plan.rename)
+            tags_a = {n: tag for n, tag in tags_a.items() if plan.chosen.search(n.partition("/")[0])}
+        found += [
+            f"{name} (A {tag}, B {tags_b[name]})"
+            for name, tag in tags_a.items()
+            if name in tags_b and tag != tags_b[name] and (is_float_tag(tag) or is_float_tag(tags_b[name]))
+        ]
+    return [f"dtypes differ ({len(found)}): {', '.join(found[:3])}"] if found else []
+
+
 def _labels(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
     """What makes a step's labels disagree: recorded by one run only, or not the same values (exactly: a label
     is a class, not a measurement)."""
@@ -315,6 +369,7 @@ def _compare_step(
             others[group], ok, missing = _group(plan, group, values_a, values_b)
             uncompared += missing + ([] if ok or missing else [f"{group} differ"])
     uncompared += _labels(run_a.tensors(key_a, "labels"), run_b.tensors(key_b, "labels"))
+    uncompared += _dtype_differences(plan, (run_a, run_b), keys)
     predictions = _predictions(plan, run_a, run_b, key_a, key_b)
     if isinstance(predictions, str):
         uncompared.append(f"predictions of {predictions} only")
@@ -323,14 +378,9 @@ def _compare_step(
     uncompared += _one_sided_metrics(info_a, info_b)
     order_differs = info_a.sample_ids is not None and info_b.sample_ids is not None
     order_differs = order_differs and info_a.sample_ids != info_b.sample_ids
-    match = (
-        all(d.match for d in diffs)
-        and not uncompared
-        and (predictions is None or predictions.match)
-        and not order_differs
-        and plan.tolerance.close(info_a.loss, info_b.loss)
-        and all(plan.tolerance.close(a, b) for a, b in metrics.values())
-    )
+    reasons = uncompared + _differences(plan, diffs, predictions, infos, metrics)
+    reasons += ["batch order differs"] if order_differs else []
+    match = not reasons
     return StepComparison(
         key_a,
         match,
@@ -346,7 +396,31 @@ def _compare_step(
         others,
         predictions,
         uncompared,
+        reasons,
     )
+
+
+def _differences(
+    plan: _Plan,
+    diffs: list[ParameterDiff],
+    predictions: PredictionDiff | None,
+    infos: tuple[StepInfo, StepInfo],
+    metrics: dict[str, tuple[float, float]],
+) -> list[str]:
+    """What differs beyond the tolerance among the weights, predictions, loss and metrics both runs recorded."""
+    found = []
+    beyond = [d.name for d in diffs if not d.match]
+    if beyond:
+        found.append(f"weights differ ({len(beyond)} of {len(diffs)} parameters): {', '.join(beyond[:3])}")
+    if predictions is not None and not predictions.match:
+        found.append("predictions differ")
+    loss_a, loss_b = infos[0].loss, infos[1].loss
+    if (loss_a is None) != (loss_b is None):
+        found.append(f"loss of {'A' if loss_b is None else 'B'} only")
+    elif not plan.tolerance.close(loss_a, loss_b):
+        found.append(f"loss differs (A {loss_a}, B {loss_b})")
+    found += [f"{name} differs (A {a}, B {b})" for name, (a, b) in metrics.items() if not plan.tolerance.close(a, b)]
+    return found
 
 
 def _canonical(metrics: dict[str, float]) -> dict[str, float]:

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import torch
 
 from parity_harness.capture.models.checkpoints import load_torch_object
-from parity_harness.common.errors import BundleNotFoundError, InputError, ParityError
+from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError, ParityError
+from parity_harness.common.format.dtypes import tag_of
 from parity_harness.replay.training.runs import ACCURACY_NAMES, StepInfo, StepKey
 
 __all__ = ["DUMP_SUFFIXES", "MAX_DUMP_FILES", "DumpRun"]
@@ -54,6 +55,7 @@ _GROUP_KEYS: Final[dict[str, tuple[str, ...]]] = {
     "predictions": ("predictions", "logits"),
     "labels": ("labels", "targets"),
 }
+_T = TypeVar("_T")
 _GROUPS: Final = ("params", "optimizer", *_GROUP_KEYS)
 _DUMP_KEYS: Final = frozenset(
     ("loss", "metrics", *_METRIC_KEYS, *_FILE_EPOCH_KEYS, *_FILE_BATCH_KEYS, *_SAMPLE_ID_KEYS)
@@ -112,7 +114,8 @@ class DumpRun:
         return self._steps
 
     def tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
-        """One step's ``params`` / ``optimizer`` / ``grads`` / ``predictions`` / ``labels`` as float64, by name.
+        """One step's ``params`` / ``optimizer`` / ``grads`` / ``predictions`` / ``labels`` by name: floating values
+        as float64, integers and bools in their own dtype.
 
         ``optimizer`` entries are named ``<parameter>/<state key>`` (``param_<i>/<state key>`` when the optimizer's
         parameters cannot be matched to the state dict); a dump without the group gives ``{}``.
@@ -120,25 +123,40 @@ class DumpRun:
         Raises:
             InputError: an unknown group or step.
         """
+        values = self._values(key, group)
+        where = self._file_of[key]
+        return self._guarded(key, group, lambda: {name: _to_compared(v, name, where) for name, v in values.items()})
+
+    def dtype_tags(self, key: StepKey, group: str) -> dict[str, str]:
+        """The dtype tag of each of :meth:`tensors` that the dump holds as a tensor (not a plain number), by name."""
+        values = self._values(key, group)
+        return {name: _tag(value.dtype) for name, value in values.items() if isinstance(value, torch.Tensor)}
+
+    def _values(self, key: StepKey, group: str) -> dict[str, torch.Tensor | np.ndarray | float | int]:
+        """The group's entries as the dump holds them."""
+        return self._guarded(key, group, lambda: self._entries(key, group))
+
+    def _guarded(self, key: StepKey, group: str, read: Callable[[], _T]) -> _T:
+        """``read()``, a dump whose entries are no tensors refused in one line naming its file."""
         try:
-            return self._tensors(key, group)
+            return read()
         except (TypeError, ValueError, OverflowError, RuntimeError, AttributeError) as err:
             if isinstance(err, ParityError):
                 raise
             where = self._file_of.get(key, self.path)
             raise InputError(f"{where}: its {group!r} cannot be read as tensors ({type(err).__name__}: {err})") from err
 
-    def _tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
+    def _entries(self, key: StepKey, group: str) -> dict[str, torch.Tensor | np.ndarray | float | int]:
         if group not in _GROUPS:
             raise InputError(f"{self.path}: unknown tensor group {group!r}; expected one of {', '.join(_GROUPS)}")
         if key not in self.steps():
             raise InputError(f"{self.path}: no step {key.label()} in this {self.kind}; it has {len(self.steps())}")
         dump = self._load(self._file_of[key])
         if group == "params":
-            return _float64(_state_dict(dump), self._file_of[key])
+            return dict(_state_dict(dump))
         if group == "optimizer":
-            return _optimizer_tensors(dump, list(_state_dict(dump)), self._file_of[key])
-        return _group_tensors(dump, group, self._file_of[key])
+            return _optimizer_entries(dump, list(_state_dict(dump)))
+        return _group_entries(dump, group)
 
     def close(self) -> None:
         """Drop the step kept loaded."""
@@ -338,50 +356,60 @@ def _sample_ids(dump: Mapping[str, Any]) -> list[tuple[str, ...]] | None:
 # ------------------------------------------------------------------ tensors
 
 
-def _to_float64(value: torch.Tensor | float, name: str, file: Path) -> np.ndarray:
-    """A copy in float64 (never a view of the mapped file); bf16 and fp8 widen through float32 exactly."""
+def _tag(dtype: torch.dtype) -> str:
+    """A dtype's tag; one a bundle cannot hold (a quantized dtype) by torch's name, which :meth:`DumpRun.tensors`
+    refuses."""
+    try:
+        return tag_of(dtype)
+    except BundleFormatError:
+        return str(dtype)
+
+
+def _to_compared(value: torch.Tensor | np.ndarray | float | int, name: str, file: Path) -> np.ndarray:
+    """A copy (never a view of the mapped file): floating values in float64 (bf16 and fp8 widen through float32
+    exactly), integers and bools in their own dtype (float64 would round 64-bit ones past 2**53)."""
+    if isinstance(value, (np.ndarray, np.generic)):  # a list of numbers, a NumPy scalar
+        value = np.asarray(value)
+        return np.array(value) if value.dtype.kind in "iub" else value.astype(np.float64)
     if not isinstance(value, torch.Tensor):
-        return np.asarray(value, dtype=np.float64)
+        return np.asarray(value, dtype=np.int64 if isinstance(value, int) and -(2**63) <= value < 2**63 else np.float64)
     if value.is_complex():
         raise InputError(f"{file}: tensor {name!r} is {value.dtype}; complex tensors are not compared")
     tensor = value.detach().cpu()
-    if tensor.is_floating_point() and tensor.dtype not in (torch.float32, torch.float64):
+    if not tensor.is_floating_point():
+        return tensor.numpy().copy()
+    if tensor.dtype not in (torch.float32, torch.float64):
         tensor = tensor.float()
     return tensor.numpy().astype(np.float64)
 
 
-def _float64(tensors: Mapping[str, torch.Tensor], file: Path) -> dict[str, np.ndarray]:
-    return {name: _to_float64(value, name, file) for name, value in tensors.items()}
-
-
-def _group_tensors(dump: Mapping[str, Any], group: str, file: Path) -> dict[str, np.ndarray]:
+def _group_entries(dump: Mapping[str, Any], group: str) -> dict[str, torch.Tensor | np.ndarray | float | int]:
     """``grads`` by parameter name; ``predictions`` and ``labels`` as one array under the group's name."""
     value = next((dump[key] for key in _GROUP_KEYS[group] if key in dump), None)
     if group == "grads":
         if not isinstance(value, Mapping):
             return {}
-        return _float64(_unwrapped({str(k): v for k, v in value.items() if isinstance(v, torch.Tensor)}), file)
+        return dict(_unwrapped({str(k): v for k, v in value.items() if isinstance(v, torch.Tensor)}))
     if isinstance(value, torch.Tensor):
-        return {group: _to_float64(value, group, file)}
+        return {group: value}
     if isinstance(value, (list, tuple, np.ndarray)):
-        return {group: np.asarray(value, dtype=np.float64)}
+        return {group: np.asarray(value)}
     return {}
 
 
-def _optimizer_tensors(dump: Mapping[str, Any], names: list[str], file: Path) -> dict[str, np.ndarray]:
+def _optimizer_entries(dump: Mapping[str, Any], names: list[str]) -> dict[str, torch.Tensor | np.ndarray | float | int]:
     """Per-parameter optimizer state as ``<parameter>/<key>``, scalars (``step``) included."""
     optimizer = next((dump[key] for key in _OPTIMIZER_KEYS if isinstance(dump.get(key), Mapping)), None)
     if optimizer is None or not isinstance(optimizer.get("state"), Mapping):
         return {}
     label = _parameter_labels(optimizer, names)
-    found: dict[str, np.ndarray] = {}
+    found: dict[str, torch.Tensor | np.ndarray | float | int] = {}
     for index, state in optimizer["state"].items():
         if not isinstance(state, Mapping):
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor) or _number(value) is not None:
-                name = f"{label.get(index, f'param_{index}')}/{key}"
-                found[name] = _to_float64(value, name, file)
+                found[f"{label.get(index, f'param_{index}')}/{key}"] = value
     return found
 
 

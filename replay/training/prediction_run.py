@@ -60,6 +60,10 @@ class PredictionRun:
             return {"labels": batch.labels}
         return {}
 
+    def dtype_tags(self, key: StepKey, group: str) -> dict[str, str]:
+        """Nothing: a CSV's values are text, with no dtype."""
+        return {}
+
     def sample_indices(self, key: StepKey) -> list[int]:
         """The step's sample indices, in the order of its tensors' rows.
 

@@ -77,7 +77,13 @@ class RunSource(Protocol):
         ...
 
     def tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
-        """A step's ``params`` / ``grads`` / ``optimizer`` / ``predictions`` / ``labels`` as float64, by name."""
+        """A step's ``params`` / ``grads`` / ``optimizer`` / ``predictions`` / ``labels`` by name: floating values
+        as float64 (exactly), integers and bools in their own NumPy dtype (float64 would round 64-bit ones)."""
+        ...
+
+    def dtype_tags(self, key: StepKey, group: str) -> dict[str, str]:
+        """The dtype tag (``"F32"``, ``"BF16"``, ``"I64"``...) each of those tensors was recorded in, by name; a
+        value the run records without a dtype (a number, a CSV's text) is left out."""
         ...
 
     def close(self) -> None:

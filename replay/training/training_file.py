@@ -21,7 +21,7 @@ from parity_harness.common.errors import BundleChangedError, BundleFormatError, 
 from parity_harness.common.format.bundle.layout import unescape_dotted
 from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.damage import damage_guard
-from parity_harness.common.format.dtypes import from_storage, to_float64
+from parity_harness.common.format.dtypes import from_storage, to_compared
 from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
@@ -118,20 +118,27 @@ class TrainingRun:
         return self._groups[key]
 
     def tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
-        """``params`` / ``grads`` / ``optimizer`` / ``predictions`` / ``labels`` of a step as float64, by name."""
-        path = f"{self._groups[key]}/{group}"
-        with self._damage_guard(path):
-            node = self._file.get(path)
-            if isinstance(node, h5py.Dataset):
-                return {group: _float64(node)}
-            found: dict[str, np.ndarray] = {}
-            if isinstance(node, h5py.Group):
-                node.visititems(
-                    lambda name, item: (
-                        found.update({_unescaped(name): _float64(item)}) if isinstance(item, h5py.Dataset) else None
-                    )
-                )
-            return found
+        """``params`` / ``grads`` / ``optimizer`` / ``predictions`` / ``labels`` of a step by name: floating values
+        as float64, integers and bools in their own dtype (``dtypes.to_compared``)."""
+        with self._damage_guard(f"{self._groups[key]}/{group}"):
+            return {name: to_compared(np.asarray(dataset[()]), tag) for name, dataset, tag in self._group(key, group)}
+
+    def dtype_tags(self, key: StepKey, group: str) -> dict[str, str]:
+        """The dtype tag each of :meth:`tensors` was recorded in, by name."""
+        with self._damage_guard(f"{self._groups[key]}/{group}"):
+            return {name: tag for name, _, tag in self._group(key, group)}
+
+    def _group(self, key: StepKey, group: str) -> list[tuple[str, h5py.Dataset, str]]:
+        """A step's datasets of ``group`` with their dtype tags, by name (a dataset in place of the group: under the
+        group's name)."""
+        node = self._file.get(f"{self._groups[key]}/{group}")
+        found: dict[str, h5py.Dataset] = {}
+        if isinstance(node, h5py.Dataset):
+            found[group] = node
+        elif isinstance(node, h5py.Group):
+            node.visititems(lambda name, item: found.update({name: item}) if isinstance(item, h5py.Dataset) else None)
+        named = found.items() if isinstance(node, h5py.Dataset) else ((_unescaped(n), d) for n, d in found.items())
+        return [(name, dataset, str(dataset.attrs[ATTR_DTYPE])) for name, dataset in named]
 
     def exact(self, path: str) -> dict[str, torch.Tensor]:
         """The tensors under a group (``/initial/params``, a step's ``params``), bit-exact, by name."""
@@ -222,10 +229,6 @@ def _unescaped(name: str) -> str:
 def _info(meta: StepMeta) -> StepInfo:
     ids = meta["sample_ids"]
     return StepInfo(meta["loss"], dict(meta["metrics"]), None if ids is None else [(i,) for i in ids])
-
-
-def _float64(dataset: h5py.Dataset) -> np.ndarray:
-    return to_float64(np.asarray(dataset[()]), str(dataset.attrs[ATTR_DTYPE]))
 
 
 def _tensor(dataset: h5py.Dataset) -> torch.Tensor:

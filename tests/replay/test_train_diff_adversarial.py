@@ -157,6 +157,80 @@ def test_labels_that_differ_are_not_a_match(tmp_path: Path) -> None:
     assert _run(same, _dump(tmp_path / "D")).exit_code == 1
 
 
+@pytest.mark.parametrize(
+    ("dtype_a", "dtype_b"), [(torch.float32, torch.float64), (torch.bfloat16, torch.float32), (torch.float16, None)]
+)
+def test_weights_in_another_floating_dtype_are_not_a_match(
+    tmp_path: Path, dtype_a: torch.dtype, dtype_b: torch.dtype | None
+) -> None:
+    """Equal values held in float32 and float64 (or bf16 and float32, or float16 and bf16) are not the same run: the
+    runs did not compute in one precision. The verdict names the parameter and both dtypes."""
+    values = {name: value.to(dtype_a) for name, value in _weights().items()}
+    other = {name: value.to(dtype_b or torch.bfloat16) for name, value in values.items()}
+    a, b = _dump(tmp_path / "a", model_state_dict=values), _dump(tmp_path / "b", model_state_dict=other)
+    result = _run(a, b)
+    assert result.exit_code == 1, result.output
+    assert "dtypes differ (2): enc.w (A " in result.output
+    assert _run(a, _dump(tmp_path / "c", model_state_dict=values)).exit_code == 0
+
+
+def test_optimizer_state_and_gradients_in_another_dtype_are_not_a_match(tmp_path: Path) -> None:
+    """The dtype rule holds for every tensor group of a step, named by --map's renaming like its values."""
+    grads = {"enc.w": torch.ones(3, 2)}
+    a = _dump(tmp_path / "a", grads=grads)
+    b = _dump(tmp_path / "b", grads={"enc.w": torch.ones(3, 2, dtype=torch.float64)})
+    assert "enc.w (A F32, B F64)" in _run(a, b).output
+    assert _run(a, b).exit_code == 1
+
+
+def test_a_training_files_dtypes_are_compared_with_a_dumps(tmp_path: Path) -> None:
+    """A training file records each tensor's dtype: a float64 model's run against the same weights dumped in float32
+    is not a match; dumped in float64, it is."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    with TrainingRecorder(tmp_path / "a.h5", model, None, grads=False) as recorder:
+        recorder.step(0, None, loss=1.0)
+    weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    single = _dump(tmp_path / "b", "batch_0.pt", model_state_dict={n: v.float() for n, v in weights.items()})
+    assert "weight (A F64, B F32)" in _run(tmp_path / "a.h5", single).output
+    assert _run(tmp_path / "a.h5", _dump(tmp_path / "c", "batch_0.pt", model_state_dict=weights)).exit_code == 0
+
+
+def test_wide_integers_are_compared_exactly(tmp_path: Path) -> None:
+    """An int64 buffer of 2**60 against 2**60 + 1 (float64 holds both as one value) is not a match, and a label of
+    2**53 + 1 against 2**53 neither; equal ones match, in int32 against int64 too (a label's width is no
+    difference)."""
+    weights = _weights()
+    a = _dump(tmp_path / "a", model_state_dict={**weights, "bn.num_batches_tracked": torch.tensor(2**60)})
+    b = _dump(tmp_path / "b", model_state_dict={**weights, "bn.num_batches_tracked": torch.tensor(2**60 + 1)})
+    result = _run(a, b)
+    assert result.exit_code == 1
+    assert "weights differ (1 of 3 parameters): bn.num_batches_tracked" in result.output
+    assert _run(a, a).exit_code == 0
+    labels_a = _dump(tmp_path / "la", labels=torch.tensor([2**53, 3]))
+    assert _run(labels_a, _dump(tmp_path / "lb", labels=torch.tensor([2**53 + 1, 3]))).exit_code == 1
+    narrow = _dump(tmp_path / "lc", labels=torch.tensor([7, 3], dtype=torch.int32))
+    assert _run(_dump(tmp_path / "ld", labels=torch.tensor([7, 3])), narrow).exit_code == 0
+
+
+def test_integer_weights_ignore_the_tolerance(tmp_path: Path) -> None:
+    """--atol loosens floating values only: an integer buffer off by one never matches."""
+    weights = _weights()
+    a = _dump(tmp_path / "a", model_state_dict={**weights, "steps": torch.tensor([10, 20])})
+    b = _dump(tmp_path / "b", model_state_dict={**weights, "steps": torch.tensor([10, 21])})
+    assert _run(a, b, "--atol", "5", "--rtol", "1").exit_code == 1
+
+
+def test_the_first_diverging_step_says_why(tmp_path: Path) -> None:
+    """The verdict line names what differs at the step: the loss with both values, a metric, the labels."""
+    result = _run(_dump(tmp_path / "a", loss=1.0), _dump(tmp_path / "b", loss=2.0))
+    assert "first diverging step: 1: loss differs (A 1.0, B 2.0)" in result.output
+    result = _run(_dump(tmp_path / "c", acc=0.5), _dump(tmp_path / "d", acc=0.25))
+    assert "accuracy differs (A 0.5, B 0.25)" in result.output
+    labels = _run(_dump(tmp_path / "e", labels=torch.tensor([1])), _dump(tmp_path / "f", labels=torch.tensor([0])))
+    assert labels.output.rstrip().endswith("first diverging step: 1: labels differ")
+
+
 def test_params_filter_also_selects_gradients(tmp_path: Path) -> None:
     """--params head: equal head weights and gradients match although the backbone's gradients differ."""
     head = torch.ones(2, 3)
