@@ -435,11 +435,23 @@ def _documented(heading: str) -> list[str]:
     return rows
 
 
-def test_every_documented_path_exists_in_a_fresh_file(fresh: Path) -> None:
+def _record_with_buffers(path: Path) -> Path:
+    """The golden recipe's run with a BatchNorm after its layer: a file holding persistent buffers too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    optimizer = RECIPE.make_optimizer(model)
+    with TrainingRecorder(path, model, optimizer, optimizer_state=True) as recorder:
+        for step, batch in enumerate(RECIPE.make_batches()):
+            loss, logits = RECIPE.forward_backward(model, optimizer, batch)
+            recorder.step(step, batch, loss=loss, predictions=logits.detach(), labels=batch["y"])
+    return path
+
+
+def test_every_documented_path_exists_in_a_fresh_file(tmp_path: Path) -> None:
     """Each row of docs/training-file.md's layout table names a root attribute or path a fresh file has."""
     rows = _documented("## Groups, datasets and attributes")
     assert len(rows) >= 12
-    with h5py.File(fresh, "r") as file:
+    with h5py.File(_record_with_buffers(tmp_path / "run.h5"), "r") as file:
         names: list[str] = []
         file.visit(lambda name: names.append("/" + name))
         attrs = set(file.attrs)

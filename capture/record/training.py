@@ -7,8 +7,8 @@
 
 A training file is written in place and flushed after every recorded step, so a run killed
 between steps leaves every completed step readable; a step counts once its ``meta`` record (written
-last) exists. Layout: ``/initial/params/<name>``; ``/steps/<step>/{batch,params,grads,optimizer,
-predictions,labels}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree);
+last) exists. Layout: ``/initial/{params,buffers}/<name>``; ``/steps/<step>/{batch,params,buffers,grads,
+optimizer,predictions,labels}`` and ``/steps/<step>/meta`` (msgpack: loss, metrics, sample ids, the batch's tree);
 a step given its epoch is ``/steps/<epoch>_<step>``, so batch numbers may restart every epoch.
 Paths, documents and version live in ``common.format.training``; the spec is docs/training-file.md.
 """
@@ -38,7 +38,9 @@ from parity_harness.common.format.training import (
     ATTR_MINOR,
     ATTR_VERSION,
     BATCH,
+    BUFFERS,
     GRADS,
+    INITIAL_BUFFERS,
     INITIAL_META,
     INITIAL_PARAMS,
     LABELS,
@@ -54,7 +56,7 @@ from parity_harness.common.format.training import (
     step_group,
 )
 
-__all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "record_training"]
+__all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "persistent_buffers", "record_training"]
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 """``train_step(model, optimizer, batch) -> loss``: one optimisation step (zero_grad, backward, step)."""
@@ -68,12 +70,14 @@ class TrainingRecorder:
         model: the model being trained.
         optimizer: its optimizer (its hyper-parameters are recorded; its state with ``optimizer_state``).
         every: record the steps whose number is a multiple of ``every``.
-        params, grads, optimizer_state: what to record per step (weights after the update, their
-            gradients, the optimizer's per-parameter state such as Adam moments).
+        params, grads, optimizer_state: what to record per step (weights after the update with the persistent
+            buffers, such as BatchNorm's running statistics; their gradients; the optimizer's per-parameter state
+            such as Adam moments).
         all_batches: also record the batch (and loss) of the steps in between, so that a port's
             training can be rerun on every batch (``replay-compare --steps``).
         seed: the run's seed, recorded for reruns.
-        rename: records parameters under other names (a port's, mapped to the reference's).
+        rename: records parameters and buffers under other names (a port's, mapped to the reference's); None
+            leaves one out.
     """
 
     def __init__(
@@ -105,10 +109,12 @@ class TrainingRecorder:
             {ATTR_FORMAT: TRAINING_FORMAT, ATTR_VERSION: TRAINING_VERSION, ATTR_MINOR: TRAINING_MINOR}
         )
         self._write_named(INITIAL_PARAMS, {n: p.detach() for n, p in model.named_parameters()})
+        self._write_named(INITIAL_BUFFERS, persistent_buffers(model))
         order = [renamed for n, _ in model.named_parameters() if (renamed := self._rename(n)) is not None]
+        buffers = [renamed for n in persistent_buffers(model) if (renamed := self._rename(n)) is not None]
         parts = ((PARAMS, params), (GRADS, grads), (OPTIMIZER, optimizer_state and optimizer is not None))
         recorded = [name for name, on in parts if on]
-        meta = build_initial_meta(_hyper_parameters(optimizer), seed, self._every, order, recorded)
+        meta = build_initial_meta(_hyper_parameters(optimizer), seed, self._every, order, recorded, buffers)
         self._file.create_dataset(INITIAL_META, data=pack(meta))
         self._file.flush()
 
@@ -178,6 +184,7 @@ class TrainingRecorder:
     def _write_state(self, group: str, named: dict[str, torch.nn.Parameter], predictions: torch.Tensor | None) -> None:
         if self._params:
             self._write_named(f"{group}/{PARAMS}", {n: p.detach() for n, p in named.items()})
+            self._write_named(f"{group}/{BUFFERS}", persistent_buffers(self._model))
         if self._grads:
             self._write_named(f"{group}/{GRADS}", {n: p.grad for n, p in named.items() if p.grad is not None})
         if self._state and self._optimizer is not None:
@@ -209,6 +216,19 @@ class TrainingRecorder:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (BatchNorm's running statistics and batch count...), by name; not those
+    registered ``persistent=False``. Read off the modules, as ``state_dict`` does, without running its hooks (a
+    sharded model's gather them)."""
+    found = {}
+    for prefix, module in model.named_modules():
+        skipped = module._non_persistent_buffers_set
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in skipped:
+                found[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    return found
 
 
 def _hyper_parameters(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:

@@ -32,7 +32,9 @@ __all__ = [
     "ATTR_MINOR",
     "ATTR_VERSION",
     "BATCH",
+    "BUFFERS",
     "GRADS",
+    "INITIAL_BUFFERS",
     "INITIAL_META",
     "INITIAL_META_KEYS",
     "INITIAL_PARAMS",
@@ -66,8 +68,9 @@ TRAINING_FORMAT: Final = "parity-harness-training"
 TRAINING_VERSION: Final = 2
 """Major version: bumped when a reader of the previous major could misread a training file (2: step groups of
 steps recorded with an epoch are named ``<epoch>_<step>``, which 1.x readers would call damaged)."""
-TRAINING_MINOR: Final = 0
-"""Minor version: bumped when fields are only added (1.1: ``recorded`` in ``/initial/meta``)."""
+TRAINING_MINOR: Final = 1
+"""Minor version: bumped when fields are only added (1.1: ``recorded`` in ``/initial/meta``; 2.1: the model's
+persistent buffers, ``/initial/buffers`` and a full step's ``buffers``, named by ``buffers`` in ``/initial/meta``)."""
 TRAINING_GATE: Final = FormatGate(
     TRAINING_FORMAT, TRAINING_VERSION, TRAINING_MINOR, noun="training file", writer="TrainingRecorder"
 )
@@ -75,11 +78,13 @@ TRAINING_GATE: Final = FormatGate(
 # ---------------------------------------------------------------- layout
 
 INITIAL_PARAMS: Final = "/initial/params"
+INITIAL_BUFFERS: Final = "/initial/buffers"
 INITIAL_META: Final = "/initial/meta"
 STEPS: Final = "/steps"
 STEP_DIGITS: Final = 9
 BATCH: Final = "batch"
 PARAMS: Final = "params"
+BUFFERS: Final = "buffers"
 GRADS: Final = "grads"
 OPTIMIZER: Final = "optimizer"
 PREDICTIONS: Final = "predictions"
@@ -107,6 +112,8 @@ class InitialMeta(TypedDict):
     """Parameter names in ``named_parameters()`` order; None before they were recorded."""
     recorded: list[str] | None
     """The step members a full step holds (``params``, ``grads``, ``optimizer``); None before 1.1."""
+    buffers: list[str] | None
+    """Persistent buffer names (BatchNorm's running statistics...), recorded beside the weights; None before 2.1."""
 
 
 class StepMeta(TypedDict):
@@ -121,17 +128,29 @@ class StepMeta(TypedDict):
     batch: Tree
 
 
-INITIAL_META_KEYS: Final = ("optimizer", "seed", "every", "parameters", "recorded")
+INITIAL_META_KEYS: Final = ("optimizer", "seed", "every", "parameters", "recorded", "buffers")
 STEP_META_KEYS: Final = ("step", "epoch", "full", "loss", "metrics", "sample_ids", "batch")
 _INITIAL_REQUIRED: Final = ("optimizer",)
 _STEP_REQUIRED: Final = ("step", "loss", "metrics", "batch")
 
 
 def build_initial_meta(
-    optimizer: dict[str, Any] | None, seed: int | None, every: int, parameters: list[str], recorded: list[str]
+    optimizer: dict[str, Any] | None,
+    seed: int | None,
+    every: int,
+    parameters: list[str],
+    recorded: list[str],
+    buffers: list[str],
 ) -> InitialMeta:
     """The ``/initial/meta`` document a writer packs."""
-    return {"optimizer": optimizer, "seed": seed, "every": every, "parameters": parameters, "recorded": recorded}
+    return {
+        "optimizer": optimizer,
+        "seed": seed,
+        "every": every,
+        "parameters": parameters,
+        "recorded": recorded,
+        "buffers": buffers,
+    }
 
 
 def build_step_meta(
@@ -215,13 +234,14 @@ def parse_initial_meta(obj: object, where: str) -> InitialMeta:
         BundleFormatError: not a map, ``optimizer`` missing, or a key of the wrong type or range.
     """
     meta = _document(obj, where, _INITIAL_REQUIRED)
-    seed, parameters, recorded = meta.get("seed"), meta.get("parameters"), meta.get("recorded")
+    seed, parameters, recorded, buffers = (meta.get(key) for key in ("seed", "parameters", "recorded", "buffers"))
     return {
         "optimizer": _optimizer(meta["optimizer"], where),
         "seed": None if seed is None else _integer(seed, where, "seed", -(1 << 63)),
         "every": _integer(meta.get("every", 1), where, "every", 1),
         "parameters": None if parameters is None else _strings(parameters, where, "parameters"),
         "recorded": None if recorded is None else _strings(recorded, where, "recorded"),
+        "buffers": None if buffers is None else _strings(buffers, where, "buffers"),
     }
 
 
@@ -332,13 +352,14 @@ def read_header(file: h5py.File, where: str) -> TrainingHeader:
     check_contained(file, where, "training file")
     initial = parse_initial_meta(_read_document(file, INITIAL_META, where), f"{where}:{INITIAL_META}")
     shapes = _check_initial_params(file, initial, where)
+    buffers = set(_check_initial_params(file, initial, where, INITIAL_BUFFERS))
     steps: dict[tuple[int | None, int], StepMeta] = {}
     groups: dict[tuple[int | None, int], str] = {}
     for (epoch, step), group in _step_groups(file, where):
         if META in group:
             document = _read_document(file, f"{group.name}/{META}", where)
             meta = parse_step_meta(document, f"{where}:{group.name}/{META}", step, epoch)
-            _check_step(group, meta, shapes, initial["recorded"], where)
+            _check_step(group, meta, (shapes, buffers), initial["recorded"], where)
             key = (meta["epoch"], step)
             if key in steps:
                 _fail(f"{where}:{group.name}", f"step {step} of epoch {meta['epoch']} is recorded twice")
@@ -393,10 +414,13 @@ def _check_names(present: set[str], expected: set[str] | None, at: str, *, subse
         _fail(at, f"tensors {unexpected[:5]} name no recorded parameter (expected names among {sorted(expected)[:5]})")
 
 
-def _check_initial_params(file: h5py.File, initial: InitialMeta, where: str) -> dict[str, tuple[int, ...]]:
-    """The initial weights: one valid tensor per listed parameter; returns each one's shape by stored name."""
-    node, at = file.get(INITIAL_PARAMS), f"{where}:{INITIAL_PARAMS}"
-    names = initial["parameters"]
+def _check_initial_params(
+    file: h5py.File, initial: InitialMeta, where: str, path: str = INITIAL_PARAMS
+) -> dict[str, tuple[int, ...]]:
+    """The initial weights (or, at ``INITIAL_BUFFERS``, buffers): one valid tensor per listed name; returns each
+    one's shape by stored name."""
+    node, at = file.get(path), f"{where}:{path}"
+    names = initial["parameters"] if path == INITIAL_PARAMS else initial["buffers"]
     expected = None if names is None else {escape_dotted(name) for name in names}
     if node is None and not expected:
         return {}  # a model without parameters
@@ -422,10 +446,23 @@ def _step_groups(file: h5py.File, where: str) -> list[tuple[tuple[int | None, in
 
 
 def _check_step(
-    group: h5py.Group, meta: StepMeta, shapes: dict[str, tuple[int, ...]], recorded: list[str] | None, where: str
+    group: h5py.Group,
+    meta: StepMeta,
+    names: tuple[dict[str, tuple[int, ...]], set[str]],
+    recorded: list[str] | None,
+    where: str,
 ) -> None:
-    """A completed step's tensors (members this reader does not know are a newer minor's: ignored)."""
+    """A completed step's tensors (members this reader does not know are a newer minor's: ignored). ``names``: the
+    parameters' shapes and the buffers, by stored name (a buffer may change shape: a cache that grows)."""
+    shapes, buffers = names
     _check_batch(group, meta, where)
+    if BUFFERS in group:
+        node, at = group.get(BUFFERS), f"{where}:{group.name}/{BUFFERS}"
+        if not isinstance(node, h5py.Group):
+            _fail(at, f"expected a group of tensors by buffer name, got {_describe(node)}")
+        _check_names(set(node), buffers, at)
+        for name in node:
+            _check_tensor(node.get(name), f"{at}/{name}")
     if meta["full"] and recorded is not None and PARAMS in recorded and shapes and PARAMS not in group:
         _fail(
             f"{where}:{group.name}/{PARAMS}", "the weights of this full step are missing (/initial/meta records them)"

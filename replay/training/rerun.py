@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.observe.driving import seed_everything
-from parity_harness.capture.record.training import TrainingRecorder, TrainStep
+from parity_harness.capture.record.training import TrainingRecorder, TrainStep, persistent_buffers
 from parity_harness.common.errors import InputError
-from parity_harness.common.format.training import INITIAL_PARAMS, PARAMS
+from parity_harness.common.format.training import BUFFERS, INITIAL_BUFFERS, INITIAL_PARAMS, PARAMS
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.training.compare import TrainingComparison, compare_training
@@ -22,13 +23,18 @@ from parity_harness.replay.training.training_file import TrainingRun
 __all__ = ["replay_training", "rerun_training"]
 
 
-def _load_parameters(named: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor], where: str) -> None:
+def _load_parameters(named: Mapping[str, torch.Tensor], values: dict[str, torch.Tensor], where: str) -> None:
+    """The port's parameters (or buffers), by the reference's names, take the recorded values."""
     missing = sorted(set(named) - set(values))
     if missing:
-        raise InputError(f"{where}: no recorded values for parameters {missing[:5]}; check --map")
+        raise InputError(f"{where}: no recorded values for {missing[:5]}; check --map")
+    wrong = [f"{n} (recorded {list(values[n].shape)}, the port's {list(t.shape)})" for n, t in named.items()]
+    wrong = [text for text, (n, t) in zip(wrong, named.items(), strict=True) if t.shape != values[n].shape]
+    if wrong:
+        raise InputError(f"{where}: the port's tensors do not have the recorded shapes: {wrong[:3]}; check --map")
     with torch.no_grad():
-        for name, param in named.items():
-            param.copy_(values[name])
+        for name, tensor in named.items():
+            tensor.copy_(values[name])
 
 
 def _load_optimizer(
@@ -77,16 +83,26 @@ def rerun_training(
     """
     rename = rename or RenameMap()
     named = {mapped: p for n, p in model.named_parameters() if (mapped := rename.parameter(n)) is not None}
+    recorded = set(run.initial["buffers"] or [])
+    buffers = {m: b for n, b in persistent_buffers(model).items() if (m := rename.parameter(n)) in recorded}
     keys = _every_batch(run)
     _load_parameters(named, run.exact(INITIAL_PARAMS), f"{run.path}:{INITIAL_PARAMS}")
+    _load_parameters(buffers, run.exact(INITIAL_BUFFERS), f"{run.path}:{INITIAL_BUFFERS}")
     seed_everything(run.seed)
     model.train()
-    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=rename.parameter)
+    parameters = {n for n, _ in model.named_parameters()}
+
+    def renamed(name: str) -> str | None:  # the port's buffers the reference did not record are its own business
+        mapped = rename.parameter(name)
+        return mapped if name in parameters or mapped in recorded else None
+
+    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=renamed)
     with recorder:
         for previous, key in zip([None, *keys], keys, strict=False):
             if resync and previous is not None and run.meta[previous]["full"]:
-                weights = run.exact(f"{run.group(previous)}/{PARAMS}")
-                _load_parameters(named, weights, f"{run.path}: step {previous.label()}")
+                group = run.group(previous)
+                _load_parameters(named, run.exact(f"{group}/{PARAMS}"), f"{run.path}: step {previous.label()}")
+                _load_parameters(buffers, run.exact(f"{group}/{BUFFERS}"), f"{run.path}: step {previous.label()}")
                 _load_optimizer(optimizer, named, run.optimizer_state(previous))
             batch = run.batch(key)
             loss = train_step(model, optimizer, batch)

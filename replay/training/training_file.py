@@ -22,7 +22,16 @@ from parity_harness.common.format.bundle.layout import unescape_dotted
 from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_compared
-from parity_harness.common.format.training import ATTR_DTYPE, BATCH, INITIAL_PARAMS, OPTIMIZER, StepMeta, read_header
+from parity_harness.common.format.training import (
+    ATTR_DTYPE,
+    BATCH,
+    BUFFERS,
+    INITIAL_PARAMS,
+    OPTIMIZER,
+    PARAMS,
+    StepMeta,
+    read_header,
+)
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import rebuild
@@ -131,14 +140,16 @@ class TrainingRun:
     def _group(self, key: StepKey, group: str) -> list[tuple[str, h5py.Dataset, str]]:
         """A step's datasets of ``group`` with their dtype tags, by name (a dataset in place of the group: under the
         group's name)."""
-        node = self._file.get(f"{self._groups[key]}/{group}")
+        members = (PARAMS, BUFFERS) if group == PARAMS else (group,)  # params: the step's state dict, as dumps hold
         found: dict[str, h5py.Dataset] = {}
-        if isinstance(node, h5py.Dataset):
-            found[group] = node
-        elif isinstance(node, h5py.Group):
-            node.visititems(lambda name, item: found.update({name: item}) if isinstance(item, h5py.Dataset) else None)
-        named = found.items() if isinstance(node, h5py.Dataset) else ((_unescaped(n), d) for n, d in found.items())
-        return [(name, dataset, str(dataset.attrs[ATTR_DTYPE])) for name, dataset in named]
+        for member in members:
+            node = self._file.get(f"{self._groups[key]}/{member}")
+            if isinstance(node, h5py.Dataset):
+                found[group] = node
+            elif isinstance(node, h5py.Group):
+                datasets = {name: item for name, item in _datasets(node)}
+                found.update({_unescaped(name): dataset for name, dataset in datasets.items()})
+        return [(name, dataset, str(dataset.attrs[ATTR_DTYPE])) for name, dataset in found.items()]
 
     def exact(self, path: str) -> dict[str, torch.Tensor]:
         """The tensors under a group (``/initial/params``, a step's ``params``), bit-exact, by name."""
@@ -168,9 +179,11 @@ class TrainingRun:
         return 0 if seed is None else seed
 
     def parameter_names(self) -> list[str]:
-        """Parameter names in the model's order (``named_parameters``)."""
+        """The names of a step's ``params``: the parameters in the model's order (``named_parameters``), then the
+        persistent buffers (a state dict's names)."""
         names = self.initial["parameters"]
-        return list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
+        parameters = list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
+        return parameters + list(self.initial["buffers"] or [])
 
     def full_steps(self) -> list[StepKey]:
         """Steps recorded with weights and gradients (not only their batch), in order."""
@@ -218,6 +231,13 @@ def _held_by_writer(path: Path) -> bool:
         return False
     finally:
         os.close(descriptor)
+
+
+def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
+    """Every dataset under ``group``, by its path inside it."""
+    found: list[tuple[str, h5py.Dataset]] = []
+    group.visititems(lambda name, item: found.append((name, item)) if isinstance(item, h5py.Dataset) else None)
+    return found
 
 
 def _unescaped(name: str) -> str:
