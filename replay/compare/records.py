@@ -75,6 +75,8 @@ class ComparingSink:
         self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
         self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
         self.seen: set[str] = set()
+        self.unsummable: set[str] = set()
+        """Gradient records a map's sum stands for, recorded as statistics only: left uncompared, never failed."""
         self._live_slots: dict[tuple[str, int], set[str]] = {}
         """Per port call (bundle naming): the slots that held a tensor, so a gradient that never came is seen."""
         forward_total = sum(len(slots(c.inputs, "input")) + len(slots(c.outputs, "output")) for c in index.calls)
@@ -129,9 +131,12 @@ class ComparingSink:
         names = [record_name(info.module, info.call, slot) for slot in slots]
         refs = [expected[slot] for slot in slots]
         if any(self._reader.summary(ref) is not None for ref in refs):  # sums of statistics are not statistics
-            for name in names:
-                self.seen.add(name)
-                self._result.waive(name, "backward", "recorded as statistics only: a sum of them cannot be compared")
+            # Left uncompared (INCOMPLETE unless the user waives them), never waived on the user's behalf.
+            self.unsummable.update(names)
+            self._result.notes.append(
+                f"{', '.join(names)}: recorded as statistics only, so the port's one gradient cannot be compared with "
+                "their sum; capture them in full (not --summary-only) to compare them, or waive them"
+            )
             return
         tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
         ignore, masked = self._padding(info, slots[0], refs[0])
@@ -212,7 +217,7 @@ class ComparingSink:
             position, recorded = found
             for slot, ref in {**recorded.grad_outputs, **recorded.grad_inputs}.items():
                 name = record_name(module, call, slot)
-                if name in self.seen or slot.removeprefix("grad_") not in live:
+                if name in self.seen or name in self.unsummable or slot.removeprefix("grad_") not in live:
                     continue
                 self.seen.add(name)
                 problem = "no gradient in the port (the port's backward never reached this tensor: detached?)"

@@ -274,17 +274,22 @@ def test_varargs_positional_only_and_wrapped_forwards(tmp_path: Path) -> None:
     assert report["not_isolated"] == {}
 
 
-def test_summed_statistics_only_records_are_waived_not_failed(tmp_path: Path) -> None:
-    """A sum cannot be formed from statistics: those records are waived with the reason, and a correct port
-    still matches."""
+def test_summed_statistics_only_records_are_left_uncompared_not_waived(tmp_path: Path) -> None:
+    """A sum cannot be formed from statistics: those records stay uncompared (INCOMPLETE, exit 1, the note saying
+    why), never waived on the user's behalf, which passed a port whose backward into them was wrong; the user's own
+    waiver makes a correct port match."""
     from parity_harness.common.format.bundle.selection import Selection
 
     bundle = tmp_path / "summary.h5"
     inputs = {"x": torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(3))}
     capture_run(build_reference(), inputs, bundle, seed=1, selection=Selection(summary_only=True))
     result, report = replay(bundle, "build_port", tmp_path)
+    assert result.exit_code == 1, result.output
+    assert report["verdict"] == "INCOMPLETE"
+    assert "layer.self_attn/0/grad_input.key" in report["coverage"]["backward"]["missing"]
+    assert any("statistics only, so the port's one gradient cannot be compared" in note for note in report["notes"])
+    result, report = replay(bundle, "build_port", tmp_path, "--waive", "layer.self_attn/0/grad_input.*")
     assert result.exit_code == 0, result.output
-    assert "statistics only" in report["coverage"]["backward"]["waived_why"]["layer.self_attn/0/grad_input.key"]
 
 
 class _MaskedBlock(nn.Module):
