@@ -56,7 +56,7 @@ def _judge_in_order(
 def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict[str, float] | None = None) -> None:
     """Attach local differences and verdicts to every record of ``result``; ``levels`` (the port's own float32
     rounding per local record) excuse local differences within ``LOCAL_ROUNDING_FACTOR`` of it."""
-    judged: dict[tuple[str, str], RecordResult] = {}
+    judged: dict[tuple[str, str] | int, RecordResult] = {}  # module records by name; the others by identity
     forward = _judge_in_order(result.of_kind("forward"), isolation, earlier_mismatch=False, levels=levels)
     # Once the forward pass differs, backward differences may come from the forward activations:
     # "input differs" in backward then only means something when the forward matched.
@@ -67,12 +67,13 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict
     for record in result.of_kind("param_grad"):
         local = isolation.param_local.get(record.name)
         own = _verdict(record.match, local, fed=False, earlier_mismatch=False, isolated=local is not None)
-        judged[("param_grad", record.name)] = replace(record, local=local, verdict=own)
+        judged[id(record)] = replace(record, local=local, verdict=own)
     any_origin = any(r.verdict == "origin" for r in judged.values())
     for record in result.of_kind("output"):
         final: Verdict = "ok" if record.match else ("inherited" if any_origin else "not isolated")
-        judged[("output", record.name)] = replace(record, verdict=final)
-    result.records = [judged[(r.kind, r.name)] for r in result.records]
+        judged[id(record)] = replace(record, verdict=final)
+    # Two records under one name (never made by a valid map) each keep their own verdict: none hides the other.
+    result.records = [judged.get(id(r)) or judged[(r.kind, r.name)] for r in result.records]
     result.isolated = True
     compared_modules = {record.module for record in result.records if record.module is not None}
     # A module none of whose records is compared (a waived wrapper) needs no isolation, nor a note saying so.

@@ -269,8 +269,17 @@ def bundle_parameters(
     takes the first of its names whose mapping is in ``known`` (the bundle's), else its first name's mapping.
     Parameters mapped to no counterpart are left out."""
     aliases: dict[int, tuple[torch.nn.Parameter, list[str]]] = {}
+    sources: dict[str, tuple[int, str]] = {}  # bundle name -> the first port parameter mapped to it, and its name
     for name, param in model.named_parameters(remove_duplicate=False):
         mapped = rename.parameter(name)
-        if mapped is not None:
-            aliases.setdefault(id(param), (param, []))[1].append(mapped)
+        if mapped is None:
+            continue
+        first = sources.setdefault(mapped, (id(param), name))
+        if first[0] != id(param):
+            raise MapFileError(
+                f"--map: the port's parameters {first[1]!r} and {name!r} are both mapped to the bundle's {mapped!r}, "
+                "so one of them would be compared with another's record; give each its own name, or map the one "
+                "with no counterpart to '-'"
+            )
+        aliases.setdefault(id(param), (param, []))[1].append(mapped)
     return [(next((n for n in names if n in known), names[0]), param) for param, names in aliases.values()]

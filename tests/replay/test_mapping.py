@@ -225,3 +225,35 @@ def test_read_map_directory(tmp_path: Path) -> None:
     """A directory given as the map file raises MapFileError."""
     with pytest.raises(MapFileError, match=re.escape(str(tmp_path))):
         read_map(tmp_path)
+
+
+def test_two_port_parameters_mapped_to_one_bundle_name_are_refused(tmp_path: Path) -> None:
+    """A rule catching a leftover module too (``^(old_)?fc2$ => fc2``) sends two port parameters to one record:
+    one would be judged by the other's gradient (a chained MISMATCH that --isolate turned into MATCH). Refused in
+    one line naming both; a parameter shared by two modules (tied weights) is one parameter, and is fine."""
+    import torch
+    from torch import nn
+
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.compare.runner import compare_run
+    from parity_harness.replay.reader import BundleReader
+
+    class Net(nn.Module):
+        def __init__(self, fc2: nn.Linear, old_fc2: nn.Linear | None = None) -> None:
+            super().__init__()
+            self.fc2 = fc2
+            if old_fc2 is not None:
+                self.old_fc2 = old_fc2  # never called
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(x)
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    bundle = tmp_path / "b.h5"
+    capture_run(Net(layer), (torch.randn(4, 3),), bundle, seed=0)
+    rule = parse_map(r"^(old_)?fc2$ => fc2")
+    with BundleReader(bundle) as reader, pytest.raises(MapFileError, match=r"'fc2\.weight' and 'old_fc2\.weight'"):
+        compare_run(Net(layer, nn.Linear(3, 2)), reader, rename=rule)
+    with BundleReader(bundle) as reader:
+        assert compare_run(Net(layer, layer), reader, rename=rule).match
