@@ -66,6 +66,24 @@ def build_tiny() -> TinyNet:
     return TinyNet()
 
 
+class TinyWrongOnRank1(TinyNet):
+    """``TinyNet`` whose head is off by 0.01 on the batch the distributed jobs' rank 1 sees (seed 101 in
+    ``tests/distributed_jobs.rank_inputs``) and right on every other: a port wrong on one rank's data only."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(x)
+        rank1 = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(101))
+        if x.shape == rank1.shape and torch.equal(x.detach().cpu(), rank1):
+            out["logits"] = out["logits"] + 1e-2
+        return out
+
+
+def build_tiny_wrong_on_rank1() -> TinyWrongOnRank1:
+    """``TinyWrongOnRank1`` with ``build_tiny``'s weights."""
+    torch.manual_seed(0)
+    return TinyWrongOnRank1()
+
+
 def build_embed() -> EmbedNet:
     """``EmbedNet`` with seeded weights."""
     torch.manual_seed(1)

@@ -350,3 +350,30 @@ def test_replay_compare_under_torchrun(tmp_path: Path, tiny_ckpt: Path, processe
     assert "replay process 1: capture ranks [1]: MATCH (module records of rank 1)" in done.stdout
     if processes == 3:
         assert "replay process 2: nothing to replay (the capture ran fewer ranks)" in done.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_replay_reports_carry_the_whole_jobs_verdict(tmp_path: Path, tiny_ckpt: Path) -> None:
+    """A port wrong on capture rank 1's batch only, replayed under torchrun: rank 0 writes the --json and --report,
+    and they say MISMATCH with rank 1's differing record, as the exit code does (they said MATCH, from rank 0's own
+    records, while the command exited 1)."""
+    replay_script = Path(sys.executable).parent / "replay-compare"
+    if not replay_script.exists():
+        pytest.skip("replay-compare is not installed next to this interpreter")
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("ddp", out)] == [0, 0]
+    report, markdown = tmp_path / "r.json", tmp_path / "r.md"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "--no-python", str(replay_script), "--bundle", str(manifest_path(out)),
+        "--model", "tests.models:build_tiny_wrong_on_rank1", "--ckpt", str(tiny_ckpt), "--atol", "1e-6", "--rtol",
+        "1e-6", "--quiet", "--json", str(report), "--report", str(markdown),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RESULT: MISMATCH" in done.stdout
+    written = json.loads(report.read_text())
+    assert (written["match"], written["verdict"]) == (False, "MISMATCH")
+    assert any(r["name"] == "rank1:output.logits" and not r["match"] for r in written["records"])
+    assert "RESULT: MISMATCH" in markdown.read_text()

@@ -21,7 +21,7 @@ from parity_harness.capture.distributed import leave_job
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable, parse_override
-from parity_harness.replay.compare.data_parallel import gather_verdicts
+from parity_harness.replay.compare.data_parallel import Verdict, gather_verdicts, merge_verdicts
 from parity_harness.replay.compare.job import ReplayJob, ReplayOutcome, run_replay_job
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.runner import ReplayOptions
@@ -73,11 +73,17 @@ def compare(params: Mapping[str, Any]) -> int:
     )
     outcome = run_replay_job(job, on_proposal=functools.partial(_show_proposal, save_map=params["save_map"]))
     progress.close()
+    verdicts = None
+    if outcome.context is not None:  # every process's findings reach rank 0 before it renders: the job's reports
+        context = outcome.context
+        verdicts = gather_verdicts(context.rank, context.world_size, outcome.assigned, outcome.result)
+        if outcome.result is not None and context.rank == 0:
+            merge_verdicts(outcome.result, verdicts, context.rank)
     if outcome.result is not None and (outcome.context is None or outcome.context.rank == 0):
         reports = (params["json_path"], params["report_path"], params["plot_path"])
         _render(outcome.result, params["bundle"], params["show"], params["max_rows"], *reports)
-    if outcome.context is not None:  # every process reports to rank 0, which prints one line per process
-        _finish_distributed(outcome)
+    if verdicts is not None:  # rank 0 prints one line per process
+        _finish_distributed(outcome, verdicts)
     return 0 if outcome.result is not None and outcome.result.match else 1
 
 
@@ -177,23 +183,22 @@ def _replay_training(
     return 0 if comparison.match else 1
 
 
-def _finish_distributed(outcome: ReplayOutcome) -> NoReturn:
-    """Gather every replay process's verdict; rank 0 prints one line per process; exit with the code of all."""
+def _finish_distributed(outcome: ReplayOutcome, verdicts: list[Verdict]) -> NoReturn:
+    """Rank 0 prints one line per replay process; every process exits with the code of all."""
     context = outcome.context
     assert context is not None
-    match = None if outcome.result is None else outcome.result.match
-    verdicts = gather_verdicts(context.rank, context.world_size, outcome.assigned, match)
     leave_job()
     if context.rank == 0:
-        for process, ranks, matched in verdicts:
-            if matched is None:
-                click.echo(f"replay process {process}: nothing to replay (the capture ran fewer ranks)")
+        for verdict in verdicts:
+            if verdict.match is None:
+                click.echo(f"replay process {verdict.process}: nothing to replay (the capture ran fewer ranks)")
             else:
-                verdict = "MATCH" if matched else "MISMATCH"
+                said = "MATCH" if verdict.match else "MISMATCH"
                 click.echo(
-                    f"replay process {process}: capture ranks {ranks}: {verdict} (module records of rank {ranks[0]})"
+                    f"replay process {verdict.process}: capture ranks {verdict.ranks}: {said} (module records of "
+                    f"rank {verdict.ranks[0]})"
                 )
-    code = 0 if len(verdicts) == context.world_size and all(v[2] is not False for v in verdicts) else 1
+    code = 0 if len(verdicts) == context.world_size and all(v.match is not False for v in verdicts) else 1
     # Leave now: gloo's threads can abort the interpreter's teardown (SIGABRT), turning a verdict into a crash.
     sys.stdout.flush()
     sys.stderr.flush()

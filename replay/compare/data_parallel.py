@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -11,11 +11,10 @@ import torch
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.diagnose.isolation import LayoutTransform
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult, RecordResult, diff_tensor
+from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_tensor
 
-__all__ = ["DataParallelRuns", "Verdict", "gather_verdicts"]
+__all__ = ["DataParallelRuns", "Verdict", "gather_verdicts", "merge_verdicts"]
 
-Verdict = tuple[int, list[int], bool | None]
 """A replay process's (process rank, capture ranks it replayed, match or None when it had none)."""
 
 
@@ -107,10 +106,53 @@ def _sum_gradients_across_processes(model: torch.nn.Module) -> None:
             dist.all_reduce(param.grad)
 
 
-def gather_verdicts(process: int, world_size: int, assigned: list[int], match: bool | None) -> list[Verdict]:
-    """Every replay process's verdict, on every process (a collective: each process calls it once)."""
+@dataclass(frozen=True)
+class Verdict:
+    """One replay process's verdict under torchrun, as every process learns it."""
+
+    process: int
+    ranks: list[int]
+    """The capture ranks it replayed (none when the capture ran fewer ranks than the job has processes)."""
+    match: bool | None
+    failing: list[RecordResult]
+    """Its records that differ, under ``rank<r>:NAME`` names."""
+    missing: list[tuple[str, RecordKind]]
+    """Its records left uncompared without a waiver, under ``rank<r>:NAME`` names."""
+
+
+def _under_rank(name: str, rank: int) -> str:
+    """A record's name as another process's report lists it (a name already carrying its rank keeps it)."""
+    return name if name.startswith("rank") and ":" in name.split("/")[0] else f"rank{rank}:{name}"
+
+
+def gather_verdicts(
+    process: int, world_size: int, assigned: list[int], result: ComparisonResult | None
+) -> list[Verdict]:
+    """Every replay process's verdict, with what differed and went uncompared, on every process (a collective:
+    each process calls it once)."""
     import torch.distributed as dist
 
+    own = Verdict(process, assigned, None, [], [])
+    if result is not None:
+        main = assigned[0]
+        failing = [replace(r, name=_under_rank(r.name, main)) for r in result.records if not r.match]
+        missing = [(_under_rank(n, main), result.missing_kinds.get(n) or "forward") for n in result.bundle_only]
+        own = Verdict(process, assigned, result.match, failing, missing)
     verdicts: list[Verdict | None] = [None] * world_size
-    dist.all_gather_object(verdicts, (process, assigned, match))
+    dist.all_gather_object(verdicts, own)
     return [verdict for verdict in verdicts if verdict is not None]
+
+
+def merge_verdicts(result: ComparisonResult, verdicts: list[Verdict], process: int) -> None:
+    """Into the result of ``process`` (the one that writes the reports), what the other processes found: their
+    differing and uncompared records under ``rank<r>:`` names, so that its verdict, JSON and report are the job's."""
+    for verdict in verdicts:
+        if verdict.process == process or verdict.match is None:
+            continue
+        result.records += verdict.failing
+        for name, kind in verdict.missing:
+            result.add_missing(kind, [name])
+        result.notes.append(
+            f"replay process {verdict.process} (capture ranks {verdict.ranks}): {len(verdict.failing)} records "
+            f"differ, {len(verdict.missing)} not compared (listed as rank<r>:NAME)"
+        )
