@@ -43,6 +43,7 @@ from parity_harness.replay.compare.records import (
     unvisited_module_records,
 )
 from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge, snapshot_buffers
+from parity_harness.replay.compare.values import compare_output_values
 from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
@@ -323,6 +324,7 @@ class _ReplaySession:
         tolerances = self.result.tolerances
         compared = compare_named(self.reader, tolerances, "output", live, expected, self.transform, padding, self.near)
         add_named(self.result, "output", compared)
+        self._compare_output_values(outputs)
 
         def on_loss(value: torch.Tensor) -> None:  # the adapter's loss may use parameters too (a weight penalty)
             self._note_outside_uses(watch, [value])
@@ -332,6 +334,17 @@ class _ReplaySession:
             cut = backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
         self._fail_cut_outputs(cut)
         sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
+
+    def _compare_output_values(self, outputs: object) -> None:
+        """The reference's scalar outputs compared; an output it could not store left uncompared (INCOMPLETE), said."""
+        records, unstored = compare_output_values(self.index.outputs, outputs, self.result.tolerances)
+        self.result.records += records
+        for slot, what in unstored:
+            self.result.add_missing("output", [slot])
+            self.result.notes.append(
+                f"{slot}: the reference returned {what}, which the capture could not store, so it is not compared; "
+                "have the reference adapter's forward return its tensors (a dict, a tuple), or waive it"
+            )
 
     def _fail_cut_outputs(self, cut: list[str]) -> None:
         """Fail the output records the reference backpropagated through and the port's graph does not reach: its

@@ -38,6 +38,7 @@ __all__ = [
     "TensorRef",
     "Tree",
     "iter_tensors",
+    "iter_values",
     "parse_index",
     "parse_tree",
 ]
@@ -218,6 +219,21 @@ def iter_tensors(tree: Tree, prefix: str) -> Iterator[tuple[str, TensorRef]]:
         for entry in cast(list[Tree], tree[-1]):
             key, node = entry
             yield from iter_tensors(cast(Tree, node), join_slot(prefix, key) if prefix else str(key))
+
+
+def iter_values(tree: Tree, prefix: str) -> Iterator[tuple[str, Tree]]:
+    """Yield ``(slot, node)`` for every leaf of a validated tree that is no tensor and no None: a scalar (``S``) or an
+    object capture could not store (``X``), named as :func:`iter_tensors` names tensor leaves."""
+    kind = tree[0]
+    if kind in ("S", "X"):
+        yield prefix, tree
+    elif kind in ("L", "U"):
+        for position, child in enumerate(cast(list[Tree], tree[1])):
+            yield from iter_values(child, join_slot(prefix, position) if prefix else str(position))
+    elif kind in ("D", "O"):
+        for entry in cast(list[Tree], tree[-1]):
+            key, node = entry
+            yield from iter_values(cast(Tree, node), join_slot(prefix, key) if prefix else str(key))
 
 
 def _tensor_ref(node: Tree) -> TensorRef:
