@@ -66,7 +66,7 @@ def output_lengths(outputs: Any, declared: Sequence[int]) -> list[np.ndarray]:
 def make_cotangents(
     outputs: Any, seed: int, lengths: Sequence[int] | None = None
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """A seeded standard-normal cotangent for every real floating output that requires grad.
+    """A seeded standard-normal cotangent for every floating output (real or complex) that requires grad.
 
     Returns ``(slot, output, cotangent)`` triples in slot order. Values are drawn in float32 on
     the CPU from a private generator, then cast, so they do not depend on the device, the output's
@@ -81,8 +81,10 @@ def make_cotangents(
     carried = output_lengths(outputs, lengths) if lengths is not None else []
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
-        if tensor.requires_grad and tensor.is_floating_point():
+        if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+            if tensor.is_complex():  # its real and imaginary parts drawn one after the other
+                noise = torch.complex(noise, torch.randn(tensor.shape, generator=generator, dtype=torch.float32))
             shape = tuple(tensor.shape)
             fitting = next((vector for vector in carried if padding_axis(shape, vector) is not None), None)
             padded = padding_mask(shape, fitting)

@@ -146,3 +146,37 @@ def test_tied_parameters_are_recorded_and_compared_once(capture_model) -> None:
     result = _self_replay(path, model)
     assert [r.name for r in result.of_kind("param_grad")] == ["embed.weight"]
     assert result.match
+
+
+class _ComplexOut(nn.Module):
+    """A linear layer whose output is read as complex numbers (an STFT front end's), scaled by ``factor``."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.factor = nn.Linear(4, 4), factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_complex((self.lin(x) * self.factor).reshape(2, 2, 2))
+
+
+def test_a_complex_output_gets_a_cotangent_and_its_backward_is_compared(tmp_path: Path) -> None:
+    """A model with a complex output is backpropagated (it recorded no backward at all, so a port whose gradients
+    were wrong matched): the gradients are recorded, the same model replays exactly, and gradients that differ
+    fail."""
+    path = tmp_path / "complex.h5"
+    summary = capture_run(_ComplexOut(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), path, seed=3)
+    assert summary.backward == "cotangent"
+    with BundleReader(path) as reader:
+        assert set(reader.index.grads) == {"lin.weight", "lin.bias"}
+        assert reader.index.cotangent is not None
+    assert _self_replay(path, _ComplexOut()).match
+
+    class WrongBackward(_ComplexOut):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            return out + (out * 0.5 - (out * 0.5).detach())  # the same values; gradients 1.5x
+
+    result = _self_replay(path, WrongBackward())
+    assert not result.match
+    assert {r.kind for r in result.records if not r.match} == {"param_grad", "backward"}
