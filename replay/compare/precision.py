@@ -28,6 +28,7 @@ PRECISION_PRESETS: Final = {"bf16": Tolerance(5e-2, 5e-2), "fp16": Tolerance(5e-
 """End-to-end tolerances of a whole model run in a precision: its unit roundoff (bf16 2**-8,
 fp16 2**-11) grown by a dozen layers of accumulation, as an atol and an rtol."""
 _REDUCED: Final = (torch.bfloat16, torch.float16)
+_REDUCED_NAMES: Final = ("bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class Precision:
     def active(self) -> bool:
         """Whether the port runs in anything but its own precision."""
         return self.dtype is not None or self.autocast is not None
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the port runs below float32 (``--dtype bf16/fp16`` or autocast): a float32 port's rounding is not
+        what bounds its differences then. ``--dtype fp32`` keeps a float32 port's precision."""
+        return self.dtype in _REDUCED_NAMES or self.autocast is not None
 
     def describe(self) -> str:
         """For the report's notes."""

@@ -98,7 +98,8 @@ class NearMisses:
         """Keep a failed record's port value if the rounding rule could pass it (``kind``: ``module`` for module
         records, else the record's kind)."""
         key = ("module" if kind in ("forward", "backward") else kind, name)
-        if diff.match or not _eligible(ref, value, diff) or key in self.kept:
+        equal_nan = self._tolerances.for_record(name, ref.tag).equal_nan
+        if diff.match or not _eligible(ref, value, diff, equal_nan) or key in self.kept:
             return
         if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
             return
@@ -135,15 +136,16 @@ def plausible_level(level: float, scale: float, exact_scale: float) -> bool:
     return level <= MAX_RELATIVE_LEVEL * scale or exact_scale <= level / 4
 
 
-def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff) -> bool:
-    """Float32 on both sides, compared element by element, no shape or NaN problem."""
+def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff, equal_nan: bool) -> bool:
+    """Float32 on both sides, compared element by element, no shape or NaN problem (NaNs on both sides are none
+    under ``equal_nan`` when there are as many: :func:`_check` sees that they lie in the same places)."""
+    same_nans = diff.nan_expected == diff.nan_actual and (equal_nan or diff.nan_expected == 0)
     return (
         ref.tag == "F32"
         and value.dtype == torch.float32
         and diff.basis == "elements"
         and diff.problem is None
-        and diff.nan_expected == 0
-        and diff.nan_actual == 0
+        and same_nans
         and math.isfinite(diff.max_abs)
     )
 
@@ -299,9 +301,12 @@ def _check(reader: BundleReader, kept: _Kept, tolerance: Tolerance, floor: float
     if kept.error is None or kept.exact is None:
         return RoundingCheck(None, 0.0, False, "the float64 rerun did not produce this record")
     expected = to_numeric(reader.read_array(kept.ref), kept.ref.tag).astype(np.float64, copy=False)
-    error = np.abs(kept.value.double().numpy() - expected)
+    actual = kept.value.double().numpy()
+    if not np.array_equal(np.isnan(expected), np.isnan(actual)):
+        return RoundingCheck(None, 0.0, False, "NaN where the other side has a number")
+    error = np.abs(actual - expected)
     magnitude = np.abs(expected)
-    counted = np.ones(error.shape, bool) if kept.ignore is None else ~kept.ignore
+    counted = ~np.isnan(expected) if kept.ignore is None else ~kept.ignore & ~np.isnan(expected)  # equal NaNs: equal
     beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
     worst = float(np.max(error, initial=0.0, where=beyond))
     peers = counted & (magnitude <= _PEER_RANGE * float(np.max(magnitude, initial=0.0, where=beyond)))

@@ -92,8 +92,8 @@ class ReplayOptions:
             (``MODULE/*`` waives a module's own records, not its children's).
         rounding: judge float32 records that fail atol/rtol narrowly again by the rounding rule
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
-            is not given, i.e. at the defaults; never with a noise floor, another precision or data
-            parallelism, and never for records a tolerance override judges.
+            is not given, i.e. at the defaults; never with a noise floor, a precision below float32 or data
+            parallelism (a note says so), and never for records a tolerance override judges.
     """
 
     forward: ForwardFn | None = None
@@ -189,11 +189,21 @@ class _ReplaySession:
         """Waiver patterns that waived a record here or on another rank."""
         if not other_rank:  # a module only some ranks ran (an expert a rank never routes to) is no error there
             _check_layer_filters(options.layers, reader)
+        if not other_rank and options.data_parallel is not None and self._rounding_wanted():
+            self.result.notes.append(
+                "the rounding check does not run on a multi-rank capture: a record failing atol/rtol by float32 "
+                "rounding alone fails; give --atol/--rtol sized to the port's rounding"
+            )
+
+    def _rounding_wanted(self) -> bool:
+        """The rounding check asked for (explicitly, or by the default tolerances)."""
+        options = self.options
+        return options.tolerances is None if options.rounding is None else options.rounding
 
     def _rounding_applies(self) -> bool:
         options = self.options
-        wanted = options.tolerances is None if options.rounding is None else options.rounding
-        return wanted and options.noise_factor is None and not self.precision.active and options.data_parallel is None
+        plain = options.noise_factor is None and not self.precision.reduced and options.data_parallel is None
+        return self._rounding_wanted() and plain
 
     def _tolerances(self) -> ToleranceTable:
         """The tolerance table, checked against what the bundle holds."""

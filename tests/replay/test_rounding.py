@@ -69,6 +69,14 @@ def test_correct_port_passes_at_defaults_and_says_why(bundle: Path) -> None:
     assert example["rounding"]["passed"] is True
 
 
+def test_dtype_fp32_on_a_float32_port_changes_no_verdict(bundle: Path) -> None:
+    """--dtype fp32 keeps a float32 port's precision: the rounding check still applies and the correct port
+    matches (it turned the check off, and the port failed at the plain rule)."""
+    from parity_harness.replay.compare.precision import Precision
+
+    assert _replay(build(manual=True), bundle, precision=Precision(dtype="fp32")).verdict == "MATCH"
+
+
 def test_cancelling_sums_pass_as_rounding(bundle: Path) -> None:
     """A key bias's gradient is exactly zero under softmax: both sides hold only rounding, far above 1e-5 of it."""
     result = _replay(build(manual=True), bundle)
@@ -377,3 +385,42 @@ def test_an_outlier_elements_rounding_excuses_no_bug_elsewhere(tmp_path: Path, o
     assert output.rounding is not None
     assert not output.rounding.passed
     assert output.rounding.level < 1e-5
+
+
+class _WithNaNs(torch.nn.Module):
+    """The independent port's model (reference or port) with NaN at fixed output positions (a masked score), its
+    gradients finite (``where`` routes none into them)."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__()
+        self.inner = build(manual=manual)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.inner(ids)
+        mask = torch.zeros(out.shape, dtype=torch.bool)
+        mask[0, 0, :5] = True
+        return torch.where(mask, torch.tensor(float("nan")), out)
+
+
+def test_equal_nans_leave_the_rounding_rule_to_the_other_elements(tmp_path: Path) -> None:
+    """With --equal-nan, NaNs in the same places on both sides do not keep a record from the rounding rule: the
+    correct port's output, out of atol/rtol by rounding-size elements beside its NaNs, passes by the rounding rule
+    (it failed), and a port that moves a NaN still fails it."""
+    from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+
+    path = tmp_path / "nans.h5"
+    capture_run(_WithNaNs(manual=False), token_ids(), path, seed=0)
+    equal_nan = ToleranceTable(Tolerance(equal_nan=True))
+    (output,) = [r for r in _replay(_WithNaNs(manual=True), path, tolerances=equal_nan, rounding=True).records
+                 if r.name == "output"]  # fmt: skip
+    assert (output.diff.nan_expected, output.diff.match, output.match, output.rule) == (5, False, True, "rounding")
+
+    class Moved(_WithNaNs):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            out = super().forward(ids).clone()
+            out[0, 0, 0], out[0, 0, 5] = 0.0, float("nan")  # as many NaNs, one of them a place further on
+            return out
+
+    (moved,) = [r for r in _replay(Moved(manual=True), path, tolerances=equal_nan, rounding=True).records
+                if r.name == "output"]  # fmt: skip
+    assert not moved.match
