@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from parity_harness.replay.assertions import assert_parity
+    from parity_harness.replay.compare.precision import Precision
     from parity_harness.replay.compare.runner import compare_run
     from parity_harness.replay.naming.mapping import RenameMap, parse_map, read_map
     from parity_harness.replay.reader import BundleReader
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BundleReader",
     "ComparisonResult",
+    "Precision",
     "RecordResult",
     "RenameMap",
     "assert_parity",
@@ -29,6 +31,7 @@ __all__ = [
 
 _HOMES: Final = {
     "assert_parity": "parity_harness.replay.assertions",
+    "Precision": "parity_harness.replay.compare.precision",
     "ComparisonResult": "parity_harness.replay.result",
     "RecordResult": "parity_harness.replay.result",
     "RenameMap": "parity_harness.replay.naming.mapping",

@@ -11,6 +11,7 @@ import torch
 from parity_harness.capture.observe.driving import ForwardFn, LossFn
 from parity_harness.common.errors import InputError, ParityMismatch
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
@@ -41,7 +42,8 @@ def assert_parity(
         bundle: a bundle written by ``capture-run`` or ``capture_run``.
         atol, rtol, equal_nan: the closeness rule: both or neither. Neither: atol = rtol = 1e-5 (the
             defaults), with the rounding check for float32 records that fail narrowly
-            (``compare.rounding``); both: exactly that rule.
+            (``compare.rounding``), or with ``precision=Precision(dtype="bf16")`` (or fp16, or autocast) that
+            precision's preset, as ``replay-compare --dtype``; both: exactly that rule.
         map: a ``--map`` file (or a parsed :class:`RenameMap`) renaming the port's modules.
         isolate: also give each record a verdict and name the first origin in the message.
         forward, loss: as in adapters.
@@ -54,7 +56,11 @@ def assert_parity(
     rename = map if isinstance(map, RenameMap) else (read_map(map) if map is not None else None)
     if (atol is None) != (rtol is None):
         raise InputError(f"assert_parity: atol={atol!r}, rtol={rtol!r}: give both (e.g. atol=1e-6, rtol=0) or neither")
-    if atol is None or rtol is None:
+    precision = options.get("precision")
+    if (atol is None or rtol is None) and isinstance(precision, Precision) and precision.reduced:
+        preset = precision.preset()  # as replay-compare --dtype/--autocast: the precision's own tolerance
+        tolerances = ToleranceTable(Tolerance(preset.atol, preset.rtol, equal_nan))
+    elif atol is None or rtol is None:
         tolerances = ToleranceTable(Tolerance(equal_nan=equal_nan)) if equal_nan else None
         options.setdefault("rounding", True)
     else:

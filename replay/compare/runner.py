@@ -12,6 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -117,6 +118,20 @@ class ReplayOptions:
     """Globs of bundle record names not to compare (``MODULE/*``: a module's own records, not its children's)."""
     rounding: bool | None = None
 
+    def __post_init__(self) -> None:
+        # Given by hand (compare_run's fields, assert_parity, the fixture): one glob for waive and globs for layers
+        # are what a caller means; a string would otherwise be taken character by character.
+        if isinstance(self.waive, str):
+            object.__setattr__(self, "waive", (self.waive,))
+        if isinstance(self.layers, str):
+            object.__setattr__(self, "layers", (self.layers,))
+        if isinstance(self.layers, (tuple, list)) and all(isinstance(glob, str) for glob in self.layers):
+            object.__setattr__(self, "layers", Selection(layers=tuple(self.layers)))
+        if self.layers is not None and not isinstance(self.layers, Selection):
+            raise InputError(f"layers={self.layers!r}: expected module globs (a string or a tuple of strings)")
+        if not all(isinstance(glob, str) for glob in self.waive):
+            raise InputError(f"waive={self.waive!r}: expected record-name globs (a string or a tuple of strings)")
+
 
 def compare_run(
     model: torch.nn.Module, reader: BundleReader, options: ReplayOptions | None = None, **fields: Any
@@ -137,6 +152,12 @@ def compare_run(
             inputs, a noise floor it does not have).
     """
     options = dataclasses.replace(options or ReplayOptions(), **fields)
+    with _state_kept(model):
+        return _compare(model, reader, options)
+
+
+def _compare(model: torch.nn.Module, reader: BundleReader, options: ReplayOptions) -> ComparisonResult:
+    """:func:`compare_run`'s phases, in order."""
     session = _ReplaySession(model, reader, options)
     session.compare_parameters()
     session.run_every_rank()
@@ -149,6 +170,34 @@ def compare_run(
         session.isolate()
         session.settle_checksums()
     return session.result
+
+
+@contextlib.contextmanager
+def _state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """The caller's model as it was once the replay is over: each module's train/eval mode, its parameters' tensors
+    (``--dtype`` casts them) and its buffers' values (a train-mode replay moves BatchNorm's statistics). A test
+    checking one model against two bundles would otherwise compare the second with what the first left."""
+    modes = [(module, module.training) for module in model.modules()]
+    parameters = [(param, param.data) for param in model.parameters()]
+    buffers = [
+        (module, name, buffer, buffer.detach().clone())
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        with torch.no_grad():
+            for param, data in parameters:  # .data is a new wrapper at each access: compared by what it holds
+                if (param.dtype, param.device, param.data_ptr()) != (data.dtype, data.device, data.data_ptr()):
+                    param.grad = None  # of the cast tensor's dtype
+                    param.data = data
+            for module, name, buffer, values in buffers:
+                buffer.copy_(values)
+                module._buffers[name] = buffer
 
 
 class _ReplaySession:

@@ -40,6 +40,14 @@ class ParityFixture:
         neither); neither anywhere: the defaults, with the rounding check."""
         marker = self._request.node.get_closest_marker("parity")
         marked = marker.kwargs if marker else {}
+        unknown = sorted(set(marked) - {"atol", "rtol"})
+        if marker is not None and (marker.args or unknown):  # never a silent default in place of what was written
+            given = [repr(a) for a in marker.args] + [f"{k}=..." for k in unknown]
+            pytest.fail(
+                f"@pytest.mark.parity({', '.join(given)}): the marker takes atol= and rtol= by keyword only, e.g. "
+                "@pytest.mark.parity(atol=1e-4, rtol=1e-4)",
+                pytrace=False,
+            )
         config = self._request.config
         sources = [
             ("parity.check()", atol, rtol),

@@ -99,6 +99,11 @@ def test_atol_without_rtol_is_refused_everywhere(pytester: pytest.Pytester) -> N
     marked = pytester.runpytest()
     marked.assert_outcomes(failed=1)
     marked.stdout.fnmatch_lines(["*@pytest.mark.parity gives atol=None, rtol=0.1: give both or neither*"])
+    for written in ("@pytest.mark.parity(1.0, 1.0)", "@pytest.mark.parity(tol=1.0)"):  # never the defaults instead
+        _write(pytester, delta=0.01, marker=written)
+        positional = pytester.runpytest()
+        positional.assert_outcomes(failed=1)
+        positional.stdout.fnmatch_lines(["*the marker takes atol= and rtol= by keyword only*"])
 
 
 @pytest.mark.slow
@@ -137,3 +142,18 @@ def test_assert_parity_outside_pytest(tiny_bundle: Path) -> None:
         model.blocks[1].lin.weight[0, 0] += 0.01
     with pytest.raises(ParityMismatch, match=r"(?s)first divergence \(forward\): blocks\.1\.lin.*first origin"):
         assert_parity(model, tiny_bundle, isolate=True)
+
+
+def test_layers_and_waive_given_as_strings_mean_one_glob(tiny_bundle: Path) -> None:
+    """``layers="inp"`` and ``waive="glob"`` by hand are one glob each (``layers`` raised AttributeError; a waive
+    string was read character by character: "waiver 'b' matches no record")."""
+    from parity_harness.common.errors import InputError
+
+    result = assert_parity(build_tiny(), tiny_bundle, layers="inp")
+    assert result.match
+    assert {r.module for r in result.records if r.module} == {"inp"}
+    assert assert_parity(build_tiny(), tiny_bundle, layers=("inp", "head")).match
+    with pytest.raises(InputError, match=r"waiver 'nothing\.here/\*' \(--waive"):
+        assert_parity(build_tiny(), tiny_bundle, waive="nothing.here/*")
+    with pytest.raises(InputError, match="layers=3: expected module globs"):
+        assert_parity(build_tiny(), tiny_bundle, layers=3)

@@ -133,3 +133,41 @@ def test_isolation_runs_modules_in_the_replay_precision(smooth_bundle: Path, pre
     assert result.isolated
     assert result.not_isolated == {}
     assert result.match
+
+
+def test_assert_parity_with_a_precision_takes_its_preset(smooth_bundle: Path) -> None:
+    """assert_parity(precision=bf16) at the defaults judges by the bf16 preset, as replay-compare --dtype bf16 does
+    (it judged by 1e-5 and every record failed)."""
+    from parity_harness.replay import assert_parity
+
+    result = assert_parity(build_smooth(), smooth_bundle, precision=Precision(dtype="bf16"))
+    assert (result.tolerances.default.atol, result.tolerances.default.rtol) == (5e-2, 5e-2)
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+def test_a_replay_leaves_the_callers_model_as_it_was(tmp_path: Path) -> None:
+    """A train-mode replay moves BatchNorm's statistics and sets train mode, --dtype casts the weights: after
+    compare_run the model has its own mode, buffer values and weights back, so that a test checking one model
+    against two bundles compares the second with the model it built (it failed 15 of 22 records)."""
+    inputs = (torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),)
+    trained, evaluated = tmp_path / "train.h5", tmp_path / "eval.h5"
+    capture_run(_Normed(), inputs, trained, seed=0, train_mode=True)
+    capture_run(_Normed().eval(), inputs, evaluated, seed=0)
+    model = _Normed().eval()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    assert replay(trained, model, EXACT).match
+    assert replay(evaluated, model, EXACT).match
+    replay(evaluated, model, EXACT, precision=Precision(dtype="bf16"))
+    assert not model.training
+    assert not model.norm.training
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) and after[name].dtype == value.dtype for name, value in before.items())
