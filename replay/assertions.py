@@ -57,6 +57,7 @@ def assert_parity(
     if (atol is None) != (rtol is None):
         raise InputError(f"assert_parity: atol={atol!r}, rtol={rtol!r}: give both (e.g. atol=1e-6, rtol=0) or neither")
     precision = options.get("precision")
+    tolerances: ToleranceTable | None
     if (atol is None or rtol is None) and isinstance(precision, Precision) and precision.reduced:
         preset = precision.preset()  # as replay-compare --dtype/--autocast: the precision's own tolerance
         tolerances = ToleranceTable(Tolerance(preset.atol, preset.rtol, equal_nan))

@@ -15,9 +15,12 @@ record, so reading a bundle of any size keeps at most about twice the largest re
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import keyword
 import mmap
 import os
+import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -513,11 +516,39 @@ def _is_auxiliary(name: str) -> bool:
     return name == INDEX.lstrip("/") or name.startswith(RNG.lstrip("/") + "/")
 
 
-def rebuild(tree: Tree, load: Callable[[TensorRef], torch.Tensor]) -> Any:
-    """Turn a validated tree back into Python values; objects come back as dicts or tuples.
+class RecordedObject(dict):  # type: ignore[type-arg]
+    """A recorded dataclass or mapping object fed back: a ``dict`` of its fields that also reads them as attributes
+    (``batch.audio`` as well as ``batch["audio"]``), so that a forward written for the object runs on it."""
 
-    No class is ever imported or instantiated from a name stored in a bundle: a recorded
-    dataclass or mapping class becomes a ``dict``, a named tuple a ``tuple``.
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _named_tuple(type_name: object, fields: list[str], values: list[Any]) -> tuple[Any, ...]:
+    """A recorded named tuple fed back as a named tuple of the same short name and fields (made here, by name only:
+    no class named in the bundle is imported)."""
+    short = re.sub(r"\W", "_", str(type_name).rsplit(".", 1)[-1])
+    short = short if short.isidentifier() and not keyword.iskeyword(short) else "RecordedTuple"
+    made = _NAMED_TUPLES.get((short, tuple(fields)))
+    if made is None:
+        made = _NAMED_TUPLES.setdefault((short, tuple(fields)), collections.namedtuple(short, fields, rename=True))
+    return made(*values)  # type: ignore[no-any-return]
+
+
+_NAMED_TUPLES: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def rebuild(tree: Tree, load: Callable[[TensorRef], torch.Tensor]) -> Any:
+    """Turn a validated tree back into Python values.
+
+    No class is ever imported or instantiated from a name stored in a bundle: a recorded dataclass or mapping
+    class becomes a :class:`RecordedObject` (a ``dict`` reading its keys as attributes too), a named tuple a named
+    tuple made here with its short name and fields.
     """
     kind = tree[0]
     if kind == "T":
@@ -530,10 +561,13 @@ def rebuild(tree: Tree, load: Callable[[TensorRef], torch.Tensor]) -> Any:
     if kind in ("L", "U"):
         items = [rebuild(child, load) for child in tree[1]]  # type: ignore[attr-defined]
         return items if kind == "L" else tuple(items)
-    if kind == "D" or (kind == "O" and tree[2] != "namedtuple"):
+    if kind == "D":
         return {key: rebuild(child, load) for key, child in tree[-1]}  # type: ignore[attr-defined]
+    if kind == "O" and tree[2] != "namedtuple":
+        return RecordedObject((key, rebuild(child, load)) for key, child in tree[-1])  # type: ignore[attr-defined]
     if kind == "O":
-        return tuple(rebuild(child, load) for _, child in tree[3])  # type: ignore[attr-defined]
+        fields = [str(key) for key, _ in tree[3]]  # type: ignore[attr-defined]
+        return _named_tuple(tree[1], fields, [rebuild(child, load) for _, child in tree[3]])  # type: ignore[attr-defined]
     raise BundleFormatError(f"recorded value of type {tree[1]} could not be recorded ({tree[2]}), so it cannot be fed")
 
 

@@ -99,7 +99,15 @@ def to_device(value: Any, device: str | torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, Mapping):
-        return {key: to_device(item, device) for key, item in value.items()}
+        moved = {key: to_device(item, device) for key, item in value.items()}
+        if isinstance(value, dict) and type(value) is not dict:  # keep a dict subclass (replay's RecordedObject)
+            try:
+                return type(value)(moved)
+            except (TypeError, ValueError):
+                return moved
+        return moved
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields one by one
+        return type(value)(*(to_device(item, device) for item in value))
     if isinstance(value, (list, tuple)):
         return type(value)(to_device(item, device) for item in value)
     return value

@@ -7,6 +7,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import h5py
 import msgpack
@@ -609,3 +610,42 @@ def test_a_crafted_name_in_the_index_makes_a_short_message(tiny_bundle: Path, ch
     with pytest.raises(BundleFormatError, match=expected) as caught:
         BundleReader(tiny_bundle)
     assert len(str(caught.value)) < len(str(tiny_bundle)) + 400
+
+
+def test_recorded_objects_come_back_readable_as_objects(tmp_path: Path) -> None:
+    """A model taking a dataclass or a named tuple (a ``Batch(audio, scale)``, common in ASR code) replays on the
+    recorded inputs unchanged: they come back with attribute access (a dict and a plain tuple made the same model
+    fail with AttributeError), and a named tuple's capture no longer fails moving it to the device."""
+    import collections
+    import dataclasses
+
+    import torch
+
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.compare.runner import compare_run
+
+    @dataclasses.dataclass
+    class Batch:
+        audio: torch.Tensor
+        scale: float
+
+    Pair = collections.namedtuple("Pair", "audio scale")
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, batch: Any) -> torch.Tensor:
+            return self.lin(batch.audio) * batch.scale
+
+    for kind in (Batch, Pair):
+        path = tmp_path / f"{kind.__name__}.h5"
+        capture_run(Model(), (kind(torch.randn(2, 4), 0.5),), path, seed=0)
+        with BundleReader(path) as reader:
+            (batch,) = reader.rebuild(reader.index.inputs)
+            assert batch.scale == 0.5
+            assert compare_run(Model(), reader).match
+    assert type(batch).__name__ == "Pair"
+    assert tuple(batch._fields) == ("audio", "scale")
