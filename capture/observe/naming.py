@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import torch
 
-from parity_harness.common.format.bundle.layout import join_slot, record_name
+from parity_harness.common.format.bundle.layout import join_slot, pair_slots, record_name
 from parity_harness.common.format.bundle.schema import MAX_DEPTH, TensorRef, Tree
 
 __all__ = [
@@ -49,7 +49,11 @@ def grad_slot(slot: str) -> str:
 
 
 def _pairs(items: Iterator[tuple[object, object]], prefix: str, store: StoreTensor, depth: int) -> list[object]:
-    return [[key, encode_value(child, join_slot(prefix, key), store, depth + 1)] for key, child in items]
+    listed = list(items)
+    slots = pair_slots(prefix, [key for key, _ in listed])
+    return [
+        [key, encode_value(child, slot, store, depth + 1)] for (key, child), slot in zip(listed, slots, strict=True)
+    ]
 
 
 def _plain_key(key: object) -> object:

@@ -180,3 +180,36 @@ def test_a_complex_output_gets_a_cotangent_and_its_backward_is_compared(tmp_path
     result = _self_replay(path, WrongBackward())
     assert not result.match
     assert {r.kind for r in result.records if not r.match} == {"param_grad", "backward"}
+
+
+class _Heads(nn.Module):
+    def __init__(self, factor: float = 3.0) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, h: torch.Tensor) -> dict[object, torch.Tensor]:
+        return {1: h * 2, "1": h * self.factor}
+
+
+class _KeyedHeads(nn.Module):
+    def __init__(self, factor: float = 3.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.heads = nn.Linear(4, 4), _Heads(factor)
+
+    def forward(self, x: torch.Tensor) -> dict[object, torch.Tensor]:
+        return self.heads(self.lin(x))
+
+
+def test_keys_of_other_types_with_one_text_are_recorded_apart(tmp_path: Path) -> None:
+    """``{1: a, "1": b}`` made capture fail ("recorded before"): the later key is named by its type too, in the
+    capture, the index's slots and the port's alike, so the same model matches and a change in one head is found
+    there."""
+    path = tmp_path / "keys.h5"
+    capture_run(_KeyedHeads(), (torch.randn(2, 4),), path, seed=0)
+    with BundleReader(path) as reader:
+        assert [slot for slot, _ in iter_tensors(reader.index.outputs, "output")] == ["output.1", "output.1~str"]
+    assert _self_replay(path, _KeyedHeads()).match
+    failing = {r.name for r in _self_replay(path, _KeyedHeads(factor=3.5)).records if not r.match}
+    assert {"output.1~str", "heads/0/output.1~str"} <= failing
+    assert not failing & {"output.1", "heads/0/output.1"}

@@ -23,6 +23,7 @@ __all__ = [
     "escape",
     "escape_dotted",
     "join_slot",
+    "pair_slots",
     "record_name",
     "tensor_path",
     "unescape_dotted",
@@ -70,6 +71,20 @@ def unescape_dotted(name: str) -> str:
 def join_slot(prefix: str, key: object) -> str:
     """Name of a leaf inside a nested value, e.g. ``join_slot("output", 0) == "output.0"``."""
     return f"{prefix}.{escape(str(key))}"
+
+
+def pair_slots(prefix: str, keys: list[object]) -> list[str]:
+    """The slot of each key of a mapping (``join_slot``); keys of other types with one text (``{1: a, "1": b}``)
+    would share one, so each later one is also named by its type (``output.1~str``)."""
+    slots, taken = [], set()
+    for key in keys:
+        slot = join_slot(prefix, key) if prefix else str(key)  # a tree's top level names its keys unescaped
+        if slot in taken:
+            typed = f"{key}~{type(key).__name__}"
+            slot = join_slot(prefix, typed) if prefix else typed
+        taken.add(slot)
+        slots.append(slot)
+    return slots
 
 
 def record_name(module: str, call: int, slot: str) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
 from parity_harness.common.errors import BundleFormatError
-from parity_harness.common.format.bundle.layout import join_slot
+from parity_harness.common.format.bundle.layout import join_slot, pair_slots
 from parity_harness.common.format.bundle.selection import Selection, parse_selection
 from parity_harness.common.format.dtypes import TAGS
 from parity_harness.common.format.preview import clipped, shown
@@ -216,9 +216,9 @@ def iter_tensors(tree: Tree, prefix: str) -> Iterator[tuple[str, TensorRef]]:
         for position, child in enumerate(cast(list[Tree], tree[1])):
             yield from iter_tensors(child, join_slot(prefix, position) if prefix else str(position))
     elif kind in ("D", "O"):
-        for entry in cast(list[Tree], tree[-1]):
-            key, node = entry
-            yield from iter_tensors(cast(Tree, node), join_slot(prefix, key) if prefix else str(key))
+        entries = cast(list[list[Tree]], tree[-1])
+        for (_, node), slot in zip(entries, pair_slots(prefix, [key for key, _ in entries]), strict=True):
+            yield from iter_tensors(node, slot)
 
 
 def iter_values(tree: Tree, prefix: str) -> Iterator[tuple[str, Tree]]:
@@ -231,9 +231,9 @@ def iter_values(tree: Tree, prefix: str) -> Iterator[tuple[str, Tree]]:
         for position, child in enumerate(cast(list[Tree], tree[1])):
             yield from iter_values(child, join_slot(prefix, position) if prefix else str(position))
     elif kind in ("D", "O"):
-        for entry in cast(list[Tree], tree[-1]):
-            key, node = entry
-            yield from iter_values(cast(Tree, node), join_slot(prefix, key) if prefix else str(key))
+        entries = cast(list[list[Tree]], tree[-1])
+        for (_, node), slot in zip(entries, pair_slots(prefix, [key for key, _ in entries]), strict=True):
+            yield from iter_values(node, slot)
 
 
 def _tensor_ref(node: Tree) -> TensorRef:
