@@ -71,16 +71,27 @@ class TapSink(Protocol):
         """Backward produced the gradient of slot ``slot`` (``grad_output.0``, ``grad_input.1``)."""
 
 
+class _Phase:
+    """Whether a tap's forward is over: gradients reach the sink only from then on."""
+
+    __slots__ = ("backward",)
+
+    def __init__(self) -> None:
+        self.backward = False
+
+
 class _GradTap:
-    """A tensor hook forwarding one slot's gradient to the sink, at most once."""
+    """A tensor hook forwarding one slot's gradient to the sink, at most once, from the run's own backward: a
+    gradient the model takes inside its forward (``torch.autograd.grad`` for forces, a gradient penalty) runs the
+    hooks too, with that inner gradient, which is no record of the run's backward."""
 
-    __slots__ = ("fired", "info", "sink", "slot")
+    __slots__ = ("fired", "info", "phase", "sink", "slot")
 
-    def __init__(self, sink: TapSink, info: CallInfo, slot: str) -> None:
-        self.sink, self.info, self.slot, self.fired = sink, info, slot, False
+    def __init__(self, sink: TapSink, info: CallInfo, slot: str, phase: _Phase) -> None:
+        self.sink, self.info, self.slot, self.fired, self.phase = sink, info, slot, False, phase
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if not self.fired:
+        if not self.fired and self.phase.backward:
             self.fired = True
             self.sink.on_grad(self.info, self.slot, grad)
 
@@ -130,6 +141,7 @@ class ModuleTap:
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
         self._held = HeldViews()
+        self._phase = _Phase()
 
     def __enter__(self) -> ModuleTap:
         before, after = _eager(self._before), _eager(self._after)
@@ -147,6 +159,7 @@ class ModuleTap:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._phase.backward = True  # the run's backward comes after its forward, outside the block
 
     def _before(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -173,7 +186,7 @@ class ModuleTap:
         for slot, tensor in iter_live_call_inputs(args, kwargs, names):
             # Tensors inside containers we cannot rebuild get a plain hook (sum over consumers).
             if tensor.requires_grad and slot not in aliased:
-                self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
+                self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
         return (new_args, new_kwargs) if aliased else None
 
     def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str]) -> Any:
@@ -181,7 +194,7 @@ class ModuleTap:
             if not value.requires_grad or value.layout != torch.strided:
                 return value
             alias = value.view_as(value)
-            self._watch(alias, _GradTap(self._sink, info, grad_slot(slot)))
+            self._watch(alias, _GradTap(self._sink, info, grad_slot(slot), self._phase))
             aliased.add(slot)
             return alias
         if type(value) in (list, tuple):
@@ -196,7 +209,7 @@ class ModuleTap:
         if self._backward and torch.is_grad_enabled():
             for slot, tensor in iter_live_tensors(outputs, "output"):
                 if tensor.requires_grad:
-                    self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot)))
+                    self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
             self._held.sweep_if_due()
 
     def _watch(self, tensor: torch.Tensor, tap: _GradTap) -> None:

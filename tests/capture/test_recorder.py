@@ -213,3 +213,39 @@ def test_keys_of_other_types_with_one_text_are_recorded_apart(tmp_path: Path) ->
     failing = {r.name for r in _self_replay(path, _KeyedHeads(factor=3.5)).records if not r.match}
     assert {"output.1~str", "heads/0/output.1~str"} <= failing
     assert not failing & {"output.1", "heads/0/output.1"}
+
+
+class _Forces(nn.Module):
+    """An energy and its forces -dE/dpos, by ``torch.autograd.grad`` inside forward (molecular models, gradient
+    penalties) or written out by hand (``analytic``): the same numbers."""
+
+    def __init__(self, analytic: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.act, self.lin2 = nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)
+        self.analytic = analytic
+
+    def forward(self, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        pos = pos if pos.requires_grad else pos.requires_grad_(True)
+        hidden = self.act(self.lin1(pos))
+        energy = self.lin2(hidden).sum()
+        if self.analytic:
+            forces = -((1 - hidden * hidden) * self.lin2.weight) @ self.lin1.weight
+        else:
+            forces = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+        return {"energy": energy, "forces": forces}
+
+
+def test_a_gradient_taken_inside_forward_is_no_record_of_the_backward(tmp_path: Path) -> None:
+    """autograd.grad inside forward ran the module records' one-shot gradient hooks with its own gradient
+    (lin2's grad_output recorded as dE/dE = 1), and the run's backward went unrecorded: a port writing the forces
+    out by hand failed on six backward records. Only the run's own backward is recorded now."""
+    path = tmp_path / "forces.h5"
+    capture_run(_Forces(), (torch.randn(5, 3, generator=torch.Generator().manual_seed(1)),), path, seed=42)
+    with BundleReader(path) as reader:
+        _, lin2 = reader.find_call("lin2", 0)
+        grad_output = reader.read_tensor(lin2.grad_outputs["grad_output"])
+        assert not torch.equal(grad_output, torch.ones_like(grad_output))
+    assert _self_replay(path, _Forces()).match
+    with BundleReader(path) as reader:
+        assert compare_run(_Forces(analytic=True), reader).match
