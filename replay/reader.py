@@ -577,6 +577,8 @@ def open_bundle_for_listing(bundle: Path, *, rank: int = 0, verify: bool = True)
     manifest = find_manifest(bundle)
     if manifest is not None and rank >= manifest.world_size:
         raise InputError(f"--rank {rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})")
+    if manifest is None and rank != 0:
+        raise InputError(f"--rank {rank}: {bundle} is one bundle, not a multi-rank capture; drop --rank")
     path = manifest.rank_file(rank) if manifest is not None else bundle
     with BundleReader(path, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
         yield reader

@@ -49,6 +49,19 @@ def _refuse_ignored_by_training(context: click.Context) -> None:
         )
 
 
+def _refuse_options_without_their_mode(context: click.Context) -> None:
+    """An option that only acts with another (``--params`` with ``--steps``, ``--compile-per-module`` with
+    ``--compile``): a usage error naming it, never silently ignored. (``--list`` runs nothing and ignores the
+    comparison's options on purpose: appended to a whole command line, it shows the bundle instead.)"""
+    params = context.params
+    if params["list_only"]:
+        return
+    if params["params_filter"] is not None and not (params["training"] or params["resync"]):
+        raise click.UsageError("--params selects the weights of a training rerun: it needs --steps")
+    if params["compile_per_module"] and params["compile_backend"] is None:
+        raise click.UsageError("--compile-per-module needs --compile BACKEND")
+
+
 def _walked_first(bundle: Path) -> Path | None:
     """The file the job walks first: the bundle, or a multi-rank capture's first rank file (its manifest read, which
     needs no torch); None where the manifest is refused (the job then reports why)."""
@@ -246,6 +259,7 @@ def main(
                 check_output(path, what=option)
         if training or resync:
             _refuse_ignored_by_training(click.get_current_context())
+        _refuse_options_without_their_mode(click.get_current_context())
         if list_only and not (training or resync):
             with open_bundle_for_listing(Path(bundle), rank=rank, verify=not no_verify) as reader:
                 click.echo(render_listing(reader))

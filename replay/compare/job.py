@@ -238,3 +238,5 @@ def _check_rank_request(job: ReplayJob, manifest: Manifest | None, context: Rank
         raise InputError(
             f"--rank {job.rank}: the capture ran {manifest.world_size} ranks (0..{manifest.world_size - 1})"
         )
+    if manifest is None and job.rank != 0:
+        raise InputError(f"--rank {job.rank}: {job.bundle} is one bundle, not a multi-rank capture; drop --rank")

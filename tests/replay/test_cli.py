@@ -465,3 +465,20 @@ def test_tolerance_preset_reported_in_json(tiny_bundle: Path, tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     assert json.loads(report.read_text())["tolerance"]["preset"] == "torch"
     assert "torch.testing tolerances per dtype" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--params", "head"], "--params selects the weights of a training rerun: it needs --steps"),
+        (["--compile-per-module"], "--compile-per-module needs --compile BACKEND"),
+        (["--rank", "2"], "is one bundle, not a multi-rank capture; drop --rank"),
+        (["--rank", "1", "--list"], "is one bundle, not a multi-rank capture; drop --rank"),
+    ],
+    ids=["params-without-steps", "per-module-without-compile", "rank-of-one-bundle", "rank-of-one-bundle-listed"],
+)
+def test_an_option_that_would_act_on_nothing_is_refused(tiny_bundle: Path, extra: list[str], expected: str) -> None:
+    """An option whose mode is not on was silently ignored (the run went on without it): exit 2, one line."""
+    result = replay("--bundle", tiny_bundle, "--model", "tests.models:build_tiny", *extra)
+    assert result.exit_code == 2, result.output
+    assert expected in one_error_line("replay-compare", result)
