@@ -182,6 +182,11 @@ def _report(outcome: CaptureOutcome, out: str, every: int, options: CaptureOptio
         f"capture-run: wrote {summary.path} ({summary.tensors} tensors, {summary.tensor_bytes / 1e6:.1f} MB{linked}, "
         f"{summary.module_calls} module calls, backward: {summary.backward}) in {summary.seconds:.2f} s"
     )
+    for slot, kind in summary.unstored_outputs:
+        click.echo(
+            f"capture-run: warning: the model's output {slot} is a {kind}, which a bundle cannot hold: it was not "
+            "recorded nor backpropagated, and replay leaves it uncompared; have the adapter's forward return tensors"
+        )
     if options.self_check:
         click.echo("capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones")
     if not options.selection.is_everything:

@@ -30,7 +30,7 @@ from parity_harness.capture.record.sink import BundleRecorder, SelectiveStore, s
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError, InputError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
-from parity_harness.common.format.bundle.schema import BackwardMode, BundleIndex, RunInfo, TensorRef, Tree
+from parity_harness.common.format.bundle.schema import BackwardMode, BundleIndex, RunInfo, TensorRef, Tree, iter_values
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.manifest import rank_path
 
@@ -90,6 +90,8 @@ class CaptureSummary:
     seconds: float
     linked: int = 0
     """Records stored as links to an identical tensor recorded before."""
+    unstored_outputs: list[tuple[str, str]] = field(default_factory=list)
+    """The model's outputs the capture could not store, (slot, type): replay leaves them uncompared."""
 
 
 def capture_run(
@@ -172,8 +174,16 @@ def _capture(
         index = run.index()
         path = writer.commit(index)
         seconds = time.perf_counter() - started
+        unstored = [(slot, str(node[1])) for slot, node in iter_values(index.outputs, "output") if node[0] == "X"]
         return CaptureSummary(
-            path, writer.tensor_count, writer.tensor_bytes, len(index.calls), run.mode, seconds, writer.linked_count
+            path,
+            writer.tensor_count,
+            writer.tensor_bytes,
+            len(index.calls),
+            run.mode,
+            seconds,
+            writer.linked_count,
+            unstored,
         )
 
 

@@ -375,3 +375,36 @@ def test_commands_run_in_a_test_process_leave_its_collection_alone(tmp_path: Pat
     result = capture("--model", TINY, "--inputs", npz, "--out", tmp_path / "run.h5")
     assert result.exit_code == 0, result.output
     assert gc.get_freeze_count() == before
+
+
+NAMESPACE_MODEL = """
+import types
+
+import torch
+from torch import nn
+
+
+class Namespaced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return types.SimpleNamespace(logits=self.lin(x))
+
+
+def build():
+    return Namespaced()
+"""
+
+
+def test_an_output_a_bundle_cannot_hold_is_warned_about(tmp_path: Path, npz: Path) -> None:
+    """A model returning an object of its own: the capture says that output was neither recorded nor
+    backpropagated (it said only 'backward: none')."""
+    module = tmp_path / "namespaced.py"
+    module.write_text(NAMESPACE_MODEL)
+    np.savez(npz, x=np.ones((2, 4), dtype=np.float32))
+    result = capture("--model", f"{module}:build", "--inputs", npz, "--out", tmp_path / "b.h5")
+    assert result.exit_code == 0, result.output
+    assert "warning: the model's output output is a types.SimpleNamespace, which a bundle cannot hold" in result.output
