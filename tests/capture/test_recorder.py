@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,3 +252,54 @@ def test_a_gradient_taken_inside_forward_is_no_record_of_the_backward(tmp_path: 
     assert _self_replay(path, _Forces()).match
     with BundleReader(path) as reader:
         assert compare_run(_Forces(analytic=True), reader).match
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairData:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+_PairTuple = collections.namedtuple("_PairTuple", "a b")
+
+
+class _Mix(nn.Module):
+    def forward(self, pair: Any) -> torch.Tensor:
+        a, b = (pair["a"], pair["b"]) if isinstance(pair, dict) else (pair.a, pair.b)
+        return a * 2.0 + b
+
+
+class _Mixing(nn.Module):
+    """A module given a tensor inside a container, that tensor also feeding a skip connection."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.mix, self.container = nn.Linear(4, 4), _Mix(), container
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        pair: Any = {"a": h, "b": x}
+        if self.container == "namedtuple":
+            pair = _PairTuple(h, x)
+        elif self.container == "dataclass":
+            pair = _PairData(h, x)
+        elif self.container == "ordereddict":
+            pair = collections.OrderedDict(pair)
+        return self.mix(pair) + h * 5.0
+
+
+@pytest.mark.parametrize("container", ["namedtuple", "dataclass", "ordereddict"])
+def test_a_tensor_inside_a_container_gets_the_modules_own_input_gradient(tmp_path: Path, container: str) -> None:
+    """A tensor passed in a named tuple, dataclass or OrderedDict got a plain hook, so its grad_input was summed over
+    every consumer (the skip too): recorded 7 x grad_output rather than 2 x. It is the module's own now, and the
+    same call with a plain dict (same slots, same numbers) matches."""
+    path = tmp_path / "mix.h5"
+    capture_run(_Mixing(container), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), path, seed=4)
+    with BundleReader(path) as reader:
+        _, mix = reader.find_call("mix", 0)
+        grad_input = reader.read_tensor(mix.grad_inputs["grad_input.pair.a"])
+        grad_output = reader.read_tensor(mix.grad_outputs["grad_output"])
+        assert torch.equal(grad_input, 2 * grad_output)
+    assert _self_replay(path, _Mixing(container)).match
+    assert _self_replay(path, _Mixing("dict")).match

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Final
 
 __all__ = [
@@ -73,7 +74,7 @@ def join_slot(prefix: str, key: object) -> str:
     return f"{prefix}.{escape(str(key))}"
 
 
-def pair_slots(prefix: str, keys: list[object]) -> list[str]:
+def pair_slots(prefix: str, keys: Sequence[object]) -> list[str]:
     """The slot of each key of a mapping (``join_slot``); keys of other types with one text (``{1: a, "1": b}``)
     would share one, so each later one is also named by its type (``output.1~str``)."""
     slots, taken = [], set()
