@@ -445,3 +445,36 @@ def test_replay_steps_writes_plot_and_report_and_refuses_what_it_would_ignore(tm
     for extra in (["--isolate"], ["--show", "all"], ["--list"]):
         refused = CliRunner().invoke(replay_main, [*base, *extra])
         assert f"{extra[0]}: not used with --steps" in one_error_line("replay-compare", refused)
+
+
+def _all_batches(path: Path, scale_between: float = 1.0, all_batches: bool = True) -> Path:
+    """Four steps, full every second one, the losses in between recorded too (``all_batches``), scaled."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with TrainingRecorder(path, model, optimizer, every=2, all_batches=all_batches) as recorder:
+        for step in range(4):
+            x = torch.randn(8, 3, generator=generator)
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            recorder.step(step, {"x": x}, loss=loss.item() * (scale_between if step % 2 else 1.0))
+    return path
+
+
+def test_losses_between_full_steps_are_compared(tmp_path: Path) -> None:
+    """With all_batches both runs record every step's loss: a loss 5x off at a step between full ones diverges
+    there (it was never compared: MATCH). A run recording only the full steps still matches, with a note saying
+    what it could not compare."""
+    a = _all_batches(tmp_path / "a.h5")
+    result = CliRunner().invoke(main, [str(a), str(_all_batches(tmp_path / "b.h5", scale_between=5.0))])
+    assert result.exit_code == 1
+    assert "first diverging step: 1: loss differs" in result.output
+    assert CliRunner().invoke(main, [str(a), str(_all_batches(tmp_path / "c.h5"))]).exit_code == 0
+    sparse = CliRunner().invoke(main, [str(a), str(_all_batches(tmp_path / "d.h5", all_batches=False))])
+    assert sparse.exit_code == 0, sparse.output
+    assert (
+        "the losses of 2 step(s) between full steps recorded by A only (all_batches) were not compared" in sparse.output
+    )

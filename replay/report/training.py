@@ -92,7 +92,7 @@ def _verdict(result: TrainingComparison) -> list[str]:
         if names:
             lines.append(f"parameters of {side} with no counterpart ({len(names)}): {names[:5]}; pass --map FILE")
     lines += [f"{path}: still being written; compared the steps completed so far" for path in result.live]
-    return lines
+    return lines + result.notes
 
 
 def render_table(result: TrainingComparison) -> str:

@@ -7,6 +7,7 @@ renames run B's names to run A's, A being the reference).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from contextlib import closing
@@ -160,6 +161,8 @@ class TrainingComparison:
     unpaired_b: list[str] = field(default_factory=list)
     live: list[str] = field(default_factory=list)
     """Runs that were still being written: only their steps completed so far were compared."""
+    notes: list[str] = field(default_factory=list)
+    """What the comparison could not look at and why (it does not decide the verdict)."""
 
     @property
     def first_diverging(self) -> StepKey | None:
@@ -503,7 +506,35 @@ def compare_training(
     for key_a, key_b in pairs:
         infos = (infos_a[key_a], infos_b[key_b])
         result.steps.append(_compare_step(plan, run_a, run_b, (key_a, key_b), infos))
+    _compare_losses_between(plan, run_a, run_b, result)
     return result
+
+
+def _compare_losses_between(plan: _Plan, run_a: RunSource, run_b: RunSource, result: TrainingComparison) -> None:
+    """The steps both runs recorded between full steps (a training file's ``all_batches``): their losses and
+    metrics compared like a full step's, in step order; those of one run only are noted."""
+    between_a, between_b = _loss_only(run_a), _loss_only(run_b)
+    for key in sorted(between_a.keys() & between_b.keys(), key=StepKey.order):
+        infos = (between_a[key], between_b[key])
+        metrics = _metrics(*infos)
+        reasons = _one_sided_metrics(*infos) + _differences(plan, [], None, infos, metrics)
+        nan = math.nan
+        step = StepComparison(key, not reasons, infos[0].loss, infos[1].loss, nan, nan, nan, metrics, False, None)
+        result.steps.append(dataclasses.replace(step, reasons=reasons))
+    result.steps.sort(key=lambda s: s.key.order())
+    for side, mine, theirs in (("A", between_a, between_b), ("B", between_b, between_a)):
+        alone = len(mine.keys() - theirs.keys())
+        if alone:
+            result.notes.append(
+                f"the losses of {alone} step(s) between full steps recorded by {side} only (all_batches) were not "
+                "compared: the other run did not record them"
+            )
+
+
+def _loss_only(run: RunSource) -> dict[StepKey, StepInfo]:
+    """The run's steps recorded with their loss and metrics only (none for runs that record no such steps)."""
+    steps = getattr(run, "loss_only_steps", None)
+    return {} if steps is None else dict(steps())
 
 
 @dataclass(frozen=True)

@@ -137,5 +137,6 @@ def training_json(result: TrainingComparison) -> dict[str, object]:
         "only_b": [k.to_json() for k in result.only_b],
         "unpaired": {"a_only": result.unpaired_a, "b_only": result.unpaired_b},
         "live": result.live,
+        "notes": result.notes,
     }
     return {key: _finite_only(value) for key, value in document.items()}

@@ -185,6 +185,10 @@ class TrainingRun:
         parameters = list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
         return parameters + list(self.initial["buffers"] or [])
 
+    def loss_only_steps(self) -> dict[StepKey, StepInfo]:
+        """The steps recorded between full ones (``all_batches``): their batch, loss and metrics, no tensors."""
+        return {key: _info(meta) for key, meta in self.meta.items() if not meta["full"]}
+
     def full_steps(self) -> list[StepKey]:
         """Steps recorded with weights and gradients (not only their batch), in order."""
         return sorted((key for key, meta in self.meta.items() if meta["full"]), key=StepKey.order)
