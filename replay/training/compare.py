@@ -381,7 +381,7 @@ def _compare_step(
     uncompared += _one_sided_metrics(info_a, info_b)
     order_differs = info_a.sample_ids is not None and info_b.sample_ids is not None
     order_differs = order_differs and info_a.sample_ids != info_b.sample_ids
-    reasons = uncompared + _differences(plan, diffs, predictions, infos, metrics)
+    reasons = uncompared + _differences(plan, diffs, predictions, infos, metrics) + _hyper_differences(plan, infos)
     reasons += ["batch order differs"] if order_differs else []
     match = not reasons
     return StepComparison(
@@ -401,6 +401,18 @@ def _compare_step(
         uncompared,
         reasons,
     )
+
+
+def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[str]:
+    """The optimizer's hyper-parameters both runs recorded at the step that differ (a learning rate, betas, a
+    flag); one recorded by one run only is left out (another torch adds keys such as ``fused``)."""
+    a, b = infos[0].hyper_parameters, infos[1].hyper_parameters
+    differing = [
+        f"{name} (A {a[name]:g}, B {b[name]:g})"
+        for name in a
+        if name in b and not plan.tolerance.close(a[name], b[name])
+    ]
+    return [f"optimizer hyper-parameters differ: {', '.join(differing[:3])}"] if differing else []
 
 
 def _differences(
@@ -507,7 +519,23 @@ def compare_training(
         infos = (infos_a[key_a], infos_b[key_b])
         result.steps.append(_compare_step(plan, run_a, run_b, (key_a, key_b), infos))
     _compare_losses_between(plan, run_a, run_b, result)
+    _note_one_sided(result, [(infos_a[a], infos_b[b]) for a, b in pairs])
     return result
+
+
+def _note_one_sided(result: TrainingComparison, infos: list[tuple[StepInfo, StepInfo]]) -> None:
+    """What one run records and the other does not, and so was not compared (no verdict of its own: a training
+    file records no per-step optimizer state dict, a dump folder no sample ids, and they still compare)."""
+    for side, index in (("A", 0), ("B", 1)):
+        ids = sum(1 for pair in infos if pair[index].sample_ids is not None and pair[1 - index].sample_ids is None)
+        if ids:
+            result.notes.append(f"sample ids recorded by {side} only at {ids} step(s): batch order not compared there")
+        hyper = sum(1 for pair in infos if pair[index].hyper_parameters and not pair[1 - index].hyper_parameters)
+        if hyper:
+            result.notes.append(
+                f"optimizer hyper-parameters recorded by {side} only at {hyper} step(s): the learning rate and the "
+                "others were not compared"
+            )
 
 
 def _compare_losses_between(plan: _Plan, run_a: RunSource, run_b: RunSource, result: TrainingComparison) -> None:

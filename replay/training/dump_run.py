@@ -335,12 +335,52 @@ def _int_entry(dump: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
 
 
 def _step_info(dump: Mapping[str, Any]) -> StepInfo:
-    """Loss, ``acc`` / ``accuracy`` and every number of a ``metrics`` dict, and the sample ids."""
+    """Loss, ``acc`` / ``accuracy`` and every number of a ``metrics`` dict (a metric of several numbers, such as a
+    per-class F1, as ``f1.0``, ``f1.1``...), the sample ids and the optimizer's hyper-parameters."""
     metrics = {key: number for key in _METRIC_KEYS if (number := _number(dump.get(key))) is not None}
     nested = dump.get("metrics")
     if isinstance(nested, Mapping):
-        metrics.update({str(k): n for k, v in nested.items() if (n := _number(v)) is not None})
-    return StepInfo(loss=_number(dump.get("loss")), metrics=metrics, sample_ids=_sample_ids(dump))
+        for key, value in nested.items():
+            metrics.update(_numbers(str(key), value))
+    return StepInfo(
+        loss=_number(dump.get("loss")),
+        metrics=metrics,
+        sample_ids=_sample_ids(dump),
+        hyper_parameters=_hyper_parameters(dump),
+    )
+
+
+def _numbers(name: str, value: object) -> dict[str, float]:
+    """A metric's numbers by name: one number under ``name``; several (a tensor, an array, a list) as ``name.<i>``."""
+    single = _number(value)
+    if single is not None:
+        return {name: single}
+    if isinstance(value, torch.Tensor) and not value.is_complex():
+        value = value.detach().cpu().double().reshape(-1).tolist()
+    elif isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
+        value = value.astype(np.float64).reshape(-1).tolist()
+    if isinstance(value, (list, tuple)) and all(_number(item) is not None for item in value):
+        return {f"{name}.{i}": float(item) for i, item in enumerate(value)}
+    return {}
+
+
+def _hyper_parameters(dump: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric hyper-parameters of each of the optimizer's parameter groups (``betas`` as ``betas.0``...)."""
+    optimizer = next((dump[key] for key in _OPTIMIZER_KEYS if isinstance(dump.get(key), Mapping)), None)
+    groups = optimizer.get("param_groups") if optimizer is not None else None
+    if not isinstance(groups, list):
+        return {}
+    found: dict[str, float] = {}
+    for index, group in enumerate(groups):
+        if isinstance(group, Mapping):
+            for key, value in group.items():
+                if key in ("params", "param_names"):
+                    continue
+                if isinstance(value, bool):  # amsgrad, nesterov, maximize: a flag that differs is a difference
+                    found[f"{key} (group {index})"] = float(value)
+                else:
+                    found.update({f"{name} (group {index})": n for name, n in _numbers(str(key), value).items()})
+    return found
 
 
 def _sample_ids(dump: Mapping[str, Any]) -> list[tuple[str, ...]] | None:

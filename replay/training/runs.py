@@ -57,6 +57,9 @@ class StepInfo:
     metrics: dict[str, float] = field(default_factory=dict)
     sample_ids: list[tuple[str, ...]] | None = None
     """Per sample, its ids (one or more columns: an audio file and its transcript), in batch order."""
+    hyper_parameters: dict[str, float] = field(default_factory=dict)
+    """The optimizer's numeric hyper-parameters at the step, by ``<name> (group <i>)`` (``lr (group 0)``), where the
+    run records them (a dump's ``optimizer_state_dict``)."""
 
 
 class RunSource(Protocol):

@@ -231,6 +231,45 @@ def test_the_first_diverging_step_says_why(tmp_path: Path) -> None:
     assert labels.output.rstrip().endswith("first diverging step: 1: labels differ")
 
 
+def test_a_metric_of_several_numbers_is_compared_number_by_number(tmp_path: Path) -> None:
+    """A per-class F1 in a dump's metrics ([0.1, 0.2] against [0.9, 0.9]) was dropped: each number is compared
+    now, as f1.0, f1.1."""
+    a = _dump(tmp_path / "a", metrics={"f1": torch.tensor([0.1, 0.2])})
+    result = _run(a, _dump(tmp_path / "b", metrics={"f1": torch.tensor([0.9, 0.9])}))
+    assert result.exit_code == 1
+    assert "f1.0 differs" in result.output
+    assert _run(a, _dump(tmp_path / "c", metrics={"f1": [0.1, 0.2]})).exit_code == 0  # a list of the same values
+    assert _run(a, _dump(tmp_path / "d", metrics={"f1": torch.tensor([0.1, 0.2])})).exit_code == 0
+
+
+def _optimizer(lr: float, **extra: object) -> dict[str, Any]:
+    group = {"lr": lr, "betas": (0.9, 0.999), "amsgrad": False, "params": [0, 1], **extra}
+    return {"state": {}, "param_groups": [group]}
+
+
+def test_the_optimizers_hyper_parameters_are_compared(tmp_path: Path) -> None:
+    """Another learning rate (or beta, or flag) in the dumps' optimizer state dicts was never read: a mismatch now
+    naming it. A key one torch has and another lacks (``fused``) is no difference; a run without an optimizer
+    state dict still matches, with a note."""
+    a = _dump(tmp_path / "a", optimizer_state_dict=_optimizer(0.1))
+    result = _run(a, _dump(tmp_path / "b", optimizer_state_dict=_optimizer(0.5)))
+    assert result.exit_code == 1
+    assert "optimizer hyper-parameters differ: lr (group 0) (A 0.1, B 0.5)" in result.output
+    assert _run(a, _dump(tmp_path / "c", optimizer_state_dict=_optimizer(0.1, amsgrad=True))).exit_code == 1
+    assert _run(a, _dump(tmp_path / "d", optimizer_state_dict=_optimizer(0.1, fused=None))).exit_code == 0
+    alone = _run(a, _dump(tmp_path / "e"))
+    assert alone.exit_code == 0, alone.output
+    assert "optimizer hyper-parameters recorded by A only at 1 step(s)" in alone.output
+
+
+def test_sample_ids_of_one_run_only_are_noted(tmp_path: Path) -> None:
+    """Sample ids one run records cannot show a batch-order difference: not a mismatch (a training file against
+    dumps), but said."""
+    result = _run(_dump(tmp_path / "a", sample_ids=["x.wav", "y.wav"]), _dump(tmp_path / "b"))
+    assert result.exit_code == 0
+    assert "sample ids recorded by A only at 1 step(s): batch order not compared there" in result.output
+
+
 def test_params_filter_also_selects_gradients(tmp_path: Path) -> None:
     """--params head: equal head weights and gradients match although the backbone's gradients differ."""
     head = torch.ones(2, 3)
