@@ -33,7 +33,9 @@ from parity_harness.common.format.tensor_files import (
     NEMO_LIMIT_VARIABLE,
     check_hf_folder,
     check_npz_sizes,
+    check_shard_holds,
     hf_weight_files,
+    hf_weight_map,
     is_safetensors,
     nemo_limit,
     read_safetensors_header,
@@ -370,12 +372,16 @@ def _extract_member(archive: tarfile.TarFile, member: tarfile.TarInfo, target: P
 def _load_huggingface(folder: Path, trust_pickle: bool) -> Checkpoint:
     config = read_small_json(folder / "config.json")
     state: dict[str, torch.Tensor] = {}
+    weight_map = hf_weight_map(folder)
     for file in hf_weight_files(folder):
         if not file.is_file():
             raise CheckpointError(f"{file}: shard named by the index is missing")
-        state.update(
-            read_safetensors(file) if file.suffix == ".safetensors" else _unwrap(_torch_load(file, trust_pickle), file)
-        )
+        if file.suffix == ".safetensors":
+            shard = read_safetensors(file)
+        else:
+            shard = _unwrap(_torch_load(file, trust_pickle), file)
+        check_shard_holds(folder, file, shard, weight_map)
+        state.update(shard)
     return Checkpoint("huggingface", folder, state, config if isinstance(config, dict) else None)
 
 

@@ -16,6 +16,7 @@ import os
 import stat
 import struct
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Final, NamedTuple
@@ -35,7 +36,9 @@ __all__ = [
     "SafetensorsHeader",
     "check_hf_folder",
     "check_npz_sizes",
+    "check_shard_holds",
     "hf_weight_files",
+    "hf_weight_map",
     "is_hdf5_file",
     "is_safetensors",
     "nemo_limit",
@@ -260,6 +263,10 @@ def stored_member_offset(archive: zipfile.ZipFile, info: zipfile.ZipInfo, file_s
 """A config or shard index larger than this is no Hugging Face file."""
 
 
+_INDEX_NAMES: Final = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+"""A Hugging Face folder's shard index, the first found (as ``transformers`` looks for them)."""
+
+
 def read_small_json(path: Path) -> object:
     """Parse a small JSON file of a checkpoint folder: a regular file (a FIFO would block, ``/dev/zero`` never
     end) of at most 64 MiB."""
@@ -278,6 +285,11 @@ def read_small_json(path: Path) -> object:
 def _index_shards(index: Path, folder: Path) -> list[Path]:
     """The shard files one index names, each checked to lie inside ``folder`` (by name: links are followed,
     as in the Hugging Face cache, whose snapshot files link to its blobs)."""
+    return sorted({folder / shard for shard in _weight_map(index, folder).values()})
+
+
+def _weight_map(index: Path, folder: Path) -> dict[str, str]:
+    """An index's ``weight_map`` (tensor name -> shard file), each shard checked to lie inside ``folder``."""
     document = read_small_json(index)
     weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict):
@@ -291,7 +303,40 @@ def _index_shards(index: Path, folder: Path) -> list[Path]:
                 f"the folder {folder}; expected a file name inside it: fix the index (refusing to read it)"
             )
         shards.add(shard)
-    return [folder / shard for shard in sorted(shards)]
+    return {str(tensor): str(shard) for tensor, shard in weight_map.items()}
+
+
+def hf_weight_map(folder: Path) -> dict[str, str] | None:
+    """The tensor -> shard map of a Hugging Face folder's shard index; None for a folder of one weights file."""
+    for index_name in _INDEX_NAMES:
+        if (folder / index_name).is_file():
+            return _weight_map(folder / index_name, folder)
+    return None
+
+
+def check_shard_holds(folder: Path, shard: Path, names: Iterable[str], weight_map: dict[str, str] | None) -> None:
+    """The tensors a shard holds are exactly those the folder's index puts in it.
+
+    Raises:
+        CheckpointError: the index names a tensor the shard lacks, or the shard holds one the index puts elsewhere
+            or nowhere (an index from another save, edited or truncated: what it says is not what is read).
+    """
+    if weight_map is None:
+        return
+    where = PurePosixPath(shard.relative_to(folder).as_posix())
+    expected = {tensor for tensor, file in weight_map.items() if PurePosixPath(file) == where}
+    held = set(names)
+    missing, extra = sorted(expected - held), sorted(held - expected)
+    if missing or extra:
+        what = (
+            f"puts {missing[:3]} in {shard.name}, which does not hold them"
+            if missing
+            else f"does not put {extra[:3]} in {shard.name}, which holds them"
+        )
+        raise CheckpointError(
+            f"{folder}: the shard index {what}; the index does not describe the shards: save the checkpoint again "
+            "(save_pretrained) or fix its weight_map"
+        )
 
 
 def check_hf_folder(folder: str | os.PathLike[str]) -> None:
@@ -313,7 +358,7 @@ def hf_weight_files(folder: Path) -> list[Path]:
         CheckpointError: an index is damaged or points outside the folder, or there are no weights.
     """
     check_hf_folder(folder)
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+    for index_name in _INDEX_NAMES:
         if (folder / index_name).is_file():
             return _index_shards(folder / index_name, folder)
     for single in ("model.safetensors", "pytorch_model.bin"):

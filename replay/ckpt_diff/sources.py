@@ -25,6 +25,7 @@ from parity_harness.common.format.dtypes import TAGS, storage_dtype
 from parity_harness.common.format.tensor_files import (
     NpyLayout,
     check_npz_sizes,
+    check_shard_holds,
     read_npy_layout,
     read_safetensors_header,
     stored_member_offset,
@@ -171,13 +172,15 @@ def _read_exactly(handle: int, into: memoryview, offset: int, path: Path, name: 
 class SafetensorsSource(Source):
     """One safetensors file or a Hugging Face folder of safetensors shards."""
 
-    def __init__(self, path: Path, files: list[Path], kind: str) -> None:
+    def __init__(self, path: Path, files: list[Path], kind: str, weight_map: dict[str, str] | None = None) -> None:
+        """``weight_map``: a Hugging Face folder's shard index, which each shard's header must agree with."""
         super().__init__(path)
         self.kind = kind
         self._ranges = _FileRanges()
         found: dict[str, tuple[str, tuple[int, ...], Path, int]] = {}
         for file in files:
-            self._read_header(file, found)
+            names = self._read_header(file, found)
+            check_shard_holds(path, file, names, weight_map)
         try:
             for name, (tag, shape, file, offset) in strip_wrappers(found, self.notes).items():
                 self.tensors[name] = TensorInfo(name, tag, shape)
@@ -186,7 +189,8 @@ class SafetensorsSource(Source):
             self._ranges.close()
             raise
 
-    def _read_header(self, file: Path, found: dict[str, tuple[str, tuple[int, ...], Path, int]]) -> None:
+    def _read_header(self, file: Path, found: dict[str, tuple[str, tuple[int, ...], Path, int]]) -> list[str]:
+        """Add a file's tensors to ``found`` and its metadata to the entries; the names of its tensors."""
         header = read_safetensors_header(file)
         for key, text in header.metadata.items():
             if key == "format":  # the writer's framework ("pt", "np"): the container, not its contents
@@ -202,6 +206,7 @@ class SafetensorsSource(Source):
             if name in found:
                 raise CheckpointError(f"{file}: tensor {name!r} is also in another shard of {self.path}")
             found[name] = (entry.tag, entry.shape, file, header.data_start + entry.start)
+        return list(header.entries)
 
     def blocks(self, name: str, elements: int) -> Iterator[np.ndarray]:
         return self._ranges.blocks(name, self.tensors[name].numel, elements)

@@ -809,6 +809,36 @@ def test_index_missing_shard_refused(tmp_path: Path) -> None:
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize("edit", ["ghost", "moved", "forgotten"])
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_an_index_that_does_not_describe_its_shards_is_refused(tmp_path: Path, edit: str, kind: str) -> None:
+    """An index naming a tensor no shard holds, placing one in the wrong shard, or leaving out one a shard holds
+    was read anyway (every shard merged whatever the index said): refused, by capture's loader and ckpt-diff
+    alike, in one line naming the shard; the untouched index loads."""
+    from parity_harness.replay import ckpt_diff
+
+    folder = _hf_folder(tmp_path)
+    _hf_sharded(folder, _tiny_state(), kind)
+    index = folder / ("model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json")
+    load_checkpoint(folder)
+    document = json.loads(index.read_text())
+    weight_map = document["weight_map"]
+    first, second = sorted(set(weight_map.values()))
+    name = next(n for n, f in weight_map.items() if f == second)
+    if edit == "ghost":
+        weight_map["not.there"] = first
+    elif edit == "moved":
+        weight_map[name] = first
+    else:
+        del weight_map[name]
+    index.write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match=r"the shard index .* the index does not describe the shards"):
+        load_checkpoint(folder)
+    if kind == "safetensors":
+        with pytest.raises(CheckpointError, match="the index does not describe the shards"):
+            ckpt_diff.load(folder).close()
+
+
 def test_hf_hostile_bin_refused(tmp_path: Path) -> None:
     """A pytorch_model.bin that would run code is refused and runs nothing."""
     folder = _hf_folder(tmp_path)
