@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -132,3 +133,36 @@ def test_a_buffer_the_meta_does_not_list_is_damage(tmp_path: Path) -> None:
         file[f"steps/{step}/buffers/stray"].attrs["dtype"] = "F32"
     with pytest.raises(BundleFormatError, match=r"buffers: tensors \['stray'\] name no recorded"):
         TrainingRun(path)
+
+
+def _as_written_before_buffers(path: Path) -> Path:
+    """The training file as a 2.0 writer left it: no buffers anywhere, minor 0."""
+    from parity_harness.common.format.packing import pack, unpack
+
+    with h5py.File(path, "r+") as file:
+        del file["initial/buffers"]
+        for step in file["steps"].values():
+            if "buffers" in step:
+                del step["buffers"]
+        meta = unpack(file["initial/meta"][()], where="test")
+        meta.pop("buffers")
+        del file["initial/meta"]
+        file["initial/meta"] = np.frombuffer(pack(meta), dtype=np.uint8)
+        file.attrs["format_minor"] = 0
+    return path
+
+
+def test_a_file_from_before_buffers_against_one_with_them_says_so(tmp_path: Path) -> None:
+    """The same BatchNorm run written by a 2.0 writer (no buffers) and a 2.1 one: not a match, since the buffers
+    went uncompared, but no step diverges and the verdict says why, in either order (it named step 0 as diverging
+    and advised --map)."""
+    old = _as_written_before_buffers(_record(tmp_path / "old.h5", _net(0)))
+    new = _record(tmp_path / "new.h5", _net(0))
+    for first, second in ((old, new), (new, old)):
+        result = CliRunner().invoke(main, [str(first), str(second)])
+        assert result.exit_code == 1
+        assert "common steps match, but not everything recorded was compared" in result.output
+        assert "buffers recorded by one run only (3)" in result.output
+        assert "first diverging" not in result.output
+        assert "--map" not in result.output
+    assert CliRunner().invoke(main, [str(old), str(old)]).exit_code == 0

@@ -5,6 +5,8 @@ Replay drives the port through the same functions, so both environments run the 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,7 +17,16 @@ import torch
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask
 
-__all__ = ["ForwardFn", "LossFn", "call_forward", "make_cotangents", "rng_state", "seed_everything", "to_device"]
+__all__ = [
+    "ForwardFn",
+    "LossFn",
+    "call_forward",
+    "make_cotangents",
+    "map_tensors",
+    "rng_state",
+    "seed_everything",
+    "to_device",
+]
 
 ForwardFn = Callable[[torch.nn.Module, Any], Any]
 LossFn = Callable[[Any], torch.Tensor]
@@ -94,20 +105,40 @@ def make_cotangents(
     return triples
 
 
-def to_device(value: Any, device: str | torch.device) -> Any:
-    """Move every tensor of a nested dict/list/tuple value to ``device``."""
+def map_tensors(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with every tensor of its nested dicts (a dict subclass kept where it rebuilds from items), lists,
+    tuples and named tuples replaced by ``change(tensor)``; anything else as it is."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return change(value)
     if isinstance(value, Mapping):
-        moved = {key: to_device(item, device) for key, item in value.items()}
+        moved = {key: map_tensors(item, change) for key, item in value.items()}
         if isinstance(value, dict) and type(value) is not dict:  # keep a dict subclass (replay's RecordedObject)
             try:
                 return type(value)(moved)
             except (TypeError, ValueError):
                 return moved
         return moved
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields one by one
-        return type(value)(*(to_device(item, device) for item in value))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple takes its fields one by one
+        return type(value)(*(map_tensors(item, change) for item in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(to_device(item, device) for item in value)
+        return type(value)(map_tensors(item, change) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _map_dataclass(value, change)
     return value
+
+
+def _map_dataclass(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of a dataclass with its fields mapped (set directly: neither ``__init__`` nor ``__post_init__`` runs
+    again); the object itself when no field changes."""
+    fields = {f.name: map_tensors(getattr(value, f.name), change) for f in dataclasses.fields(value)}
+    if all(fields[name] is getattr(value, name) for name in fields):
+        return value
+    copied = copy.copy(value)
+    for name, field_value in fields.items():
+        object.__setattr__(copied, name, field_value)
+    return copied
+
+
+def to_device(value: Any, device: str | torch.device) -> Any:
+    """Move every tensor of a nested dict/list/tuple value to ``device``."""
+    return map_tensors(value, lambda tensor: tensor.to(device))

@@ -22,10 +22,8 @@ Two autograd facts shape this module:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import sys
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -201,29 +199,17 @@ class ModuleTap:
             return alias
         if type(value) in (list, tuple):
             return type(value)(self._alias(info, v, join_slot(slot, i), aliased) for i, v in enumerate(value))
-        if type(value) in (dict, OrderedDict):
+        if type(value) is dict:
             keys = list(value)
             slots = pair_slots(slot, keys)
-            return type(value)((k, self._alias(info, value[k], s, aliased)) for k, s in zip(keys, slots, strict=True))
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple, rebuilt field by field
+            return {k: self._alias(info, value[k], s, aliased) for k, s in zip(keys, slots, strict=True)}
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple (immutable): rebuilt field by field
             slots = pair_slots(slot, list(value._fields))
             return type(value)(*(self._alias(info, v, s, aliased) for v, s in zip(value, slots, strict=True)))
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return self._alias_dataclass(info, value, slot, aliased)
+        # A mutable object of its own (a dataclass, an OrderedDict, a ModelOutput) is passed as it is: a copy holding
+        # the aliases would lose what the module writes into it (a state object updated in place), and a
+        # ModelOutput's items would not see the aliased attributes. Its tensors get a plain hook (module docstring).
         return value
-
-    def _alias_dataclass(self, info: CallInfo, value: Any, slot: str, aliased: set[str]) -> Any:
-        """A copy of a dataclass argument whose fields hold the aliases (set directly: neither ``__init__`` nor
-        ``__post_init__`` runs again, and a frozen one is copied too)."""
-        names = [f.name for f in dataclasses.fields(value)]
-        slots = zip(names, pair_slots(slot, names), strict=True)
-        fields = {name: self._alias(info, getattr(value, name), field_slot, aliased) for name, field_slot in slots}
-        if all(fields[name] is getattr(value, name) for name in names):
-            return value
-        copied = copy.copy(value)
-        for name, field_value in fields.items():
-            object.__setattr__(copied, name, field_value)
-        return copied
 
     def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> None:
         info = self._open[id(module)].pop()

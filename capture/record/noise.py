@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, seed_everything
+from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, map_tensors, seed_everything
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.capture.storage.writer import BundleWriter
@@ -29,13 +29,9 @@ __all__ = ["in_float64", "measure_noise_floor"]
 
 
 def _to_float64(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {key: _to_float64(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_float64(item) for item in value)
-    return value
+    return map_tensors(
+        value, lambda tensor: tensor.detach().to(torch.float64) if tensor.is_floating_point() else tensor
+    )
 
 
 class _NoiseSink:

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 import torch
 
+from parity_harness.capture.observe.driving import map_tensors
 from parity_harness.common.errors import InputError
 from parity_harness.common.numerics.tolerances import Tolerance
 from parity_harness.replay.diagnose.isolation import LayoutTransform
@@ -76,13 +77,8 @@ class Precision:
         """The model's inputs with floating tensors cast to ``dtype``."""
         if self.dtype is None:
             return value
-        if isinstance(value, torch.Tensor):
-            return value.to(PRECISIONS[self.dtype]) if value.is_floating_point() else value
-        if isinstance(value, dict):
-            return {key: self.inputs(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.inputs(item) for item in value)
-        return value
+        dtype = PRECISIONS[self.dtype]
+        return map_tensors(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
     @contextlib.contextmanager
     def forward(self, device: torch.device) -> Iterator[None]:

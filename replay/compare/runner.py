@@ -196,8 +196,20 @@ def _state_kept(model: torch.nn.Module) -> Iterator[None]:
                     param.grad = None  # of the cast tensor's dtype
                     param.data = data
             for module, name, buffer, values in buffers:
-                buffer.copy_(values)
-                module._buffers[name] = buffer
+                module._buffers[name] = _restored(buffer, values)
+
+
+def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The buffer tensor the model had, holding the values it had: written back only where they changed (BatchNorm's
+    kernels update running statistics in place without moving the version counter), and where it cannot be
+    written (an expanded or inference-mode tensor, which nothing wrote in place either) the saved copy instead."""
+    if buffer.shape == values.shape and buffer.dtype == values.dtype and torch.equal(buffer, values):
+        return buffer
+    try:
+        buffer.copy_(values)
+    except RuntimeError:
+        return values
+    return buffer
 
 
 class _ReplaySession:

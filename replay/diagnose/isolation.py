@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from parity_harness.capture.observe.driving import map_tensors
 from parity_harness.capture.observe.naming import (
     ArgumentNames,
     iter_live_call_inputs,
@@ -126,13 +127,7 @@ def _port_arguments(rename: RenameMap, module: str, recorded: dict[Any, Any]) ->
 
 
 def _replace_tensors(value: Any, replacement: dict[int, torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return replacement.get(id(value), value)
-    if isinstance(value, dict):
-        return {key: _replace_tensors(item, replacement) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_replace_tensors(item, replacement) for item in value)
-    return value
+    return map_tensors(value, lambda tensor: replacement.get(id(tensor), tensor))
 
 
 @dataclass(frozen=True)

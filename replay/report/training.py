@@ -91,6 +91,12 @@ def _verdict(result: TrainingComparison) -> list[str]:
     for side, names in (("A", result.unpaired_a), ("B", result.unpaired_b)):
         if names:
             lines.append(f"parameters of {side} with no counterpart ({len(names)}): {names[:5]}; pass --map FILE")
+    if result.unrecorded_buffers:
+        buffers = result.unrecorded_buffers
+        lines.append(
+            f"buffers recorded by one run only ({len(buffers)}): {buffers[:3]}; the other is a training file from "
+            "before buffers were recorded (format 2.0): record it again to compare them"
+        )
     lines += [f"{path}: still being written; compared the steps completed so far" for path in result.live]
     return lines + result.notes
 

@@ -163,6 +163,9 @@ class TrainingComparison:
     """Runs that were still being written: only their steps completed so far were compared."""
     notes: list[str] = field(default_factory=list)
     """What the comparison could not look at and why (it does not decide the verdict)."""
+    unrecorded_buffers: list[str] = field(default_factory=list)
+    """Buffers one run recorded that the other, a training file from before 2.1, could not: not compared, so not
+    a match."""
 
     @property
     def first_diverging(self) -> StepKey | None:
@@ -179,7 +182,7 @@ class TrainingComparison:
     def match(self) -> bool:
         """At least one step was compared, every step of both runs was, every one matches, and every selected
         parameter had a counterpart: nothing recorded went uncompared."""
-        compared_all = not (self.only_a or self.only_b or self.unpaired_a or self.unpaired_b)
+        compared_all = not (self.only_a or self.only_b or self.unpaired_a or self.unpaired_b or self.unrecorded_buffers)
         return bool(self.steps) and compared_all and self.first_diverging is None
 
 
@@ -268,6 +271,13 @@ class _Plan:
     rename: RenameMap
     chosen: ParameterFilter
     tolerance: _Tolerance
+    unrecorded_buffers: frozenset[str] = frozenset()
+    """Buffers (A's names) of one run that the other, a training file from before 2.1, could not record: left out
+    of the weights, with a note."""
+
+    def selects(self, name: str) -> bool:
+        """Whether a weight (A's name) is compared."""
+        return bool(self.chosen.search(name)) and name not in self.unrecorded_buffers
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
@@ -328,7 +338,7 @@ def _dtype_differences(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tup
         tags_a, tags_b = runs[0].dtype_tags(keys[0], group), runs[1].dtype_tags(keys[1], group)
         if group in _NAMED_GROUPS:
             tags_b = _renamed(tags_b, plan.rename)
-            tags_a = {n: tag for n, tag in tags_a.items() if plan.chosen.search(n.partition("/")[0])}
+            tags_a = {n: tag for n, tag in tags_a.items() if plan.selects(n.partition("/")[0])}
         found += [
             f"{name} (A {tag}, B {tags_b[name]})"
             for name, tag in tags_a.items()
@@ -358,9 +368,9 @@ def _compare_step(
     plan: _Plan, run_a: RunSource, run_b: RunSource, keys: tuple[StepKey, StepKey], infos: tuple[StepInfo, StepInfo]
 ) -> StepComparison:
     (key_a, key_b), (info_a, info_b) = keys, infos
-    weights_a = {n: v for n, v in run_a.tensors(key_a, "params").items() if plan.chosen.search(n)}
+    weights_a = {n: v for n, v in run_a.tensors(key_a, "params").items() if plan.selects(n)}
     renamed_b = _renamed(run_b.tensors(key_b, "params"), plan.rename)
-    weights_b = {n: v for n, v in renamed_b.items() if plan.chosen.search(n)}
+    weights_b = {n: v for n, v in renamed_b.items() if plan.selects(n)}
     diffs = [_parameter_diff(n, weights_a[n], weights_b[n], plan.tolerance) for n in weights_a if n in weights_b]
     uncompared = [f"weights of {side} only: {names[:3]}" for side, names in _one_sided(weights_a, weights_b) if names]
     l2, cosine = _weights(diffs, weights_a, weights_b)
@@ -467,7 +477,7 @@ def _one_sided_metrics(info_a: StepInfo, info_b: StepInfo) -> list[str]:
 
 def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: TrainingComparison) -> None:
     """Which selected parameters of A have a counterpart in B; none at all (when both have some) is an error."""
-    names_a = [n for n in run_a.parameter_names() if plan.chosen.search(n)]
+    names_a = [n for n in run_a.parameter_names() if plan.selects(n)]
     names_b = [m for n in run_b.parameter_names() if (m := plan.rename.parameter(n)) is not None]
     if plan.chosen.matched_nothing(run_a.parameter_names()):
         raise InputError(plan.chosen.nothing_message(run_a.path))
@@ -478,7 +488,7 @@ def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: Tr
             f"{run_b.path}: parameters {sources[:3]} are all renamed to {twice[0]!r}; fix --map so that each of B's "
             "parameters has its own name in A"
         )
-    selected_b = [n for n in names_b if plan.chosen.search(n)]
+    selected_b = [n for n in names_b if plan.selects(n)]
     result.unpaired_a = [n for n in names_a if n not in set(selected_b)]
     result.unpaired_b = [n for n in selected_b if n not in set(names_a)]
     if names_a and selected_b and len(result.unpaired_a) == len(names_a):
@@ -510,6 +520,7 @@ def compare_training(
         InputError: no parameter of B pairs with one of A, or steps cannot be paired.
     """
     plan = _Plan(rename or RenameMap(), parameter_filter(params), _Tolerance(atol, rtol))
+    plan = _without_unrecorded_buffers(plan, run_a, run_b)
     pairs, only_a, only_b = pair_steps(run_a, run_b)
     result = TrainingComparison(only_a=only_a, only_b=only_b)
     result.live = [str(run.path) for run in (run_a, run_b) if run.live]
@@ -520,6 +531,7 @@ def compare_training(
         result.steps.append(_compare_step(plan, run_a, run_b, (key_a, key_b), infos))
     _compare_losses_between(plan, run_a, run_b, result)
     _note_one_sided(result, [(infos_a[a], infos_b[b]) for a, b in pairs])
+    result.unrecorded_buffers = sorted(plan.unrecorded_buffers)
     return result
 
 
@@ -536,6 +548,26 @@ def _note_one_sided(result: TrainingComparison, infos: list[tuple[StepInfo, Step
                 f"optimizer hyper-parameters recorded by {side} only at {hyper} step(s): the learning rate and the "
                 "others were not compared"
             )
+
+
+def _without_unrecorded_buffers(plan: _Plan, run_a: RunSource, run_b: RunSource) -> _Plan:
+    """The plan leaving out the buffers one run recorded where the other is a training file from before buffers
+    were recorded (format 2.0: ``buffer_names()`` None)."""
+    names_a, names_b = _buffer_names(run_a), _buffer_names(run_b)
+    if (names_a is None) == (names_b is None):
+        return plan
+    if names_a is None:
+        names = [m for n in names_b or [] if (m := plan.rename.parameter(n)) is not None]
+    else:
+        names = list(names_a)
+    return dataclasses.replace(plan, unrecorded_buffers=frozenset(names)) if names else plan
+
+
+def _buffer_names(run: RunSource) -> list[str] | None:
+    """The buffers a training file records (None: a file from before 2.1, which records none); every name for
+    other runs (a dump's state dict holds its buffers among the weights)."""
+    names = getattr(run, "buffer_names", None)
+    return [] if names is None else names()
 
 
 def _compare_losses_between(plan: _Plan, run_a: RunSource, run_b: RunSource, result: TrainingComparison) -> None:

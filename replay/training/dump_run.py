@@ -55,6 +55,8 @@ _GROUP_KEYS: Final[dict[str, tuple[str, ...]]] = {
     "predictions": ("predictions", "logits"),
     "labels": ("labels", "targets"),
 }
+_IMPLEMENTATION_FLAGS: Final = frozenset({"foreach", "fused", "capturable", "differentiable"})
+"""Optimizer settings that choose a kernel, not the maths: two runs differing only there computed the same."""
 _T = TypeVar("_T")
 _GROUPS: Final = ("params", "optimizer", *_GROUP_KEYS)
 _DUMP_KEYS: Final = frozenset(
@@ -374,7 +376,7 @@ def _hyper_parameters(dump: Mapping[str, Any]) -> dict[str, float]:
     for index, group in enumerate(groups):
         if isinstance(group, Mapping):
             for key, value in group.items():
-                if key in ("params", "param_names"):
+                if key in ("params", "param_names") or key in _IMPLEMENTATION_FLAGS:
                     continue
                 if isinstance(value, bool):  # amsgrad, nesterov, maximize: a flag that differs is a difference
                     found[f"{key} (group {index})"] = float(value)

@@ -138,5 +138,6 @@ def training_json(result: TrainingComparison) -> dict[str, object]:
         "unpaired": {"a_only": result.unpaired_a, "b_only": result.unpaired_b},
         "live": result.live,
         "notes": result.notes,
+        "unrecorded_buffers": result.unrecorded_buffers,
     }
     return {key: _finite_only(value) for key, value in document.items()}

@@ -185,6 +185,11 @@ class TrainingRun:
         parameters = list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
         return parameters + list(self.initial["buffers"] or [])
 
+    def buffer_names(self) -> list[str] | None:
+        """The persistent buffers recorded with the weights; None for a file from before 2.1, which records none."""
+        names = self.initial["buffers"]
+        return None if names is None else list(names)
+
     def loss_only_steps(self) -> dict[StepKey, StepInfo]:
         """The steps recorded between full ones (``all_batches``): their batch, loss and metrics, no tensors."""
         return {key: _info(meta) for key, meta in self.meta.items() if not meta["full"]}

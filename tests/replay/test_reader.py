@@ -640,12 +640,18 @@ def test_recorded_objects_come_back_readable_as_objects(tmp_path: Path) -> None:
         def forward(self, batch: Any) -> torch.Tensor:
             return self.lin(batch.audio) * batch.scale
 
+    from parity_harness.replay.compare.precision import Precision
+
     for kind in (Batch, Pair):
         path = tmp_path / f"{kind.__name__}.h5"
-        capture_run(Model(), (kind(torch.randn(2, 4), 0.5),), path, seed=0)
+        capture_run(Model(), (kind(torch.randn(2, 4), 0.5),), path, seed=0, noise_floor=True)
         with BundleReader(path) as reader:
             (batch,) = reader.rebuild(reader.index.inputs)
             assert batch.scale == 0.5
             assert compare_run(Model(), reader).match
+            assert compare_run(Model(), reader, precision=Precision(dtype="fp32")).match  # inputs cast, kept objects
+            isolated = compare_run(Model(), reader, isolate=True)
+            assert isolated.match
+            assert isolated.not_isolated == {}
     assert type(batch).__name__ == "Pair"
     assert tuple(batch._fields) == ("audio", "scale")

@@ -249,14 +249,22 @@ def _optimizer(lr: float, **extra: object) -> dict[str, Any]:
 
 def test_the_optimizers_hyper_parameters_are_compared(tmp_path: Path) -> None:
     """Another learning rate (or beta, or flag) in the dumps' optimizer state dicts was never read: a mismatch now
-    naming it. A key one torch has and another lacks (``fused``) is no difference; a run without an optimizer
-    state dict still matches, with a note."""
+    naming it. A key one torch has and another lacks (``fused``), or a flag choosing a kernel (``foreach``), is no
+    difference; a run without an optimizer state dict still matches, with a note."""
     a = _dump(tmp_path / "a", optimizer_state_dict=_optimizer(0.1))
     result = _run(a, _dump(tmp_path / "b", optimizer_state_dict=_optimizer(0.5)))
     assert result.exit_code == 1
     assert "optimizer hyper-parameters differ: lr (group 0) (A 0.1, B 0.5)" in result.output
     assert _run(a, _dump(tmp_path / "c", optimizer_state_dict=_optimizer(0.1, amsgrad=True))).exit_code == 1
     assert _run(a, _dump(tmp_path / "d", optimizer_state_dict=_optimizer(0.1, fused=None))).exit_code == 0
+    kernels = _optimizer(0.1, foreach=True, capturable=True, differentiable=False)  # the kernel, not the maths
+    assert (
+        _run(
+            _dump(tmp_path / "k", optimizer_state_dict=_optimizer(0.1, foreach=False)),
+            _dump(tmp_path / "l", optimizer_state_dict=kernels),
+        ).exit_code
+        == 0
+    )
     alone = _run(a, _dump(tmp_path / "e"))
     assert alone.exit_code == 0, alone.output
     assert "optimizer hyper-parameters recorded by A only at 1 step(s)" in alone.output
