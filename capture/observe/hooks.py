@@ -110,6 +110,44 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     return disable(hook) if disable is not None else hook
 
 
+@dataclass(frozen=True)
+class _Lent:
+    """An alias put into the caller's list or dict for one call, in place of the tensor it stands for."""
+
+    container: Any
+    key: Any
+    tensor: torch.Tensor
+    alias: torch.Tensor
+
+
+def _give_back(lent: list[_Lent], outputs: Any) -> None:
+    """Once the call returns: its arguments' lists and dicts hold the caller's tensors again where they still hold
+    the aliases (what the module wrote there stays). A container the module returns keeps them, as the call left
+    it: its caller goes on with the aliases, whose values are the tensors' own."""
+    returned = _containers(outputs)
+    for item in reversed(lent):  # one container passed twice was aliased twice: undone last first
+        container = item.container
+        if id(container) in returned:
+            continue
+        if isinstance(container, dict):
+            if container.get(item.key) is item.alias:
+                container[item.key] = item.tensor
+            continue
+        place = next((i for i, held in enumerate(container) if held is item.alias), None)  # a list may have moved
+        if place is not None:
+            container[place] = item.tensor
+
+
+def _containers(value: Any, depth: int = 0) -> set[int]:
+    """The ids of the lists and dicts inside a module's outputs (a few levels deep)."""
+    if depth > 4 or not isinstance(value, (list, tuple, dict)):
+        return set()
+    found = {id(value)} if isinstance(value, (list, dict)) else set()
+    for item in value.values() if isinstance(value, dict) else value:
+        found |= _containers(item, depth + 1)
+    return found
+
+
 class ModuleTap:
     """Context manager hooking every submodule of ``model`` (the root itself is not hooked). Gradient hooks put on
     tensors during the ``with`` block stay until :meth:`release`, to be called after backward.
@@ -140,6 +178,7 @@ class ModuleTap:
         self._arg_names: dict[int, ArgumentNames] = {}
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
+        self._lent: dict[int, list[_Lent]] = {}  # per open call (id of its CallInfo): aliases put into its arguments
         self._held = HeldViews()
         self._phase = _Phase()
 
@@ -178,18 +217,24 @@ class ModuleTap:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         aliased: set[str] = set()
         names = info.arg_names
+        lent: list[_Lent] = []
         new_args = tuple(
-            self._alias(info, value, join_slot("input", argument_key(names, i)), aliased)
+            self._alias(info, value, join_slot("input", argument_key(names, i)), aliased, lent)
             for i, value in enumerate(args)
         )
-        new_kwargs = {k: self._alias(info, value, join_slot("input", k), aliased) for k, value in kwargs.items()}
+        new_kwargs = {k: self._alias(info, value, join_slot("input", k), aliased, lent) for k, value in kwargs.items()}
+        if lent:
+            self._lent[id(info)] = lent
         for slot, tensor in iter_live_call_inputs(args, kwargs, names):
             # Tensors inside containers we cannot rebuild get a plain hook (sum over consumers).
             if tensor.requires_grad and slot not in aliased:
                 self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
         return (new_args, new_kwargs) if aliased else None
 
-    def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str]) -> Any:
+    def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str], lent: list[_Lent]) -> Any:
+        """``value`` with an alias carrying a gradient hook in place of each tensor that requires grad. Immutable
+        containers are rebuilt; a list or dict is the caller's own, its items swapped for the aliases (``lent``),
+        so that what the module writes into it stays written (:meth:`_give_back` puts the tensors back)."""
         if isinstance(value, torch.Tensor):
             if not value.requires_grad or value.layout != torch.strided:
                 return value
@@ -197,15 +242,21 @@ class ModuleTap:
             self._watch(alias, _GradTap(self._sink, info, grad_slot(slot), self._phase))
             aliased.add(slot)
             return alias
-        if type(value) in (list, tuple):
-            return type(value)(self._alias(info, v, join_slot(slot, i), aliased) for i, v in enumerate(value))
-        if type(value) is dict:
-            keys = list(value)
-            slots = pair_slots(slot, keys)
-            return {k: self._alias(info, value[k], s, aliased) for k, s in zip(keys, slots, strict=True)}
+        if type(value) is tuple:
+            return tuple(self._alias(info, v, join_slot(slot, i), aliased, lent) for i, v in enumerate(value))
+        if type(value) in (list, dict):
+            keys = list(range(len(value))) if type(value) is list else list(value)
+            slots = [join_slot(slot, k) for k in keys] if type(value) is list else pair_slots(slot, keys)
+            for key, item_slot in zip(keys, slots, strict=True):
+                item = value[key]
+                alias = self._alias(info, item, item_slot, aliased, lent)
+                if alias is not item:
+                    value[key] = alias
+                    lent.append(_Lent(value, key, item, alias))
+            return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple (immutable): rebuilt field by field
             slots = pair_slots(slot, list(value._fields))
-            return type(value)(*(self._alias(info, v, s, aliased) for v, s in zip(value, slots, strict=True)))
+            return type(value)(*(self._alias(info, v, s, aliased, lent) for v, s in zip(value, slots, strict=True)))
         # A mutable object of its own (a dataclass, an OrderedDict, a ModelOutput) is passed as it is: a copy holding
         # the aliases would lose what the module writes into it (a state object updated in place), and a
         # ModelOutput's items would not see the aliased attributes. Its tensors get a plain hook (module docstring).
@@ -219,6 +270,9 @@ class ModuleTap:
                 if tensor.requires_grad:
                     self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
             self._held.sweep_if_due()
+        lent = self._lent.pop(id(info), None)
+        if lent:
+            _give_back(lent, outputs)
 
     def _watch(self, tensor: torch.Tensor, tap: _GradTap) -> None:
         """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
@@ -238,4 +292,5 @@ class ModuleTap:
         for handle in self._tensor_hooks:
             handle.remove()
         self._tensor_hooks.clear()
+        self._lent.clear()  # of calls that raised: their arguments keep the aliases, of the same values
         self._held = HeldViews()

@@ -329,20 +329,57 @@ class _Stateful(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         state: Any = _State(h) if self.container == "dataclass" else collections.OrderedDict(h=h)
+        if self.container == "dict":
+            state = {"h": h}
         self.update(state)
         return state.h if self.container == "dataclass" else state["h"]
 
 
-@pytest.mark.parametrize("container", ["dataclass", "ordereddict"])
+@pytest.mark.parametrize("container", ["dataclass", "ordereddict", "dict"])
 def test_a_module_updating_the_object_it_was_given_computes_what_it_computes_bare(
     tmp_path: Path, container: str
 ) -> None:
-    """A module writing into a dataclass or OrderedDict it was given: the capture hands it that very object, so the
-    caller sees the update (a copy holding aliases lost it: the self-check refused the capture, and without it the
-    bundle held other numbers); its input gradient is still recorded."""
+    """A module writing into a dataclass, OrderedDict or dict it was given: the capture hands it that very object, so
+    the caller sees the update (a copy holding aliases lost it: the self-check refused the capture, and without it
+    the bundle held other numbers, as did a plain dict's before); its input gradient is still recorded."""
     path = tmp_path / "state.h5"
     capture_run(_Stateful(container), (torch.randn(2, 4),), path, seed=0, self_check=True)
     with BundleReader(path) as reader:
         _, call = reader.find_call("update", 0)
         assert list(call.grad_inputs) == ["grad_input.state.h"]
     assert _self_replay(path, _Stateful(container)).match
+
+
+class _Appends(nn.Module):
+    """Appends its result to the list it is given (collecting each layer's states) and returns the list."""
+
+    def forward(self, found: list[torch.Tensor]) -> list[torch.Tensor]:
+        found.append(found[-1] * 3.0)
+        return found
+
+
+class _Collecting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.add, self.keep = nn.Linear(4, 4), _Appends(), _Updates()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        states = self.add([h])
+        state = {"h": h}
+        self.keep(state)
+        return states[-1] + states[0] * 0.5 + state["h"] + h
+
+
+def test_lists_and_dicts_given_to_modules_keep_what_the_modules_write(tmp_path: Path) -> None:
+    """A list a module appends to and returns, and a dict it writes into: the run computes what it computes bare,
+    the module's own input gradient is recorded (the skip ``+ h`` not counted in it), and the same model matches."""
+    path = tmp_path / "collect.h5"
+    capture_run(_Collecting(), (torch.randn(2, 4),), path, seed=0, self_check=True)
+    with BundleReader(path) as reader:
+        _, keep = reader.find_call("keep", 0)
+        grad_input = reader.read_tensor(keep.grad_inputs["grad_input.state.h"])
+        grad_output = reader.read_tensor(reader.find_call("lin", 0)[1].grad_outputs["grad_output"])
+        assert not torch.equal(grad_input, grad_output)  # the module's share, not the sum over h's consumers
+    assert _self_replay(path, _Collecting()).match
