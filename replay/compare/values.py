@@ -5,6 +5,7 @@ never passed over: a MATCH covers every output the reference returned."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -34,33 +35,41 @@ class _Leaves:
 
 
 def compare_output_values(
-    recorded: Tree, outputs: object, tolerances: ToleranceTable
-) -> tuple[list[RecordResult], list[tuple[str, str]]]:
+    recorded: Tree, outputs: object, tolerances: ToleranceTable, waived: Callable[[str], bool] = lambda _: False
+) -> tuple[list[RecordResult], list[tuple[str, str]], list[str]]:
     """Each scalar of the reference's outputs against the port's value at the same slot.
 
     Returns:
-        The compared records (kind ``output``), and the slots holding an object the capture could not store,
-        each with what it was.
+        The compared records (kind ``output``), the slots holding an object the capture could not store (each with
+        what it was), and the scalar slots ``waived`` left out (a device name, a path: values that may differ).
     """
     leaves = _Leaves()
     port = dict(iter_values(encode_value(outputs, "output", leaves), "output"))
-    records, unstored = [], []
+    records, unstored, skipped = [], [], []
     for position, (slot, node) in enumerate(iter_values(recorded, "output")):
         if node[0] == "X":
             unstored.append((slot, f"{node[1]} ({node[2]})"))
             continue
-        actual = _port_value(port.get(slot), leaves.tensors.get(slot))
+        if waived(slot):
+            skipped.append(slot)
+            continue
+        actual = _port_value(port.get(slot), leaves.tensors.get(slot), slot, leaves.tensors)
         diff = _diff(node[1], actual, tolerances, slot)
         records.append(RecordResult("output", slot, diff, (0, _ORDER_AFTER_TENSORS + position)))
-    return records, unstored
+    return records, unstored, skipped
 
 
-def _port_value(node: Tree | None, tensor: torch.Tensor | None) -> object:
-    """The port's value at a slot: a scalar, a one-element tensor's value, or ``_ABSENT``."""
+def _port_value(node: Tree | None, tensor: torch.Tensor | None, slot: str, tensors: dict[str, torch.Tensor]) -> object:
+    """The port's value at a slot: a scalar, a one-element tensor's value, an element of a 1-D tensor standing for
+    the reference's list of numbers (``lengths=[3, 4]`` against ``tensor([3, 4])``), or ``_ABSENT``."""
     if node is not None and node[0] == "S":
         return node[1]
     if tensor is not None and tensor.numel() == 1 and not tensor.is_complex():
         return tensor.detach().cpu().reshape(()).item()
+    parent, _, position = slot.rpartition(".")
+    vector = tensors.get(parent)
+    if vector is not None and vector.dim() == 1 and position.isdigit() and int(position) < len(vector):
+        return vector.detach().cpu()[int(position)].item() if not vector.is_complex() else _ABSENT
     return _ABSENT
 
 
@@ -89,8 +98,8 @@ def _diff(expected: object, actual: object, tolerances: ToleranceTable, slot: st
         problem = f"the reference returned {type(expected).__name__} {_short(expected)}, the port {shown}"
         return unmatchable((), want[0] if want else "-", got[0] if got else "-", problem)
     (tag, wanted), (got_tag, value) = want, got
-    if got_tag != tag and tag != "BOOL" and got_tag != "BOOL" and _lossless(value, tag):
-        value = wanted.dtype.type(value)  # 3 against 3.0: a Python int and float of one value
+    if got_tag != tag and _lossless(value, tag):
+        value = np.asarray(value.item(), dtype=wanted.dtype)  # 3 against 3.0, True against 1: one value
         got_tag = tag
     return diff_arrays(
         wanted, np.asarray(value), tolerances.for_record(slot, tag), expected_dtype=tag, actual_dtype=got_tag
@@ -98,11 +107,15 @@ def _diff(expected: object, actual: object, tolerances: ToleranceTable, slot: st
 
 
 def _lossless(value: np.ndarray, tag: str) -> bool:
-    """Whether a number converts to ``tag`` (I64 or F64) without changing its value."""
+    """Whether a number converts to ``tag`` (BOOL, I64 or F64) without changing its value: a Python scalar and a
+    tensor element of another kind holding one value (a flag returned as True by one side and 1 by the other)."""
     number: float | int = value.item()
+    if tag == "BOOL":
+        return number in (0, 1)
     if tag == "F64":
         return bool(float(number) == number and abs(number) <= 2**53)
-    return isinstance(number, float) and math.isfinite(number) and number.is_integer() and abs(number) <= 2**53
+    whole = isinstance(number, bool | int) or (math.isfinite(number) and float(number).is_integer())
+    return whole and abs(number) <= 2**53
 
 
 def _short(value: object) -> str:

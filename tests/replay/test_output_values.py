@@ -88,3 +88,31 @@ def test_an_output_the_capture_could_not_store_is_incomplete_not_a_match(tmp_pat
     assert result.bundle_only == ["output"]
     assert any("types.SimpleNamespace" in note and "could not store" in note for note in result.notes)
     assert _replay(bundle, _Namespaced(1.5), waive=("output",)).verdict == "MATCH"
+
+
+class _Described(nn.Module):
+    """Logits with lengths as a list of ints, a flag and the device it ran on; ``as_port`` returns the lengths as
+    a tensor, the flag as an int and another device name (a port on another machine)."""
+
+    def __init__(self, as_port: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.as_port = nn.Linear(3, 4), as_port
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        lengths = [3, 4]
+        if self.as_port:
+            return {"logits": self.lin(x), "lengths": torch.tensor(lengths), "flag": 1, "device": "cuda:0"}
+        return {"logits": self.lin(x), "lengths": lengths, "flag": True, "device": "cpu"}
+
+
+def test_scalars_the_port_returns_in_another_form_match_and_a_value_that_may_differ_is_waived(tmp_path: Path) -> None:
+    """A list of ints against a 1-D tensor of them, True against 1: the same values, matched. A device name
+    that legitimately differs is left out by a waiver (it could not be, a compared record being no waiver's)."""
+    bundle = tmp_path / "described.h5"
+    capture_run(_Described(), (torch.randn(2, 3),), bundle, seed=0)
+    result = _replay(bundle, _Described(as_port=True))
+    assert [r.name for r in result.records if not r.match] == ["output.device"]
+    waived = _replay(bundle, _Described(as_port=True), waive=("output.device",))
+    assert waived.verdict == "MATCH"
+    assert "output.device" in waived.waived
