@@ -378,3 +378,17 @@ def test_torchrun_replay_reports_carry_the_whole_jobs_verdict(tmp_path: Path, ti
     assert (written["match"], written["verdict"]) == (False, "MISMATCH")
     assert any(r["name"] == "rank1:output.logits" and not r["match"] for r in written["records"])
     assert "RESULT: MISMATCH" in markdown.read_text()
+
+
+def test_a_process_that_compared_nothing_is_no_match_in_the_merged_report(tiny_bundle: Path) -> None:
+    """Rank 0 merges the other processes' findings before it renders: one whose result did not match but that sent
+    no differing or uncompared record (it compared nothing) still leaves the job's report short of a MATCH."""
+    from parity_harness.replay.compare.data_parallel import Verdict, merge_verdicts
+    from tests.models import build_tiny
+
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_tiny(), reader)
+    assert result.match
+    merge_verdicts(result, [Verdict(0, [0], True, [], []), Verdict(1, [1], False, [], [])], 0)
+    assert not result.match
+    assert "rank1:(no record compared)" in result.bundle_only

@@ -152,6 +152,8 @@ def merge_verdicts(result: ComparisonResult, verdicts: list[Verdict], process: i
         result.records += verdict.failing
         for name, kind in verdict.missing:
             result.add_missing(kind, [name])
+        if verdict.match is False and not verdict.failing and not verdict.missing:  # it compared nothing at all
+            result.add_missing("output", [f"rank{verdict.ranks[0]}:(no record compared)"])
         result.notes.append(
             f"replay process {verdict.process} (capture ranks {verdict.ranks}): {len(verdict.failing)} records "
             f"differ, {len(verdict.missing)} not compared (listed as rank<r>:NAME)"
