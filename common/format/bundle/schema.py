@@ -209,31 +209,31 @@ def _collect_refs(tree: Tree, refs: list[TensorRef]) -> None:
 
 def iter_tensors(tree: Tree, prefix: str) -> Iterator[tuple[str, TensorRef]]:
     """Yield ``(slot, ref)`` for every tensor leaf of a validated tree, in order."""
-    kind = tree[0]
-    if kind == "T":
-        yield prefix, _tensor_ref(tree)
-    elif kind in ("L", "U"):
-        for position, child in enumerate(cast(list[Tree], tree[1])):
-            yield from iter_tensors(child, join_slot(prefix, position) if prefix else str(position))
-    elif kind in ("D", "O"):
-        entries = cast(list[list[Tree]], tree[-1])
-        for (_, node), slot in zip(entries, pair_slots(prefix, [key for key, _ in entries]), strict=True):
-            yield from iter_tensors(node, slot)
+    for slot, node in _iter_leaves(tree, prefix):
+        if node[0] == "T":
+            yield slot, _tensor_ref(node)
 
 
 def iter_values(tree: Tree, prefix: str) -> Iterator[tuple[str, Tree]]:
     """Yield ``(slot, node)`` for every leaf of a validated tree that is no tensor and no None: a scalar (``S``) or an
     object capture could not store (``X``), named as :func:`iter_tensors` names tensor leaves."""
+    for slot, node in _iter_leaves(tree, prefix):
+        if node[0] in ("S", "X"):
+            yield slot, node
+
+
+def _iter_leaves(tree: Tree, prefix: str) -> Iterator[tuple[str, Tree]]:
+    """Every leaf of a validated tree (``T``, ``N``, ``S``, ``X``) with its slot name, in order."""
     kind = tree[0]
-    if kind in ("S", "X"):
-        yield prefix, tree
-    elif kind in ("L", "U"):
+    if kind in ("L", "U"):
         for position, child in enumerate(cast(list[Tree], tree[1])):
-            yield from iter_values(child, join_slot(prefix, position) if prefix else str(position))
+            yield from _iter_leaves(child, join_slot(prefix, position) if prefix else str(position))
     elif kind in ("D", "O"):
         entries = cast(list[list[Tree]], tree[-1])
         for (_, node), slot in zip(entries, pair_slots(prefix, [key for key, _ in entries]), strict=True):
-            yield from iter_values(node, slot)
+            yield from _iter_leaves(node, slot)
+    else:
+        yield prefix, tree
 
 
 def _tensor_ref(node: Tree) -> TensorRef:
