@@ -273,7 +273,7 @@ class _Plan:
     tolerance: _Tolerance
     unrecorded_buffers: frozenset[str] = frozenset()
     """Buffers (A's names) of one run that the other, a training file from before 2.1, could not record: left out
-    of the weights, with a note."""
+    of the weights, and listed in the result as not compared."""
 
     def selects(self, name: str) -> bool:
         """Whether a weight (A's name) is compared."""

@@ -107,6 +107,7 @@ class TrainingRun:
         self.initial = header.initial
         self.meta: dict[StepKey, StepMeta] = {StepKey(*key): meta for key, meta in header.steps.items()}
         self._groups = {StepKey(*key): group for key, group in header.groups.items()}
+        self._walked: tuple[StepKey | None, dict[str, list[tuple[str, h5py.Dataset, str]]]] = (None, {})
         self._steps = {key: _info(self.meta[key]) for key in self.full_steps()}
 
     def _open_hdf5(self, target: str) -> h5py.File:
@@ -139,7 +140,15 @@ class TrainingRun:
 
     def _group(self, key: StepKey, group: str) -> list[tuple[str, h5py.Dataset, str]]:
         """A step's datasets of ``group`` with their dtype tags, by name (a dataset in place of the group: under the
-        group's name)."""
+        group's name); those of the step asked for last are kept, as its tensors and tags are asked for in turn."""
+        if self._walked[0] != key:
+            self._walked = (key, {})
+        cached = self._walked[1].get(group)
+        if cached is None:
+            cached = self._walked[1][group] = self._walk_group(key, group)
+        return cached
+
+    def _walk_group(self, key: StepKey, group: str) -> list[tuple[str, h5py.Dataset, str]]:
         members = (PARAMS, BUFFERS) if group == PARAMS else (group,)  # params: the step's state dict, as dumps hold
         found: dict[str, h5py.Dataset] = {}
         for member in members:
