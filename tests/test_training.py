@@ -447,7 +447,7 @@ def test_replay_steps_writes_plot_and_report_and_refuses_what_it_would_ignore(tm
         assert f"{extra[0]}: not used with --steps" in one_error_line("replay-compare", refused)
 
 
-def _all_batches(path: Path, scale_between: float = 1.0, all_batches: bool = True) -> Path:
+def _all_batches(path: Path, scale_between: float = 1.0, all_batches: bool = True, epoch: int | None = None) -> Path:
     """Four steps, full every second one, the losses in between recorded too (``all_batches``), scaled."""
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
@@ -460,7 +460,7 @@ def _all_batches(path: Path, scale_between: float = 1.0, all_batches: bool = Tru
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            recorder.step(step, {"x": x}, loss=loss.item() * (scale_between if step % 2 else 1.0))
+            recorder.step(step, {"x": x}, loss=loss.item() * (scale_between if step % 2 else 1.0), epoch=epoch)
     return path
 
 
@@ -478,3 +478,32 @@ def test_losses_between_full_steps_are_compared(tmp_path: Path) -> None:
     assert (
         "the losses of 2 step(s) between full steps recorded by A only (all_batches) were not compared" in sparse.output
     )
+
+
+def test_losses_between_full_steps_pair_by_batch_when_one_run_records_no_epoch(tmp_path: Path) -> None:
+    """Full steps pair by batch when one run records no epoch; the steps between them did not (their losses, 5x
+    apart, went to two notes: MATCH)."""
+    with_epoch = _all_batches(tmp_path / "a.h5", epoch=0)
+    result = CliRunner().invoke(main, [str(with_epoch), str(_all_batches(tmp_path / "b.h5", scale_between=5.0))])
+    assert result.exit_code == 1
+    assert "loss differs" in result.output
+
+
+def test_a_rerun_of_a_reference_without_optimizer_state_matches(tmp_path: Path) -> None:
+    """The reference recorded no optimizer state (TrainingRecorder's default): the port's rerun recorded its own
+    ("optimizer of B only", exit 1), and with resync wiped the port's Adam moments before every step. The rerun
+    records what the reference did, and resync leaves the optimizer state it does not know alone."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    model, batches = _model(), [{"x": x, "y": y} for _, x, y in _batches()]
+    optimizer = adamw()(model)
+    with TrainingRecorder(tmp_path / "ref.h5", model, optimizer, all_batches=True) as recorder:
+        for step, batch in enumerate(batches):
+            recorder.step(step, batch, loss=_train_step(model, optimizer, batch))
+    for resync in (False, True):
+        port = _model()
+        with TrainingRun(tmp_path / "ref.h5") as run:
+            rerun_training(port, adamw()(port), _train_step, run, tmp_path / f"port{resync}.h5", resync=resync)
+        with TrainingRun(tmp_path / "ref.h5") as run_a, TrainingRun(tmp_path / f"port{resync}.h5") as run_b:
+            result = compare_training(run_a, run_b, atol=1e-6, rtol=1e-5)
+        assert result.match, [s.reasons for s in result.steps if not s.match][:2]

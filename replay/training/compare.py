@@ -417,10 +417,11 @@ def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[st
     """The optimizer's hyper-parameters both runs recorded at the step that differ (a learning rate, betas, a
     flag); one recorded by one run only is left out (another torch adds keys such as ``fused``)."""
     a, b = infos[0].hyper_parameters, infos[1].hyper_parameters
+    # Relative only: a learning rate of 2e-5 against 1e-5 is twice the step, however small both are.
     differing = [
         f"{name} (A {a[name]:g}, B {b[name]:g})"
         for name in a
-        if name in b and not plan.tolerance.close(a[name], b[name])
+        if name in b and not math.isclose(a[name], b[name], rel_tol=plan.tolerance.rtol, abs_tol=0.0)
     ]
     return [f"optimizer hyper-parameters differ: {', '.join(differing[:3])}"] if differing else []
 
@@ -444,7 +445,11 @@ def _differences(
         found.append(f"loss of {'A' if loss_b is None else 'B'} only")
     elif not plan.tolerance.close(loss_a, loss_b):
         found.append(f"loss differs (A {loss_a}, B {loss_b})")
-    found += [f"{name} differs (A {a}, B {b})" for name, (a, b) in metrics.items() if not plan.tolerance.close(a, b)]
+    differing = [f"{name} (A {a:g}, B {b:g})" for name, (a, b) in metrics.items() if not plan.tolerance.close(a, b)]
+    if len(differing) == 1:
+        found.append(differing[0].replace(" (A ", " differs (A ", 1))
+    elif differing:
+        found.append(f"metrics differ ({len(differing)}): {', '.join(differing[:3])}")
     return found
 
 
@@ -467,12 +472,14 @@ def _one_sided_metrics(info_a: StepInfo, info_b: StepInfo) -> list[str]:
     """Metrics one run recorded at the step and the other did not: never a match, also where the one recorded is NaN
     (which the NaN standing in for the absent one would otherwise equal)."""
     a, b = _canonical(info_a.metrics), _canonical(info_b.metrics)
-    return [
-        f"metric {name} of {side} only"
-        for side, mine, theirs in (("A", a, b), ("B", b, a))
-        for name in mine
-        if name not in theirs
-    ]
+    found = []
+    for side, mine, theirs in (("A", a, b), ("B", b, a)):
+        alone = [name for name in mine if name not in theirs]
+        if len(alone) == 1:
+            found.append(f"metric {alone[0]} of {side} only")
+        elif alone:
+            found.append(f"metrics of {side} only ({len(alone)}): {', '.join(alone[:3])}")
+    return found
 
 
 def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: TrainingComparison) -> None:
@@ -574,6 +581,8 @@ def _compare_losses_between(plan: _Plan, run_a: RunSource, run_b: RunSource, res
     """The steps both runs recorded between full steps (a training file's ``all_batches``): their losses and
     metrics compared like a full step's, in step order; those of one run only are noted."""
     between_a, between_b = _loss_only(run_a), _loss_only(run_b)
+    if not all(key.epoch is not None for key in [*between_a, *between_b]):  # as pair_steps: by batch alone
+        between_a, between_b = ({StepKey(None, k.batch): v for k, v in side.items()} for side in (between_a, between_b))
     for key in sorted(between_a.keys() & between_b.keys(), key=StepKey.order):
         infos = (between_a[key], between_b[key])
         metrics = _metrics(*infos)

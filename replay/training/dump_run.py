@@ -57,6 +57,10 @@ _GROUP_KEYS: Final[dict[str, tuple[str, ...]]] = {
 }
 _IMPLEMENTATION_FLAGS: Final = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Optimizer settings that choose a kernel, not the maths: two runs differing only there computed the same."""
+_NUMPY_FLOAT_TAGS: Final = {"f2": "F16", "f4": "F32", "f8": "F64"}
+"""A NumPy array's floating dtype (byte order aside) as a tag: its precision is compared like a tensor's."""
+_MAX_METRIC_DEPTH: Final = 4
+"""Levels of nested metric dicts read."""
 _T = TypeVar("_T")
 _GROUPS: Final = ("params", "optimizer", *_GROUP_KEYS)
 _DUMP_KEYS: Final = frozenset(
@@ -132,7 +136,16 @@ class DumpRun:
     def dtype_tags(self, key: StepKey, group: str) -> dict[str, str]:
         """The dtype tag of each of :meth:`tensors` that the dump holds as a tensor (not a plain number), by name."""
         values = self._values(key, group)
-        return {name: _tag(value.dtype) for name, value in values.items() if isinstance(value, torch.Tensor)}
+        tags = {name: _tag(value.dtype) for name, value in values.items() if isinstance(value, torch.Tensor)}
+        arrays = {name: value for name, value in values.items() if isinstance(value, np.ndarray)}
+        tags.update(
+            {
+                name: _NUMPY_FLOAT_TAGS[array.dtype.str[1:]]
+                for name, array in arrays.items()
+                if array.dtype.str[1:] in _NUMPY_FLOAT_TAGS
+            }
+        )
+        return tags
 
     def _values(self, key: StepKey, group: str) -> dict[str, torch.Tensor | np.ndarray | float | int]:
         """The group's entries as the dump holds them."""
@@ -338,32 +351,44 @@ def _int_entry(dump: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
 
 def _step_info(dump: Mapping[str, Any]) -> StepInfo:
     """Loss, ``acc`` / ``accuracy`` and every number of a ``metrics`` dict (a metric of several numbers, such as a
-    per-class F1, as ``f1.0``, ``f1.1``...), the sample ids and the optimizer's hyper-parameters."""
+    per-class F1, as ``f1.0``, ``f1.1``...; a nested dict's as ``val.acc``), the sample ids and the optimizer's
+    hyper-parameters. A loss of several numbers (per sample) is compared number by number as ``loss.0``..."""
     metrics = {key: number for key in _METRIC_KEYS if (number := _number(dump.get(key))) is not None}
     nested = dump.get("metrics")
     if isinstance(nested, Mapping):
         for key, value in nested.items():
             metrics.update(_numbers(str(key), value))
-    return StepInfo(
-        loss=_number(dump.get("loss")),
-        metrics=metrics,
-        sample_ids=_sample_ids(dump),
-        hyper_parameters=_hyper_parameters(dump),
-    )
+    loss = _number(dump.get("loss"))
+    if loss is None and dump.get("loss") is not None:
+        metrics.update(_numbers("loss", dump.get("loss")))
+    return StepInfo(loss=loss, metrics=metrics, sample_ids=_sample_ids(dump), hyper_parameters=_hyper_parameters(dump))
 
 
-def _numbers(name: str, value: object) -> dict[str, float]:
-    """A metric's numbers by name: one number under ``name``; several (a tensor, an array, a list) as ``name.<i>``."""
+def _numbers(name: str, value: object, depth: int = 0) -> dict[str, float]:
+    """A metric's numbers by name: one number (a bool as 0 or 1) under ``name``; several (a tensor, an array, a
+    list, nested ones: a confusion matrix) as ``name.<i>`` in row-major order; a dict's as ``name.<key>``."""
+    if isinstance(value, bool):
+        return {name: float(value)}
     single = _number(value)
     if single is not None:
         return {name: single}
+    if isinstance(value, Mapping) and depth < _MAX_METRIC_DEPTH:
+        found: dict[str, float] = {}
+        for key, item in value.items():
+            found.update(_numbers(f"{name}.{key}", item, depth + 1))
+        return found
     if isinstance(value, torch.Tensor) and not value.is_complex():
-        value = value.detach().cpu().double().reshape(-1).tolist()
-    elif isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
-        value = value.astype(np.float64).reshape(-1).tolist()
-    if isinstance(value, (list, tuple)) and all(_number(item) is not None for item in value):
-        return {f"{name}.{i}": float(item) for i, item in enumerate(value)}
-    return {}
+        value = value.detach().cpu().double().numpy()
+    try:
+        array = np.asarray(value, dtype=np.float64) if isinstance(value, (list, tuple, np.ndarray)) else None
+    except (TypeError, ValueError):  # ragged, or not numbers
+        return {}
+    if array is None:
+        return {}
+    flat = array.reshape(-1)
+    if flat.size == 1:  # [0.5] as tensor([0.5]) is: one number
+        return {name: float(flat[0])}
+    return {f"{name}.{i}": float(item) for i, item in enumerate(flat)}
 
 
 def _hyper_parameters(dump: Mapping[str, Any]) -> dict[str, float]:

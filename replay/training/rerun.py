@@ -13,7 +13,7 @@ from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.observe.driving import seed_everything
 from parity_harness.capture.record.training import TrainingRecorder, TrainStep, persistent_buffers
 from parity_harness.common.errors import InputError
-from parity_harness.common.format.training import BUFFERS, INITIAL_BUFFERS, INITIAL_PARAMS, PARAMS
+from parity_harness.common.format.training import BUFFERS, GRADS, INITIAL_BUFFERS, INITIAL_PARAMS, OPTIMIZER, PARAMS
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.training.compare import TrainingComparison, compare_training
@@ -96,14 +96,17 @@ def rerun_training(
         mapped = rename.parameter(name)
         return mapped if name in parameters or mapped in recorded else None
 
-    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=True, seed=run.seed, rename=renamed)
+    # What the reference recorded, no more: optimizer state it lacks would be "of B only", a mismatch of nothing.
+    with_state = OPTIMIZER in (run.initial["recorded"] or [PARAMS, GRADS, OPTIMIZER])
+    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=with_state, seed=run.seed, rename=renamed)
     with recorder:
         for previous, key in zip([None, *keys], keys, strict=False):
             if resync and previous is not None and run.meta[previous]["full"]:
                 group = run.group(previous)
                 _load_parameters(named, run.exact(f"{group}/{PARAMS}"), f"{run.path}: step {previous.label()}")
                 _load_parameters(buffers, run.exact(f"{group}/{BUFFERS}"), f"{run.path}: step {previous.label()}")
-                _load_optimizer(optimizer, named, run.optimizer_state(previous))
+                if with_state:  # else the port keeps its own (its Adam moments), the reference's being unknown
+                    _load_optimizer(optimizer, named, run.optimizer_state(previous))
             batch = run.batch(key)
             loss = train_step(model, optimizer, batch)
             if run.meta[key]["full"]:

@@ -108,6 +108,8 @@ class TrainingRun:
         self.meta: dict[StepKey, StepMeta] = {StepKey(*key): meta for key, meta in header.steps.items()}
         self._groups = {StepKey(*key): group for key, group in header.groups.items()}
         self._walked: tuple[StepKey | None, dict[str, list[tuple[str, h5py.Dataset, str]]]] = (None, {})
+        recorded = [*(self.initial["parameters"] or []), *(self.initial["buffers"] or [])]
+        self._wrapped = bool(recorded) and all(name.startswith(_WRAPPER) for name in recorded)
         self._steps = {key: _info(self.meta[key]) for key in self.full_steps()}
 
     def _open_hdf5(self, target: str) -> h5py.File:
@@ -157,8 +159,13 @@ class TrainingRun:
                 found[group] = node
             elif isinstance(node, h5py.Group):
                 datasets = {name: item for name, item in _datasets(node)}
-                found.update({_unescaped(name): dataset for name, dataset in datasets.items()})
+                found.update({self._unwrapped(_unescaped(name)): dataset for name, dataset in datasets.items()})
         return [(name, dataset, str(dataset.attrs[ATTR_DTYPE])) for name, dataset in found.items()]
+
+    def _unwrapped(self, name: str) -> str:
+        """A recorded name as the comparison sees it: without the ``module.`` every name of a DDP-wrapped model
+        has (as a dump's are read), so that a DDP run compares with a single-process one."""
+        return name.removeprefix(_WRAPPER) if self._wrapped else name
 
     def exact(self, path: str) -> dict[str, torch.Tensor]:
         """The tensors under a group (``/initial/params``, a step's ``params``), bit-exact, by name."""
@@ -192,12 +199,12 @@ class TrainingRun:
         persistent buffers (a state dict's names)."""
         names = self.initial["parameters"]
         parameters = list(names) if names is not None else list(self.exact(INITIAL_PARAMS))
-        return parameters + list(self.initial["buffers"] or [])
+        return [self._unwrapped(name) for name in parameters + list(self.initial["buffers"] or [])]
 
     def buffer_names(self) -> list[str] | None:
         """The persistent buffers recorded with the weights; None for a file from before 2.1, which records none."""
         names = self.initial["buffers"]
-        return None if names is None else list(names)
+        return None if names is None else [self._unwrapped(name) for name in names]
 
     def loss_only_steps(self) -> dict[StepKey, StepInfo]:
         """The steps recorded between full ones (``all_batches``): their batch, loss and metrics, no tensors."""
@@ -249,6 +256,10 @@ def _held_by_writer(path: Path) -> bool:
         return False
     finally:
         os.close(descriptor)
+
+
+_WRAPPER: Final = "module."
+"""The prefix DDP's wrapper gives every parameter name."""
 
 
 def _datasets(group: h5py.Group) -> list[tuple[str, h5py.Dataset]]:
