@@ -207,8 +207,21 @@ class _Tolerance:
         if a.shape != b.shape:
             return False
         if _integral(a) or _integral(b):
-            return bool(np.array_equal(a, b))
+            return _equal_integers(a, b)
         return bool(np.allclose(b, a, atol=self.atol, rtol=self.rtol, equal_nan=True))
+
+
+def _equal_integers(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal values, at least one side integers: a float side (a CSV's labels) must hold whole numbers, compared as
+    integers (widening the integers to float64 would make 2**60 + 1 equal 2**60)."""
+    if _integral(a) and _integral(b):
+        return bool(np.array_equal(a, b))
+    floats, integers = (a, b) if _integral(b) else (b, a)
+    if floats.dtype.kind != "f" or not np.all(np.isfinite(floats)) or not np.all(np.abs(floats) < 2.0**63):
+        return False
+    if not np.array_equal(floats, np.trunc(floats)):
+        return False
+    return bool(np.array_equal(floats.astype(np.int64), integers))
 
 
 def _integral(values: np.ndarray) -> bool:
@@ -353,9 +366,18 @@ def _labels(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
     if not a and not b:
         return []
     problems = [f"labels of {side} only" for side, names in _one_sided(a, b) if names]
-    if any(not np.array_equal(a[n], b[n], equal_nan=True) for n in a if n in b):
+    if any(not _same_labels(a[n], b[n]) for n in a if n in b):
         problems.append("labels differ")
     return problems
+
+
+def _same_labels(a: np.ndarray, b: np.ndarray) -> bool:
+    """Labels equal exactly: integers as integers (against a CSV's float labels too), NaN only against NaN."""
+    if a.shape != b.shape:
+        return False
+    if _integral(a) or _integral(b):
+        return _equal_integers(a, b)
+    return bool(np.array_equal(a, b, equal_nan=True))
 
 
 def _sample_indices(run: RunSource, key: StepKey) -> list[int] | None:

@@ -347,6 +347,16 @@ def test_a_ddp_training_file_compares_with_single_process_dumps(tmp_path: Path) 
     assert result.exit_code == 0, result.output
 
 
+def test_integer_labels_against_float_labels_compare_as_integers(tmp_path: Path) -> None:
+    """A label 2**60 + 1 against a float64 2**60 (float64 holds no 2**60 + 1) differs; 7 against 7.0 agrees (a CSV's
+    labels are read as floats)."""
+    a = _dump(tmp_path / "a", labels=torch.tensor([2**60 + 1]))
+    assert _run(a, _dump(tmp_path / "b", labels=torch.tensor([2.0**60], dtype=torch.float64))).exit_code == 1
+    seven = _dump(tmp_path / "c", labels=torch.tensor([7, 3]))
+    assert _run(seven, _dump(tmp_path / "d", labels=torch.tensor([7.0, 3.0], dtype=torch.float64))).exit_code == 0
+    assert _run(seven, _dump(tmp_path / "e", labels=torch.tensor([7.5, 3.0], dtype=torch.float64))).exit_code == 1
+
+
 def test_params_filter_also_selects_gradients(tmp_path: Path) -> None:
     """--params head: equal head weights and gradients match although the backbone's gradients differ."""
     head = torch.ones(2, 3)
