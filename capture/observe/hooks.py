@@ -234,7 +234,7 @@ class ModuleTap:
     def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str], lent: list[_Lent]) -> Any:
         """``value`` with an alias carrying a gradient hook in place of each tensor that requires grad. Immutable
         containers are rebuilt; a list or dict is the caller's own, its items swapped for the aliases (``lent``),
-        so that what the module writes into it stays written (:meth:`_give_back` puts the tensors back)."""
+        so that what the module writes into it stays written (:func:`_give_back` puts the tensors back)."""
         if isinstance(value, torch.Tensor):
             if not value.requires_grad or value.layout != torch.strided:
                 return value
