@@ -32,13 +32,14 @@ __all__ = [
     "kind_of_module_record",
 ]
 
-RecordKind = Literal["output", "param_grad", "forward", "backward"]
+RecordKind = Literal["output", "param_grad", "forward", "backward", "buffer"]
 Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
 """With ``--isolate``: ``origin`` the record's own module is out of tolerance on the reference's
 inputs; ``inherited`` out of tolerance only because its inputs already differed; ``input differs``
 the first difference is in what the port *fed* the module (glue code of its parent);
 ``not isolated`` out of tolerance, but the module could not be run in isolation."""
-KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward")
+KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward", "buffer")
+"""``buffer``: a persistent buffer after the run (a train-mode BatchNorm's running statistics; format 1.5)."""
 ResultVerdict = Literal["MATCH", "MISMATCH", "INCOMPLETE"]
 """``INCOMPLETE``: every compared record matches, but recorded ones were left uncompared without a waiver."""
 

@@ -4,7 +4,8 @@
 
 Each is a small seeded capture exercising a part of the format: a float32 model with nested
 outputs, in-place modules and a reused block (with a loss); bf16 values (raw-bit storage); a
-partial capture with statistics-only records and a noise floor. tests/test_golden.py checks that
+partial capture with statistics-only records and a noise floor; a train-mode capture of BatchNorm, whose
+running statistics it records (1.5). tests/test_golden.py checks that
 the reader of every later version still reads them and that replaying the same models matches.
 Run this once per new format version: older golden files stay, so every version ever released
 remains readable.
@@ -34,7 +35,7 @@ def main() -> None:
         selection = Selection(**case.selection) if case.selection else None
         summary = capture_run(
             case.build(), case.inputs(), out, seed=case.seed, loss=case.loss, overwrite=True,
-            selection=selection, noise_floor=case.noise_floor,
+            selection=selection, noise_floor=case.noise_floor, train_mode=case.train_mode,
         )  # fmt: skip
         size = out.stat().st_size
         print(f"{out.relative_to(ROOT)}: {size} bytes, {summary.tensors} tensors (torch {torch.__version__})")

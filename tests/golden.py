@@ -38,6 +38,21 @@ class GoldenCase:
     loss: Callable[[Any], torch.Tensor] | None = None
     selection: dict[str, Any] = field(default_factory=dict)
     noise_floor: bool = False
+    train_mode: bool = False
+
+
+def build_batchnorm() -> nn.Module:
+    """A model with BatchNorm, its running statistics randomised: a train-mode capture records them moved (1.5)."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 2))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1.0, 1.0)
+        model[1].running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def batchnorm_inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(4, 6, generator=torch.Generator().manual_seed(12)),)
 
 
 GOLDEN_CASES = (
@@ -51,6 +66,7 @@ GOLDEN_CASES = (
         noise_floor=True,
         selection={"skip_layers": ("blocks.1",), "max_tensor_bytes": 100},
     ),
+    GoldenCase("batchnorm-train", build_batchnorm, batchnorm_inputs, seed=13, train_mode=True),
 )
 
 

@@ -13,7 +13,7 @@ from parity_harness.common.format.packing import unpack
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
-from tests.golden import DATA, GOLDEN_CASES, logits_loss
+from tests.golden import DATA, GOLDEN_CASES, batchnorm_inputs, build_batchnorm, logits_loss
 from tests.models import build_tiny, tiny_inputs
 
 SPEC = Path(__file__).resolve().parent.parent / "docs" / "bundle-format.md"
@@ -57,11 +57,12 @@ def _documented_rows(heading: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fresh_bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two fresh bundles: one with a seeded cotangent, one with a loss."""
+    """Three fresh bundles: one with a seeded cotangent, one with a loss, one of a train-mode BatchNorm."""
     folder = tmp_path_factory.mktemp("spec")
     capture_run(build_tiny(), tiny_inputs(), folder / "cotangent.h5", noise_floor=True)
     capture_run(build_tiny(), tiny_inputs(), folder / "loss.h5", loss=logits_loss)
-    return [folder / "cotangent.h5", folder / "loss.h5"]
+    capture_run(build_batchnorm(), batchnorm_inputs(), folder / "buffers.h5", train_mode=True)
+    return [folder / "cotangent.h5", folder / "loss.h5", folder / "buffers.h5"]
 
 
 def test_every_documented_path_exists_in_a_fresh_bundle(fresh_bundles: list[Path]) -> None:

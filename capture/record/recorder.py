@@ -22,6 +22,7 @@ from parity_harness.capture.distributed import (
 from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, rng_state, seed_everything
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
+from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.gradients import GradientStream, run_backward, write_params
 from parity_harness.capture.record.noise import measure_noise_floor
 from parity_harness.capture.record.provenance import model_provenance, snapshot
@@ -30,7 +31,15 @@ from parity_harness.capture.record.sink import BundleRecorder, SelectiveStore, s
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError, InputError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
-from parity_harness.common.format.bundle.schema import BackwardMode, BundleIndex, RunInfo, TensorRef, Tree, iter_values
+from parity_harness.common.format.bundle.schema import (
+    BackwardMode,
+    BundleIndex,
+    RecordedBuffers,
+    RunInfo,
+    TensorRef,
+    Tree,
+    iter_values,
+)
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.manifest import rank_path
 
@@ -170,6 +179,7 @@ def _capture(
             run.record_backward(outputs)
         finally:
             run.release_hooks()
+        run.record_buffers()
         run.check(outputs)
         index = run.index()
         path = writer.commit(index)
@@ -208,6 +218,8 @@ class _CaptureRun:
         self.rng: dict[str, Any] = {}
         self.floors: dict[str, float] = {}
         self.tap: ModuleTap | None = None
+        self.buffers_before: BufferSnapshot | None = None
+        self.buffers: RecordedBuffers | None = None
 
     def record_inputs_and_parameters(self) -> None:
         """Provenance, the seed and RNG state, the inputs and the parameters (before anything runs)."""
@@ -224,6 +236,9 @@ class _CaptureRun:
         self.params = write_params(writer, self.model, options.selection, self.context, shard_dims)
         if shard_dims:
             self.info["shard_dims"] = shard_dims
+        # Each rank of a distributed job moves its own copy of the buffers (replay runs the ranks one after another
+        # on one model): only a single process records them.
+        self.buffers_before = BufferSnapshot(self.model) if self.context is None else None
 
     def record_forward(self) -> Any:
         """The forward pass under the tap: every module call's inputs and outputs, then the model's outputs."""
@@ -243,6 +258,12 @@ class _CaptureRun:
                 self.writer, outputs, options.seed, options.loss, options.lengths
             )
         self.grads = gradients.finish()
+
+    def record_buffers(self) -> None:
+        """The persistent buffers the run changed (a train-mode BatchNorm's statistics), after it; the names of the
+        others. Before the self-check and the noise floor, which run the model again."""
+        if self.buffers_before is not None:
+            self.buffers = self.buffers_before.record(self.writer, self.model)
 
     def release_hooks(self) -> None:
         """Take the forward's gradient hooks off the tensors, once backward is over (or failed)."""
@@ -277,6 +298,7 @@ class _CaptureRun:
             noise_floor=self.floors,
             selection=self._recorded_selection(),
             summaries=self.writer.summaries,
+            buffers=self.buffers,
         )
 
     def _run_info(self) -> RunInfo:

@@ -27,6 +27,7 @@ import torch
 
 from parity_harness.capture.observe.driving import seed_everything
 from parity_harness.capture.observe.naming import encode_value
+from parity_harness.capture.record.buffers import persistent_buffers
 from parity_harness.common.errors import BundleError, BundleExistsError, InputError
 from parity_harness.common.format.bundle.layout import escape_dotted
 from parity_harness.common.format.bundle.schema import TensorRef
@@ -56,7 +57,7 @@ from parity_harness.common.format.training import (
     step_group,
 )
 
-__all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "persistent_buffers", "record_training"]
+__all__ = ["TRAINING_FORMAT", "TrainStep", "TrainingRecorder", "record_training"]
 
 TrainStep = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
 """``train_step(model, optimizer, batch) -> loss``: one optimisation step (zero_grad, backward, step)."""
@@ -216,19 +217,6 @@ class TrainingRecorder:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers a state dict holds (BatchNorm's running statistics and batch count...), by name; not those
-    registered ``persistent=False``. Read off the modules, as ``state_dict`` does, without running its hooks (a
-    sharded model's gather them)."""
-    found = {}
-    for prefix, module in model.named_modules():
-        skipped = module._non_persistent_buffers_set
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in skipped:
-                found[f"{prefix}.{name}" if prefix else name] = buffer.detach()
-    return found
 
 
 def _hyper_parameters(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:

@@ -22,11 +22,13 @@ import torch
 from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, seed_everything, to_device
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import iter_live_tensors
+from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.records import (
@@ -162,6 +164,7 @@ def _compare(model: torch.nn.Module, reader: BundleReader, options: ReplayOption
     session.compare_parameters()
     session.run_every_rank()
     session.compare_gradients()
+    session.compare_buffers()
     session.settle_checksums()
     session.recheck_rounding()
     session.account_for_unvisited()
@@ -243,6 +246,7 @@ class _ReplaySession:
         """The port's parameters (by ``id``) it used outside their modules' calls (watched with ``isolate``)."""
         self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
+        self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
         """Records of other ranks added here (``rank<r>:NAME``): outside this rank's chain of calls."""
@@ -488,6 +492,15 @@ class _ReplaySession:
                 [n for n in bundle_only if n not in names],
             ),
         )
+
+    def compare_buffers(self) -> None:
+        """The port's persistent buffers after its run against the reference's (those either run changed)."""
+        found = compare_buffers(
+            self.reader, self.model, self.buffers_before, self.rename, self.result.tolerances, self.transform
+        )
+        self.result.records += found.records
+        self.result.add_missing("buffer", found.missing)
+        self.result.notes += found.notes
 
     def recheck_rounding(self) -> None:
         """Records that failed atol/rtol narrowly, judged again against the port's own float32 rounding."""

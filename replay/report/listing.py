@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from tabulate import tabulate
 
 from parity_harness.common.format.bundle.layout import record_name
-from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
+from parity_harness.common.format.bundle.schema import RecordedBuffers, TensorRef, iter_tensors
 from parity_harness.replay.reader import BundleReader
 
 __all__ = ["printable", "render_listing"]
@@ -68,4 +68,13 @@ def render_listing(reader: BundleReader) -> str:
     ]
     lines += [f"== Backward records ({len(backward)}) ==", tabulate(backward, headers=["name", "shape", "dtype"])]
     lines.append(f"parameter gradients: {len(index.grads)}")
+    lines.append(_buffers_line(index.buffers))
     return "\n".join(lines)
+
+
+def _buffers_line(buffers: RecordedBuffers | None) -> str:
+    if buffers is None:
+        return "buffers: not recorded (format before 1.5, or a capture of several ranks)"
+    changed = ", ".join(list(buffers.changed)[:5]) + (" ..." if len(buffers.changed) > 5 else "")
+    moved = f" ({changed})" if changed else ""
+    return f"buffers: {len(buffers.changed)} changed by the run{moved}, {len(buffers.unchanged)} left as they were"

@@ -28,6 +28,7 @@ _TITLES: Final[dict[RecordKind, str]] = {
     "param_grad": "Parameter gradients",
     "forward": "Forward, per module call (execution order)",
     "backward": "Backward, per module call (backward order)",
+    "buffer": "Buffers after the run (those either run changed)",
 }
 _HEADERS: Final = [
     "name",
@@ -217,7 +218,9 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
     """The full text report: four tables, a summary, and provenance on mismatch."""
     lines: list[str] = []
     for kind in _TITLES:
-        lines += _section(kind, result.of_kind(kind), show, max_rows, result.isolated)
+        records = result.of_kind(kind)
+        if records or kind != "buffer":  # most runs change no buffer: no empty table for them
+            lines += _section(kind, records, show, max_rows, result.isolated)
     lines += _summary(result)
     lines += _param_values(result)
     lines += result.notes

@@ -11,7 +11,8 @@ import torch
 
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.observe.driving import seed_everything
-from parity_harness.capture.record.training import TrainingRecorder, TrainStep, persistent_buffers
+from parity_harness.capture.record.buffers import persistent_buffers
+from parity_harness.capture.record.training import TrainingRecorder, TrainStep
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.training import BUFFERS, GRADS, INITIAL_BUFFERS, INITIAL_PARAMS, OPTIMIZER, PARAMS
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL

@@ -20,7 +20,7 @@ from parity_harness.common.format.bundle.version import (
 def test_format_constants() -> None:
     """The released format is parity-harness-bundle 1.3 (1.1 added the noise floor, 1.2 selection and summaries,
     1.3 arguments named after the forward's parameters)."""
-    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR) == ("parity-harness-bundle", 1, 4)
+    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR) == ("parity-harness-bundle", 1, 5)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ __all__ = [
     "ATTR_MINOR",
     "ATTR_VERSION",
     "BACKWARD",
+    "BUFFERS",
     "GRADS",
     "INDEX",
     "INPUTS",
@@ -44,6 +45,7 @@ OUTPUTS: Final = "/outputs"
 BACKWARD: Final = "/backward"
 PARAMS: Final = "/params"
 GRADS: Final = "/grads"
+BUFFERS: Final = "/buffers"
 MODULES: Final = "/modules"
 
 

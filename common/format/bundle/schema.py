@@ -34,6 +34,7 @@ __all__ = [
     "BackwardMode",
     "BundleIndex",
     "ModuleCall",
+    "RecordedBuffers",
     "RunInfo",
     "TensorRef",
     "Tree",
@@ -132,6 +133,19 @@ class ModuleCall:
 
 
 @dataclass(frozen=True)
+class RecordedBuffers:
+    """The model's persistent buffers (a state dict's: BatchNorm's running statistics and batch count) over the run:
+    the values after it of those the run changed, and the names of those it left as they were."""
+
+    changed: dict[str, TensorRef] = field(default_factory=dict)
+    unchanged: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        """The index's ``buffers`` field (the changed ones' tensors are listed under ``params``)."""
+        return {"changed": list(self.changed), "unchanged": list(self.unchanged)}
+
+
+@dataclass(frozen=True)
 class BundleIndex:
     """Everything a bundle holds except the tensor bytes."""
 
@@ -156,6 +170,9 @@ class BundleIndex:
     """Tensor path -> statistics, for tensors recorded as statistics only (no dataset; format 1.2)."""
     checksums: dict[str, int] = field(default_factory=dict)
     """Tensor dataset path -> CRC-32 of its stored bytes, verified on read (format 1.2)."""
+    buffers: RecordedBuffers | None = None
+    """The persistent buffers the run changed and those it left as they were (format 1.5); ``None``: not recorded
+    (an older bundle, or a capture by several ranks)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored at ``/index``."""
@@ -165,7 +182,7 @@ class BundleIndex:
             "outputs": self.outputs,
             "cotangent": self.cotangent,
             "loss": self.loss,
-            "params": [[name, ref.to_tree()] for name, ref in self.params.items()],
+            "params": [[name, ref.to_tree()] for name, ref in self._params_and_changed_buffers().items()],
             "grads": [[name, ref.to_tree()] for name, ref in self.grads.items()],
             "calls": [call.to_dict() for call in self.calls],
             "forward_order": [list(event) for event in self.forward_order],
@@ -175,7 +192,14 @@ class BundleIndex:
             "selection": self.selection.to_dict(),
             "summaries": self.summaries,
             "checksums": self.checksums,
+            **({} if self.buffers is None else {"buffers": self.buffers.to_dict()}),
         }
+
+    def _params_and_changed_buffers(self) -> dict[str, TensorRef]:
+        """``params`` as stored: the changed buffers' values are listed among the parameters too, so that a reader
+        of format 1.4 or older, which knows no buffers, reads them as parameter values (a warning at most) rather
+        than refusing their datasets as ones no index entry names."""
+        return self.params if self.buffers is None else {**self.params, **self.buffers.changed}
 
     def tensor_refs(self) -> Iterator[TensorRef]:
         """Every tensor the index references, once per reference."""
@@ -185,6 +209,8 @@ class BundleIndex:
                 _collect_refs(tree, refs)
         refs.extend(self.params.values())
         refs.extend(self.grads.values())
+        if self.buffers is not None:
+            refs.extend(self.buffers.changed.values())
         for call in self.calls:
             _collect_refs(call.inputs, refs)
             _collect_refs(call.outputs, refs)
@@ -536,13 +562,15 @@ def parse_index(obj: object) -> BundleIndex:
         raise _fail("index", f"missing fields {missing}")
     calls = [parse_call(call, i) for i, call in enumerate(cast(list[object], _expect(index["calls"], list, "calls")))]
     optional = {key: index.get(key) for key in ("cotangent", "loss")}
+    params = _parse_named_refs(index["params"], "params")
+    buffers = None if index.get("buffers") is None else _parse_buffers(index["buffers"], params)
     return BundleIndex(
         run=parse_run(index["run"]),
         inputs=parse_tree(index["inputs"], "inputs"),
         outputs=parse_tree(index["outputs"], "outputs"),
         cotangent=None if optional["cotangent"] is None else parse_tree(optional["cotangent"], "cotangent"),
         loss=None if optional["loss"] is None else parse_tree(optional["loss"], "loss"),
-        params=_parse_named_refs(index["params"], "params"),
+        params=params,
         grads=_parse_named_refs(index["grads"], "grads"),
         calls=calls,
         forward_order=_parse_order(index.get("forward_order", []), "forward_order", len(calls)),
@@ -555,7 +583,27 @@ def parse_index(obj: object) -> BundleIndex:
             for path, stats in _parse_map(index.get("summaries", {}), "summaries").items()
         },
         checksums=_parse_checksums(index.get("checksums", {})),
+        buffers=buffers,
     )
+
+
+def _parse_buffers(obj: object, params: dict[str, TensorRef]) -> RecordedBuffers:
+    """The ``buffers`` field; the changed buffers' tensors are taken out of ``params``, where the index lists them."""
+    fields = _parse_map(obj, "buffers")
+    names = {}
+    for key in ("changed", "unchanged"):
+        listed = cast(list[object], _expect(fields.get(key, []), list, f"buffers.{key}"))
+        if not all(type(name) is str for name in listed) or len(set(listed)) != len(listed):
+            raise _fail(f"buffers.{key}", f"expected a list of distinct names, got {shown(listed)}")
+        names[key] = cast(list[str], listed)
+    absent = [name for name in names["changed"] if name not in params]
+    if absent:
+        raise _fail("buffers.changed", f"{shown(absent[0])} has no tensor among params, where the index lists it")
+    both = set(names["changed"]) & set(names["unchanged"])
+    if both:
+        raise _fail("buffers", f"{shown(sorted(both)[0])} is listed as changed and as unchanged")
+    changed = {name: params.pop(name) for name in names["changed"]}
+    return RecordedBuffers(changed, tuple(names["unchanged"]))
 
 
 def _parse_checksums(obj: object) -> dict[str, int]:

@@ -1,0 +1,208 @@
+"""Persistent buffers (format 1.5): what a train-mode run does to BatchNorm's statistics decides the verdict.
+
+Before 1.5 a bundle recorded no buffers, and a port whose BatchNorm used another momentum, or whose running
+statistics were converted wrongly, matched every record of a train-mode capture: the forward normalises by the
+batch's own statistics, so only the buffers show the difference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from torch import nn
+
+from parity_harness.common.format.bundle.schema import parse_index
+from parity_harness.common.format.packing import pack, unpack
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.naming.mapping import parse_map
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.listing import render_listing
+from parity_harness.replay.result import ComparisonResult
+
+STATISTICS = ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked")
+
+
+class ConvBlock(nn.Module):
+    """Conv, BatchNorm, activation: the shape of a Conformer's convolution module."""
+
+    def __init__(self, momentum: float | None = 0.1, track: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3, padding=1)
+        self.norm = nn.BatchNorm1d(4, momentum=momentum, track_running_stats=track)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.conv(x))).mean(-1))
+
+
+class RenamedBlock(ConvBlock):
+    """The same computation under other module names (a port), mapped back with ``bn => norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = self.norm
+        del self.norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.bn(self.conv(x))).mean(-1))
+
+
+class AlwaysTrainingNorm(ConvBlock):
+    """A port whose normalisation updates its statistics in eval mode too (``training=True`` hard-coded)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.norm
+        assert norm.running_mean is not None
+        assert norm.running_var is not None
+        y = nn.functional.batch_norm(
+            self.conv(x), norm.running_mean, norm.running_var, norm.weight, norm.bias, True, 0.1, norm.eps
+        )
+        return self.out(torch.tanh(y).mean(-1))
+
+
+def built(model: ConvBlock, seed: int = 0) -> ConvBlock:
+    """Every parameter and running statistic random (statistics at 0 and 1 hide conversion bugs)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)
+    return model
+
+
+def inputs() -> tuple[torch.Tensor]:
+    return (torch.randn(5, 3, 7, generator=torch.Generator().manual_seed(1)),)
+
+
+@pytest.fixture
+def train_bundle(capture_model) -> Path:  # type: ignore[no-untyped-def]
+    return capture_model(built(ConvBlock()), inputs(), train_mode=True)
+
+
+def replayed(port: nn.Module, bundle: Path, **options: object) -> ComparisonResult:
+    with BundleReader(bundle) as reader:
+        return compare_run(port, reader, **options)  # type: ignore[arg-type]
+
+
+def buffer_records(result: ComparisonResult) -> dict[str, bool]:
+    return {record.name: record.match for record in result.of_kind("buffer")}
+
+
+def test_train_mode_capture_records_the_statistics_it_moved(train_bundle: Path) -> None:
+    with BundleReader(train_bundle) as reader:
+        buffers = reader.index.buffers
+        assert buffers is not None
+        assert (sorted(buffers.changed), buffers.unchanged) == (sorted(STATISTICS), ())
+        assert not set(buffers.changed) & set(reader.index.params)
+        moved = reader.read_tensor(buffers.changed["norm.num_batches_tracked"])
+    assert int(moved) == 1
+
+
+def test_the_same_model_matches_its_buffers(train_bundle: Path) -> None:
+    port = built(ConvBlock())
+    result = replayed(port, train_bundle, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
+    assert result.verdict == "MATCH"
+    assert buffer_records(result) == dict.fromkeys(STATISTICS, True)
+    assert port.norm.num_batches_tracked is not None
+    assert int(port.norm.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize(
+    "port",
+    [
+        pytest.param(lambda: built(ConvBlock(momentum=0.9)), id="momentum-0.9"),
+        pytest.param(lambda: built(ConvBlock(momentum=None)), id="cumulative-average"),
+        pytest.param(lambda: built(ConvBlock(), seed=3), id="statistics-converted-wrongly"),
+    ],
+)
+def test_a_port_whose_statistics_move_otherwise_fails(train_bundle: Path, port) -> None:  # type: ignore[no-untyped-def]
+    """Every output and gradient of these ports matches (the forward uses the batch's statistics); the buffers
+    do not."""
+    model = port()
+    if model.norm.momentum == 0.1:  # the wrong conversion: only the statistics differ from the reference's
+        reference = built(ConvBlock())
+        converted = {key: value for key, value in model.state_dict().items() if "running" in key}
+        model.load_state_dict({**reference.state_dict(), **converted})
+    result = replayed(model, train_bundle)
+    assert result.verdict == "MISMATCH"
+    assert all(record.match for record in result.records if record.kind != "buffer")
+    assert not buffer_records(result)["norm.running_mean"]
+
+
+def test_a_port_that_tracks_no_statistics_leaves_them_uncompared(train_bundle: Path) -> None:
+    result = replayed(built(ConvBlock(track=False)), train_bundle)
+    assert result.verdict == "INCOMPLETE"
+    assert sorted(result.bundle_only) == sorted(STATISTICS)
+    assert sorted(result.coverage()["buffer"].missing) == sorted(STATISTICS)
+    waived = replayed(built(ConvBlock(track=False)), train_bundle, waive=("norm.*",))
+    assert waived.verdict == "MATCH"
+
+
+def test_buffers_pair_through_the_map(train_bundle: Path) -> None:
+    port = RenamedBlock()
+    port.load_state_dict({key.replace("norm.", "bn."): value for key, value in built(ConvBlock()).state_dict().items()})
+    result = replayed(port, train_bundle, rename=parse_map("^bn$ => norm\n"))
+    assert result.verdict == "MATCH"
+    assert buffer_records(result) == dict.fromkeys(STATISTICS, True)
+
+
+def test_eval_mode_records_names_only_and_fails_a_port_that_moves_them(capture_model) -> None:  # type: ignore[no-untyped-def]
+    bundle = capture_model(built(ConvBlock()), inputs())
+    with BundleReader(bundle) as reader, h5py.File(bundle, "r") as file:
+        buffers = reader.index.buffers
+        assert buffers is not None
+        assert (buffers.changed, sorted(buffers.unchanged)) == ({}, sorted(STATISTICS))
+        assert "buffers" not in file
+    assert replayed(built(ConvBlock()), bundle).verdict == "MATCH"
+    result = replayed(built(AlwaysTrainingNorm()), bundle)
+    assert result.verdict == "MISMATCH"
+    failed = [record for record in result.of_kind("buffer") if not record.match]
+    assert {record.name for record in failed} == {"norm.running_mean", "norm.running_var"}  # not the batch count
+    assert "left it as it was" in (failed[0].diff.problem or "")
+
+
+def test_a_reader_that_knows_no_buffers_still_finds_every_dataset_named(train_bundle: Path) -> None:
+    """Readers of format 1.4 refuse datasets no index entry names: the changed buffers are listed among the
+    parameters too, so that they read a 1.5 bundle (the buffers as parameter values) instead of refusing it."""
+    with h5py.File(train_bundle, "r") as file:
+        document = unpack(file["index"][()], where="index")
+        stored: set[str] = set()
+        file.visititems(lambda name, node: stored.add("/" + name) if isinstance(node, h5py.Dataset) else None)
+    as_read_by_1_4 = parse_index({key: value for key, value in document.items() if key != "buffers"})
+    named = {ref.path for ref in as_read_by_1_4.tensor_refs()}
+    assert {f"/buffers/{name}" for name in STATISTICS} <= named
+    assert stored - named == {"/index", "/rng/torch_cpu"}
+
+
+def test_a_bundle_without_buffers_notes_the_ports_moved_ones(train_bundle: Path, tmp_path: Path) -> None:
+    """A bundle captured before 1.5 (here: its index's buffers field removed) cannot judge them: a note says so."""
+    older = tmp_path / "older.h5"
+    older.write_bytes(train_bundle.read_bytes())
+    with h5py.File(older, "r+") as file:
+        document = unpack(file["index"][()], where="index")
+        document["params"] = [entry for entry in document["params"] if entry[0] not in STATISTICS]
+        del document["buffers"], file["buffers"], file["index"]
+        for name in STATISTICS:
+            del document["checksums"][f"/buffers/{name}"]
+        file["index"] = pack(document)
+    result = replayed(built(ConvBlock(momentum=0.9)), older)
+    assert result.verdict == "MATCH"
+    assert any("does not record" in note and "norm.running_mean" in note for note in result.notes), result.notes
+
+
+def test_json_report_lists_buffer_records(train_bundle: Path) -> None:
+    result = replayed(built(ConvBlock(momentum=0.9)), train_bundle)
+    document = json.loads(json.dumps(result.to_json()))
+    kinds = {record["name"]: record["kind"] for record in document["records"]}
+    assert {kinds[name] for name in STATISTICS} == {"buffer"}
+    assert document["match"] is False
+
+
+def test_listing_names_the_buffers_the_run_changed(train_bundle: Path) -> None:
+    with BundleReader(train_bundle) as reader:
+        listing = render_listing(reader)
+    assert "buffers: 3 changed by the run (norm.running_mean, norm.running_var, norm.num_batches_tracked)" in listing
