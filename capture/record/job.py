@@ -3,6 +3,7 @@ load the inputs, wrap it for a distributed job if asked, and record one run (or 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +105,13 @@ def _capture_training(job: CaptureJob, model: object) -> int:
         raise AdapterError(f"adapter {job.adapter.name}: --steps needs make_batches(seed, steps, batch_size, seq_len)")
     assert job.steps is not None
     with no_exit(job.adapter.name, "make_batches"):  # a generator's body runs only now
-        batches = list(job.adapter.make_batches(job.options.seed, job.steps, job.batch_size, job.seq_len))
+        given = job.adapter.make_batches(job.options.seed, job.steps, job.batch_size, job.seq_len)
+        batches = list(itertools.islice(given, job.steps))  # an endless one (a cycled loader) gives the steps asked
+    if len(batches) < job.steps:
+        raise AdapterError(
+            f"adapter {job.adapter.name}: make_batches gave {len(batches)} batch(es) for --steps {job.steps}; give "
+            f"one batch per step, or pass --steps {len(batches)}"
+        )
     record_training(
         model, make_optimizer(model), batches, train_step, job.out,  # type: ignore[arg-type]
         every=job.every, seed=job.options.seed, overwrite=job.options.overwrite,

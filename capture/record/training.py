@@ -25,10 +25,11 @@ from typing import Any
 import h5py
 import torch
 
-from parity_harness.capture.observe.driving import seed_everything
+from parity_harness.capture.observe.driving import map_tensors, seed_everything
 from parity_harness.capture.observe.naming import encode_value
 from parity_harness.capture.record.buffers import persistent_buffers
 from parity_harness.common.errors import BundleError, BundleExistsError, InputError
+from parity_harness.common.format.atomic import commit, sibling_temp
 from parity_harness.common.format.bundle.layout import escape_dotted
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.dtypes import to_storage
@@ -253,12 +254,25 @@ def record_training(
     Returns:
         The number of steps run.
     """
+    target = Path(out)
+    if target.exists() and not overwrite:
+        raise BundleExistsError(f"{target}: file exists; pass overwrite=True (--overwrite) to replace it")
     seed_everything(seed)
     model.train()
-    recorder = TrainingRecorder(
-        out, model, optimizer, every=every, optimizer_state=True, overwrite=overwrite, all_batches=True, seed=seed
-    )
-    with recorder:
-        for step, batch in enumerate(batches):
-            recorder.step(step, batch, loss=train_step(model, optimizer, batch))
+    # Written beside ``out`` and moved there once every step ran: a run that fails part way leaves the earlier file
+    # as it was, never a truncated run that would compare as a complete one. (A TrainingRecorder in a user's own
+    # loop streams to its path instead, so that a run killed after hours keeps its steps.)
+    temporary = sibling_temp(target)
+    try:
+        with TrainingRecorder(
+            temporary, model, optimizer, every=every, optimizer_state=True, all_batches=True, seed=seed
+        ) as recorder:
+            for step, batch in enumerate(batches):
+                # The batch as the step receives it: a train_step that masks labels or scales inputs in place would
+                # otherwise record its own result, which the port then gets as its input.
+                given = map_tensors(batch, lambda tensor: tensor.detach().clone())
+                recorder.step(step, given, loss=train_step(model, optimizer, batch))
+        commit(temporary, target, overwrite=overwrite)
+    finally:
+        temporary.unlink(missing_ok=True)
     return len(batches)
