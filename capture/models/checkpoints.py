@@ -113,6 +113,38 @@ def load_torch_object(path: Path, trust_pickle: bool = False, *, mmap: bool = Fa
 
 
 def _torch_load(path: Path, trust_pickle: bool, *, mmap: bool = False) -> object:
+    loaded = _torch_load_unchecked(path, trust_pickle, mmap=mmap)
+    _check_views(loaded, path)
+    return loaded
+
+
+_VIEW_SLACK: Final = 16 << 20
+"""How many bytes a saved view may show beyond its storage's (an expanded mask, a broadcast bias) before it is
+refused: a 1 KB file holding ``zeros(1).expand(2**31)`` otherwise makes every reader copy out 8 GiB."""
+
+
+def _check_views(loaded: object, path: Path) -> None:
+    """Refuse a tensor that shows far more bytes than its storage holds (an expanded or overlapping view)."""
+    pending, seen = [loaded], 0
+    while pending and seen < 1_000_000:  # torch.load of a file cannot nest deeper than its bytes; bounded anyway
+        value = pending.pop()
+        seen += 1
+        if isinstance(value, Mapping):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta:
+            shown = value.numel() * value.element_size()
+            stored = value.untyped_storage().nbytes()
+            if shown > stored + _VIEW_SLACK:
+                raise CheckpointError(
+                    f"{path}: a tensor of shape {list(value.shape)} views a storage of {stored} bytes as {shown} "
+                    "(an expanded or overlapping view): crafted, or saved without .contiguous(); save a copy "
+                    "(.clone()) of it"
+                )
+
+
+def _torch_load_unchecked(path: Path, trust_pickle: bool, *, mmap: bool = False) -> object:
     # mmap=None, not False, when not asked for: torch then keeps its own default (torch.utils.serialization.config)
     _check_zip_members(path)
     if trust_pickle:  # the user vouched for this file with --trust-pickle

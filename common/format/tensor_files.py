@@ -140,10 +140,25 @@ def _check_disjoint(entries: dict[str, SafetensorsEntry], path: Path) -> None:
             )
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object naming one key twice: ``json`` would keep the last silently."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        names = [name for name, _ in pairs]
+        twice = next(name for name in names if names.count(name) > 1)
+        raise _DuplicateKey(f"the key {shown(twice)} appears twice (the safetensors library refuses such a file)")
+    return found
+
+
 def _parse_header_json(raw: bytes, path: Path) -> dict[str, Any]:
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        raise CheckpointError(f"{path}: safetensors header: {err}; the file is damaged or crafted") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError, and a 5000-digit number
         raise CheckpointError(f"{path}: safetensors header is not JSON ({type(err).__name__}: {err})") from err
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
@@ -278,8 +293,8 @@ def read_small_json(path: Path) -> object:
         if len(raw) > _MAX_JSON_BYTES:
             raise CheckpointError(f"{path}: larger than {_MAX_JSON_BYTES >> 20} MiB; not a config or index file")
         return json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({type(err).__name__}: {err})") from err
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # ValueError: a 5000-digit number too
+        raise CheckpointError(f"{path}: not valid JSON ({type(err).__name__}: {str(err)[:200]})") from err
 
 
 def _index_shards(index: Path, folder: Path) -> list[Path]:

@@ -672,3 +672,52 @@ def test_diff_of_400_mb_tensors_stays_under_200_mb(tmp_path: Path) -> None:
     assert change["elements_changed"] == sum(
         min(CHUNK, BIG_ELEMENTS - first) for n, first in enumerate(range(0, BIG_ELEMENTS, CHUNK)) if n % 5 == 0
     )
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        pytest.param(lambda: torch.zeros(1).expand(1 << 29), id="expanded"),
+        pytest.param(lambda: torch.zeros(8).as_strided((1 << 26, 8), (0, 1)), id="overlapping-rows"),
+    ],
+)
+def test_a_view_far_larger_than_its_storage_is_refused(tmp_path: Path, view: Callable[[], torch.Tensor]) -> None:
+    """A 1.5 KB file holding ``zeros(1).expand(2**29)`` made ckpt-diff copy out 2 GiB per side; every loader of
+    torch.save files refuses it now, in one line, before any copy."""
+    path = tmp_path / "bomb.pt"
+    torch.save({"w": view()}, path)
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(path), str(path)]))
+    assert "(an expanded or overlapping view)" in line
+    small = tmp_path / "mask.pt"  # a broadcast mask or position ids of ordinary size still loads
+    torch.save({"position_ids": torch.arange(8).expand(1, -1), "mask": torch.ones(1).expand(64)}, small)
+    assert CliRunner().invoke(main, [str(small), str(small)]).exit_code == 0
+
+
+def _raw_safetensors(path: Path, header_json: str, data: bytes) -> Path:
+    header = header_json.encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        pytest.param(
+            '{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+            ' "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}',
+            "the key 'w' appears twice",
+            id="duplicate-name",
+        ),
+        pytest.param(
+            '{"w": {"dtype": "F32", "shape": [' + "9" * 5000 + '], "data_offsets": [0, 8]}}',
+            "safetensors header is not JSON (ValueError",
+            id="5000-digit-shape",
+        ),
+    ],
+)
+def test_a_safetensors_header_json_would_misread_is_refused(tmp_path: Path, header: str, expected: str) -> None:
+    """json keeps the last of two equal keys: a header naming a tensor twice got a verdict about the second one's
+    bytes (the safetensors library refuses it); a 5000-digit number reached the catch-all error line."""
+    path = _raw_safetensors(tmp_path / "w.safetensors", header, struct.pack("<2f", 1.0, 2.0))
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(path), str(path)]))
+    assert expected in line

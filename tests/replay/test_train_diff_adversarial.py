@@ -527,3 +527,12 @@ def test_an_unwritable_report_is_refused_before_the_comparison(tmp_path: Path, o
     assert result.exit_code == 2
     assert "does not exist; create it first" in result.output
     assert "match" not in result.output.lower()  # the table's verdict line was printed first
+
+
+def test_an_expanded_view_in_a_dump_is_refused_not_copied_out(tmp_path: Path) -> None:
+    """A few KB of dump held a 512 MiB float32 view of one element, which the comparison copied out in float64 for
+    each run (gigabytes from two small files)."""
+    bomb = _dump(tmp_path / "a", model_state_dict={**_weights(), "mask": torch.zeros(1).expand(1 << 27)})
+    result = _run(bomb, _dump(tmp_path / "b"))
+    assert result.exit_code == 2
+    assert "views a storage of 4 bytes as 536870912" in result.output
