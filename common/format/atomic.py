@@ -10,7 +10,14 @@ from pathlib import Path
 
 from parity_harness.common.errors import BundleExistsError, InputError
 
-__all__ = ["check_output", "commit", "sibling_temp", "stale_temporaries", "write_text_atomically"]
+__all__ = [
+    "check_output",
+    "commit",
+    "sibling_temp",
+    "stale_temporaries",
+    "write_bytes_atomically",
+    "write_text_atomically",
+]
 
 
 def sibling_temp(path: str | os.PathLike[str]) -> Path:
@@ -49,19 +56,24 @@ def write_text_atomically(path: str | os.PathLike[str], text: str, *, what: str,
     Raises:
         InputError: the file cannot be written; the message starts with ``what``.
     """
+    write_bytes_atomically(path, text.encode("utf-8"), what=what, noun=noun)
+
+
+def write_bytes_atomically(path: str | os.PathLike[str], data: bytes, *, what: str, noun: str = "file") -> None:
+    """:func:`write_text_atomically` for bytes (an image)."""
     target = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # a link stays, its target is written
     if target.exists() and not target.is_file():  # /dev/stdout, a FIFO, a terminal: written through, never replaced
         if target.is_dir():
             raise InputError(f"{what}: is a folder; give a file path")
         try:
-            with target.open("w", encoding="utf-8") as handle:
-                handle.write(text)
+            with target.open("wb") as handle:
+                handle.write(data)
         except OSError as err:
             raise InputError(f"{what}: cannot write the {noun}: {err}") from err
         return
     tmp = sibling_temp(target)
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.preflight import walking_early
 from parity_harness.replay.reader import open_bundle_for_listing
 from parity_harness.replay.report.listing import render_listing
+from parity_harness.replay.report.plot import plot_format
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """--dtype's choices (``replay.compare.precision.PRECISIONS``, which needs torch to import)."""
@@ -257,6 +258,8 @@ def main(
         for option, path in outputs.items():
             if path:  # before anything runs: a run must not end in a path it cannot write
                 check_output(path, what=option)
+        if plot_path:
+            plot_format(plot_path)
         if training or resync:
             _refuse_ignored_by_training(click.get_current_context())
         _refuse_options_without_their_mode(click.get_current_context())

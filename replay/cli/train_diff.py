@@ -18,6 +18,7 @@ from parity_harness.common.format.atomic import check_output
 from parity_harness.common.format.tensor_files import is_hdf5_file
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
 from parity_harness.replay.preflight import walking_early_each
+from parity_harness.replay.report.plot import plot_format
 
 __all__ = ["main"]
 
@@ -69,6 +70,8 @@ def main(
         for option, path in {**outputs, "--predictions-csv": predictions_csv}.items():
             if path:
                 check_output(path, what=option)
+        if plot_path:
+            plot_format(plot_path)
     training_files = [run for run in (run_a, run_b) if is_hdf5_file(run)]  # dumps and CSVs have no metadata walk
     with handle_errors("parity-train-diff", debug), walking_early_each(training_files, noun="training file"):
         # torch and the comparison, imported only now: the training files' metadata walks run meanwhile

@@ -5,16 +5,22 @@ matplotlib is an optional extra (``pip install parity-harness[plot]``) and is im
 
 from __future__ import annotations
 
+import io
 import math
 import os
-from typing import Any, Final, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from parity_harness.common.errors import InputError
-from parity_harness.replay.result import ComparisonResult, RecordResult
-from parity_harness.replay.training.compare import TrainingComparison
+from parity_harness.common.format.atomic import write_bytes_atomically
 
-__all__ = ["plot_errors", "plot_training"]
+if TYPE_CHECKING:  # the CLIs check a --plot path before torch imports: this module imports neither at run time
+    from parity_harness.replay.result import ComparisonResult, RecordResult
+    from parity_harness.replay.training.compare import TrainingComparison
 
+__all__ = ["plot_errors", "plot_format", "plot_training"]
+
+_FORMATS: Final = (".png", ".svg", ".pdf")
 _FLOOR: Final = 1e-12
 """Exact matches are drawn here so that a log axis can show them."""
 
@@ -30,14 +36,24 @@ def _load_pyplot() -> Any:
     return pyplot
 
 
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The image format a ``--plot`` path names by its suffix (checked before any work: matplotlib would append
+    ``.png`` to a path without one, and refuse another only once the comparison is over)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in _FORMATS:
+        raise InputError(f"--plot {path}: expected a file name ending in {', '.join(_FORMATS)} (got {suffix!r})")
+    return suffix[1:]
+
+
 def _save(pyplot: Any, figure: Any, path: str | os.PathLike[str], dpi: int) -> None:
-    """Write the figure and always release it; a write failure is one --plot error."""
+    """Write the figure all at once (a failed write leaves the earlier file) and always release it; a write failure
+    is one --plot error."""
+    image = io.BytesIO()
     try:
-        figure.savefig(path, dpi=dpi)
-    except OSError as err:
-        raise InputError(f"--plot {path}: cannot write the image: {err}") from err
+        figure.savefig(image, format=plot_format(path), dpi=dpi)
     finally:
         pyplot.close(figure)
+    write_bytes_atomically(path, image.getvalue(), what=f"--plot {path}", noun="image")
 
 
 def _value(number: float) -> float:

@@ -92,6 +92,40 @@ def test_plot_writes_a_png(tiny_bundle: Path, tmp_path: Path) -> None:
     assert image.stat().st_size > 10_000
 
 
+def test_a_plot_that_fails_to_write_leaves_the_earlier_image(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """savefig wrote in place: a write failing part way left a truncated PNG where the earlier plot was."""
+    pytest.importorskip("matplotlib")
+    import os
+
+    from parity_harness.common.errors import InputError
+    from parity_harness.replay.report.plot import plot_errors
+
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_tiny(), reader)
+    image = tmp_path / "errors.png"
+    image.write_bytes(b"the earlier plot")
+
+    def full_disk(source: object, target: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(InputError, match="No space left on device"):
+        plot_errors(result, image)
+    assert image.read_bytes() == b"the earlier plot"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["errors.png", "tiny.h5"]  # no temporary left
+
+
+@pytest.mark.parametrize("name", ["errors", "errors.txt"])
+def test_a_plot_path_without_an_image_suffix_is_refused_before_the_run(tiny_bundle: Path, name: str) -> None:
+    """matplotlib wrote 'errors' to errors.png (exit 0), and refused .txt only after the whole comparison."""
+    pytest.importorskip("matplotlib")
+    result = CliRunner().invoke(main, ["--bundle", str(tiny_bundle), "--model", "nowhere:none", "--plot", name])
+    assert result.exit_code == 2
+    assert "expected a file name ending in .png, .svg, .pdf" in result.stderr
+
+
 class _Dollars(torch.nn.Module):
     """A module named with matplotlib's math markup (a legal torch name), before a head."""
 
