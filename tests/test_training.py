@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -507,3 +508,56 @@ def test_a_rerun_of_a_reference_without_optimizer_state_matches(tmp_path: Path) 
         with TrainingRun(tmp_path / "ref.h5") as run_a, TrainingRun(tmp_path / f"port{resync}.h5") as run_b:
             result = compare_training(run_a, run_b, atol=1e-6, rtol=1e-5)
         assert result.match, [s.reasons for s in result.steps if not s.match][:2]
+
+
+class _MasterSGD(torch.optim.Optimizer):
+    """SGD on float64 master copies of the weights taken when it is made (the mixed-precision pattern)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": lr})
+        self.master = {param: param.detach().clone().double() for param in params}
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                master = self.master[param].add_(param.grad.double(), alpha=-group["lr"])
+                param.copy_(master)
+
+
+def test_an_optimizer_keeping_its_own_weights_is_made_after_the_initial_ones_are_loaded(tmp_path: Path) -> None:
+    """replay --steps made the port's optimizer before loading the reference's initial weights: one copying the
+    weights when made trained on from the port's own initialisation, and the identical port failed at step 0."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        return _MasterSGD(model.parameters(), lr=0.1)
+
+    reference = _reference(tmp_path, make)
+    torch.manual_seed(123)
+    port = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    with TrainingRun(reference) as run:
+        rerun_training(port, make, _train_step, run, tmp_path / "port.h5")
+    with TrainingRun(reference) as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
+        result = compare_training(run_a, run_b, atol=0.0, rtol=0.0)
+    assert result.first_diverging_step is None, [s.reasons for s in result.steps if not s.match][:1]
+
+
+@pytest.mark.parametrize("left_out", ["grads", "params"])
+def test_a_rerun_records_what_the_reference_did(tmp_path: Path, left_out: str) -> None:
+    """A reference recorded without gradients (or weights) made the identical port fail with "grads of B only"."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    model, batches = _model(), [{"x": x, "y": y} for _, x, y in _batches()]
+    optimizer = sgd(model)
+    options = {left_out: False}
+    with TrainingRecorder(tmp_path / "ref.h5", model, optimizer, all_batches=True, **options) as recorder:  # type: ignore[arg-type]
+        for step, batch in enumerate(batches):
+            recorder.step(step, batch, loss=_train_step(model, optimizer, batch))
+    port = _model()
+    with TrainingRun(tmp_path / "ref.h5") as run:
+        rerun_training(port, sgd, _train_step, run, tmp_path / "port.h5")
+    with TrainingRun(tmp_path / "ref.h5") as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
+        result = compare_training(run_a, run_b, atol=1e-6, rtol=1e-5)
+    assert result.match, [s.reasons for s in result.steps if not s.match][:2]

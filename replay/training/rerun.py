@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -69,7 +69,7 @@ def _every_batch(run: TrainingRun) -> list[StepKey]:
 
 def rerun_training(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer],
     train_step: TrainStep,
     run: TrainingRun,
     out: str | os.PathLike[str],
@@ -80,7 +80,9 @@ def rerun_training(
     """Train the port from the reference's initial weights on the reference's batches, recording into ``out``.
 
     With ``resync``, before every step the port takes the reference's weights and optimizer state
-    recorded after the previous step, so each step's error is that step's own.
+    recorded after the previous step, so each step's error is that step's own. ``optimizer`` may be the factory
+    that makes it (``make_optimizer``): it is then made once the port holds the initial weights, as an optimizer
+    keeping its own copy of them (fp32 master weights, an EMA, Lookahead) needs.
     """
     rename = rename or RenameMap()
     named = {mapped: p for n, p in model.named_parameters() if (mapped := rename.parameter(n)) is not None}
@@ -89,6 +91,8 @@ def rerun_training(
     keys = _every_batch(run)
     _load_parameters(named, run.exact(INITIAL_PARAMS), f"{run.path}:{INITIAL_PARAMS}")
     _load_parameters(buffers, run.exact(INITIAL_BUFFERS), f"{run.path}:{INITIAL_BUFFERS}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model)
     seed_everything(run.seed)
     model.train()
     parameters = {n for n, _ in model.named_parameters()}
@@ -97,9 +101,14 @@ def rerun_training(
         mapped = rename.parameter(name)
         return mapped if name in parameters or mapped in recorded else None
 
-    # What the reference recorded, no more: optimizer state it lacks would be "of B only", a mismatch of nothing.
-    with_state = OPTIMIZER in (run.initial["recorded"] or [PARAMS, GRADS, OPTIMIZER])
-    recorder = TrainingRecorder(out, model, optimizer, optimizer_state=with_state, seed=run.seed, rename=renamed)
+    # What the reference recorded, no more: what it lacks (optimizer state, gradients, weights) would be "of B only",
+    # a mismatch of nothing.
+    recorded_parts = run.initial["recorded"] or [PARAMS, GRADS, OPTIMIZER]
+    with_state = OPTIMIZER in recorded_parts
+    recorder = TrainingRecorder(
+        out, model, optimizer, params=PARAMS in recorded_parts, grads=GRADS in recorded_parts,
+        optimizer_state=with_state, seed=run.seed, rename=renamed,
+    )  # fmt: skip
     with recorder:
         for previous, key in zip([None, *keys], keys, strict=False):
             if resync and previous is not None and run.meta[previous]["full"]:
@@ -129,6 +138,6 @@ def replay_training(
     make_optimizer, train_step = driver.training()
     with TrainingRun(bundle) as run, tempfile.TemporaryDirectory(prefix="parity-train-") as folder:
         port_path = Path(folder) / "port.h5"
-        rerun_training(model, make_optimizer(model), train_step, run, port_path, resync=resync, rename=rename)
+        rerun_training(model, make_optimizer, train_step, run, port_path, resync=resync, rename=rename)
         with TrainingRun(port_path, preflight=None) as port:
             return compare_training(run, port, atol=atol, rtol=rtol, params=params)
