@@ -12,6 +12,7 @@ indexes may name files inside the folder only.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import re
 import tarfile
@@ -43,6 +44,7 @@ from parity_harness.common.format.tensor_files import (
 )
 
 __all__ = [
+    "NEMO_CONFIG",
     "NEMO_LIMIT_VARIABLE",
     "Checkpoint",
     "CheckpointKind",
@@ -59,7 +61,7 @@ __all__ = [
 
 CheckpointKind = Literal["state_dict", "safetensors", "torchscript", "nemo", "huggingface", "pickled_module"]
 _STATE_DICT_KEYS: Final = ("state_dict", "model_state_dict", "model")
-_NEMO_CONFIG: Final = "model_config.yaml"
+NEMO_CONFIG: Final = "model_config.yaml"
 _NEMO_WEIGHTS: Final = "model_weights.ckpt"
 """Environment variable overriding :func:`nemo_limit` (a byte count: 4096, 64MB, 20G)."""
 _NEMO_MAX_CONFIG: Final = 16 << 20
@@ -80,6 +82,10 @@ class Checkpoint:
     """``.nemo``: the raw YAML, for when PyYAML is not installed."""
     module: torch.nn.Module | None = None
     """TorchScript, or a whole pickled module (with ``trust_pickle``): the model itself."""
+    loaded: object = None
+    """``.nemo``: everything ``model_weights.ckpt`` holds (``state_dict`` is the model's part of it)."""
+    members: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """``.nemo``: every other file of the archive (tokenizer, vocabulary...): name -> (size, SHA-256)."""
 
 
 # ------------------------------------------------------------------ state dicts
@@ -257,8 +263,8 @@ def _parse_yaml(text: str, path: Path) -> dict[str, Any] | None:
         return None
     try:
         loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise CheckpointError(f"{path}: {_NEMO_CONFIG} is not valid YAML: {err}") from err
+    except (yaml.YAMLError, RecursionError) as err:
+        raise CheckpointError(f"{path}: {NEMO_CONFIG} is not valid YAML: {str(err)[:200]}") from err
     return loaded if isinstance(loaded, dict) else None
 
 
@@ -318,29 +324,57 @@ def is_tar_archive(path: Path) -> bool:
 
 
 def _extract_nemo(path: Path, trust_pickle: bool) -> Checkpoint:
-    """Extract the config and the weights (nothing else), size-checked, and load them."""
+    """Extract the config and the weights, size-checked, and load them; the other members are hashed."""
     with _open_tar(path) as archive, tempfile.TemporaryDirectory(prefix="parity-nemo-") as folder:
-        used = _used_nemo_members(archive, path, nemo_limit(path.stat().st_size))
+        used, others = _used_nemo_members(archive, path, nemo_limit(path.stat().st_size))
         if _NEMO_WEIGHTS not in used:
             raise CheckpointError(f"{path}: no {_NEMO_WEIGHTS} inside; is this a .nemo archive?")
         text = None
-        if _NEMO_CONFIG in used:
-            text = _extract_member(archive, used[_NEMO_CONFIG], Path(folder) / _NEMO_CONFIG).read_text("utf-8")
+        if NEMO_CONFIG in used:
+            raw = _extract_member(archive, used[NEMO_CONFIG], Path(folder) / NEMO_CONFIG).read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise CheckpointError(
+                    f"{path}: {NEMO_CONFIG} is not UTF-8 text ({err}); the archive is damaged"
+                ) from err
         weights_file = _extract_member(archive, used[_NEMO_WEIGHTS], Path(folder) / _NEMO_WEIGHTS)
         try:
-            weights = _unwrap(_torch_load(weights_file, trust_pickle), path)
+            loaded = _torch_load(weights_file, trust_pickle)
+            weights = _unwrap(loaded, path)
         except CheckpointError as err:  # named after the archive, not the temporary copy (gone once this ends)
             raise CheckpointError(str(err).replace(str(weights_file), f"{path}:{_NEMO_WEIGHTS}")) from err
+        members = {_member_name(member): _member_digest(archive, member) for member in others}
     config = _parse_yaml(text, path) if text is not None else None
-    return Checkpoint("nemo", path, weights, config, text)
+    return Checkpoint("nemo", path, weights, config, text, loaded=loaded, members=members)
 
 
-def _used_nemo_members(archive: tarfile.TarFile, path: Path, limit: int) -> dict[str, tarfile.TarInfo]:
-    """The config and weights members, by base name, after checking every member's name, kind and size.
+def _member_name(member: tarfile.TarInfo) -> str:
+    return str(PurePosixPath(*[part for part in PurePosixPath(member.name).parts if part != "."]))
+
+
+def _member_digest(archive: tarfile.TarFile, member: tarfile.TarInfo) -> tuple[int, str]:
+    """A member's size and SHA-256, read in chunks, never past its declared (and checked) size."""
+    source = archive.extractfile(member)
+    digest, remaining = hashlib.sha256(), member.size
+    if source is not None:
+        with source:
+            while remaining > 0 and (chunk := source.read(min(_COPY_CHUNK, remaining))):
+                digest.update(chunk)
+                remaining -= len(chunk)
+    return member.size, digest.hexdigest()
+
+
+def _used_nemo_members(
+    archive: tarfile.TarFile, path: Path, limit: int
+) -> tuple[dict[str, tarfile.TarInfo], list[tarfile.TarInfo]]:
+    """The config and weights members, by base name, and the archive's other files, after checking every member's
+    name, kind and size.
 
     Reads headers only; stops at the first member past the limits, before anything is written.
     """
-    used: dict[str, list[tarfile.TarInfo]] = {_NEMO_CONFIG: [], _NEMO_WEIGHTS: []}
+    used: dict[str, list[tarfile.TarInfo]] = {NEMO_CONFIG: [], _NEMO_WEIGHTS: []}
+    files: list[tarfile.TarInfo] = []
     total = 0
     for count, member in enumerate(archive, start=1):
         _check_member(member, path)
@@ -348,15 +382,18 @@ def _used_nemo_members(archive: tarfile.TarFile, path: Path, limit: int) -> dict
         if count > _NEMO_MAX_MEMBERS or total > limit:
             raise CheckpointError(_too_big_message(path, count, total, limit))
         base = PurePosixPath(member.name).name
-        if member.isfile() and base in used:
-            used[base].append(member)
+        if member.isfile():
+            files.append(member)
+            if base in used:
+                used[base].append(member)
     chosen = {base: _single(path, base, members) for base, members in used.items() if members}
-    if _NEMO_CONFIG in chosen and chosen[_NEMO_CONFIG].size > _NEMO_MAX_CONFIG:
+    others = [member for member in files if all(member is not taken for taken in chosen.values())]
+    if NEMO_CONFIG in chosen and chosen[NEMO_CONFIG].size > _NEMO_MAX_CONFIG:
         raise CheckpointError(
-            f"{path}: {_NEMO_CONFIG} declares {chosen[_NEMO_CONFIG].size} bytes, over the {_NEMO_MAX_CONFIG} "
+            f"{path}: {NEMO_CONFIG} declares {chosen[NEMO_CONFIG].size} bytes, over the {_NEMO_MAX_CONFIG} "
             "a model config may have; the archive is damaged or hostile"
         )
-    return chosen
+    return chosen, others
 
 
 def _too_big_message(path: Path, count: int, total: int, limit: int) -> str:

@@ -19,7 +19,7 @@ from parity_harness.common.errors import CheckpointError, InputError
 from parity_harness.replay.ckpt_diff.flatten import EntryValue
 from parity_harness.replay.ckpt_diff.kinds import open_source
 from parity_harness.replay.ckpt_diff.metrics import BLOCK_ELEMENTS, PairMoments, SideMoments, measure_pair, measure_side
-from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo
+from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo, leave_out_one_sided_files
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 
 __all__ = [
@@ -295,6 +295,7 @@ def diff_sources(
     Raises:
         InputError: ``include``/``exclude`` select none of either side's tensors.
     """
+    leave_out_one_sided_files(source_a, source_b)
     names_b = _renamed(source_b, rename)
     keep = _selector(include, exclude)
     infos_a = {n: i for n, i in source_a.tensors.items() if keep(n)}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from parity_harness.common.errors import CheckpointError
 from parity_harness.common.format.tensor_files import HDF5_SIGNATURE, hf_weight_files, hf_weight_map, is_safetensors
-from parity_harness.replay.ckpt_diff.sources import NumpySource, SafetensorsSource, Source
+from parity_harness.replay.ckpt_diff.folder_files import folder_entries
+from parity_harness.replay.ckpt_diff.sources import NumpySource, SafetensorsSource, Source, add_file_entries
 
 __all__ = ["open_source"]
 
@@ -26,7 +27,9 @@ def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False, ver
     if file.is_dir():
         weights = hf_weight_files(file) if (file / "config.json").is_file() else []
         if weights and all(w.suffix == ".safetensors" and w.is_file() for w in weights):
-            return SafetensorsSource(file, weights, "huggingface", hf_weight_map(file))
+            source = SafetensorsSource(file, weights, "huggingface", hf_weight_map(file))
+            add_file_entries(source, folder_entries(file, weights, source.notes))
+            return source
         return _torch_source(file, trust_pickle)
     if not file.is_file():
         raise CheckpointError(f"{file}: no such checkpoint" + ("" if not file.exists() else " (not a regular file)"))

@@ -33,7 +33,17 @@ from parity_harness.common.format.tensor_files import (
 from parity_harness.common.numerics.checksum import crc32
 from parity_harness.replay.ckpt_diff.flatten import EntryValue, strip_wrappers
 
-__all__ = ["NumpySource", "SafetensorsSource", "Source", "TensorInfo", "flat_blocks", "tag_of_numpy"]
+__all__ = [
+    "FILE_KINDS",
+    "NumpySource",
+    "SafetensorsSource",
+    "Source",
+    "TensorInfo",
+    "add_file_entries",
+    "flat_blocks",
+    "leave_out_one_sided_files",
+    "tag_of_numpy",
+]
 
 _NUMPY_TAGS: Final = {np.dtype(storage_dtype(t)).str: t for t in TAGS if t not in ("BF16",) and not t.startswith("F8")}
 
@@ -68,6 +78,8 @@ class Source:
         self.tensors: dict[str, TensorInfo] = {}
         self.entries: dict[str, EntryValue] = {}
         self.notes: list[str] = []
+        self.file_entries: set[str] = set()
+        """The entries read from files beside the weights (a config, a tokenizer), not from the weights."""
 
     def blocks(self, name: str, elements: int) -> Iterator[np.ndarray]:
         """The tensor's elements in C order as flat arrays of its storage dtype, ``elements`` at a time (the last
@@ -284,3 +296,29 @@ def flat_blocks(flat: np.ndarray, elements: int) -> Iterator[np.ndarray]:
     """A flat array in consecutive slices of ``elements``."""
     for first in range(0, flat.size, elements):
         yield flat[first : first + elements]
+
+
+FILE_KINDS: Final = ("nemo", "huggingface")
+"""Checkpoint kinds that carry files beside their weights (a config, a tokenizer)."""
+
+
+def add_file_entries(source: Source, entries: dict[str, EntryValue]) -> None:
+    """Entries read from files beside the weights, remembered as such (:func:`leave_out_one_sided_files`)."""
+    source.entries.update(entries)
+    source.file_entries |= set(entries)
+
+
+def leave_out_one_sided_files(source_a: Source, source_b: Source) -> None:
+    """A checkpoint kind with no files beside its weights (a state dict) against one with them (a ``.nemo``):
+    the config is not compared (there is nothing to compare it with), which a note says; two ``.nemo`` archives or
+    two folders compare every file, one missing on one side included."""
+    for own, other in ((source_a, source_b), (source_b, source_a)):
+        if own.file_entries and other.kind not in FILE_KINDS:
+            for name in own.file_entries:
+                del own.entries[name]
+            files = sorted({name.split(":", 1)[0] for name in own.file_entries})
+            own.notes.append(
+                f"its files beside the weights ({', '.join(files[:4])}{' ...' if len(files) > 4 else ''}) are not "
+                f"compared: {other.path} ({other.kind}) has none"
+            )
+            own.file_entries = set()

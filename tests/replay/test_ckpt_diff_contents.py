@@ -1,0 +1,125 @@
+"""ckpt-diff compares everything a checkpoint holds, not its model state dict alone: all of a ``.nemo``'s
+weights file, its config field by field and its other members; a Hugging Face folder's config and other files;
+everything each ``pytorch_model.bin`` shard holds. Each of these differences used to be called EQUAL."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from parity_harness.replay.cli.ckpt_diff import main
+
+WEIGHTS = {"encoder.weight": torch.arange(6.0).reshape(2, 3), "decoder.bias": torch.ones(2)}
+CONFIG = "encoder:\n  d_model: 4\n  vocab_size: 128\n"
+
+
+def nemo(
+    path: Path, *, weights: object = None, config: str | None = CONFIG, members: dict[str, bytes] | None = None
+) -> Path:
+    """A ``.nemo`` archive: its config, its weights file (``weights``, default the state dict) and other members."""
+    saved = io.BytesIO()
+    torch.save(WEIGHTS if weights is None else weights, saved)
+    files = {"model_weights.ckpt": saved.getvalue(), **(members or {})}
+    if config is not None:
+        files["model_config.yaml"] = config.encode()
+    with tarfile.open(path, "w") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"./{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def hf_folder(
+    folder: Path, *, config: dict[str, Any] | None = None, files: dict[str, str] | None = None, bin_state: object = None
+) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config or {"hidden_size": 4, "rope_theta": 10000.0}))
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
+    if bin_state is None:
+        save_file(WEIGHTS, str(folder / "model.safetensors"))
+    else:
+        torch.save(bin_state, folder / "pytorch_model.bin")
+    return folder
+
+
+def ckpt_diff(a: Path, b: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    result = CliRunner().invoke(main, [str(a), str(b), "--format", "json", *extra])
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def changed_entries(document: dict[str, Any]) -> set[str]:
+    return {entry["name"] for entry in document["entries"] if entry["status"] != "unchanged"}
+
+
+@pytest.mark.parametrize(
+    ("b_kwargs", "expected"),
+    [
+        pytest.param({"config": CONFIG.replace("128", "256")}, {"model_config.yaml:encoder.vocab_size"}, id="config"),
+        pytest.param(
+            {"config": None},
+            {"model_config.yaml:encoder.d_model", "model_config.yaml:encoder.vocab_size"},
+            id="no-config",
+        ),
+        pytest.param({"members": {"tokenizer.model": b"other"}}, {"tokenizer.model"}, id="tokenizer"),
+        pytest.param({"weights": {"state_dict": WEIGHTS, "step": 3}}, {"step"}, id="value-beside-the-state-dict"),
+        pytest.param(
+            {"weights": {"state_dict": WEIGHTS, "optimizer": {"lr": 0.1}}}, {"optimizer.lr"}, id="optimizer-state"
+        ),
+    ],
+)
+def test_two_nemo_archives_differ_beyond_their_state_dicts(
+    tmp_path: Path, b_kwargs: dict[str, Any], expected: set[str]
+) -> None:
+    a = nemo(tmp_path / "a.nemo", members={"tokenizer.model": b"vocab"})
+    b_kwargs.setdefault("members", {"tokenizer.model": b"vocab"})
+    code, document = ckpt_diff(a, nemo(tmp_path / "b.nemo", **b_kwargs))
+    assert code == 1
+    assert changed_entries(document) == expected
+
+
+def test_a_tensor_nested_in_a_nemo_weights_file_is_compared(tmp_path: Path) -> None:
+    a = nemo(tmp_path / "a.nemo", weights={"state_dict": WEIGHTS, "ema": {"w": torch.zeros(2)}})
+    b = nemo(tmp_path / "b.nemo", weights={"state_dict": WEIGHTS, "ema": {"w": torch.ones(2)}})
+    code, document = ckpt_diff(a, b)
+    assert code == 1
+    assert [t["name"] for t in document["tensors"] if t["status"] != "unchanged"] == ["ema.w"]
+
+
+def test_the_same_nemo_twice_is_equal(tmp_path: Path) -> None:
+    members = {"tokenizer.model": b"vocab"}
+    a, b = nemo(tmp_path / "a.nemo", members=members), nemo(tmp_path / "b.nemo", members=members)
+    code, document = ckpt_diff(a, b, "--show-unchanged")
+    assert code == 0
+    assert {e["name"] for e in document["entries"]} >= {"model_config.yaml:encoder.d_model", "tokenizer.model"}
+
+
+def test_two_hugging_face_folders_differ_in_their_config_and_files(tmp_path: Path) -> None:
+    a = hf_folder(tmp_path / "a", files={"tokenizer.json": "{}"})
+    b = hf_folder(tmp_path / "b", config={"hidden_size": 4, "rope_theta": 500000.0}, files={"tokenizer.json": "[]"})
+    code, document = ckpt_diff(a, b)
+    assert code == 1
+    assert changed_entries(document) == {"config.json:rope_theta", "tokenizer.json"}
+
+
+def test_a_bin_folder_is_read_whole(tmp_path: Path) -> None:
+    """pytorch_model.bin went through the state-dict unwrapping: a value beside the weights was dropped, so a .pt
+    holding the very same object differed from the folder, and two folders differing there were equal."""
+    state = {**WEIGHTS, "step": 3}
+    folder = hf_folder(tmp_path / "a", bin_state=state)
+    other = hf_folder(tmp_path / "b", bin_state={**WEIGHTS, "step": 4})
+    assert changed_entries(ckpt_diff(folder, other)[1]) == {"step"}
+    torch.save(state, tmp_path / "same.pt")
+    code, document = ckpt_diff(tmp_path / "same.pt", folder)
+    assert code == 0, document["entries"]
+    assert any("config.json" in note and "not compared" in note for note in document["b"]["notes"])
