@@ -236,7 +236,7 @@ def _rerun(reference: Path, tmp_path: Path, make: OptimizerFactory, resync: bool
 def test_rerun_of_an_identical_port_matches(tmp_path: Path, make: OptimizerFactory) -> None:
     """The port's training rerun from the reference's weights on its batches matches at every recorded step."""
     result = _rerun(_reference(tmp_path, make, every=2), tmp_path, make)
-    assert [s.step for s in result.steps] == [0, 2, 4]
+    assert [s.step for s in result.steps] == [0, 1, 2, 3, 4, 5]  # the odd ones: losses between full steps
     assert result.first_diverging_step is None
 
 
@@ -312,7 +312,7 @@ def test_cli_capture_and_rerun_training(tmp_path: Path) -> None:
         replay_main, ["--bundle", str(run), "--adapter", str(tmp_path / "reference.py"), "--steps"]
     )
     assert same.exit_code == 0, same.output
-    assert "all 3 common steps match" in same.stdout
+    assert "all 6 common steps match" in same.stdout  # 3 full ones, and the losses between them
     report = tmp_path / "r.json"
     for resync in (False, True):
         args = ["--bundle", str(run), "--adapter", str(tmp_path / "port_bug.py"), "--steps", "--json", str(report)]
@@ -321,7 +321,9 @@ def test_cli_capture_and_rerun_training(tmp_path: Path) -> None:
         document = json.loads(report.read_text())
         assert document["first_diverging_step"] == 0
         assert document["resync"] is resync
-        assert [s["match"] for s in document["steps"]] == [False, False, False]
+        # Chained, every update and every loss after it differs; resynced, a loss right after a resync is the
+        # reference's weights' (steps 1, 3, 5), and each update differs on its own.
+        assert [s["match"] for s in document["steps"]] == ([False, True] * 3 if resync else [False] * 6)
     args = ["--bundle", str(run), "--adapter", str(tmp_path / "reference.py"), "--steps", "--params", r"^2\."]
     assert CliRunner().invoke(replay_main, args).exit_code == 0
 
@@ -561,3 +563,42 @@ def test_a_rerun_records_what_the_reference_did(tmp_path: Path, left_out: str) -
     with TrainingRun(tmp_path / "ref.h5") as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
         result = compare_training(run_a, run_b, atol=1e-6, rtol=1e-5)
     assert result.match, [s.reasons for s in result.steps if not s.match][:2]
+
+
+def test_a_port_going_wrong_between_full_steps_fails(tmp_path: Path) -> None:
+    """replay --steps recorded the port at full steps only: a port going wrong at step 4 of 5 (weights every 3)
+    matched, since the reference's losses between full steps were never compared."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    reference = _reference(tmp_path, sgd, every=3)
+    calls = iter(range(100))
+
+    def wrong_from_step_4(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+        if next(calls) >= 4:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.5
+        return _train_step(model, optimizer, batch)
+
+    port = _model()
+    with TrainingRun(reference) as run:
+        rerun_training(port, sgd, wrong_from_step_4, run, tmp_path / "port.h5")
+    with TrainingRun(reference) as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
+        result = compare_training(run_a, run_b)
+    assert result.first_diverging_step == 5  # the loss after step 4's update
+    assert not result.match
+
+
+def test_runs_of_other_lengths_do_not_match(tmp_path: Path) -> None:
+    """A reference of 6 steps against a port of 4 (weights every 3) matched: both full steps paired, and the
+    steps the port never ran were only a note."""
+    from parity_harness.capture.record.training import record_training
+
+    batches = [{"x": x, "y": y} for _, x, y in _batches()]
+    for name, count in (("six", 6), ("four", 4)):
+        model = _model()
+        record_training(model, sgd(model), batches[:count], _train_step, tmp_path / f"{name}.h5", every=3, seed=3)
+    with TrainingRun(tmp_path / "six.h5") as run_a, TrainingRun(tmp_path / "four.h5") as run_b:
+        result = compare_training(run_a, run_b)
+    assert result.first_diverging_step is None
+    assert [key.batch for key in result.only_a] == [4, 5]
+    assert not result.match

@@ -515,10 +515,11 @@ def test_golden_file_replays(path: Path, tmp_path: Path) -> None:
         rerun_training(model, RECIPE.make_optimizer(model), RECIPE.train_step, run, tmp_path / "port.h5")
         with TrainingRun(tmp_path / "port.h5") as port:
             result = compare_training(run, port, atol=1e-6, rtol=1e-6)
-    assert [step.step for step in result.steps] == [0, 2]
+    assert [step.step for step in result.steps] == [0, 1, 2]  # step 1: the loss between full steps
     for step in result.steps:  # the rerun records no metrics: compare the rest
         assert step.loss_b == pytest.approx(step.loss_a, rel=1e-6, abs=1e-6)
-        assert max(step.weight_max_abs, *step.others.values()) <= 1e-6, step
+        if step.step != 1:
+            assert max(step.weight_max_abs, *step.others.values()) <= 1e-6, step
 
 
 def test_train_diff_between_golden_versions(tmp_path: Path) -> None:

@@ -613,12 +613,17 @@ def _compare_losses_between(plan: _Plan, run_a: RunSource, run_b: RunSource, res
         step = StepComparison(key, not reasons, infos[0].loss, infos[1].loss, nan, nan, nan, metrics, False, None)
         result.steps.append(dataclasses.replace(step, reasons=reasons))
     result.steps.sort(key=lambda s: s.key.order())
-    for side, mine, theirs in (("A", between_a, between_b), ("B", between_b, between_a)):
-        alone = len(mine.keys() - theirs.keys())
-        if alone:
+    for side, mine, theirs, only in (
+        ("A", between_a, between_b, result.only_a),
+        ("B", between_b, between_a, result.only_b),
+    ):
+        alone = sorted(mine.keys() - theirs.keys(), key=StepKey.order)
+        if alone and theirs:  # both record every batch: one ran steps the other did not (6 steps against 4)
+            only += alone
+        elif alone:
             result.notes.append(
-                f"the losses of {alone} step(s) between full steps recorded by {side} only (all_batches) were not "
-                "compared: the other run did not record them"
+                f"the losses of {len(alone)} step(s) between full steps recorded by {side} only (all_batches) were "
+                "not compared: the other run did not record them"
             )
 
 

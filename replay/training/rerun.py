@@ -105,9 +105,11 @@ def rerun_training(
     # a mismatch of nothing.
     recorded_parts = run.initial["recorded"] or [PARAMS, GRADS, OPTIMIZER]
     with_state = OPTIMIZER in recorded_parts
+    # Every step's loss, as the reference's (capture-run --steps records them): a port going wrong between two
+    # full steps, or after the last one, shows there.
     recorder = TrainingRecorder(
-        out, model, optimizer, params=PARAMS in recorded_parts, grads=GRADS in recorded_parts,
-        optimizer_state=with_state, seed=run.seed, rename=renamed,
+        out, model, optimizer, every=run.initial["every"], params=PARAMS in recorded_parts,
+        grads=GRADS in recorded_parts, optimizer_state=with_state, all_batches=True, seed=run.seed, rename=renamed,
     )  # fmt: skip
     with recorder:
         for previous, key in zip([None, *keys], keys, strict=False):
@@ -119,8 +121,7 @@ def rerun_training(
                     _load_optimizer(optimizer, named, run.optimizer_state(previous))
             batch = run.batch(key)
             loss = train_step(model, optimizer, batch)
-            if run.meta[key]["full"]:
-                recorder.step(key.batch, batch, loss=loss, epoch=key.epoch)
+            recorder.step(key.batch, batch if run.meta[key]["full"] else None, loss=loss, epoch=key.epoch)
 
 
 def replay_training(
