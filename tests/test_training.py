@@ -16,7 +16,7 @@ from torch import nn
 
 from parity_harness.capture.record.training import TrainingRecorder
 from parity_harness.replay.cli.train_diff import main
-from parity_harness.replay.training.compare import compare_training
+from parity_harness.replay.training.compare import TrainingComparison, compare_training
 from parity_harness.replay.training.filters import parameter_filter
 from parity_harness.replay.training.runs import StepKey
 from parity_harness.replay.training.training_file import TrainingRun
@@ -114,11 +114,17 @@ def test_optimizer_epsilon_diverges_at_the_first_update(tmp_path: Path) -> None:
 
 
 def test_weight_decay_on_biases_found_with_a_parameter_filter(tmp_path: Path) -> None:
-    """Decay wrongly applied to biases: biases differ at step 0; weights alone only from step 1 (drift)."""
+    """Decay wrongly applied to biases: biases differ at step 0; weights alone only from step 1 (drift). The
+    recorded settings say so from the start, whatever the filter."""
     a, b = train(tmp_path / "a.h5", adamw()), train(tmp_path / "b.h5", adamw(decay_biases=True))
+
+    def first_weights_differ(result: TrainingComparison) -> int:
+        return next(s.step for s in result.steps if not all(p.match for p in s.parameters))
+
     with TrainingRun(a) as run_a, TrainingRun(b) as run_b:
-        assert compare_training(run_a, run_b, params=r"\.bias$").first_diverging_step == 0
-        assert compare_training(run_a, run_b, params=r"\.weight$").first_diverging_step == 1
+        assert first_weights_differ(compare_training(run_a, run_b, params=r"\.bias$")) == 0
+        assert first_weights_differ(compare_training(run_a, run_b, params=r"\.weight$")) == 1
+        assert compare_training(run_a, run_b, params=r"\.weight$").first_diverging_step == 0
         worst = compare_training(run_a, run_b).steps[0].worst_param
     assert worst is not None
     assert worst.endswith("bias")
@@ -349,13 +355,16 @@ def test_predictions_csv_per_sample(tmp_path: Path) -> None:
     ids=["all", "last-layer", "first-layer", "regex-weights"],
 )
 def test_parameter_filters(tmp_path: Path, params: str, first: int, compared: int) -> None:
-    """all or a regex select the weights compared: a bias-decay bug shows at step 0 in biases, from 1 in weights."""
+    """all or a regex select the weights compared: a bias-decay bug shows at step 0 in biases, from 1 in weights
+    (the optimizer's settings differ from the start whatever the filter: the training files record them)."""
     a, b = train(tmp_path / "a.h5", adamw()), train(tmp_path / "b.h5", adamw(decay_biases=True))
     with TrainingRun(a) as run_a, TrainingRun(b) as run_b:
         result = compare_training(run_a, run_b, params=params)
         selected = parameter_filter(params)
         names = [n for n in run_a.parameter_names() if selected.search(n)]
-    assert result.first_diverging_step == first
+    assert result.first_diverging_step == 0
+    assert "weight_decay (group 1) (A 0, B 0.1)" in result.steps[0].reasons[0]
+    assert next(s.step for s in result.steps if not all(p.match for p in s.parameters)) == first
     assert len(names) == compared
     assert {p.name for p in result.steps[0].parameters} == set(names)
 
@@ -602,3 +611,38 @@ def test_runs_of_other_lengths_do_not_match(tmp_path: Path) -> None:
     assert result.first_diverging_step is None
     assert [key.batch for key in result.only_a] == [4, 5]
     assert not result.match
+
+
+def _grouped_sgd(lr: float, decay_first: bool = True) -> OptimizerFactory:
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
+        return torch.optim.SGD(groups if decay_first else groups[::-1], lr=lr)
+
+    return make
+
+
+def _recorded(tmp_path: Path, name: str, make: OptimizerFactory) -> Path:
+    from parity_harness.capture.record.training import record_training
+
+    model = _model()
+    batches = [{"x": x, "y": y} for _, x, y in _batches(3)]
+    record_training(model, make(model), batches, _train_step, tmp_path / name, every=1, seed=3)
+    return tmp_path / name
+
+
+def test_training_files_with_other_optimizer_settings_do_not_match(tmp_path: Path) -> None:
+    """Training files record the optimizer's settings, which nothing compared: at lr 1e-7 the weights of a run
+    with twice the learning rate stay within atol, and the two matched."""
+    reference = _recorded(tmp_path, "a.h5", _grouped_sgd(1e-7))
+    faster = _recorded(tmp_path, "b.h5", _grouped_sgd(2e-7))
+    with TrainingRun(reference) as run_a, TrainingRun(faster) as run_b:
+        result = compare_training(run_a, run_b)
+    assert result.first_diverging_step == 0
+    assert (
+        "optimizer hyper-parameters at the start differ: lr (group 0) (A 1e-07, B 2e-07)" in result.steps[0].reasons[0]
+    )
+    reordered = _recorded(tmp_path, "c.h5", _grouped_sgd(1e-7, decay_first=False))  # the same optimizer
+    with TrainingRun(reference) as run_a, TrainingRun(reordered) as run_c:
+        assert compare_training(run_a, run_c).match

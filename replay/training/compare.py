@@ -558,6 +558,7 @@ def compare_training(
     for key_a, key_b in pairs:
         infos = (infos_a[key_a], infos_b[key_b])
         result.steps.append(_compare_step(plan, run_a, run_b, (key_a, key_b), infos))
+    _compare_initial_optimizers(plan, run_a, run_b, result)
     _compare_losses_between(plan, run_a, run_b, result)
     _note_one_sided(result, [(infos_a[a], infos_b[b]) for a, b in pairs])
     result.unrecorded_buffers = sorted(plan.unrecorded_buffers)
@@ -597,6 +598,53 @@ def _buffer_names(run: RunSource) -> list[str] | None:
     other runs (a dump's state dict holds its buffers among the weights)."""
     names = getattr(run, "buffer_names", None)
     return [] if names is None else names()
+
+
+def _compare_initial_optimizers(plan: _Plan, run_a: RunSource, run_b: RunSource, result: TrainingComparison) -> None:
+    """Two training files' optimizers as the runs started (class, learning rate, weight decay, betas...): one that
+    differs makes the first step diverge, named as the reason. At a fine-tuning learning rate the weights of a port
+    training with twice the rate, or none, stay within atol of the reference's for many steps."""
+    initial_a, initial_b = (getattr(run, "initial_optimizer", lambda: None)() for run in (run_a, run_b))
+    if initial_a is None or initial_b is None or not result.steps:
+        return
+    (class_a, hyper_a), (class_b, hyper_b) = initial_a, initial_b
+    reasons = [f"optimizer class differs (A {class_a}, B {class_b})"] if class_a != class_b else []
+    if not _same_groups(plan, hyper_a, hyper_b):  # groups in another order (no decay first) are the same optimizer
+        infos = (StepInfo(hyper_parameters=hyper_a), StepInfo(hyper_parameters=hyper_b))
+        reasons += [
+            r.replace("hyper-parameters", "hyper-parameters at the start") for r in _hyper_differences(plan, infos)
+        ]
+    if reasons:
+        first = min(range(len(result.steps)), key=lambda i: result.steps[i].key.order())
+        step = result.steps[first]
+        result.steps[first] = dataclasses.replace(step, match=False, reasons=[*reasons, *step.reasons])
+
+
+def _same_groups(plan: _Plan, hyper_a: dict[str, float], hyper_b: dict[str, float]) -> bool:
+    """Whether the two optimizers' parameter groups agree one to one, in any order (``lr (group 0)``...)."""
+    groups_a, groups_b = _by_group(hyper_a), _by_group(hyper_b)
+    if len(groups_a) != len(groups_b):
+        return False
+    remaining = list(groups_b)
+    for group in groups_a:
+        same = next((other for other in remaining if _same_group(plan, group, other)), None)
+        if same is None:
+            return False
+        remaining.remove(same)
+    return True
+
+
+def _same_group(plan: _Plan, a: dict[str, float], b: dict[str, float]) -> bool:
+    shared = a.keys() & b.keys()  # a key one torch adds and another lacks is no difference (as per step)
+    return all(math.isclose(a[key], b[key], rel_tol=plan.tolerance.rtol, abs_tol=0.0) for key in shared)
+
+
+def _by_group(hyper: dict[str, float]) -> list[dict[str, float]]:
+    groups: dict[str, dict[str, float]] = {}
+    for name, value in hyper.items():
+        key, _, group = name.rpartition(" (group ")
+        groups.setdefault(group, {})[key] = value
+    return list(groups.values())
 
 
 def _compare_losses_between(plan: _Plan, run_a: RunSource, run_b: RunSource, result: TrainingComparison) -> None:

@@ -394,7 +394,12 @@ def _numbers(name: str, value: object, depth: int = 0) -> dict[str, float]:
 def _hyper_parameters(dump: Mapping[str, Any]) -> dict[str, float]:
     """The numeric hyper-parameters of each of the optimizer's parameter groups (``betas`` as ``betas.0``...)."""
     optimizer = next((dump[key] for key in _OPTIMIZER_KEYS if isinstance(dump.get(key), Mapping)), None)
-    groups = optimizer.get("param_groups") if optimizer is not None else None
+    return hyper_parameters_of(optimizer.get("param_groups") if optimizer is not None else None)
+
+
+def hyper_parameters_of(groups: object) -> dict[str, float]:
+    """An optimizer's ``param_groups`` (a state dict's, or a training file's record of them) as numbers by
+    ``<name> (group <i>)``; kernel choices (``foreach``, ``fused``...) left out: they change no number."""
     if not isinstance(groups, list):
         return {}
     found: dict[str, float] = {}

@@ -35,6 +35,7 @@ from parity_harness.common.format.training import (
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS, open_walked
 from parity_harness.replay.preflight import preflight as walk_in_child
 from parity_harness.replay.reader import rebuild
+from parity_harness.replay.training.dump_run import hyper_parameters_of
 from parity_harness.replay.training.runs import StepInfo, StepKey
 
 __all__ = ["TrainingRun"]
@@ -213,6 +214,14 @@ class TrainingRun:
     def full_steps(self) -> list[StepKey]:
         """Steps recorded with weights and gradients (not only their batch), in order."""
         return sorted((key for key, meta in self.meta.items() if meta["full"]), key=StepKey.order)
+
+    def initial_optimizer(self) -> tuple[str | None, dict[str, float]] | None:
+        """The optimizer's class and hyper-parameters as the run started (``None``: none was recorded)."""
+        optimizer = self.initial["optimizer"]
+        if optimizer is None:
+            return None
+        name = optimizer.get("class")
+        return (name if isinstance(name, str) else None), hyper_parameters_of(optimizer.get("param_groups"))
 
     def steps(self) -> dict[StepKey, StepInfo]:
         """The full steps: what ``parity-train-diff`` compares."""
