@@ -112,3 +112,20 @@ def test_too_few_batches_is_one_line(tmp_path: Path, given: int) -> None:
     line = one_error_line("capture-run", result)
     assert f"make_batches gave {given} batch(es) for --steps 4" in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--self-check"], ["--layers", "0"], ["--record", "inputs"], ["--summary-only"], ["--noise-floor"]],
+    ids=lambda extra: extra[0],
+)
+def test_an_option_a_training_run_ignores_is_refused(tmp_path: Path, extra: list[str]) -> None:
+    """--steps with --self-check, --layers, --record or --summary-only exited 0 having ignored them."""
+    result = capture(adapter(tmp_path, f"ignored_{extra[0][2:].replace('-', '_')}"), tmp_path / "run.h5", *extra)
+    assert f"{extra[0]}: not used with --steps" in one_error_line("capture-run", result)
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_every_without_steps_is_refused(tmp_path: Path) -> None:
+    args = ["--adapter", str(adapter(tmp_path, "every_alone")), "--out", str(tmp_path / "b.h5"), "--every", "2"]
+    assert "it needs --steps N" in one_error_line("capture-run", CliRunner().invoke(capture_main, args))

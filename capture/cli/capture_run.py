@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Final
 
 import click
+from click.core import ParameterSource
 
 from parity_harness.capture.cli.shared import (
     OneLineErrors,
@@ -144,6 +146,7 @@ def main(
     self_check: bool,
 ) -> None:
     """Record a reference model's inputs, outputs, gradients and per-module tensors into a bundle."""
+    _refuse_what_the_mode_ignores(click.get_current_context())
     with handle_errors("capture-run", debug):
         selection = Selection(
             kinds=tuple(kind.strip() for kind in record_kinds.split(",") if kind.strip()),
@@ -168,6 +171,33 @@ def main(
         )
         outcome = run_capture_job(job)
     _report(outcome, out, every, options)
+
+
+_TRAINING_OPTIONS: Final = frozenset(
+    {"adapter", "model_spec", "ckpt", "trust_pickle", "debug", "device", "out", "seed", "batch_size", "seq_len"}
+    | {"steps", "every", "overwrite", "train_mode"}
+)
+"""What ``--steps`` (a training run) uses; the other options shape a single run's bundle."""
+
+
+def _refuse_what_the_mode_ignores(context: click.Context) -> None:
+    """An option the run would not use is a usage error naming it, never silently dropped: ``--every`` without
+    ``--steps``, or with ``--steps`` one that shapes a single run's bundle (``--layers``, ``--self-check``...)."""
+    given = [
+        param
+        for param in context.command.params
+        if context.get_parameter_source(param.name or "") in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    ]
+    if context.params["steps"] is None:
+        if any(param.name == "every" for param in given):
+            raise click.UsageError("--every sets how often a training run records its weights: it needs --steps N")
+        return
+    ignored = [param.opts[0] for param in given if param.name not in _TRAINING_OPTIONS]
+    if ignored:
+        raise click.UsageError(
+            f"{', '.join(ignored)}: not used with --steps (a training run records every step's batch and loss, and "
+            "its weights every --every steps); drop it, or capture a single run without --steps"
+        )
 
 
 def _report(outcome: CaptureOutcome, out: str, every: int, options: CaptureOptions) -> None:

@@ -8,6 +8,7 @@ import functools
 import gc
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -42,7 +43,11 @@ def fail(program: str, message: str) -> NoReturn:
 
 @contextmanager
 def handle_errors(program: str, debug: bool) -> Iterator[None]:
-    """Map failures to one line on stderr and exit code 2; ``--debug`` prints the traceback first."""
+    """Map failures to one line on stderr and exit code 2; ``--debug`` prints the traceback first. Warnings are one
+    line each too (``PROGRAM: warning: ...``), not Python's two with a source line of this project's."""
+    shown = warnings.showwarning
+    if not debug:
+        warnings.showwarning = functools.partial(_one_line_warning, program)
     try:
         yield
     except click.ClickException:
@@ -58,6 +63,13 @@ def handle_errors(program: str, debug: bool) -> Iterator[None]:
             fail(program, str(err))
         # The user's model or adapter raised: say what, and where to look.
         fail(program, f"{describe_error(err)} (rerun with --debug for the traceback)")
+    finally:
+        warnings.showwarning = shown
+
+
+def _one_line_warning(program: str, message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
+    text = " ".join(str(message).split())
+    click.echo(f"{program}: warning: {text}", err=True)
 
 
 def describe_error(err: BaseException) -> str:

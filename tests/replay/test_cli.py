@@ -482,3 +482,18 @@ def test_an_option_that_would_act_on_nothing_is_refused(tiny_bundle: Path, extra
     result = replay("--bundle", tiny_bundle, "--model", "tests.models:build_tiny", *extra)
     assert result.exit_code == 2, result.output
     assert expected in one_error_line("replay-compare", result)
+
+
+def test_a_newer_minor_version_is_one_warning_line(tiny_bundle: Path, tmp_path: Path) -> None:
+    """A bundle of a newer minor printed Python's two-line warning, the second a source line of this project."""
+    newer = tmp_path / "newer.h5"
+    shutil.copyfile(tiny_bundle, newer)
+    with h5py.File(newer, "r+") as file:
+        file.attrs["format_minor"] = FORMAT_MINOR + 1
+    result = replay("--bundle", newer, "--list")
+    assert result.exit_code == 0, result.output
+    expected = (
+        f"replay-compare: warning: {newer}: bundle format {FORMAT_VERSION}.{FORMAT_MINOR + 1} is newer than this "
+        f"reader's {FORMAT_VERSION}.{FORMAT_MINOR}; fields added since are ignored"
+    )
+    assert result.stderr.splitlines() == [expected]
