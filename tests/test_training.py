@@ -646,3 +646,32 @@ def test_training_files_with_other_optimizer_settings_do_not_match(tmp_path: Pat
     reordered = _recorded(tmp_path, "c.h5", _grouped_sgd(1e-7, decay_first=False))  # the same optimizer
     with TrainingRun(reference) as run_a, TrainingRun(reordered) as run_c:
         assert compare_training(run_a, run_c).match
+
+
+def test_resync_with_an_optimizer_keeping_other_state_is_a_difference_not_an_error(tmp_path: Path) -> None:
+    """--resync forced Adam's moments into an amsgrad port's optimizer, whose step then failed on a missing key
+    (exit 2); the port now keeps its own state there and the comparison names the difference (exit 1)."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    def adam(amsgrad: bool) -> OptimizerFactory:
+        return lambda model: torch.optim.Adam(model.parameters(), lr=1e-3, amsgrad=amsgrad)
+
+    reference = _reference(tmp_path, adam(False))
+    with TrainingRun(reference) as run:
+        rerun_training(_model(), adam(True), _train_step, run, tmp_path / "port.h5", resync=True)
+    with TrainingRun(reference) as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
+        result = compare_training(run_a, run_b)
+    assert result.first_diverging_step == 0
+    assert "max_exp_avg_sq" in " ".join(result.steps[0].reasons)
+
+
+def test_a_map_sending_two_port_parameters_to_one_name_is_refused(tmp_path: Path) -> None:
+    """It failed inside HDF5 ('name already exists') once the rerun wrote the second one."""
+    from parity_harness.common.errors import MapFileError
+    from parity_harness.replay.naming.mapping import parse_map
+    from parity_harness.replay.training.rerun import rerun_training
+
+    reference = _reference(tmp_path, sgd)
+    refused = pytest.raises(MapFileError, match=r"are both mapped to the bundle's '0\.weight'")
+    with TrainingRun(reference) as run, refused:
+        rerun_training(_model(), sgd, _train_step, run, tmp_path / "port.h5", rename=parse_map("^2$ => 0\n"))

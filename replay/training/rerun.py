@@ -16,7 +16,7 @@ from parity_harness.capture.record.training import TrainingRecorder, TrainStep
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.training import BUFFERS, GRADS, INITIAL_BUFFERS, INITIAL_PARAMS, OPTIMIZER, PARAMS
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters
 from parity_harness.replay.training.compare import TrainingComparison, compare_training
 from parity_harness.replay.training.runs import StepKey
 from parity_harness.replay.training.training_file import TrainingRun
@@ -41,9 +41,16 @@ def _load_parameters(named: Mapping[str, torch.Tensor], values: dict[str, torch.
 def _load_optimizer(
     optimizer: torch.optim.Optimizer, named: dict[str, torch.nn.Parameter], state: dict[str, dict[str, torch.Tensor]]
 ) -> None:
-    """Give the port's optimizer the reference's per-parameter state (Adam moments, step counts)."""
+    """Give the port's optimizer the reference's per-parameter state (Adam moments, step counts), where it is the
+    same kind of state: an optimizer keeping other state (amsgrad's maximum, SGD's momentum against Adam's moments)
+    keeps its own, and the comparison names the difference, rather than the port's step failing on a missing key."""
     names = {id(param): name for name, param in named.items()}
     ordered = [param for group in optimizer.param_groups for param in group["params"]]
+    own = optimizer.state
+    if any(
+        own.get(param) and set(own[param]) != set(state.get(names.get(id(param), ""), own[param])) for param in ordered
+    ):
+        return
     current = optimizer.state_dict()
     current["state"] = {
         index: {key: value.clone() for key, value in state.get(names.get(id(param), ""), {}).items()}
@@ -85,7 +92,8 @@ def rerun_training(
     keeping its own copy of them (fp32 master weights, an EMA, Lookahead) needs.
     """
     rename = rename or RenameMap()
-    named = {mapped: p for n, p in model.named_parameters() if (mapped := rename.parameter(n)) is not None}
+    recorded_names = run.initial["parameters"] or ()
+    named = dict(bundle_parameters(model, rename, recorded_names))  # two of the port's onto one name: refused
     recorded = set(run.initial["buffers"] or [])
     buffers = {m: b for n, b in persistent_buffers(model).items() if (m := rename.parameter(n)) in recorded}
     keys = _every_batch(run)
