@@ -42,6 +42,9 @@ class FormatGate:
     """What writes it, named in the hint when another file is passed (``"capture-run"``)."""
     format_field: str = "root attribute 'format'"
     """Where the format name is stored, as messages name it."""
+    instead: tuple[tuple[str, str], ...] = ()
+    """(another format's name, what to do with such a file): a training file given where a bundle is read says to
+    add ``--steps``, rather than to pass a file written by capture-run, which it is."""
 
     def check(self, name: object, major: int, minor: int, *, where: str, stacklevel: int = 2) -> None:
         """Refuse a file of another format or of a major version this reader does not know; warn on a newer minor.
@@ -51,9 +54,10 @@ class FormatGate:
             UnsupportedBundleVersion: ``major`` is newer than :attr:`major`, or not positive.
         """
         if name != self.name:
+            fix = next((hint for other, hint in self.instead if name == other), f"pass a file written by {self.writer}")
             raise BundleFormatError(
                 f"{where}: not a parity-harness {self.noun} ({self.format_field} is {shown(name)}, "
-                f"expected {self.name!r}); pass a file written by {self.writer}"
+                f"expected {self.name!r}); {fix}"
             )
         if major > self.major or major < 1:
             raise UnsupportedBundleVersion(

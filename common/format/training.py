@@ -72,7 +72,20 @@ TRAINING_MINOR: Final = 1
 """Minor version: bumped when fields are only added (1.1: ``recorded`` in ``/initial/meta``; 2.1: the model's
 persistent buffers, ``/initial/buffers`` and a full step's ``buffers``, named by ``buffers`` in ``/initial/meta``)."""
 TRAINING_GATE: Final = FormatGate(
-    TRAINING_FORMAT, TRAINING_VERSION, TRAINING_MINOR, noun="training file", writer="TrainingRecorder"
+    TRAINING_FORMAT,
+    TRAINING_VERSION,
+    TRAINING_MINOR,
+    noun="training file",
+    writer="TrainingRecorder",
+    instead=(
+        (
+            "parity-harness-bundle",
+            (
+                "it is a bundle of one run: replay it with replay-compare without --steps, or record a training run "
+                "with capture-run --steps"
+            ),
+        ),
+    ),
 )
 
 # ---------------------------------------------------------------- layout

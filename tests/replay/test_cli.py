@@ -497,3 +497,14 @@ def test_a_newer_minor_version_is_one_warning_line(tiny_bundle: Path, tmp_path: 
         f"reader's {FORMAT_VERSION}.{FORMAT_MINOR}; fields added since are ignored"
     )
     assert result.stderr.splitlines() == [expected]
+
+
+def test_a_training_file_without_steps_says_to_add_steps(tmp_path: Path) -> None:
+    """The message said 'pass a file written by capture-run' for a file capture-run --steps wrote."""
+    from parity_harness.capture.record.training import TrainingRecorder
+
+    model = build_tiny()
+    with TrainingRecorder(tmp_path / "run.h5", model) as recorder:
+        recorder.step(0, loss=1.0)
+    line = one_error_line("replay-compare", replay("--bundle", tmp_path / "run.h5", "--model", TINY))
+    assert "it is a training run (capture-run --steps): rerun a port on it with replay-compare --steps" in line

@@ -23,7 +23,22 @@ FORMAT_MINOR: Final = 5
 """Minor version: bumped when fields are only added; older readers warn and go on."""
 
 
-BUNDLE_GATE: Final = FormatGate(FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR, noun="bundle", writer="capture-run")
+BUNDLE_GATE: Final = FormatGate(
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FORMAT_MINOR,
+    noun="bundle",
+    writer="capture-run",
+    instead=(
+        (
+            "parity-harness-training",
+            (
+                "it is a training run (capture-run --steps): rerun a port on it with replay-compare --steps, or "
+                "compare two runs with parity-train-diff"
+            ),
+        ),
+    ),
+)
 
 
 def check_compatible(name: object, major: int, minor: int, *, where: str) -> None:
