@@ -164,7 +164,7 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
                         _careful_block(x[part], y[part], epsilon, moments)
             if tag_a in _INTEGER and tag_b in _INTEGER:
                 moments.differing = before + _integers_differing(raw_a, raw_b, x, y, epsilon)
-            elif (tag_a in _INTEGER) != (tag_b in _INTEGER) and not complex_pair and epsilon < 1:
+            elif (tag_a in _INTEGER) != (tag_b in _INTEGER) and not complex_pair:
                 integers, floats = (raw_a, y) if tag_a in _INTEGER else (raw_b, x)
                 moments.differing = before + _cast_differing(integers, floats, epsilon)
     for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
@@ -225,11 +225,26 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
 
 def _integers_differing(raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: np.ndarray, epsilon: float) -> int:
     """Integers that differ, by exact comparison (unequal integers differ by at least 1: within an epsilon below 1
-    none is equal; from 1 the float distance decides)."""
+    none is equal; from 1 their distance decides, taken exactly)."""
     unequal = raw_a != raw_b
     if epsilon >= 1:
-        unequal &= np.abs(y.astype(np.float64) - x.astype(np.float64)) > epsilon
+        unequal &= _farther(raw_a, raw_b, epsilon)
     return int(np.count_nonzero(unequal))
+
+
+_EXACT_IN_FLOAT64: Final = float(2**53)
+
+
+def _farther(a: np.ndarray, b: np.ndarray, epsilon: float) -> np.ndarray:
+    """Where two integer arrays are more than ``epsilon`` apart. float64 holds integers exactly below 2**53 only
+    (2**62 and 2**62 + 500 are one float apart): beyond, the distance is taken in Python integers."""
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+    far: np.ndarray = np.abs(wide_b - wide_a) > epsilon
+    big = (np.abs(wide_a) >= _EXACT_IN_FLOAT64) | (np.abs(wide_b) >= _EXACT_IN_FLOAT64)
+    if big.any():
+        pairs = zip(a[big].tolist(), b[big].tolist(), strict=True)
+        far[big] = [abs(int(right) - int(left)) > epsilon for left, right in pairs]
+    return far
 
 
 def _cast_differing(integers: np.ndarray, floats: np.ndarray, epsilon: float) -> int:
@@ -237,12 +252,16 @@ def _cast_differing(integers: np.ndarray, floats: np.ndarray, epsilon: float) ->
     integer as integers (float64 holds 2**60 + 1 as 2**60), any other float by its distance (such a float is below
     2**53 in magnitude, where the integers near it are exact in float64)."""
     kind = integers.dtype if integers.dtype.kind in "iu" else np.dtype(np.uint8)  # bool as 0 and 1
+    integers = integers.astype(kind, copy=False)
     info = np.iinfo(kind)
     values = floats.astype(np.float64)
     whole = np.isfinite(values) & (np.floor(values) == values)
     in_range = (values >= info.min) & (values < float(info.max) + 1)  # float(max) + 1: 2**63 or 2**64 exactly
     as_integers = np.where(whole & in_range, values, 0.0).astype(kind)
-    unequal_whole = whole & (~in_range | (as_integers != integers))
+    unequal = as_integers != integers
+    if epsilon >= 1:
+        unequal &= _farther(as_integers, integers, epsilon)
+    unequal_whole = whole & (~in_range | unequal)
     with np.errstate(invalid="ignore"):
         unequal_other = ~whole & ~(np.abs(values - integers.astype(np.float64)) <= epsilon)  # NaN and inf differ
     return int(np.count_nonzero(unequal_whole) + np.count_nonzero(unequal_other))

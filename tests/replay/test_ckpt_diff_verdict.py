@@ -44,6 +44,26 @@ def test_wide_integers_are_compared_exactly(tmp_path: Path, dtype: type, value: 
 
 
 @pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (np.array([2**62], np.int64), np.array([2**62 + 3], np.int64)),
+        (np.array([2**62], np.int64), np.array([2**62 + 500], np.int64)),
+        (np.array([2**63 + 10], np.uint64), np.array([2**63 + 2], np.uint64)),
+        (np.array([2**60 + 5], np.int64), np.array([2.0**60])),
+    ],
+    ids=["int64+3", "int64+500", "uint64-8", "int64-against-float64"],
+)
+def test_an_epsilon_from_1_takes_wide_integers_distance_exactly(tmp_path: Path, a: np.ndarray, b: np.ndarray) -> None:
+    """At --epsilon 1 and more the distance was taken in float64, where 2**62 and 2**62 + 500 are one float apart:
+    values 3, 8 or 500 apart were equal."""
+    for first, second in ((a, b), (b, a)):
+        result = ckpt_diff.diff(*npz_pair(tmp_path, {"step": first}, {"step": second}), epsilon=1.0)
+        assert result.tensors[0].elements_changed == 1
+        assert not result.equal
+    assert ckpt_diff.diff(*npz_pair(tmp_path, {"step": a}, {"step": b}), epsilon=1000.0).equal
+
+
+@pytest.mark.parametrize(
     ("integers", "floats", "changed"),
     [
         (np.array([2**60 + 1, 3], np.int64), np.array([2.0**60, 3.0]), 1),  # float64 rounds 2**60 + 1 away
