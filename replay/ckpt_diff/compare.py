@@ -311,7 +311,7 @@ def diff_sources(
     )
     pair = _Pairing(source_a, source_b, names_b, layer_types, epsilon, shape_only)
     result.tensors = [pair.compare(name, infos_a.get(name), infos_b.get(name)) for name in sorted({*infos_a, *infos_b})]
-    result.entries = _compare_entries(source_a.entries, source_b.entries, keep)
+    result.entries = _compare_entries(source_a.entries, _renamed_entries(source_b, rename), keep)
     return result
 
 
@@ -336,6 +336,41 @@ def _renamed(source: Source, rename: RenameMap | None) -> dict[str, str]:
     if dropped:
         source.notes.append(f"--map gives {dropped} of its tensors no counterpart: they are not compared")
     return names
+
+
+def _renamed_entries(source: Source, rename: RenameMap | None) -> dict[str, EntryValue]:
+    """B's values that are not tensors under A's names, renamed as its tensors are (a module's ``_extra_state`` moves
+    with the module); those read from files beside the weights (``config.json:...``) keep theirs."""
+    if rename is None:
+        return source.entries
+    renamed: dict[str, EntryValue] = {}
+    dropped = 0
+    for name, value in source.entries.items():
+        mapped = name if name in source.file_entries else _renamed_value(name, rename)
+        if mapped is None:
+            dropped += 1
+        elif mapped in renamed:
+            raise InputError(
+                f"--map renames two values of {source.path} to {mapped!r} (one is {name!r}); one would go "
+                "uncompared: fix the map so that each value has its own name"
+            )
+        else:
+            renamed[mapped] = value
+    if dropped:
+        source.notes.append(f"--map gives {dropped} of its other values no counterpart: they are not compared")
+    return renamed
+
+
+def _renamed_value(name: str, rename: RenameMap) -> str | None:
+    """A value's name with the longest module path it starts with renamed (``encoder._extra_state.version`` under
+    ``encoder => enc``), or as a parameter's is when no module path of it is renamed."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        owner = ".".join(parts[:cut])
+        mapped = rename.module(owner)
+        if mapped != owner:
+            return None if mapped is None else ".".join([mapped, *parts[cut:]])
+    return rename.parameter(name)
 
 
 def _selector(include: str | None, exclude: str | None) -> Callable[[str], bool]:

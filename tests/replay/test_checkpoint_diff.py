@@ -274,3 +274,20 @@ def test_a_map_that_merges_or_drops_tensors_cannot_hide_them(tmp_path: Path) -> 
     result = CliRunner().invoke(main, [*args, "--map", str(dropping)])
     assert result.exit_code == 0, result.output
     assert "--map gives 1 of its tensors no counterpart" in result.stdout
+
+
+def test_a_map_renames_values_that_are_not_tensors_too(tmp_path: Path) -> None:
+    """--map renamed B's tensors but not its other values: the same extra state under a renamed module was
+    reported removed and added (DIFFERENT)."""
+    weight = torch.arange(12.0).reshape(4, 3)
+    torch.save({"enc.w": weight, "enc._extra_state": {"version": 2}}, tmp_path / "a.pt")
+    torch.save({"encoder.w": weight, "encoder._extra_state": {"version": 2}}, tmp_path / "b.pt")
+    rules = tmp_path / "m.map"
+    rules.write_text("encoder => enc\n")
+    args = [str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--map", str(rules)]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    torch.save({"encoder.w": weight, "encoder._extra_state": {"version": 3}}, tmp_path / "b.pt")
+    result = CliRunner().invoke(main, [*args, "--format", "json"])
+    assert result.exit_code == 1
+    changed = [e["name"] for e in json.loads(result.stdout)["entries"] if e["status"] != "unchanged"]
+    assert changed == ["enc._extra_state.version"]
