@@ -721,3 +721,14 @@ def test_a_safetensors_header_json_would_misread_is_refused(tmp_path: Path, head
     path = _raw_safetensors(tmp_path / "w.safetensors", header, struct.pack("<2f", 1.0, 2.0))
     line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(path), str(path)]))
     assert expected in line
+
+
+def test_many_names_viewing_one_storage_are_refused(tmp_path: Path) -> None:
+    """20,000 names viewing one 16 MiB storage made ckpt-diff compare 320 GiB (a hang from a 17 MB file); tied
+    weights (a few names for one storage) still load."""
+    shared = torch.zeros(1 << 18)  # 1 MiB
+    torch.save({f"w{i}": shared for i in range(40)}, tmp_path / "aliases.pt")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(tmp_path / "aliases.pt")] * 2))
+    assert "more than 8 names viewing the same values" in line
+    torch.save({"embed.weight": shared, "head.weight": shared}, tmp_path / "tied.pt")
+    assert CliRunner().invoke(main, [str(tmp_path / "tied.pt")] * 2).exit_code == 0
