@@ -80,7 +80,9 @@ def _verdict(result: TrainingComparison) -> list[str]:
         lines.append(f"the {len(result.steps)} common steps match, but not everything recorded was compared:")
     else:
         step = next(s for s in result.steps if s.key == first)
-        where = f" (largest weight difference in {step.worst_param})" if step.worst_param else ""
+        # Named only where a weight is out of tolerance: a difference at float noise is no lead.
+        weights_differ = any(not parameter.match for parameter in step.parameters)
+        where = f" (largest weight difference in {step.worst_param})" if step.worst_param and weights_differ else ""
         lines.append(f"first diverging step: {first.label()}{where}: {'; '.join(step.reasons)}")
     order = ", ".join(s.key.label() for s in result.steps if s.batch_order_differs)
     if order:
