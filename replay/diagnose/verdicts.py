@@ -72,6 +72,8 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict
     for record in result.of_kind("output"):
         final: Verdict = "ok" if record.match else ("inherited" if any_origin else "not isolated")
         judged[id(record)] = replace(record, verdict=final)
+    for record in result.of_kind("buffer"):  # the state a whole run leaves: no one module's call to isolate
+        judged[id(record)] = record
     # Two records under one name (never made by a valid map) each keep their own verdict: none hides the other.
     result.records = [judged.get(id(r)) or judged[(r.kind, r.name)] for r in result.records]
     result.isolated = True

@@ -92,7 +92,9 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     """
     port_modules = [path for path, _ in model.named_modules() if path]
     bundle_modules = sorted({call.module for call in index.calls})
-    bundle_params = sorted({*index.params, *index.grads})
+    buffers = index.buffers
+    recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
+    bundle_params = sorted({*index.params, *index.grads, *recorded_buffers})  # buffers are named as parameters are
     port_roots, bundle_roots = _roots(port_modules), _roots(bundle_modules or bundle_params)
     port_inner, bundle_inner = _inner(port_modules), _inner(bundle_modules)
     if not (port_roots or bundle_roots or port_inner or bundle_inner):

@@ -64,6 +64,18 @@ class AlwaysTrainingNorm(ConvBlock):
         return self.out(torch.tanh(y).mean(-1))
 
 
+class CountingBlock(ConvBlock):
+    """Counts its calls in a persistent buffer, in any mode (a step counter, a running average of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
 def built(model: ConvBlock, seed: int = 0) -> ConvBlock:
     """Every parameter and running statistic random (statistics at 0 and 1 hide conversion bugs)."""
     generator = torch.Generator().manual_seed(seed)
@@ -197,12 +209,33 @@ def test_a_bundle_without_buffers_notes_the_ports_moved_ones(train_bundle: Path,
 def test_json_report_lists_buffer_records(train_bundle: Path) -> None:
     result = replayed(built(ConvBlock(momentum=0.9)), train_bundle)
     document = json.loads(json.dumps(result.to_json()))
-    kinds = {record["name"]: record["kind"] for record in document["records"]}
+    assert {record["kind"] for record in document["records"]} <= {"output", "param_grad", "forward", "backward"}
+    kinds = {record["name"]: record["kind"] for record in document["buffers"]}
     assert {kinds[name] for name in STATISTICS} == {"buffer"}
     assert document["match"] is False
+    assert document["coverage"]["buffer"]["compared"] == 3
 
 
 def test_listing_names_the_buffers_the_run_changed(train_bundle: Path) -> None:
     with BundleReader(train_bundle) as reader:
         listing = render_listing(reader)
     assert "buffers: 3 changed by the run (norm.running_mean, norm.running_var, norm.num_batches_tracked)" in listing
+
+
+def test_isolation_passes_buffer_records_through(capture_model) -> None:  # type: ignore[no-untyped-def]
+    """--isolate looked every record up among the module verdicts: a bundle recording a buffer made it exit 2."""
+    counting = capture_model(built(CountingBlock()), inputs())
+    assert replayed(built(CountingBlock()), counting, isolate=True).verdict == "MATCH"
+    eval_bundle = capture_model(built(ConvBlock()), inputs())
+    result = replayed(built(AlwaysTrainingNorm()), eval_bundle, isolate=True)
+    assert result.verdict == "MISMATCH"
+    assert not buffer_records(result)["norm.running_mean"]
+
+
+def test_a_wrapped_port_pairs_its_buffers(capture_model) -> None:  # type: ignore[no-untyped-def]
+    """A DataParallel-wrapped model recorded 'module.norm.running_mean'; its own replay looked for 'norm.*' and was
+    INCOMPLETE."""
+    bundle = capture_model(nn.DataParallel(built(ConvBlock())), inputs(), train_mode=True)
+    result = replayed(nn.DataParallel(built(ConvBlock())), bundle)
+    assert result.verdict == "MATCH", (result.bundle_only, result.notes)
+    assert len(result.of_kind("buffer")) == 3
