@@ -675,3 +675,35 @@ def test_a_map_sending_two_port_parameters_to_one_name_is_refused(tmp_path: Path
     refused = pytest.raises(MapFileError, match=r"are both mapped to the bundle's '0\.weight'")
     with TrainingRun(reference) as run, refused:
         rerun_training(_model(), sgd, _train_step, run, tmp_path / "port.h5", rename=parse_map("^2$ => 0\n"))
+
+
+def test_another_optimizer_class_with_the_same_settings_is_a_note(tmp_path: Path) -> None:
+    """A port's own optimizer class (a subclass here) computing the same numbers failed on its class name."""
+
+    class PortAdamW(torch.optim.AdamW):
+        pass
+
+    reference = _recorded(tmp_path, "a.h5", lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
+    port = _recorded(tmp_path, "b.h5", lambda model: PortAdamW(model.parameters(), lr=1e-3))
+    with TrainingRun(reference) as run_a, TrainingRun(port) as run_b:
+        result = compare_training(run_a, run_b, atol=0.0, rtol=0.0)
+    assert result.match
+    assert "the optimizers' classes differ (A AdamW, B PortAdamW)" in result.notes[0]
+
+
+def test_a_reference_logging_its_loss_at_full_steps_only_reruns(tmp_path: Path) -> None:
+    """A reference loop recording every batch but its loss only at full steps: the rerun recorded a loss at every
+    step, and the identical port failed with 'loss of B only'."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    model, batches = _model(), [{"x": x, "y": y} for _, x, y in _batches(4)]
+    optimizer = sgd(model)
+    with TrainingRecorder(tmp_path / "ref.h5", model, optimizer, every=2, all_batches=True) as recorder:
+        for step, batch in enumerate(batches):
+            loss = _train_step(model, optimizer, batch)
+            recorder.step(step, batch, loss=loss if step % 2 == 0 else None)
+    with TrainingRun(tmp_path / "ref.h5") as run:
+        rerun_training(_model(), sgd, _train_step, run, tmp_path / "port.h5")
+    with TrainingRun(tmp_path / "ref.h5") as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
+        result = compare_training(run_a, run_b, atol=1e-6, rtol=1e-5)
+    assert result.match, [s.reasons for s in result.steps if not s.match]

@@ -129,3 +129,31 @@ def test_an_option_a_training_run_ignores_is_refused(tmp_path: Path, extra: list
 def test_every_without_steps_is_refused(tmp_path: Path) -> None:
     args = ["--adapter", str(adapter(tmp_path, "every_alone")), "--out", str(tmp_path / "b.h5"), "--every", "2"]
     assert "it needs --steps N" in one_error_line("capture-run", CliRunner().invoke(capture_main, args))
+
+
+def test_a_mapping_batch_keeps_its_type(tmp_path: Path) -> None:
+    """Copying the batch before the step turned a UserDict batch (transformers' BatchEncoding) into a dict, and a
+    train_step reading it by attribute failed against its own run."""
+    source = (
+        ADAPTER.format(fail_at=-1, mask=False, batches=None)
+        .replace(
+            "def train_step(model, optimizer, batch):\n",
+            "class Batch(collections.UserDict):\n"
+            "    def __getattr__(self, name):\n"
+            "        if name in self.data:\n"
+            "            return self.data[name]\n"
+            "        raise AttributeError(name)\n\n\n"
+            "_make = make_batches\n\n\n"
+            "def make_batches(seed, steps, batch_size, seq_len):\n"
+            "    return [Batch(batch) for batch in _make(seed, steps, batch_size, seq_len)]\n\n\n"
+            "def train_step(model, optimizer, batch):\n"
+            "    assert batch.x is batch['x']\n",
+        )
+        .replace("import itertools\n", "import collections\nimport itertools\n")
+    )
+    path = tmp_path / "mapping_batch.py"
+    path.write_text(source)
+    out = tmp_path / "run.h5"
+    assert capture(path, out).exit_code == 0
+    replayed = CliRunner().invoke(replay_main, ["--bundle", str(out), "--adapter", str(path), "--steps"])
+    assert replayed.exit_code == 0, replayed.output

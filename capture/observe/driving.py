@@ -106,15 +106,17 @@ def make_cotangents(
 
 
 def map_tensors(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with every tensor of its nested dicts (a dict subclass kept where it rebuilds from items), lists,
-    tuples and named tuples replaced by ``change(tensor)``; anything else as it is."""
+    """``value`` with every tensor of its nested mappings (another type than ``dict`` kept where it rebuilds from
+    items: replay's RecordedObject, a ``UserDict`` batch such as transformers' BatchEncoding), lists, tuples and named
+    tuples replaced by ``change(tensor)``; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return change(value)
     if isinstance(value, Mapping):
         moved = {key: map_tensors(item, change) for key, item in value.items()}
-        if isinstance(value, dict) and type(value) is not dict:  # keep a dict subclass (replay's RecordedObject)
+        if type(value) is not dict:  # keep the mapping's own type: code reading it by attribute still works
+            rebuild: Callable[[dict[Any, Any]], Any] = type(value)
             try:
-                return type(value)(moved)
+                return rebuild(moved)
             except (TypeError, ValueError):
                 return moved
         return moved

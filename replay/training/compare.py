@@ -601,14 +601,17 @@ def _buffer_names(run: RunSource) -> list[str] | None:
 
 
 def _compare_initial_optimizers(plan: _Plan, run_a: RunSource, run_b: RunSource, result: TrainingComparison) -> None:
-    """Two training files' optimizers as the runs started (class, learning rate, weight decay, betas...): one that
-    differs makes the first step diverge, named as the reason. At a fine-tuning learning rate the weights of a port
-    training with twice the rate, or none, stay within atol of the reference's for many steps."""
+    """Two training files' optimizers as the runs started (learning rate, weight decay, betas...): one that differs
+    makes the first step diverge, named as the reason (another class name alone is a note). At a fine-tuning
+    learning rate the weights of a port training with twice the rate, or none, stay within atol of the reference's
+    for many steps."""
     initial_a, initial_b = (getattr(run, "initial_optimizer", lambda: None)() for run in (run_a, run_b))
     if initial_a is None or initial_b is None or not result.steps:
         return
     (class_a, hyper_a), (class_b, hyper_b) = initial_a, initial_b
-    reasons = [f"optimizer class differs (A {class_a}, B {class_b})"] if class_a != class_b else []
+    if class_a != class_b:  # a port's own class (a subclass, another framework's) may compute the same numbers
+        result.notes.append(f"the optimizers' classes differ (A {class_a}, B {class_b}); their settings are compared")
+    reasons: list[str] = []
     if not _same_groups(plan, hyper_a, hyper_b):  # groups in another order (no decay first) are the same optimizer
         infos = (StepInfo(hyper_parameters=hyper_a), StepInfo(hyper_parameters=hyper_b))
         reasons += [

@@ -129,7 +129,9 @@ def rerun_training(
                     _load_optimizer(optimizer, named, run.optimizer_state(previous))
             batch = run.batch(key)
             loss = train_step(model, optimizer, batch)
-            recorder.step(key.batch, batch if run.meta[key]["full"] else None, loss=loss, epoch=key.epoch)
+            # The loss where the reference recorded one (a loop logging it at full steps only records none between)
+            recorded_loss = loss if run.meta[key]["loss"] is not None else None
+            recorder.step(key.batch, batch if run.meta[key]["full"] else None, loss=recorded_loss, epoch=key.epoch)
 
 
 def replay_training(
