@@ -309,11 +309,11 @@ def add_file_entries(source: Source, entries: dict[str, EntryValue]) -> None:
 
 
 def leave_out_one_sided_files(source_a: Source, source_b: Source) -> None:
-    """A checkpoint kind with no files beside its weights (a state dict) against one with them (a ``.nemo``):
-    the config is not compared (there is nothing to compare it with), which a note says; two ``.nemo`` archives or
-    two folders compare every file, one missing on one side included."""
+    """Checkpoints of two kinds (a ``.nemo`` against a state dict, or against a Hugging Face folder, whose config is
+    another file in another schema): the files beside the weights are not compared, which a note says; two
+    ``.nemo`` archives or two folders compare every file, one missing on one side included."""
     for own, other in ((source_a, source_b), (source_b, source_a)):
-        if own.file_entries and other.kind not in FILE_KINDS:
+        if own.file_entries and other.kind != own.kind:
             for name in own.file_entries:
                 del own.entries[name]
             files = sorted({name.split(":", 1)[0] for name in own.file_entries})

@@ -123,3 +123,17 @@ def test_a_bin_folder_is_read_whole(tmp_path: Path) -> None:
     code, document = ckpt_diff(tmp_path / "same.pt", folder)
     assert code == 0, document["entries"]
     assert any("config.json" in note and "not compared" in note for note in document["b"]["notes"])
+
+
+def test_what_is_not_the_model_does_not_make_two_checkpoints_differ(tmp_path: Path) -> None:
+    """A .nemo against a Hugging Face folder (their configs are other files in other schemas), folders differing
+    in the writer's version and origin, or holding another copy of the weights beside: all DIFFERENT before."""
+    base = {"hidden_size": 4, "transformers_version": "5.0.0", "_name_or_path": "a/model"}
+    a = hf_folder(tmp_path / "a", config=base)
+    b = hf_folder(tmp_path / "b", config={**base, "transformers_version": "5.1.0", "_name_or_path": "/local/b"})
+    torch.save(WEIGHTS, b / "pytorch_model.bin")  # the Hub's second copy of the weights
+    (b / "optimizer.pt").write_bytes(b"training state")
+    code, document = ckpt_diff(a, b)
+    assert code == 0, document["entries"]
+    assert any("optimizer.pt" in note and "not compared" in note for note in document["b"]["notes"])
+    assert ckpt_diff(nemo(tmp_path / "m.nemo"), a)[0] == 0
