@@ -30,8 +30,9 @@ __all__ = ["TorchSource"]
 
 
 class TorchSource(Source):
-    """A torch checkpoint: a ``torch.save`` file is flattened (nested state dicts, training checkpoints with
-    their epoch and optimizer); the other kinds give their model's state dict."""
+    """A torch checkpoint: a ``torch.save`` file, a ``.nemo``'s weights file and each ``pytorch_model.bin`` shard
+    are flattened whole (nested state dicts, training checkpoints with their epoch and optimizer), beside the
+    ``.nemo``'s or the folder's other files; TorchScript gives its model's state dict."""
 
     def __init__(self, path: Path, *, trust_pickle: bool = False) -> None:
         super().__init__(path)
