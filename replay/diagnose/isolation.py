@@ -338,7 +338,16 @@ class Isolator:
         except Exception as err:  # the adapter's translation failed: say so once, go on
             self.outcome.skipped.setdefault(call.module, f"isolation_inputs raised {type(err).__name__}: {err}")
             return
+        # A train-mode call moves its buffers (BatchNorm's statistics): put back once its backward is over too, since
+        # autograd saved them for it (written back between the two, backward refused the changed version).
         buffers = {name: buffer.clone() for name, buffer in module.named_buffers()} if module.training else {}
+        try:
+            self._run_and_judge(module, call, fed)
+        finally:
+            for name, saved in buffers.items():
+                module.get_buffer(name).copy_(saved)
+
+    def _run_and_judge(self, module: torch.nn.Module, call: ModuleCall, fed: _Arguments) -> None:
         try:
             with torch.enable_grad(), self.context():
                 outputs = module(*fed.args, **fed.kwargs)
@@ -350,9 +359,6 @@ class Isolator:
                 "isolation_inputs(module, args, kwargs) to translate them",
             )
             return
-        finally:
-            for name, saved in buffers.items():
-                module.get_buffer(name).copy_(saved)
         prefix = f"{call.module}/{call.call}/"
         # Outputs in the reference's layout; backward seeds flow back through the transform.
         recorded = dict(iter_tensors(call.outputs, "output"))

@@ -239,3 +239,12 @@ def test_a_wrapped_port_pairs_its_buffers(capture_model) -> None:  # type: ignor
     result = replayed(nn.DataParallel(built(ConvBlock())), bundle)
     assert result.verdict == "MATCH", (result.bundle_only, result.notes)
     assert len(result.of_kind("buffer")) == 3
+
+
+def test_isolation_runs_a_train_mode_batchnorm(train_bundle: Path) -> None:
+    """Isolating a train-mode BatchNorm put its statistics back between its forward and its backward, which
+    autograd had saved them for: the backward refused the changed version and --isolate exited 2."""
+    assert replayed(built(ConvBlock()), train_bundle, isolate=True).verdict == "MATCH"
+    wrong = replayed(built(ConvBlock(momentum=0.9)), train_bundle, isolate=True)
+    assert wrong.verdict == "MISMATCH"
+    assert {record.verdict for record in wrong.records if record.kind != "buffer"} == {"ok"}
