@@ -4,6 +4,7 @@ elsewhere (an option it no longer passes, a function it times that moved) must f
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,21 @@ def test_bench_pairs_each_whole_command_with_the_bare_process_of_its_round(capsy
     assert "1.50x  1.50-1.60x" in lines["replay-compare"]
     assert lines["replay-compare"].endswith("<= 1.4x: not met")
     assert lines["replay-compare --list"].endswith("< 1 s: met")
+
+
+@pytest.mark.slow
+def test_the_large_port_check_matches_a_correct_port(tmp_path: Path) -> None:
+    """scripts/large_port_check.sh (the README's FastConformer-sized correct port) runs and matches, on a short
+    input here: the example's reference and port at that size still agree."""
+    environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "large_port_check.sh"), "cpu", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=ROOT,
+        env={**environment, "BATCH": "1", "SEQ_LEN": "3200"},
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "RESULT: MATCH" in done.stdout

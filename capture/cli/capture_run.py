@@ -69,6 +69,12 @@ def _parse_lengths(value: str | None) -> list[int] | None:
     "--noise-floor", is_flag=True, help="Also run a float64 copy and store each record's float32-vs-float64 error."
 )
 @click.option(
+    "--allow-tf32",
+    is_flag=True,
+    help="Keep TF32 as torch or the model set it (float32 convolutions in TF32 on an NVIDIA GPU by default: about "
+    "1e-3 relative); by default the run turns TF32 off, so that float32 is float32.",
+)
+@click.option(
     "--layers",
     multiple=True,
     metavar="GLOB",
@@ -135,6 +141,7 @@ def main(
     train_mode: bool,
     overwrite: bool,
     noise_floor: bool,
+    allow_tf32: bool,
     layers: tuple[str, ...],
     skip_layers: tuple[str, ...],
     record_kinds: str,
@@ -164,6 +171,7 @@ def main(
             self_check=self_check,
             checksums=not no_checksums,
             shards=shards,
+            allow_tf32=allow_tf32,
         )
         driver = resolve_adapter(adapter, model_spec, ckpt, trust_pickle)
         job = CaptureJob(
@@ -175,7 +183,7 @@ def main(
 
 _TRAINING_OPTIONS: Final = frozenset(
     {"adapter", "model_spec", "ckpt", "trust_pickle", "debug", "device", "out", "seed", "batch_size", "seq_len"}
-    | {"steps", "every", "overwrite", "train_mode"}
+    | {"steps", "every", "overwrite", "train_mode", "allow_tf32"}
 )
 """What ``--steps`` (a training run) uses; the other options shape a single run's bundle."""
 

@@ -114,6 +114,6 @@ def _capture_training(job: CaptureJob, model: object) -> int:
         )
     record_training(
         model, make_optimizer(model), batches, train_step, job.out,  # type: ignore[arg-type]
-        every=job.every, seed=job.options.seed, overwrite=job.options.overwrite,
+        every=job.every, seed=job.options.seed, overwrite=job.options.overwrite, allow_tf32=job.options.allow_tf32,
     )  # fmt: skip
     return len(batches)

@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import torch
 
+from parity_harness.capture.record.tf32 import float32_settings
 from parity_harness.common.format.bundle.version import HARNESS_VERSION
 from parity_harness.common.format.dtypes import tag_of
 
@@ -47,9 +48,7 @@ def snapshot(device: str = "cpu") -> dict[str, str]:
         "deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),
         "cudnn_deterministic": str(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": str(torch.backends.cudnn.benchmark),
-        "tf32_matmul": str(torch.backends.cuda.matmul.allow_tf32),
-        "tf32_cudnn": str(torch.backends.cudnn.allow_tf32),  # on by default: float32 convolutions in TF32 on a GPU
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **float32_settings(),  # TF32: off for capture's and replay's runs unless --allow-tf32
         "num_threads": str(torch.get_num_threads()),
         "command_line": " ".join(sys.argv),
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),

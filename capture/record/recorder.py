@@ -28,6 +28,7 @@ from parity_harness.capture.record.noise import measure_noise_floor
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.selfcheck import observer_differences
 from parity_harness.capture.record.sink import BundleRecorder, SelectiveStore, selected_modules, store_at
+from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError, InputError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
@@ -69,6 +70,8 @@ class CaptureOptions:
             gradient with the dimension it is split along (no all-gather).
         lengths: the batch's per-example valid lengths (``capture-run --lengths``): stored as ``run.lengths``,
             and the seeded cotangent is zero past them on each output's time axis.
+        allow_tf32: keep TF32 and oneDNN's reduced float32 modes as torch or the model set them; by default the
+            run turns them off, so that float32 is float32 (``record.tf32``; the provenance records which).
     """
 
     seed: int = 42
@@ -84,6 +87,7 @@ class CaptureOptions:
     checksums: bool = True
     shards: bool = False
     lengths: tuple[int, ...] | None = None
+    allow_tf32: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,10 @@ def _capture(
     model: torch.nn.Module, inputs: Any, out: Path, options: CaptureOptions, context: RankContext | None
 ) -> CaptureSummary:
     started = time.perf_counter()
-    with BundleWriter(out, overwrite=options.overwrite, checksums=options.checksums) as writer:
+    with (
+        full_float32(options.allow_tf32),
+        BundleWriter(out, overwrite=options.overwrite, checksums=options.checksums) as writer,
+    ):
         run = _CaptureRun(writer, model, inputs, options, context)
         run.record_inputs_and_parameters()
         try:

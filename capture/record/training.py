@@ -28,6 +28,7 @@ import torch
 from parity_harness.capture.observe.driving import map_tensors, seed_everything
 from parity_harness.capture.observe.naming import encode_value
 from parity_harness.capture.record.buffers import persistent_buffers
+from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import BundleError, BundleExistsError, InputError
 from parity_harness.common.format.atomic import commit, sibling_temp
 from parity_harness.common.format.bundle.layout import escape_dotted
@@ -248,8 +249,10 @@ def record_training(
     every: int = 1,
     seed: int = 42,
     overwrite: bool = False,
+    allow_tf32: bool = False,
 ) -> int:
-    """Train on ``batches`` (one step each), recording every batch and every ``every``-th step in full.
+    """Train on ``batches`` (one step each), recording every batch and every ``every``-th step in full; TF32 off
+    unless ``allow_tf32`` (``record.tf32``).
 
     Returns:
         The number of steps run.
@@ -264,9 +267,12 @@ def record_training(
     # loop streams to its path instead, so that a run killed after hours keeps its steps.)
     temporary = sibling_temp(target)
     try:
-        with TrainingRecorder(
-            temporary, model, optimizer, every=every, optimizer_state=True, all_batches=True, seed=seed
-        ) as recorder:
+        with (
+            full_float32(allow_tf32),
+            TrainingRecorder(
+                temporary, model, optimizer, every=every, optimizer_state=True, all_batches=True, seed=seed
+            ) as recorder,
+        ):
             for step, batch in enumerate(batches):
                 # The batch as the step receives it: a train_step that masks labels or scales inputs in place would
                 # otherwise record its own result, which the port then gets as its input.

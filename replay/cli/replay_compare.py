@@ -30,7 +30,7 @@ __all__ = ["main"]
 
 _TRAINING_OPTIONS = frozenset(
     {"bundle", "ckpt", "adapter", "model_spec", "device", "trust_pickle", "debug", "atol", "rtol", "map_file"}
-    | {"plot_path", "report_path", "json_path", "training", "params_filter", "resync", "quiet"}
+    | {"plot_path", "report_path", "json_path", "training", "params_filter", "resync", "quiet", "allow_tf32"}
 )
 """The options ``--steps`` (a training rerun) acts on; any other given with it is refused, never ignored."""
 
@@ -141,6 +141,12 @@ def _walked_first(bundle: Path) -> Path | None:
     "its float32 rounding from a difference (given --atol/--rtol always mean exactly that rule).",
 )
 @click.option(
+    "--allow-tf32",
+    is_flag=True,
+    help="Keep TF32 as torch or the port set it (float32 convolutions in TF32 on an NVIDIA GPU by default: about "
+    "1e-3 relative); by default the replay turns TF32 off, so that float32 is float32.",
+)
+@click.option(
     "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
 )
 @click.option(
@@ -235,6 +241,7 @@ def main(
     isolate: bool,
     noise_factor: float | None,
     no_rounding_check: bool,
+    allow_tf32: bool,
     mask_padding: bool,
     layers: tuple[str, ...],
     skip_layers: tuple[str, ...],

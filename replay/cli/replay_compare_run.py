@@ -44,18 +44,7 @@ def train(params: Mapping[str, Any]) -> int:
     """``--steps``: rerun the port's training on the recorded batches (the command's options by parameter name);
     the exit code."""
     driver = resolve_adapter(params["adapter"], params["model_spec"], params["ckpt"], params["trust_pickle"])
-    return _replay_training(
-        driver,
-        params["ckpt"],
-        params["device"],
-        params["bundle"],
-        params["map_file"],
-        params["atol"],
-        params["rtol"],
-        params["resync"],
-        params["params_filter"],
-        (params["json_path"], params["report_path"], params["plot_path"]),
-    )
+    return _replay_training(driver, params)
 
 
 def compare(params: Mapping[str, Any]) -> int:
@@ -105,6 +94,7 @@ def _options(params: Mapping[str, Any], progress: ProgressLine) -> ReplayOptions
         precision=precision,
         compile_backend=params["compile_backend"],
         compiled_module_records=params["compile_per_module"],
+        allow_tf32=params["allow_tf32"],
     )
 
 
@@ -152,27 +142,24 @@ def _render(
         plot_errors(result, plot_path)
 
 
-def _replay_training(
-    driver: Adapter,
-    ckpt: str | None,
-    device: str,
-    bundle: str,
-    map_file: str | None,
-    atol: float,
-    rtol: float,
-    resync: bool,
-    params: str | None,
-    reports: tuple[str | None, str | None, str | None],
-) -> int:
-    """``--steps``: rerun the port's training on the recorded batches; the exit code. ``reports``: the
-    ``--json``, ``--report`` and ``--plot`` paths."""
-    rename = read_map(map_file) if map_file else None
+def _replay_training(driver: Adapter, params: Mapping[str, Any]) -> int:
+    """``--steps``: rerun the port's training on the recorded batches; the exit code."""
+    ckpt, bundle, resync = params["ckpt"], params["bundle"], params["resync"]
+    rename = read_map(params["map_file"]) if params["map_file"] else None
     comparison = replay_training(
-        driver, driver.model(ckpt, device), bundle, rename=rename, atol=atol, rtol=rtol, resync=resync, params=params
+        driver,
+        driver.model(ckpt, params["device"]),
+        bundle,
+        rename=rename,
+        atol=params["atol"],
+        rtol=params["rtol"],
+        resync=resync,
+        params=params["params_filter"],
+        allow_tf32=params["allow_tf32"],
     )
     note = "resynced before every step: each step's error is its own\n" if resync else ""
     click.echo(note + render_table(comparison))
-    json_path, report_path, plot_path = reports
+    json_path, report_path, plot_path = params["json_path"], params["report_path"], params["plot_path"]
     if json_path:
         document = {**training_json(comparison), "resync": resync}
         write_report(json_path, json.dumps(document, indent=2, allow_nan=False) + "\n", "--json")

@@ -18,9 +18,9 @@ from parity_harness.common.format.bundle.schema import TensorRef, Tree, iter_ten
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.near_misses import NearMisses
 from parity_harness.replay.compare.padding import PaddingPlan
 from parity_harness.replay.compare.repeats import RecentDiffs
-from parity_harness.replay.compare.rounding import NearMisses
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule, bundle_parameters
 from parity_harness.replay.naming.slots import bundle_slots

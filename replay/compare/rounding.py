@@ -27,127 +27,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
-import numpy as np
 import torch
 
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.capture.record.noise import in_float64
-from parity_harness.common.format.bundle.schema import TensorRef, iter_tensors
-from parity_harness.common.format.dtypes import to_numeric
-from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.near_misses import NearMisses
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult, RoundingCheck
+from parity_harness.replay.result import ComparisonResult
 
-__all__ = [
-    "MAX_RELATIVE_LEVEL",
-    "ROUNDING_FACTOR",
-    "NearMisses",
-    "RoundingRun",
-    "plausible_level",
-    "rejudge",
-    "snapshot_buffers",
-]
-
-ROUNDING_FACTOR: Final = 4.0
-"""An element passes the rounding rule within this many times the port's own float32 error on the record."""
-MAX_RELATIVE_LEVEL: Final = 2.0**-14
-"""A float32 error above this fraction of the record's largest magnitude is not rounding (a random stream, a
-data-dependent branch that the float64 rerun took differently, float16 arithmetic: its unit roundoff is 2^-11).
-Correct float32 ports measured at up to 6e-6 of the record (tests/independent_port.py, the Conformer example)."""
-_PEER_RANGE: Final = 8.0
-"""The level is measured on elements up to this many times the largest failing one (measured on correct ports:
-the largest failing difference stays within 2.3x the level so measured; a massive activation, 10^4 times the
-rest, is left out)."""
-_KEEP_BUDGET: Final = 1 << 29
-"""Bytes of port values kept for the check; records failing past it stay failed (and the report says so)."""
-
-
-@dataclass
-class _Kept:
-    ref: TensorRef
-    value: torch.Tensor
-    """The port's float32 value, as compared (after the layout transform), on the CPU."""
-    ignore: np.ndarray | None
-    error: np.ndarray | None = None
-    """Per element, ``|port32 - port64|`` (float32; the largest over the record's measurements)."""
-    exact: np.ndarray | None = None
-    """Per element, ``|port64|`` (float32)."""
-
-
-class NearMisses:
-    """Float32 records that failed atol/rtol by little enough to be rounding, with the port's values."""
-
-    def __init__(self, tolerances: ToleranceTable, budget: int = _KEEP_BUDGET) -> None:
-        self._tolerances, self._budget = tolerances, budget
-        self.kept: dict[tuple[str, str], _Kept] = {}
-        """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
-        self.over_budget = 0
-
-    def offer(
-        self, kind: str, name: str, ref: TensorRef, value: torch.Tensor, diff: TensorDiff, ignore: np.ndarray | None
-    ) -> None:
-        """Keep a failed record's port value if the rounding rule could pass it (``kind``: ``module`` for module
-        records, else the record's kind)."""
-        key = ("module" if kind in ("forward", "backward") else kind, name)
-        equal_nan = self._tolerances.for_record(name, ref.tag).equal_nan
-        if diff.match or not _eligible(ref, value, diff, equal_nan) or key in self.kept:
-            return
-        if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
-            return
-        size = 3 * value.numel() * value.element_size()  # the value, then its error and exact magnitude
-        if size > self._budget:
-            self.over_budget += 1
-            return
-        self._budget -= size
-        self.kept[key] = _Kept(ref, value.detach().to("cpu", copy=True), ignore)
-
-    def measure(self, kind: str, name: str, exact: torch.Tensor) -> None:
-        """The port's float32 error on a kept record: its distance to the float64 rerun's value."""
-        kept = self.kept.get((kind, name))
-        if kept is None or not exact.is_floating_point() or tuple(exact.shape) != tuple(kept.value.shape):
-            return
-        exact_values = exact.detach().to("cpu", torch.float64).numpy()
-        error = np.abs(kept.value.double().numpy() - exact_values).astype(np.float32)
-        magnitude = np.abs(exact_values).astype(np.float32)
-        kept.error = error if kept.error is None else np.maximum(kept.error, error)
-        kept.exact = magnitude if kept.exact is None else np.maximum(kept.exact, magnitude)
-
-    def modules(self) -> set[str]:
-        """Bundle names of the modules whose records were kept."""
-        return {name.split("/")[0] for kind, name in self.kept if kind == "module"}
-
-    def wants(self, kind: str, name: str) -> bool:
-        """Whether a record of ``kind`` was kept."""
-        return (kind, name) in self.kept
-
-
-def plausible_level(level: float, scale: float, exact_scale: float) -> bool:
-    """Whether a float32-vs-float64 distance ``level`` can be float32 rounding on values up to ``scale``: small
-    against them, or larger than the exact values themselves (a sum cancelling to about zero: pure rounding)."""
-    return level <= MAX_RELATIVE_LEVEL * scale or exact_scale <= level / 4
-
-
-def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff, equal_nan: bool) -> bool:
-    """Float32 on both sides, compared element by element, no shape or NaN problem (NaNs on both sides are none
-    under ``equal_nan`` when there are as many: :func:`_check` sees that they lie in the same places)."""
-    same_nans = diff.nan_expected == diff.nan_actual and (equal_nan or diff.nan_expected == 0)
-    return (
-        ref.tag == "F32"
-        and value.dtype == torch.float32
-        and diff.basis == "elements"
-        and diff.problem is None
-        and same_nans
-        and math.isfinite(diff.max_abs)
-    )
+__all__ = ["RoundingRun", "rejudge", "snapshot_buffers"]
 
 
 @dataclass(frozen=True)
@@ -269,7 +166,7 @@ class _LevelSink:
         self._measure(info, [(slot, grad)], self._expected(info, "grads"))
 
 
-def rejudge(result: ComparisonResult, reader: BundleReader, near: NearMisses, floors: dict[str, float]) -> None:
+def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]) -> None:
     """Judge each kept record again with the rounding rule; the ones it passes match, with the reason attached.
 
     ``floors``: the reference's own float64 error per record, when the bundle has a noise floor (the larger
@@ -281,7 +178,7 @@ def rejudge(result: ComparisonResult, reader: BundleReader, near: NearMisses, fl
         if kept is None or record.match or record.diff.problem is not None:
             continue  # a failure with a problem (a padded gradient that is not zero) is not about rounding
         tolerance = result.tolerances.for_record(record.name, kept.ref.tag)
-        check = _check(reader, kept, tolerance, floors.get(record.name))
+        check = kept.check(floors.get(record.name))
         result.records[position] = dataclasses.replace(record, rounding=check)
         if check.passed:
             widened[record.name] = Tolerance(max(tolerance.atol, check.allowed), tolerance.rtol, tolerance.equal_nan)
@@ -289,37 +186,3 @@ def rejudge(result: ComparisonResult, reader: BundleReader, near: NearMisses, fl
         table = result.tolerances
         per_record = {**(table.per_record or {}), **widened}
         result.tolerances = ToleranceTable(table.default, table.overrides, table.per_dtype, per_record)
-
-
-def _check(reader: BundleReader, kept: _Kept, tolerance: Tolerance, floor: float | None) -> RoundingCheck:
-    """The rounding rule on one record: every element within atol/rtol or within ROUNDING_FACTOR x the level.
-
-    The level is the port's largest float32 error among the elements up to ``_PEER_RANGE`` times the largest
-    failing one: an outlier element (a massive activation, a -1e9 mask fill) has a rounding of its own size, which
-    says nothing about the rounding of the ordinary elements where a bug would show.
-    """
-    if kept.error is None or kept.exact is None:
-        return RoundingCheck(None, 0.0, False, "the float64 rerun did not produce this record")
-    expected = to_numeric(reader.read_array(kept.ref), kept.ref.tag).astype(np.float64, copy=False)
-    actual = kept.value.double().numpy()
-    if not np.array_equal(np.isnan(expected), np.isnan(actual)):
-        return RoundingCheck(None, 0.0, False, "NaN where the other side has a number")
-    error = np.abs(actual - expected)
-    magnitude = np.abs(expected)
-    counted = ~np.isnan(expected) if kept.ignore is None else ~kept.ignore & ~np.isnan(expected)  # equal NaNs: equal
-    beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
-    worst = float(np.max(error, initial=0.0, where=beyond))
-    peers = counted & (magnitude <= _PEER_RANGE * float(np.max(magnitude, initial=0.0, where=beyond)))
-    level = max(float(np.max(kept.error, initial=0.0, where=peers & np.isfinite(kept.error))), floor or 0.0)
-    scale = float(np.max(magnitude, initial=0.0, where=counted))
-    allowed = ROUNDING_FACTOR * level
-    count = int(np.count_nonzero(beyond))
-    source = "the port's own float32 error (float64 rerun)" + (" or the reference's noise floor" if floor else "")
-    if not plausible_level(level, scale, float(np.max(kept.exact, initial=0.0, where=counted))):
-        why = f"float32 vs float64 rerun differ by {level:.2e} on values up to {scale:.2e}: not float32 rounding"
-        return RoundingCheck(level, allowed, False, why)
-    if worst > allowed:
-        why = f"max |diff| {worst:.2e} beyond atol/rtol > {ROUNDING_FACTOR:g} x {level:.2e}, {source}"
-        return RoundingCheck(level, allowed, False, why)
-    why = f"{count} element(s) beyond atol/rtol, max |diff| {worst:.2e} <= {ROUNDING_FACTOR:g} x {level:.2e}, {source}"
-    return RoundingCheck(level, allowed, True, why)

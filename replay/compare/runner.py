@@ -24,12 +24,14 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.provenance import model_provenance, snapshot
+from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
+from parity_harness.replay.compare.near_misses import ROUNDING_FACTOR, NearMisses
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.records import (
     ComparingSink,
@@ -45,7 +47,7 @@ from parity_harness.replay.compare.records import (
     unpad,
     unvisited_module_records,
 )
-from parity_harness.replay.compare.rounding import ROUNDING_FACTOR, NearMisses, RoundingRun, rejudge, snapshot_buffers
+from parity_harness.replay.compare.rounding import RoundingRun, rejudge, snapshot_buffers
 from parity_harness.replay.compare.values import compare_output_values
 from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
@@ -97,6 +99,8 @@ class ReplayOptions:
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
             is not given, i.e. at the defaults; never with a noise floor, a precision below float32 or data
             parallelism (a note says so), and never for records a tolerance override judges.
+        allow_tf32: keep TF32 and oneDNN's reduced float32 modes as torch or the port set them; by default the
+            replay turns them off, so that float32 is float32 (``capture.record.tf32``).
     """
 
     forward: ForwardFn | None = None
@@ -119,6 +123,7 @@ class ReplayOptions:
     waive: tuple[str, ...] = ()
     """Globs of bundle record names not to compare (``MODULE/*``: a module's own records, not its children's)."""
     rounding: bool | None = None
+    allow_tf32: bool = False
 
     def __post_init__(self) -> None:
         # Given by hand (compare_run's fields, assert_parity, the fixture): one glob for waive and globs for layers
@@ -154,7 +159,7 @@ def compare_run(
             inputs, a noise floor it does not have).
     """
     options = dataclasses.replace(options or ReplayOptions(), **fields)
-    with _state_kept(model):
+    with _state_kept(model), full_float32(options.allow_tf32):
         return _compare(model, reader, options)
 
 
@@ -244,7 +249,7 @@ class _ReplaySession:
         self.sink: ComparingSink | None = None
         self.used_outside: set[int] = set()
         """The port's parameters (by ``id``) it used outside their modules' calls (watched with ``isolate``)."""
-        self.near = NearMisses(self.result.tolerances) if self._rounding_applies() else None
+        self.near = NearMisses(self.result.tolerances, reader) if self._rounding_applies() else None
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
         self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
@@ -507,8 +512,29 @@ class _ReplaySession:
         near, notes = self.near, self.result.notes
         if near is None:
             return
+        try:
+            self._measure_and_rejudge(near)
+        finally:
+            near.close()
+        self.initial_buffers = ()
+        passed = [record for record in self.result.records if record.rule == "rounding"]
+        if passed:
+            example = passed[0]
+            notes.append(
+                f"rounding rule: {len(passed)} record(s) out of atol/rtol passed as float32 rounding (every element "
+                f"within atol/rtol or within {ROUNDING_FACTOR:g} x the port's own float32 error on the record, "
+                f"measured by a float64 rerun; --no-rounding-check turns this off), e.g. {example.name}: "
+                f"{example.rounding.why if example.rounding else ''}"
+            )
+
+    def _measure_and_rejudge(self, near: NearMisses) -> None:
+        """The port's float64 rerun measuring every kept record, then the rule on each."""
+        notes = self.result.notes
         if near.over_budget:
-            notes.append(f"rounding check: {near.over_budget} failing record(s) too large to keep; judged by atol/rtol")
+            notes.append(
+                f"rounding check: {near.over_budget} failing record(s) could not be kept (the temporary folder is "
+                "full); judged by atol/rtol"
+            )
         if not near.kept:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
@@ -522,18 +548,7 @@ class _ReplaySession:
                 "judged by atol/rtol alone"
             )
             return
-        rejudge(self.result, self.reader, near, self.index.noise_floor or {})
-        near.kept.clear()
-        self.initial_buffers = ()
-        passed = [record for record in self.result.records if record.rule == "rounding"]
-        if passed:
-            example = passed[0]
-            notes.append(
-                f"rounding rule: {len(passed)} record(s) out of atol/rtol passed as float32 rounding (every element "
-                f"within atol/rtol or within {ROUNDING_FACTOR:g} x the port's own float32 error on the record, "
-                f"measured by a float64 rerun; --no-rounding-check turns this off), e.g. {example.name}: "
-                f"{example.rounding.why if example.rounding else ''}"
-            )
+        rejudge(self.result, near, self.index.noise_floor or {})
 
     def _rerun_in_float64(self, exact: torch.nn.Module, tap: ModuleTap, report: Any) -> None:
         """The replayed run again, on float64 copies of the recorded inputs, telling ``report(kind, name, value)``

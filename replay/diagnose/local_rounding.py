@@ -17,7 +17,7 @@ import torch
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.numerics.metrics import TensorDiff, unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.rounding import plausible_level
+from parity_harness.replay.compare.near_misses import plausible_level
 from parity_harness.replay.diagnose.isolation import InputAdapter, Isolator, LayoutTransform, not_recordable
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import BundleReader

@@ -12,6 +12,7 @@ import torch
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.observe.driving import seed_everything
 from parity_harness.capture.record.buffers import persistent_buffers
+from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.capture.record.training import TrainingRecorder, TrainStep
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.training import BUFFERS, GRADS, INITIAL_BUFFERS, INITIAL_PARAMS, OPTIMIZER, PARAMS
@@ -83,13 +84,15 @@ def rerun_training(
     *,
     resync: bool = False,
     rename: RenameMap | None = None,
+    allow_tf32: bool = False,
 ) -> None:
     """Train the port from the reference's initial weights on the reference's batches, recording into ``out``.
 
     With ``resync``, before every step the port takes the reference's weights and optimizer state
     recorded after the previous step, so each step's error is that step's own. ``optimizer`` may be the factory
     that makes it (``make_optimizer``): it is then made once the port holds the initial weights, as an optimizer
-    keeping its own copy of them (fp32 master weights, an EMA, Lookahead) needs.
+    keeping its own copy of them (fp32 master weights, an EMA, Lookahead) needs. TF32 is off unless ``allow_tf32``
+    (``capture.record.tf32``).
     """
     rename = rename or RenameMap()
     recorded_names = run.initial["parameters"] or ()
@@ -119,7 +122,7 @@ def rerun_training(
         out, model, optimizer, every=run.initial["every"], params=PARAMS in recorded_parts,
         grads=GRADS in recorded_parts, optimizer_state=with_state, all_batches=True, seed=run.seed, rename=renamed,
     )  # fmt: skip
-    with recorder:
+    with full_float32(allow_tf32), recorder:
         for previous, key in zip([None, *keys], keys, strict=False):
             if resync and previous is not None and run.meta[previous]["full"]:
                 group = run.group(previous)
@@ -144,11 +147,14 @@ def replay_training(
     rtol: float = DEFAULT_RTOL,
     resync: bool = False,
     params: str | None = None,
+    allow_tf32: bool = False,
 ) -> TrainingComparison:
     """``replay-compare --steps``: rerun the port's training on a recorded run's batches and compare the two."""
     make_optimizer, train_step = driver.training()
     with TrainingRun(bundle) as run, tempfile.TemporaryDirectory(prefix="parity-train-") as folder:
         port_path = Path(folder) / "port.h5"
-        rerun_training(model, make_optimizer, train_step, run, port_path, resync=resync, rename=rename)
+        rerun_training(
+            model, make_optimizer, train_step, run, port_path, resync=resync, rename=rename, allow_tf32=allow_tf32
+        )
         with TrainingRun(port_path, preflight=None) as port:
             return compare_training(run, port, atol=atol, rtol=rtol, params=params)

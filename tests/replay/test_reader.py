@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from parity_harness.capture.record.provenance import snapshot
+from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, ParityError, UnsupportedBundleVersion
 from parity_harness.common.format.bundle.version import FORMAT_MINOR, FORMAT_VERSION, HARNESS_VERSION
 from parity_harness.replay import reader as reader_module
@@ -205,13 +206,14 @@ def test_provenance_shows_a_replay_with_the_other_tf32_convolutions(
     tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cuDNN's TF32 switch (on by default: float32 convolutions rounded to TF32 on a GPU) is recorded beside the
-    matmul one, so a replay that ran with the other setting says so among the environment's differences."""
+    matmul one, as the run used them (off, unless --allow-tf32), so a replay that ran with the other setting says so
+    among the environment's differences."""
     with BundleReader(tiny_bundle) as reader:
         recorded = reader.provenance()
-    assert recorded["tf32_cudnn"] == str(torch.backends.cudnn.allow_tf32)
-    assert recorded["tf32_matmul"] == str(torch.backends.cuda.matmul.allow_tf32)
-    assert "tf32_cudnn" not in render_provenance(recorded, snapshot())
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", not torch.backends.cudnn.allow_tf32)
+    assert (recorded["tf32_cudnn"], recorded["tf32_matmul"]) == ("False", "False")
+    with full_float32():
+        assert "tf32_cudnn" not in render_provenance(recorded, snapshot())
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # a replay with --allow-tf32, at torch's default
     assert "tf32_cudnn" in render_provenance(recorded, snapshot())
     older = {key: value for key, value in recorded.items() if key != "tf32_cudnn"}  # a bundle from before the key
     line = next(row for row in render_provenance(older, snapshot()).splitlines() if row.startswith("tf32_cudnn"))

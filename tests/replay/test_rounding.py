@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -15,7 +17,8 @@ from parity_harness.common.errors import InputError, ParityMismatch
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.assertions import assert_parity
 from parity_harness.replay.cli.replay_compare import main as replay_main
-from parity_harness.replay.compare.rounding import ROUNDING_FACTOR
+from parity_harness.replay.compare import near_misses
+from parity_harness.replay.compare.near_misses import ROUNDING_FACTOR
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
@@ -424,3 +427,53 @@ def test_equal_nans_leave_the_rounding_rule_to_the_other_elements(tmp_path: Path
     (moved,) = [r for r in _replay(Moved(manual=True), path, tolerances=equal_nan, rounding=True).records
                 if r.name == "output"]  # fmt: skip
     assert not moved.match
+
+
+def _judged(result: ComparisonResult) -> dict[str, tuple[bool, bool, float | None, str]]:
+    return {
+        r.name: (r.match, r.rounding.passed, r.rounding.level, r.rounding.why)
+        for r in result.records
+        if r.rounding is not None
+    }
+
+
+@pytest.mark.parametrize("bug", [None, "float16"])
+def test_records_past_the_memory_budget_are_judged_as_in_memory(
+    bundle: Path, monkeypatch: pytest.MonkeyPatch, bug: str | None
+) -> None:
+    """A large port with many near misses (a FastConformer-sized correct port: 141 parameter gradients past the
+    budget, failed unjudged, MISMATCH) is judged in full: past the memory budget the port's values go to a
+    temporary file, and every record gets the judgement it gets in memory, a bug's included."""
+    in_memory = _replay(build(manual=True, bug=bug), bundle)
+    writes: list[int] = []
+    spill_write = near_misses._SpillFile.write
+
+    def counted(spill: near_misses._SpillFile, values: np.ndarray) -> int | None:
+        writes.append(values.nbytes)
+        return spill_write(spill, values)
+
+    monkeypatch.setattr(near_misses, "_MEMORY_BUDGET", 0)
+    monkeypatch.setattr(near_misses._SpillFile, "write", counted)
+    spilled = _replay(build(manual=True, bug=bug), bundle)
+    judged = _judged(spilled)
+    assert len(judged) > 10
+    assert len(writes) >= len(judged)
+    assert judged == _judged(in_memory)
+    assert spilled.verdict == in_memory.verdict == ("MATCH" if bug is None else "MISMATCH")
+
+
+def test_a_full_temporary_folder_leaves_records_to_atol_rtol_and_says_so(
+    bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room to keep the port's values: the records fail by atol/rtol, and the report says why."""
+
+    def full(**_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(near_misses, "_MEMORY_BUDGET", 0)
+    monkeypatch.setattr(near_misses.tempfile, "TemporaryFile", full)
+    result = _replay(build(manual=True), bundle)
+    assert result.verdict == "MISMATCH"
+    assert all(r.rounding is None for r in result.records)
+    note = next(note for note in result.notes if note.startswith("rounding check:"))
+    assert "could not be kept (the temporary folder is full)" in note

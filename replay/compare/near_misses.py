@@ -1,0 +1,237 @@
+"""The rounding rule's per-record state: float32 records that failed atol/rtol narrowly, kept until the port's
+float64 rerun has measured its own float32 error on them, and the rule's judgement of each.
+
+Everything the rule needs of the reference (which elements fail, by how much, which elements are their peers) is
+taken when a record is kept, so the rerun only measures one number per record, the port's error on those peers.
+The port's float32 values are kept in memory up to a budget and beyond it in an anonymous temporary file: a large
+port whose every gradient misses by rounding (a FastConformer-sized port on a GPU: 141 parameter gradients) is
+judged, not failed for want of memory. What the file holds never exceeds the float32 records the bundle itself
+holds; a file system too full for it leaves the records it cannot take judged by atol/rtol, with a note.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import IO, Final
+
+import numpy as np
+import torch
+
+from parity_harness.common.format.bundle.schema import TensorRef
+from parity_harness.common.format.dtypes import to_numeric
+from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import RoundingCheck
+
+__all__ = ["MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "NearMisses", "plausible_level"]
+
+ROUNDING_FACTOR: Final = 4.0
+"""An element passes the rounding rule within this many times the port's own float32 error on the record."""
+MAX_RELATIVE_LEVEL: Final = 2.0**-14
+"""A float32 error above this fraction of the record's largest magnitude is not rounding (a random stream, a
+data-dependent branch that the float64 rerun took differently, float16 arithmetic: its unit roundoff is 2^-11).
+Correct float32 ports measured at up to 6e-6 of the record (tests/independent_port.py, the Conformer example)."""
+_PEER_RANGE: Final = 8.0
+"""The level is measured on elements up to this many times the largest failing one (measured on correct ports:
+the largest failing difference stays within 2.3x the level so measured; a massive activation, 10^4 times the
+rest, is left out)."""
+_MEMORY_BUDGET: Final = 1 << 29
+"""Bytes of port values kept in memory; the rest go to a temporary file."""
+
+
+def plausible_level(level: float, scale: float, exact_scale: float) -> bool:
+    """Whether a float32-vs-float64 distance ``level`` can be float32 rounding on values up to ``scale``: small
+    against them, or larger than the exact values themselves (a sum cancelling to about zero: pure rounding)."""
+    return level <= MAX_RELATIVE_LEVEL * scale or exact_scale <= level / 4
+
+
+@dataclass
+class _Failing:
+    """What the rule needs of a record against the reference, taken when the record is kept."""
+
+    count: int
+    """Elements beyond atol/rtol."""
+    worst: float
+    """Their largest absolute difference."""
+    scale: float
+    """The largest reference magnitude among the elements compared."""
+    counted: np.ndarray
+    """Packed bits: the elements compared (neither ignored nor NaN in the reference)."""
+    peers: np.ndarray
+    """Packed bits: the compared elements up to ``_PEER_RANGE`` times the largest failing one in magnitude (an
+    outlier's rounding, a massive activation's or a -1e9 mask fill's, says nothing about ordinary elements)."""
+    nan_mismatch: bool
+
+
+def _failing(expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ignore: np.ndarray | None) -> _Failing:
+    error = np.abs(actual - expected)
+    magnitude = np.abs(expected)
+    counted = ~np.isnan(expected) if ignore is None else ~ignore & ~np.isnan(expected)  # equal NaNs: equal
+    beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
+    peers = counted & (magnitude <= _PEER_RANGE * float(np.max(magnitude, initial=0.0, where=beyond)))
+    return _Failing(
+        count=int(np.count_nonzero(beyond)),
+        worst=float(np.max(error, initial=0.0, where=beyond)),
+        scale=float(np.max(magnitude, initial=0.0, where=counted)),
+        counted=np.packbits(counted, axis=None),
+        peers=np.packbits(peers, axis=None),
+        nan_mismatch=not np.array_equal(np.isnan(expected), np.isnan(actual)),
+    )
+
+
+def _unpacked(bits: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return np.unpackbits(bits, count=int(np.prod(shape, dtype=np.int64))).view(bool).reshape(shape)
+
+
+@dataclass
+class _Kept:
+    ref: TensorRef
+    failing: _Failing
+    value: np.ndarray | None
+    """The port's float32 value as compared (after the layout transform), or None while it is in the spill file."""
+    spilled_at: int = -1
+    """Its offset in the spill file."""
+    level: float | None = None
+    """The port's largest float32 error on the peers, over every measurement of the record (None: unmeasured)."""
+    exact_scale: float = 0.0
+    """The largest ``|port64|`` over the compared elements."""
+
+    def check(self, floor: float | None) -> RoundingCheck:
+        """The rule: every element within atol/rtol or within ``ROUNDING_FACTOR`` x the level (the port's error,
+        or ``floor``, the reference's noise floor, when larger)."""
+        failing = self.failing
+        if self.level is None:
+            return RoundingCheck(None, 0.0, False, "the float64 rerun did not produce this record")
+        if failing.nan_mismatch:
+            return RoundingCheck(None, 0.0, False, "NaN where the other side has a number")
+        level = max(self.level, floor or 0.0)
+        allowed = ROUNDING_FACTOR * level
+        source = "the port's own float32 error (float64 rerun)" + (" or the reference's noise floor" if floor else "")
+        if not plausible_level(level, failing.scale, self.exact_scale):
+            differ = f"float32 vs float64 rerun differ by {level:.2e} on values up to {failing.scale:.2e}"
+            why = f"{differ}: not float32 rounding"
+            return RoundingCheck(level, allowed, False, why)
+        if failing.worst > allowed:
+            why = f"max |diff| {failing.worst:.2e} beyond atol/rtol > {ROUNDING_FACTOR:g} x {level:.2e}, {source}"
+            return RoundingCheck(level, allowed, False, why)
+        why = (
+            f"{failing.count} element(s) beyond atol/rtol, max |diff| {failing.worst:.2e} <= {ROUNDING_FACTOR:g} x "
+            f"{level:.2e}, {source}"
+        )
+        return RoundingCheck(level, allowed, True, why)
+
+
+class _SpillFile:
+    """An anonymous temporary file the kept values go to once the memory budget is spent."""
+
+    def __init__(self) -> None:
+        self._file: IO[bytes] | None = None
+        self.failed = False
+
+    def write(self, values: np.ndarray) -> int | None:
+        """Append ``values``; their offset, or None when the file system cannot take them (nothing more is
+        written after that)."""
+        if self.failed:
+            return None
+        try:
+            if self._file is None:
+                self._file = tempfile.TemporaryFile(prefix="parity-rounding-")  # noqa: SIM115 (closed by close())
+            offset = self._file.seek(0, 2)
+            values.tofile(self._file)
+            return offset
+        except OSError:
+            self.failed = True
+            return None
+
+    def read(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+        assert self._file is not None
+        self._file.seek(0)
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.fromfile(self._file, dtype=np.float32, count=count, offset=offset).reshape(shape)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class NearMisses:
+    """Float32 records that failed atol/rtol by little enough to be rounding, with the port's values."""
+
+    def __init__(self, tolerances: ToleranceTable, reader: BundleReader) -> None:
+        self._tolerances, self._reader, self._budget = tolerances, reader, _MEMORY_BUDGET
+        self._spill = _SpillFile()
+        self.kept: dict[tuple[str, str], _Kept] = {}
+        """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
+        self.over_budget = 0
+        """Records the spill file could not take (its file system full)."""
+
+    def offer(
+        self, kind: str, name: str, ref: TensorRef, value: torch.Tensor, diff: TensorDiff, ignore: np.ndarray | None
+    ) -> None:
+        """Keep a failed record's port value if the rounding rule could pass it (``kind``: ``module`` for module
+        records, else the record's kind)."""
+        key = ("module" if kind in ("forward", "backward") else kind, name)
+        tolerance = self._tolerances.for_record(name, ref.tag)
+        if diff.match or not _eligible(ref, value, diff, tolerance.equal_nan) or key in self.kept:
+            return
+        if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
+            return
+        values = value.detach().to("cpu", torch.float32, copy=True).numpy()
+        # The comparison that offered the record verifies its checksum (settled before the rule runs).
+        expected = to_numeric(self._reader.read_array(ref, verify=False), ref.tag).astype(np.float64, copy=False)
+        failing = _failing(expected, values.astype(np.float64), tolerance, ignore)
+        if values.nbytes <= self._budget:
+            self._budget -= values.nbytes
+            self.kept[key] = _Kept(ref, failing, values)
+            return
+        offset = self._spill.write(values)
+        if offset is None:
+            self.over_budget += 1
+            return
+        self.kept[key] = _Kept(ref, failing, None, offset)
+
+    def measure(self, kind: str, name: str, exact: torch.Tensor) -> None:
+        """The port's float32 error on a kept record: its distance to the float64 rerun's value, on the peers."""
+        kept = self.kept.get((kind, name))
+        shape = tuple(kept.ref.shape) if kept is not None else ()
+        if kept is None or not exact.is_floating_point() or tuple(exact.shape) != shape:
+            return
+        values = kept.value if kept.value is not None else self._spill.read(kept.spilled_at, shape)
+        exact_values = exact.detach().to("cpu", torch.float64).numpy()
+        error = np.abs(values.astype(np.float64) - exact_values)
+        peers = _unpacked(kept.failing.peers, shape)
+        level = float(np.max(error, initial=0.0, where=peers & np.isfinite(error)))
+        kept.level = level if kept.level is None else max(kept.level, level)
+        counted = _unpacked(kept.failing.counted, shape)
+        kept.exact_scale = max(kept.exact_scale, float(np.max(np.abs(exact_values), initial=0.0, where=counted)))
+
+    def modules(self) -> set[str]:
+        """Bundle names of the modules whose records were kept."""
+        return {name.split("/")[0] for kind, name in self.kept if kind == "module"}
+
+    def wants(self, kind: str, name: str) -> bool:
+        """Whether a record of ``kind`` was kept."""
+        return (kind, name) in self.kept
+
+    def close(self) -> None:
+        """Let go of every kept value (and the spill file)."""
+        self.kept.clear()
+        self._spill.close()
+
+
+def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff, equal_nan: bool) -> bool:
+    """Float32 on both sides, compared element by element, no shape or NaN problem (NaNs on both sides are none
+    under ``equal_nan`` when there are as many: the kept record's check sees that they lie in the same places)."""
+    same_nans = diff.nan_expected == diff.nan_actual and (equal_nan or diff.nan_expected == 0)
+    return (
+        ref.tag == "F32"
+        and value.dtype == torch.float32
+        and diff.basis == "elements"
+        and diff.problem is None
+        and same_nans
+        and tuple(value.shape) == tuple(ref.shape)
+        and np.isfinite(diff.max_abs)
+    )
