@@ -15,7 +15,7 @@ import numpy as np
 
 from parity_harness.common.errors import CheckpointError
 
-__all__ = ["MODEL_KEYS", "EntryValue", "Flattened", "flatten", "strip_wrappers"]
+__all__ = ["EMPTY_MAPPING", "KEY_TYPES", "MODEL_KEYS", "EntryValue", "Flattened", "flatten", "strip_wrappers"]
 
 EntryValue: TypeAlias = "str | int | float | bool | list[str | int | float | bool | None] | None"
 MODEL_KEYS: Final = ("state_dict", "model_state_dict", "model", "module")
@@ -27,6 +27,10 @@ _MAX_LEAVES: Final = 2_000_000
 _MAX_LIST_ENTRY: Final = 64
 _MAX_TEXT: Final = 200
 _SCALARS: Final = (str, int, float, bool, type(None))
+EMPTY_MAPPING: Final = "<empty mapping>"
+"""The value an empty mapping is flattened to."""
+KEY_TYPES: Final = "<key types>"
+"""The name, under a mapping's own, of the types of its keys that are not text (``optimizer.state.<key types>``)."""
 
 
 class Flattened:
@@ -40,7 +44,8 @@ class Flattened:
 
 def flatten(loaded: object, is_tensor: Callable[[object], bool], where: str) -> Flattened:
     """Walk a loaded checkpoint: a model state dict under one of :data:`MODEL_KEYS` keeps its own names, everything
-    else is named by its path (``optimizer.param_groups.0.lr``); lists of a few scalars stay one entry.
+    else is named by its path (``optimizer.param_groups.0.lr``); lists of a few scalars stay one entry; an empty
+    mapping is one entry, and a mapping with keys other than text gets one naming their types.
 
     Raises:
         CheckpointError: nested deeper than 64 levels or holding more than 2,000,000 values.
@@ -89,6 +94,11 @@ class _Walker:
         if self.is_tensor(value):
             self._put(self.found.tensors, name, value)
         elif isinstance(value, Mapping):
+            if not value:  # else an empty mapping would vanish: {"state": {}} would equal a checkpoint without it
+                self._put(self.found.entries, name, EMPTY_MAPPING)
+            key_types = sorted({type(key).__name__ for key in value if not isinstance(key, str)})
+            if key_types:  # {0: v} and {"0": v} walk to one name: the key types tell them apart
+                self._put(self.found.entries, _join(name, KEY_TYPES), key_types)
             for key, item in value.items():
                 self.walk(item, _join(name, str(key)), depth + 1)
         elif isinstance(value, (list, tuple)) and not _short_scalars(value):

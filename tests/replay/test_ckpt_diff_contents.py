@@ -137,3 +137,25 @@ def test_what_is_not_the_model_does_not_make_two_checkpoints_differ(tmp_path: Pa
     assert code == 0, document["entries"]
     assert any("optimizer.pt" in note and "not compared" in note for note in document["b"]["notes"])
     assert ckpt_diff(nemo(tmp_path / "m.nemo"), a)[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "differing"),
+    [
+        ({"optimizer": {"state": {}}}, {"optimizer": {}}, {"optimizer", "optimizer.state"}),
+        ({"optimizer": {"state": {0: {"step": 3}}}}, {"optimizer": {"state": {"0": {"step": 3}}}},
+         {"optimizer.state.<key types>"}),
+        ({"extra": {True: "a"}}, {"extra": {"True": "a"}}, {"extra.<key types>"}),
+    ],
+)  # fmt: skip
+def test_structures_that_flatten_alike_still_differ(
+    tmp_path: Path, a: dict[str, Any], b: dict[str, Any], differing: set[str]
+) -> None:
+    """An empty mapping, and keys of other types than text ({0: v} against {"0": v}, as a JSON round trip of an
+    optimizer's state leaves it), used to flatten to nothing or to one name: EQUAL."""
+    torch.save({**WEIGHTS, **a}, tmp_path / "a.pt")
+    torch.save({**WEIGHTS, **b}, tmp_path / "b.pt")
+    code, document = ckpt_diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert code == 1
+    assert changed_entries(document) == differing
+    assert ckpt_diff(tmp_path / "a.pt", tmp_path / "a.pt")[0] == 0
