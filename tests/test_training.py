@@ -707,3 +707,61 @@ def test_a_reference_logging_its_loss_at_full_steps_only_reruns(tmp_path: Path) 
     with TrainingRun(tmp_path / "ref.h5") as run_a, TrainingRun(tmp_path / "port.h5") as run_b:
         result = compare_training(run_a, run_b, atol=1e-6, rtol=1e-5)
     assert result.match, [s.reasons for s in result.steps if not s.match]
+
+
+HAND_ADAMW = """
+import math, sys, torch
+sys.path.insert(0, {folder!r})
+from reference import load_model, make_batches, train_step
+
+class HandAdamW(torch.optim.Optimizer):
+    '''AdamW written out, its step count a Python int (torch's is a float32 tensor).'''
+
+    def __init__(self, params, lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                t = state["step"] + {skew}
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].lerp_(p.grad, 1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** t)).add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** t))
+
+def make_optimizer(model):
+    return HandAdamW(model.parameters(), eps={eps})
+"""
+
+
+@pytest.mark.parametrize("resync", [False, True])
+def test_an_optimizer_keeping_its_step_as_a_python_int_is_the_same_state(tmp_path: Path, resync: bool) -> None:
+    """A hand-written AdamW whose step count is a Python int, against torch's AdamW (a float32 tensor), either as
+    reference or as port: the same run (it failed at step 0, "optimizer of A only: .../step"). A wrong bias
+    correction still fails."""
+    from parity_harness.capture.cli.capture_run import main as capture_main
+    from parity_harness.replay.cli.replay_compare import main as replay_main
+
+    (tmp_path / "reference.py").write_text(TRAINING_ADAPTER.format(eps=1e-8))
+    for name, skew in (("hand", 0), ("hand_skewed", 1)):
+        (tmp_path / f"{name}.py").write_text(HAND_ADAMW.format(folder=str(tmp_path), skew=skew, eps=1e-8))
+    extra = ["--resync"] if resync else []
+    pairs = (("reference", "hand", 0), ("hand", "reference", 0), ("reference", "hand_skewed", 1))
+    for reference, port, expected in pairs:
+        run = tmp_path / f"{reference}.h5"
+        captured = CliRunner().invoke(
+            capture_main, ["--adapter", str(tmp_path / f"{reference}.py"), "--out", str(run), "--steps", "4",
+                           "--every", "2", "--overwrite"],
+        )  # fmt: skip
+        assert captured.exit_code == 0, captured.output
+        result = CliRunner().invoke(
+            replay_main, ["--bundle", str(run), "--adapter", str(tmp_path / f"{port}.py"), "--steps", *extra]
+        )
+        assert result.exit_code == expected, (reference, port, result.output)

@@ -204,6 +204,10 @@ class TrainingRecorder:
         for param, state in self._optimizer.state.items():
             name = names.get(id(param))
             for key, value in state.items():
+                # A step count kept as a Python number (a hand-written optimizer's) is the same state as torch's
+                # tensor of it: recorded as one, or the two would differ by a name one side lacks.
+                if isinstance(value, int | float) and name is not None:
+                    value = torch.tensor(value)
                 if isinstance(value, torch.Tensor) and name is not None:
                     self._write(f"{group}/{escape_dotted(name)}/{key}", value)
 

@@ -345,7 +345,8 @@ def _predictions(
 def _dtype_differences(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tuple[StepKey, StepKey]) -> list[str]:
     """Floating tensors both runs recorded at the step in different dtypes (float32 against float64, bf16 against
     float32): a mismatch however close their values, as the two runs did not compute in the same precision.
-    Integers of two widths holding the same values (a label, a counter) are the same numbers."""
+    Integers of two widths holding the same values (a label, a counter) are the same numbers, and so is an optimizer's
+    step count kept as an integer against torch's float32 tensor of it (their values decide)."""
     found = []
     for group in _TAGGED_GROUPS:
         tags_a, tags_b = runs[0].dtype_tags(keys[0], group), runs[1].dtype_tags(keys[1], group)
@@ -355,7 +356,10 @@ def _dtype_differences(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tup
         found += [
             f"{name} (A {tag}, B {tags_b[name]})"
             for name, tag in tags_a.items()
-            if name in tags_b and tag != tags_b[name] and (is_float_tag(tag) or is_float_tag(tags_b[name]))
+            if name in tags_b
+            and tag != tags_b[name]
+            and (is_float_tag(tag) or is_float_tag(tags_b[name]))
+            and not (group == "optimizer" and is_float_tag(tag) != is_float_tag(tags_b[name]))
         ]
     return [f"dtypes differ ({len(found)}): {', '.join(found[:3])}"] if found else []
 

@@ -54,11 +54,19 @@ def _load_optimizer(
         return
     current = optimizer.state_dict()
     current["state"] = {
-        index: {key: value.clone() for key, value in state.get(names.get(id(param), ""), {}).items()}
+        index: {key: _like(own.get(param, {}).get(key), value) for key, value in state[names[id(param)]].items()}
         for index, param in enumerate(ordered)
         if names.get(id(param)) in state
     }
     optimizer.load_state_dict(current)
+
+
+def _like(own: object, recorded: torch.Tensor) -> object:
+    """The recorded state value as the port keeps it: a Python number where the port keeps one (a hand-written
+    optimizer's step count), else a copy of the tensor."""
+    if isinstance(own, int | float) and recorded.numel() == 1:
+        return type(own)(recorded.item())
+    return recorded.clone()
 
 
 def _every_batch(run: TrainingRun) -> list[StepKey]:
