@@ -47,8 +47,15 @@ class Branchy(nn.Module):
         return {"logits": self.head(h)}
 
 
+def build_batchnorm(momentum: float = 0.1) -> nn.Module:
+    """A seeded stack with a BatchNorm, captured in train mode: its running statistics move."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=momentum), nn.Tanh(), nn.Linear(8, 3))
+
+
 BUILDERS = {
     "ddp": build_tiny,
+    "ddp-batchnorm": build_batchnorm,
     "fsdp": build_stack,
     "fsdp-shards": build_stack,
     "dies": build_tiny,
@@ -89,7 +96,10 @@ def main() -> None:
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job == "fsdp-shards"
-    capture_run(model, (inputs["x"],) if sharded else inputs, options.out, seed=42, shards=shards)
+    if options.job == "ddp-batchnorm":
+        inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
+    train = options.job == "ddp-batchnorm"
+    capture_run(model, (inputs["x"],) if sharded else inputs, options.out, seed=42, shards=shards, train_mode=train)
     dist.barrier()
     del model
     dist.destroy_process_group()

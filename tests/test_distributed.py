@@ -207,6 +207,34 @@ def test_records_only_another_rank_left_uncompared_are_listed_and_waivable(tmp_p
 
 
 @pytest.mark.slow
+def test_buffers_a_multi_rank_capture_does_not_record_leave_the_replay_incomplete(tmp_path: Path) -> None:
+    """A capture by several ranks records no buffers: a port with another BatchNorm momentum used to MATCH (a note
+    only). The buffers its run moved are now uncompared records (INCOMPLETE) until waived."""
+    from tests.distributed_jobs import build_batchnorm
+
+    out = tmp_path / "bn.h5"
+    assert all(done.returncode == 0 for done in run_ranks("ddp-batchnorm", out)), "a rank failed"
+    for momentum in (0.1, 0.5):
+        result = replay_all_ranks(out, lambda momentum=momentum: build_batchnorm(momentum).train())
+        assert result.verdict == "INCOMPLETE", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
+        buffers = ("running_mean", "running_var", "num_batches_tracked")
+        assert set(result.bundle_only) == {f"module.1.{name}" for name in buffers}
+        assert any("several ranks does not record" in note for note in result.notes)
+    manifest = read_manifest(manifest_path(out))
+    readers = [BundleReader(file) for file in manifest.files]
+    try:
+        runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
+        waived = compare_run(
+            build_batchnorm().train(), readers[0], tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)),
+            data_parallel=runs, waive=("module.1.running_*", "module.1.num_batches_tracked"),
+        )  # fmt: skip
+    finally:
+        for reader in readers:
+            reader.close()
+    assert waived.verdict == "MATCH"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("option", ["--layers", "--skip-layers"])
 def test_a_layer_filter_may_name_a_module_only_some_ranks_ran(tmp_path: Path, option: str) -> None:
     """A module rank 1 never ran (a data-dependent branch) is a valid --layers/--skip-layers name: it is in rank 0's
