@@ -12,6 +12,7 @@ holds; a file system too full for it leaves the records it cannot take judged by
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Final
 
@@ -39,6 +40,8 @@ the largest failing difference stays within 2.3x the level so measured; a massiv
 rest, is left out)."""
 _MEMORY_BUDGET: Final = 1 << 29
 """Bytes of port values kept in memory; the rest go to a temporary file."""
+_CHUNK: Final = 1 << 20
+"""Elements judged at a time (float64 temporaries of a few MB, whatever the record's size)."""
 
 
 def plausible_level(level: float, scale: float, exact_scale: float) -> bool:
@@ -65,24 +68,46 @@ class _Failing:
     nan_mismatch: bool
 
 
+def _chunks(size: int) -> Iterator[slice]:
+    """Slices of ``_CHUNK`` elements (a multiple of 8: packed bits of chunks join into those of the whole)."""
+    return (slice(start, min(start + _CHUNK, size)) for start in range(0, size, _CHUNK))
+
+
 def _failing(expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ignore: np.ndarray | None) -> _Failing:
-    error = np.abs(actual - expected)
-    magnitude = np.abs(expected)
-    counted = ~np.isnan(expected) if ignore is None else ~ignore & ~np.isnan(expected)  # equal NaNs: equal
-    beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
-    peers = counted & (magnitude <= _PEER_RANGE * float(np.max(magnitude, initial=0.0, where=beyond)))
+    """What the rule needs of a record, chunk by chunk: float64 temporaries stay a few MB whatever its size."""
+    ignored = None if ignore is None else np.broadcast_to(ignore, expected.shape).reshape(-1)
+    expected, actual = expected.reshape(-1), actual.reshape(-1)
+    count, worst, scale, largest_failing, nan_mismatch = 0, 0.0, 0.0, 0.0, False
+    counted_bits = []
+    for part in _chunks(expected.size):
+        reference, port = expected[part].astype(np.float64), actual[part].astype(np.float64)
+        error, magnitude = np.abs(port - reference), np.abs(reference)
+        counted = ~np.isnan(reference) if ignored is None else ~ignored[part] & ~np.isnan(reference)
+        beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
+        count += int(np.count_nonzero(beyond))
+        worst = max(worst, float(np.max(error, initial=0.0, where=beyond)))
+        scale = max(scale, float(np.max(magnitude, initial=0.0, where=counted)))
+        largest_failing = max(largest_failing, float(np.max(magnitude, initial=0.0, where=beyond)))
+        nan_mismatch |= not np.array_equal(np.isnan(reference), np.isnan(port))
+        counted_bits.append(np.packbits(counted))
+    peer_bits = []  # a second pass: the peers are the elements up to _PEER_RANGE x the largest failing one
+    for part, bits in zip(_chunks(expected.size), counted_bits, strict=True):
+        magnitude = np.abs(expected[part].astype(np.float64))
+        counted = np.unpackbits(bits, count=part.stop - part.start).view(bool)
+        peer_bits.append(np.packbits(counted & (magnitude <= _PEER_RANGE * largest_failing)))
     return _Failing(
-        count=int(np.count_nonzero(beyond)),
-        worst=float(np.max(error, initial=0.0, where=beyond)),
-        scale=float(np.max(magnitude, initial=0.0, where=counted)),
-        counted=np.packbits(counted, axis=None),
-        peers=np.packbits(peers, axis=None),
-        nan_mismatch=not np.array_equal(np.isnan(expected), np.isnan(actual)),
+        count=count,
+        worst=worst,
+        scale=scale,
+        counted=np.concatenate(counted_bits) if counted_bits else np.zeros(0, np.uint8),
+        peers=np.concatenate(peer_bits) if peer_bits else np.zeros(0, np.uint8),
+        nan_mismatch=nan_mismatch,
     )
 
 
-def _unpacked(bits: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    return np.unpackbits(bits, count=int(np.prod(shape, dtype=np.int64))).view(bool).reshape(shape)
+def _bits(packed: np.ndarray, part: slice) -> np.ndarray:
+    """The unpacked bits of one chunk (chunks start at multiples of 8)."""
+    return np.unpackbits(packed[part.start // 8 : (part.stop + 7) // 8], count=part.stop - part.start).view(bool)
 
 
 @dataclass
@@ -145,11 +170,11 @@ class _SpillFile:
             self.failed = True
             return None
 
-    def read(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+    def read(self, offset: int, count: int) -> np.ndarray:
+        """``count`` float32 values from ``offset``."""
         assert self._file is not None
         self._file.seek(0)
-        count = int(np.prod(shape, dtype=np.int64))
-        return np.fromfile(self._file, dtype=np.float32, count=count, offset=offset).reshape(shape)
+        return np.fromfile(self._file, dtype=np.float32, count=count, offset=offset)
 
     def close(self) -> None:
         if self._file is not None:
@@ -179,10 +204,10 @@ class NearMisses:
             return
         if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
             return
-        values = value.detach().to("cpu", torch.float32, copy=True).numpy()
+        values = value.detach().to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
-        expected = to_numeric(self._reader.read_array(ref, verify=False), ref.tag).astype(np.float64, copy=False)
-        failing = _failing(expected, values.astype(np.float64), tolerance, ignore)
+        expected = to_numeric(self._reader.read_array(ref, verify=False), ref.tag)
+        failing = _failing(expected, values, tolerance, ignore)
         if values.nbytes <= self._budget:
             self._budget -= values.nbytes
             self.kept[key] = _Kept(ref, failing, values)
@@ -199,14 +224,23 @@ class NearMisses:
         shape = tuple(kept.ref.shape) if kept is not None else ()
         if kept is None or not exact.is_floating_point() or tuple(exact.shape) != shape:
             return
-        values = kept.value if kept.value is not None else self._spill.read(kept.spilled_at, shape)
-        exact_values = exact.detach().to("cpu", torch.float64).numpy()
-        error = np.abs(values.astype(np.float64) - exact_values)
-        peers = _unpacked(kept.failing.peers, shape)
-        level = float(np.max(error, initial=0.0, where=peers & np.isfinite(error)))
+        flat = exact.detach().reshape(-1)
+        level, exact_scale = 0.0, kept.exact_scale
+        for part in _chunks(flat.numel()):
+            values = self._values(kept, part).astype(np.float64)
+            exact_values = flat[part].to("cpu", torch.float64).numpy()
+            error = np.abs(values - exact_values)
+            peers = _bits(kept.failing.peers, part) & np.isfinite(error)
+            level = max(level, float(np.max(error, initial=0.0, where=peers)))
+            counted = _bits(kept.failing.counted, part)
+            exact_scale = max(exact_scale, float(np.max(np.abs(exact_values), initial=0.0, where=counted)))
         kept.level = level if kept.level is None else max(kept.level, level)
-        counted = _unpacked(kept.failing.counted, shape)
-        kept.exact_scale = max(kept.exact_scale, float(np.max(np.abs(exact_values), initial=0.0, where=counted)))
+        kept.exact_scale = exact_scale
+
+    def _values(self, kept: _Kept, part: slice) -> np.ndarray:
+        if kept.value is not None:
+            return kept.value.reshape(-1)[part]
+        return self._spill.read(kept.spilled_at + 4 * part.start, part.stop - part.start)
 
     def modules(self) -> set[str]:
         """Bundle names of the modules whose records were kept."""
