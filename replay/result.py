@@ -150,11 +150,21 @@ class RoundingCheck:
     passed: bool
     why: str
     """One line for the report: why it passed, or why it could not."""
+    decided: bool = True
+    """False when the rule could not judge a record within its reach (the float64 rerun failed, no room to keep the
+    port's values, a multi-rank capture): neither a match nor a mismatch, so the replay is INCOMPLETE."""
 
     def to_json(self) -> dict[str, object]:
         """The ``rounding`` entry of a record in ``--json``."""
         level = None if self.level is None else _finite_or_none(self.level)
-        return {"passed": self.passed, "level": level, "allowed_max_abs": self.allowed, "why": self.why}
+        allowed = self.allowed
+        return {
+            "passed": self.passed,
+            "decided": self.decided,
+            "level": level,
+            "allowed_max_abs": allowed,
+            "why": self.why,
+        }
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,11 @@ class RecordResult:
     def match(self) -> bool:
         """Whether every element is within tolerance (and shape and dtype agree), by atol/rtol or by rounding."""
         return self.diff.match or (self.rounding is not None and self.rounding.passed)
+
+    @property
+    def undecided(self) -> bool:
+        """Out of atol/rtol by no more than float32 rounding could explain, and the rounding rule could not judge it."""
+        return not self.match and self.rounding is not None and not self.rounding.decided
 
     @property
     def rule(self) -> str:
@@ -277,10 +292,12 @@ class ComparisonResult:
 
     @property
     def verdict(self) -> ResultVerdict:
-        """``MATCH``; ``MISMATCH`` when a compared record differs; ``INCOMPLETE`` when records went uncompared."""
-        if not all(record.match for record in self.records):
+        """``MATCH``; ``MISMATCH`` when a compared record differs; ``INCOMPLETE`` when records went uncompared, or
+        differ by no more than float32 rounding could explain and the rounding rule could not judge them."""
+        failing = [record for record in self.records if not record.match]
+        if any(not record.undecided for record in failing):
             return "MISMATCH"
-        return "MATCH" if self.complete else "INCOMPLETE"
+        return "MATCH" if self.complete and not failing else "INCOMPLETE"
 
     def coverage(self) -> dict[RecordKind, KindCoverage]:
         """Per kind: compared, missing (unwaived) and waived records."""
@@ -302,8 +319,9 @@ class ComparisonResult:
         return sorted((r for r in self.records if r.kind == kind), key=lambda r: r.order)
 
     def first_divergence(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
-        """The earliest mismatching record of a kind: forward execution order or backward order."""
-        return next((r for r in self.of_kind(kind) if not r.match), None)
+        """The earliest mismatching record of a kind: forward execution order or backward order (records the rounding
+        rule could not judge are no divergence found)."""
+        return next((r for r in self.of_kind(kind) if not r.match and not r.undecided), None)
 
     def first_origin(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
         """The earliest record of a kind whose own module is out of tolerance on the reference's inputs."""

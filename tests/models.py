@@ -228,3 +228,18 @@ def split_port_to_reference(record: str, value: torch.Tensor) -> torch.Tensor:
     if record.startswith("mixer/") and record.rsplit("/", 1)[-1] in ("output", "grad_output"):
         return value.transpose(1, 2)
     return value
+
+
+class MatmulConv1d(nn.Conv1d):
+    """A convolution computed as windows times the weight (a matrix product, never cuDNN): a port's own kernel."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv1d's own argument name: records pair by it
+        pad = self.padding[0]  # type: ignore[index]
+        windows = nn.functional.pad(input, (pad, pad)).unfold(2, self.kernel_size[0], 1)
+        return torch.einsum("bctk,ock->bot", windows, self.weight) + self.bias[:, None]  # type: ignore[index]
+
+
+def build_convolutions(kind: type[nn.Conv1d]) -> nn.Module:
+    """Two seeded convolutions (``kind``: ``nn.Conv1d`` for the reference, :class:`MatmulConv1d` for a port)."""
+    torch.manual_seed(0)
+    return nn.Sequential(kind(64, 128, 5, padding=2), nn.Tanh(), kind(128, 64, 3, padding=1))

@@ -11,6 +11,7 @@ holds; a file system too full for it leaves the records it cannot take judged by
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,6 +68,11 @@ class _Failing:
     outlier's rounding, a massive activation's or a -1e9 mask fill's, says nothing about ordinary elements)."""
     nan_mismatch: bool
 
+    def within_reach(self) -> bool:
+        """Whether float32 rounding could explain the differences, by the rule's plain branch (the largest at most
+        ``ROUNDING_FACTOR`` x the largest plausible level): such a record the rule could pass."""
+        return not self.nan_mismatch and self.worst <= ROUNDING_FACTOR * MAX_RELATIVE_LEVEL * self.scale
+
 
 def _chunks(size: int) -> Iterator[slice]:
     """Slices of ``_CHUNK`` elements (a multiple of 8: packed bits of chunks join into those of the whole)."""
@@ -103,6 +109,12 @@ def _failing(expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ign
         peers=np.concatenate(peer_bits) if peer_bits else np.zeros(0, np.uint8),
         nan_mismatch=nan_mismatch,
     )
+
+
+def _nan_max(a: float, b: float) -> float:
+    """The larger, NaN if either is: a NaN in the float64 rerun's values must keep the rule's cancellation branch
+    (``exact_scale <= level / 4``) false, as it did when the values were kept whole (Python's max drops it)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _bits(packed: np.ndarray, part: slice) -> np.ndarray:
@@ -185,13 +197,15 @@ class _SpillFile:
 class NearMisses:
     """Float32 records that failed atol/rtol by little enough to be rounding, with the port's values."""
 
-    def __init__(self, tolerances: ToleranceTable, reader: BundleReader) -> None:
+    def __init__(self, tolerances: ToleranceTable, reader: BundleReader, *, judges: bool = True) -> None:
         self._tolerances, self._reader, self._budget = tolerances, reader, _MEMORY_BUDGET
         self._spill = _SpillFile()
+        self.judges = judges
+        """False: no float64 rerun will judge the records (a multi-rank capture); only what they need is taken."""
         self.kept: dict[tuple[str, str], _Kept] = {}
         """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
-        self.over_budget = 0
-        """Records the spill file could not take (its file system full)."""
+        self.unjudged: dict[tuple[str, str], _Failing] = {}
+        """Records offered but not kept: ``judges`` is off, or the spill file could not take them (a full disk)."""
 
     def offer(
         self, kind: str, name: str, ref: TensorRef, value: torch.Tensor, diff: TensorDiff, ignore: np.ndarray | None
@@ -208,13 +222,16 @@ class NearMisses:
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
         expected = to_numeric(self._reader.read_array(ref, verify=False), ref.tag)
         failing = _failing(expected, values, tolerance, ignore)
+        if not self.judges:
+            self.unjudged[key] = failing
+            return
         if values.nbytes <= self._budget:
             self._budget -= values.nbytes
             self.kept[key] = _Kept(ref, failing, values)
             return
         offset = self._spill.write(values)
         if offset is None:
-            self.over_budget += 1
+            self.unjudged[key] = failing
             return
         self.kept[key] = _Kept(ref, failing, None, offset)
 
@@ -233,7 +250,7 @@ class NearMisses:
             peers = _bits(kept.failing.peers, part) & np.isfinite(error)
             level = max(level, float(np.max(error, initial=0.0, where=peers)))
             counted = _bits(kept.failing.counted, part)
-            exact_scale = max(exact_scale, float(np.max(np.abs(exact_values), initial=0.0, where=counted)))
+            exact_scale = _nan_max(exact_scale, float(np.max(np.abs(exact_values), initial=0.0, where=counted)))
         kept.level = level if kept.level is None else max(kept.level, level)
         kept.exact_scale = exact_scale
 
@@ -253,6 +270,7 @@ class NearMisses:
     def close(self) -> None:
         """Let go of every kept value (and the spill file)."""
         self.kept.clear()
+        self.unjudged.clear()
         self._spill.close()
 
 

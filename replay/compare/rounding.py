@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +38,13 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.near_misses import NearMisses
+from parity_harness.replay.compare.near_misses import NearMisses, _Failing
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult
+from parity_harness.replay.result import ComparisonResult, RoundingCheck
 
-__all__ = ["RoundingRun", "rejudge", "snapshot_buffers"]
+__all__ = ["RoundingRun", "leave_undecided", "rejudge", "snapshot_buffers"]
 
 
 @dataclass(frozen=True)
@@ -186,3 +186,17 @@ def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]
         table = result.tolerances
         per_record = {**(table.per_record or {}), **widened}
         result.tolerances = ToleranceTable(table.default, table.overrides, table.per_dtype, per_record)
+
+
+def leave_undecided(result: ComparisonResult, failing: Mapping[tuple[str, str], _Failing], why: str) -> int:
+    """Mark each failed record the rule could have passed but cannot judge (``why``) as undecided: neither a match nor
+    a divergence (the replay is INCOMPLETE), rather than failed for want of the check. Returns how many."""
+    count = 0
+    for position, record in enumerate(result.records):
+        found = failing.get(("module" if record.kind in ("forward", "backward") else record.kind, record.name))
+        if found is None or record.match or record.diff.problem is not None or not found.within_reach():
+            continue
+        undecided = RoundingCheck(None, 0.0, False, f"not judged: {why}", decided=False)
+        result.records[position] = dataclasses.replace(record, rounding=undecided)
+        count += 1
+    return count

@@ -12,7 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -47,7 +47,7 @@ from parity_harness.replay.compare.records import (
     unpad,
     unvisited_module_records,
 )
-from parity_harness.replay.compare.rounding import RoundingRun, rejudge, snapshot_buffers
+from parity_harness.replay.compare.rounding import RoundingRun, leave_undecided, rejudge, snapshot_buffers
 from parity_harness.replay.compare.values import compare_output_values
 from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
@@ -249,20 +249,22 @@ class _ReplaySession:
         self.sink: ComparingSink | None = None
         self.used_outside: set[int] = set()
         """The port's parameters (by ``id``) it used outside their modules' calls (watched with ``isolate``)."""
-        self.near = NearMisses(self.result.tolerances, reader) if self._rounding_applies() else None
-        self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
+        self.near = self._near_misses(reader)
+        judges = self.near is not None and self.near.judges
+        self.initial_buffers = snapshot_buffers(model) if judges else ()
         self.buffers_before = BufferSnapshot(model)
-        self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
+        self.result.rounding_factor = ROUNDING_FACTOR if judges else None
         self.other_rank_names: set[str] = set()
         """Records of other ranks added here (``rank<r>:NAME``): outside this rank's chain of calls."""
         self.waivers_used: set[str] = set()
         """Waiver patterns that waived a record here or on another rank."""
         if not other_rank:  # a module only some ranks ran (an expert a rank never routes to) is no error there
             _check_layer_filters(options.layers, reader)
-        if not other_rank and options.data_parallel is not None and self._rounding_wanted():
+        if not other_rank and self.near is not None and not self.near.judges:
             self.result.notes.append(
-                "the rounding check does not run on a multi-rank capture: a record failing atol/rtol by float32 "
-                "rounding alone fails; give --atol/--rtol sized to the port's rounding"
+                "the rounding check does not run on a multi-rank capture: a record out of atol/rtol by no more than "
+                "float32 rounding could explain is left undecided (INCOMPLETE); give --atol/--rtol sized to the "
+                "port's rounding"
             )
 
     def _rounding_wanted(self) -> bool:
@@ -270,10 +272,13 @@ class _ReplaySession:
         options = self.options
         return options.tolerances is None if options.rounding is None else options.rounding
 
-    def _rounding_applies(self) -> bool:
+    def _near_misses(self, reader: BundleReader) -> NearMisses | None:
+        """What keeps float32 near misses for the rounding check: judging them, or on a multi-rank capture (no
+        float64 rerun of every rank) only telling which it could have passed; None where the check does not apply."""
         options = self.options
-        plain = options.noise_factor is None and not self.precision.reduced and options.data_parallel is None
-        return self._rounding_wanted() and plain
+        if not self._rounding_wanted() or options.noise_factor is not None or self.precision.reduced:
+            return None
+        return NearMisses(self.result.tolerances, reader, judges=options.data_parallel is None)
 
     def _tolerances(self) -> ToleranceTable:
         """The tolerance table, checked against what the bundle holds."""
@@ -528,13 +533,14 @@ class _ReplaySession:
             )
 
     def _measure_and_rejudge(self, near: NearMisses) -> None:
-        """The port's float64 rerun measuring every kept record, then the rule on each."""
-        notes = self.result.notes
-        if near.over_budget:
-            notes.append(
-                f"rounding check: {near.over_budget} failing record(s) could not be kept (the temporary folder is "
-                "full); judged by atol/rtol"
-            )
+        """The port's float64 rerun measuring every kept record, then the rule on each. A record the rule could
+        pass but cannot judge (no rerun on a multi-rank capture, no room for its values, a rerun that failed) is
+        left undecided: the replay is INCOMPLETE, not failed for want of the check."""
+        if not near.judges:
+            why = "no float64 rerun on a multi-rank capture; give --atol/--rtol sized to the port's rounding"
+            self._undecided(near.unjudged, why)
+            return
+        self._undecided(near.unjudged, "no room to keep the port's values (the temporary folder is full)")
         if not near.kept:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
@@ -543,12 +549,21 @@ class _ReplaySession:
         )
         failure = run.measure(near)
         if failure is not None:
-            notes.append(
-                f"rounding check: the port could not rerun in float64 ({failure}); records out of atol/rtol are "
-                "judged by atol/rtol alone"
+            self._undecided(
+                {key: kept.failing for key, kept in near.kept.items()},
+                f"the port could not rerun in float64 ({failure})",
             )
             return
         rejudge(self.result, near, self.index.noise_floor or {})
+
+    def _undecided(self, failing: Mapping[tuple[str, str], Any], why: str) -> None:
+        """Leave the records in ``failing`` that the rule could pass undecided, saying so in a note."""
+        count = leave_undecided(self.result, failing, why)
+        if count:
+            self.result.notes.append(
+                f"rounding check: {count} record(s) out of atol/rtol by no more than float32 rounding could explain "
+                f"were not judged ({why}): the replay is INCOMPLETE, not a mismatch"
+            )
 
     def _rerun_in_float64(self, exact: torch.nn.Module, tap: ModuleTap, report: Any) -> None:
         """The replayed run again, on float64 copies of the recorded inputs, telling ``report(kind, name, value)``

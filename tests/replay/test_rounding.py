@@ -23,6 +23,7 @@ from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
 from tests.independent_port import build, token_ids
+from tests.models import MatmulConv1d, build_convolutions
 
 PORT = Path(__file__).resolve().parent.parent / "independent_port.py"
 
@@ -165,16 +166,29 @@ def test_explicit_tolerances_mean_exactly_that_rule(bundle: Path) -> None:
     assert all(name.startswith("blocks.0.fc2/") for name in failing)
 
 
-def test_a_port_that_cannot_run_in_float64_keeps_the_plain_verdict(bundle: Path) -> None:
-    """The head insists on float32 weights: the rerun fails, the report says so, nothing passes by rounding,
-    and the port is left exactly as it was."""
+def test_a_port_that_cannot_run_in_float64_is_left_undecided(bundle: Path) -> None:
+    """The head insists on float32 weights: the rerun fails. Nothing passes by rounding, and the records the rule
+    could have passed are undecided, so the replay is INCOMPLETE (exit 1), not a MISMATCH pointing at a divergence
+    that may be rounding; the report says why, and the port is left exactly as it was."""
     port = build(manual=True)
     port.head.forward = lambda x: F.linear(x, port.head.weight.float(), port.head.bias.float())  # type: ignore[method-assign]
     before = {name: value.clone() for name, value in port.state_dict().items()}
     result = _replay(port, bundle)
-    assert result.verdict == "MISMATCH"
-    assert any("could not rerun in float64" in note for note in result.notes)
+    assert any("could not rerun in float64" in note and "INCOMPLETE" in note for note in result.notes)
     assert not any(r.rule == "rounding" for r in result.records)
+    failing = [r for r in result.records if not r.match]
+    undecided = [r for r in failing if r.undecided]
+    assert len(undecided) > 10
+    assert all(r.rounding is not None and not r.rounding.decided for r in undecided)
+    # A key bias's gradient (exactly zero, pure rounding on both sides) is rounding only by the rerun's measure: it
+    # stays failed, and so the verdict stays MISMATCH, its first divergence one of those.
+    decided = [r for r in failing if not r.undecided]
+    assert decided
+    assert all(r.name.endswith(".bias") for r in decided), [r.name for r in decided]
+    assert result.verdict == "MISMATCH"
+    assert result.first_divergence("backward") in (None, *decided)
+    judged = {r["name"]: r for r in result.to_json()["records"]}
+    assert judged[undecided[0].name]["rounding"]["decided"] is False
     for name, value in port.state_dict().items():
         assert value.dtype == before[name].dtype, name
         assert torch.equal(value, before[name]), name
@@ -464,18 +478,64 @@ def test_records_past_the_memory_budget_are_judged_as_in_memory(
     assert spilled.verdict == in_memory.verdict == ("MATCH" if bug is None else "MISMATCH")
 
 
-def test_a_full_temporary_folder_leaves_records_to_atol_rtol_and_says_so(
-    bundle: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_full_temporary_folder_leaves_the_records_undecided_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No room to keep the port's values: the records fail by atol/rtol, and the report says why."""
+    """No room to keep the port's values: the records the rule could pass are undecided (INCOMPLETE, exit 1), not
+    failed with a divergence to chase, and the report says why (a port with its own convolution kernel, whose
+    near misses are all within the rule's reach: weight gradients)."""
 
     def full(**_: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(near_misses, "_MEMORY_BUDGET", 0)
     monkeypatch.setattr(near_misses.tempfile, "TemporaryFile", full)
-    result = _replay(build(manual=True), bundle)
-    assert result.verdict == "MISMATCH"
-    assert all(r.rounding is None for r in result.records)
+    out = tmp_path / "conv.h5"
+    capture_run(
+        build_convolutions(torch.nn.Conv1d), (torch.randn(4, 64, 200, generator=torch.Generator().manual_seed(1)),), out
+    )
+    with BundleReader(out) as reader:
+        result = compare_run(build_convolutions(MatmulConv1d), reader)
+    assert result.verdict == "INCOMPLETE"
+    failing = [r for r in result.records if not r.match]
+    assert failing
+    assert all(r.undecided for r in failing)
+    assert result.first_divergence("forward") is None
+    assert result.first_divergence("backward") is None
     note = next(note for note in result.notes if note.startswith("rounding check:"))
-    assert "could not be kept (the temporary folder is full)" in note
+    assert "no room to keep the port's values (the temporary folder is full)" in note
+
+
+class _Float32OnlyBug(torch.nn.Module):
+    """+5e-4 (relative) on float32 forward values only; with ``nan64`` its float64 rerun holds one NaN."""
+
+    def __init__(self, nan64: bool) -> None:
+        super().__init__()
+        self.lin, self.nan64 = torch.nn.Linear(64, 64), nan64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.dtype == torch.float32:
+            return y + 5e-4 * y.detach()
+        if self.nan64:
+            y = y.clone()
+            y.view(-1)[0] = float("nan")
+        return y
+
+
+@pytest.mark.parametrize("nan64", [False, True])
+def test_a_nan_in_the_float64_rerun_excuses_no_float32_only_bug(tmp_path: Path, nan64: bool) -> None:
+    """A NaN anywhere in the rerun's values once made the rule's cancellation branch true for every element (the
+    record's exact magnitude became 0): a float32-only bug of 5e-4 passed as rounding. It is not rounding."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential()
+    reference.lin = torch.nn.Linear(64, 64)
+    capture_run(reference, (torch.randn(8, 64),), tmp_path / "ref.h5", seed=0)
+    port = _Float32OnlyBug(nan64)
+    port.lin.load_state_dict(reference.lin.state_dict())
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        result = compare_run(port, reader)
+    output = next(r for r in result.records if r.kind == "output")
+    assert not output.match
+    assert output.rounding is not None
+    assert result.verdict == "MISMATCH"

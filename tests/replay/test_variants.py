@@ -18,7 +18,7 @@ from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
-from tests.models import build_tiny, tiny_inputs
+from tests.models import MatmulConv1d, build_convolutions, build_tiny, tiny_inputs
 
 EXACT = ToleranceTable(Tolerance(1e-5, 1e-5))
 
@@ -122,20 +122,6 @@ def test_replay_on_cuda_matches_a_cpu_capture(tmp_path: Path) -> None:
     assert result.replay_provenance["device"].startswith("cuda")
 
 
-class _MatmulConv1d(nn.Conv1d):
-    """A convolution computed as windows times the weight (a matrix product, never cuDNN): a port's own kernel."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Conv1d's own argument name: records pair by it
-        pad = self.padding[0]  # type: ignore[index]
-        windows = nn.functional.pad(input, (pad, pad)).unfold(2, self.kernel_size[0], 1)
-        return torch.einsum("bctk,ock->bot", windows, self.weight) + self.bias[:, None]  # type: ignore[index]
-
-
-def _convolutions(kind: type[nn.Conv1d]) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(kind(64, 128, 5, padding=2), nn.Tanh(), kind(128, 64, 3, padding=1))
-
-
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
@@ -146,14 +132,14 @@ def test_a_port_with_its_own_convolution_kernel_matches_at_the_defaults(tmp_path
     it the same port fails, so the pass is the tool turning it off, not luck."""
     out = tmp_path / "conv.h5"
     inputs = (torch.randn(4, 64, 200, generator=torch.Generator().manual_seed(1)).to(device),)
-    capture_run(_convolutions(nn.Conv1d).to(device), inputs, out)
+    capture_run(build_convolutions(nn.Conv1d).to(device), inputs, out)
     with BundleReader(out) as reader:
-        result = compare_run(_convolutions(_MatmulConv1d).to(device), reader, device=device)
+        result = compare_run(build_convolutions(MatmulConv1d).to(device), reader, device=device)
     assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match][:5]
     if device == "cuda" and torch.cuda.get_device_capability() >= (8, 0):  # TF32 exists from Ampere on
-        capture_run(_convolutions(nn.Conv1d).to(device), inputs, out, overwrite=True, allow_tf32=True)
+        capture_run(build_convolutions(nn.Conv1d).to(device), inputs, out, overwrite=True, allow_tf32=True)
         with BundleReader(out) as reader:
-            with_tf32 = compare_run(_convolutions(_MatmulConv1d).to(device), reader, device=device, allow_tf32=True)
+            with_tf32 = compare_run(build_convolutions(MatmulConv1d).to(device), reader, device=device, allow_tf32=True)
         assert with_tf32.verdict == "MISMATCH"
 
 
