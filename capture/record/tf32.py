@@ -10,7 +10,9 @@ setting at full float32 precision and put the settings back afterwards; ``--allo
 
 torch 2.9 and later hold these settings twice, in the legacy flags and in ``fp32_precision``, and refuse to read
 a legacy flag that disagrees with the new one: the legacy flags are set first (which keeps the two agreeing), then
-every operator's ``fp32_precision`` explicitly (so that no parent setting turns TF32 back on).
+``fp32_precision`` at every level explicitly (so that no parent setting turns TF32 back on). They are set through
+torch's own setters, which a test harness that froze torch's flags (``torch.backends.disable_global_flags``, as
+torch's own test utilities do) does not refuse.
 """
 
 from __future__ import annotations
@@ -23,27 +25,34 @@ import torch
 
 __all__ = ["float32_settings", "full_float32"]
 
-_OPERATORS = (
-    ("cuda", "matmul"),
-    ("cudnn", "conv"),
-    ("cudnn", "rnn"),
-    ("mkldnn", "matmul"),
-    ("mkldnn", "conv"),
-    ("mkldnn", "rnn"),
-)
+_PRECISIONS = tuple((backend, op) for backend in ("cuda", "mkldnn") for op in ("all", "matmul", "conv", "rnn"))
+"""torch's own (backend, operator) pairs of ``fp32_precision`` (cuDNN's are ``cuda``'s conv and rnn), below the
+process-wide one (``generic``, ``all``): each set, so that no parent's ``tf32`` is inherited mid-run (a model's
+``torch.backends.cudnn.flags()`` block hands convolutions back to their parent's setting as it exits)."""
 
 
-def _precision_handles() -> list[Any]:
-    """The object holding ``fp32_precision`` of each operator this torch has (2.9 and later; none before)."""
-    handles = []
-    for backend, op in _OPERATORS:
-        handle = getattr(getattr(torch.backends, backend, None), op, None)
+def _precisions() -> list[tuple[str, str]]:
+    """The pairs this torch has (2.9 and later; none before)."""
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if getter is None:
+        return []
+    found = []
+    for pair in (("generic", "all"), *_PRECISIONS):
         try:
-            handle.fp32_precision  # type: ignore[union-attr]  # noqa: B018 (probing the attribute)
-        except (AttributeError, RuntimeError):
+            getter(*pair)
+        except RuntimeError:
             continue
-        handles.append(handle)
-    return handles
+        found.append(pair)
+    return found
+
+
+def _set_cudnn_tf32(value: bool) -> None:
+    """cuDNN's legacy TF32 flag, set even where a test harness froze torch's flags (``disable_global_flags``)."""
+    setter = getattr(torch._C, "_set_cudnn_allow_tf32", None)
+    if setter is not None:
+        setter(value)
+    else:
+        torch.backends.cudnn.allow_tf32 = value
 
 
 def _legacy(read: Any) -> Any:
@@ -73,18 +82,18 @@ def full_float32(allow_tf32: bool = False) -> Iterator[None]:
         return
     cudnn = _legacy(lambda: torch.backends.cudnn.allow_tf32)
     matmul = _legacy(torch.get_float32_matmul_precision)
-    handles = _precision_handles()
-    saved = [handle.fp32_precision for handle in handles]
+    pairs = _precisions()
+    saved = [torch._C._get_fp32_precision_getter(*pair) for pair in pairs]
     try:
-        torch.backends.cudnn.allow_tf32 = False
+        _set_cudnn_tf32(False)
         torch.set_float32_matmul_precision("highest")
-        for handle in handles:
-            handle.fp32_precision = "ieee"
+        for pair in pairs:
+            torch._C._set_fp32_precision_setter(*pair, "ieee")
         yield
     finally:
         if cudnn is not None:
-            torch.backends.cudnn.allow_tf32 = cudnn
+            _set_cudnn_tf32(cudnn)
         if matmul is not None:
             torch.set_float32_matmul_precision(matmul)
-        for handle, value in zip(handles, saved, strict=True):
-            handle.fp32_precision = value
+        for pair, value in zip(pairs, saved, strict=True):
+            torch._C._set_fp32_precision_setter(*pair, value)

@@ -15,6 +15,7 @@ from parity_harness.capture.distributed import RankContext, init_from_environmen
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.capture.models.guard import no_exit
 from parity_harness.capture.record.provenance import checkpoint_provenance
+from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.format.containment import Catalog
@@ -168,9 +169,10 @@ def _naming(job: ReplayJob, model: torch.nn.Module, reader: BundleReader) -> tup
     if job.map_spec != "auto":
         return dataclasses.replace(job.options, rename=read_map(job.map_spec)), None
     adapter = job.adapter
-    proposal = align_modules(
-        model, reader, forward=adapter.forward, device=job.options.device, to_reference=adapter.to_reference
-    )
+    with full_float32(job.options.allow_tf32):  # the alignment's run computes as the replay's will
+        proposal = align_modules(
+            model, reader, forward=adapter.forward, device=job.options.device, to_reference=adapter.to_reference
+        )
     return dataclasses.replace(job.options, rename=proposal.rename_map()), proposal
 
 

@@ -164,8 +164,18 @@ def compare_run(
 
 
 def _compare(model: torch.nn.Module, reader: BundleReader, options: ReplayOptions) -> ComparisonResult:
-    """:func:`compare_run`'s phases, in order."""
+    """A replay session through its phases; what it kept for the rounding check let go of however it ends."""
     session = _ReplaySession(model, reader, options)
+    try:
+        _phases(session, options)
+    finally:  # a replay that fails part way lets go of the rounding check's values and spill file at once
+        if session.near is not None:
+            session.near.close()
+    return session.result
+
+
+def _phases(session: _ReplaySession, options: ReplayOptions) -> None:
+    """:func:`compare_run`'s phases, in order."""
     session.compare_parameters()
     session.run_every_rank()
     session.compare_gradients()
@@ -177,7 +187,6 @@ def _compare(model: torch.nn.Module, reader: BundleReader, options: ReplayOption
     if options.isolate:
         session.isolate()
         session.settle_checksums()
-    return session.result
 
 
 @contextlib.contextmanager

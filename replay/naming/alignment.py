@@ -315,9 +315,10 @@ class ProposedMap:
         width = max((len(re.escape(p)) for p in [*self.params, *self.pairs, *self.unmatched]), default=0) + 2
         for port, bundle in self.params.items():
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + f" => {bundle}    # parameter, by its weights")
+        uncertain = set(self.uncertain)  # a list: looked up once per pair, 80,000 of them in a large mixture of experts
         for port, bundle in self.pairs.items():
             note = f"{self.votes[port]} call(s) aligned by {self.evidence[port]}"
-            note += "  LOW CONFIDENCE: check it" if port in self.uncertain else ""
+            note += "  LOW CONFIDENCE: check it" if port in uncertain else ""
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + f" => {bundle}    # {note}")
         for port in self.unmatched:
             lines.append(f"^{re.escape(port)}$".ljust(width + 2) + " => -")

@@ -108,8 +108,9 @@ class ParityFixture:
             pytest.fail("--parity-regen needs the inputs: parity.check(model, inputs)", pytrace=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         capture_run(
-            model, inputs, path, seed=seed, overwrite=True, forward=options.get("forward"), loss=options.get("loss")
-        )
+            model, inputs, path, seed=seed, overwrite=True, forward=options.get("forward"), loss=options.get("loss"),
+            allow_tf32=options.get("allow_tf32", False),
+        )  # fmt: skip
         self._regenerated.append(str(path))
         warnings.warn(ParityRegenerated(f"golden bundle regenerated: {path}"), stacklevel=2)
         return

@@ -20,7 +20,7 @@ from torch import nn
 from parity_harness.capture.cli.capture_run import main as capture_main
 from parity_harness.capture.record.provenance import snapshot
 from parity_harness.capture.record.recorder import capture_run
-from parity_harness.capture.record.tf32 import _precision_handles, full_float32
+from parity_harness.capture.record.tf32 import _precisions, full_float32
 from parity_harness.capture.record.training import record_training
 from parity_harness.replay.cli.replay_compare import main as replay_main
 from parity_harness.replay.compare.runner import compare_run
@@ -40,7 +40,7 @@ def _legacy(read: Callable[[], object]) -> object:
 
 def _state() -> dict[str, object]:
     """Every setting the context touches, as torch reports it (a legacy flag torch refuses to read: "refused")."""
-    state: dict[str, object] = {f"new{i}": handle.fp32_precision for i, handle in enumerate(_precision_handles())}
+    state: dict[str, object] = {".".join(pair): torch._C._get_fp32_precision_getter(*pair) for pair in _precisions()}
     state["cudnn"] = _legacy(lambda: torch.backends.cudnn.allow_tf32)
     state["matmul"] = _legacy(lambda: torch.backends.cuda.matmul.allow_tf32)
     state["matmul_precision"] = _legacy(torch.get_float32_matmul_precision)
@@ -50,12 +50,12 @@ def _state() -> dict[str, object]:
 @pytest.fixture
 def torch_defaults() -> Iterator[None]:
     """The process's float32 settings back at torch's defaults after the test, whatever it set."""
-    defaults = [handle.fp32_precision for handle in _precision_handles()]
+    defaults = [torch._C._get_fp32_precision_getter(*pair) for pair in _precisions()]
     yield
     torch.backends.cudnn.allow_tf32 = True
     torch.set_float32_matmul_precision("highest")
-    for handle, value in zip(_precision_handles(), defaults, strict=True):
-        handle.fp32_precision = value
+    for pair, value in zip(_precisions(), defaults, strict=True):
+        torch._C._set_fp32_precision_setter(*pair, value)
 
 
 def _medium() -> None:
@@ -71,7 +71,7 @@ def _legacy_matmul_on() -> None:
 
 
 def _new_api_conv_only() -> None:  # legacy and new disagree: torch refuses to read cudnn.allow_tf32
-    if not _precision_handles():
+    if not _precisions():
         pytest.skip("this torch has no fp32_precision settings (before 2.9)")
     torch.backends.cudnn.conv.fp32_precision = "ieee"
 
@@ -89,7 +89,45 @@ def test_the_run_sees_full_float32_and_leaves_the_settings_as_they_were(setup: C
     assert during["cudnn"] is False
     assert during["matmul"] is False
     assert during["matmul_precision"] == "highest"
-    assert all(value == "ieee" for key, value in during.items() if key.startswith("new"))
+    assert all(value == "ieee" for key, value in during.items() if "." in key)
+
+
+def _parent_level_tf32() -> None:  # the documented new API at the backend's level, not per operator
+    if not _precisions():
+        pytest.skip("this torch has no fp32_precision settings (before 2.9)")
+    torch.backends.cudnn.fp32_precision = "tf32"
+
+
+@pytest.mark.usefixtures("torch_defaults")
+@pytest.mark.parametrize("setup", [lambda: None, _parent_level_tf32])
+def test_a_cudnn_flags_block_inside_the_model_hands_back_no_tf32(setup: Callable[[], None]) -> None:
+    """A model whose forward runs a ``torch.backends.cudnn.flags()`` block: as the block exits, torch hands
+    convolutions back to their parent level's setting, which was TF32 where the process set it there."""
+    setup()
+    with full_float32():
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            pass
+        after_block = _state()
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # a second block once failed to read flags
+            pass
+    assert after_block["cudnn"] is False
+    assert all(value == "ieee" for key, value in after_block.items() if "." in key)
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_torch_flags_frozen_by_a_test_harness_do_not_stop_a_run(tmp_path: Path, allow_tf32: bool) -> None:
+    """torch's own test utilities freeze its flags (``disable_global_flags``): a capture and a replay still run,
+    TF32 off, and the flags stay frozen."""
+    torch.backends.disable_global_flags()
+    try:
+        capture_run(build_tiny(), tiny_inputs(), tmp_path / "frozen.h5", allow_tf32=allow_tf32)
+        with BundleReader(tmp_path / "frozen.h5") as reader:
+            assert compare_run(build_tiny(), reader, allow_tf32=allow_tf32).verdict == "MATCH"
+            assert reader.provenance()["tf32_cudnn"] == str(allow_tf32)
+        assert torch.backends.flags_frozen()
+    finally:
+        torch.backends.disable_global_flags.__globals__["__allow_nonbracketed_mutation_flag"] = True  # thaw them
+    assert torch.backends.cudnn.allow_tf32 is True
 
 
 @pytest.mark.usefixtures("torch_defaults")

@@ -157,3 +157,24 @@ def test_layers_and_waive_given_as_strings_mean_one_glob(tiny_bundle: Path) -> N
         assert_parity(build_tiny(), tiny_bundle, waive="nothing.here/*")
     with pytest.raises(InputError, match="layers=3: expected module globs"):
         assert_parity(build_tiny(), tiny_bundle, layers=3)
+
+
+ALLOW_TF32 = """
+import torch
+from parity_harness.replay.reader import BundleReader
+
+
+def test_model(parity):
+    torch.manual_seed(0)
+    parity.check(torch.nn.Linear(4, 2), (torch.ones(3, 4),), allow_tf32=True)
+    with BundleReader(parity.default_bundle()) as reader:
+        assert reader.provenance()["tf32_cudnn"] == str(torch.backends.cudnn.allow_tf32) == "True"
+"""
+
+
+def test_regen_records_with_the_tf32_setting_the_check_compares_with(pytester: pytest.Pytester) -> None:
+    """parity.check(..., allow_tf32=True) with --parity-regen captured with TF32 off and compared with it on: the
+    golden bundle and its comparisons ran differently."""
+    pytester.makepyfile(test_tf32=ALLOW_TF32)
+    pytester.runpytest("--parity-regen").assert_outcomes(passed=1, warnings=1)
+    pytester.runpytest().assert_outcomes(passed=1)
