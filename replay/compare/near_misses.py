@@ -6,7 +6,7 @@ taken when a record is kept, so the rerun only measures one number per record, t
 The port's float32 values are kept in memory up to a budget and beyond it in an anonymous temporary file: a large
 port whose every gradient misses by rounding (a FastConformer-sized port on a GPU: 141 parameter gradients) is
 judged, not failed for want of memory. What the file holds never exceeds the float32 records the bundle itself
-holds; a file system too full for it leaves the records it cannot take judged by atol/rtol, with a note.
+holds; a file system too full for it leaves the records it cannot take unjudged (undecided, with a note).
 """
 
 from __future__ import annotations
@@ -214,7 +214,12 @@ class NearMisses:
         records, else the record's kind)."""
         key = ("module" if kind in ("forward", "backward") else kind, name)
         tolerance = self._tolerances.for_record(name, ref.tag)
-        if diff.match or not _eligible(ref, value, diff, tolerance.equal_nan) or key in self.kept:
+        if (
+            diff.match
+            or not _eligible(ref, value, diff, tolerance.equal_nan)
+            or key in self.kept
+            or key in self.unjudged
+        ):
             return
         if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
             return

@@ -72,7 +72,7 @@ def record_row(record: RecordResult, isolated: bool) -> list[str]:
         record.name,
         "x".join(map(str, diff.shape)) or "scalar",
         dtype,
-        "≈" if record.rule == "rounding" else ("✓" if record.match else "✗"),
+        "≈" if record.rule == "rounding" else "?" if record.undecided else ("✓" if record.match else "✗"),
         _number(diff.max_abs),
         _number(diff.max_rel),
         mismatched,
@@ -115,10 +115,16 @@ def _section(kind: RecordKind, records: Sequence[RecordResult], show: Show, max_
 
 
 def _rounding_lines(rows: Sequence[RecordResult], limit: int = 5) -> list[str]:
-    """Why the rounding rule passed a shown record, or why it could not (the first few of each)."""
+    """Why the rounding rule passed a shown record, why it could not, or why it did not judge it (the first few of
+    each)."""
     lines = []
-    for passed, mark, label in ((True, "≈", "float32 rounding"), (False, "✗", "not float32 rounding")):
-        judged = [r for r in rows if r.rounding is not None and r.rounding.passed == passed]
+    groups = (
+        (True, True, "≈", "float32 rounding"),
+        (False, True, "✗", "not float32 rounding"),
+        (False, False, "?", "undecided"),
+    )
+    for passed, decided, mark, label in groups:
+        judged = [r for r in rows if r.rounding and r.rounding.passed == passed and r.rounding.decided == decided]
         lines += [f"  {mark} {r.name}: {label}: {r.rounding.why}" for r in judged[:limit] if r.rounding]
         if len(judged) > limit:
             lines.append(f"  {mark} ... and {len(judged) - limit} more ({label}; --json has each one's reason)")

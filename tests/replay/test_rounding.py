@@ -21,6 +21,7 @@ from parity_harness.replay.compare import near_misses
 from parity_harness.replay.compare.near_misses import ROUNDING_FACTOR
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.tables import render_result
 from parity_harness.replay.result import ComparisonResult
 from tests.independent_port import build, token_ids
 from tests.models import MatmulConv1d, build_convolutions
@@ -504,6 +505,9 @@ def test_a_full_temporary_folder_leaves_the_records_undecided_and_says_so(
     assert result.first_divergence("backward") is None
     note = next(note for note in result.notes if note.startswith("rounding check:"))
     assert "no room to keep the port's values (the temporary folder is full)" in note
+    text = render_result(result)
+    assert f"? {failing[0].name}: undecided: not judged: no room" in text
+    assert "RESULT: INCOMPLETE" in text
 
 
 class _Float32OnlyBug(torch.nn.Module):
