@@ -50,6 +50,11 @@ def pack(obj: object) -> np.ndarray:
         raw = msgpack.packb(obj, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError, OverflowError) as err:
         raise BundleFormatError(f"metadata is not plain msgpack data: {err}") from err
+    if len(raw) > MAX_INDEX_BYTES:  # else written whole and refused by every reader: a run that cannot be replayed
+        raise BundleFormatError(
+            f"metadata of {len(raw)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit readers accept; record fewer "
+            "modules (--layers, --skip-layers) or kinds (--record)"
+        )
     return np.frombuffer(raw, dtype=np.uint8)
 
 

@@ -274,6 +274,22 @@ def test_forward_error_leaves_no_file(tmp_path: Path, npz: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
+def test_an_index_no_reader_would_accept_is_refused_before_it_is_written(
+    tmp_path: Path, npz: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readers refuse metadata over MAX_INDEX_BYTES (about 1.7 million records at 256 MiB): capture wrote such an
+    index anyway, and the run could not be replayed. It now fails in one line, leaving nothing."""
+    from parity_harness.common.format import packing
+
+    monkeypatch.setattr(packing, "MAX_INDEX_BYTES", 4096)
+    out = tmp_path / "o.h5"
+    line = one_error_line("capture-run", capture("--model", TINY, "--inputs", npz, "--out", out))
+    assert "exceeds the 4096-byte limit readers accept" in line
+    assert "--layers" in line
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
 def test_forward_error_keeps_the_previous_bundle(tmp_path: Path, npz: Path) -> None:
     """Even with --overwrite, a capture that fails leaves the existing bundle untouched."""
     (tmp_path / "boom_model.py").write_text(RAISING_MODEL)
