@@ -49,6 +49,27 @@ __all__ = [
 ]
 
 DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
+_SECONDS_PER_GIB: Final = 60.0
+"""Time added per GiB of file: a walk visits every object, and a bundle of a million small records (about 15,000
+walked a second on a local disk) takes about a GiB; a large legitimate bundle must not be refused as crafted."""
+_OVERRIDE: Final = "PARITY_PREFLIGHT_SECONDS"
+"""An environment variable giving the base time limit instead (a very slow network file system)."""
+
+
+def _allowed(path: Path, seconds: float) -> float:
+    """The walk's time limit for ``path``: the base (``seconds``, or the environment's override), plus a minute per
+    GiB of file."""
+    override = os.environ.get(_OVERRIDE, "")
+    try:
+        base = float(override) if override else seconds
+    except ValueError:
+        base = seconds
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    return (base if base > 0 else seconds) + _SECONDS_PER_GIB * size / 2**30
+
 
 _REFUSED: Final = 3
 """The child's exit code when the file breaks the containment rule (its message on stderr)."""
@@ -156,6 +177,7 @@ class Preflight:
     """
 
     def __init__(self, path: Path, seconds: float, noun: str, label: str | None = None) -> None:
+        seconds = _allowed(path, seconds)
         self.path, self.seconds, self.noun = path, seconds, noun
         self._deadline = time.monotonic() + seconds
         # A file, not a pipe: nobody reads while the parent works, and a child blocked on a full pipe would look hung.
@@ -249,7 +271,7 @@ class Preflight:
     def _too_long(self) -> BundleFormatError:
         return BundleFormatError(
             f"{self.path}: reading its HDF5 metadata did not finish within {self.seconds:.0f} s; the file is "
-            "damaged or crafted, and is not opened"
+            f"damaged or crafted, and is not opened (on a very slow file system, {_OVERRIDE}=N allows N s)"
         )
 
 

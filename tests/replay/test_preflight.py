@@ -775,3 +775,21 @@ def test_a_bundle_rewritten_in_place_while_hdf5_opens_it_is_closed_and_refused(
         BundleReader(path, preflight=30)
     assert len(opened) == 1
     assert not opened[0].id.valid
+
+
+def test_the_time_limit_grows_with_the_file_and_can_be_set(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk visits every object: a large legitimate bundle (a million small records, about a GiB) took longer
+    than the fixed 60 s and was refused as damaged or crafted. The limit grows by a minute per GiB, and
+    PARITY_PREFLIGHT_SECONDS sets the base for a very slow file system; the refusal says so."""
+    large = tmp_path / "large.h5"
+    with large.open("wb") as file:
+        file.truncate(3 << 30)  # sparse: 3 GiB on paper
+    assert preflight._allowed(large, 60) == pytest.approx(60 + 3 * 60)
+    monkeypatch.setenv("PARITY_PREFLIGHT_SECONDS", "600")
+    assert preflight._allowed(tiny_bundle, 60) == pytest.approx(600, abs=0.01)
+    monkeypatch.setenv("PARITY_PREFLIGHT_SECONDS", "1")
+    monkeypatch.setattr(preflight, "_WALK", "import time\ntime.sleep(60)")
+    with pytest.raises(BundleFormatError, match=r"within 1 s.*PARITY_PREFLIGHT_SECONDS=N allows N s"):
+        preflight.preflight(tiny_bundle, seconds=60)
