@@ -236,3 +236,40 @@ def test_training_runs_and_reruns_without_tf32(tmp_path: Path) -> None:
     assert seen == [False] * 4
     record_training(*model_and_optimizer(), batches, train_step, tmp_path / "kept.h5", allow_tf32=True)
     assert seen[4:] == [True, True]
+
+
+WATCHED_MODEL = """
+import os
+import torch
+from tests.models import TinyNet
+
+
+class Watched(TinyNet):
+    def forward(self, x):
+        with open(os.environ["TF32_SEEN"], "a") as log:
+            log.write(f"{torch.backends.cudnn.allow_tf32}\\n")
+        return super().forward(x)
+
+
+def build():
+    torch.manual_seed(0)
+    return Watched()
+"""
+
+
+@pytest.mark.usefixtures("torch_defaults")
+def test_map_auto_aligns_with_the_setting_the_replay_runs_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--map auto runs the port once to align it; that run computed with TF32 as torch set it (on for cuDNN),
+    whatever the replay then used."""
+    (tmp_path / "watched.py").write_text(WATCHED_MODEL)
+    seen = tmp_path / "seen.txt"
+    monkeypatch.setenv("TF32_SEEN", str(seen))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    bundle = tmp_path / "tiny.h5"
+    capture_run(build_tiny(), tiny_inputs(), bundle)
+    model = f"{tmp_path / 'watched.py'}:build"
+    result = CliRunner().invoke(replay_main, ["--bundle", str(bundle), "--model", model, "--map", "auto"])
+    assert result.exit_code == 0, result.output
+    runs = seen.read_text().split()
+    assert len(runs) >= 2  # the alignment's run and the replay's (one forward each)
+    assert set(runs) == {"False"}
