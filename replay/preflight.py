@@ -29,7 +29,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from parity_harness.common.errors import BundleChangedError, BundleFormatError
+from parity_harness.common.errors import BundleChangedError, BundleFormatError, InputError
 from parity_harness.common.format.containment import Catalog, file_identity
 from parity_harness.common.format.packing import MAX_INDEX_BYTES
 from parity_harness.common.format.tensor_files import is_hdf5_file
@@ -52,23 +52,29 @@ DEFAULT_PREFLIGHT_SECONDS: Final = 60.0
 _SECONDS_PER_GIB: Final = 60.0
 """Time added per GiB of file: a walk visits every object, and a bundle of a million small records (about 15,000
 walked a second on a local disk) takes about a GiB; a large legitimate bundle must not be refused as crafted."""
+_MOST: Final = 86400.0
+"""No walk is given more than a day."""
 _OVERRIDE: Final = "PARITY_PREFLIGHT_SECONDS"
 """An environment variable giving the base time limit instead (a very slow network file system)."""
 
 
 def _allowed(path: Path, seconds: float) -> float:
-    """The walk's time limit for ``path``: the base (``seconds``, or the environment's override), plus a minute per
-    GiB of file."""
-    override = os.environ.get(_OVERRIDE, "")
+    """The walk's time limit for ``path``: the base (``seconds``, or the environment's override, 1 s to a day), plus
+    a minute per GiB the file holds on disk (its allocated blocks: a sparse tail adds nothing), at most a day."""
+    override, base = os.environ.get(_OVERRIDE, ""), seconds
+    if override:
+        try:
+            base = float(override)
+        except ValueError:
+            base = math.nan
+        if not 1 <= base <= _MOST:  # NaN included
+            raise InputError(f"{_OVERRIDE}={override!r}: expected a number of seconds from 1 to {_MOST:.0f}")
     try:
-        base = float(override) if override else seconds
-    except ValueError:
-        base = seconds
-    try:
-        size = os.stat(path).st_size
+        stat = os.stat(path)
+        held = min(stat.st_size, getattr(stat, "st_blocks", 0) * 512)
     except OSError:
-        size = 0
-    return (base if base > 0 else seconds) + _SECONDS_PER_GIB * size / 2**30
+        held = 0
+    return min(base + _SECONDS_PER_GIB * held / 2**30, _MOST)
 
 
 _REFUSED: Final = 3

@@ -39,6 +39,9 @@ _PEER_RANGE: Final = 8.0
 """The level is measured on elements up to this many times the largest failing one (measured on correct ports:
 the largest failing difference stays within 2.3x the level so measured; a massive activation, 10^4 times the
 rest, is left out)."""
+_FILL_RATIO: Final = 2.0**14
+"""An element both sides hold bit for bit, more than this many times every element they differ on, is a fill (a
+mask's -1e9), not a value whose rounding the record's differences could share."""
 _MEMORY_BUDGET: Final = 1 << 29
 """Bytes of port values kept in memory; the rest go to a temporary file."""
 _CHUNK: Final = 1 << 20
@@ -60,7 +63,9 @@ class _Failing:
     worst: float
     """Their largest absolute difference."""
     scale: float
-    """The largest reference magnitude among the elements compared."""
+    """The largest reference magnitude among the compared elements, leaving out those both sides hold bit for bit
+    that are more than ``_FILL_RATIO`` times any element they differ on: a mask fill (-1e9, float32's minimum) would
+    otherwise make any error small against it, a bug's included."""
     counted: np.ndarray
     """Packed bits: the elements compared (neither ignored nor NaN in the reference)."""
     peers: np.ndarray
@@ -92,15 +97,18 @@ def _failing(expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ign
         beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
         count += int(np.count_nonzero(beyond))
         worst = max(worst, float(np.max(error, initial=0.0, where=beyond)))
-        scale = max(scale, float(np.max(magnitude, initial=0.0, where=counted)))
+        differing = counted & (port != reference) & np.isfinite(magnitude)
+        scale = max(scale, float(np.max(magnitude, initial=0.0, where=differing)))  # the fills' bound, for now
         largest_failing = max(largest_failing, float(np.max(magnitude, initial=0.0, where=beyond)))
         nan_mismatch |= not np.array_equal(np.isnan(reference), np.isnan(port))
         counted_bits.append(np.packbits(counted))
-    peer_bits = []  # a second pass: the peers are the elements up to _PEER_RANGE x the largest failing one
-    for part, bits in zip(_chunks(expected.size), counted_bits, strict=True):
+    peer_bits, fills_below = [], _FILL_RATIO * scale
+    for part, bits in zip(_chunks(expected.size), counted_bits, strict=True):  # a second pass, with those bounds
         magnitude = np.abs(expected[part].astype(np.float64))
         counted = np.unpackbits(bits, count=part.stop - part.start).view(bool)
         peer_bits.append(np.packbits(counted & (magnitude <= _PEER_RANGE * largest_failing)))
+        ordinary = counted & (magnitude <= fills_below)  # the differing ones, and the same values of their size
+        scale = max(scale, float(np.max(magnitude, initial=0.0, where=ordinary)))
     return _Failing(
         count=count,
         worst=worst,

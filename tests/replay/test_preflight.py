@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import pytest
 
-from parity_harness.common.errors import BundleChangedError, BundleFormatError
+from parity_harness.common.errors import BundleChangedError, BundleFormatError, InputError
 from parity_harness.common.format import containment
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.format.tensor_files import is_hdf5_file
@@ -785,8 +785,15 @@ def test_the_time_limit_grows_with_the_file_and_can_be_set(
     PARITY_PREFLIGHT_SECONDS sets the base for a very slow file system; the refusal says so."""
     large = tmp_path / "large.h5"
     with large.open("wb") as file:
-        file.truncate(3 << 30)  # sparse: 3 GiB on paper
-    assert preflight._allowed(large, 60) == pytest.approx(60 + 3 * 60)
+        file.write(b"\1" * (8 << 20))
+    assert preflight._allowed(large, 60) == pytest.approx(60 + 60 * 8 / 1024)
+    with large.open("r+b") as file:
+        file.truncate(10 << 40)  # a sparse tail of 10 TiB held nowhere: no more time (it gave the walk a week)
+    assert preflight._allowed(large, 60) == pytest.approx(60 + 60 * 8 / 1024, abs=0.1)
+    for wrong in ("soon", "0", "inf", "1e12", "nan"):
+        monkeypatch.setenv("PARITY_PREFLIGHT_SECONDS", wrong)
+        with pytest.raises(InputError, match="expected a number of seconds from 1 to 86400"):
+            preflight._allowed(tiny_bundle, 60)
     monkeypatch.setenv("PARITY_PREFLIGHT_SECONDS", "600")
     assert preflight._allowed(tiny_bundle, 60) == pytest.approx(600, abs=0.01)
     monkeypatch.setenv("PARITY_PREFLIGHT_SECONDS", "1")

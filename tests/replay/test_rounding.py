@@ -543,3 +543,36 @@ def test_a_nan_in_the_float64_rerun_excuses_no_float32_only_bug(tmp_path: Path, 
     assert not output.match
     assert output.rounding is not None
     assert result.verdict == "MISMATCH"
+
+
+class _MaskedHead(torch.nn.Module):
+    """A linear layer whose last 4 outputs are masked with ``fill`` (a vocabulary or attention mask); ``bug``: +5e-4
+    (relative) on float32 values only."""
+
+    def __init__(self, fill: float, bug: bool) -> None:
+        super().__init__()
+        self.lin, self.fill, self.bug = torch.nn.Linear(64, 64), fill, bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.bug and y.dtype == torch.float32:
+            y = y + 5e-4 * y.detach()
+        return y.masked_fill(torch.arange(64) >= 60, self.fill)
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, float("-inf")])
+def test_a_mask_fill_makes_no_error_small(tmp_path: Path, fill: float) -> None:
+    """A record's scale was its largest value: a mask fill (the same on both sides) made a float32-only bug pass as
+    rounding (MATCH), and, the float64 rerun failing, any error at all 'within the rule's reach' (INCOMPLETE)."""
+    torch.manual_seed(0)
+    reference = _MaskedHead(fill, bug=False)
+    capture_run(reference, (torch.randn(8, 64),), tmp_path / "ref.h5", seed=0)
+    port = _MaskedHead(fill, bug=True)
+    port.load_state_dict(reference.state_dict())
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        assert compare_run(port, reader).verdict == "MISMATCH"
+    port.forward = lambda x: _MaskedHead.forward(port, x) + 1.0  # type: ignore[method-assign]  # no float64 rerun either
+    port.lin.forward = lambda x: F.linear(x, port.lin.weight.float(), port.lin.bias.float())  # type: ignore[method-assign]
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        result = compare_run(port, reader)
+    assert result.verdict == "MISMATCH", [(r.name, r.rounding) for r in result.records if not r.match]
