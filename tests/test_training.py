@@ -750,10 +750,14 @@ def test_an_optimizer_keeping_its_step_as_a_python_int_is_the_same_state(tmp_pat
     from parity_harness.replay.cli.replay_compare import main as replay_main
 
     (tmp_path / "reference.py").write_text(TRAINING_ADAPTER.format(eps=1e-8))
+    foreach = TRAINING_ADAPTER.format(eps=1e-8).replace("eps=EPS)", "eps=EPS, foreach=True)")
+    assert "foreach=True" in foreach
+    (tmp_path / "foreach.py").write_text(foreach)  # its step a float32 tensor that --resync must not make int64
     for name, skew in (("hand", 0), ("hand_skewed", 1)):
         (tmp_path / f"{name}.py").write_text(HAND_ADAMW.format(folder=str(tmp_path), skew=skew, eps=1e-8))
     extra = ["--resync"] if resync else []
-    pairs = (("reference", "hand", 0), ("hand", "reference", 0), ("reference", "hand_skewed", 1))
+    pairs = (("reference", "hand", 0), ("hand", "reference", 0), ("hand", "foreach", 0))
+    pairs += (("reference", "hand_skewed", 1),)
     for reference, port, expected in pairs:
         run = tmp_path / f"{reference}.h5"
         captured = CliRunner().invoke(
@@ -765,3 +769,31 @@ def test_an_optimizer_keeping_its_step_as_a_python_int_is_the_same_state(tmp_pat
             replay_main, ["--bundle", str(run), "--adapter", str(tmp_path / f"{port}.py"), "--steps", *extra]
         )
         assert result.exit_code == expected, (reference, port, result.output)
+
+
+def test_a_training_file_without_number_state_replays_against_the_same_optimizer(tmp_path: Path) -> None:
+    """A file recorded before Python-number optimizer state was (its hand-written optimizer's step counts absent):
+    the rerun of that same optimizer recorded them and failed as "optimizer of B only"."""
+    import h5py
+
+    from parity_harness.capture.cli.capture_run import main as capture_main
+    from parity_harness.replay.cli.replay_compare import main as replay_main
+
+    (tmp_path / "reference.py").write_text(TRAINING_ADAPTER.format(eps=1e-8))
+    (tmp_path / "hand.py").write_text(HAND_ADAMW.format(folder=str(tmp_path), skew=0, eps=1e-8))
+    run = tmp_path / "hand.h5"
+    captured = CliRunner().invoke(
+        capture_main, ["--adapter", str(tmp_path / "hand.py"), "--out", str(run), "--steps", "4", "--every", "2"]
+    )
+    assert captured.exit_code == 0, captured.output
+    removed = []
+    with h5py.File(run, "r+") as file:  # as the older recorder wrote it
+        file.visit(lambda name: removed.append(name) if name.endswith("/step") and "/optimizer/" in name else None)
+        for name in removed:
+            del file[name]
+    assert removed
+    for extra in ([], ["--resync"]):
+        result = CliRunner().invoke(
+            replay_main, ["--bundle", str(run), "--adapter", str(tmp_path / "hand.py"), "--steps", *extra]
+        )
+        assert result.exit_code == 0, result.output

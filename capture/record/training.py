@@ -97,8 +97,10 @@ class TrainingRecorder:
         all_batches: bool = False,
         seed: int | None = None,
         rename: Callable[[str], str | None] | None = None,
+        number_state: Callable[[str, str], bool] | None = None,
     ) -> None:
         self.path, self._model, self._optimizer = Path(path), model, optimizer
+        self._number_state = number_state or (lambda name, key: True)
         self._all_batches = all_batches
         self._rename = rename or (lambda name: name)
         self._every, self._params, self._grads, self._state = max(1, every), params, grads, optimizer_state
@@ -207,7 +209,9 @@ class TrainingRecorder:
                 # A step count kept as a Python number (a hand-written optimizer's) is the same state as torch's
                 # tensor of it: recorded as one, or the two would differ by a name one side lacks.
                 if isinstance(value, int | float) and name is not None:
-                    value = torch.tensor(value)
+                    if not self._number_state(escape_dotted(name), key):
+                        continue
+                    value = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
                 if isinstance(value, torch.Tensor) and name is not None:
                     self._write(f"{group}/{escape_dotted(name)}/{key}", value)
 

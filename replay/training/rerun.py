@@ -63,10 +63,23 @@ def _load_optimizer(
 
 def _like(own: object, recorded: torch.Tensor) -> object:
     """The recorded state value as the port keeps it: a Python number where the port keeps one (a hand-written
-    optimizer's step count), else a copy of the tensor."""
+    optimizer's step count), a tensor of the port's own dtype where it keeps one (a foreach Adam's float32 step
+    against a reference's integer count), else a copy of the tensor."""
     if isinstance(own, int | float) and recorded.numel() == 1:
         return type(own)(recorded.item())
+    if isinstance(own, torch.Tensor) and own.shape == recorded.shape:
+        return recorded.to(dtype=own.dtype, copy=True)
     return recorded.clone()
+
+
+def _recorded_numbers(run: TrainingRun, keys: list[StepKey]) -> Callable[[str, str], bool] | None:
+    """Which optimizer state the reference recorded, for the rerun to record Python-number state (a step count) only
+    where it did: a file written before such state was recorded would otherwise differ by names of the port only."""
+    full = next((key for key in keys if run.meta[key]["full"]), None)
+    if full is None:
+        return None
+    recorded = {name: set(state) for name, state in run.optimizer_state(full).items()}
+    return lambda name, key: key in recorded.get(name, ())
 
 
 def _every_batch(run: TrainingRun) -> list[StepKey]:
@@ -129,6 +142,7 @@ def rerun_training(
     recorder = TrainingRecorder(
         out, model, optimizer, every=run.initial["every"], params=PARAMS in recorded_parts,
         grads=GRADS in recorded_parts, optimizer_state=with_state, all_batches=True, seed=run.seed, rename=renamed,
+        number_state=_recorded_numbers(run, keys) if with_state else None,
     )  # fmt: skip
     with full_float32(allow_tf32), recorder:
         for previous, key in zip([None, *keys], keys, strict=False):
