@@ -365,6 +365,7 @@ class _ReplaySession:
         other = _ReplaySession(self.model, run, dataclasses.replace(self.options, isolate=False), other_rank=True)
         other.port = self.port  # the same (compiled) port, not compiled again
         other._run_tapped()
+        other.recheck_rounding()  # its near misses left undecided as this rank's are (no float64 rerun of a rank)
         other.account_for_unvisited(strict_waivers=False)
         run.settle()  # a damaged record of that rank raises here
         records, result = other.result.records, self.result

@@ -44,12 +44,16 @@ def _judge_in_order(
     """Verdicts for one kind's records, in execution (or backward) order."""
     judged: dict[str, RecordResult] = {}
     for record in records:
-        local = _local_verdict_input(record.name, isolation.local.get(record.name), levels)
+        # A record the rounding rule could not judge is not shown to differ, chained or on its module's own inputs.
+        local = (
+            None if record.undecided else _local_verdict_input(record.name, isolation.local.get(record.name), levels)
+        )
         fed = (record.slot or "").startswith(_FED_PREFIXES)
         isolated = record.module not in isolation.skipped
-        verdict = _verdict(record.match, local, fed, earlier_mismatch, isolated)
+        differs = not record.match and not record.undecided
+        verdict = _verdict(not differs, local, fed, earlier_mismatch, isolated)
         judged[record.name] = replace(record, local=isolation.local.get(record.name), verdict=verdict)
-        earlier_mismatch |= not record.match
+        earlier_mismatch |= differs
     return judged
 
 
@@ -60,17 +64,18 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict
     forward = _judge_in_order(result.of_kind("forward"), isolation, earlier_mismatch=False, levels=levels)
     # Once the forward pass differs, backward differences may come from the forward activations:
     # "input differs" in backward then only means something when the forward matched.
-    forward_differs = any(not r.match for r in result.records if r.kind in ("forward", "output"))
+    forward_differs = any(not r.match and not r.undecided for r in result.records if r.kind in ("forward", "output"))
     backward = _judge_in_order(result.of_kind("backward"), isolation, earlier_mismatch=forward_differs, levels=levels)
     judged.update({("forward", name): record for name, record in forward.items()})
     judged.update({("backward", name): record for name, record in backward.items()})
     for record in result.of_kind("param_grad"):
-        local = isolation.param_local.get(record.name)
-        own = _verdict(record.match, local, fed=False, earlier_mismatch=False, isolated=local is not None)
+        local = None if record.undecided else isolation.param_local.get(record.name)
+        differs = not record.match and not record.undecided
+        own = _verdict(not differs, local, fed=False, earlier_mismatch=False, isolated=local is not None)
         judged[id(record)] = replace(record, local=local, verdict=own)
     any_origin = any(r.verdict == "origin" for r in judged.values())
     for record in result.of_kind("output"):
-        final: Verdict = "ok" if record.match else ("inherited" if any_origin else "not isolated")
+        final: Verdict = "ok" if record.match or record.undecided else ("inherited" if any_origin else "not isolated")
         judged[id(record)] = replace(record, verdict=final)
     for record in result.of_kind("buffer"):  # the state a whole run leaves: no one module's call to isolate
         judged[id(record)] = record

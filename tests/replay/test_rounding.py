@@ -508,6 +508,10 @@ def test_a_full_temporary_folder_leaves_the_records_undecided_and_says_so(
     text = render_result(result)
     assert f"? {failing[0].name}: undecided: not judged: no room" in text
     assert "RESULT: INCOMPLETE" in text
+    with BundleReader(out) as reader:  # --isolate names no origin among records not shown to differ
+        isolated = compare_run(build_convolutions(MatmulConv1d), reader, isolate=True)
+    assert isolated.verdict == "INCOMPLETE"
+    assert not [r.name for r in isolated.records if r.verdict == "origin"]
 
 
 class _Float32OnlyBug(torch.nn.Module):
