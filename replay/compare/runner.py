@@ -97,8 +97,9 @@ class ReplayOptions:
             (``MODULE/*`` waives a module's own records, not its children's).
         rounding: judge float32 records that fail atol/rtol narrowly again by the rounding rule
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
-            is not given, i.e. at the defaults; never with a noise floor, a precision below float32 or data
-            parallelism (a note says so), and never for records a tolerance override judges.
+            is not given, i.e. at the defaults; never with a noise floor or a precision below float32, and never
+            for records a tolerance override judges. On a multi-rank capture (no float64 rerun of every rank) the
+            records it could pass are left undecided (INCOMPLETE), and a note says so.
         allow_tf32: keep TF32 and oneDNN's reduced float32 modes as torch or the port set them; by default the
             replay turns them off, so that float32 is float32 (``capture.record.tf32``).
     """
