@@ -413,6 +413,14 @@ def test_replay_compare_under_torchrun(tmp_path: Path, tiny_ckpt: Path, processe
     assert "replay process 1: capture ranks [1]: MATCH (module records of rank 1)" in done.stdout
     if processes == 3:
         assert "replay process 2: nothing to replay (the capture ran fewer ranks)" in done.stdout
+        return
+    # A process whose records were only left uncompared says INCOMPLETE, as RESULT does (it said MISMATCH).
+    port = f"{Path(__file__).resolve()}:_HeadUncalledOnRankOne"
+    uncompared = [*command[: command.index("--model") + 1], port, *command[command.index("--model") + 2 :]]
+    done = subprocess.run(uncompared, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RESULT: INCOMPLETE" in done.stdout
+    assert "replay process 1: capture ranks [1]: INCOMPLETE (module records of rank 1)" in done.stdout
 
 
 @pytest.mark.slow

@@ -170,6 +170,14 @@ def _replay_training(driver: Adapter, params: Mapping[str, Any]) -> int:
     return 0 if comparison.match else 1
 
 
+def _verdict_word(verdict: Verdict) -> str:
+    """One process's verdict as RESULT words it: MISMATCH only where a record differs (not one merely uncompared,
+    or a near miss the rounding check could not judge)."""
+    if verdict.match:
+        return "MATCH"
+    return "MISMATCH" if any(not record.undecided for record in verdict.failing) else "INCOMPLETE"
+
+
 def _finish_distributed(outcome: ReplayOutcome, verdicts: list[Verdict]) -> NoReturn:
     """Rank 0 prints one line per replay process; every process exits with the code of all."""
     context = outcome.context
@@ -180,7 +188,7 @@ def _finish_distributed(outcome: ReplayOutcome, verdicts: list[Verdict]) -> NoRe
             if verdict.match is None:
                 click.echo(f"replay process {verdict.process}: nothing to replay (the capture ran fewer ranks)")
             else:
-                said = "MATCH" if verdict.match else "MISMATCH"
+                said = _verdict_word(verdict)
                 click.echo(
                     f"replay process {verdict.process}: capture ranks {verdict.ranks}: {said} (module records of "
                     f"rank {verdict.ranks[0]})"
