@@ -27,7 +27,7 @@ from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import RoundingCheck
 
-__all__ = ["MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "NearMisses", "plausible_level"]
+__all__ = ["MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "FailingRecord", "NearMisses", "plausible_level"]
 
 ROUNDING_FACTOR: Final = 4.0
 """An element passes the rounding rule within this many times the port's own float32 error on the record."""
@@ -55,7 +55,7 @@ def plausible_level(level: float, scale: float, exact_scale: float) -> bool:
 
 
 @dataclass
-class _Failing:
+class FailingRecord:
     """What the rule needs of a record against the reference, taken when the record is kept."""
 
     count: int
@@ -84,7 +84,9 @@ def _chunks(size: int) -> Iterator[slice]:
     return (slice(start, min(start + _CHUNK, size)) for start in range(0, size, _CHUNK))
 
 
-def _failing(expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ignore: np.ndarray | None) -> _Failing:
+def _failing(
+    expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ignore: np.ndarray | None
+) -> FailingRecord:
     """What the rule needs of a record, chunk by chunk: float64 temporaries stay a few MB whatever its size."""
     ignored = None if ignore is None else np.broadcast_to(ignore, expected.shape).reshape(-1)
     expected, actual = expected.reshape(-1), actual.reshape(-1)
@@ -109,7 +111,7 @@ def _failing(expected: np.ndarray, actual: np.ndarray, tolerance: Tolerance, ign
         peer_bits.append(np.packbits(counted & (magnitude <= _PEER_RANGE * largest_failing)))
         ordinary = counted & (magnitude <= fills_below)  # the differing ones, and the same values of their size
         scale = max(scale, float(np.max(magnitude, initial=0.0, where=ordinary)))
-    return _Failing(
+    return FailingRecord(
         count=count,
         worst=worst,
         scale=scale,
@@ -133,7 +135,7 @@ def _bits(packed: np.ndarray, part: slice) -> np.ndarray:
 @dataclass
 class _Kept:
     ref: TensorRef
-    failing: _Failing
+    failing: FailingRecord
     value: np.ndarray | None
     """The port's float32 value as compared (after the layout transform), or None while it is in the spill file."""
     spilled_at: int = -1
@@ -212,7 +214,7 @@ class NearMisses:
         """False: no float64 rerun will judge the records (a multi-rank capture); only what they need is taken."""
         self.kept: dict[tuple[str, str], _Kept] = {}
         """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
-        self.unjudged: dict[tuple[str, str], _Failing] = {}
+        self.unjudged: dict[tuple[str, str], FailingRecord] = {}
         """Records offered but not kept: ``judges`` is off, or the spill file could not take them (a full disk)."""
 
     def offer(

@@ -38,7 +38,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.near_misses import NearMisses, _Failing
+from parity_harness.replay.compare.near_misses import FailingRecord, NearMisses
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
@@ -188,7 +188,7 @@ def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]
         result.tolerances = ToleranceTable(table.default, table.overrides, table.per_dtype, per_record)
 
 
-def leave_undecided(result: ComparisonResult, failing: Mapping[tuple[str, str], _Failing], why: str) -> int:
+def leave_undecided(result: ComparisonResult, failing: Mapping[tuple[str, str], FailingRecord], why: str) -> int:
     """Mark each failed record the rule could have passed but cannot judge (``why``) as undecided: neither a match nor
     a divergence (the replay is INCOMPLETE), rather than failed for want of the check. Returns how many."""
     count = 0

@@ -31,7 +31,7 @@ from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
-from parity_harness.replay.compare.near_misses import ROUNDING_FACTOR, NearMisses
+from parity_harness.replay.compare.near_misses import ROUNDING_FACTOR, FailingRecord, NearMisses
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.records import (
     ComparingSink,
@@ -567,7 +567,7 @@ class _ReplaySession:
             return
         rejudge(self.result, near, self.index.noise_floor or {})
 
-    def _undecided(self, failing: Mapping[tuple[str, str], Any], why: str) -> None:
+    def _undecided(self, failing: Mapping[tuple[str, str], FailingRecord], why: str) -> None:
         """Leave the records in ``failing`` that the rule could pass undecided, saying so in a note."""
         count = leave_undecided(self.result, failing, why)
         if count:
