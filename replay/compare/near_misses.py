@@ -102,7 +102,8 @@ def _failing(
         differing = counted & (port != reference) & np.isfinite(magnitude)
         scale = max(scale, float(np.max(magnitude, initial=0.0, where=differing)))  # the fills' bound, for now
         largest_failing = max(largest_failing, float(np.max(magnitude, initial=0.0, where=beyond)))
-        nan_mismatch |= not np.array_equal(np.isnan(reference), np.isnan(port))
+        looked_at = slice(None) if ignored is None else ~ignored[part]  # padding is never looked at
+        nan_mismatch |= not np.array_equal(np.isnan(reference[looked_at]), np.isnan(port[looked_at]))
         counted_bits.append(np.packbits(counted))
     peer_bits, fills_below = [], _FILL_RATIO * scale
     for part, bits in zip(_chunks(expected.size), counted_bits, strict=True):  # a second pass, with those bounds

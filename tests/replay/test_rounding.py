@@ -580,3 +580,35 @@ def test_a_mask_fill_makes_no_error_small(tmp_path: Path, fill: float) -> None:
     with BundleReader(tmp_path / "ref.h5") as reader:
         result = compare_run(port, reader)
     assert result.verdict == "MISMATCH", [(r.name, r.rounding) for r in result.records if not r.match]
+
+
+def _nan_in_padding(port: torch.nn.Module) -> torch.nn.Module:
+    """``port`` with its output NaN in the second example's padded positions (a softmax over a row that is all mask,
+    left as it is: padding is garbage to a port), its backward unchanged."""
+
+    def fill(module: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(out.shape, dtype=torch.bool)
+        padded[1, 45:] = True
+        return out + torch.where(padded, float("nan"), 0.0)  # its gradient passes as it would without the fill
+
+    port.register_forward_hook(fill)
+    return port
+
+
+def test_a_nan_in_masked_padding_leaves_the_rounding_rule_to_the_rest(tmp_path: Path) -> None:
+    """Under --mask-padding, what the port leaves in padded positions is never looked at: a NaN there kept the
+    rounding rule from excusing the correct port's rounding-size differences elsewhere ("NaN where the other side
+    has a number"), and the correct port failed. A real difference beside the NaN still fails."""
+    path = tmp_path / "padded.h5"
+    capture_run(build(), token_ids(), path, seed=0, lengths=(48, 45, 48, 48))
+    result = _replay(_nan_in_padding(build(manual=True)), path, mask_padding=True)
+    (output,) = [r for r in result.records if r.name == "output"]
+    assert (output.diff.match, output.match, output.rule) == (False, True, "rounding")
+    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match][:5]
+
+    wrong = _nan_in_padding(build(manual=True))
+    bump = torch.zeros(4, 48, 300)
+    bump[0, 3, 7] = 1e-4  # beyond what rounding explains, in a valid position
+    wrong.register_forward_hook(lambda module, args, out: out + bump)
+    (output,) = [r for r in _replay(wrong, path, mask_padding=True).records if r.name == "output"]
+    assert not output.match
