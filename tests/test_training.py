@@ -797,3 +797,43 @@ def test_a_training_file_without_number_state_replays_against_the_same_optimizer
             replay_main, ["--bundle", str(run), "--adapter", str(tmp_path / "hand.py"), "--steps", *extra]
         )
         assert result.exit_code == 0, result.output
+
+
+def test_parity_train_diff_of_files_written_before_and_after_number_state(tmp_path: Path) -> None:
+    """The same run with a hand-written AdamW (its step counts Python ints), one file as a recorder before 2.2 wrote
+    it (no step counts) and one as now: the steps match; the step counts only one file could record are listed as not
+    compared (not "optimizer of B only" at step 0, the first diverging step), either way round. Two files of this
+    version compare in full."""
+    import h5py
+
+    from parity_harness.capture.cli.capture_run import main as capture_main
+    from parity_harness.common.format.bundle.layout import ATTR_MINOR
+
+    (tmp_path / "reference.py").write_text(TRAINING_ADAPTER.format(eps=1e-8))
+    (tmp_path / "hand.py").write_text(HAND_ADAMW.format(folder=str(tmp_path), skew=0, eps=1e-8))
+    new, old, again = tmp_path / "new.h5", tmp_path / "old.h5", tmp_path / "again.h5"
+    for path in (new, old, again):
+        captured = CliRunner().invoke(
+            capture_main, ["--adapter", str(tmp_path / "hand.py"), "--out", str(path), "--steps", "4", "--every", "2"]
+        )
+        assert captured.exit_code == 0, captured.output
+    removed: list[str] = []
+    with h5py.File(old, "r+") as file:  # as a 2.1 recorder wrote it
+        file.visit(lambda name: removed.append(name) if name.endswith("/step") and "/optimizer/" in name else None)
+        for name in removed:
+            del file[name]
+        file.attrs[ATTR_MINOR] = 1
+    assert removed
+    for a, b in ((old, new), (new, old)):
+        with TrainingRun(a) as run_a, TrainingRun(b) as run_b:
+            result = compare_training(run_a, run_b, atol=0.0, rtol=0.0)
+        assert result.first_diverging is None, [s.reasons for s in result.steps]
+        assert result.unrecorded_numbers == ["0.bias/step", "0.weight/step", "2.bias/step", "2.weight/step"]
+        assert not result.match
+        shown = CliRunner().invoke(main, [str(a), str(b)])
+        assert shown.exit_code == 1, shown.output
+        assert "optimizer state kept as Python numbers" in shown.output
+    with TrainingRun(new) as run_a, TrainingRun(again) as run_b:
+        both = compare_training(run_a, run_b, atol=0.0, rtol=0.0)
+    assert both.match
+    assert not both.unrecorded_numbers

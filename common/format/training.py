@@ -40,6 +40,7 @@ __all__ = [
     "INITIAL_PARAMS",
     "LABELS",
     "META",
+    "NUMBER_STATE_FROM",
     "OPTIMIZER",
     "PARAMS",
     "PREDICTIONS",
@@ -68,9 +69,13 @@ TRAINING_FORMAT: Final = "parity-harness-training"
 TRAINING_VERSION: Final = 2
 """Major version: bumped when a reader of the previous major could misread a training file (2: step groups of
 steps recorded with an epoch are named ``<epoch>_<step>``, which 1.x readers would call damaged)."""
-TRAINING_MINOR: Final = 1
+TRAINING_MINOR: Final = 2
 """Minor version: bumped when fields are only added (1.1: ``recorded`` in ``/initial/meta``; 2.1: the model's
-persistent buffers, ``/initial/buffers`` and a full step's ``buffers``, named by ``buffers`` in ``/initial/meta``)."""
+persistent buffers, ``/initial/buffers`` and a full step's ``buffers``, named by ``buffers`` in ``/initial/meta``;
+2.2: an optimizer's state kept as Python numbers, a hand-written optimizer's step count, as 0-d tensors among its
+``optimizer`` entries)."""
+NUMBER_STATE_FROM: Final = (2, 2)
+"""The first version that records an optimizer's Python-number state."""
 TRAINING_GATE: Final = FormatGate(
     TRAINING_FORMAT,
     TRAINING_VERSION,

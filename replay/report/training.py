@@ -99,6 +99,13 @@ def _verdict(result: TrainingComparison) -> list[str]:
             f"buffers recorded by one run only ({len(buffers)}): {buffers[:3]}; the other is a training file from "
             "before buffers were recorded (format 2.0): record it again to compare them"
         )
+    if result.unrecorded_numbers:
+        numbers = result.unrecorded_numbers
+        lines.append(
+            f"optimizer state kept as Python numbers, recorded by one run only ({len(numbers)}): {numbers[:3]}; the "
+            "other is a training file from before such state was recorded (format 2.1 or older): record it again to "
+            "compare it"
+        )
     lines += [f"{path}: still being written; compared the steps completed so far" for path in result.live]
     return lines + result.notes
 

@@ -166,6 +166,9 @@ class TrainingComparison:
     unrecorded_buffers: list[str] = field(default_factory=list)
     """Buffers one run recorded that the other, a training file from before 2.1, could not: not compared, so not
     a match."""
+    unrecorded_numbers: list[str] = field(default_factory=list)
+    """Optimizer state one run kept as Python numbers (a hand-written optimizer's step count) and recorded, that the
+    other, a training file from before 2.2, could not record: not compared, so not a match."""
 
     @property
     def first_diverging(self) -> StepKey | None:
@@ -182,7 +185,8 @@ class TrainingComparison:
     def match(self) -> bool:
         """At least one step was compared, every step of both runs was, every one matches, and every selected
         parameter had a counterpart: nothing recorded went uncompared."""
-        compared_all = not (self.only_a or self.only_b or self.unpaired_a or self.unpaired_b or self.unrecorded_buffers)
+        one_sided = (self.only_a, self.only_b, self.unpaired_a, self.unpaired_b)
+        compared_all = not (any(one_sided) or self.unrecorded_buffers or self.unrecorded_numbers)
         return bool(self.steps) and compared_all and self.first_diverging is None
 
 
@@ -287,6 +291,12 @@ class _Plan:
     unrecorded_buffers: frozenset[str] = frozenset()
     """Buffers (A's names) of one run that the other, a training file from before 2.1, could not record: left out
     of the weights, and listed in the result as not compared."""
+
+    unrecording: str | None = None
+    """The run (``A`` or ``B``), a training file from before 2.2, that could not record Python-number optimizer
+    state; None when both could or neither did."""
+    unrecorded_numbers: set[str] = field(default_factory=set, compare=False, hash=False)
+    """The other run's number state left out so far (A's names)."""
 
     def selects(self, name: str) -> bool:
         """Whether a weight (A's name) is compared."""
@@ -404,6 +414,8 @@ def _compare_step(
     others: dict[str, float] = {}
     for group in ("grads", "optimizer"):
         values_a, values_b = run_a.tensors(key_a, group), _renamed(run_b.tensors(key_b, group), plan.rename)
+        if group == "optimizer" and plan.unrecording is not None:
+            values_a, values_b = _without_unrecorded_numbers(plan, values_a, values_b)
         if values_a or values_b:
             others[group], ok, missing = _group(plan, group, values_a, values_b)
             uncompared += missing + ([] if ok or missing else [f"{group} differ"])
@@ -554,6 +566,7 @@ def compare_training(
     """
     plan = _Plan(rename or RenameMap(), parameter_filter(params), _Tolerance(atol, rtol))
     plan = _without_unrecorded_buffers(plan, run_a, run_b)
+    plan = dataclasses.replace(plan, unrecording=_unrecording_numbers(run_a, run_b))
     pairs, only_a, only_b = pair_steps(run_a, run_b)
     result = TrainingComparison(only_a=only_a, only_b=only_b)
     result.live = [str(run.path) for run in (run_a, run_b) if run.live]
@@ -566,6 +579,7 @@ def compare_training(
     _compare_losses_between(plan, run_a, run_b, result)
     _note_one_sided(result, [(infos_a[a], infos_b[b]) for a, b in pairs])
     result.unrecorded_buffers = sorted(plan.unrecorded_buffers)
+    result.unrecorded_numbers = sorted(plan.unrecorded_numbers)
     return result
 
 
@@ -595,6 +609,25 @@ def _without_unrecorded_buffers(plan: _Plan, run_a: RunSource, run_b: RunSource)
     else:
         names = list(names_a)
     return dataclasses.replace(plan, unrecorded_buffers=frozenset(names)) if names else plan
+
+
+def _unrecording_numbers(run_a: RunSource, run_b: RunSource) -> str | None:
+    """The run, a training file from before 2.2, that could not record Python-number optimizer state the other
+    recorded (None: both could, or neither did)."""
+    a, b = (getattr(run, "records_number_state", lambda: True)() for run in (run_a, run_b))
+    return None if a == b else ("A" if not a else "B")
+
+
+def _without_unrecorded_numbers(
+    plan: _Plan, a: dict[str, np.ndarray], b: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A step's optimizer state less the other run's single numbers that the older file lacks (those it could not
+    record: a step count kept as a Python number), which the plan notes as not compared."""
+    older, newer = (a, b) if plan.unrecording == "A" else (b, a)
+    alone = {name for name, value in newer.items() if name not in older and np.ndim(value) == 0}
+    plan.unrecorded_numbers.update(alone)
+    kept = {name: value for name, value in newer.items() if name not in alone}
+    return (older, kept) if plan.unrecording == "A" else (kept, older)
 
 
 def _buffer_names(run: RunSource) -> list[str] | None:

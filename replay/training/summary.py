@@ -139,5 +139,6 @@ def training_json(result: TrainingComparison) -> dict[str, object]:
         "live": result.live,
         "notes": result.notes,
         "unrecorded_buffers": result.unrecorded_buffers,
+        "unrecorded_numbers": result.unrecorded_numbers,
     }
     return {key: _finite_only(value) for key, value in document.items()}

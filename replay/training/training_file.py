@@ -27,6 +27,7 @@ from parity_harness.common.format.training import (
     BATCH,
     BUFFERS,
     INITIAL_PARAMS,
+    NUMBER_STATE_FROM,
     OPTIMIZER,
     PARAMS,
     StepMeta,
@@ -206,6 +207,10 @@ class TrainingRun:
         """The persistent buffers recorded with the weights; None for a file from before 2.1, which records none."""
         names = self.initial["buffers"]
         return None if names is None else [self._unwrapped(name) for name in names]
+
+    def records_number_state(self) -> bool:
+        """Whether the file records an optimizer's Python-number state (a file from before 2.2 does not)."""
+        return (self.format_version, self.format_minor) >= NUMBER_STATE_FROM
 
     def loss_only_steps(self) -> dict[StepKey, StepInfo]:
         """The steps recorded between full ones (``all_batches``): their batch, loss and metrics, no tensors."""
