@@ -65,7 +65,16 @@ def _literal(text: str | None) -> str:
     return str(text).replace("$", r"\$")
 
 
-def _panel(axes: Any, records: list[RecordResult], kind: str, origin: RecordResult | None, atol: float) -> None:
+def _panel(
+    axes: Any,
+    records: list[RecordResult],
+    kind: str,
+    marks: tuple[RecordResult | None, RecordResult | None],
+    atol: float,
+) -> None:
+    """One direction's records; ``marks``: its first divergence and first origin, as the report names them (a record
+    the rounding rule left undecided is neither)."""
+    first, origin = marks
     positions = range(len(records))
     axes.semilogy(
         positions, [_value(r.diff.max_abs) for r in records], ".-", lw=0.8, ms=3, label="chained max abs diff"
@@ -75,9 +84,9 @@ def _panel(axes: Any, records: list[RecordResult], kind: str, origin: RecordResu
         axes.semilogy(positions, local, "x", ms=4, label="local (on the reference's inputs)")
     if atol > 0:
         axes.axhline(atol, color="grey", ls="--", lw=0.8, label=f"atol {atol:g}")
-    first_bad = next((i for i, r in enumerate(records) if not r.match), None)
-    if first_bad is not None:
-        axes.axvline(first_bad, color="orange", lw=1, label=f"first divergence: {_literal(records[first_bad].module)}")
+    if first is not None:
+        at = next(i for i, r in enumerate(records) if r.name == first.name)
+        axes.axvline(at, color="orange", lw=1, label=f"first divergence: {_literal(first.module)}")
     if origin is not None:
         at = next(i for i, r in enumerate(records) if r.name == origin.name)
         axes.axvline(at, color="red", lw=1.5, label=f"first origin: {_literal(origin.module)}")
@@ -92,7 +101,8 @@ def plot_errors(result: ComparisonResult, path: str | os.PathLike[str]) -> None:
     figure, panels = pyplot.subplots(2, 1, figsize=(12, 7), constrained_layout=True)
     directions: tuple[Literal["forward", "backward"], ...] = ("forward", "backward")
     for axes, kind in zip(panels, directions, strict=True):
-        _panel(axes, result.of_kind(kind), kind, result.first_origin(kind), result.tolerances.default.atol)
+        marks = (result.first_divergence(kind), result.first_origin(kind))
+        _panel(axes, result.of_kind(kind), kind, marks, result.tolerances.default.atol)
     panels[-1].set_xlabel("record")
     _save(pyplot, figure, path, dpi=110)
 

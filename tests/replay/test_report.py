@@ -155,6 +155,49 @@ def test_plot_draws_module_names_as_written(tmp_path: Path) -> None:
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_marks_the_first_divergence_the_report_names(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record the rounding rule left undecided is no divergence found: the plot marked the first record that did
+    not match, an undecided one before the real failure included, where the report names the real failure."""
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    from parity_harness.replay.report import plot
+    from parity_harness.replay.result import RoundingCheck
+
+    model = build_tiny()
+    with torch.no_grad():
+        model.blocks[1].lin.weight[0, 0] += 0.01
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(model, reader)
+    forward = result.of_kind("forward")
+    failing = [i for i, r in enumerate(forward) if not r.match]
+    assert failing
+    first = forward[failing[0]]
+    # An earlier record of another module, made undecided: out of atol/rtol, the rounding rule unable to judge it.
+    earlier = next(r for r in reversed(forward[: failing[0]]) if r.module != first.module)
+    undecided = dataclasses.replace(
+        earlier,
+        diff=dataclasses.replace(earlier.diff, match=False),
+        rounding=RoundingCheck(None, 0.0, False, "the float64 rerun did not run", decided=False),
+    )
+    result.records[result.records.index(earlier)] = undecided
+    assert undecided.undecided
+    assert result.first_divergence("forward") is first
+    from matplotlib.axes import Axes
+
+    marked: list[str] = []
+    draw = Axes.axvline
+
+    def spy(axes: Axes, *args: object, **kwargs: object) -> object:
+        marked.append(str(kwargs.get("label", "")))
+        return draw(axes, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Axes, "axvline", spy)
+    plot.plot_errors(result, tiny_bundle.with_suffix(".png"))
+    marked = [label for label in marked if label.startswith("first divergence")]
+    assert marked[0] == f"first divergence: {first.module}"
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(
     tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
