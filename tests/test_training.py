@@ -837,3 +837,23 @@ def test_parity_train_diff_of_files_written_before_and_after_number_state(tmp_pa
         both = compare_training(run_a, run_b, atol=0.0, rtol=0.0)
     assert both.match
     assert not both.unrecorded_numbers
+
+
+def test_step_metadata_no_reader_would_accept_is_refused_with_advice_for_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose metadata exceeds what readers accept is refused in one line that says what to record less of in
+    a training run (the bundle's advice, --layers or --record, named options a recorder does not have)."""
+    from parity_harness.common.errors import BundleFormatError
+    from parity_harness.common.format import packing
+
+    model = _model()
+    optimizer = sgd(model)
+    with TrainingRecorder(tmp_path / "run.h5", model, optimizer) as recorder:
+        monkeypatch.setattr(packing, "MAX_INDEX_BYTES", 4096)
+        _, x, y = _batches(1)[0]
+        with pytest.raises(BundleFormatError, match="exceeds the 4096-byte limit readers accept") as caught:
+            recorder.step(0, {"x": x, "y": y}, sample_ids=[f"sample-{i:06d}" for i in range(1000)])
+    message = str(caught.value)
+    assert "sample ids" in message
+    assert "--layers" not in message

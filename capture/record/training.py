@@ -120,7 +120,8 @@ class TrainingRecorder:
         parts = ((PARAMS, params), (GRADS, grads), (OPTIMIZER, optimizer_state and optimizer is not None))
         recorded = [name for name, on in parts if on]
         meta = build_initial_meta(_hyper_parameters(optimizer), seed, self._every, order, recorded, buffers)
-        self._file.create_dataset(INITIAL_META, data=pack(meta))
+        smaller = "the model's parameter and buffer names and optimizer settings alone exceed it"
+        self._file.create_dataset(INITIAL_META, data=pack(meta, smaller=smaller))
         self._file.flush()
 
     def _write(self, path: str, tensor: torch.Tensor) -> TensorRef:
@@ -176,7 +177,8 @@ class TrainingRecorder:
             [str(i) for i in sample_ids] if sample_ids is not None else None,
             tree,
         )
-        self._file.create_dataset(f"{group}/{META}", data=pack(meta))  # written last: marks the step complete
+        smaller = "pass fewer sample ids or metrics to step(), or a batch of fewer separate tensors"
+        self._file.create_dataset(f"{group}/{META}", data=pack(meta, smaller=smaller))  # last: marks the step complete
         self._file.flush()
         return full
 

@@ -519,7 +519,8 @@ class BundleWriter:
         self._close_descriptors()
         index = dataclasses.replace(index, checksums=self.checksums() if self._with_checksums else {})
         try:
-            self._file.create_dataset(INDEX, data=pack(index.to_dict()))
+            smaller = "record fewer modules (--layers, --skip-layers) or kinds (--record)"
+            self._file.create_dataset(INDEX, data=pack(index.to_dict(), smaller=smaller))
             self._file.flush()
             self._file.close()
         except (OSError, RuntimeError) as err:  # HDF5's own writes: a full disk, a vanished folder

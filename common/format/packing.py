@@ -43,8 +43,9 @@ def _check_plain(obj: object, where: str) -> None:
                 pending.extend(child for child in group if type(child) not in _LEAVES)
 
 
-def pack(obj: object) -> np.ndarray:
-    """Encode plain data (dict, list, str, bytes, int, float, bool, None) as a uint8 array."""
+def pack(obj: object, *, smaller: str = "record less") -> np.ndarray:
+    """Encode plain data (dict, list, str, bytes, int, float, bool, None) as a uint8 array; ``smaller`` says how the
+    writer can make metadata too large for any reader smaller."""
     _check_plain(obj, "pack")
     try:
         raw = msgpack.packb(obj, use_bin_type=True, strict_types=False)
@@ -52,8 +53,7 @@ def pack(obj: object) -> np.ndarray:
         raise BundleFormatError(f"metadata is not plain msgpack data: {err}") from err
     if len(raw) > MAX_INDEX_BYTES:  # else written whole and refused by every reader: a run that cannot be replayed
         raise BundleFormatError(
-            f"metadata of {len(raw)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit readers accept; record fewer "
-            "modules (--layers, --skip-layers) or kinds (--record)"
+            f"metadata of {len(raw)} bytes exceeds the {MAX_INDEX_BYTES}-byte limit readers accept; {smaller}"
         )
     return np.frombuffer(raw, dtype=np.uint8)
 
