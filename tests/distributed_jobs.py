@@ -5,7 +5,8 @@
 Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block runs twice), ``fsdp``
 (FSDP2 ``fully_shard`` on a stack without reuse: FSDP2 cannot run a module twice in one
 forward), ``fsdp-shards`` (the same, recording local shards instead of gathering), ``dies``
-(rank 1 exits in the middle of its forward pass). Each rank feeds its own inputs (seed 100 + rank).
+(rank 1 exits in the middle of its forward pass), ``ddp-independent`` (the reference of tests/independent_port.py,
+whose correct port differs from it by float32 rounding). Each rank feeds its own inputs (seed 100 + rank).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch import nn
 
 from parity_harness.capture.distributed import wrap_model
 from parity_harness.capture.record.recorder import capture_run
+from tests.independent_port import build as build_independent
+from tests.independent_port import token_ids
 from tests.models import build_tiny
 
 
@@ -61,6 +64,7 @@ BUILDERS = {
     "dies": build_tiny,
     "unwrapped": build_tiny,
     "branchy": Branchy,
+    "ddp-independent": build_independent,
 }
 
 
@@ -96,6 +100,8 @@ def main() -> None:
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job == "fsdp-shards"
+    if options.job == "ddp-independent":  # the independent port's reference (torch's fused kernels), on tokens
+        inputs = token_ids(100 + options.rank)
     if options.job == "ddp-batchnorm":
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
     train = options.job == "ddp-batchnorm"

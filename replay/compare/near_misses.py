@@ -208,15 +208,27 @@ class _SpillFile:
 class NearMisses:
     """Float32 records that failed atol/rtol by little enough to be rounding, with the port's values."""
 
-    def __init__(self, tolerances: ToleranceTable, reader: BundleReader, *, judges: bool = True) -> None:
+    def __init__(
+        self,
+        tolerances: ToleranceTable,
+        reader: BundleReader,
+        *,
+        weights: BundleReader | None = None,
+        unjudged_kinds: frozenset[str] = frozenset(),
+    ) -> None:
+        """``reader``: the bundle of the module records and outputs; ``weights``: the one of the parameter gradients
+        (on a multi-rank capture, the rank that gathered them), when another."""
         self._tolerances, self._reader, self._budget = tolerances, reader, _MEMORY_BUDGET
+        self._weights = weights or reader
         self._spill = _SpillFile()
-        self.judges = judges
-        """False: no float64 rerun will judge the records (a multi-rank capture); only what they need is taken."""
+        self.unjudged_kinds = unjudged_kinds
+        """Kinds (``module``, ``output``, ``param_grad``) no float64 rerun will judge (gradients combined across the
+        replay's processes): only what the rule needs of them is taken."""
         self.kept: dict[tuple[str, str], _Kept] = {}
         """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
         self.unjudged: dict[tuple[str, str], FailingRecord] = {}
-        """Records offered but not kept: ``judges`` is off, or the spill file could not take them (a full disk)."""
+        """Records offered but not kept: of a kind not judged, or the spill file could not take them (a full
+        disk)."""
 
     def offer(
         self, kind: str, name: str, ref: TensorRef, value: torch.Tensor, diff: TensorDiff, ignore: np.ndarray | None
@@ -236,9 +248,10 @@ class NearMisses:
             return
         values = value.detach().to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
-        expected = to_numeric(self._reader.read_array(ref, verify=False), ref.tag)
+        holder = self._weights if key[0] == "param_grad" else self._reader
+        expected = to_numeric(holder.read_array(ref, verify=False), ref.tag)
         failing = _failing(expected, values, tolerance, ignore)
-        if not self.judges:
+        if key[0] in self.unjudged_kinds:
             self.unjudged[key] = failing
             return
         if values.nbytes <= self._budget:

@@ -98,8 +98,9 @@ class ReplayOptions:
         rounding: judge float32 records that fail atol/rtol narrowly again by the rounding rule
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
             is not given, i.e. at the defaults; never with a noise floor or a precision below float32, and never
-            for records a tolerance override judges. On a multi-rank capture (no float64 rerun of every rank) the
-            records it could pass are left undecided (INCOMPLETE), and a note says so.
+            for records a tolerance override judges. On a multi-rank capture every rank replayed is rerun, and the
+            gradients combined as the ranks combined them; gradients combined across the replay's own processes
+            (torchrun) are not, and those the rule could pass are left undecided (INCOMPLETE), with a note.
         allow_tf32: keep TF32 and oneDNN's reduced float32 modes as torch or the port set them; by default the
             replay turns them off, so that float32 is float32 (``capture.record.tf32``).
     """
@@ -230,6 +231,14 @@ def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
+def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
+    """A recorded input for the float64 rerun: floating tensors as float64 (requiring grad as recorded)."""
+    tensor = reader.read_tensor(ref)
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.to(torch.float64).requires_grad_(ref.requires_grad)
+
+
 class _ReplaySession:
     """One replay, in the phases :func:`compare_run` runs them."""
 
@@ -259,22 +268,22 @@ class _ReplaySession:
         self.sink: ComparingSink | None = None
         self.used_outside: set[int] = set()
         """The port's parameters (by ``id``) it used outside their modules' calls (watched with ``isolate``)."""
+        self.other_rank = other_rank
         self.near = self._near_misses(reader)
-        judges = self.near is not None and self.near.judges
-        self.initial_buffers = snapshot_buffers(model) if judges else ()
+        self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
         self.buffers_before = BufferSnapshot(model)
-        self.result.rounding_factor = ROUNDING_FACTOR if judges else None
+        self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
         """Records of other ranks added here (``rank<r>:NAME``): outside this rank's chain of calls."""
         self.waivers_used: set[str] = set()
         """Waiver patterns that waived a record here or on another rank."""
         if not other_rank:  # a module only some ranks ran (an expert a rank never routes to) is no error there
             _check_layer_filters(options.layers, reader)
-        if not other_rank and self.near is not None and not self.near.judges:
+        if not other_rank and self.near is not None and self.near.unjudged_kinds:
             self.result.notes.append(
-                "the rounding check does not run on a multi-rank capture: a record out of atol/rtol by no more than "
-                "float32 rounding could explain is left undecided (INCOMPLETE); give --atol/--rtol sized to the "
-                "port's rounding"
+                "the rounding check does not rerun gradients combined across the replay's processes: a parameter "
+                "gradient out of atol/rtol by no more than float32 rounding could explain is left undecided "
+                "(INCOMPLETE); give --atol/--rtol sized to the port's rounding, or replay in one process"
             )
 
     def _rounding_wanted(self) -> bool:
@@ -283,12 +292,17 @@ class _ReplaySession:
         return options.tolerances is None if options.rounding is None else options.rounding
 
     def _near_misses(self, reader: BundleReader) -> NearMisses | None:
-        """What keeps float32 near misses for the rounding check: judging them, or on a multi-rank capture (no
-        float64 rerun of every rank) only telling which it could have passed; None where the check does not apply."""
+        """What keeps float32 near misses for the rounding check; None where the check does not apply. On a
+        multi-rank capture each rank's records are judged by a float64 rerun of that rank, and the gradients the
+        ranks combine by float64 reruns of every rank combined the same way, except across the replay's processes
+        (a collective in a rerun that only some processes make would hang): those are only told apart."""
         options = self.options
         if not self._rounding_wanted() or options.noise_factor is not None or self.precision.reduced:
             return None
-        return NearMisses(self.result.tolerances, reader, judges=options.data_parallel is None)
+        data_parallel = options.data_parallel
+        across = data_parallel is not None and data_parallel.across_processes
+        unjudged = frozenset({"param_grad"} if across else ())
+        return NearMisses(self.result.tolerances, reader, weights=self.weights, unjudged_kinds=unjudged)
 
     def _tolerances(self) -> ToleranceTable:
         """The tolerance table, checked against what the bundle holds."""
@@ -547,11 +561,11 @@ class _ReplaySession:
         """The port's float64 rerun measuring every kept record, then the rule on each. A record the rule could
         pass but cannot judge (no rerun on a multi-rank capture, no room for its values, a rerun that failed) is
         left undecided: the replay is INCOMPLETE, not failed for want of the check."""
-        if not near.judges:
-            why = "no float64 rerun on a multi-rank capture; give --atol/--rtol sized to the port's rounding"
-            self._undecided(near.unjudged, why)
-            return
-        self._undecided(near.unjudged, "no room to keep the port's values (the temporary folder is full)")
+        across = {key: failing for key, failing in near.unjudged.items() if key[0] in near.unjudged_kinds}
+        why = "no float64 rerun of gradients combined across the replay's processes"
+        self._undecided(across, f"{why}; give --atol/--rtol sized to the port's rounding")
+        full = {key: failing for key, failing in near.unjudged.items() if key not in across}
+        self._undecided(full, "no room to keep the port's values (the temporary folder is full)")
         if not near.kept:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
@@ -578,25 +592,54 @@ class _ReplaySession:
 
     def _rerun_in_float64(self, exact: torch.nn.Module, tap: ModuleTap, report: Any) -> None:
         """The replayed run again, on float64 copies of the recorded inputs, telling ``report(kind, name, value)``
-        every output, the loss and every parameter gradient (bundle names)."""
-        inputs = to_device(rebuild(self.index.inputs, self._float64_input), self.target)
-        seed_everything(self.index.run.seed)
-        with tap:
-            outputs = call_forward(exact, inputs, self.options.forward)
-        for slot, tensor in iter_live_tensors(outputs, "output"):
-            report("output", slot, tensor)
-        on_loss = functools.partial(report, "output", "loss")
-        backward_as_recorded(self.reader, outputs, self.options.loss, self.transform, on_loss=on_loss)
+        every output, the loss and every parameter gradient (bundle names). On a multi-rank capture, every rank this
+        process replayed runs again in the replay's order, this bundle's under ``tap``, and the gradients are combined
+        as the replay combined them."""
+        data_parallel = self.options.data_parallel
+        for run in self._float64_order():
+            if run is self.reader:
+                self._float64_run(exact, run, tap, report)
+            else:
+                self._float64_run(exact, run)
+            if data_parallel and data_parallel.grad_reduction == "none" and run is not data_parallel.parameters:
+                exact.zero_grad(set_to_none=True)  # the gradients compared are the parameters rank's alone
+        if data_parallel and data_parallel.grad_reduction == "mean" and not data_parallel.across_processes:
+            world = len(data_parallel.captured or data_parallel.ranks)
+            with torch.no_grad():
+                for param in exact.parameters():
+                    if param.grad is not None:
+                        param.grad.div_(world)
         expected = self.weights.index.grads
         grads, _ = unpad(mapped_parameters(exact, self.rename, grads=True, known=expected), expected)
         for name, grad in grads:
             report("param_grad", name, grad)
 
-    def _float64_input(self, ref: TensorRef) -> torch.Tensor:
-        tensor = self.reader.read_tensor(ref)
-        if not tensor.is_floating_point():
-            return tensor
-        return tensor.to(torch.float64).requires_grad_(ref.requires_grad)
+    def _float64_order(self) -> list[BundleReader]:
+        """The runs the float64 rerun makes, in the replay's order (buffers a run changes carry to the next, as
+        they did): this bundle's alone, or on a multi-rank capture every rank this process replayed."""
+        data_parallel = self.options.data_parallel
+        if data_parallel is None or self.other_rank or data_parallel.across_processes:
+            return [self.reader]
+        if data_parallel.grad_reduction != "none":
+            return list(data_parallel.ranks)
+        others = [run for run in data_parallel.ranks if run is not data_parallel.parameters]
+        return others + ([data_parallel.parameters] if data_parallel.parameters in data_parallel.ranks else [])
+
+    def _float64_run(
+        self, exact: torch.nn.Module, run: BundleReader, tap: ModuleTap | None = None, report: Any = None
+    ) -> None:
+        """One run's forward (under ``tap``) and backward in float64 on its recorded inputs; its outputs and loss
+        told to ``report`` when given."""
+        inputs = to_device(rebuild(run.index.inputs, functools.partial(_float64_input, run)), self.target)
+        seed_everything(run.index.run.seed)
+        with tap or contextlib.nullcontext():
+            outputs = call_forward(exact, inputs, self.options.forward)
+        on_loss = None
+        if report is not None:
+            for slot, tensor in iter_live_tensors(outputs, "output"):
+                report("output", slot, tensor)
+            on_loss = functools.partial(report, "output", "loss")
+        backward_as_recorded(run, outputs, self.options.loss, self.transform, on_loss=on_loss)
 
     def account_for_unvisited(self, strict_waivers: bool = True) -> None:
         """Module records the port never produced: missing, or waived when left out on purpose (--layers,
