@@ -85,14 +85,11 @@ def make_cotangents(
     float64 took three times as long: 0.22 s for a GPT-2 model's logits, a quarter of its step).
     With the batch's declared ``lengths`` (``capture-run --lengths``), each output's cotangent is
     zero past each example's length on its time axis, taken from the first output that carries
-    those lengths and fits it, else from the declared lengths where they fit it
-    (:mod:`parity_harness.common.numerics.padding`): what a model leaves in padded frames then reaches
-    no gradient, parameter gradients included.
+    those lengths and fits it (:mod:`parity_harness.common.numerics.padding`): what a model leaves
+    in padded frames then reaches no gradient, parameter gradients included.
     """
     generator = torch.Generator().manual_seed(seed)
-    # The outputs' own lengths first (a subsampled time axis), then the declared ones (an axis at the input's rate,
-    # such as a token model's logits), which is also how --mask-padding masks the outputs at replay.
-    carried = [*output_lengths(outputs, lengths), np.asarray(lengths, dtype=np.int64)] if lengths is not None else []
+    carried = output_lengths(outputs, lengths) if lengths is not None else []
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):

@@ -154,41 +154,6 @@ def test_default_cotangent_is_zero_past_each_length(padded_bundle: Path) -> None
     assert torch.count_nonzero(cotangent[1, :, :4]) == cotangent[1, :, :4].numel()
 
 
-class _Tagger(nn.Module):
-    """Token ids -> per-token logits at the input's rate, no lengths among its outputs (a tagger, a language model);
-    the port leaves garbage in the logits of padded tokens, its gradient flowing as the rest's."""
-
-    def __init__(self, port: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(7)
-        self.embed, self.head = nn.Embedding(11, 6), nn.Linear(6, 5)
-        self.port = port
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.embed(ids)))
-        if self.port:
-            padded = torch.arange(ids.shape[1])[None, :, None] >= torch.tensor([9, 6])[:, None, None]
-            logits = torch.where(padded, logits * 3 + 1, logits)
-        return logits
-
-
-def test_declared_lengths_zero_the_cotangent_of_outputs_that_carry_none(tmp_path: Path) -> None:
-    """With declared lengths and no lengths among the outputs, an output whose time axis fits the declared lengths
-    gets a cotangent that is zero past them, as --mask-padding masks that output: the padded logits a port leaves
-    reach no gradient. Before, the cotangent was random there, and every gradient of the correct port failed."""
-    bundle = tmp_path / "tagger.h5"
-    ids = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(2))
-    capture_run(_Tagger(), {"ids": ids}, bundle, seed=4, lengths=(9, 6))
-    with BundleReader(bundle) as reader:
-        cotangent = reader.rebuild(reader.index.cotangent)["output"]
-        assert torch.count_nonzero(cotangent[1, 6:]) == 0
-        assert torch.count_nonzero(cotangent[:, :6]) == cotangent[:, :6].numel()
-        result = compare_run(
-            _Tagger(port=True), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)), mask_padding=True
-        )
-    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
-
-
 def test_parameter_gradients_do_not_depend_on_padding(padded_bundle: Path) -> None:
     """A correct port that leaves garbage in padded frames matches every parameter gradient without any mask."""
     with BundleReader(padded_bundle) as reader:
