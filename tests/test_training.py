@@ -857,3 +857,141 @@ def test_step_metadata_no_reader_would_accept_is_refused_with_advice_for_trainin
     message = str(caught.value)
     assert "sample ids" in message
     assert "--layers" not in message
+
+
+class _CountingSGD(torch.optim.SGD):
+    """torch's momentum SGD that also counts its steps in a 0-d float32 tensor of its own (as torch's Adam does)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                state["step"] = state.get("step", torch.tensor(0.0)) + 1
+        return out
+
+
+def _record_momentum_run(path: Path, make: OptimizerFactory) -> None:
+    model = _model()
+    optimizer = make(model)
+    with TrainingRecorder(path, model, optimizer, every=2, optimizer_state=True) as recorder:
+        for step, (_, x, y) in enumerate(_batches(4)):
+            loss = _train_step(model, optimizer, {"x": x, "y": y})
+            recorder.step(step, {"x": x, "y": y}, loss=loss)
+
+
+def test_only_python_numbers_are_excused_against_an_older_file(tmp_path: Path) -> None:
+    """Against a file from before 2.2, only what a Python number is recorded as (a 0-d int64 or float64 tensor) is
+    left out as state the older file could not hold, and only for the parameters compared: a 0-d float32 tensor the
+    optimizer keeps itself the older file would have recorded, so a port that has one more is a difference at step
+    0, as against a file of this version."""
+    import h5py
+
+    from parity_harness.common.format.bundle.layout import ATTR_MINOR
+
+    def momentum(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    reference, port, older = tmp_path / "ref.h5", tmp_path / "port.h5", tmp_path / "older.h5"
+    _record_momentum_run(reference, momentum)
+    _record_momentum_run(port, lambda model: _CountingSGD(model.parameters(), lr=0.1, momentum=0.9))
+    older.write_bytes(reference.read_bytes())
+    with h5py.File(older, "r+") as file:
+        file.attrs[ATTR_MINOR] = 1
+    for a in (reference, older):
+        with TrainingRun(a) as run_a, TrainingRun(port) as run_b:
+            result = compare_training(run_a, run_b, atol=0.0, rtol=0.0)
+        assert result.first_diverging == StepKey(None, 0), a.name
+        assert "optimizer of B only" in result.steps[0].reasons[0]
+        assert result.unrecorded_numbers == []
+
+
+def test_number_state_left_out_follows_the_parameter_filter(tmp_path: Path) -> None:
+    """The Python-number state listed as not compared against an older file is that of the parameters compared."""
+    import h5py
+
+    from parity_harness.capture.cli.capture_run import main as capture_main
+    from parity_harness.common.format.bundle.layout import ATTR_MINOR
+
+    (tmp_path / "reference.py").write_text(TRAINING_ADAPTER.format(eps=1e-8))
+    (tmp_path / "hand.py").write_text(HAND_ADAMW.format(folder=str(tmp_path), skew=0, eps=1e-8))
+    new, old = tmp_path / "new.h5", tmp_path / "old.h5"
+    for path in (new, old):
+        captured = CliRunner().invoke(
+            capture_main, ["--adapter", str(tmp_path / "hand.py"), "--out", str(path), "--steps", "2", "--every", "2"]
+        )
+        assert captured.exit_code == 0, captured.output
+    with h5py.File(old, "r+") as file:
+        steps: list[str] = []
+        file.visit(lambda name: steps.append(name) if name.endswith("/step") and "/optimizer/" in name else None)
+        for name in steps:
+            del file[name]
+        file.attrs[ATTR_MINOR] = 1
+    with TrainingRun(old) as run_a, TrainingRun(new) as run_b:
+        result = compare_training(run_a, run_b, atol=0.0, rtol=0.0, params=r"^0\.weight$")
+    assert result.unrecorded_numbers == ["0.weight/step"]
+
+
+class _TwoBranches(nn.Module):
+    """``b`` joins from the second step on: its optimizer state starts a step later than ``a``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_b: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + (self.b(x) if bool(use_b) else 0.0)
+
+
+class _IntStepSGD(torch.optim.Optimizer):
+    """Momentum SGD written out, its step count a Python int; a parameter without a gradient is skipped."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state.update(step=0, momentum_buffer=torch.zeros_like(param))
+                state["step"] += 1
+                state["momentum_buffer"].mul_(0.9).add_(param.grad)
+                param.add_(state["momentum_buffer"], alpha=-group["lr"])
+
+
+def test_a_rerun_records_the_step_counts_of_state_that_starts_late(tmp_path: Path) -> None:
+    """The rerun records Python-number state where the reference recorded it at any full step: it looked at the
+    first full step only, so a parameter whose state starts later (a branch first used at step 1) lost its step
+    count in the rerun, and the very same model and optimizer diverged ("optimizer of A only") at step 2."""
+    from parity_harness.replay.training.rerun import rerun_training
+
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(batch["x"], batch["use_b"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    reference = tmp_path / "ref.h5"
+    model = _TwoBranches()
+    optimizer = _IntStepSGD(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    with TrainingRecorder(reference, model, optimizer, every=2, optimizer_state=True, all_batches=True) as recorder:
+        for step in range(4):
+            batch = {
+                "x": torch.randn(5, 4, generator=generator),
+                "y": torch.randint(0, 3, (5,), generator=generator),
+                "use_b": torch.tensor(step >= 1),
+            }
+            recorder.step(step, batch, loss=train_step(model, optimizer, batch))
+    with TrainingRun(reference) as run:
+        rerun_training(_TwoBranches(), lambda m: _IntStepSGD(m.parameters()), train_step, run, tmp_path / "port.h5")
+        with TrainingRun(tmp_path / "port.h5") as port:
+            result = compare_training(run, port, atol=0.0, rtol=0.0)
+    assert result.match, [s.reasons for s in result.steps if not s.match]

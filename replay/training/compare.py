@@ -12,7 +12,7 @@ import math
 import os
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import numpy as np
 
@@ -415,7 +415,8 @@ def _compare_step(
     for group in ("grads", "optimizer"):
         values_a, values_b = run_a.tensors(key_a, group), _renamed(run_b.tensors(key_b, group), plan.rename)
         if group == "optimizer" and plan.unrecording is not None:
-            values_a, values_b = _without_unrecorded_numbers(plan, values_a, values_b)
+            numbers = _recorded_as_numbers(plan, (run_a, run_b), keys)
+            values_a, values_b = _without_unrecorded_numbers(plan, values_a, values_b, numbers)
         if values_a or values_b:
             others[group], ok, missing = _group(plan, group, values_a, values_b)
             uncompared += missing + ([] if ok or missing else [f"{group} differ"])
@@ -611,6 +612,10 @@ def _without_unrecorded_buffers(plan: _Plan, run_a: RunSource, run_b: RunSource)
     return dataclasses.replace(plan, unrecorded_buffers=frozenset(names)) if names else plan
 
 
+_NUMBER_TAGS: Final = frozenset(("I64", "F64"))
+"""How a Python number among an optimizer's state is recorded (``TrainingRecorder``)."""
+
+
 def _unrecording_numbers(run_a: RunSource, run_b: RunSource) -> str | None:
     """The run, a training file from before 2.2, that could not record Python-number optimizer state the other
     recorded (None: both could, or neither did)."""
@@ -618,14 +623,24 @@ def _unrecording_numbers(run_a: RunSource, run_b: RunSource) -> str | None:
     return None if a == b else ("A" if not a else "B")
 
 
+def _recorded_as_numbers(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tuple[StepKey, StepKey]) -> set[str]:
+    """The newer run's optimizer state at the step recorded as a Python number is (int64 or float64), A's names."""
+    newer = 1 if plan.unrecording == "A" else 0
+    tags = getattr(runs[newer], "dtype_tags", lambda key, group: {})(keys[newer], "optimizer")
+    named = _renamed(tags, plan.rename) if newer == 1 else tags
+    return {name for name, tag in named.items() if tag in _NUMBER_TAGS}
+
+
 def _without_unrecorded_numbers(
-    plan: _Plan, a: dict[str, np.ndarray], b: dict[str, np.ndarray]
+    plan: _Plan, a: dict[str, np.ndarray], b: dict[str, np.ndarray], numbers: set[str]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """A step's optimizer state less the other run's single numbers that the older file lacks (those it could not
-    record: a step count kept as a Python number), which the plan notes as not compared."""
+    """A step's optimizer state less the other run's Python numbers that the older file lacks (those it could not
+    record: a step count kept as an int), which the plan notes as not compared. A number is recorded as a 0-d int64
+    or float64 tensor; a 0-d tensor of the optimizer's own (torch keeps its step counts in float32) the older file
+    would have recorded, so one it lacks stays a difference."""
     older, newer = (a, b) if plan.unrecording == "A" else (b, a)
-    alone = {name for name, value in newer.items() if name not in older and np.ndim(value) == 0}
-    plan.unrecorded_numbers.update(alone)
+    alone = {name for name, value in newer.items() if name not in older and np.ndim(value) == 0 and name in numbers}
+    plan.unrecorded_numbers.update(name for name in alone if plan.chosen.search(name.partition("/")[0]))
     kept = {name: value for name, value in newer.items() if name not in alone}
     return (older, kept) if plan.unrecording == "A" else (kept, older)
 

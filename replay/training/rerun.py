@@ -73,12 +73,16 @@ def _like(own: object, recorded: torch.Tensor) -> object:
 
 
 def _recorded_numbers(run: TrainingRun, keys: list[StepKey]) -> Callable[[str, str], bool] | None:
-    """Which optimizer state the reference recorded, for the rerun to record Python-number state (a step count) only
-    where it did: a file written before such state was recorded would otherwise differ by names of the port only."""
-    full = next((key for key in keys if run.meta[key]["full"]), None)
-    if full is None:
+    """Which optimizer state the reference recorded at any of its full steps (a parameter's state may start late: a
+    branch first used at a later step), for the rerun to record Python-number state (a step count) only where it did:
+    a file written before such state was recorded would otherwise differ by names of the port only."""
+    full = [key for key in keys if run.meta[key]["full"]]
+    if not full:
         return None
-    recorded = {name: set(state) for name, state in run.optimizer_state(full).items()}
+    recorded: dict[str, set[str]] = {}
+    for step in full:
+        for name, state in run.optimizer_keys(step).items():
+            recorded.setdefault(name, set()).update(state)
     return lambda name, key: key in recorded.get(name, ())
 
 

@@ -184,6 +184,15 @@ class TrainingRun:
             names = list(self._file.get(path) or [])
         return {name: self.exact(f"{path}/{name}") for name in names}
 
+    def optimizer_keys(self, key: StepKey) -> dict[str, set[str]]:
+        """Per parameter, the names of the optimizer state recorded after the step (no tensor read)."""
+        path = f"{self._groups[key]}/{OPTIMIZER}"
+        with self._damage_guard(path):
+            group = self._file.get(path)
+            if not isinstance(group, h5py.Group):
+                return {}
+            return {name: set(entry) for name, entry in group.items() if isinstance(entry, h5py.Group)}
+
     def batch(self, key: StepKey) -> Any:
         """The batch fed at the step."""
         tree = self.meta[key]["batch"]
