@@ -129,13 +129,14 @@ def diff_tensor(
     """Compare a recorded tensor (its stored array, as :meth:`BundleReader.read_array` gives it, and its tag)
     with a live one.
 
-    ``ignore`` marks positions left out (padding): they count as equal to the reference.
+    ``ignore`` marks positions left out (padding): they count as equal, whatever either side holds there (a NaN
+    the reference left in its padding as well as the port's garbage).
     """
     expected = to_numeric(expected, expected_tag)
     array, tag = to_storage(actual)
     values = to_numeric(array, tag)
     if ignore is not None and values.shape == expected.shape:
-        values = np.where(ignore, expected, values)
+        expected, values = np.where(ignore, np.zeros((), expected.dtype), expected), np.where(ignore, 0, values)
     return diff_arrays(expected, values, tolerance, expected_dtype=expected_tag, actual_dtype=tag)
 
 

@@ -235,3 +235,35 @@ def test_declared_lengths_are_stored_and_only_vectors_that_carry_them_count(tmp_
         assert reader.index.run.lengths == (10, 10, 10, 10, 10, 10)
         cotangent = reader.rebuild(reader.index.cotangent)["output.0"]
     assert torch.count_nonzero(cotangent) == cotangent.numel()
+
+
+class _NaNPadded(nn.Module):
+    """Leaves NaN in its padded frames (a softmax over a row that is all mask): the reference and the port alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        valid = torch.arange(x.shape[1])[None, :, None] < lengths[:, None, None]
+        return self.lin(x).masked_fill(~valid, float("nan"))
+
+
+def test_a_nan_the_reference_left_in_its_padding_is_left_out_too(tmp_path: Path) -> None:
+    """Under --mask-padding nothing in a padded position counts, the reference's NaN included: the reference replayed
+    as its own port failed its output (30 NaN positions counted as mismatched, NaN against NaN without --equal-nan).
+    A real difference in a valid frame still fails."""
+    bundle = tmp_path / "nan.h5"
+    x = torch.randn(2, 16, 5, generator=torch.Generator().manual_seed(1))
+    capture_run(_NaNPadded(), (x, torch.tensor([16, 10])), bundle, seed=0, lengths=(16, 10))
+    with BundleReader(bundle) as reader:
+        result = compare_run(_NaNPadded(), reader, mask_padding=True)
+    assert result.verdict == "MATCH", [(r.name, r.diff.mismatched) for r in result.records if not r.match]
+    (output,) = [r for r in result.records if r.name == "output"]
+    assert output.masked
+    wrong = _NaNPadded()
+    with torch.no_grad():
+        wrong.lin.bias[0] += 1e-3
+    with BundleReader(bundle) as reader:
+        assert compare_run(wrong, reader, mask_padding=True).verdict == "MISMATCH"
