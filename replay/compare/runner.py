@@ -786,6 +786,7 @@ class _ReplaySession:
                 transform=self.transform,
                 device=self.options.device,
                 isolation_inputs=self.options.isolation_inputs,
+                mask_padding=self.options.mask_padding,
             )
         except Exception as err:
             self.result.notes.append(f"isolation: the modules could not rerun in float64 ({type(err).__name__})")

@@ -18,6 +18,7 @@ from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.numerics.metrics import TensorDiff, unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import plausible_level
+from parity_harness.replay.compare.padding import PaddingPlan
 from parity_harness.replay.diagnose.isolation import InputAdapter, Isolator, LayoutTransform, not_recordable
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import BundleReader
@@ -33,10 +34,13 @@ class _Collector(Isolator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.values: dict[str, torch.Tensor] = {}
+        self.padded: dict[str, np.ndarray | None] = {}
+        """Per record, its padded positions (``--mask-padding``), left out of its level as of its comparison."""
 
     def judge(self, name: str, refs: list[Any], actual: torch.Tensor) -> TensorDiff:
-        """Keep ``actual``; the placeholder returned is never read."""
+        """Keep ``actual`` (and the record's padded positions); the placeholder returned is never read."""
         self.values[name] = actual.detach().to("cpu", torch.float64)
+        self.padded[name] = self._ignore(name, refs[0])
         return _PLACEHOLDER
 
 
@@ -53,43 +57,50 @@ def local_levels(
     transform: LayoutTransform,
     device: str,
     isolation_inputs: InputAdapter | None,
+    mask_padding: bool = False,
 ) -> dict[str, float]:
     """Per local record of the calls of ``modules`` (bundle names): the port's float32 rounding on it (records
-    whose float32 and float64 values differ by more than rounding can be are left out)."""
+    whose float32 and float64 values differ by more than rounding can be are left out); with ``mask_padding``,
+    measured outside the padded positions, which the comparison leaves out too (garbage there, however large, is
+    no rounding of the values compared)."""
     by_name = {rename.module(path): module for path, module in model.named_modules() if path}
     calls = [
-        call
-        for call in reader.index.calls
+        (position, call)
+        for position, call in enumerate(reader.index.calls)
         if call.module in modules and by_name.get(call.module) is not None and not_recordable(call.inputs) is None
     ]
     single = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _same)
     double = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _to_float64)
+    single.padding = PaddingPlan(reader) if mask_padding else None
     levels: dict[str, float] = {}
-    for call in calls:  # one call at a time: what is kept is one call's values, whatever the model's size
+    for position, call in calls:  # one call at a time: what is kept is one call's values, whatever the model's size
         module = by_name[call.module]
         assert module is not None
+        single.position = position
         single.run_call(module, call, isolation_inputs)
         with in_float64(module, module.training):
             double.run_call(module, call, isolation_inputs)
         for name, value in single.values.items():
-            level = _level(value, double.values.get(name))
+            level = _level(value, double.values.get(name), single.padded.get(name))
             if level is not None:
                 levels[name] = level
         single.values.clear()
+        single.padded.clear()
         double.values.clear()
     return levels
 
 
-def _level(value: torch.Tensor, exact: torch.Tensor | None) -> float | None:
-    """``max |value - exact|`` where that is plausible as float32 rounding (else None: not rounding, excuses
-    nothing)."""
+def _level(value: torch.Tensor, exact: torch.Tensor | None, padded: np.ndarray | None = None) -> float | None:
+    """``max |value - exact|`` outside ``padded`` where that is plausible as float32 rounding (else None: not
+    rounding, excuses nothing)."""
     if exact is None or exact.shape != value.shape:
         return None
     values, exact_values = value.numpy(), exact.numpy()
+    looked_at = np.ones(values.shape, bool) if padded is None else ~np.broadcast_to(padded, values.shape)
     error = np.abs(values - exact_values)
-    level = float(np.max(error, initial=0.0, where=np.isfinite(error)))
-    scale = float(np.max(np.abs(values), initial=0.0, where=np.isfinite(values)))
-    exact_scale = float(np.max(np.abs(exact_values), initial=0.0, where=np.isfinite(exact_values)))
+    level = float(np.max(error, initial=0.0, where=np.isfinite(error) & looked_at))
+    scale = float(np.max(np.abs(values), initial=0.0, where=np.isfinite(values) & looked_at))
+    exact_scale = float(np.max(np.abs(exact_values), initial=0.0, where=np.isfinite(exact_values) & looked_at))
     return level if plausible_level(level, scale, exact_scale) else None
 
 

@@ -267,3 +267,45 @@ def test_a_nan_the_reference_left_in_its_padding_is_left_out_too(tmp_path: Path)
         wrong.lin.bias[0] += 1e-3
     with BundleReader(bundle) as reader:
         assert compare_run(wrong, reader, mask_padding=True).verdict == "MISMATCH"
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.out = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        valid = torch.arange(x.shape[1])[None, :, None] < lengths[:, None, None]
+        return self.out(torch.tanh(self.lin(x)).masked_fill(~valid, 0.0))
+
+
+class _GarbageLinear(nn.Linear):
+    """``lin`` as a port computes it: off by ``bug`` in valid frames, huge garbage in padded ones."""
+
+    bug: float = 0.0
+    lengths: tuple[int, ...] = ()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        valid = torch.arange(input.shape[1])[None, :, None] < torch.tensor(self.lengths)[:, None, None]
+        out = super().forward(input) + self.bug * valid
+        return torch.where(valid, out, out * 1e4)
+
+
+def test_isolation_measures_rounding_outside_the_padding(tmp_path: Path) -> None:
+    """With --isolate --mask-padding, the port's own float32 rounding on a module is measured where the comparison
+    looks: garbage it leaves in padded frames, 1e4 times its values, made its rounding level large enough to excuse a
+    bug of 2e-4 in the valid frames, and the module was no longer named as the origin."""
+    lengths = (16, 10)
+    x = torch.randn(2, 16, 5, generator=torch.Generator().manual_seed(1))
+    bundle = tmp_path / "garbage.h5"
+    capture_run(_Encoder(), (x, torch.tensor(lengths)), bundle, seed=0, lengths=lengths)
+    port = _Encoder()
+    lin = _GarbageLinear(5, 5)
+    lin.load_state_dict(port.lin.state_dict())
+    lin.bug, lin.lengths = 2e-4, lengths
+    port.lin = lin
+    with BundleReader(bundle) as reader:
+        result = compare_run(port, reader, mask_padding=True, isolate=True)
+    (record,) = [r for r in result.records if r.name == "lin/0/output"]
+    assert record.verdict == "origin", (record.verdict, result.notes)
