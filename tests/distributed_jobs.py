@@ -5,8 +5,9 @@
 Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block runs twice), ``fsdp``
 (FSDP2 ``fully_shard`` on a stack without reuse: FSDP2 cannot run a module twice in one
 forward), ``fsdp-shards`` (the same, recording local shards instead of gathering), ``dies``
-(rank 1 exits in the middle of its forward pass), ``ddp-independent`` (the reference of tests/independent_port.py,
-whose correct port differs from it by float32 rounding). Each rank feeds its own inputs (seed 100 + rank).
+(rank 1 exits in the middle of its forward pass), ``ddp-independent`` and ``fsdp-shards-independent``
+(the reference of tests/independent_port.py, whose correct port differs from it by float32 rounding).
+Each rank feeds its own inputs (seed 100 + rank).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ BUILDERS = {
     "unwrapped": build_tiny,
     "branchy": Branchy,
     "ddp-independent": build_independent,
+    "fsdp-shards-independent": build_independent,
 }
 
 
@@ -99,13 +101,14 @@ def main() -> None:
     unwrapped = options.job in ("unwrapped", "branchy")
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
-    shards = options.job == "fsdp-shards"
-    if options.job == "ddp-independent":  # the independent port's reference (torch's fused kernels), on tokens
+    shards = options.job.startswith("fsdp-shards")
+    if options.job.endswith("-independent"):  # the independent port's reference (torch's fused kernels), on tokens
         inputs = token_ids(100 + options.rank)
     if options.job == "ddp-batchnorm":
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
     train = options.job == "ddp-batchnorm"
-    capture_run(model, (inputs["x"],) if sharded else inputs, options.out, seed=42, shards=shards, train_mode=train)
+    fed = (next(iter(inputs.values())),) if sharded else inputs  # FSDP2's forward takes its input positionally
+    capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train)
     dist.barrier()
     del model
     dist.destroy_process_group()

@@ -273,15 +273,17 @@ def test_a_near_miss_that_is_no_rounding_fails_on_whichever_rank_it_lands(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_correct_port_of_a_data_parallel_capture_passes_at_the_defaults(tmp_path: Path) -> None:
+@pytest.mark.parametrize("job", ["ddp-independent", "fsdp-shards-independent"])
+def test_a_correct_port_of_a_data_parallel_capture_passes_at_the_defaults(tmp_path: Path, job: str) -> None:
     """The independent port (its own kernels: it differs from the reference by float32 rounding) against a DDP
-    capture of the reference on two ranks, replayed in one process at the default tolerances: every near miss,
-    of either rank and of the gradients averaged over both, is judged by float64 reruns of the ranks and passes
-    (it was left undecided: INCOMPLETE). The port with a planted bug still fails."""
+    capture of the reference on two ranks, and an FSDP one recording local shards, replayed in one process at the
+    default tolerances: every near miss, of either rank and of the gradients combined over both, is judged by
+    float64 reruns of the ranks and passes (DDP: left undecided, INCOMPLETE; shards: the gradients put back together
+    were never offered to the rule, MISMATCH). The port with a planted bug still fails."""
     from tests.independent_port import build
 
     out = tmp_path / "bundle.h5"
-    results = run_ranks("ddp-independent", out)
+    results = run_ranks(job, out)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     manifest = read_manifest(manifest_path(out))
     for port, verdict in ((build(manual=True), "MATCH"), (build(manual=True, bug="eps"), "MISMATCH")):
@@ -493,3 +495,37 @@ def test_a_process_that_compared_nothing_is_no_match_in_the_merged_report(tiny_b
     merge_verdicts(result, [Verdict(0, [0], True, [], []), Verdict(1, [1], False, [], [])], 0)
     assert not result.match
     assert "rank1:(no record compared)" in result.bundle_only
+
+
+class _NoFloat64OnRankOne(_NearOnRanks):
+    """``_NearOnRanks({0, 1})`` whose float64 rerun cannot run rank 1's batch."""
+
+    def __init__(self) -> None:
+        super().__init__({0, 1})
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if x.dtype == torch.float64 and torch.equal(x.float(), rank_inputs(1)["x"]):
+            raise RuntimeError("cannot run this batch in float64")
+        return super().forward(x)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_rerun_fails_leaves_only_its_own_records_undecided(tmp_path: Path) -> None:
+    """A bug of 3e-5 on both ranks' batches, the gradients exact, the float64 rerun failing on rank 1's batch: rank
+    0's records are judged by rank 0's rerun alone, whichever rank is replayed as the main one. The main session
+    reran every rank though no gradient needed it, and rank 1's failure left rank 0's records undecided: INCOMPLETE
+    from --rank 0, MISMATCH from --rank 1."""
+    out = tmp_path / "bundle.h5"
+    assert all(done.returncode == 0 for done in run_ranks("ddp", out)), "a rank failed"
+    manifest = read_manifest(manifest_path(out))
+    for main in (0, 1):
+        readers = [BundleReader(file) for file in manifest.files]
+        try:
+            runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
+            result = compare_run(_NoFloat64OnRankOne(), readers[main], data_parallel=runs)
+        finally:
+            for reader in readers:
+                reader.close()
+        assert result.verdict == "MISMATCH", main
+        decided = {r.name for r in result.records if not r.match and not r.undecided}
+        assert any(name.endswith("head/0/output") and name.startswith("rank0:") == (main == 1) for name in decided)

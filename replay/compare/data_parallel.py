@@ -8,7 +8,9 @@ from typing import Literal
 import numpy as np
 import torch
 
+from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.near_misses import NearMisses
 from parity_harness.replay.diagnose.isolation import LayoutTransform
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_tensor
@@ -52,8 +54,10 @@ class DataParallelRuns:
         live: list[tuple[str, torch.Tensor]],
         tolerances: ToleranceTable,
         transform: LayoutTransform,
+        near: NearMisses | None = None,
     ) -> tuple[list[RecordResult], list[str], list[str]]:
-        """Compare live parameters or gradients with the ones put back together from the shards."""
+        """Compare live parameters or gradients with the ones put back together from the shards; ``near`` keeps
+        the narrow failures for the rounding check."""
         records, replay_only = [], []
         for position, (name, tensor) in enumerate(live):
             found = self.assembled(kind, name)
@@ -61,8 +65,12 @@ class DataParallelRuns:
                 replay_only.append(name)
                 continue
             array, tag = found
-            diff = diff_tensor(array, tag, transform(name, tensor), tolerances.for_record(name, tag))
+            compared = transform(name, tensor)
+            diff = diff_tensor(array, tag, compared, tolerances.for_record(name, tag))
             records.append(RecordResult(record_kind, name, diff, (0, position)))
+            if near is not None:
+                whole = TensorRef(f"{kind}/{name}", tag, tuple(array.shape))
+                near.offer(record_kind, name, whole, compared, diff, None, expected=array)
         seen = {record.name for record in records}
         expected = getattr(self.parameters.index, kind)
         return records, replay_only, [name for name in expected if name not in seen]

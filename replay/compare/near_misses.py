@@ -231,10 +231,18 @@ class NearMisses:
         disk)."""
 
     def offer(
-        self, kind: str, name: str, ref: TensorRef, value: torch.Tensor, diff: TensorDiff, ignore: np.ndarray | None
+        self,
+        kind: str,
+        name: str,
+        ref: TensorRef,
+        value: torch.Tensor,
+        diff: TensorDiff,
+        ignore: np.ndarray | None,
+        expected: np.ndarray | None = None,
     ) -> None:
         """Keep a failed record's port value if the rounding rule could pass it (``kind``: ``module`` for module
-        records, else the record's kind)."""
+        records, else the record's kind); ``expected``: the reference's values where no one record holds them (a
+        gradient put back together from shards; ``ref`` then gives its tag and whole shape), else read for ``ref``."""
         key = ("module" if kind in ("forward", "backward") else kind, name)
         tolerance = self._tolerances.for_record(name, ref.tag)
         if (
@@ -248,9 +256,10 @@ class NearMisses:
             return
         values = value.detach().to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
-        holder = self._weights if key[0] == "param_grad" else self._reader
-        expected = to_numeric(holder.read_array(ref, verify=False), ref.tag)
-        failing = _failing(expected, values, tolerance, ignore)
+        if expected is None:
+            holder = self._weights if key[0] == "param_grad" else self._reader
+            expected = holder.read_array(ref, verify=False)
+        failing = _failing(to_numeric(expected, ref.tag), values, tolerance, ignore)
         if key[0] in self.unjudged_kinds:
             self.unjudged[key] = failing
             return

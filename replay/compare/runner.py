@@ -506,7 +506,7 @@ class _ReplaySession:
         grads = mapped_parameters(self.model, self.rename, grads=True, known=self.weights.index.grads)
         tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
         if data_parallel and data_parallel.shards:
-            compared = data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform)
+            compared = data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform, self.near)
         else:
             expected = self.weights.index.grads
             grads, padded = unpad(grads, expected)
@@ -610,15 +610,19 @@ class _ReplaySession:
                     if param.grad is not None:
                         param.grad.div_(world)
         expected = self.weights.index.grads
-        grads, _ = unpad(mapped_parameters(exact, self.rename, grads=True, known=expected), expected)
+        grads = mapped_parameters(exact, self.rename, grads=True, known=expected)
+        if not (data_parallel and data_parallel.shards):  # the records of shards are a part each: none is padded
+            grads, _ = unpad(grads, expected)
         for name, grad in grads:
             report("param_grad", name, grad)
 
     def _float64_order(self) -> list[BundleReader]:
         """The runs the float64 rerun makes, in the replay's order (buffers a run changes carry to the next, as
-        they did): this bundle's alone, or on a multi-rank capture every rank this process replayed."""
+        they did): this bundle's alone, or on a multi-rank capture where gradients are to be judged, every rank this
+        process replayed."""
         data_parallel = self.options.data_parallel
-        if data_parallel is None or self.other_rank or data_parallel.across_processes:
+        grads_kept = self.near is not None and any(kind == "param_grad" for kind, _ in self.near.kept)
+        if data_parallel is None or self.other_rank or data_parallel.across_processes or not grads_kept:
             return [self.reader]
         if data_parallel.grad_reduction != "none":
             return list(data_parallel.ranks)
