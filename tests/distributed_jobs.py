@@ -6,8 +6,8 @@ Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block run
 (FSDP2 ``fully_shard`` on a stack without reuse: FSDP2 cannot run a module twice in one
 forward), ``fsdp-shards`` (the same, recording local shards instead of gathering), ``dies``
 (rank 1 exits in the middle of its forward pass), ``ddp-independent`` and ``fsdp-shards-independent``
-(the reference of tests/independent_port.py, whose correct port differs from it by float32 rounding).
-Each rank feeds its own inputs (seed 100 + rank).
+(the reference of tests/independent_port.py, whose correct port differs from it by float32 rounding), ``drift``
+(unwrapped, train mode: a buffer its forward moves feeds its output). Each rank feeds its own inputs (seed 100 + rank).
 """
 
 from __future__ import annotations
@@ -57,6 +57,21 @@ def build_batchnorm(momentum: float = 0.1) -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=momentum), nn.Tanh(), nn.Linear(8, 3))
 
 
+class Drift(nn.Module):
+    """A step counter among its buffers that its train-mode forward moves and its output reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2 = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training:
+            self.steps.add_(1)
+        return {"y": 3 * self.lin2(torch.tanh(self.lin1(x))) + 5e-5 * self.steps}
+
+
 BUILDERS = {
     "ddp": build_tiny,
     "ddp-batchnorm": build_batchnorm,
@@ -67,6 +82,7 @@ BUILDERS = {
     "branchy": Branchy,
     "ddp-independent": build_independent,
     "fsdp-shards-independent": build_independent,
+    "drift": Drift,
 }
 
 
@@ -98,7 +114,7 @@ def main() -> None:
     if options.job == "dies":
         model.inp = nn.Sequential(model.inp, DiesOnRank1())
     sharded = options.job.startswith("fsdp")
-    unwrapped = options.job in ("unwrapped", "branchy")
+    unwrapped = options.job in ("unwrapped", "branchy", "drift")
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job.startswith("fsdp-shards")
@@ -106,7 +122,7 @@ def main() -> None:
         inputs = token_ids(100 + options.rank)
     if options.job == "ddp-batchnorm":
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
-    train = options.job == "ddp-batchnorm"
+    train = options.job in ("ddp-batchnorm", "drift")
     fed = (next(iter(inputs.values())),) if sharded else inputs  # FSDP2's forward takes its input positionally
     capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train)
     dist.barrier()

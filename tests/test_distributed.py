@@ -529,3 +529,34 @@ def test_a_rank_whose_rerun_fails_leaves_only_its_own_records_undecided(tmp_path
         assert result.verdict == "MISMATCH", main
         decided = {r.name for r in result.records if not r.match and not r.undecided}
         assert any(name.endswith("head/0/output") and name.startswith("rank0:") == (main == 1) for name in decided)
+
+
+@pytest.mark.slow
+def test_a_rerun_of_the_replayed_rank_alone_starts_from_its_own_buffers(tmp_path: Path) -> None:
+    """Ranks that never combined gradients: rank 0's run comes last in the replay, after rank 1's moved a buffer its
+    output reads. A float64 rerun of rank 0 alone started from the buffers as the replay began, so it measured the
+    buffer's drift (5e-5) as the port's rounding, and a bug of 1e-4 on rank 0's batch passed as rounding (MATCH).
+    It now starts where rank 0's own run started: the level is the port's rounding, and the bug fails."""
+    from tests.distributed_jobs import Drift
+
+    class BugOnRankZero(Drift):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            out = super().forward(x)
+            return {"y": out["y"] + (1e-4 if torch.equal(x, rank_inputs(0)["x"]) else 0.0)}
+
+    out = tmp_path / "bundle.h5"
+    assert all(done.returncode == 0 for done in run_ranks("drift", out)), "a rank failed"
+    manifest = read_manifest(manifest_path(out))
+    assert manifest.grad_reduction == "none"
+    readers = [BundleReader(file) for file in manifest.files]
+    try:
+        runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
+        result = compare_run(BugOnRankZero().train(), readers[0], data_parallel=runs, waive=("steps",))
+    finally:
+        for reader in readers:
+            reader.close()
+    (output,) = [r for r in result.records if r.name == "output.y"]
+    assert not output.match
+    assert output.rounding is not None
+    assert output.rounding.level is not None
+    assert output.rounding.level < 1e-6, output.rounding.why

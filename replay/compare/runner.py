@@ -12,7 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -271,6 +271,8 @@ class _ReplaySession:
         self.other_rank = other_rank
         self.near = self._near_misses(reader)
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
+        self.run_buffers: Sequence[tuple[torch.nn.Module, str, torch.Tensor]] | None = None
+        """On a multi-rank capture, the buffers as this bundle's own run started (after the ranks replayed before)."""
         self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
@@ -402,6 +404,10 @@ class _ReplaySession:
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
         options, recorded = self.options, self.index.selection
+        if self.near is not None and options.data_parallel is not None and not self.other_rank:
+            # Other ranks may have run before this one and changed buffers: a float64 rerun of this rank alone
+            # starts where this run started.
+            self.run_buffers = snapshot_buffers(self.model)
         inputs = self.precision.inputs(to_device(rebuild(self.index.inputs, self._input_tensor), self.target))
         seed_everything(self.index.run.seed)
         self.sink = sink = ComparingSink(
@@ -569,9 +575,10 @@ class _ReplaySession:
         if not near.kept:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
-        run = RoundingRun(
-            self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, self.initial_buffers
-        )
+        # Every rank again starts where the replay started; this rank alone, where its own run started.
+        every_rank = len(self._float64_order()) > 1
+        start = self.initial_buffers if every_rank or self.run_buffers is None else self.run_buffers
+        run = RoundingRun(self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, start)
         failure = run.measure(near)
         if failure is not None:
             self._undecided(
