@@ -624,7 +624,7 @@ def _unrecording_numbers(run_a: RunSource, run_b: RunSource) -> str | None:
 
 
 def _recorded_as_numbers(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tuple[StepKey, StepKey]) -> set[str]:
-    """The newer run's optimizer state at the step recorded as a Python number is (int64 or float64), A's names."""
+    """The newer run's optimizer state at the step recorded the way a Python number is (int64, float64), A's names."""
     newer = 1 if plan.unrecording == "A" else 0
     tags: dict[str, str] = getattr(runs[newer], "dtype_tags", lambda key, group: {})(keys[newer], "optimizer")
     named = _renamed(tags, plan.rename) if newer == 1 else tags
