@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import torch
 
@@ -231,6 +231,10 @@ def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
+_ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
+"""How the notes of the rounding check begin (``recheck_rounding``, ``_undecided``)."""
+
+
 def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
     """A recorded input for the float64 rerun: floating tensors as float64 (requiring grad as recorded)."""
     tensor = reader.read_tensor(ref)
@@ -382,7 +386,7 @@ class _ReplaySession:
         other = _ReplaySession(self.model, run, dataclasses.replace(self.options, isolate=False), other_rank=True)
         other.port = self.port  # the same (compiled) port, not compiled again
         other._run_tapped()
-        other.recheck_rounding()  # its near misses left undecided as this rank's are (no float64 rerun of a rank)
+        other.recheck_rounding()  # its near misses judged by a float64 rerun of that rank
         other.account_for_unvisited(strict_waivers=False)
         run.settle()  # a damaged record of that rank raises here
         records, result = other.result.records, self.result
@@ -396,6 +400,8 @@ class _ReplaySession:
             result.add_missing(kind, [f"rank{rank}:{name}"])
         result.waived.update({f"rank{rank}:{name}": waived for name, waived in other.result.waived.items()})
         self.waivers_used |= other.waivers_used
+        # What the rounding check passed, or could not judge, on that rank (its records are counted there only).
+        result.notes += [f"rank {rank}: {note}" for note in other.result.notes if note.startswith(_ROUNDING_NOTES)]
         result.notes.append(
             f"rank {rank}: {len(records)} records compared, {len(failing)} differ (listed as rank{rank}:NAME), "
             f"{len(other.result.bundle_only)} not compared"
