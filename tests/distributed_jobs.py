@@ -7,7 +7,8 @@ Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block run
 forward), ``fsdp-shards`` (the same, recording local shards instead of gathering), ``dies``
 (rank 1 exits in the middle of its forward pass), ``ddp-independent`` and ``fsdp-shards-independent``
 (the reference of tests/independent_port.py, whose correct port differs from it by float32 rounding), ``drift``
-(unwrapped, train mode: a buffer its forward moves feeds its output). Each rank feeds its own inputs (seed 100 + rank).
+(unwrapped, train mode: a buffer its forward moves feeds its output) and ``ddp-drift`` (the same under DDP). Each
+rank feeds its own inputs (seed 100 + rank).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ BUILDERS = {
     "ddp-independent": build_independent,
     "fsdp-shards-independent": build_independent,
     "drift": Drift,
+    "ddp-drift": Drift,
 }
 
 
@@ -122,7 +124,7 @@ def main() -> None:
         inputs = token_ids(100 + options.rank)
     if options.job == "ddp-batchnorm":
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
-    train = options.job in ("ddp-batchnorm", "drift")
+    train = options.job in ("ddp-batchnorm", "drift", "ddp-drift")
     fed = (next(iter(inputs.values())),) if sharded else inputs  # FSDP2's forward takes its input positionally
     capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train)
     dist.barrier()

@@ -22,7 +22,7 @@ from parity_harness.replay.cli.replay_compare import main as replay_main
 from parity_harness.replay.compare.runner import DataParallelRuns, compare_run
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
-from tests.distributed_jobs import BUILDERS, rank_inputs
+from tests.distributed_jobs import BUILDERS, Drift, rank_inputs
 from tests.models import TinyNet, build_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -497,6 +497,18 @@ def test_a_process_that_compared_nothing_is_no_match_in_the_merged_report(tiny_b
     assert "rank1:(no record compared)" in result.bundle_only
 
 
+class _DriftBugs(Drift):
+    """Outputs off by 1e-4 and the first layer's weight gradient by 1e-3 (relative): a kept gradient near miss makes
+    the rounding check rerun every rank in float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1.weight.register_hook(lambda grad: grad * (1 + 1e-3))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": super().forward(x)["y"] + 1e-4}
+
+
 class _NoFloat64OnRankOne(_NearOnRanks):
     """``_NearOnRanks({0, 1})`` whose float64 rerun cannot run rank 1's batch."""
 
@@ -539,7 +551,6 @@ def test_a_rerun_of_the_replayed_rank_alone_starts_from_its_own_buffers(tmp_path
     output reads. A float64 rerun of rank 0 alone started from the buffers as the replay began, so it measured the
     buffer's drift (5e-5) as the port's rounding, and a bug of 1e-4 on rank 0's batch passed as rounding (MATCH).
     It now starts where rank 0's own run started: the level is the port's rounding, and the bug fails."""
-    from tests.distributed_jobs import Drift
 
     class BugOnRankZero(Drift):
         def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -562,3 +573,98 @@ def test_a_rerun_of_the_replayed_rank_alone_starts_from_its_own_buffers(tmp_path
     assert output.rounding is not None
     assert output.rounding.level is not None
     assert output.rounding.level < 1e-6, output.rounding.why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["drift", "ddp-drift"])
+@pytest.mark.parametrize("main", [0, 1])
+def test_every_rank_starts_from_the_buffers_the_captured_ranks_had(tmp_path: Path, job: str, main: int) -> None:
+    """Each captured rank's run started from the same buffers (one model per rank; DDP broadcasts rank 0's before
+    its forward). The replay runs the ranks one after another on one model: a step counter its forward moves was
+    carried from one rank's run into the next, so the reference itself failed its own capture on the later rank
+    (by 5e-5, from either --rank). Every rank's run, and its float64 rerun, now starts from the buffers the replay
+    started from."""
+    out = tmp_path / "bundle.h5"
+    assert all(done.returncode == 0 for done in run_ranks(job, out)), "a rank failed"
+    manifest = read_manifest(manifest_path(out))
+    readers = [BundleReader(file) for file in manifest.files]
+    try:
+        runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
+        result = compare_run(Drift().train(), readers[main], data_parallel=runs, waive=("steps",))
+        assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
+        assert any(note.startswith(f"rank {1 - main}: ") and " 0 differ" in note for note in result.notes)
+        buggy = compare_run(_DriftBugs().train(), readers[main], data_parallel=runs, waive=("steps",))
+    finally:
+        for reader in readers:
+            reader.close()
+    assert buggy.verdict == "MISMATCH"
+    failing = {r.name.replace("module.", ""): r for r in buggy.records if not r.match}
+    assert {"output.y", f"rank{1 - main}:output.y", "lin1.weight"} <= set(failing), sorted(failing)
+    # The float64 rerun of every rank starts each from those buffers too: the level it measured on this rank's
+    # output is the port's rounding, not the counter's step of 5e-5.
+    rounding = failing["output.y"].rounding
+    assert rounding is not None
+    assert rounding.level is not None
+    assert rounding.level < 1e-6, rounding.why
+
+
+def float64_fails_on_rank_one() -> torch.nn.Module:
+    """``--model`` factory: the independent correct port, whose float64 rerun fails on capture rank 1's batch only."""
+    from tests.independent_port import build, token_ids
+
+    port = build(manual=True)
+    forward, rank_one = port.forward, token_ids(101)["ids"]
+
+    def guarded(ids: torch.Tensor) -> torch.Tensor:
+        if port.emb.weight.dtype == torch.float64 and torch.equal(ids, rank_one):
+            raise RuntimeError("no float64 kernel for this batch")
+        return forward(ids)
+
+    port.forward = guarded  # type: ignore[method-assign]
+    return port
+
+
+def _torchrun_replay(out: Path, model: str, processes: int) -> subprocess.CompletedProcess[str]:
+    """replay-compare of a manifest under torchrun at the default tolerances (the rounding check on)."""
+    replay_script = Path(sys.executable).parent / "replay-compare"
+    if not replay_script.exists():
+        pytest.skip("replay-compare is not installed next to this interpreter")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+        "--master-port", str(free_port()), "--no-python", str(replay_script), "--bundle", str(manifest_path(out)),
+        "--model", model, "--quiet", "--show", "all",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+
+
+@pytest.mark.slow
+def test_gradients_combined_across_torchrun_processes_are_judged_by_the_rounding_rule(tmp_path: Path) -> None:
+    """Under torchrun the gradients are summed across the replay's processes. Their near misses were left undecided,
+    and a sum cancelling to about zero (an attention key bias's gradient) failed: the correct independent port was
+    MISMATCH at the default tolerances, and process 1 listed every gathered gradient again as rank1:NAME. Every
+    process now reruns its ranks in float64 and joins one sum (a process with no capture rank too); process 0
+    alone compares the gradients. The eps bug still fails; a rerun failing on one process leaves the records it
+    was to judge undecided on every process rather than hanging the others."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("ddp-independent", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    for processes in (2, 3):
+        done = _torchrun_replay(out, "tests.independent_port:build_port", processes)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        assert "RESULT: MATCH" in done.stdout
+        summary = next(line for line in done.stdout.splitlines() if line.startswith("param_grad "))
+        assert summary.split()[1:4] == ["37", "37", "0"], summary  # compared, matched, mismatched: each once
+        assert "\u2248 module.emb.weight: float32 rounding" in done.stdout  # a gradient the rule passed
+    bug = _torchrun_replay(out, "tests.independent_port:build_port_eps_bug", 2)
+    assert bug.returncode == 1
+    assert "RESULT: MISMATCH" in bug.stdout
+    assert "rank1:module.emb.weight" not in bug.stdout
+    failing = _torchrun_replay(out, f"{Path(__file__).resolve()}:float64_fails_on_rank_one", 2)
+    assert failing.returncode == 1, failing.stdout[-4000:] + failing.stderr[-2000:]
+    # Process 1's near misses, and process 0's (whose sum could not be made), are left undecided, each saying why.
+    assert "replay process 1: capture ranks [1]: INCOMPLETE" in failing.stdout
+    assert "rank1:module.blocks.0/0/output: undecided: not judged: the port could not rerun" in failing.stdout
+    assert "no float64 kernel for this batch" in failing.stdout
+    others = "module.emb.weight: undecided: not judged: the port could not rerun in float64 (RuntimeError: another"
+    assert f"{others} replay process's float64 rerun failed)" in failing.stdout

@@ -8,6 +8,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import NearMisses
@@ -15,7 +16,14 @@ from parity_harness.replay.diagnose.isolation import LayoutTransform
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_tensor
 
-__all__ = ["DataParallelRuns", "Verdict", "gather_verdicts", "merge_verdicts"]
+__all__ = [
+    "DataParallelRuns",
+    "Verdict",
+    "every_process",
+    "gather_verdicts",
+    "merge_verdicts",
+    "sum_gradients_across_processes",
+]
 
 """A replay process's (process rank, capture ranks it replayed, match or None when it had none)."""
 
@@ -35,6 +43,14 @@ class DataParallelRuns:
     """Every rank of the capture, when ``ranks`` is only this process's share of them (torchrun)."""
     across_processes: bool = False
     """The replay itself runs under torch.distributed: sum the gradients of every process first."""
+    process: int = 0
+    """This replay process's rank under torch.distributed (process 0 compares the gradients every process holds)."""
+
+    @property
+    def compares_gradients(self) -> bool:
+        """Whether this process compares the gradients: under torchrun every process holds the same ones after the
+        all-reduce, and process 0 compares them (the others would list every difference again)."""
+        return not self.across_processes or self.process == 0
 
     def assembled(self, kind: Literal["params", "grads"], name: str) -> tuple[np.ndarray, str] | None:
         """A parameter or gradient put back together from every rank's shard, with its dtype tag."""
@@ -79,7 +95,7 @@ class DataParallelRuns:
         """Reduce the gradients accumulated over every rank's run as the capture's wrapper did."""
         world = len(self.captured or self.ranks)
         if self.across_processes:
-            _sum_gradients_across_processes(model)
+            sum_gradients_across_processes(model)
         if self.grad_reduction == "none":
             result.notes.append(
                 f"data parallel: the capture's {world} ranks never combined their gradients (no DDP/FSDP wrapper); "
@@ -96,8 +112,25 @@ class DataParallelRuns:
             f"{self.grad_reduction}, compared with the gathered ones"
         )
 
+    def join_float64_rerun(self, model: torch.nn.Module) -> None:
+        """The part a process replaying no capture rank takes in the rounding check's float64 rerun of gradients:
+        the same collectives as the others (:meth:`_ReplaySession.recheck_rounding`), contributing no gradient."""
+        if not every_process(False, any_of=True) or not every_process(True):
+            return
+        with in_float64(model, self.parameters.index.run.train_mode) as exact:
+            sum_gradients_across_processes(exact)
 
-def _sum_gradients_across_processes(model: torch.nn.Module) -> None:
+
+def every_process(flag: bool, *, any_of: bool = False) -> bool:
+    """Whether ``flag`` holds on every replay process (``any_of``: on any), agreed by all of them (a collective)."""
+    import torch.distributed as dist
+
+    agreed = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX if any_of else dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
+def sum_gradients_across_processes(model: torch.nn.Module) -> None:
     """All-reduce (sum) every parameter's gradient over the replay's processes; None stays None only
     where no process has one."""
     import torch.distributed as dist

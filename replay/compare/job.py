@@ -22,7 +22,7 @@ from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.data_parallel import DataParallelRuns
-from parity_harness.replay.compare.runner import ReplayOptions, compare_run
+from parity_harness.replay.compare.runner import ReplayOptions, compare_run, rounding_check_applies
 from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
@@ -96,6 +96,8 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         if plan.reader is None:  # more replay processes than capture ranks: only take part in the reduction
             assert plan.data_parallel is not None
             plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
+            if rounding_check_applies(job.options):
+                plan.data_parallel.join_float64_rerun(model)
             return ReplayOutcome(None, context=plan.context, assigned=plan.assigned)
         with no_exit(job.adapter.name, "the model's own code (its forward or backward)"):
             options, proposal = _naming(job, model, plan.reader)
@@ -226,6 +228,7 @@ def plan_ranks(
         manifest.shards,
         captured=readers,
         across_processes=context is not None,
+        process=0 if context is None else context.rank,
     )
     return RankPlan(readers[rank] if rank >= 0 else None, data_parallel, context, assigned)
 

@@ -214,21 +214,16 @@ class NearMisses:
         reader: BundleReader,
         *,
         weights: BundleReader | None = None,
-        unjudged_kinds: frozenset[str] = frozenset(),
     ) -> None:
         """``reader``: the bundle of the module records and outputs; ``weights``: the one of the parameter gradients
         (on a multi-rank capture, the rank that gathered them), when another."""
         self._tolerances, self._reader, self._budget = tolerances, reader, _MEMORY_BUDGET
         self._weights = weights or reader
         self._spill = _SpillFile()
-        self.unjudged_kinds = unjudged_kinds
-        """Kinds (``module``, ``output``, ``param_grad``) no float64 rerun will judge (gradients combined across the
-        replay's processes): only what the rule needs of them is taken."""
         self.kept: dict[tuple[str, str], _Kept] = {}
         """(``module``, ``output`` or ``param_grad``; record name) -> what was kept."""
         self.unjudged: dict[tuple[str, str], FailingRecord] = {}
-        """Records offered but not kept: of a kind not judged, or the spill file could not take them (a full
-        disk)."""
+        """Records offered but not kept: the spill file could not take them (a full disk)."""
 
     def offer(
         self,
@@ -260,9 +255,6 @@ class NearMisses:
             holder = self._weights if key[0] == "param_grad" else self._reader
             expected = holder.read_array(ref, verify=False)
         failing = _failing(to_numeric(expected, ref.tag), values, tolerance, ignore)
-        if key[0] in self.unjudged_kinds:
-            self.unjudged[key] = failing
-            return
         if values.nbytes <= self._budget:
             self._budget -= values.nbytes
             self.kept[key] = _Kept(ref, failing, values)

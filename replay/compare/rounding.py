@@ -44,7 +44,7 @@ from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RoundingCheck
 
-__all__ = ["RoundingRun", "leave_undecided", "rejudge", "snapshot_buffers"]
+__all__ = ["RoundingRun", "leave_undecided", "rejudge", "restore_buffers", "restored", "snapshot_buffers"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,28 @@ def snapshot_buffers(model: torch.nn.Module) -> BufferSnapshot:
         for name, buffer in module._buffers.items()
         if buffer is not None
     ]
+
+
+def restore_buffers(snapshot: BufferSnapshot) -> None:
+    """Every buffer of the snapshot back to the values it holds (the snapshot itself stays as it is)."""
+    with torch.no_grad():
+        for module, name, values in snapshot:
+            module._buffers[name] = restored(module._buffers[name], values)
+
+
+def restored(buffer: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
+    """The buffer tensor the model has, holding ``values``: written only where they differ (BatchNorm's kernels
+    update running statistics in place without moving the version counter), and where it cannot be written (an
+    expanded or inference-mode tensor, which nothing wrote in place either) a copy of ``values`` instead."""
+    if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
+        return values.clone()  # a tensor the run put in its place: copying into it could broadcast
+    if torch.equal(buffer, values):
+        return buffer
+    try:
+        buffer.copy_(values)
+    except RuntimeError:
+        return values.clone()
+    return buffer
 
 
 @contextlib.contextmanager

@@ -30,7 +30,11 @@ from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.buffers import compare_buffers
-from parity_harness.replay.compare.data_parallel import DataParallelRuns
+from parity_harness.replay.compare.data_parallel import (
+    DataParallelRuns,
+    every_process,
+    sum_gradients_across_processes,
+)
 from parity_harness.replay.compare.near_misses import ROUNDING_FACTOR, FailingRecord, NearMisses
 from parity_harness.replay.compare.precision import Precision
 from parity_harness.replay.compare.records import (
@@ -47,7 +51,14 @@ from parity_harness.replay.compare.records import (
     unpad,
     unvisited_module_records,
 )
-from parity_harness.replay.compare.rounding import RoundingRun, leave_undecided, rejudge, snapshot_buffers
+from parity_harness.replay.compare.rounding import (
+    RoundingRun,
+    leave_undecided,
+    rejudge,
+    restore_buffers,
+    restored,
+    snapshot_buffers,
+)
 from parity_harness.replay.compare.values import compare_output_values
 from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
@@ -215,20 +226,7 @@ def _state_kept(model: torch.nn.Module) -> Iterator[None]:
                     param.grad = None  # of the cast tensor's dtype
                     param.data = data
             for module, name, buffer, values in buffers:
-                module._buffers[name] = _restored(buffer, values)
-
-
-def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The buffer tensor the model had, holding the values it had: written back only where they changed (BatchNorm's
-    kernels update running statistics in place without moving the version counter), and where it cannot be
-    written (an expanded or inference-mode tensor, which nothing wrote in place either) the saved copy instead."""
-    if buffer.shape == values.shape and buffer.dtype == values.dtype and torch.equal(buffer, values):
-        return buffer
-    try:
-        buffer.copy_(values)
-    except RuntimeError:
-        return values
-    return buffer
+                module._buffers[name] = restored(buffer, values)
 
 
 _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
@@ -273,10 +271,14 @@ class _ReplaySession:
         self.used_outside: set[int] = set()
         """The port's parameters (by ``id``) it used outside their modules' calls (watched with ``isolate``)."""
         self.other_rank = other_rank
+        self.judge_gradients = False
+        """The rounding check reruns every rank this process replayed, for the gradients they combine."""
+        self.joined = False
+        """Under torchrun, this process's float64 rerun reached the collective that tells the others it ran."""
+        self.rank_buffers: Sequence[tuple[torch.nn.Module, str, torch.Tensor]] | None = None
+        """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
         self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
-        self.run_buffers: Sequence[tuple[torch.nn.Module, str, torch.Tensor]] | None = None
-        """On a multi-rank capture, the buffers as this bundle's own run started (after the ranks replayed before)."""
         self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
@@ -285,30 +287,14 @@ class _ReplaySession:
         """Waiver patterns that waived a record here or on another rank."""
         if not other_rank:  # a module only some ranks ran (an expert a rank never routes to) is no error there
             _check_layer_filters(options.layers, reader)
-        if not other_rank and self.near is not None and self.near.unjudged_kinds:
-            self.result.notes.append(
-                "the rounding check does not rerun gradients combined across the replay's processes: a parameter "
-                "gradient out of atol/rtol by no more than float32 rounding could explain is left undecided "
-                "(INCOMPLETE); give --atol/--rtol sized to the port's rounding, or replay in one process"
-            )
-
-    def _rounding_wanted(self) -> bool:
-        """The rounding check asked for (explicitly, or by the default tolerances)."""
-        options = self.options
-        return options.tolerances is None if options.rounding is None else options.rounding
 
     def _near_misses(self, reader: BundleReader) -> NearMisses | None:
         """What keeps float32 near misses for the rounding check; None where the check does not apply. On a
         multi-rank capture each rank's records are judged by a float64 rerun of that rank, and the gradients the
-        ranks combine by float64 reruns of every rank combined the same way, except across the replay's processes
-        (a collective in a rerun that only some processes make would hang): those are only told apart."""
-        options = self.options
-        if not self._rounding_wanted() or options.noise_factor is not None or self.precision.reduced:
+        ranks combine by float64 reruns of every rank combined the same way (across the replay's processes too)."""
+        if not rounding_check_applies(self.options):
             return None
-        data_parallel = options.data_parallel
-        across = data_parallel is not None and data_parallel.across_processes
-        unjudged = frozenset({"param_grad"} if across else ())
-        return NearMisses(self.result.tolerances, reader, weights=self.weights, unjudged_kinds=unjudged)
+        return NearMisses(self.result.tolerances, reader, weights=self.weights)
 
     def _tolerances(self) -> ToleranceTable:
         """The tolerance table, checked against what the bundle holds."""
@@ -377,6 +363,16 @@ class _ReplaySession:
         data_parallel.reduce_gradients(self.model, self.result)
 
     def _run_rank(self, run: BundleReader, data_parallel: DataParallelRuns) -> None:
+        """One rank's run from the buffers the replay started from: each captured rank started from the same ones
+        (a model of its own, the same checkpoint; DDP broadcasts rank 0's before its forward), and a buffer a
+        forward moves (a step counter) must not carry from one rank's run into the next."""
+        if self.rank_buffers is None:
+            self.rank_buffers = snapshot_buffers(self.model)
+        else:
+            restore_buffers(self.rank_buffers)
+        self._compare_rank(run, data_parallel)
+
+    def _compare_rank(self, run: BundleReader, data_parallel: DataParallelRuns) -> None:
         """One rank's run: this bundle's, or another rank's compared in a session of its own, its failing and
         uncompared records added here under ``rank<r>:`` names (a MATCH covers every rank's records)."""
         if run is self.reader:
@@ -410,10 +406,6 @@ class _ReplaySession:
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
         options, recorded = self.options, self.index.selection
-        if self.near is not None and options.data_parallel is not None and not self.other_rank:
-            # Other ranks may have run before this one and changed buffers: a float64 rerun of this rank alone
-            # starts where this run started.
-            self.run_buffers = snapshot_buffers(self.model)
         inputs = self.precision.inputs(to_device(rebuild(self.index.inputs, self._input_tensor), self.target))
         seed_everything(self.index.run.seed)
         self.sink = sink = ComparingSink(
@@ -513,10 +505,14 @@ class _ReplaySession:
 
     def compare_gradients(self) -> None:
         """Every parameter's gradient against the reference's (gathered, or put back together from shards)."""
+        data_parallel = self.options.data_parallel
         if not self.weights.index.selection.records("param-grads"):
             return
+        if data_parallel and not data_parallel.compares_gradients:  # process 0 compares what every process holds
+            self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
+            return
         grads = mapped_parameters(self.model, self.rename, grads=True, known=self.weights.index.grads)
-        tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
+        tolerances = self.result.tolerances
         if data_parallel and data_parallel.shards:
             compared = data_parallel.compare("grads", "param_grad", grads, tolerances, self.transform, self.near)
         else:
@@ -571,21 +567,19 @@ class _ReplaySession:
 
     def _measure_and_rejudge(self, near: NearMisses) -> None:
         """The port's float64 rerun measuring every kept record, then the rule on each. A record the rule could
-        pass but cannot judge (no rerun on a multi-rank capture, no room for its values, a rerun that failed) is
-        left undecided: the replay is INCOMPLETE, not failed for want of the check."""
-        across = {key: failing for key, failing in near.unjudged.items() if key[0] in near.unjudged_kinds}
-        why = "no float64 rerun of gradients combined across the replay's processes"
-        self._undecided(across, f"{why}; give --atol/--rtol sized to the port's rounding")
-        full = {key: failing for key, failing in near.unjudged.items() if key not in across}
-        self._undecided(full, "no room to keep the port's values (the temporary folder is full)")
-        if not near.kept:
+        pass but cannot judge (no room for its values, a rerun that failed) is left undecided: the replay is
+        INCOMPLETE, not failed for want of the check."""
+        self._undecided(near.unjudged, "no room to keep the port's values (the temporary folder is full)")
+        self.judge_gradients = self._gradients_to_judge(near)
+        if not near.kept and not self.judge_gradients:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
-        # Every rank again starts where the replay started; this rank alone, where its own run started.
-        every_rank = len(self._float64_order()) > 1
-        start = self.initial_buffers if every_rank or self.run_buffers is None else self.run_buffers
-        run = RoundingRun(self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, start)
+        run = RoundingRun(
+            self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, self.initial_buffers
+        )
         failure = run.measure(near)
+        if self._rerun_across_processes() and not self.joined:  # it failed before its rerun joined the others'
+            every_process(False)
         if failure is not None:
             self._undecided(
                 {key: kept.failing for key, kept in near.kept.items()},
@@ -607,16 +601,21 @@ class _ReplaySession:
         """The replayed run again, on float64 copies of the recorded inputs, telling ``report(kind, name, value)``
         every output, the loss and every parameter gradient (bundle names). On a multi-rank capture, every rank this
         process replayed runs again in the replay's order, this bundle's under ``tap``, and the gradients are combined
-        as the replay combined them."""
+        as the replay combined them (under torchrun, summed over every process's reruns)."""
         data_parallel = self.options.data_parallel
-        for run in self._float64_order():
-            if run is self.reader:
-                self._float64_run(exact, run, tap, report)
-            else:
-                self._float64_run(exact, run)
-            if data_parallel and data_parallel.grad_reduction == "none" and run is not data_parallel.parameters:
-                exact.zero_grad(set_to_none=True)  # the gradients compared are the parameters rank's alone
-        if data_parallel and data_parallel.grad_reduction == "mean" and not data_parallel.across_processes:
+        if not self._rerun_across_processes():
+            self._float64_runs(exact, tap, report)
+        else:  # every process reaches the collectives, whether its own rerun worked or not
+            failure: Exception | None = None
+            try:
+                self._float64_runs(exact, tap, report)
+            except Exception as err:  # raised below, once the others know
+                failure = err
+            self.joined = True
+            if not every_process(failure is None):
+                raise failure or RuntimeError("another replay process's float64 rerun failed")
+            sum_gradients_across_processes(exact)
+        if data_parallel and data_parallel.grad_reduction == "mean":
             world = len(data_parallel.captured or data_parallel.ranks)
             with torch.no_grad():
                 for param in exact.parameters():
@@ -629,13 +628,40 @@ class _ReplaySession:
         for name, grad in grads:
             report("param_grad", name, grad)
 
-    def _float64_order(self) -> list[BundleReader]:
-        """The runs the float64 rerun makes, in the replay's order (buffers a run changes carry to the next, as
-        they did): this bundle's alone, or on a multi-rank capture where gradients are to be judged, every rank this
-        process replayed."""
+    def _float64_runs(self, exact: torch.nn.Module, tap: ModuleTap, report: Any) -> None:
+        """The float64 runs of :meth:`_float64_order`, each from the buffers the first started from."""
         data_parallel = self.options.data_parallel
-        grads_kept = self.near is not None and any(kind == "param_grad" for kind, _ in self.near.kept)
-        if data_parallel is None or self.other_rank or data_parallel.across_processes or not grads_kept:
+        start = snapshot_buffers(exact)  # each rank's run starts from them, as in the replay (``_run_rank``)
+        for position, run in enumerate(self._float64_order()):
+            if position:
+                restore_buffers(start)
+            if run is self.reader:
+                self._float64_run(exact, run, tap, report)
+            else:
+                self._float64_run(exact, run)
+            if data_parallel and data_parallel.grad_reduction == "none" and run is not data_parallel.parameters:
+                exact.zero_grad(set_to_none=True)  # the gradients compared are the parameters rank's alone
+
+    def _gradients_to_judge(self, near: NearMisses) -> bool:
+        """Whether the float64 rerun reruns every rank this process replayed, for the combined gradients: where a
+        gradient near miss was kept (under torchrun, on any process: every process then reruns its ranks and joins
+        the sum, a collective, whether it kept one or not)."""
+        data_parallel = self.options.data_parallel
+        if data_parallel is None or self.other_rank:
+            return False
+        kept = any(kind == "param_grad" for kind, _ in near.kept)
+        return every_process(kept, any_of=True) if data_parallel.across_processes else kept
+
+    def _rerun_across_processes(self) -> bool:
+        """Whether the float64 rerun's gradients are summed over the replay's processes (a collective)."""
+        data_parallel = self.options.data_parallel
+        return data_parallel is not None and data_parallel.across_processes and self.judge_gradients
+
+    def _float64_order(self) -> list[BundleReader]:
+        """The runs the float64 rerun makes, in the replay's order: this bundle's alone, or on a multi-rank capture
+        where gradients are to be judged, every rank this process replayed."""
+        data_parallel = self.options.data_parallel
+        if data_parallel is None or self.other_rank or not self.judge_gradients:
             return [self.reader]
         if data_parallel.grad_reduction != "none":
             return list(data_parallel.ranks)
@@ -823,6 +849,14 @@ def _check_layer_filters(layers: Selection | None, reader: BundleReader) -> None
                     f"{option} {pattern!r} matches no module recorded in {reader.path} (bundle names, e.g. {shown}); "
                     "see replay-compare --list"
                 )
+
+
+def rounding_check_applies(options: ReplayOptions) -> bool:
+    """Whether the rounding rule judges float32 near misses: asked for (explicitly, or by the default tolerances),
+    without a noise floor, and for a port running in float32 (not cast down, not under autocast)."""
+    wanted = options.tolerances is None if options.rounding is None else options.rounding
+    reduced = options.precision is not None and options.precision.reduced
+    return wanted and options.noise_factor is None and not reduced
 
 
 def _fail_nonzero_padding(records: list[RecordResult], padded: list[Padding]) -> None:
