@@ -287,16 +287,26 @@ class ComparisonResult:
         return not self.bundle_only and bool(self.records)
 
     @property
+    def differing_parameters(self) -> list[RecordResult]:
+        """The port's parameters whose values differ from the reference's: other weights were loaded, which the run
+        may not show (an embedding's rows for tokens not in the batch). Those of modules ``--map auto`` paired on
+        shapes alone are left out (a pairing in doubt, said apart)."""
+        unsure = set(self.alignment_uncertain)
+        return [r for r in self.param_values if not r.match and r.name.rpartition(".")[0] not in unsure]
+
+    @property
     def match(self) -> bool:
-        """True only when the run is complete and every compared record matches."""
-        return self.complete and all(record.match for record in self.records)
+        """True only when the run is complete, every compared record matches and the parameters are the
+        reference's."""
+        return self.complete and all(record.match for record in self.records) and not self.differing_parameters
 
     @property
     def verdict(self) -> ResultVerdict:
-        """``MATCH``; ``MISMATCH`` when a compared record differs; ``INCOMPLETE`` when records went uncompared, or
-        differ by no more than float32 rounding could explain and the rounding rule could not judge them."""
+        """``MATCH``; ``MISMATCH`` when a compared record or a parameter's value differs; ``INCOMPLETE`` when records
+        went uncompared, or differ by no more than float32 rounding could explain and the rounding rule could not
+        judge them."""
         failing = [record for record in self.records if not record.match]
-        if any(not record.undecided for record in failing):
+        if any(not record.undecided for record in failing) or self.differing_parameters:
             return "MISMATCH"
         return "MATCH" if self.complete and not failing else "INCOMPLETE"
 

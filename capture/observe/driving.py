@@ -21,6 +21,7 @@ __all__ = [
     "ForwardFn",
     "LossFn",
     "call_forward",
+    "input_time_sizes",
     "make_cotangents",
     "map_tensors",
     "rng_state",
@@ -74,8 +75,20 @@ def output_lengths(outputs: Any, declared: Sequence[int]) -> list[np.ndarray]:
     return found
 
 
+def input_time_sizes(inputs: Any, declared: Sequence[int]) -> frozenset[int]:
+    """The sizes of the model inputs' axes that fit the declared lengths: the sizes a time axis at the input's rate
+    has (an axis of another size that fits the longest length, a classifier's classes, is not time)."""
+    root = np.asarray(declared, dtype=np.int64)
+    sizes = set()
+    for _, tensor in iter_live_tensors(inputs, "input"):
+        axis = padding_axis(tuple(tensor.shape), root)
+        if axis is not None:
+            sizes.add(int(tensor.shape[axis]))
+    return frozenset(sizes)
+
+
 def make_cotangents(
-    outputs: Any, seed: int, lengths: Sequence[int] | None = None
+    outputs: Any, seed: int, lengths: Sequence[int] | None = None, inputs: Any = None
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """A seeded standard-normal cotangent for every floating output (real or complex) that requires grad.
 
@@ -85,11 +98,16 @@ def make_cotangents(
     float64 took three times as long: 0.22 s for a GPT-2 model's logits, a quarter of its step).
     With the batch's declared ``lengths`` (``capture-run --lengths``), each output's cotangent is
     zero past each example's length on its time axis, taken from the first output that carries
-    those lengths and fits it (:mod:`parity_harness.common.numerics.padding`): what a model leaves
-    in padded frames then reaches no gradient, parameter gradients included.
+    those lengths and fits it, else from the declared lengths on an axis of the size the model's ``inputs`` have
+    for them (a tagger's logits; :mod:`parity_harness.common.numerics.padding`): what a model leaves in padded
+    frames then reaches no gradient, parameter gradients included. Replay's ``--mask-padding`` masks by the
+    same rule.
     """
     generator = torch.Generator().manual_seed(seed)
-    carried = output_lengths(outputs, lengths) if lengths is not None else []
+    carried: list[tuple[np.ndarray, frozenset[int] | None]] = []
+    if lengths is not None:
+        carried = [(vector, None) for vector in output_lengths(outputs, lengths)]
+        carried.append((np.asarray(lengths, dtype=np.int64), input_time_sizes(inputs, lengths)))
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
@@ -97,8 +115,8 @@ def make_cotangents(
             if tensor.is_complex():  # its real and imaginary parts drawn one after the other
                 noise = torch.complex(noise, torch.randn(tensor.shape, generator=generator, dtype=torch.float32))
             shape = tuple(tensor.shape)
-            fitting = next((vector for vector in carried if padding_axis(shape, vector) is not None), None)
-            padded = padding_mask(shape, fitting)
+            fitting = next(((v, sizes) for v, sizes in carried if padding_axis(shape, v, sizes) is not None), None)
+            padded = None if fitting is None else padding_mask(shape, *fitting)
             if padded is not None:
                 noise[torch.from_numpy(padded)] = 0.0
             triples.append((slot, tensor, noise.to(dtype=tensor.dtype, device=tensor.device)))

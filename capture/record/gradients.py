@@ -129,9 +129,15 @@ def _for_this_rank(tensor: torch.Tensor, context: RankContext | None) -> tuple[t
 
 
 def run_backward(
-    writer: BundleWriter, outputs: Any, seed: int, loss: LossFn | None, lengths: tuple[int, ...] | None = None
+    writer: BundleWriter,
+    outputs: Any,
+    seed: int,
+    loss: LossFn | None,
+    lengths: tuple[int, ...] | None = None,
+    inputs: Any = None,
 ) -> tuple[BackwardMode, Tree | None, Tree | None]:
-    """Backpropagate the loss or a seeded cotangent (zero past ``lengths``); return the mode and what was used."""
+    """Backpropagate the loss or a seeded cotangent (zero past ``lengths``, the model's ``inputs`` telling the
+    time axis's size); return the mode and what was used."""
     if loss is not None:
         value = loss(outputs)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -139,7 +145,7 @@ def run_backward(
         tree = writer.write_tensor(f"{BACKWARD}/loss", value).to_tree()
         value.backward()  # type: ignore[no-untyped-call]
         return "loss", None, tree
-    triples = make_cotangents(outputs, seed, lengths)
+    triples = make_cotangents(outputs, seed, lengths, inputs)
     if not triples:
         return "none", None, None
     pairs = [[slot, writer.write_tensor(f"{BACKWARD}/cotangent/{slot}", cot).to_tree()] for slot, _, cot in triples]

@@ -262,7 +262,7 @@ class _CaptureRun:
         options = self.options
         with GradientStream(self.writer, self.model, options.selection, self.context) as gradients:
             self.mode, self.trees["cotangent"], self.trees["loss"] = run_backward(
-                self.writer, outputs, options.seed, options.loss, options.lengths
+                self.writer, outputs, options.seed, options.loss, options.lengths, self.inputs
             )
         self.grads = gradients.finish()
 

@@ -52,7 +52,7 @@ def observer_differences(
     if loss is not None:
         loss(outputs).backward()  # type: ignore[no-untyped-call]
     else:
-        triples = make_cotangents(outputs, seed, lengths)
+        triples = make_cotangents(outputs, seed, lengths, inputs)
         if triples:
             torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
     with torch.no_grad():

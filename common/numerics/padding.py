@@ -5,23 +5,32 @@ One rule, used by capture (the default cotangent is zero past each example's len
 gradients do not depend on what the padding holds) and by replay's ``--mask-padding``: the time axis
 is an axis other than the batch axis whose size fits the longest length (equal, or a few frames
 longer when the framing pads, as a centred STFT does: at most ``max(2, longest // 10)`` more); among
-several candidates the closest fit wins, then the last axis. No fitting axis, no mask.
+several candidates the closest fit wins, then the last axis. No fitting axis, no mask. Where the sizes the time
+axis takes are known (those of the tensors the lengths came with), only an axis of one of those sizes is time:
+a classifier's 10 classes are no time axis for lengths (9, 6) whose input has 9 frames.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import numpy as np
 
 __all__ = ["lengths_like", "padding_axis", "padding_mask"]
 
 
-def padding_axis(shape: tuple[int, ...], lengths: np.ndarray) -> int | None:
-    """The time axis of a ``(batch, ...)`` record for these per-example lengths, or None when none fits."""
+def padding_axis(shape: tuple[int, ...], lengths: np.ndarray, sizes: Collection[int] | None = None) -> int | None:
+    """The time axis of a ``(batch, ...)`` record for these per-example lengths, or None when none fits;
+    ``sizes``: the only sizes the time axis may have, where they are known."""
     if len(shape) < 2 or shape[0] != len(lengths) or len(lengths) == 0:
         return None
     longest = int(lengths.max())
     slack = max(2, longest // 10)
-    axes = [axis for axis in range(1, len(shape)) if longest <= shape[axis] <= longest + slack]
+    axes = [
+        axis
+        for axis in range(1, len(shape))
+        if longest <= shape[axis] <= longest + slack and (sizes is None or shape[axis] in sizes)
+    ]
     if not axes:
         return None
     return min(reversed(axes), key=lambda candidate: shape[candidate] - longest)
@@ -40,9 +49,12 @@ def lengths_like(vector: np.ndarray, declared: np.ndarray) -> bool:
     return bool(np.all(np.abs(shares - declared_shares) <= 1.0 / longest + 0.02))
 
 
-def padding_mask(shape: tuple[int, ...], lengths: np.ndarray | None) -> np.ndarray | None:
-    """True at the padded positions of a ``(batch, ...)`` record; None when there are none or it cannot tell."""
-    axis = None if lengths is None else padding_axis(shape, lengths)
+def padding_mask(
+    shape: tuple[int, ...], lengths: np.ndarray | None, sizes: Collection[int] | None = None
+) -> np.ndarray | None:
+    """True at the padded positions of a ``(batch, ...)`` record; None when there are none or it cannot tell
+    (``sizes`` as for :func:`padding_axis`)."""
+    axis = None if lengths is None else padding_axis(shape, lengths, sizes)
     if axis is None or lengths is None:
         return None
     padded = np.arange(shape[axis])[None, :] >= lengths[:, None]

@@ -37,7 +37,9 @@ class PaddingPlan:
     With lengths declared at capture (``capture-run --lengths``, ``run.lengths``): every integer vector the
     reference recorded that carries those lengths (each example's share of the longest as declared, within a
     frame: see :func:`lengths_like`) is placed in forward order, and a record takes the nearest one, before
-    or after its own call, that fits one of its axes (:func:`padding_axis`); a record inside a subsampling
+    or after its own call, that fits one of its axes (:func:`padding_axis`) of a size the time axis has where those
+    lengths came from (the model's inputs for the declared lengths, a call's own tensors for its lengths): an axis
+    that merely fits the longest length (a classifier's classes) is not time. A record inside a subsampling
     stack, between two such calls, takes the earlier lengths divided down (:func:`subsampled_lengths`).
     Without declared lengths (bundles before 1.3), only a call's own length vector masks its records.
     """
@@ -47,9 +49,12 @@ class PaddingPlan:
         declared = None if index.run.lengths is None else np.asarray(index.run.lengths, dtype=np.int64)
         self._carry = declared is not None
         self._events: list[tuple[int, np.ndarray, str]] = []
+        self._sizes: list[frozenset[int]] = []
+        """Per event, the sizes of the time axes of the tensors its lengths came with."""
         self._own: dict[tuple[int | None, str], np.ndarray] = {}
         if declared is not None:
             self._events.append((-1, declared, "the declared lengths"))
+            self._sizes.append(_time_sizes(declared, index.inputs))
         self._rank = {event: rank for rank, event in enumerate(index.forward_order)}
         for rank, (position, event) in enumerate(index.forward_order):
             call = index.calls[position]
@@ -59,11 +64,13 @@ class PaddingPlan:
                 continue
             self._own[(position, event)] = lengths
             self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
+            self._sizes.append(_time_sizes(lengths, call.inputs, call.outputs))
         self._end = len(index.forward_order)
         outputs = recorded_lengths(reader, index.outputs, "output")
         if outputs is not None and (declared is None or lengths_like(outputs, declared)):
             self._own[(None, "outputs")] = outputs
             self._events.append((self._end, outputs, "the model's outputs"))
+            self._sizes.append(_time_sizes(outputs, index.outputs))
         self._ranks = [rank for rank, _, _ in self._events]
         self._by_longest: dict[int, list[int]] = {}
         """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
@@ -96,11 +103,12 @@ class PaddingPlan:
             for longest, events in self._by_longest.items()
             if padding_axis(shape, np.full(shape[:1], longest)) is not None
             for event in events
+            if padding_axis(shape, np.full(shape[:1], longest), self._sizes[event]) is not None
         ]
         if candidates:
             nearest = min(candidates, key=lambda event: (abs(self._ranks[event] - rank), self._ranks[event] > rank))
             _, lengths, source = self._events[nearest]
-            return _described(shape, lengths, f"from {source}")
+            return _described(shape, lengths, f"from {source}", self._sizes[nearest])
         split = bisect.bisect_right(self._ranks, rank)
         if 0 < split < len(self._events) and len(shape) >= 3:  # inside a stack, between two length-carrying calls
             _, before, source = self._events[split - 1]
@@ -110,10 +118,23 @@ class PaddingPlan:
         return None, ""
 
 
-def _described(shape: tuple[int, ...], lengths: np.ndarray, source: str) -> tuple[np.ndarray | None, str]:
-    mask = padding_mask(shape, lengths)
-    axis = padding_axis(shape, lengths)
+def _described(
+    shape: tuple[int, ...], lengths: np.ndarray, source: str, sizes: frozenset[int] | None = None
+) -> tuple[np.ndarray | None, str]:
+    mask = padding_mask(shape, lengths, sizes)
+    axis = padding_axis(shape, lengths, sizes)
     return mask, (f"axis {axis} past lengths {lengths.tolist()} ({source})" if mask is not None else "")
+
+
+def _time_sizes(lengths: np.ndarray, *trees: Tree) -> frozenset[int]:
+    """The sizes of the axes that fit ``lengths`` among the tensors of ``trees`` (what those lengths came with)."""
+    sizes = set()
+    for tree in trees:
+        for _, ref in iter_tensors(tree, ""):
+            axis = padding_axis(tuple(ref.shape), lengths)
+            if axis is not None:
+                sizes.add(ref.shape[axis])
+    return frozenset(sizes)
 
 
 def _fits(size: int, longest: int) -> bool:

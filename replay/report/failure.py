@@ -21,7 +21,7 @@ _DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "ba
 def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], max_rows: int = 15) -> str:
     """Failing records (capped, the rest counted), where it diverges or starts, and what would pass."""
     failing = [r for r in result.records if not r.match]
-    rows = [[r.kind, *record_row(r, result.isolated)] for r in failing[:max_rows]]
+    rows = [[r.kind, *record_row(r, result.isolated)] for r in (failing + result.differing_parameters)[:max_rows]]
     tolerance = result.tolerances.default
     headline = (
         f"port does not match {bundle}: {len(failing)} of {len(result.records)} records out of tolerance "
@@ -29,6 +29,11 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
         + (", or float32 rounding" if result.rounding_factor is not None else "")
         + ")"
         + ("" if result.complete else f", {len(result.bundle_only)} recorded tensor(s) not compared")
+        + (
+            f", {len(result.differing_parameters)} parameter value(s) not the reference's (other weights loaded)"
+            if result.differing_parameters
+            else ""
+        )
     )
     lines = [headline]
     if rows:

@@ -194,15 +194,15 @@ def _param_values(result: ComparisonResult) -> list[str]:
         return ["parameter values: none paired with the bundle's (check --map)"]
     if not differing:
         return [f"parameter values: all {len(result.param_values)} equal the reference's within tolerance"]
-    unsure = set(result.alignment_uncertain)
-    misaligned = [r for r in differing if r.name.rpartition(".")[0] in unsure]
-    differing = [r for r in differing if r not in misaligned]
+    deciding = result.differing_parameters
+    misaligned = [r for r in differing if r not in deciding]
     lines = []
-    if differing:
-        names = ", ".join(r.name for r in differing[:5]) + (" ..." if len(differing) > 5 else "")
+    if deciding:
+        names = ", ".join(r.name for r in deciding[:5]) + (" ..." if len(deciding) > 5 else "")
         lines.append(
-            f"WARNING: {len(differing)} of {len(result.param_values)} parameters differ from the reference's "
-            f"weights ({names}): different weights were loaded"
+            f"MISMATCH: {len(deciding)} of {len(result.param_values)} parameters differ from the reference's "
+            f"weights ({names}): different weights were loaded (the run may not show it: rows or columns it never "
+            "reads); check the checkpoint's conversion"
         )
     if misaligned:
         names = ", ".join(r.name for r in misaligned[:5]) + (" ..." if len(misaligned) > 5 else "")

@@ -17,6 +17,7 @@ from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import parse_map
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.tables import render_result
 from tests.cli_helpers import one_error_line
 from tests.models import Block, build_tiny
 
@@ -248,6 +249,45 @@ def test_a_padded_parameter_is_compared_on_the_overlap(tmp_path: Path, leak: boo
     assert result.match is not leak
     if leak:
         assert "gradient beyond the reference's 16 along dim 0 is nonzero" in (grad.diff.problem or "")
+
+
+class _Vocabulary(nn.Module):
+    """Token embeddings (16 rows) into a head; ``wrong_row`` converts one row wrongly; ``frozen`` freezes them."""
+
+    def __init__(self, wrong_row: int | None = None, frozen: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 3)
+        if wrong_row is not None:
+            with torch.no_grad():
+                self.embed.weight[wrong_row] += 0.5
+        self.embed.weight.requires_grad_(not frozen)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_a_weight_no_record_shows_still_decides_the_verdict(tmp_path: Path, frozen: bool) -> None:
+    """A wrongly converted embedding row of a token not in the batch: every output, module record and gradient
+    agrees (the row is never read, its gradient is zero on both sides), and the replay said MATCH with a warning.
+    A recorded parameter value the port's differs from is now a MISMATCH (the CLI exits 1), named in the report
+    and in the pytest assertion's message."""
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.report.failure import failure_message
+
+    bundle = tmp_path / "vocab.h5"
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    capture_run(_Vocabulary(frozen=frozen), (ids,), bundle)
+    with BundleReader(bundle) as reader:
+        assert compare_run(_Vocabulary(frozen=frozen), reader).verdict == "MATCH"
+        result = compare_run(_Vocabulary(wrong_row=9, frozen=frozen), reader)
+    assert all(record.match for record in result.records)  # nothing the run computed shows it
+    assert (result.match, result.verdict) == (False, "MISMATCH")
+    assert [r.name for r in result.differing_parameters] == ["embed.weight"]
+    assert "1 parameter value(s) not the reference's" in failure_message(result, bundle)
+    assert "MISMATCH: 1 of 3 parameters differ from the reference's weights (embed.weight)" in render_result(result)
+    assert result.to_json()["verdict"] == "MISMATCH"
 
 
 class DetachedBranchBlock(Block):

@@ -154,6 +154,42 @@ def test_default_cotangent_is_zero_past_each_length(padded_bundle: Path) -> None
     assert torch.count_nonzero(cotangent[1, :, :4]) == cotangent[1, :, :4].numel()
 
 
+class _Tagger(nn.Module):
+    """Token ids -> per-token logits at the input's rate, no lengths among its outputs (a tagger, a language model);
+    the port leaves garbage in the logits of padded tokens, its gradient flowing as the rest's."""
+
+    def __init__(self, port: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed, self.head = nn.Embedding(11, 6), nn.Linear(6, 5)
+        self.port = port
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(ids)))
+        if self.port:
+            padded = torch.arange(ids.shape[1])[None, :, None] >= torch.tensor([9, 6])[:, None, None]
+            logits = torch.where(padded, logits * 3 + 1, logits)
+        return logits
+
+
+def test_declared_lengths_zero_the_cotangent_of_outputs_at_the_inputs_rate(tmp_path: Path) -> None:
+    """With declared lengths and no lengths among the outputs, an output whose time axis has the size the model's
+    input has for those lengths gets a cotangent that is zero past them, as --mask-padding masks that output: the
+    padded logits a port leaves reach no gradient. Before, the cotangent was random there, and every gradient of
+    the correct port failed."""
+    bundle = tmp_path / "tagger.h5"
+    ids = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(2))
+    capture_run(_Tagger(), {"ids": ids}, bundle, seed=4, lengths=(9, 6))
+    with BundleReader(bundle) as reader:
+        cotangent = reader.rebuild(reader.index.cotangent)["output"]
+        assert torch.count_nonzero(cotangent[1, 6:]) == 0
+        assert torch.count_nonzero(cotangent[:, :6]) == cotangent[:, :6].numel()
+        result = compare_run(
+            _Tagger(port=True), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)), mask_padding=True
+        )
+    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
+
+
 def test_parameter_gradients_do_not_depend_on_padding(padded_bundle: Path) -> None:
     """A correct port that leaves garbage in padded frames matches every parameter gradient without any mask."""
     with BundleReader(padded_bundle) as reader:
@@ -235,6 +271,54 @@ def test_declared_lengths_are_stored_and_only_vectors_that_carry_them_count(tmp_
         assert reader.index.run.lengths == (10, 10, 10, 10, 10, 10)
         cotangent = reader.rebuild(reader.index.cotangent)["output.0"]
     assert torch.count_nonzero(cotangent) == cotangent.numel()
+
+
+class _PooledClassifier(nn.Module):
+    """Frame scores (batch, 9 frames) and the logits of 10 classes pooled over the valid frames: the classes fit the
+    longest length (9) within a frame's slack, and are no time axis."""
+
+    def __init__(self, class_bump: float = 0.0, garbage: float | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.score, self.head = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(8, 10)
+        self.class_bump, self.garbage = class_bump, garbage
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.enc(x))
+        valid = torch.arange(x.shape[1])[None] < lengths[:, None]
+        scores = self.score(h).squeeze(-1)
+        if self.garbage is not None:  # the port leaves something else in the padded frames
+            scores = scores.where(valid, self.garbage)
+        pooled = (h * valid[..., None]).sum(1) / lengths[:, None]
+        return scores, self.head(pooled) + self.class_bump * (torch.arange(10) == 9)
+
+
+def test_an_axis_that_only_fits_the_longest_length_is_not_masked(tmp_path: Path) -> None:
+    """Declared lengths (9, 6) and 10 classes: the classes axis fits the longest length within the slack a framing
+    may add, and --mask-padding masked class 9 of every example (and 6-9 of the second) as padding, so a port off
+    on class 9 matched. Only an axis of the size the model's input has for those lengths (9 frames) is time now:
+    the class bug fails, and garbage the port leaves in the padded frames of a (batch, frames) output still passes
+    (capture zeroes the cotangent by the same rule: there and only there)."""
+    bundle = tmp_path / "classes.h5"
+    x, lengths = torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([9, 6])
+    capture_run(_PooledClassifier(), (x, lengths), bundle, seed=3, lengths=(9, 6))
+    with BundleReader(bundle) as reader:
+        cotangent = reader.rebuild(reader.index.cotangent)
+        assert torch.count_nonzero(cotangent["output.1"]) == 20  # the classes: no padding
+        assert torch.count_nonzero(cotangent["output.0"][1, 6:]) == 0  # the frames: zero past the lengths
+        bug = compare_run(_PooledClassifier(class_bump=1e-3), reader, mask_padding=True)
+        garbage = compare_run(_PooledClassifier(garbage=7.0), reader, mask_padding=True)
+        unmasked = compare_run(_PooledClassifier(garbage=7.0), reader)
+    assert bug.verdict == "MISMATCH"
+    records = {record.name: record for record in bug.records}
+    assert not records["output.1"].match
+    assert records["output.1"].masked == ""
+    assert garbage.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in garbage.records if not r.match]
+    assert (
+        "axis 1 past lengths [9, 6] (from the declared lengths)"
+        in {r.name: r for r in garbage.records}["output.0"].masked
+    )
+    assert unmasked.verdict == "MISMATCH"
 
 
 class _NaNPadded(nn.Module):
