@@ -379,6 +379,7 @@ class ComparisonResult:
             # Beside the records, whose kinds the contract lists (a consumer checking them keeps working).
             "buffers": [self._record_json(r) for r in self.of_kind("buffer")],
             "param_values": [r.to_json() for r in self.param_values],
+            "differing_parameters": [r.name for r in self.differing_parameters],
             "unmatched": {"bundle_only": sorted(self.bundle_only), "replay_only": sorted(self.replay_only)},
             "notes": self.notes,
             "provenance": {"reference": self.reference_provenance, "replay": self.replay_provenance},

@@ -5,10 +5,11 @@
 Jobs: ``ddp`` (DistributedDataParallel around ``TinyNet``, whose first block runs twice), ``fsdp``
 (FSDP2 ``fully_shard`` on a stack without reuse: FSDP2 cannot run a module twice in one
 forward), ``fsdp-shards`` (the same, recording local shards instead of gathering), ``dies``
-(rank 1 exits in the middle of its forward pass), ``ddp-independent`` and ``fsdp-shards-independent``
-(the reference of tests/independent_port.py, whose correct port differs from it by float32 rounding), ``drift``
-(unwrapped, train mode: a buffer its forward moves feeds its output) and ``ddp-drift`` (the same under DDP). Each
-rank feeds its own inputs (seed 100 + rank).
+(rank 1 exits in the middle of its forward pass), ``ddp-independent``, ``unwrapped-independent`` and
+``fsdp-shards-independent`` (the reference of tests/independent_port.py, whose correct port differs from it by
+float32 rounding), ``drift``
+(unwrapped, train mode: a buffer its forward moves feeds its output), ``ddp-drift`` (the same under DDP) and
+``lazy-drift`` (unwrapped, the buffer None until the first forward). Each rank feeds its own inputs (seed 100 + rank).
 """
 
 from __future__ import annotations
@@ -59,18 +60,26 @@ def build_batchnorm(momentum: float = 0.1) -> nn.Module:
 
 
 class Drift(nn.Module):
-    """A step counter among its buffers that its train-mode forward moves and its output reads."""
+    """A step counter among its buffers that its train-mode forward moves and its output reads (``lazy``: the
+    buffer is None until the first forward makes it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin1, self.lin2 = nn.Linear(4, 8), nn.Linear(8, 3)
-        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("steps", None if lazy else torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.training:
+            if self.steps is None:
+                self.steps = torch.zeros(())
             self.steps.add_(1)
-        return {"y": 3 * self.lin2(torch.tanh(self.lin1(x))) + 5e-5 * self.steps}
+        steps = torch.zeros(()) if self.steps is None else self.steps
+        return {"y": 3 * self.lin2(torch.tanh(self.lin1(x))) + 5e-5 * steps}
+
+
+def lazy_drift() -> Drift:
+    return Drift(lazy=True)
 
 
 BUILDERS = {
@@ -82,9 +91,11 @@ BUILDERS = {
     "unwrapped": build_tiny,
     "branchy": Branchy,
     "ddp-independent": build_independent,
+    "unwrapped-independent": build_independent,
     "fsdp-shards-independent": build_independent,
     "drift": Drift,
     "ddp-drift": Drift,
+    "lazy-drift": lazy_drift,
 }
 
 
@@ -116,7 +127,7 @@ def main() -> None:
     if options.job == "dies":
         model.inp = nn.Sequential(model.inp, DiesOnRank1())
     sharded = options.job.startswith("fsdp")
-    unwrapped = options.job in ("unwrapped", "branchy", "drift")
+    unwrapped = options.job in ("unwrapped", "branchy", "drift", "lazy-drift", "unwrapped-independent")
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job.startswith("fsdp-shards")
@@ -124,7 +135,7 @@ def main() -> None:
         inputs = token_ids(100 + options.rank)
     if options.job == "ddp-batchnorm":
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
-    train = options.job in ("ddp-batchnorm", "drift", "ddp-drift")
+    train = options.job in ("ddp-batchnorm", "drift", "ddp-drift", "lazy-drift")
     fed = (next(iter(inputs.values())),) if sharded else inputs  # FSDP2's forward takes its input positionally
     capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train)
     dist.barrier()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -492,17 +493,38 @@ def test_a_process_that_compared_nothing_is_no_match_in_the_merged_report(tiny_b
     with BundleReader(tiny_bundle) as reader:
         result = compare_run(build_tiny(), reader)
     assert result.match
-    merge_verdicts(result, [Verdict(0, [0], True, [], []), Verdict(1, [1], False, [], [])], 0)
+    merge_verdicts(result, [Verdict(0, [0], True, [], [], []), Verdict(1, [1], False, [], [], [])], 0)
     assert not result.match
     assert "rank1:(no record compared)" in result.bundle_only
+
+
+def test_a_process_whose_weights_differ_makes_the_merged_report_a_mismatch(tiny_bundle: Path) -> None:
+    """A process whose only failure is a parameter's value (weights loaded per process) is merged as that: the
+    job's verdict is MISMATCH with the parameter named under its rank, and its line says MISMATCH (it was merged as
+    a process that compared nothing: INCOMPLETE, the parameter never named)."""
+    from parity_harness.replay.cli.replay_compare_run import _verdict_word
+    from parity_harness.replay.compare.data_parallel import Verdict, merge_verdicts
+    from tests.models import build_tiny
+
+    other = build_tiny()
+    with torch.no_grad():
+        other.head.bias.add_(1.0)
+    with BundleReader(tiny_bundle) as reader:
+        result = compare_run(build_tiny(), reader)
+        (differing,) = compare_run(other, reader).differing_parameters
+    theirs = Verdict(1, [1], False, [], [], [dataclasses.replace(differing, name=f"rank1:{differing.name}")])
+    merge_verdicts(result, [Verdict(0, [0], True, [], [], []), theirs], 0)
+    assert (result.verdict, result.complete) == ("MISMATCH", True)
+    assert [r.name for r in result.differing_parameters] == ["rank1:head.bias"]
+    assert _verdict_word(theirs) == "MISMATCH"
 
 
 class _DriftBugs(Drift):
     """Outputs off by 1e-4 and the first layer's weight gradient by 1e-3 (relative): a kept gradient near miss makes
     the rounding check rerun every rank in float64."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, lazy: bool = False) -> None:
+        super().__init__(lazy)
         self.lin1.weight.register_hook(lambda grad: grad * (1 + 1e-3))
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -576,24 +598,25 @@ def test_a_rerun_of_the_replayed_rank_alone_starts_from_its_own_buffers(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["drift", "ddp-drift"])
+@pytest.mark.parametrize("job", ["drift", "ddp-drift", "lazy-drift"])
 @pytest.mark.parametrize("main", [0, 1])
 def test_every_rank_starts_from_the_buffers_the_captured_ranks_had(tmp_path: Path, job: str, main: int) -> None:
     """Each captured rank's run started from the same buffers (one model per rank; DDP broadcasts rank 0's before
     its forward). The replay runs the ranks one after another on one model: a step counter its forward moves was
     carried from one rank's run into the next, so the reference itself failed its own capture on the later rank
     (by 5e-5, from either --rank). Every rank's run, and its float64 rerun, now starts from the buffers the replay
-    started from."""
+    started from, a buffer that was None then (made by the first forward) included."""
     out = tmp_path / "bundle.h5"
     assert all(done.returncode == 0 for done in run_ranks(job, out)), "a rank failed"
     manifest = read_manifest(manifest_path(out))
     readers = [BundleReader(file) for file in manifest.files]
     try:
         runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)
-        result = compare_run(Drift().train(), readers[main], data_parallel=runs, waive=("steps",))
+        lazy = job == "lazy-drift"
+        result = compare_run(Drift(lazy).train(), readers[main], data_parallel=runs, waive=("steps",))
         assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
         assert any(note.startswith(f"rank {1 - main}: ") and " 0 differ" in note for note in result.notes)
-        buggy = compare_run(_DriftBugs().train(), readers[main], data_parallel=runs, waive=("steps",))
+        buggy = compare_run(_DriftBugs(lazy).train(), readers[main], data_parallel=runs, waive=("steps",))
     finally:
         for reader in readers:
             reader.close()
@@ -624,7 +647,7 @@ def float64_fails_on_rank_one() -> torch.nn.Module:
     return port
 
 
-def _torchrun_replay(out: Path, model: str, processes: int) -> subprocess.CompletedProcess[str]:
+def _torchrun_replay(out: Path, model: str, processes: int, *extra: str) -> subprocess.CompletedProcess[str]:
     """replay-compare of a manifest under torchrun at the default tolerances (the rounding check on)."""
     replay_script = Path(sys.executable).parent / "replay-compare"
     if not replay_script.exists():
@@ -632,7 +655,7 @@ def _torchrun_replay(out: Path, model: str, processes: int) -> subprocess.Comple
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
         "--master-port", str(free_port()), "--no-python", str(replay_script), "--bundle", str(manifest_path(out)),
-        "--model", model, "--quiet", "--show", "all",
+        "--model", model, "--quiet", "--show", "all", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
@@ -656,6 +679,11 @@ def test_gradients_combined_across_torchrun_processes_are_judged_by_the_rounding
         summary = next(line for line in done.stdout.splitlines() if line.startswith("param_grad "))
         assert summary.split()[1:4] == ["37", "37", "0"], summary  # compared, matched, mismatched: each once
         assert "\u2248 module.emb.weight: float32 rounding" in done.stdout  # a gradient the rule passed
+    # A process with no capture rank casts its model as the others do (--dtype): its zeros joined their bf16
+    # gradients' all-reduce in float32, and the job died on a broken connection.
+    cast = _torchrun_replay(out, "tests.independent_port:build_port", 3, "--dtype", "bf16")
+    assert "RESULT: " in cast.stdout, cast.stdout[-3000:] + cast.stderr[-3000:]  # a verdict, whichever
+    assert "replay process 2: nothing to replay" in cast.stdout
     bug = _torchrun_replay(out, "tests.independent_port:build_port_eps_bug", 2)
     assert bug.returncode == 1
     assert "RESULT: MISMATCH" in bug.stdout
@@ -668,3 +696,52 @@ def test_gradients_combined_across_torchrun_processes_are_judged_by_the_rounding
     assert "no float64 kernel for this batch" in failing.stdout
     others = "module.emb.weight: undecided: not judged: the port could not rerun in float64 (RuntimeError: another"
     assert f"{others} replay process's float64 rerun failed)" in failing.stdout
+
+
+def drift_with_a_bias_buffer() -> torch.nn.Module:
+    """``--model`` factory: Drift whose second layer's bias is a (non-persistent) buffer, not a parameter: the port
+    has no gradient for the recorded ``lin2.bias``, which the user waives."""
+    model = Drift().train()
+    bias = model.lin2.bias.detach().clone()
+    del model.lin2.bias
+    model.lin2.register_buffer("bias", bias, persistent=False)
+    return model
+
+
+@pytest.mark.slow
+def test_a_waived_gradient_is_accepted_on_every_torchrun_process(tmp_path: Path) -> None:
+    """Process 0 alone compares the gradients: another process found a waiver naming only a gradient record unused
+    and ended the job with an error (exit 2 there, a broken connection on process 0)."""
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("drift", out)] == [0, 0]
+    waived = ("--waive", "steps", "--waive", "lin2.bias")
+    done = _torchrun_replay(out, f"{Path(__file__).resolve()}:drift_with_a_bias_buffer", 2, *waived)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RESULT: MATCH" in done.stdout
+    unused = _torchrun_replay(out, f"{Path(__file__).resolve()}:drift_with_a_bias_buffer", 2, *waived, "--waive", "x*")
+    assert unused.returncode != 0  # torchrun says 1 for a worker's exit 2
+    assert "waiver 'x*' (--waive or a map's 'waive' line) matches no record left uncompared" in unused.stderr
+
+
+@pytest.mark.slow
+def test_ranks_that_never_combined_gradients_rerun_only_the_rank_whose_gradients_count(tmp_path: Path) -> None:
+    """Unwrapped ranks (grad_reduction none): rank 0's gradients alone are compared, so the rounding check reruns
+    rank 0 for them, not every rank. It reran rank 1 too, whose float64 run fails here: every gradient was left
+    unjudged and the cancelling key-bias gradients failed (MISMATCH). Rank 1's own records stay undecided."""
+    from parity_harness.replay.cli.replay_compare import main as cli
+
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("unwrapped-independent", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    report = tmp_path / "r.json"
+    model = f"{Path(__file__).resolve()}:float64_fails_on_rank_one"
+    done = CliRunner().invoke(cli, ["--bundle", str(manifest_path(out)), "--model", model, "--json", str(report)])
+    assert done.exit_code == 1, done.output[-3000:]
+    written = json.loads(report.read_text())
+    assert written["verdict"] == "INCOMPLETE"
+    grads = [r for r in written["records"] if r["kind"] == "param_grad"]
+    assert grads
+    assert all(r["match"] for r in grads)
+    undecided = [r["name"] for r in written["records"] if not r["match"]]
+    assert undecided
+    assert all(name.startswith("rank1:") for name in undecided)

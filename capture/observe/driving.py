@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from parity_harness.capture.observe.naming import iter_live_tensors
-from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask
+from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask, time_sizes
 
 __all__ = [
     "ForwardFn",
     "LossFn",
     "call_forward",
-    "input_time_sizes",
+    "live_time_sizes",
     "make_cotangents",
     "map_tensors",
     "rng_state",
@@ -75,16 +75,10 @@ def output_lengths(outputs: Any, declared: Sequence[int]) -> list[np.ndarray]:
     return found
 
 
-def input_time_sizes(inputs: Any, declared: Sequence[int]) -> frozenset[int]:
-    """The sizes of the model inputs' axes that fit the declared lengths: the sizes a time axis at the input's rate
-    has (an axis of another size that fits the longest length, a classifier's classes, is not time)."""
-    root = np.asarray(declared, dtype=np.int64)
-    sizes = set()
-    for _, tensor in iter_live_tensors(inputs, "input"):
-        axis = padding_axis(tuple(tensor.shape), root)
-        if axis is not None:
-            sizes.add(int(tensor.shape[axis]))
-    return frozenset(sizes)
+def live_time_sizes(value: Any, lengths: np.ndarray) -> frozenset[int] | None:
+    """:func:`~parity_harness.common.numerics.padding.time_sizes` among the tensors of ``value`` (the model's
+    inputs for the declared lengths, its outputs for lengths among them)."""
+    return time_sizes((tuple(tensor.shape) for _, tensor in iter_live_tensors(value, "value")), lengths)
 
 
 def make_cotangents(
@@ -105,9 +99,14 @@ def make_cotangents(
     """
     generator = torch.Generator().manual_seed(seed)
     carried: list[tuple[np.ndarray, frozenset[int] | None]] = []
-    if lengths is not None:
-        carried = [(vector, None) for vector in output_lengths(outputs, lengths)]
-        carried.append((np.asarray(lengths, dtype=np.int64), input_time_sizes(inputs, lengths)))
+    if lengths is not None:  # by the rule replay's --mask-padding masks the outputs with
+        declared = np.asarray(lengths, dtype=np.int64)
+        for vector in [*output_lengths(outputs, lengths), declared]:
+            # the time axis's size among the tensors that came with these lengths: the outputs carrying them, the
+            # inputs too where they are the declared ones
+            given = np.array_equal(vector, declared)
+            came_with = [*([] if vector is declared else [outputs]), *([inputs] if given else [])]
+            carried.append((vector, live_time_sizes(came_with, vector)))
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):

@@ -6,17 +6,18 @@ gradients do not depend on what the padding holds) and by replay's ``--mask-padd
 is an axis other than the batch axis whose size fits the longest length (equal, or a few frames
 longer when the framing pads, as a centred STFT does: at most ``max(2, longest // 10)`` more); among
 several candidates the closest fit wins, then the last axis. No fitting axis, no mask. Where the sizes the time
-axis takes are known (those of the tensors the lengths came with), only an axis of one of those sizes is time:
-a classifier's 10 classes are no time axis for lengths (9, 6) whose input has 9 frames.
+axis takes are known (:func:`time_sizes`: the tightest fit among the tensors the lengths came with), only an
+axis of one of those sizes is time: a classifier's 10 classes are no time axis for lengths (9, 6) whose input
+has 9 frames.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
-__all__ = ["lengths_like", "padding_axis", "padding_mask"]
+__all__ = ["lengths_like", "padding_axis", "padding_mask", "time_sizes"]
 
 
 def padding_axis(shape: tuple[int, ...], lengths: np.ndarray, sizes: Collection[int] | None = None) -> int | None:
@@ -34,6 +35,21 @@ def padding_axis(shape: tuple[int, ...], lengths: np.ndarray, sizes: Collection[
     if not axes:
         return None
     return min(reversed(axes), key=lambda candidate: shape[candidate] - longest)
+
+
+def time_sizes(shapes: Iterable[tuple[int, ...]], lengths: np.ndarray) -> frozenset[int] | None:
+    """The size the time axis has among tensors that came with ``lengths`` (the model's inputs, a call's tensors):
+    of the axes that fit, the tightest fit (an input's 9 frames, not the 10 classes of its labels beside them);
+    None when no axis fits (then nothing tells the time axis apart)."""
+    longest, sizes = int(lengths.max(initial=0)), set()
+    for shape in shapes:
+        axis = padding_axis(shape, lengths)
+        if axis is not None:
+            sizes.add(shape[axis])
+    if not sizes:
+        return None
+    tightest = min(size - longest for size in sizes)
+    return frozenset(size for size in sizes if size - longest == tightest)
 
 
 def lengths_like(vector: np.ndarray, declared: np.ndarray) -> bool:

@@ -171,11 +171,12 @@ def _replay_training(driver: Adapter, params: Mapping[str, Any]) -> int:
 
 
 def _verdict_word(verdict: Verdict) -> str:
-    """One process's verdict as RESULT words it: MISMATCH only where a record differs (not one merely uncompared,
-    or a near miss the rounding check could not judge)."""
+    """One process's verdict as RESULT words it: MISMATCH only where a record or a parameter's value differs (not
+    where a record was merely uncompared, or a near miss the rounding check could not judge)."""
     if verdict.match:
         return "MATCH"
-    return "MISMATCH" if any(not record.undecided for record in verdict.failing) else "INCOMPLETE"
+    decided = verdict.parameters or any(not record.undecided for record in verdict.failing)
+    return "MISMATCH" if decided else "INCOMPLETE"
 
 
 def _finish_distributed(outcome: ReplayOutcome, verdicts: list[Verdict]) -> NoReturn:

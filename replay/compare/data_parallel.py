@@ -121,11 +121,18 @@ class DataParallelRuns:
             sum_gradients_across_processes(exact)
 
 
+def _collective_device() -> torch.device:
+    """Where a collective's own tensors must lie: NCCL takes CUDA tensors only."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def every_process(flag: bool, *, any_of: bool = False) -> bool:
     """Whether ``flag`` holds on every replay process (``any_of``: on any), agreed by all of them (a collective)."""
     import torch.distributed as dist
 
-    agreed = torch.tensor([int(flag)], dtype=torch.int32)
+    agreed = torch.tensor([int(flag)], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX if any_of else dist.ReduceOp.MIN)
     return bool(agreed.item())
 
@@ -136,7 +143,7 @@ def sum_gradients_across_processes(model: torch.nn.Module) -> None:
     import torch.distributed as dist
 
     params = [param for param in model.parameters() if param.requires_grad]
-    present = torch.tensor([param.grad is not None for param in params], dtype=torch.int32)
+    present = torch.tensor([param.grad is not None for param in params], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(present, op=dist.ReduceOp.MAX)
     with torch.no_grad():
         for param, anywhere in zip(params, present.tolist(), strict=True):
@@ -159,6 +166,8 @@ class Verdict:
     """Its records that differ, under ``rank<r>:NAME`` names."""
     missing: list[tuple[str, RecordKind]]
     """Its records left uncompared without a waiver, under ``rank<r>:NAME`` names."""
+    parameters: list[RecordResult]
+    """Its parameters whose values are not the reference's (other weights loaded), under ``rank<r>:NAME`` names."""
 
 
 def _under_rank(name: str, rank: int) -> str:
@@ -173,12 +182,13 @@ def gather_verdicts(
     each process calls it once)."""
     import torch.distributed as dist
 
-    own = Verdict(process, assigned, None, [], [])
+    own = Verdict(process, assigned, None, [], [], [])
     if result is not None:
         main = assigned[0]
         failing = [replace(r, name=_under_rank(r.name, main)) for r in result.records if not r.match]
         missing = [(_under_rank(n, main), result.missing_kinds.get(n) or "forward") for n in result.bundle_only]
-        own = Verdict(process, assigned, result.match, failing, missing)
+        parameters = [replace(r, name=_under_rank(r.name, main)) for r in result.differing_parameters]
+        own = Verdict(process, assigned, result.match, failing, missing, parameters)
     verdicts: list[Verdict | None] = [None] * world_size
     dist.all_gather_object(verdicts, own)
     return [verdict for verdict in verdicts if verdict is not None]
@@ -193,9 +203,14 @@ def merge_verdicts(result: ComparisonResult, verdicts: list[Verdict], process: i
         result.records += verdict.failing
         for name, kind in verdict.missing:
             result.add_missing(kind, [name])
-        if verdict.match is False and not verdict.failing and not verdict.missing:  # it compared nothing at all
-            result.add_missing("output", [f"rank{verdict.ranks[0]}:(no record compared)"])
+        # Its weights are the job's too: those not the reference's, where this process's own are (a process that
+        # loaded other weights).
+        own_differing = {record.name for record in result.differing_parameters}
+        result.param_values += [r for r in verdict.parameters if r.name.partition(":")[2] not in own_differing]
+        if verdict.match is False and not (verdict.failing or verdict.missing or verdict.parameters):
+            result.add_missing("output", [f"rank{verdict.ranks[0]}:(no record compared)"])  # it compared nothing
         result.notes.append(
             f"replay process {verdict.process} (capture ranks {verdict.ranks}): {len(verdict.failing)} records "
             f"differ, {len(verdict.missing)} not compared (listed as rank<r>:NAME)"
+            + (f", {len(verdict.parameters)} parameter value(s) not the reference's" if verdict.parameters else "")
         )

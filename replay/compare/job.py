@@ -95,6 +95,8 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         plan = plan_ranks(job, stack, located, preflight=None, catalogs=catalogs)
         if plan.reader is None:  # more replay processes than capture ranks: only take part in the reduction
             assert plan.data_parallel is not None
+            if job.options.precision is not None:  # its zeros of the dtype the others' gradients have (--dtype)
+                job.options.precision.prepare(model)
             plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
             if rounding_check_applies(job.options):
                 plan.data_parallel.join_float64_rerun(model)

@@ -15,7 +15,7 @@ import bisect
 import numpy as np
 
 from parity_harness.common.format.bundle.schema import Tree, iter_tensors
-from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask
+from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask, time_sizes
 from parity_harness.replay.reader import BundleReader
 
 __all__ = ["PaddingPlan", "padding_mask", "recorded_lengths", "subsampled_lengths"]
@@ -49,12 +49,12 @@ class PaddingPlan:
         declared = None if index.run.lengths is None else np.asarray(index.run.lengths, dtype=np.int64)
         self._carry = declared is not None
         self._events: list[tuple[int, np.ndarray, str]] = []
-        self._sizes: list[frozenset[int]] = []
-        """Per event, the sizes of the time axes of the tensors its lengths came with."""
+        came_with: dict[tuple[int, ...], list[Tree]] = {}
+        """Each lengths vector -> the trees of tensors it came with, wherever it was recorded."""
         self._own: dict[tuple[int | None, str], np.ndarray] = {}
         if declared is not None:
             self._events.append((-1, declared, "the declared lengths"))
-            self._sizes.append(_time_sizes(declared, index.inputs))
+            came_with.setdefault(tuple(declared.tolist()), []).append(index.inputs)
         self._rank = {event: rank for rank, event in enumerate(index.forward_order)}
         for rank, (position, event) in enumerate(index.forward_order):
             call = index.calls[position]
@@ -64,14 +64,17 @@ class PaddingPlan:
                 continue
             self._own[(position, event)] = lengths
             self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
-            self._sizes.append(_time_sizes(lengths, call.inputs, call.outputs))
+            came_with.setdefault(tuple(lengths.tolist()), []).extend((call.inputs, call.outputs))
         self._end = len(index.forward_order)
         outputs = recorded_lengths(reader, index.outputs, "output")
         if outputs is not None and (declared is None or lengths_like(outputs, declared)):
             self._own[(None, "outputs")] = outputs
             self._events.append((self._end, outputs, "the model's outputs"))
-            self._sizes.append(_time_sizes(outputs, index.outputs))
+            came_with.setdefault(tuple(outputs.tolist()), []).append(index.outputs)
         self._ranks = [rank for rank, _, _ in self._events]
+        self._sizes = [_time_sizes(lengths, *came_with[tuple(lengths.tolist())]) for _, lengths, _ in self._events]
+        """Per event, the size of the time axis at its lengths (:func:`time_sizes`, over every tensor that came with
+        the same lengths: a model returning the lengths it was given beside class logits has its input's frames)."""
         self._by_longest: dict[int, list[int]] = {}
         """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
         for position, (_, lengths, _) in enumerate(self._events):
@@ -126,15 +129,9 @@ def _described(
     return mask, (f"axis {axis} past lengths {lengths.tolist()} ({source})" if mask is not None else "")
 
 
-def _time_sizes(lengths: np.ndarray, *trees: Tree) -> frozenset[int]:
-    """The sizes of the axes that fit ``lengths`` among the tensors of ``trees`` (what those lengths came with)."""
-    sizes = set()
-    for tree in trees:
-        for _, ref in iter_tensors(tree, ""):
-            axis = padding_axis(tuple(ref.shape), lengths)
-            if axis is not None:
-                sizes.add(ref.shape[axis])
-    return frozenset(sizes)
+def _time_sizes(lengths: np.ndarray, *trees: Tree) -> frozenset[int] | None:
+    """:func:`time_sizes` among the recorded tensors of ``trees`` (what those lengths came with)."""
+    return time_sizes((tuple(ref.shape) for tree in trees for _, ref in iter_tensors(tree, "")), lengths)
 
 
 def _fits(size: int, longest: int) -> bool:

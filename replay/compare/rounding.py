@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +38,14 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
+from parity_harness.replay.compare.buffer_state import BufferState
 from parity_harness.replay.compare.near_misses import FailingRecord, NearMisses
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RoundingCheck
 
-__all__ = ["RoundingRun", "leave_undecided", "rejudge", "restore_buffers", "restored", "snapshot_buffers"]
+__all__ = ["RoundingRun", "leave_undecided", "rejudge"]
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ class RoundingRun:
     run: Callable[[torch.nn.Module, ModuleTap, Callable[[str, str, torch.Tensor], None]], None]
     """Forward and backward of the (float64) model under the tap; reports outputs and the loss (kind
     ``output``) and parameter gradients (``param_grad``), bundle names, to the callback."""
-    buffers: BufferSnapshot = ()
-    """The port's buffers as the replay started (:func:`snapshot_buffers`): the rerun starts from them, not from
-    what the replay's forward left (a BatchNorm's statistics, a step counter, a cache)."""
+    buffers: BufferState | None = None
+    """The port's buffers as the replay started: the rerun starts from them, not from what the replay's forward
+    left (a BatchNorm's statistics, a step counter, a cache)."""
 
     def measure(self, near: NearMisses) -> str | None:
         """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run."""
@@ -79,7 +80,8 @@ class RoundingRun:
             near.measure(kind, name, self.transform(name, value))
 
         try:
-            with _buffers_restored(self.buffers), in_float64(self.model, index.run.train_mode) as exact:
+            start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()
+            with start, in_float64(self.model, index.run.train_mode) as exact:
                 tap = ModuleTap(
                     exact,
                     sink,
@@ -95,54 +97,6 @@ class RoundingRun:
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             return f"{type(err).__name__}: {first}"[:200]
         return None
-
-
-BufferSnapshot = Sequence[tuple[torch.nn.Module, str, torch.Tensor]]
-
-
-def snapshot_buffers(model: torch.nn.Module) -> BufferSnapshot:
-    """A copy of every buffer of ``model`` as it is now."""
-    return [
-        (module, name, buffer.detach().clone())
-        for module in model.modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None
-    ]
-
-
-def restore_buffers(snapshot: BufferSnapshot) -> None:
-    """Every buffer of the snapshot back to the values it holds (the snapshot itself stays as it is)."""
-    with torch.no_grad():
-        for module, name, values in snapshot:
-            module._buffers[name] = restored(module._buffers[name], values)
-
-
-def restored(buffer: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
-    """The buffer tensor the model has, holding ``values``: written only where they differ (BatchNorm's kernels
-    update running statistics in place without moving the version counter), and where it cannot be written (an
-    expanded or inference-mode tensor, which nothing wrote in place either) a copy of ``values`` instead."""
-    if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
-        return values.clone()  # a tensor the run put in its place: copying into it could broadcast
-    if torch.equal(buffer, values):
-        return buffer
-    try:
-        buffer.copy_(values)
-    except RuntimeError:
-        return values.clone()
-    return buffer
-
-
-@contextlib.contextmanager
-def _buffers_restored(snapshot: BufferSnapshot) -> Iterator[None]:
-    """The snapshot's buffers in place for the duration; the current ones back afterwards."""
-    current = [(module, name, module._buffers[name]) for module, name, _ in snapshot]
-    try:
-        for module, name, value in snapshot:
-            module._buffers[name] = value
-        yield
-    finally:
-        for module, name, buffer in current:
-            module._buffers[name] = buffer
 
 
 class _LevelSink:

@@ -12,7 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
@@ -29,6 +29,7 @@ from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
+from parity_harness.replay.compare.buffer_state import BufferState, restored
 from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import (
     DataParallelRuns,
@@ -51,14 +52,7 @@ from parity_harness.replay.compare.records import (
     unpad,
     unvisited_module_records,
 )
-from parity_harness.replay.compare.rounding import (
-    RoundingRun,
-    leave_undecided,
-    rejudge,
-    restore_buffers,
-    restored,
-    snapshot_buffers,
-)
+from parity_harness.replay.compare.rounding import RoundingRun, leave_undecided, rejudge
 from parity_harness.replay.compare.values import compare_output_values
 from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapter, LayoutTransform, as_recorded
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
@@ -110,8 +104,7 @@ class ReplayOptions:
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
             is not given, i.e. at the defaults; never with a noise floor or a precision below float32, and never
             for records a tolerance override judges. On a multi-rank capture every rank replayed is rerun, and the
-            gradients combined as the ranks combined them; gradients combined across the replay's own processes
-            (torchrun) are not, and those the rule could pass are left undecided (INCOMPLETE), with a note.
+            gradients combined as the ranks combined them (under torchrun, summed across the replay's processes).
         allow_tf32: keep TF32 and oneDNN's reduced float32 modes as torch or the port set them; by default the
             replay turns them off, so that float32 is float32 (``capture.record.tf32``).
     """
@@ -275,10 +268,10 @@ class _ReplaySession:
         """The rounding check reruns every rank this process replayed, for the gradients they combine."""
         self.joined = False
         """Under torchrun, this process's float64 rerun reached the collective that tells the others it ran."""
-        self.rank_buffers: Sequence[tuple[torch.nn.Module, str, torch.Tensor]] | None = None
+        self.rank_buffers: BufferState | None = None
         """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
-        self.initial_buffers = snapshot_buffers(model) if self.near is not None else ()
+        self.initial_buffers = BufferState.of(model) if self.near is not None else None
         self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
@@ -367,9 +360,9 @@ class _ReplaySession:
         (a model of its own, the same checkpoint; DDP broadcasts rank 0's before its forward), and a buffer a
         forward moves (a step counter) must not carry from one rank's run into the next."""
         if self.rank_buffers is None:
-            self.rank_buffers = snapshot_buffers(self.model)
+            self.rank_buffers = BufferState.of(self.model)
         else:
-            restore_buffers(self.rank_buffers)
+            self.rank_buffers.restore()
         self._compare_rank(run, data_parallel)
 
     def _compare_rank(self, run: BundleReader, data_parallel: DataParallelRuns) -> None:
@@ -508,8 +501,8 @@ class _ReplaySession:
         data_parallel = self.options.data_parallel
         if not self.weights.index.selection.records("param-grads"):
             return
-        if data_parallel and not data_parallel.compares_gradients:  # process 0 compares what every process holds
-            self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
+        if data_parallel and not data_parallel.compares_gradients:
+            self._leave_gradients_to_process_zero()
             return
         grads = mapped_parameters(self.model, self.rename, grads=True, known=self.weights.index.grads)
         tolerances = self.result.tolerances
@@ -536,6 +529,14 @@ class _ReplaySession:
             ),
         )
 
+    def _leave_gradients_to_process_zero(self) -> None:
+        """Under torchrun, process 0 compares the gradients every process holds after the sum; a waiver naming
+        gradient records is its to judge (here it counts as used)."""
+        self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
+        patterns = (*self.rename.waivers, *self.options.waive)
+        recorded = self.weights.index.grads
+        self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in recorded))
+
     def compare_buffers(self) -> None:
         """The port's persistent buffers after its run against the reference's (those either run changed)."""
         found = compare_buffers(
@@ -554,7 +555,7 @@ class _ReplaySession:
             self._measure_and_rejudge(near)
         finally:
             near.close()
-        self.initial_buffers = ()
+        self.initial_buffers = None
         passed = [record for record in self.result.records if record.rule == "rounding"]
         if passed:
             example = passed[0]
@@ -631,10 +632,10 @@ class _ReplaySession:
     def _float64_runs(self, exact: torch.nn.Module, tap: ModuleTap, report: Any) -> None:
         """The float64 runs of :meth:`_float64_order`, each from the buffers the first started from."""
         data_parallel = self.options.data_parallel
-        start = snapshot_buffers(exact)  # each rank's run starts from them, as in the replay (``_run_rank``)
+        start = BufferState.of(exact)  # each rank's run starts from them, as in the replay (``_run_rank``)
         for position, run in enumerate(self._float64_order()):
             if position:
-                restore_buffers(start)
+                start.restore()
             if run is self.reader:
                 self._float64_run(exact, run, tap, report)
             else:
@@ -658,15 +659,16 @@ class _ReplaySession:
         return data_parallel is not None and data_parallel.across_processes and self.judge_gradients
 
     def _float64_order(self) -> list[BundleReader]:
-        """The runs the float64 rerun makes, in the replay's order: this bundle's alone, or on a multi-rank capture
-        where gradients are to be judged, every rank this process replayed."""
+        """The runs the float64 rerun makes: this bundle's alone, or on a multi-rank capture where gradients are to be
+        judged, every rank this process replayed (in the replay's order); where the ranks never combined their
+        gradients, this bundle's and the parameters rank's (whose gradients alone are compared)."""
         data_parallel = self.options.data_parallel
         if data_parallel is None or self.other_rank or not self.judge_gradients:
             return [self.reader]
         if data_parallel.grad_reduction != "none":
             return list(data_parallel.ranks)
-        others = [run for run in data_parallel.ranks if run is not data_parallel.parameters]
-        return others + ([data_parallel.parameters] if data_parallel.parameters in data_parallel.ranks else [])
+        parameters = data_parallel.parameters
+        return [run for run in data_parallel.ranks if run is self.reader or run is parameters]
 
     def _float64_run(
         self, exact: torch.nn.Module, run: BundleReader, tap: ModuleTap | None = None, report: Any = None

@@ -584,14 +584,22 @@ def align_modules(
 def _port_signatures(
     model: torch.nn.Module, reader: BundleReader, forward: ForwardFn | None, device: str
 ) -> list[CallSignature]:
-    """The port's module calls, run once (no grad) on the bundle's recorded inputs, in completion order."""
+    """The port's module calls, run once (no grad) on the bundle's recorded inputs, in completion order; its buffers
+    as they were afterwards (a train-mode forward moves BatchNorm's statistics and step counters, and the replay
+    must start where the reference's run started)."""
+    from parity_harness.replay.compare.buffer_state import BufferState  # not for ckpt-diff, which aligns no calls
+
     sink = _SignatureSink()
     inputs = to_device(reader.rebuild(reader.index.inputs), torch.device(device))
     model.train(reader.index.run.train_mode)
     seed_everything(reader.index.run.seed)
     by_signature = reader.index.run.arguments == "by-signature"
-    with torch.no_grad(), ModuleTap(model, sink, record_backward=False, by_signature=by_signature):
-        call_forward(model, inputs, forward)
+    buffers = BufferState.of(model)
+    try:
+        with torch.no_grad(), ModuleTap(model, sink, record_backward=False, by_signature=by_signature):
+            call_forward(model, inputs, forward)
+    finally:
+        buffers.restore()
     return sink.calls
 
 

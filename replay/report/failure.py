@@ -21,7 +21,8 @@ _DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "ba
 def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], max_rows: int = 15) -> str:
     """Failing records (capped, the rest counted), where it diverges or starts, and what would pass."""
     failing = [r for r in result.records if not r.match]
-    rows = [[r.kind, *record_row(r, result.isolated)] for r in (failing + result.differing_parameters)[:max_rows]]
+    shown = failing[:max_rows] + result.differing_parameters[:5]  # the parameters even past max_rows records
+    rows = [[r.kind, *record_row(r, result.isolated)] for r in shown]
     tolerance = result.tolerances.default
     headline = (
         f"port does not match {bundle}: {len(failing)} of {len(result.records)} records out of tolerance "

@@ -7,7 +7,13 @@ from typing import Final, Literal
 
 from tabulate import tabulate
 
-from parity_harness.replay.report.tables import record_headers, record_row, render_provenance, result_line
+from parity_harness.replay.report.tables import (
+    param_value_lines,
+    record_headers,
+    record_row,
+    render_provenance,
+    result_line,
+)
 from parity_harness.replay.result import ComparisonResult, RecordResult
 
 __all__ = ["render_markdown"]
@@ -61,6 +67,8 @@ def render_markdown(result: ComparisonResult, bundle: str) -> str:
             f"Recorded but not compared: {len(result.bundle_only)}; waived: {len(result.waived)}; "
             f"only in the replay: {len(result.replay_only)}."
         ),
+        "",
+        *param_value_lines(result),
         "",
         *_where(result),
     ]

@@ -15,6 +15,7 @@ from parity_harness.replay.result import ComparisonResult, RecordKind, RecordRes
 
 __all__ = [
     "Show",
+    "param_value_lines",
     "record_headers",
     "record_row",
     "render_provenance",
@@ -188,7 +189,8 @@ def _isolation_summary(result: ComparisonResult) -> list[str]:
     return lines
 
 
-def _param_values(result: ComparisonResult) -> list[str]:
+def param_value_lines(result: ComparisonResult) -> list[str]:
+    """What the comparison of the parameters' values found: all equal, or which differ (a mismatch)."""
     differing = [r for r in result.param_values if not r.match]
     if not result.param_values:
         return ["parameter values: none paired with the bundle's (check --map)"]
@@ -228,7 +230,7 @@ def render_result(result: ComparisonResult, *, show: Show = "auto", max_rows: in
         if records or kind != "buffer":  # most runs change no buffer: no empty table for them
             lines += _section(kind, records, show, max_rows, result.isolated)
     lines += _summary(result)
-    lines += _param_values(result)
+    lines += param_value_lines(result)
     lines += result.notes
     if not result.match:
         lines += ["", render_provenance(result.reference_provenance, result.replay_provenance)]

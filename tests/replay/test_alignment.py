@@ -3,10 +3,12 @@ cannot settle says how sure it is."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.format.bundle.selection import Selection
@@ -384,3 +386,20 @@ def test_a_long_stretch_without_weights_is_cut_by_values_or_marked_uncertain(tmp
         assert wrong == {}
         assert len(proposal.pairs) == 1000
     assert set(wrong) <= set(proposal.uncertain)
+
+
+def test_aligning_leaves_the_ports_buffers_where_the_replay_starts(tmp_path: Path) -> None:
+    """--map auto runs the port once to align its calls: in train mode that moved BatchNorm's running statistics
+    before the replay began, so a correct port's buffers (moved twice) differed from the reference's."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    path = tmp_path / "batchnorm.h5"
+    batch = (torch.randn(6, 4, generator=torch.Generator().manual_seed(1)),)
+    capture_run(copy.deepcopy(reference), batch, path, seed=0, train_mode=True)
+    port = copy.deepcopy(reference)
+    with BundleReader(path) as reader:
+        proposal = align_modules(port, reader)
+        assert int(port[1].num_batches_tracked) == 0
+        result = compare_run(port, reader, rename=proposal.rename_map())
+    assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
+    assert {r.name for r in result.records if r.kind == "buffer"} >= {"1.running_mean", "1.running_var"}

@@ -17,6 +17,7 @@ from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import parse_map
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.markdown import render_markdown
 from parity_harness.replay.report.tables import render_result
 from tests.cli_helpers import one_error_line
 from tests.models import Block, build_tiny
@@ -287,7 +288,9 @@ def test_a_weight_no_record_shows_still_decides_the_verdict(tmp_path: Path, froz
     assert [r.name for r in result.differing_parameters] == ["embed.weight"]
     assert "1 parameter value(s) not the reference's" in failure_message(result, bundle)
     assert "MISMATCH: 1 of 3 parameters differ from the reference's weights (embed.weight)" in render_result(result)
-    assert result.to_json()["verdict"] == "MISMATCH"
+    written = result.to_json()
+    assert (written["verdict"], written["differing_parameters"]) == ("MISMATCH", ["embed.weight"])
+    assert "MISMATCH: 1 of 3 parameters differ" in render_markdown(result, str(bundle))
 
 
 class DetachedBranchBlock(Block):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -319,6 +320,88 @@ def test_an_axis_that_only_fits_the_longest_length_is_not_masked(tmp_path: Path)
         in {r.name: r for r in garbage.records}["output.0"].masked
     )
     assert unmasked.verdict == "MISMATCH"
+
+
+class _Pooling(nn.Module):
+    """A pooling head taking the frames and their lengths (as NeMo's speaker decoder): 10 class logits."""
+
+    def __init__(self, class_bump: float) -> None:
+        super().__init__()
+        self.lin, self.class_bump = nn.Linear(8, 10), class_bump
+
+    def forward(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        valid = torch.arange(h.shape[1])[None] < lengths[:, None]
+        pooled = (h * valid[..., None]).sum(1) / lengths[:, None]
+        return self.lin(pooled) + self.class_bump * (torch.arange(10) == 9)
+
+
+class _ClassesBesideLengths(nn.Module):
+    """Classes that travel with the lengths: the model returns the lengths beside the logits (``returns``), the
+    pooling head gets them, or the labels (batch, 10) come in beside the frames (``labels``)."""
+
+    def __init__(self, class_bump: float = 0.0, returns: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head, self.returns = nn.Linear(4, 8), _Pooling(class_bump), returns
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.head(torch.tanh(self.enc(x)), lengths)
+        return (logits, lengths) if self.returns else logits
+
+
+@pytest.mark.parametrize("case", ["returns-lengths", "pooling-head", "labels-input"])
+def test_classes_among_the_tensors_the_lengths_came_with_are_not_time(tmp_path: Path, case: str) -> None:
+    """The time axis's size is the tightest fit among every tensor that came with the same lengths: the frames (9)
+    rather than the classes (10) beside them, in the model's outputs, a pooling head's call or the inputs. Each
+    case masked class 9 (and zeroed its cotangent) and a port off on that class passed with --mask-padding."""
+    bundle = tmp_path / "classes.h5"
+    x, lengths = torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([9, 6])
+    returns = case == "returns-lengths"
+    inputs = (x, lengths, torch.zeros(2, 10)) if case == "labels-input" else (x, lengths)
+    capture_run(_ClassesBesideLengths(returns=returns), inputs, bundle, seed=3, lengths=(9, 6))
+    with BundleReader(bundle) as reader:
+        cotangent = reader.rebuild(reader.index.cotangent)["output.0" if returns else "output"]
+        result = compare_run(_ClassesBesideLengths(class_bump=1e-3, returns=returns), reader, mask_padding=True)
+    assert torch.count_nonzero(cotangent) == 20
+    assert result.verdict == "MISMATCH"
+    classes = [r for r in result.records if r.name in ("output", "output.0", "head/0/output", "head.lin/0/output")]
+    assert len(classes) == 3
+    assert not any(record.masked for record in classes)
+    frames = next(record for record in result.records if record.name == "head/0/input.h")
+    assert "axis 1 past lengths [9, 6]" in frames.masked  # the frames still are
+
+
+class _TimeFirstTagger(nn.Module):
+    """Token ids given time-first (T, B) and turned batch-first inside; the port leaves garbage in padded logits."""
+
+    def __init__(self, port: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed, self.head, self.port = nn.Embedding(11, 6), nn.Linear(6, 5), port
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(ids.t())))
+        if self.port:
+            padded = torch.arange(9)[None, :, None] >= torch.tensor([9, 6])[:, None, None]
+            logits = torch.where(padded, logits.detach() * 3 + 1, logits)
+        return logits
+
+
+def _valid_logits_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The reference's own loss, over the valid tokens only."""
+    return (logits.logsumexp(-1) * (torch.arange(9)[None] < torch.tensor([9, 6])[:, None])).sum()
+
+
+def test_lengths_no_input_fits_still_mask_by_the_axis_that_fits(tmp_path: Path) -> None:
+    """No model input has a batch-first axis fitting the declared lengths (time-first ids): nothing tells the time
+    axis's size, so any fitting axis is time, as before (an empty set of sizes masked nothing, and the correct
+    port's padded logits failed)."""
+    bundle = tmp_path / "time-first.h5"
+    ids = torch.randint(1, 11, (2, 9), generator=torch.Generator().manual_seed(2))
+    capture_run(_TimeFirstTagger(), (ids.t().contiguous(),), bundle, seed=4, lengths=(9, 6), loss=_valid_logits_loss)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_TimeFirstTagger(port=True), reader, mask_padding=True, loss=_valid_logits_loss)
+    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
 
 
 class _NaNPadded(nn.Module):
