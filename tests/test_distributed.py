@@ -745,3 +745,16 @@ def test_ranks_that_never_combined_gradients_rerun_only_the_rank_whose_gradients
     undecided = [r["name"] for r in written["records"] if not r["match"]]
     assert undecided
     assert all(name.startswith("rank1:") for name in undecided)
+    # From either rank the correct port passes: the parameters rank's float64 run comes last (one after it zeroed
+    # its gradients, and every gradient was left unmeasured from --rank 1).
+    from tests.independent_port import build
+
+    for rank in (0, 1):
+        readers = [BundleReader(file) for file in read_manifest(manifest_path(out)).files]
+        try:
+            runs = DataParallelRuns(readers, readers[0], "none")
+            result = compare_run(build(manual=True), readers[rank], data_parallel=runs)
+        finally:
+            for reader in readers:
+                reader.close()
+        assert result.verdict == "MATCH", (rank, [r.name for r in result.records if not r.match][:5])

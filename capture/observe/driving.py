@@ -98,15 +98,7 @@ def make_cotangents(
     same rule.
     """
     generator = torch.Generator().manual_seed(seed)
-    carried: list[tuple[np.ndarray, frozenset[int] | None]] = []
-    if lengths is not None:  # by the rule replay's --mask-padding masks the outputs with
-        declared = np.asarray(lengths, dtype=np.int64)
-        for vector in [*output_lengths(outputs, lengths), declared]:
-            # the time axis's size among the tensors that came with these lengths: the outputs carrying them, the
-            # inputs too where they are the declared ones
-            given = np.array_equal(vector, declared)
-            came_with = [*([] if vector is declared else [outputs]), *([inputs] if given else [])]
-            carried.append((vector, live_time_sizes(came_with, vector)))
+    carried = [] if lengths is None else _cotangent_lengths(outputs, inputs, lengths)
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
@@ -120,6 +112,26 @@ def make_cotangents(
                 noise[torch.from_numpy(padded)] = 0.0
             triples.append((slot, tensor, noise.to(dtype=tensor.dtype, device=tensor.device)))
     return triples
+
+
+def _cotangent_lengths(outputs: Any, inputs: Any, lengths: Sequence[int]) -> list[tuple[np.ndarray, frozenset[int]]]:
+    """The lengths that zero the cotangent, each with the size its time axis has, by the rule replay's
+    ``--mask-padding`` masks the outputs with: the outputs' own lengths (not with one example, where any positive
+    integer would do), sized among the outputs and, where they equal the declared ones, the inputs; then the
+    declared lengths, sized among the inputs (else the outputs carrying them too); the longest length alone where
+    nothing fits."""
+    declared = np.asarray(lengths, dtype=np.int64)
+    own = output_lengths(outputs, lengths) if len(declared) > 1 else []
+    returned = any(np.array_equal(vector, declared) for vector in own)
+    carried = []
+    for vector in own:
+        given = np.array_equal(vector, declared)
+        carried.append((vector, live_time_sizes([outputs, inputs] if given else outputs, vector)))
+    sizes = live_time_sizes(inputs, declared)
+    if sizes is None and returned:
+        sizes = live_time_sizes([inputs, outputs], declared)
+    carried.append((declared, sizes))
+    return [(vector, sizes or frozenset({int(vector.max(initial=0))})) for vector, sizes in carried]
 
 
 def map_tensors(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:

@@ -1,5 +1,6 @@
-"""The port's buffers as they were at one point of a replay, to run again from there: every rank of a multi-rank
-capture starts from the same ones, and so does the rounding check's float64 rerun."""
+"""The port's buffers (and submodules) as they were at one point of a replay, to run again from there: every rank of
+a multi-rank capture starts from the same ones, and so do the rounding check's float64 rerun and the replay itself
+after ``--map auto``'s alignment run; the caller gets them back once the replay is over."""
 
 from __future__ import annotations
 
@@ -13,69 +14,87 @@ __all__ = ["BufferState", "restored"]
 
 
 @dataclass(frozen=True)
-class BufferState:
-    """Every module's buffers: copies of their values, the entries that were None, and which were non-persistent
-    (a forward may register a buffer, fill one that was None, or put a new tensor in its place)."""
+class _ModuleState:
+    module: torch.nn.Module
+    buffers: dict[str, tuple[torch.Tensor, torch.Tensor] | None]
+    """Name -> (the buffer tensor it held, a copy of its values); None for an entry that was None."""
+    non_persistent: frozenset[str]
+    children: dict[str, torch.nn.Module | None]
 
-    modules: tuple[tuple[torch.nn.Module, dict[str, torch.Tensor | None], frozenset[str]], ...]
+
+@dataclass(frozen=True)
+class BufferState:
+    """Every module's buffers and submodules: a forward may register a buffer, fill one that was None, put another
+    tensor in a buffer's place (even a view of a weight), or create a submodule holding a counter."""
+
+    modules: tuple[_ModuleState, ...]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> BufferState:
-        """``model``'s buffers as they are now."""
-        return cls(
-            tuple(
-                (
-                    module,
-                    {
-                        name: None if buffer is None else buffer.detach().clone()
-                        for name, buffer in module._buffers.items()
-                    },
-                    frozenset(module._non_persistent_buffers_set),
-                )
-                for module in model.modules()
-            )
-        )
+        """``model``'s buffers and submodules as they are now."""
+        return cls(tuple(_state_of(module) for module in model.modules()))
 
     def restore(self) -> None:
-        """The model's buffers back to this state (this state's copies stay as they are): values written into the
-        tensors the model has where they can be, None entries None again, buffers registered since removed."""
+        """The model back to this state: each buffer the tensor it was, holding the values it had (written only
+        where they changed; never into a tensor the run put in its place), None entries None, buffers and submodules
+        added since removed, those removed put back."""
         with torch.no_grad():
-            for module, saved, non_persistent in self.modules:
-                for name in [name for name in module._buffers if name not in saved]:
-                    del module._buffers[name]
-                for name, values in saved.items():
-                    module._buffers[name] = None if values is None else restored(module._buffers.get(name), values)
-                module._non_persistent_buffers_set = set(non_persistent)
+            for state in self.modules:
+                module = state.module
+                _replace(module._modules, state.children)
+                restored_buffers = {
+                    name: None if saved is None else restored(*saved) for name, saved in state.buffers.items()
+                }
+                _replace(module._buffers, restored_buffers)
+                module._non_persistent_buffers_set = set(state.non_persistent)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """This state's own tensors in the model for the duration; the model's buffers as they were afterwards."""
+        """Copies of this state's values in the model for the duration (its submodules as they were); the model's
+        own buffers and submodules afterwards, untouched."""
         current = [
-            (module, dict(module._buffers), set(module._non_persistent_buffers_set)) for module, _, _ in self.modules
+            (
+                state.module,
+                dict(state.module._buffers),
+                dict(state.module._modules),
+                set(state.module._non_persistent_buffers_set),
+            )
+            for state in self.modules
         ]
         try:
-            for module, saved, non_persistent in self.modules:
-                module._buffers.clear()
-                module._buffers.update(saved)
-                module._non_persistent_buffers_set = set(non_persistent)
+            for state in self.modules:
+                _replace(state.module._modules, state.children)
+                copies = {name: None if saved is None else saved[1].clone() for name, saved in state.buffers.items()}
+                _replace(state.module._buffers, copies)
+                state.module._non_persistent_buffers_set = set(state.non_persistent)
             yield
         finally:
-            for module, buffers, names in current:
-                module._buffers.clear()
-                module._buffers.update(buffers)
+            for module, buffers, children, names in current:
+                _replace(module._modules, children)
+                _replace(module._buffers, buffers)
                 module._non_persistent_buffers_set = names
 
 
-def _copies(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {name: None if buffer is None else buffer.detach().clone() for name, buffer in module._buffers.items()}
+def _state_of(module: torch.nn.Module) -> _ModuleState:
+    buffers = {
+        name: None if buffer is None else (buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
+    }
+    return _ModuleState(module, buffers, frozenset(module._non_persistent_buffers_set), dict(module._modules))
 
 
-def restored(buffer: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:
-    """The buffer tensor the model has, holding ``values``: written only where they differ (BatchNorm's kernels
-    update running statistics in place without moving the version counter), and where it cannot be written (an
-    expanded or inference-mode tensor, which nothing wrote in place either) a copy of ``values`` instead."""
-    if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
-        return values.clone()  # a tensor the run put in its place: copying into it could broadcast
+def _replace(target: dict, entries: dict) -> None:  # type: ignore[type-arg]
+    """``target`` (a module's own ordered dict) holding exactly ``entries``, in their order."""
+    target.clear()
+    target.update(entries)
+
+
+def restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The buffer tensor a module had, holding ``values`` (a copy of what it held then): written back only where
+    they changed (BatchNorm's kernels update running statistics in place without moving the version counter), and
+    where it cannot be written (an expanded or inference-mode tensor, or one resized since, which nothing wrote in
+    place either) a copy of ``values`` instead."""
+    if (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
+        return values.clone()
     if torch.equal(buffer, values):
         return buffer
     try:

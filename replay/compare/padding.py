@@ -48,14 +48,30 @@ class PaddingPlan:
         index = reader.index
         declared = None if index.run.lengths is None else np.asarray(index.run.lengths, dtype=np.int64)
         self._carry = declared is not None
-        self._events: list[tuple[int, np.ndarray, str]] = []
-        came_with: dict[tuple[int, ...], list[Tree]] = {}
-        """Each lengths vector -> the trees of tensors it came with, wherever it was recorded."""
+        self._rank = {event: rank for rank, event in enumerate(index.forward_order)}
+        self._end = len(index.forward_order)
         self._own: dict[tuple[int | None, str], np.ndarray] = {}
+        self._events: list[tuple[int, np.ndarray, str]] = []
+        trees = self._find_events(reader, declared)
+        self._ranks = [rank for rank, _, _ in self._events]
+        self._sizes = self._time_axis_sizes(trees)
+        self._by_longest: dict[int, list[int]] = {}
+        """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
+        for position, (_, lengths, _) in enumerate(self._events):
+            self._by_longest.setdefault(int(lengths.max()), []).append(position)
+        self._cache: dict[tuple[tuple[int, ...], int, str], tuple[np.ndarray | None, str]] = {}
+
+    def _find_events(self, reader: BundleReader, declared: np.ndarray | None) -> list[tuple[Tree, ...]]:
+        """Every lengths vector of the run, in forward order, into ``_events``: the declared ones, then each call's
+        and the outputs' that carry them (with one example every positive integer does: the declared alone then).
+        Returns the trees of tensors each came with."""
+        index = reader.index
+        trees: list[tuple[Tree, ...]] = []
         if declared is not None:
             self._events.append((-1, declared, "the declared lengths"))
-            came_with.setdefault(tuple(declared.tolist()), []).append(index.inputs)
-        self._rank = {event: rank for rank, event in enumerate(index.forward_order)}
+            trees.append((index.inputs,))
+        if declared is not None and len(declared) < 2:
+            return trees
         for rank, (position, event) in enumerate(index.forward_order):
             call = index.calls[position]
             tree, prefix = (call.inputs, "input") if event == "inputs" else (call.outputs, "output")
@@ -64,22 +80,28 @@ class PaddingPlan:
                 continue
             self._own[(position, event)] = lengths
             self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
-            came_with.setdefault(tuple(lengths.tolist()), []).extend((call.inputs, call.outputs))
-        self._end = len(index.forward_order)
+            trees.append((call.inputs, call.outputs))
         outputs = recorded_lengths(reader, index.outputs, "output")
         if outputs is not None and (declared is None or lengths_like(outputs, declared)):
             self._own[(None, "outputs")] = outputs
             self._events.append((self._end, outputs, "the model's outputs"))
-            came_with.setdefault(tuple(outputs.tolist()), []).append(index.outputs)
-        self._ranks = [rank for rank, _, _ in self._events]
-        self._sizes = [_time_sizes(lengths, *came_with[tuple(lengths.tolist())]) for _, lengths, _ in self._events]
-        """Per event, the size of the time axis at its lengths (:func:`time_sizes`, over every tensor that came with
-        the same lengths: a model returning the lengths it was given beside class logits has its input's frames)."""
-        self._by_longest: dict[int, list[int]] = {}
-        """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
-        for position, (_, lengths, _) in enumerate(self._events):
-            self._by_longest.setdefault(int(lengths.max()), []).append(position)
-        self._cache: dict[tuple[tuple[int, ...], int, str], tuple[np.ndarray | None, str]] = {}
+            trees.append((index.outputs,))
+        return trees
+
+    def _time_axis_sizes(self, trees: list[tuple[Tree, ...]]) -> list[frozenset[int]]:
+        """Per event, the size its time axis has (:func:`time_sizes`) among the tensors it came with; for the model's
+        outputs, or an event whose tensors fit nothing, among every tensor that came with the same lengths (a model
+        returning the lengths it was given beside class logits has its input's frames); the longest length alone
+        where nothing fits anywhere (any axis a few frames longer could be classes)."""
+        pooled: dict[tuple[int, ...], list[Tree]] = {}
+        for (_, lengths, _), came_with in zip(self._events, trees, strict=True):
+            pooled.setdefault(tuple(lengths.tolist()), []).extend(came_with)
+        sizes = []
+        for (rank, lengths, _), came_with in zip(self._events, trees, strict=True):
+            found = None if rank == self._end else _time_sizes(lengths, *came_with)
+            found = found if found is not None else _time_sizes(lengths, *pooled[tuple(lengths.tolist())])
+            sizes.append(found if found is not None else frozenset({int(lengths.max())}))
+        return sizes
 
     def mask(self, shape: tuple[int, ...], position: int | None, event: str) -> tuple[np.ndarray | None, str]:
         """The padded positions of a record of call ``position`` (None: the model's outputs) at forward

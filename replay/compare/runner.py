@@ -29,7 +29,7 @@ from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.buffer_state import BufferState, restored
+from parity_harness.replay.compare.buffer_state import BufferState
 from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import (
     DataParallelRuns,
@@ -198,16 +198,12 @@ def _phases(session: _ReplaySession, options: ReplayOptions) -> None:
 @contextlib.contextmanager
 def _state_kept(model: torch.nn.Module) -> Iterator[None]:
     """The caller's model as it was once the replay is over: each module's train/eval mode, its parameters' tensors
-    (``--dtype`` casts them) and its buffers' values (a train-mode replay moves BatchNorm's statistics). A test
-    checking one model against two bundles would otherwise compare the second with what the first left."""
+    (``--dtype`` casts them), its buffers and submodules (a train-mode replay moves BatchNorm's statistics, fills a
+    buffer that was None, makes a counter). A test checking one model against two bundles would otherwise compare
+    the second with what the first left."""
     modes = [(module, module.training) for module in model.modules()]
     parameters = [(param, param.data) for param in model.parameters()]
-    buffers = [
-        (module, name, buffer, buffer.detach().clone())
-        for module in model.modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None
-    ]
+    buffers = BufferState.of(model)
     try:
         yield
     finally:
@@ -218,8 +214,7 @@ def _state_kept(model: torch.nn.Module) -> Iterator[None]:
                 if (param.dtype, param.device, param.data_ptr()) != (data.dtype, data.device, data.data_ptr()):
                     param.grad = None  # of the cast tensor's dtype
                     param.data = data
-            for module, name, buffer, values in buffers:
-                module._buffers[name] = restored(buffer, values)
+        buffers.restore()
 
 
 _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
@@ -667,8 +662,9 @@ class _ReplaySession:
             return [self.reader]
         if data_parallel.grad_reduction != "none":
             return list(data_parallel.ranks)
-        parameters = data_parallel.parameters
-        return [run for run in data_parallel.ranks if run is self.reader or run is parameters]
+        parameters = data_parallel.parameters  # last: the runs before it have their gradients zeroed
+        own = [self.reader] if self.reader is not parameters and self.reader in data_parallel.ranks else []
+        return own + ([parameters] if parameters in data_parallel.ranks else [])
 
     def _float64_run(
         self, exact: torch.nn.Module, run: BundleReader, tap: ModuleTap | None = None, report: Any = None

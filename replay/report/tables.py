@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Final, Literal
@@ -189,6 +190,10 @@ def _isolation_summary(result: ComparisonResult) -> list[str]:
     return lines
 
 
+_MERGED: Final = re.compile(r"rank\d+:")
+"""How the records another torchrun process sent are named."""
+
+
 def param_value_lines(result: ComparisonResult) -> list[str]:
     """What the comparison of the parameters' values found: all equal, or which differ (a mismatch)."""
     differing = [r for r in result.param_values if not r.match]
@@ -201,8 +206,9 @@ def param_value_lines(result: ComparisonResult) -> list[str]:
     lines = []
     if deciding:
         names = ", ".join(r.name for r in deciding[:5]) + (" ..." if len(deciding) > 5 else "")
+        total = len([r for r in result.param_values if not _MERGED.match(r.name)])  # not another process's too
         lines.append(
-            f"MISMATCH: {len(deciding)} of {len(result.param_values)} parameters differ from the reference's "
+            f"MISMATCH: {len(deciding)} of {total or len(result.param_values)} parameters differ from the reference's "
             f"weights ({names}): different weights were loaded (the run may not show it: rows or columns it never "
             "reads); check the checkpoint's conversion"
         )

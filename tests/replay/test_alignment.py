@@ -403,3 +403,31 @@ def test_aligning_leaves_the_ports_buffers_where_the_replay_starts(tmp_path: Pat
         result = compare_run(port, reader, rename=proposal.rename_map())
     assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
     assert {r.name for r in result.records if r.kind == "buffer"} >= {"1.running_mean", "1.running_var"}
+
+
+class _WeightCache(nn.Module):
+    """Keeps the weight it last used in a (non-persistent) buffer: the forward puts a view of the weight there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2 = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.register_buffer("seen_weight", torch.zeros(8, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen_weight = self.lin1.weight.detach()
+        return self.lin2(torch.tanh(self.lin1(x)))
+
+
+def test_aligning_never_writes_into_what_a_buffer_was_replaced_with(tmp_path: Path) -> None:
+    """Undoing the alignment run wrote the buffer's old values (zeros) into the tensor its forward had put there, a
+    view of a weight: the port's weight was zeroed and every record failed."""
+    path = tmp_path / "cache.h5"
+    capture_run(_WeightCache(), (torch.randn(3, 4, generator=torch.Generator().manual_seed(1)),), path, seed=0)
+    port = _WeightCache()
+    weight = port.lin1.weight.detach().clone()
+    with BundleReader(path) as reader:
+        proposal = align_modules(port, reader)
+        assert torch.equal(port.lin1.weight, weight)
+        assert compare_run(port, reader, rename=proposal.rename_map()).verdict == "MATCH"
+    assert torch.equal(port.lin1.weight, weight)

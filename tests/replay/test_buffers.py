@@ -251,3 +251,48 @@ def test_isolation_runs_a_train_mode_batchnorm(train_bundle: Path) -> None:
     wrong = replayed(built(ConvBlock(momentum=0.9)), train_bundle, isolate=True)
     assert wrong.verdict == "MISMATCH"
     assert {record.verdict for record in wrong.records if record.kind != "buffer"} == {"ok"}
+
+
+class _LazyState(nn.Module):
+    """A train-mode forward that fills a buffer that was None and creates a submodule holding a step counter, both
+    read by its output; ``bug`` is added to the output."""
+
+    def __init__(self, bug: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("seen", None)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            if self.seen is None:
+                self.seen = x.detach().mean()
+            if not hasattr(self, "counter"):
+                self.counter = nn.Module()
+                self.counter.register_buffer("steps", torch.zeros(()))
+            self.counter.steps.add_(1)
+        return 3 * self.lin(x) + 5e-5 * self.counter.steps + self.bug
+
+
+def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: Path) -> None:
+    """A filled None buffer and a submodule the forward creates: the float64 rerun started with the counter the
+    replay had moved, so its step (5e-5) counted as the port's rounding and a 1e-4 bug passed; and the caller's
+    model kept both, so replaying it again failed. The rerun and the caller now get the model as it was."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "lazy.h5"
+    batch = (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),)
+    capture_run(_LazyState().train(), batch, bundle, train_mode=True)
+    port = _LazyState().train()
+    with BundleReader(bundle) as reader:
+        verdicts = [compare_run(port, reader).verdict for _ in range(2)]
+        buggy = compare_run(_LazyState(bug=1e-4).train(), reader)
+    assert verdicts == ["MATCH", "MATCH"]
+    assert port.seen is None
+    assert not hasattr(port, "counter")
+    assert buggy.verdict == "MISMATCH"
+    (output,) = [r for r in buggy.records if r.name == "output"]
+    assert output.rounding is not None
+    assert output.rounding.level is not None
+    assert output.rounding.level < 1e-6, output.rounding.why

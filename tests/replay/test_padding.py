@@ -404,6 +404,93 @@ def test_lengths_no_input_fits_still_mask_by_the_axis_that_fits(tmp_path: Path) 
     assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
 
 
+class _ClsEncoder(nn.Module):
+    """An encoder called on 10 frames (a CLS frame first) with the 9-frame lengths; the port zeroes the padding."""
+
+    def __init__(self, port: bool) -> None:
+        super().__init__()
+        self.ff, self.port = nn.Linear(8, 8), port
+
+    def forward(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self.port:
+            h = h.where(torch.arange(h.shape[1])[None, :, None] < (lengths + 1)[:, None, None], 0.0)
+        return torch.tanh(self.ff(h))
+
+
+class _WithClsFrame(nn.Module):
+    def __init__(self, port: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.encoder, self.out = nn.Linear(4, 8), _ClsEncoder(port), nn.Linear(8, 3)
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.cls.expand(x.shape[0], 1, 8), self.proj(x)], dim=1)
+        return self.out(self.encoder(h, lengths)[:, 1:])
+
+
+def test_a_call_at_another_rate_with_the_same_lengths_keeps_its_own_size(tmp_path: Path) -> None:
+    """The same lengths (9, 6) given to the model (9 frames) and to an encoder of 10 frames (a CLS frame first): each
+    call's time axis is the size its own tensors have, so the encoder's records are masked at 10 frames (pooled
+    with the input's 9, they were not, and a port differing only in padding failed)."""
+    bundle = tmp_path / "cls.h5"
+    x = torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(1))
+    capture_run(_WithClsFrame(), {"x": x, "lengths": torch.tensor([9, 6])}, bundle, seed=3, lengths=(9, 6))
+    with BundleReader(bundle) as reader:
+        result = compare_run(_WithClsFrame(port=True), reader, mask_padding=True)
+    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
+
+
+class _UnpaddedClassifier(nn.Module):
+    """Takes the batch unpadded (a list of sequences) and pads it itself: no input has an axis fitting the lengths."""
+
+    def __init__(self, bug: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.head, self.bug = nn.Linear(4, 8), nn.Linear(8, 10), bug
+
+    def forward(self, frames: list[torch.Tensor]) -> torch.Tensor:
+        h = nn.utils.rnn.pad_sequence(list(frames), batch_first=True)
+        return self.head(torch.tanh(self.proj(h)).sum(1)) + self.bug * (torch.arange(10) == 9)
+
+
+class _OneExampleClassifier(nn.Module):
+    """One example: its predicted class (an integer (1,) vector) is as lengths-like as anything with one example."""
+
+    def __init__(self, bug: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.head, self.bug = nn.Linear(4, 8), nn.Linear(8, 5), bug
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.proj(x)).mean(1)) + self.bug * (torch.arange(5) == 4)
+        return {"logits": logits, "pred": torch.full((1,), 3)}
+
+
+@pytest.mark.parametrize("case", ["unpadded-input", "one-example"])
+def test_classes_are_not_time_where_nothing_tells_the_time_axis(tmp_path: Path, case: str) -> None:
+    """Where no tensor the lengths came with has an axis fitting them (an unpadded batch), only an exact fit is
+    time: 10 classes for lengths (9, 6) were masked from class 9 on. With one example, only the declared lengths
+    count: a predicted class [3] was taken for the outputs' lengths and masked classes 3 and 4. A wrong last class
+    failed with neither."""
+    bundle = tmp_path / "classes.h5"
+    g = torch.Generator().manual_seed(1)
+    if case == "unpadded-input":
+        model: type[nn.Module] = _UnpaddedClassifier
+        unpadded = [torch.randn(9, 4, generator=g), torch.randn(6, 4, generator=g)]
+        capture_run(model(), (unpadded,), bundle, lengths=(9, 6))
+    else:
+        model = _OneExampleClassifier
+        capture_run(model(), (torch.randn(1, 9, 4, generator=g), torch.tensor([9])), bundle, lengths=(9,))
+    with BundleReader(bundle) as reader:
+        assert compare_run(model(), reader, mask_padding=True).verdict == "MATCH"
+        buggy = compare_run(model(bug=0.5), reader, mask_padding=True)
+    assert buggy.verdict == "MISMATCH"
+    classes = [r for r in buggy.records if r.name.startswith(("output", "head/0/output"))]
+    assert classes
+    assert not any(record.masked for record in classes)
+
+
 class _NaNPadded(nn.Module):
     """Leaves NaN in its padded frames (a softmax over a row that is all mask): the reference and the port alike."""
 

@@ -506,8 +506,8 @@ def test_replay_cli_reports_a_damaged_tensor_in_one_line(
     line = one_error_line("replay-compare", CliRunner().invoke(main, args))
     assert "params/head.weight: checksum mismatch" in line
     result = CliRunner().invoke(main, [*args, "--no-verify"])
-    assert result.exit_code == 0, result.output  # read anyway: the altered weight is reported as different
-    assert "parameters differ from the reference's weights (head.weight)" in result.output
+    assert result.exit_code == 1, result.output  # read anyway: the altered weight differs, a mismatch
+    assert "MISMATCH: 1 of 12 parameters differ from the reference's weights (head.weight)" in result.output
 
 
 def test_a_bundle_without_checksums_is_unverified(tmp_path: Path) -> None:
