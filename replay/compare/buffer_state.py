@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
@@ -20,12 +21,16 @@ class _ModuleState:
     """Name -> (the buffer tensor it held, a copy of its values); None for an entry that was None."""
     non_persistent: frozenset[str]
     children: dict[str, torch.nn.Module | None]
+    attributes: dict[str, tuple[object, torch.Tensor | None]]
+    """Public plain attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``):
+    name -> (the object, a copy of a tensor's values)."""
 
 
 @dataclass(frozen=True)
 class BufferState:
-    """Every module's buffers and submodules: a forward may register a buffer, fill one that was None, put another
-    tensor in a buffer's place (even a view of a weight), or create a submodule holding a counter."""
+    """Every module's buffers, submodules and plain counters: a forward may register a buffer, fill one that was
+    None, put another tensor in a buffer's place (even a view of a weight), create a submodule holding a counter, or
+    count its steps in an attribute. Lists, dicts and other objects an attribute holds are not copied."""
 
     modules: tuple[_ModuleState, ...]
 
@@ -47,6 +52,7 @@ class BufferState:
                 }
                 _replace(module._buffers, restored_buffers)
                 module._non_persistent_buffers_set = set(state.non_persistent)
+                _put_back(module, state.attributes)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -61,14 +67,18 @@ class BufferState:
             )
             for state in self.modules
         ]
+        attributes = [(state.module, _plain_attributes(state.module)) for state in self.modules]
         try:
             for state in self.modules:
                 _replace(state.module._modules, state.children)
                 copies = {name: None if saved is None else saved[1].clone() for name, saved in state.buffers.items()}
                 _replace(state.module._buffers, copies)
                 state.module._non_persistent_buffers_set = set(state.non_persistent)
+                _put_back(state.module, {name: (_copied(*saved), None) for name, saved in state.attributes.items()})
             yield
         finally:
+            for module, saved in attributes:
+                _put_back(module, {name: (value, None) for name, value in saved.items()})
             for module, buffers, children, names in current:
                 _replace(module._modules, children)
                 _replace(module._buffers, buffers)
@@ -79,7 +89,40 @@ def _state_of(module: torch.nn.Module) -> _ModuleState:
     buffers = {
         name: None if buffer is None else (buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
     }
-    return _ModuleState(module, buffers, frozenset(module._non_persistent_buffers_set), dict(module._modules))
+    attributes = {
+        name: (value, value.detach().clone() if isinstance(value, torch.Tensor) else None)
+        for name, value in _plain_attributes(module).items()
+    }
+    return _ModuleState(
+        module, buffers, frozenset(module._non_persistent_buffers_set), dict(module._modules), attributes
+    )
+
+
+_PLAIN: Final = (int, float, bool, str, type(None), torch.Tensor)
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict[str, object]:
+    """The module's public attributes that hold a number, a string, None or a tensor (``training`` is the mode)."""
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if not name.startswith("_") and name != "training" and isinstance(value, _PLAIN)
+    }
+
+
+def _put_back(module: torch.nn.Module, saved: dict[str, tuple[object, torch.Tensor | None]]) -> None:
+    """The module's plain attributes as ``saved`` has them (a tensor holding the saved values); those added since
+    removed."""
+    for name in [name for name in _plain_attributes(module) if name not in saved]:
+        del module.__dict__[name]
+    for name, (value, values) in saved.items():
+        tensor = isinstance(value, torch.Tensor) and values is not None
+        module.__dict__[name] = restored(value, values) if tensor else value  # type: ignore[arg-type]
+
+
+def _copied(value: object, values: torch.Tensor | None) -> object:
+    """A tensor attribute's saved values as a tensor of its own (the rerun may move it); any other value as is."""
+    return values.clone() if values is not None else value
 
 
 def _replace(target: dict, entries: dict) -> None:  # type: ignore[type-arg]

@@ -23,11 +23,16 @@ __all__ = ["PaddingPlan", "padding_mask", "recorded_lengths", "subsampled_length
 _LENGTH_TAGS = ("I64", "I32")
 
 
-def recorded_lengths(reader: BundleReader, tree: Tree, prefix: str) -> np.ndarray | None:
-    """The first integer vector among a recorded value's tensors (per-example lengths), if any."""
+def recorded_lengths(
+    reader: BundleReader, tree: Tree, prefix: str, declared: np.ndarray | None = None
+) -> np.ndarray | None:
+    """The first integer vector among a recorded value's tensors that can be per-example lengths (with ``declared``
+    lengths, the first that carries them, as capture looks for them: a predicted class before them is skipped)."""
     for _, ref in iter_tensors(tree, prefix):
         if ref.tag in _LENGTH_TAGS and len(ref.shape) == 1 and ref.shape[0] > 0 and reader.summary(ref) is None:
-            return np.asarray(reader.read_array(ref), dtype=np.int64)
+            vector = np.asarray(reader.read_array(ref), dtype=np.int64)
+            if declared is None or lengths_like(vector, declared):
+                return vector
     return None
 
 
@@ -75,31 +80,33 @@ class PaddingPlan:
         for rank, (position, event) in enumerate(index.forward_order):
             call = index.calls[position]
             tree, prefix = (call.inputs, "input") if event == "inputs" else (call.outputs, "output")
-            lengths = recorded_lengths(reader, tree, prefix)
-            if lengths is None or (declared is not None and not lengths_like(lengths, declared)):
+            lengths = recorded_lengths(reader, tree, prefix, declared)
+            if lengths is None:
                 continue
             self._own[(position, event)] = lengths
             self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
             trees.append((call.inputs, call.outputs))
-        outputs = recorded_lengths(reader, index.outputs, "output")
-        if outputs is not None and (declared is None or lengths_like(outputs, declared)):
+        outputs = recorded_lengths(reader, index.outputs, "output", declared)
+        if outputs is not None:
             self._own[(None, "outputs")] = outputs
             self._events.append((self._end, outputs, "the model's outputs"))
-            trees.append((index.outputs,))
+            given = declared is not None and np.array_equal(outputs, declared)
+            trees.append((index.outputs, index.inputs) if given else (index.outputs,))
         return trees
 
     def _time_axis_sizes(self, trees: list[tuple[Tree, ...]]) -> list[frozenset[int]]:
-        """Per event, the size its time axis has (:func:`time_sizes`) among the tensors it came with; for the model's
-        outputs, or an event whose tensors fit nothing, among every tensor that came with the same lengths (a model
-        returning the lengths it was given beside class logits has its input's frames); the longest length alone
-        where nothing fits anywhere (any axis a few frames longer could be classes)."""
+        """Per event, the size its time axis has (:func:`time_sizes`) among the tensors it came with (the model's
+        outputs with its inputs where it returns the lengths it was given: beside class logits, they have the input's
+        frames, as capture sizes them); for a call whose tensors fit nothing, among every tensor that came with the
+        same lengths; the longest length alone where nothing fits (any axis a few frames longer could be classes)."""
         pooled: dict[tuple[int, ...], list[Tree]] = {}
         for (_, lengths, _), came_with in zip(self._events, trees, strict=True):
             pooled.setdefault(tuple(lengths.tolist()), []).extend(came_with)
         sizes = []
         for (rank, lengths, _), came_with in zip(self._events, trees, strict=True):
-            found = None if rank == self._end else _time_sizes(lengths, *came_with)
-            found = found if found is not None else _time_sizes(lengths, *pooled[tuple(lengths.tolist())])
+            found = _time_sizes(lengths, *came_with)
+            if found is None and rank != self._end:  # the outputs are sized as capture sizes them, by their own
+                found = _time_sizes(lengths, *pooled[tuple(lengths.tolist())])
             sizes.append(found if found is not None else frozenset({int(lengths.max())}))
         return sizes
 

@@ -254,15 +254,16 @@ def test_isolation_runs_a_train_mode_batchnorm(train_bundle: Path) -> None:
 
 
 class _LazyState(nn.Module):
-    """A train-mode forward that fills a buffer that was None and creates a submodule holding a step counter, both
-    read by its output; ``bug`` is added to the output."""
+    """A train-mode forward that fills a buffer that was None, creates a submodule holding a step counter and counts
+    its calls in a plain attribute, all read by its output (``kind`` says which counter it reads); ``bug`` is added to
+    the output."""
 
-    def __init__(self, bug: float = 0.0) -> None:
+    def __init__(self, kind: str, bug: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin = nn.Linear(4, 3)
         self.register_buffer("seen", None)
-        self.bug = bug
+        self.kind, self.bug, self.calls = kind, bug, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -272,25 +273,30 @@ class _LazyState(nn.Module):
                 self.counter = nn.Module()
                 self.counter.register_buffer("steps", torch.zeros(()))
             self.counter.steps.add_(1)
-        return 3 * self.lin(x) + 5e-5 * self.counter.steps + self.bug
+            self.calls += 1
+        count = self.counter.steps if self.kind == "submodule" else self.calls
+        return 3 * self.lin(x) + 5e-5 * count + self.bug
 
 
-def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: Path) -> None:
-    """A filled None buffer and a submodule the forward creates: the float64 rerun started with the counter the
-    replay had moved, so its step (5e-5) counted as the port's rounding and a 1e-4 bug passed; and the caller's
-    model kept both, so replaying it again failed. The rerun and the caller now get the model as it was."""
+@pytest.mark.parametrize("kind", ["submodule", "attribute"])
+def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: Path, kind: str) -> None:
+    """A filled None buffer, a submodule the forward creates and a plain counter attribute: the float64 rerun
+    started with the counter the replay had moved, so its step (5e-5) counted as the port's rounding and a 1e-4 bug
+    passed; and the caller's model kept them, so replaying it again failed. The rerun and the caller now get the
+    model as it was."""
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "lazy.h5"
     batch = (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),)
-    capture_run(_LazyState().train(), batch, bundle, train_mode=True)
-    port = _LazyState().train()
+    capture_run(_LazyState(kind).train(), batch, bundle, train_mode=True)
+    port = _LazyState(kind).train()
     with BundleReader(bundle) as reader:
         verdicts = [compare_run(port, reader).verdict for _ in range(2)]
-        buggy = compare_run(_LazyState(bug=1e-4).train(), reader)
+        buggy = compare_run(_LazyState(kind, bug=1e-4).train(), reader)
     assert verdicts == ["MATCH", "MATCH"]
     assert port.seen is None
     assert not hasattr(port, "counter")
+    assert port.calls == 0
     assert buggy.verdict == "MISMATCH"
     (output,) = [r for r in buggy.records if r.name == "output"]
     assert output.rounding is not None

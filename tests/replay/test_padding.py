@@ -12,7 +12,7 @@ from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.padding import padding_mask, subsampled_lengths
+from parity_harness.replay.compare.padding import PaddingPlan, padding_mask, subsampled_lengths
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 
@@ -489,6 +489,57 @@ def test_classes_are_not_time_where_nothing_tells_the_time_axis(tmp_path: Path, 
     classes = [r for r in buggy.records if r.name.startswith(("output", "head/0/output"))]
     assert classes
     assert not any(record.masked for record in classes)
+
+
+class _Strided(nn.Module):
+    """A stride-2 convolution over time; with ``lengths`` it returns them halved too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 6, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> Any:
+        out = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return out if lengths is None else (out, (lengths + 1) // 2)
+
+
+class _Subsampled(nn.Module):
+    """Halved frames and their lengths among the outputs, after an integer prediction (``first-integer``), or with a
+    frame put in front of them (``extra-frame``, the lengths from the module that halved them); ``junk`` is what the
+    port leaves in padded frames."""
+
+    def __init__(self, case: str, junk: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sub, self.case, self.junk = _Strided(), case, junk
+        self.first = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> Any:
+        if self.case == "first-integer":
+            enc, enc_len = self.sub(x), (lengths + 1) // 2
+        else:
+            enc, enc_len = self.sub(x, lengths)
+        enc = enc + self.junk * (torch.arange(enc.shape[1])[None, :, None] >= enc_len[:, None, None])
+        if self.case == "first-integer":
+            return {"pred": enc.mean((1, 2)).gt(0).long() + 7, "enc": enc, "enc_len": enc_len}
+        return torch.cat([self.first.expand(len(x), 1, 6), enc], 1), enc_len
+
+
+@pytest.mark.parametrize(("case", "slot"), [("first-integer", "output.enc"), ("extra-frame", "output.0")])
+def test_capture_zeroes_the_cotangent_where_replay_masks_the_outputs(tmp_path: Path, case: str, slot: str) -> None:
+    """The outputs' lengths are found, and their time axis sized, alike on both sides: replay took the first integer
+    vector among the outputs (a prediction) and found none, or sized the outputs' axis by a call's tensors; capture
+    had zeroed the cotangent there, so a correct port leaving other values in padded frames failed masked."""
+    bundle = tmp_path / "sub.h5"
+    x, lengths = torch.randn(3, 20, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([20, 14, 9])
+    capture_run(_Subsampled(case), (x, lengths), bundle, seed=3, lengths=(20, 14, 9))
+    with BundleReader(bundle) as reader:
+        zeroed = reader.rebuild(reader.index.cotangent)[slot] == 0
+        result = compare_run(_Subsampled(case, junk=1.0), reader, mask_padding=True)
+        mask = PaddingPlan(reader).mask(tuple(zeroed.shape), None, "outputs")[0]
+    assert mask is not None
+    assert torch.equal(zeroed, torch.from_numpy(mask))
+    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
 
 
 class _NaNPadded(nn.Module):
