@@ -22,8 +22,8 @@ class _ModuleState:
     non_persistent: frozenset[str]
     children: dict[str, torch.nn.Module | None]
     attributes: dict[str, tuple[object, torch.Tensor | None]]
-    """Public plain attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``):
-    name -> (the object, a copy of a tensor's values)."""
+    """Plain attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``, the
+    private flag that says it was made): name -> (the object, a copy of a dense tensor's values)."""
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ class BufferState:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> BufferState:
-        """``model``'s buffers and submodules as they are now."""
-        return cls(tuple(_state_of(module) for module in model.modules()))
+        """``model``'s buffers and submodules as they are now (a TorchScript module's are its compiled code's)."""
+        return cls(tuple(_state_of(m) for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)))
 
     def restore(self) -> None:
         """The model back to this state: each buffer the tensor it was, holding the values it had (written only
@@ -90,7 +90,7 @@ def _state_of(module: torch.nn.Module) -> _ModuleState:
         name: None if buffer is None else (buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
     }
     attributes = {
-        name: (value, value.detach().clone() if isinstance(value, torch.Tensor) else None)
+        name: (value, value.detach().clone() if isinstance(value, torch.Tensor) and _dense(value) else None)
         for name, value in _plain_attributes(module).items()
     }
     return _ModuleState(
@@ -102,22 +102,37 @@ _PLAIN: Final = (int, float, bool, str, type(None), torch.Tensor)
 
 
 def _plain_attributes(module: torch.nn.Module) -> dict[str, object]:
-    """The module's public attributes that hold a number, a string, None or a tensor (``training`` is the mode)."""
-    return {
-        name: value
-        for name, value in vars(module).items()
-        if not name.startswith("_") and name != "training" and isinstance(value, _PLAIN)
-    }
+    """The module's attributes that hold a number, a string, None or a tensor, private ones too (a flag saying a
+    public one was made must go back with it); ``training`` is the mode, restored apart."""
+    return {name: value for name, value in vars(module).items() if name != "training" and isinstance(value, _PLAIN)}
+
+
+def _dense(value: object) -> bool:
+    """A tensor whose values can be copied and compared (not sparse, not on the meta device)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta
 
 
 def _put_back(module: torch.nn.Module, saved: dict[str, tuple[object, torch.Tensor | None]]) -> None:
-    """The module's plain attributes as ``saved`` has them (a tensor holding the saved values); those added since
-    removed."""
+    """The module's plain attributes as ``saved`` has them, those added since removed. A tensor is the same object
+    where its values did not change, else a copy of the saved ones: never written in place, since an attribute may
+    be a view of a weight."""
     for name in [name for name in _plain_attributes(module) if name not in saved]:
         del module.__dict__[name]
     for name, (value, values) in saved.items():
-        tensor = isinstance(value, torch.Tensor) and values is not None
-        module.__dict__[name] = restored(value, values) if tensor else value  # type: ignore[arg-type]
+        if values is None or _holds(value, values):
+            module.__dict__[name] = value
+            continue
+        wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
+        module.__dict__[name] = values.clone().requires_grad_(wants_grad)
+
+
+def _holds(tensor: object, values: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``values`` (shape, dtype, device and every element)."""
+    if not _dense(tensor):
+        return False
+    assert isinstance(tensor, torch.Tensor)
+    same_kind = (tensor.shape, tensor.dtype, tensor.device) == (values.shape, values.dtype, values.device)
+    return same_kind and torch.equal(tensor, values)
 
 
 def _copied(value: object, values: torch.Tensor | None) -> object:
@@ -136,12 +151,12 @@ def restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     they changed (BatchNorm's kernels update running statistics in place without moving the version counter), and
     where it cannot be written (an expanded or inference-mode tensor, or one resized since, which nothing wrote in
     place either) a copy of ``values`` instead."""
-    if (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
+    if not _dense(buffer) or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
         return values.clone()
     if torch.equal(buffer, values):
         return buffer
     try:
         buffer.copy_(values)
-    except RuntimeError:
+    except (RuntimeError, NotImplementedError):
         return values.clone()
     return buffer

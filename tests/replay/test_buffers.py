@@ -302,3 +302,52 @@ def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: P
     assert output.rounding is not None
     assert output.rounding.level is not None
     assert output.rounding.level < 1e-6, output.rounding.why
+
+
+class _Graph(nn.Module):
+    """A sparse adjacency kept as a plain attribute, and a scale made on the first forward, with a private flag
+    saying it was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3)
+        self.adj = torch.eye(2).to_sparse()
+        self._ready = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._ready:
+            self.scale = torch.full((3,), 2.0)
+            self._ready = True
+        return torch.sparse.mm(self.adj, self.lin(x)) * self.scale
+
+
+def test_sparse_attributes_and_private_flags_are_put_back_whole(tmp_path: Path) -> None:
+    """Undoing a run compared a sparse attribute's values (torch cannot: the replay crashed after its verdict), and
+    removed a public attribute the forward had made while the private flag saying so stayed set (the next run
+    failed on the missing attribute). Both replays of the same model now MATCH and leave it as it was."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "graph.h5"
+    capture_run(_Graph(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), bundle)
+    port = _Graph()
+    with BundleReader(bundle) as reader:
+        assert [compare_run(port, reader).verdict for _ in range(2)] == ["MATCH", "MATCH"]
+    assert port._ready is False
+    assert not hasattr(port, "scale")
+
+
+def test_putting_an_attribute_back_never_writes_into_what_it_views() -> None:
+    """An attribute viewing a weight that changed in place (an embedding's max_norm renormalises during forward):
+    the attribute gets a copy of its old values, and the weight is not written (rows of it went back, others not)."""
+    from parity_harness.replay.compare.buffer_state import BufferState
+
+    model = nn.Linear(4, 3)
+    model.first_row = model.weight.detach()[0]
+    state = BufferState.of(model)
+    with torch.no_grad():
+        model.weight.mul_(0.5)
+    scaled = model.weight.detach().clone()
+    state.restore()
+    assert torch.equal(model.weight, scaled)
+    assert torch.equal(model.first_row, 2 * scaled[0])
