@@ -11,7 +11,7 @@ from typing import Final
 
 import torch
 
-__all__ = ["BufferState", "restored"]
+__all__ = ["BufferState"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class BufferState:
                 module = state.module
                 _replace(module._modules, state.children)
                 restored_buffers = {
-                    name: None if saved is None else restored(*saved) for name, saved in state.buffers.items()
+                    name: None if saved is None else _restored(*saved) for name, saved in state.buffers.items()
                 }
                 _replace(module._buffers, restored_buffers)
                 module._non_persistent_buffers_set = set(state.non_persistent)
@@ -146,7 +146,7 @@ def _replace(target: dict, entries: dict) -> None:  # type: ignore[type-arg]
     target.update(entries)
 
 
-def restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The buffer tensor a module had, holding ``values`` (a copy of what it held then): written back only where
     they changed (BatchNorm's kernels update running statistics in place without moving the version counter), and
     where it cannot be written (an expanded or inference-mode tensor, or one resized since, which nothing wrote in
