@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from parity_harness.replay.reader import BundleReader
 
 __all__ = [
+    "COUNTED_KINDS",
     "KINDS",
     "ComparisonResult",
     "KindCoverage",
@@ -32,14 +33,18 @@ __all__ = [
     "kind_of_module_record",
 ]
 
-RecordKind = Literal["output", "param_grad", "forward", "backward", "buffer"]
+RecordKind = Literal["output", "param_grad", "forward", "backward", "buffer", "param"]
 Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
 """With ``--isolate``: ``origin`` the record's own module is out of tolerance on the reference's
 inputs; ``inherited`` out of tolerance only because its inputs already differed; ``input differs``
 the first difference is in what the port *fed* the module (glue code of its parent);
 ``not isolated`` out of tolerance, but the module could not be run in isolation."""
 KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward", "buffer")
-"""``buffer``: a persistent buffer after the run (a train-mode BatchNorm's running statistics; format 1.5)."""
+"""The kinds of :attr:`ComparisonResult.records`. ``buffer``: a persistent buffer after the run (a train-mode
+BatchNorm's running statistics; format 1.5)."""
+COUNTED_KINDS: Final[tuple[RecordKind, ...]] = (*KINDS, "param")
+"""The kinds counted and covered: those of the records, and ``param``, the parameters' values
+(:attr:`ComparisonResult.param_values`), which decide the verdict too."""
 ResultVerdict = Literal["MATCH", "MISMATCH", "INCOMPLETE"]
 """``INCOMPLETE``: every compared record matches, but recorded ones were left uncompared without a waiver."""
 
@@ -322,11 +327,13 @@ class ComparisonResult:
                 missing=tuple(n for n in self.bundle_only if kind_of(n) == kind),
                 waived=tuple((n, why) for n, (k, why) in self.waived.items() if k == kind),
             )
-            for kind in KINDS
+            for kind in COUNTED_KINDS
         }
 
     def of_kind(self, kind: RecordKind) -> list[RecordResult]:
-        """Records of one kind, in execution order."""
+        """Records of one kind, in execution order (``param``: the parameters' values)."""
+        if kind == "param":
+            return list(self.param_values)
         return sorted((r for r in self.records if r.kind == kind), key=lambda r: r.order)
 
     def first_divergence(self, kind: Literal["forward", "backward"]) -> RecordResult | None:
@@ -340,7 +347,7 @@ class ComparisonResult:
 
     def counts(self) -> dict[RecordKind, tuple[int, int]]:
         """``{kind: (compared, matched)}``."""
-        return {kind: (len(rs), sum(r.match for r in rs)) for kind in KINDS for rs in [self.of_kind(kind)]}
+        return {kind: (len(rs), sum(r.match for r in rs)) for kind in COUNTED_KINDS for rs in [self.of_kind(kind)]}
 
     def _record_json(self, record: RecordResult) -> dict[str, object]:
         data = record.to_json()

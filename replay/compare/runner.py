@@ -217,6 +217,11 @@ def _state_kept(model: torch.nn.Module) -> Iterator[None]:
         buffers.restore()
 
 
+def _shown_names(names: list[str], limit: int = 5) -> str:
+    """The first few of ``names`` and how many more there are."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
 _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
 """How the notes of the rounding check begin (``recheck_rounding``, ``_undecided``)."""
 
@@ -312,22 +317,32 @@ class _ReplaySession:
         params = mapped_parameters(self.model, self.rename, grads=False, known=self.weights.index.params)
         tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
         if data_parallel and data_parallel.shards:
-            self.result.param_values = data_parallel.compare("params", "param", params, tolerances, self.transform)[0]
+            compared = data_parallel.compare("params", "param", params, tolerances, self.transform)
+            self.result.param_values = compared[0]
+            self._note_absent_parameters(compared[2])
             return
         expected = self.weights.index.params
         params, padded = unpad(params, expected)
         compared = compare_named(self.weights, tolerances, "param", params, expected, self.transform)
-        self.result.param_values, absent = compared[0], compared[2]
-        if absent:  # its gradient, when recorded, is missing too (INCOMPLETE); a frozen one would go unmentioned
-            shown = ", ".join(absent[:5]) + (f", ... ({len(absent) - 5} more)" if len(absent) > 5 else "")
-            self.result.notes.append(
-                f"WARNING: {len(absent)} recorded parameter(s) the port does not have (or --map does not name): {shown}"
-            )
+        self.result.param_values = compared[0]
+        self._note_absent_parameters(compared[2])
         self.result.notes += [
             f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
             "compared on the overlap (its gradient beyond it must be zero)"
             for p in padded
         ]
+
+    def _note_absent_parameters(self, absent: list[str]) -> None:
+        """Recorded parameters the port has none of (or ``--map`` names none for): uncompared records, so the replay
+        is INCOMPLETE unless they are waived. One whose gradient the bundle records is left to that record, under
+        the same name (missing, or waived with it); a frozen or unused one has none."""
+        absent = [name for name in absent if name not in self.weights.index.grads]
+        if absent:
+            self.result.add_missing("param", absent)
+            self.result.notes.append(
+                f"{len(absent)} recorded parameter(s) the port does not have (or --map does not name), their values "
+                f"not compared: {_shown_names(absent)}; map them with --map, or --waive them if the port needs none"
+            )
 
     def run_every_rank(self) -> None:
         """Forward and backward on the recorded inputs of this bundle and of every other rank this process replays,

@@ -400,14 +400,43 @@ class _WithSpare(nn.Module):
         return self.lin(x)
 
 
-def test_a_recorded_parameter_the_port_lacks_is_named(tmp_path: Path) -> None:
-    """A parameter of the reference's that the port does not have (unused, so no gradient record goes missing) is
-    named in a warning rather than passed over in silence."""
+def _capture_with_spare(tmp_path: Path) -> Path:
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "spare.h5"
     capture_run(_WithSpare(), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(3))}, bundle, seed=0)
+    return bundle
+
+
+def test_a_recorded_parameter_the_port_lacks_leaves_the_replay_incomplete(tmp_path: Path) -> None:
+    """A parameter of the reference's that the port does not have (unused, so no gradient record goes missing) is a
+    recorded tensor left uncompared: INCOMPLETE and exit 1, named under its own kind, never a MATCH."""
+    bundle = _capture_with_spare(tmp_path)
     with BundleReader(bundle) as reader:
         result = compare_run(_WithSpare(spare=False), reader)
-    assert any(note.startswith("WARNING: 1 recorded parameter(s) the port does not have") for note in result.notes)
-    assert "spare" in " ".join(result.notes)
+    assert (result.verdict, result.match, result.complete) == ("INCOMPLETE", False, False)
+    assert result.coverage()["param"].missing == ("spare",)
+    assert result.counts()["param"] == (2, 2)  # lin.weight and lin.bias compared and equal
+    text = render_result(result)
+    assert "param: recorded but: 1 record(s) not compared: spare" in text
+    report = tmp_path / "r.json"
+    cli = replay("--bundle", bundle, "--model", f"{HERE}:_without_spare", "--json", report)
+    assert cli.exit_code == 1, cli.output
+    document = json.loads(report.read_text())
+    assert document["coverage"]["param"]["missing"] == ["spare"]
+    assert document["summary"]["param"] == {"compared": 2, "matched": 2}
+
+
+def test_a_waived_parameter_the_port_lacks_matches(tmp_path: Path) -> None:
+    """Waiving the absent parameter (the port needs none) gives MATCH, the waiver listed under the parameters."""
+    bundle = _capture_with_spare(tmp_path)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_WithSpare(spare=False), reader, waive=("spare",))
+    assert result.verdict == "MATCH"
+    assert [name for name, _ in result.coverage()["param"].waived] == ["spare"]
+    cli = replay("--bundle", bundle, "--model", f"{HERE}:_without_spare", "--waive", "spare")
+    assert cli.exit_code == 0, cli.output
+
+
+def _without_spare() -> nn.Module:
+    return _WithSpare(spare=False)
