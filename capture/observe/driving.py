@@ -8,20 +8,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from parity_harness.capture.observe.naming import iter_live_tensors
-from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask, time_sizes
 
 __all__ = [
     "ForwardFn",
     "LossFn",
+    "PaddedPositions",
     "call_forward",
-    "live_time_sizes",
     "make_cotangents",
     "map_tensors",
     "rng_state",
@@ -62,27 +61,12 @@ def call_forward(model: torch.nn.Module, inputs: Any, forward: ForwardFn | None 
     return model(inputs)
 
 
-def output_lengths(outputs: Any, declared: Sequence[int]) -> list[np.ndarray]:
-    """The integer ``(batch,)`` outputs that are the declared lengths after framing or subsampling (NeMo's
-    ``encoded_len``), in slot order."""
-    root = np.asarray(declared, dtype=np.int64)
-    found = []
-    for _, tensor in iter_live_tensors(outputs, "output"):
-        if tensor.dtype in (torch.int64, torch.int32) and tensor.dim() == 1 and tensor.numel() == len(root):
-            vector = tensor.detach().to("cpu", torch.int64).numpy()
-            if lengths_like(vector, root):
-                found.append(vector)
-    return found
-
-
-def live_time_sizes(value: Any, lengths: np.ndarray) -> frozenset[int] | None:
-    """:func:`~parity_harness.common.numerics.padding.time_sizes` among the tensors of ``value`` (the model's
-    inputs for the declared lengths, its outputs for lengths among them)."""
-    return time_sizes((tuple(tensor.shape) for _, tensor in iter_live_tensors(value, "value")), lengths)
+PaddedPositions = Callable[[tuple[int, ...]], "np.ndarray | None"]
+"""The padded positions of a model output of a given shape, or None where it has none."""
 
 
 def make_cotangents(
-    outputs: Any, seed: int, lengths: Sequence[int] | None = None, inputs: Any = None
+    outputs: Any, seed: int, padded: PaddedPositions | None = None
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """A seeded standard-normal cotangent for every floating output (real or complex) that requires grad.
 
@@ -90,48 +74,23 @@ def make_cotangents(
     the CPU from a private generator, then cast, so they do not depend on the device, the output's
     dtype or the global RNG (a float64 rerun gets the float32 run's values exactly; drawing in
     float64 took three times as long: 0.22 s for a GPT-2 model's logits, a quarter of its step).
-    With the batch's declared ``lengths`` (``capture-run --lengths``), each output's cotangent is
-    zero past each example's length on its time axis, taken from the first output that carries
-    those lengths and fits it, else from the declared lengths on an axis of the size the model's ``inputs`` have
-    for them (a tagger's logits; :mod:`parity_harness.common.numerics.padding`): what a model leaves in padded
-    frames then reaches no gradient, parameter gradients included. Replay's ``--mask-padding`` masks by the
-    same rule.
+    ``padded`` gives each output's padded positions, where the cotangent is zero: what a model leaves in
+    padded frames then reaches no gradient, parameter gradients included (capture gives the run's
+    :class:`~parity_harness.common.format.bundle.lengths.PaddingPlan`, by which replay's ``--mask-padding`` masks
+    the outputs).
     """
     generator = torch.Generator().manual_seed(seed)
-    carried = [] if lengths is None else _cotangent_lengths(outputs, inputs, lengths)
     triples = []
     for slot, tensor in iter_live_tensors(outputs, "output"):
         if tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex()):
             noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
             if tensor.is_complex():  # its real and imaginary parts drawn one after the other
                 noise = torch.complex(noise, torch.randn(tensor.shape, generator=generator, dtype=torch.float32))
-            shape = tuple(tensor.shape)
-            fitting = next(((v, sizes) for v, sizes in carried if padding_axis(shape, v, sizes) is not None), None)
-            padded = None if fitting is None else padding_mask(shape, *fitting)
-            if padded is not None:
-                noise[torch.from_numpy(padded)] = 0.0
+            mask = None if padded is None else padded(tuple(tensor.shape))
+            if mask is not None:
+                noise[torch.from_numpy(mask)] = 0.0
             triples.append((slot, tensor, noise.to(dtype=tensor.dtype, device=tensor.device)))
     return triples
-
-
-def _cotangent_lengths(outputs: Any, inputs: Any, lengths: Sequence[int]) -> list[tuple[np.ndarray, frozenset[int]]]:
-    """The lengths that zero the cotangent, each with the size its time axis has, by the rule replay's
-    ``--mask-padding`` masks the outputs with: the outputs' own lengths (not with one example, where any positive
-    integer would do), sized among the outputs and, where they equal the declared ones, the inputs; then the
-    declared lengths, sized among the inputs (else the outputs carrying them too); the longest length alone where
-    nothing fits."""
-    declared = np.asarray(lengths, dtype=np.int64)
-    own = output_lengths(outputs, lengths) if len(declared) > 1 else []
-    returned = any(np.array_equal(vector, declared) for vector in own)
-    carried = []
-    for vector in own:
-        given = np.array_equal(vector, declared)
-        carried.append((vector, live_time_sizes([outputs, inputs] if given else outputs, vector)))
-    sizes = live_time_sizes(inputs, declared)
-    if sizes is None and returned:
-        sizes = live_time_sizes([inputs, outputs], declared)
-    carried.append((declared, sizes))
-    return [(vector, sizes or frozenset({int(vector.max(initial=0))})) for vector, sizes in carried]
 
 
 def map_tensors(value: Any, change: Callable[[torch.Tensor], Any]) -> Any:

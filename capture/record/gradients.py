@@ -16,6 +16,7 @@ from parity_harness.capture.distributed import (
 )
 from parity_harness.capture.observe.driving import (
     LossFn,
+    PaddedPositions,
     make_cotangents,
 )
 from parity_harness.capture.record.sink import nbytes
@@ -133,11 +134,10 @@ def run_backward(
     outputs: Any,
     seed: int,
     loss: LossFn | None,
-    lengths: tuple[int, ...] | None = None,
-    inputs: Any = None,
+    padded: PaddedPositions | None = None,
 ) -> tuple[BackwardMode, Tree | None, Tree | None]:
-    """Backpropagate the loss or a seeded cotangent (zero past ``lengths``, the model's ``inputs`` telling the
-    time axis's size); return the mode and what was used."""
+    """Backpropagate the loss or a seeded cotangent (zero at each output's ``padded`` positions); return the mode
+    and what was used."""
     if loss is not None:
         value = loss(outputs)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -145,7 +145,7 @@ def run_backward(
         tree = writer.write_tensor(f"{BACKWARD}/loss", value).to_tree()
         value.backward()  # type: ignore[no-untyped-call]
         return "loss", None, tree
-    triples = make_cotangents(outputs, seed, lengths, inputs)
+    triples = make_cotangents(outputs, seed, padded)
     if not triples:
         return "none", None, None
     pairs = [[slot, writer.write_tensor(f"{BACKWARD}/cotangent/{slot}", cot).to_tree()] for slot, _, cot in triples]

@@ -19,7 +19,14 @@ from parity_harness.capture.distributed import (
     gradients_digest,
     report_and_write_manifest,
 )
-from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, rng_state, seed_everything
+from parity_harness.capture.observe.driving import (
+    ForwardFn,
+    LossFn,
+    PaddedPositions,
+    call_forward,
+    rng_state,
+    seed_everything,
+)
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
@@ -32,6 +39,7 @@ from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError, InputError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
+from parity_harness.common.format.bundle.lengths import PaddingPlan
 from parity_harness.common.format.bundle.schema import (
     BackwardMode,
     BundleIndex,
@@ -227,6 +235,8 @@ class _CaptureRun:
         self.tap: ModuleTap | None = None
         self.buffers_before: BufferSnapshot | None = None
         self.buffers: RecordedBuffers | None = None
+        self.padded: PaddedPositions | None = None
+        """Where the seeded cotangent is zero: each output's padded positions (``--lengths``)."""
 
     def record_inputs_and_parameters(self) -> None:
         """Provenance, the seed and RNG state, the inputs and the parameters (before anything runs)."""
@@ -260,11 +270,27 @@ class _CaptureRun:
     def record_backward(self, outputs: Any) -> None:
         """Backward from the loss or the seeded cotangent; gradients stored as autograd accumulates them."""
         options = self.options
+        if options.lengths is not None and options.loss is None:
+            self.padded = self._padded_positions(options.lengths)
         with GradientStream(self.writer, self.model, options.selection, self.context) as gradients:
             self.mode, self.trees["cotangent"], self.trees["loss"] = run_backward(
-                self.writer, outputs, options.seed, options.loss, options.lengths, self.inputs
+                self.writer, outputs, options.seed, options.loss, self.padded
             )
         self.grads = gradients.finish()
+
+    def _padded_positions(self, lengths: tuple[int, ...]) -> PaddedPositions:
+        """The model outputs' padded positions, by the plan replay's ``--mask-padding`` masks them with, built from
+        the same records: the declared lengths, and those the recorded calls and outputs carry."""
+        recorder, vectors = self.recorder, self.writer.integer_vectors
+        plan = PaddingPlan(
+            lengths,
+            recorder.forward_order,
+            recorder.module_calls(),
+            self.trees["inputs"],  # type: ignore[arg-type]
+            self.trees["outputs"],  # type: ignore[arg-type]
+            lambda ref: vectors.get(ref.path),
+        )
+        return lambda shape: plan.mask(shape, None, "outputs")[0]
 
     def record_buffers(self) -> None:
         """The persistent buffers the run changed (a train-mode BatchNorm's statistics), after it; the names of the
@@ -281,7 +307,7 @@ class _CaptureRun:
         """The observer self-check and the float64 noise floor, when asked for."""
         options = self.options
         if options.self_check:
-            _observer_check(self.model, self.inputs, options, outputs)
+            _observer_check(self.model, self.inputs, options, outputs, self.padded)
         if options.noise_floor:
             self.floors = measure_noise_floor(
                 self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
@@ -333,11 +359,13 @@ class _CaptureRun:
         )
 
 
-def _observer_check(model: torch.nn.Module, inputs: Any, options: CaptureOptions, outputs: Any) -> None:
+def _observer_check(
+    model: torch.nn.Module, inputs: Any, options: CaptureOptions, outputs: Any, padded: PaddedPositions | None
+) -> None:
     hooked_outputs = [(slot, t.detach().clone()) for slot, t in iter_live_tensors(outputs, "output")]
     hooked_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     problems = observer_differences(
-        model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, lengths=options.lengths,
+        model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
         hooked_outputs=hooked_outputs, hooked_grads=hooked_grads,
     )  # fmt: skip
     if problems:

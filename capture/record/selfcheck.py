@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, make_cotangents, seed_everything
+from parity_harness.capture.observe.driving import (
+    ForwardFn,
+    LossFn,
+    PaddedPositions,
+    call_forward,
+    make_cotangents,
+    seed_everything,
+)
 from parity_harness.capture.observe.naming import iter_live_tensors
 
 __all__ = ["observer_differences"]
@@ -37,7 +44,7 @@ def observer_differences(
     seed: int,
     forward: ForwardFn | None,
     loss: LossFn | None,
-    lengths: tuple[int, ...] | None = None,
+    padded: PaddedPositions | None = None,
     hooked_outputs: list[tuple[str, torch.Tensor]],
     hooked_grads: dict[str, torch.Tensor],
 ) -> list[str]:
@@ -52,7 +59,7 @@ def observer_differences(
     if loss is not None:
         loss(outputs).backward()  # type: ignore[no-untyped-call]
     else:
-        triples = make_cotangents(outputs, seed, lengths, inputs)
+        triples = make_cotangents(outputs, seed, padded)
         if triples:
             torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
     with torch.no_grad():

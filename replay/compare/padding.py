@@ -1,187 +1,27 @@
 """``--mask-padding``: leave positions past each example's recorded length out of the comparison.
 
-Batches of unequal lengths are padded, and a port may leave anything in the padding. Per-example
-lengths are integer tensors of shape ``(batch,)`` (as NeMo modules pass around); each record shaped
-``(batch, ...)`` is masked over the axis whose size fits the longest length (the rule of
-:mod:`parity_harness.common.numerics.padding`), with the lengths carried from the nearest call that has
-them (:class:`PaddingPlan`). The lengths are the *reference's*, read from the bundle, so the port cannot
-move the boundary.
+Batches of unequal lengths are padded, and a port may leave anything in the padding. Which positions of a record
+are padded is decided by the bundle's :class:`~parity_harness.common.format.bundle.lengths.PaddingPlan`, the one
+capture zeroed the cotangent of the model's outputs by, read here from the bundle's records. The lengths are the
+*reference's*, so the port cannot move the boundary.
 """
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
-from parity_harness.common.format.bundle.schema import Tree, iter_tensors
-from parity_harness.common.numerics.padding import lengths_like, padding_axis, padding_mask, time_sizes
+from parity_harness.common.format.bundle.lengths import PaddingPlan
+from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.replay.reader import BundleReader
 
-__all__ = ["PaddingPlan", "padding_mask", "recorded_lengths", "subsampled_lengths"]
-
-_LENGTH_TAGS = ("I64", "I32")
+__all__ = ["PaddingPlan", "padding_plan"]
 
 
-def recorded_lengths(
-    reader: BundleReader, tree: Tree, prefix: str, declared: np.ndarray | None = None
-) -> np.ndarray | None:
-    """The first integer vector among a recorded value's tensors that can be per-example lengths (with ``declared``
-    lengths, the first that carries them, as capture looks for them: a predicted class before them is skipped)."""
-    for _, ref in iter_tensors(tree, prefix):
-        if ref.tag in _LENGTH_TAGS and len(ref.shape) == 1 and ref.shape[0] > 0 and reader.summary(ref) is None:
-            vector = np.asarray(reader.read_array(ref), dtype=np.int64)
-            if declared is None or lengths_like(vector, declared):
-                return vector
-    return None
+def padding_plan(reader: BundleReader) -> PaddingPlan:
+    """Where the reference's batch is padded, for every record of the bundle."""
+    index = reader.index
 
+    def values(ref: TensorRef) -> np.ndarray | None:
+        return None if reader.summary(ref) is not None else reader.read_array(ref)
 
-class PaddingPlan:
-    """Where the reference's batch is padded, for every record.
-
-    With lengths declared at capture (``capture-run --lengths``, ``run.lengths``): every integer vector the
-    reference recorded that carries those lengths (each example's share of the longest as declared, within a
-    frame: see :func:`lengths_like`) is placed in forward order, and a record takes the nearest one, before
-    or after its own call, that fits one of its axes (:func:`padding_axis`) of a size the time axis has where those
-    lengths came from (the model's inputs for the declared lengths, a call's own tensors for its lengths): an axis
-    that merely fits the longest length (a classifier's classes) is not time. A record inside a subsampling
-    stack, between two such calls, takes the earlier lengths divided down (:func:`subsampled_lengths`).
-    Without declared lengths (bundles before 1.3), only a call's own length vector masks its records.
-    """
-
-    def __init__(self, reader: BundleReader) -> None:
-        index = reader.index
-        declared = None if index.run.lengths is None else np.asarray(index.run.lengths, dtype=np.int64)
-        self._carry = declared is not None
-        self._rank = {event: rank for rank, event in enumerate(index.forward_order)}
-        self._end = len(index.forward_order)
-        self._own: dict[tuple[int | None, str], np.ndarray] = {}
-        self._events: list[tuple[int, np.ndarray, str]] = []
-        trees = self._find_events(reader, declared)
-        self._ranks = [rank for rank, _, _ in self._events]
-        self._sizes = self._time_axis_sizes(trees)
-        self._by_longest: dict[int, list[int]] = {}
-        """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
-        for position, (_, lengths, _) in enumerate(self._events):
-            self._by_longest.setdefault(int(lengths.max()), []).append(position)
-        self._cache: dict[tuple[tuple[int, ...], int, str], tuple[np.ndarray | None, str]] = {}
-
-    def _find_events(self, reader: BundleReader, declared: np.ndarray | None) -> list[tuple[Tree, ...]]:
-        """Every lengths vector of the run, in forward order, into ``_events``: the declared ones, then each call's
-        and the outputs' that carry them (with one example every positive integer does: the declared alone then).
-        Returns the trees of tensors each came with."""
-        index = reader.index
-        trees: list[tuple[Tree, ...]] = []
-        if declared is not None:
-            self._events.append((-1, declared, "the declared lengths"))
-            trees.append((index.inputs,))
-        if declared is not None and len(declared) < 2:
-            return trees
-        for rank, (position, event) in enumerate(index.forward_order):
-            call = index.calls[position]
-            tree, prefix = (call.inputs, "input") if event == "inputs" else (call.outputs, "output")
-            lengths = recorded_lengths(reader, tree, prefix, declared)
-            if lengths is None:
-                continue
-            self._own[(position, event)] = lengths
-            self._events.append((rank, lengths, f"{call.module}/{call.call}/{prefix}"))
-            trees.append((call.inputs, call.outputs))
-        outputs = recorded_lengths(reader, index.outputs, "output", declared)
-        if outputs is not None:
-            self._own[(None, "outputs")] = outputs
-            self._events.append((self._end, outputs, "the model's outputs"))
-            given = declared is not None and np.array_equal(outputs, declared)
-            trees.append((index.outputs, index.inputs) if given else (index.outputs,))
-        return trees
-
-    def _time_axis_sizes(self, trees: list[tuple[Tree, ...]]) -> list[frozenset[int]]:
-        """Per event, the size its time axis has (:func:`time_sizes`) among the tensors it came with (the model's
-        outputs with its inputs where it returns the lengths it was given: beside class logits, they have the input's
-        frames, as capture sizes them); for a call whose tensors fit nothing, among every tensor that came with the
-        same lengths; the longest length alone where nothing fits (any axis a few frames longer could be classes)."""
-        pooled: dict[tuple[int, ...], list[Tree]] = {}
-        for (_, lengths, _), came_with in zip(self._events, trees, strict=True):
-            pooled.setdefault(tuple(lengths.tolist()), []).extend(came_with)
-        sizes = []
-        for (rank, lengths, _), came_with in zip(self._events, trees, strict=True):
-            found = _time_sizes(lengths, *came_with)
-            if found is None and rank != self._end:  # the outputs are sized as capture sizes them, by their own
-                found = _time_sizes(lengths, *pooled[tuple(lengths.tolist())])
-            sizes.append(found if found is not None else frozenset({int(lengths.max())}))
-        return sizes
-
-    def mask(self, shape: tuple[int, ...], position: int | None, event: str) -> tuple[np.ndarray | None, str]:
-        """The padded positions of a record of call ``position`` (None: the model's outputs) at forward
-        ``event`` (``inputs``/``outputs``), and what was masked (empty when nothing)."""
-        rank = self._end if position is None else self._rank.get((position, event), self._end)
-        key = (shape, rank, event)
-        if key not in self._cache:
-            self._cache[key] = self._find(shape, position, event, rank)
-        return self._cache[key]
-
-    def _find(
-        self, shape: tuple[int, ...], position: int | None, event: str, rank: int
-    ) -> tuple[np.ndarray | None, str]:
-        if not self._carry:  # only a module call's own lengths (its inputs' for its outputs when it returns none)
-            if position is None:
-                return None, ""
-            own = self._own.get((position, event))
-            own = own if own is not None else self._own.get((position, "inputs"))
-            if own is not None and padding_axis(shape, own) is not None:
-                return _described(shape, own, "its own lengths")
-            return None, ""
-        candidates = [
-            event
-            for longest, events in self._by_longest.items()
-            if padding_axis(shape, np.full(shape[:1], longest)) is not None
-            for event in events
-            if padding_axis(shape, np.full(shape[:1], longest), self._sizes[event]) is not None
-        ]
-        if candidates:
-            nearest = min(candidates, key=lambda event: (abs(self._ranks[event] - rank), self._ranks[event] > rank))
-            _, lengths, source = self._events[nearest]
-            return _described(shape, lengths, f"from {source}", self._sizes[nearest])
-        split = bisect.bisect_right(self._ranks, rank)
-        if 0 < split < len(self._events) and len(shape) >= 3:  # inside a stack, between two length-carrying calls
-            _, before, source = self._events[split - 1]
-            scaled = subsampled_lengths(shape, before, self._events[split][1])
-            if scaled is not None:
-                return _described(shape, scaled, f"from {source}, subsampled")
-        return None, ""
-
-
-def _described(
-    shape: tuple[int, ...], lengths: np.ndarray, source: str, sizes: frozenset[int] | None = None
-) -> tuple[np.ndarray | None, str]:
-    mask = padding_mask(shape, lengths, sizes)
-    axis = padding_axis(shape, lengths, sizes)
-    return mask, (f"axis {axis} past lengths {lengths.tolist()} ({source})" if mask is not None else "")
-
-
-def _time_sizes(lengths: np.ndarray, *trees: Tree) -> frozenset[int] | None:
-    """:func:`time_sizes` among the recorded tensors of ``trees`` (what those lengths came with)."""
-    return time_sizes((tuple(ref.shape) for tree in trees for _, ref in iter_tensors(tree, "")), lengths)
-
-
-def _fits(size: int, longest: int) -> bool:
-    return longest <= size <= longest + 1
-
-
-def subsampled_lengths(shape: tuple[int, ...], before: np.ndarray, after: np.ndarray) -> np.ndarray | None:
-    """Lengths for a record inside a subsampling stack (strided convolutions between two calls that carry
-    lengths): its time axis is the one axis whose size is the earlier longest length divided by a whole
-    factor (rounded up, as a 'same'-padded strided convolution does, one frame of framing slack) that also
-    divides down to the later lengths the same way. The earlier lengths, divided the same way, are the
-    record's. None when no axis, or more than one, fits."""
-    longest = int(before.max())
-    found = []
-    for axis in range(1, len(shape)):
-        size = shape[axis]
-        factor = round(longest / size) if size else 0
-        if factor < 2:
-            continue
-        scaled = -(-before // factor)
-        onward = max(1, round(size / max(int(after.max()), 1)))
-        if _fits(size, int(scaled.max())) and _fits(-(-int(scaled.max()) // onward), int(after.max())):
-            found.append(scaled)
-    return found[0] if len(found) == 1 else None
+    return PaddingPlan(index.run.lengths, index.forward_order, index.calls, index.inputs, index.outputs, values)

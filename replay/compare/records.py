@@ -19,7 +19,7 @@ from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import NearMisses
-from parity_harness.replay.compare.padding import PaddingPlan
+from parity_harness.replay.compare.padding import padding_plan
 from parity_harness.replay.compare.repeats import RecentDiffs
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule, bundle_parameters
@@ -67,7 +67,7 @@ class ComparingSink:
         """Gradient records compared as a sum of the reference's slots (a map's ``a=b+c``), described."""
         recorded = reader.index.selection
         self._inputs, self._outputs = recorded.records("inputs"), recorded.records("outputs")
-        self._padding_plan = PaddingPlan(reader) if mask_padding else None
+        self._padding_plan = padding_plan(reader) if mask_padding else None
         self.diffs = RecentDiffs(reader)
         """Module records compared, a repeat's result reused."""
         self.masked_records = 0

@@ -43,7 +43,7 @@ from parity_harness.common.format.bundle.layout import join_slot
 from parity_harness.common.format.bundle.schema import ModuleCall, Tree, iter_tensors
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.padding import PaddingPlan
+from parity_harness.replay.compare.padding import PaddingPlan, padding_plan
 from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.reader import BundleReader, rebuild
@@ -470,7 +470,7 @@ def isolate(
     isolator = Isolator(
         reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
     )
-    isolator.padding = PaddingPlan(reader) if mask_padding else None
+    isolator.padding = padding_plan(reader) if mask_padding else None
     reuse = _plan_reuse(reader.index.calls, modules, named, chained) if chained is not None else _Reuse({}, {})
     for position, call in enumerate(reader.index.calls):
         if progress is not None:

@@ -18,7 +18,7 @@ from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.numerics.metrics import TensorDiff, unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import plausible_level
-from parity_harness.replay.compare.padding import PaddingPlan
+from parity_harness.replay.compare.padding import padding_plan
 from parity_harness.replay.diagnose.isolation import InputAdapter, Isolator, LayoutTransform, not_recordable
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import BundleReader
@@ -71,7 +71,7 @@ def local_levels(
     ]
     single = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _same)
     double = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _to_float64)
-    single.padding = PaddingPlan(reader) if mask_padding else None
+    single.padding = padding_plan(reader) if mask_padding else None
     levels: dict[str, float] = {}
     for position, call in calls:  # one call at a time: what is kept is one call's values, whatever the model's size
         module = by_name[call.module]

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.lengths import subsampled_lengths
+from parity_harness.common.numerics.padding import padding_mask
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.padding import PaddingPlan, padding_mask, subsampled_lengths
+from parity_harness.replay.compare.padding import padding_plan
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 
@@ -505,8 +507,9 @@ class _Strided(nn.Module):
 
 class _Subsampled(nn.Module):
     """Halved frames and their lengths among the outputs, after an integer prediction (``first-integer``), or with a
-    frame put in front of them (``extra-frame``, the lengths from the module that halved them); ``junk`` is what the
-    port leaves in padded frames."""
+    frame put in front of them (``extra-frame``, the lengths from the module that halved them), or the halved frames
+    alone, their lengths only among the outputs of the module that halved them (``inner-lengths``); ``junk`` is what
+    the port leaves in padded frames (added, and scaling them: the gradients through them change too)."""
 
     def __init__(self, case: str, junk: float = 0.0) -> None:
         super().__init__()
@@ -519,24 +522,30 @@ class _Subsampled(nn.Module):
             enc, enc_len = self.sub(x), (lengths + 1) // 2
         else:
             enc, enc_len = self.sub(x, lengths)
-        enc = enc + self.junk * (torch.arange(enc.shape[1])[None, :, None] >= enc_len[:, None, None])
+        padded = torch.arange(enc.shape[1])[None, :, None] >= enc_len[:, None, None]
+        enc = enc * (1 + self.junk * padded) + self.junk * padded
         if self.case == "first-integer":
             return {"pred": enc.mean((1, 2)).gt(0).long() + 7, "enc": enc, "enc_len": enc_len}
+        if self.case == "inner-lengths":
+            return enc
         return torch.cat([self.first.expand(len(x), 1, 6), enc], 1), enc_len
 
 
-@pytest.mark.parametrize(("case", "slot"), [("first-integer", "output.enc"), ("extra-frame", "output.0")])
+@pytest.mark.parametrize(
+    ("case", "slot"), [("first-integer", "output.enc"), ("extra-frame", "output.0"), ("inner-lengths", "output")]
+)
 def test_capture_zeroes_the_cotangent_where_replay_masks_the_outputs(tmp_path: Path, case: str, slot: str) -> None:
     """The outputs' lengths are found, and their time axis sized, alike on both sides: replay took the first integer
-    vector among the outputs (a prediction) and found none, or sized the outputs' axis by a call's tensors; capture
-    had zeroed the cotangent there, so a correct port leaving other values in padded frames failed masked."""
+    vector among the outputs (a prediction) and found none, or sized the outputs' axis by a call's tensors, or masked
+    the outputs by the lengths of the module that subsampled them, which capture did not look at; capture had zeroed
+    the cotangent otherwise, so a correct port leaving other values in padded frames failed masked."""
     bundle = tmp_path / "sub.h5"
     x, lengths = torch.randn(3, 20, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([20, 14, 9])
     capture_run(_Subsampled(case), (x, lengths), bundle, seed=3, lengths=(20, 14, 9))
     with BundleReader(bundle) as reader:
         zeroed = reader.rebuild(reader.index.cotangent)[slot] == 0
         result = compare_run(_Subsampled(case, junk=1.0), reader, mask_padding=True)
-        mask = PaddingPlan(reader).mask(tuple(zeroed.shape), None, "outputs")[0]
+        mask = padding_plan(reader).mask(tuple(zeroed.shape), None, "outputs")[0]
     assert mask is not None
     assert torch.equal(zeroed, torch.from_numpy(mask))
     assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
