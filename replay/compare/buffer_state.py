@@ -5,6 +5,7 @@ after ``--map auto``'s alignment run; the caller gets them back once the replay 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -24,13 +25,18 @@ class _ModuleState:
     attributes: dict[str, tuple[object, torch.Tensor | None]]
     """Plain attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``, the
     private flag that says it was made): name -> (the object, a copy of a dense tensor's values)."""
+    containers: dict[str, tuple[Container, Container]]
+    """Attributes holding a plain list, dict or set (a history a forward appends to): name -> (the object, a shallow
+    copy of what it held)."""
 
 
 @dataclass(frozen=True)
 class BufferState:
-    """Every module's buffers, submodules and plain counters: a forward may register a buffer, fill one that was
-    None, put another tensor in a buffer's place (even a view of a weight), create a submodule holding a counter, or
-    count its steps in an attribute. Lists, dicts and other objects an attribute holds are not copied."""
+    """Every module's buffers, submodules, plain counters and plain containers: a forward may register a buffer, fill
+    one that was None, put another tensor in a buffer's place (even a view of a weight), create a submodule holding a
+    counter, count its steps in an attribute, or append to a list it holds. A container's items are kept as they
+    were (the same objects), not copied: a tensor in a list that a forward changes in place stays changed; other
+    objects an attribute holds are left as they are."""
 
     modules: tuple[_ModuleState, ...]
 
@@ -53,6 +59,7 @@ class BufferState:
                 _replace(module._buffers, restored_buffers)
                 module._non_persistent_buffers_set = set(state.non_persistent)
                 _put_back(module, state.attributes)
+                _put_back_containers(module, state.containers)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -68,6 +75,7 @@ class BufferState:
             for state in self.modules
         ]
         attributes = [(state.module, _plain_attributes(state.module)) for state in self.modules]
+        containers = [(state.module, _containers_of(state.module)) for state in self.modules]
         try:
             for state in self.modules:
                 _replace(state.module._modules, state.children)
@@ -75,10 +83,13 @@ class BufferState:
                 _replace(state.module._buffers, copies)
                 state.module._non_persistent_buffers_set = set(state.non_persistent)
                 _put_back(state.module, {name: (_copied(*saved), None) for name, saved in state.attributes.items()})
+                _put_back_containers(state.module, state.containers)
             yield
         finally:
             for module, saved in attributes:
                 _put_back(module, {name: (value, None) for name, value in saved.items()})
+            for module, held in containers:
+                _put_back_containers(module, held)
             for module, buffers, children, names in current:
                 _replace(module._modules, children)
                 _replace(module._buffers, buffers)
@@ -94,11 +105,44 @@ def _state_of(module: torch.nn.Module) -> _ModuleState:
         for name, value in _plain_attributes(module).items()
     }
     return _ModuleState(
-        module, buffers, frozenset(module._non_persistent_buffers_set), dict(module._modules), attributes
+        module,
+        buffers,
+        frozenset(module._non_persistent_buffers_set),
+        dict(module._modules),
+        attributes,
+        _containers_of(module),
     )
 
 
 _PLAIN: Final = (int, float, bool, str, type(None), torch.Tensor)
+Container = list[object] | dict[object, object] | set[object]
+_CONTAINERS: Final = (list, dict, set)
+_TORCH_OWN: Final = frozenset(vars(torch.nn.Module()))
+"""What every module holds for torch itself (its parameters, buffers, submodules and hooks, in dicts): never put back,
+or hooks registered meanwhile (the replay's own) would be taken off."""
+
+
+def _containers_of(module: torch.nn.Module) -> dict[str, tuple[Container, Container]]:
+    """The module's attributes holding exactly a list, dict or set (not torch's own), each with a shallow copy."""
+    return {
+        name: (value, copy.copy(value))
+        for name, value in vars(module).items()
+        if type(value) in _CONTAINERS and name not in _TORCH_OWN
+    }
+
+
+def _put_back_containers(module: torch.nn.Module, saved: dict[str, tuple[Container, Container]]) -> None:
+    """Each container attribute the object it was, holding what it held then (in place: whatever else holds it sees
+    the same); those added since removed."""
+    for name in [name for name in _containers_of(module) if name not in saved]:
+        del module.__dict__[name]
+    for name, (container, held) in saved.items():
+        container.clear()
+        if isinstance(container, list):
+            container.extend(held)
+        else:
+            container.update(held)  # type: ignore[arg-type]
+        module.__dict__[name] = container
 
 
 def _plain_attributes(module: torch.nn.Module) -> dict[str, object]:

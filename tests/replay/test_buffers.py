@@ -254,9 +254,9 @@ def test_isolation_runs_a_train_mode_batchnorm(train_bundle: Path) -> None:
 
 
 class _LazyState(nn.Module):
-    """A train-mode forward that fills a buffer that was None, creates a submodule holding a step counter and counts
-    its calls in a plain attribute, all read by its output (``kind`` says which counter it reads); ``bug`` is added to
-    the output."""
+    """A train-mode forward that fills a buffer that was None, creates a submodule holding a step counter, counts
+    its calls in a plain attribute, appends to a list and counts in a dict it holds, all read by its output (``kind``
+    says which counter it reads); ``bug`` is added to the output."""
 
     def __init__(self, kind: str, bug: float = 0.0) -> None:
         super().__init__()
@@ -264,6 +264,8 @@ class _LazyState(nn.Module):
         self.lin = nn.Linear(4, 3)
         self.register_buffer("seen", None)
         self.kind, self.bug, self.calls = kind, bug, 0
+        self.history: list[float] = []
+        self.tally: dict[str, int] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -274,16 +276,19 @@ class _LazyState(nn.Module):
                 self.counter.register_buffer("steps", torch.zeros(()))
             self.counter.steps.add_(1)
             self.calls += 1
-        count = self.counter.steps if self.kind == "submodule" else self.calls
+            self.history.append(1.0)
+            self.tally["steps"] = self.tally.get("steps", 0) + 1
+        counts = {"submodule": self.counter.steps, "attribute": self.calls, "list": len(self.history)}
+        count = counts.get(self.kind, self.tally.get("steps", 0))
         return 3 * self.lin(x) + 5e-5 * count + self.bug
 
 
-@pytest.mark.parametrize("kind", ["submodule", "attribute"])
+@pytest.mark.parametrize("kind", ["submodule", "attribute", "list", "dict"])
 def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: Path, kind: str) -> None:
-    """A filled None buffer, a submodule the forward creates and a plain counter attribute: the float64 rerun
-    started with the counter the replay had moved, so its step (5e-5) counted as the port's rounding and a 1e-4 bug
-    passed; and the caller's model kept them, so replaying it again failed. The rerun and the caller now get the
-    model as it was."""
+    """A filled None buffer, a submodule the forward creates, a plain counter attribute, a list and a dict the forward
+    adds to: the float64 rerun started with the counter the replay had moved, so its step (5e-5) counted as the port's
+    rounding and a 1e-4 bug passed; and the caller's model kept them, so replaying it again failed. The rerun and the
+    caller now get the model as it was."""
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "lazy.h5"
@@ -297,6 +302,7 @@ def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: P
     assert port.seen is None
     assert not hasattr(port, "counter")
     assert port.calls == 0
+    assert (port.history, port.tally) == ([], {})
     assert buggy.verdict == "MISMATCH"
     (output,) = [r for r in buggy.records if r.name == "output"]
     assert output.rounding is not None
