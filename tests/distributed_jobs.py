@@ -82,6 +82,13 @@ def lazy_drift() -> Drift:
     return Drift(lazy=True)
 
 
+def frozen_drift() -> Drift:
+    """Drift with a frozen parameter its forward never reads: no gradient of it is recorded."""
+    model = Drift()
+    model.spare = nn.Parameter(torch.ones(3), requires_grad=False)
+    return model
+
+
 BUILDERS = {
     "ddp": build_tiny,
     "ddp-batchnorm": build_batchnorm,
@@ -96,6 +103,7 @@ BUILDERS = {
     "drift": Drift,
     "ddp-drift": Drift,
     "lazy-drift": lazy_drift,
+    "ddp-frozen-drift": frozen_drift,
 }
 
 
@@ -135,7 +143,7 @@ def main() -> None:
         inputs = token_ids(100 + options.rank)
     if options.job == "ddp-batchnorm":
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
-    train = options.job in ("ddp-batchnorm", "drift", "ddp-drift", "lazy-drift")
+    train = options.job in ("ddp-batchnorm", "drift", "ddp-drift", "lazy-drift", "ddp-frozen-drift")
     fed = (next(iter(inputs.values())),) if sharded else inputs  # FSDP2's forward takes its input positionally
     capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train)
     dist.barrier()

@@ -723,6 +723,30 @@ def test_a_waived_gradient_is_accepted_on_every_torchrun_process(tmp_path: Path)
     assert "waiver 'x*' (--waive or a map's 'waive' line) matches no record left uncompared" in unused.stderr
 
 
+def drift_without_its_spare() -> torch.nn.Module:
+    """``--model`` factory: the reference of ``ddp-frozen-drift`` without the frozen parameter it never reads."""
+    from tests.distributed_jobs import Drift
+
+    return Drift().train()
+
+
+@pytest.mark.slow
+def test_a_parameter_the_port_lacks_is_named_once_under_torchrun(tmp_path: Path) -> None:
+    """A recorded frozen parameter the port lacks leaves the replay INCOMPLETE, named once (every process compared
+    the parameters, and process 1 listed it again as rank1:NAME); waiving it is accepted on every process (process
+    1 found the waiver unused)."""
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("ddp-frozen-drift", out)] == [0, 0]
+    model = f"{Path(__file__).resolve()}:drift_without_its_spare"
+    missing = _torchrun_replay(out, model, 2, "--waive", "*steps")
+    assert missing.returncode != 0, missing.stdout[-3000:]
+    assert "RESULT: INCOMPLETE" in missing.stdout
+    assert "param: recorded but: 1 record(s) not compared: module.spare" in missing.stdout, missing.stdout[-3000:]
+    waived = _torchrun_replay(out, model, 2, "--waive", "*steps", "--waive", "*spare")
+    assert waived.returncode == 0, waived.stdout[-3000:] + waived.stderr[-3000:]
+    assert "RESULT: MATCH" in waived.stdout
+
+
 @pytest.mark.slow
 def test_ranks_that_never_combined_gradients_rerun_only_the_rank_whose_gradients_count(tmp_path: Path) -> None:
     """Unwrapped ranks (grad_reduction none): rank 0's gradients alone are compared, so the rounding check reruns

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -96,6 +97,19 @@ class CaptureOptions:
     shards: bool = False
     lengths: tuple[int, ...] | None = None
     allow_tf32: bool = False
+
+    def __post_init__(self) -> None:
+        """Lengths are refused before anything runs where no bundle could hold them, and kept as plain ints."""
+        lengths = self.lengths
+        if lengths is None:
+            return
+        whole = all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in lengths)
+        if not lengths or not whole:
+            raise InputError(
+                f"lengths={lengths!r}: expected one integer >= 0 per example of the batch (at least one), as "
+                "--lengths 16000,12000 gives"
+            )
+        object.__setattr__(self, "lengths", tuple(int(n) for n in lengths))
 
 
 @dataclass(frozen=True)
@@ -226,6 +240,8 @@ class _CaptureRun:
         self.writer, self.model, self.inputs, self.options, self.context = writer, model, inputs, options, context
         self.info = dict(options.run_info)
         self.recorder = BundleRecorder(writer, options.selection)
+        if options.lengths is not None:  # the lengths among the records find the cotangent's padding
+            writer.keep_vectors_of = len(options.lengths)
         self.mode: BackwardMode = "none"
         self.trees: dict[str, Tree | None] = {}
         self.params: dict[str, TensorRef] = {}

@@ -106,9 +106,19 @@ class SelectiveStore:
 
     def __call__(self, slot: str, tensor: torch.Tensor) -> TensorRef:
         path = tensor_path(self._group, slot)
-        if self._selection.as_statistics(nbytes(tensor)):
+        if self._selection.as_statistics(nbytes(tensor)) and not _short_integer_vector(tensor):
             return self._writer.write_summary(path, tensor)
         return self._writer.write_tensor(path, tensor)
+
+
+_SHORT_VECTOR = 1 << 12
+"""Elements of the longest integer vector stored in full whatever the selection."""
+
+
+def _short_integer_vector(tensor: torch.Tensor) -> bool:
+    """A short integer vector (per-example lengths are): a few bytes, stored in full even where the selection keeps
+    statistics, so that capture's cotangent and replay's ``--mask-padding`` find the same lengths."""
+    return tensor.dim() == 1 and tensor.dtype in (torch.int32, torch.int64) and tensor.numel() <= _SHORT_VECTOR
 
 
 def nbytes(tensor: torch.Tensor) -> int:

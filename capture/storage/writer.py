@@ -58,8 +58,6 @@ datasets takes 0.6 MB, not 2.2, and each dataset is made and walked with less wo
 _ALIGNED_FROM = 64 << 10
 """Datasets of at least this many bytes start on a BLOCK boundary (a few KiB of padding each)."""
 _RECENT_TENSORS = 32
-_KEPT_VECTOR: Final = 1 << 12
-"""Elements of the longest integer vector whose values the writer keeps (one per example: a batch is shorter)."""
 """How many recently written tensors are kept to recognise a repeat: repeats are close in time."""
 _BATCH, _BATCH_BYTES = 64, 8 << 20
 """Dataset creations (and hard links) deferred, then made together: up to this many, or while their snapshots hold
@@ -240,9 +238,13 @@ class BundleWriter:
         """Records stored as links to an identical tensor recorded before."""
         self.summaries: dict[str, dict[str, float | int]] = {}
         """Path -> statistics of the tensors recorded as statistics only."""
+        self.keep_vectors_of: int | None = None
+        """Set to the batch size when lengths are declared: the values of integer vectors of that many elements
+        stored in full are kept (:attr:`integer_vectors`)."""
         self.integer_vectors: dict[str, np.ndarray] = {}
-        """Path -> values of the short integer vectors stored in full: per-example lengths are among them, and the
-        cotangent's padding is found from them before the bundle can be read (``common.format.bundle.lengths``)."""
+        """Path -> values of the integer vectors of :attr:`keep_vectors_of` elements stored in full: per-example
+        lengths are among them, and the cotangent's padding is found from them before the bundle can be read
+        (``common.format.bundle.lengths``)."""
 
     def write_tensor(self, path: str, tensor: torch.Tensor, *, stable: bool = False) -> TensorRef:
         """Store a tensor's exact bits at dataset ``path`` and return its reference.
@@ -256,7 +258,7 @@ class BundleWriter:
         tag = tag_of(tensor.dtype)
         ref = TensorRef(path, tag, tuple(tensor.shape), bool(tensor.requires_grad))
         self.tensor_count += 1
-        if tag in LENGTH_TAGS and tensor.dim() == 1 and tensor.numel() <= _KEPT_VECTOR:
+        if tag in LENGTH_TAGS and tensor.dim() == 1 and tensor.numel() == self.keep_vectors_of:
             self.integer_vectors[path] = tensor.detach().to("cpu", torch.int64, copy=True).numpy()
         key = _storage_key(tensor) if self._deduplicate else None
         earlier = self._unchanged_earlier(key, tensor)

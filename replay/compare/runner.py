@@ -315,6 +315,7 @@ class _ReplaySession:
         if not self.weights.index.selection.records("params"):
             return
         params = mapped_parameters(self.model, self.rename, grads=False, known=self.weights.index.params)
+        params += self._buffers_for_parameters({name for name, _ in params})
         tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
         if data_parallel and data_parallel.shards:
             compared = data_parallel.compare("params", "param", params, tolerances, self.transform)
@@ -332,11 +333,35 @@ class _ReplaySession:
             for p in padded
         ]
 
+    def _buffers_for_parameters(self, paired: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """The port's buffers standing for recorded parameters it does not have as parameters (a frozen position
+        encoding a port registers as a buffer): their values are compared as those parameters'."""
+        recorded = self.weights.index.params
+        found = []
+        for name, buffer in self.model.named_buffers():
+            mapped = self.rename.parameter(name)
+            if mapped is not None and mapped in recorded and mapped not in paired and buffer is not None:
+                found.append((mapped, buffer.detach()))
+                paired.add(mapped)
+        if found:
+            self.result.notes.append(
+                f"{len(found)} recorded parameter(s) compared with the port's buffer(s) of that name: "
+                f"{_shown_names([name for name, _ in found])}"
+            )
+        return found
+
     def _note_absent_parameters(self, absent: list[str]) -> None:
         """Recorded parameters the port has none of (or ``--map`` names none for): uncompared records, so the replay
         is INCOMPLETE unless they are waived. One whose gradient the bundle records is left to that record, under
-        the same name (missing, or waived with it); a frozen or unused one has none."""
+        the same name (missing, or waived with it); a frozen or unused one has none. Under torchrun, process 0 names
+        them (every process holds the same parameters), and a waiver naming them is its to judge (here it counts as
+        used)."""
         absent = [name for name in absent if name not in self.weights.index.grads]
+        data_parallel = self.options.data_parallel
+        if data_parallel is not None and not data_parallel.compares_gradients:
+            patterns = (*self.rename.waivers, *self.options.waive)
+            self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in absent))
+            return
         if absent:
             self.result.add_missing("param", absent)
             self.result.notes.append(
@@ -914,7 +939,7 @@ def _note_selection(result: ComparisonResult, reader: BundleReader, layers: Sele
 
 
 def _warn_if_mostly_unpaired(result: ComparisonResult) -> None:
-    compared, unpaired = len(result.records), len(result.bundle_only)
+    compared, unpaired = len(result.records) + len(result.param_values), len(result.bundle_only)
     if unpaired > compared:
         result.notes.append(
             f"WARNING: only {compared} records were compared and {unpaired} bundle records were not: "

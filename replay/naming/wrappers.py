@@ -78,6 +78,11 @@ class WrapperRenameMap(RenameMap):
 
     def parameter(self, name: str) -> str | None:
         mapped = super().parameter(name)
+        owner = name.rpartition(".")[0]
+        if mapped is None and owner and not strip_wrappers(owner, self.port_roots):
+            # A parameter of the wrapped root itself (a ViT's pos_embed under torch.compile's _orig_mod): the root's
+            # own, though the root is no module record.
+            mapped = super().parameter(strip_wrappers(name, self.port_roots))
         if mapped is None:
             return None
         normal = strip_wrappers(mapped, self.port_roots)

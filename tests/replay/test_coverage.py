@@ -440,3 +440,66 @@ def test_a_waived_parameter_the_port_lacks_matches(tmp_path: Path) -> None:
 
 def _without_spare() -> nn.Module:
     return _WithSpare(spare=False)
+
+
+class _RootParameter(nn.Module):
+    """A parameter held by the root module itself (a ViT's position embedding), trainable or frozen."""
+
+    def __init__(self, trainable: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.pos_embed = nn.Parameter(torch.randn(4), requires_grad=trainable)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.pos_embed)
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen"])
+def test_a_wrapped_ports_root_parameter_is_compared(tmp_path: Path, trainable: bool) -> None:
+    """A wrapped port's root parameter (``module.pos_embed`` under DataParallel) was mapped to no bundle name: its
+    gradient went missing and, frozen, its value (INCOMPLETE for a correct port). Both are paired now."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "root.h5"
+    capture_run(_RootParameter(trainable), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(nn.DataParallel(_RootParameter(trainable)), reader)
+    assert result.verdict == "MATCH", result.bundle_only
+    assert "pos_embed" in {r.name for r in result.param_values}
+    assert ("pos_embed" in {r.name for r in result.of_kind("param_grad")}) is trainable
+
+
+class _PositionTable(nn.Module):
+    """A frozen position table: a parameter in the reference, a buffer in the port (``as_buffer``); ``row`` of the
+    port's table is off by 1e-3 where given."""
+
+    def __init__(self, as_buffer: bool = False, row: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        table = torch.randn(6, 4)
+        if row is not None:
+            table[row] += 1e-3
+        if as_buffer:
+            self.register_buffer("pos", table)
+        else:
+            self.pos = nn.Parameter(table, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.pos[: x.shape[1]])
+
+
+def test_a_recorded_parameter_the_port_holds_as_a_buffer_is_compared(tmp_path: Path) -> None:
+    """A frozen parameter the port registers as a buffer of the same name is compared with it (it was missing:
+    INCOMPLETE for a correct port); a wrong row the batch never reads (the sixth) still fails."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "pos.h5"
+    capture_run(_PositionTable(), {"x": torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_PositionTable(as_buffer=True), reader)
+        wrong = compare_run(_PositionTable(as_buffer=True, row=5), reader)
+    assert result.verdict == "MATCH", result.bundle_only
+    assert "pos" in {r.name for r in result.param_values}
+    assert (wrong.verdict, [r.name for r in wrong.differing_parameters]) == ("MISMATCH", ["pos"])

@@ -551,6 +551,60 @@ def test_capture_zeroes_the_cotangent_where_replay_masks_the_outputs(tmp_path: P
     assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
 
 
+def _zeroed_and_judged(bundle: Path, case: str, slot: str) -> tuple[int, str, list[str]]:
+    """The cotangent's zeros, and the verdict on the correct port leaving junk in padded frames (masked)."""
+    with BundleReader(bundle) as reader:
+        zeros = int((reader.rebuild(reader.index.cotangent)[slot] == 0).sum())
+        result = compare_run(_Subsampled(case, junk=1.0), reader, mask_padding=True)
+    return zeros, result.verdict, [r.name for r in result.records if r.kind == "param_grad" and not r.match]
+
+
+def test_lengths_kept_as_statistics_by_the_selection_still_zero_the_cotangent(tmp_path: Path) -> None:
+    """--summary-only kept the outputs' lengths as statistics, which neither side can read: the cotangent was no
+    longer zeroed and a correct port failed its parameter gradients. Short integer vectors are stored in full."""
+    from parity_harness.common.format.bundle.selection import Selection
+
+    bundle = tmp_path / "summary.h5"
+    x, lengths = torch.randn(3, 20, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([20, 14, 9])
+    capture_run(
+        _Subsampled("extra-frame"),
+        (x, lengths),
+        bundle,
+        seed=3,
+        lengths=(20, 14, 9),
+        selection=Selection(summary_only=True),
+    )
+    zeros, _, failing_gradients = _zeroed_and_judged(bundle, "extra-frame", "output.0")
+    assert zeros == 6 * sum(11 - length for length in (10, 7, 5))  # halved lengths, a frame in front, 6 features
+    assert failing_gradients == []
+
+
+def test_a_batch_of_many_examples_finds_the_same_padding(tmp_path: Path) -> None:
+    """A batch of more than 4096 examples kept no lengths for the cotangent while replay masked the outputs (a
+    correct port failed)."""
+    bundle = tmp_path / "batch.h5"
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 21, (4097,), generator=generator)
+    lengths[0] = 20
+    x = torch.randn(4097, 20, 4, generator=generator)
+    capture_run(_Subsampled("inner-lengths"), (x, lengths), bundle, seed=3, lengths=tuple(lengths.tolist()))
+    zeros, verdict, _ = _zeroed_and_judged(bundle, "inner-lengths", "output")
+    assert zeros == 6 * int((10 - (lengths + 1) // 2).sum())
+    assert verdict == "MATCH"
+
+
+@pytest.mark.parametrize("lengths", [(), (3, -1), (2.5, 3)], ids=["empty", "negative", "fraction"])
+def test_lengths_that_cannot_be_a_batchs_are_refused_before_capture(tmp_path: Path, lengths: tuple[Any, ...]) -> None:
+    """Lengths no bundle can hold: refused with an input error naming them, and no file is left (an empty batch's
+    bundle was written, and then refused by every reader as damaged)."""
+    from parity_harness.common.errors import InputError
+
+    with pytest.raises(InputError, match="lengths="):
+        capture_run(_Subsampled("inner-lengths"), (torch.randn(2, 20, 4), torch.tensor([20, 9])), tmp_path / "b.h5",
+                    lengths=lengths)  # fmt: skip
+    assert not (tmp_path / "b.h5").exists()
+
+
 class _NaNPadded(nn.Module):
     """Leaves NaN in its padded frames (a softmax over a row that is all mask): the reference and the port alike."""
 

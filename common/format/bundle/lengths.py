@@ -87,7 +87,7 @@ class PaddingPlan:
         self._by_longest: dict[int, list[int]] = {}
         """Longest length -> the events with it: a record only looks at vectors that could fit one of its axes."""
         for position, (_, vector, _) in enumerate(self._events):
-            self._by_longest.setdefault(int(vector.max()), []).append(position)
+            self._by_longest.setdefault(int(vector.max(initial=0)), []).append(position)
         self._cache: dict[tuple[tuple[int, ...], int, str], tuple[np.ndarray | None, str]] = {}
 
     def _find_events(
@@ -138,7 +138,7 @@ class PaddingPlan:
             found = _time_sizes(vector, *came_with)
             if found is None and rank != self._end:  # the outputs are sized by their own tensors alone
                 found = _time_sizes(vector, *pooled[tuple(vector.tolist())])
-            sizes.append(found if found is not None else frozenset({int(vector.max())}))
+            sizes.append(found if found is not None else frozenset({int(vector.max(initial=0))}))
         return sizes
 
     def mask(self, shape: tuple[int, ...], position: int | None, event: str) -> tuple[np.ndarray | None, str]:
@@ -204,7 +204,7 @@ def subsampled_lengths(shape: tuple[int, ...], before: np.ndarray, after: np.nda
     factor (rounded up, as a 'same'-padded strided convolution does, one frame of framing slack) that also
     divides down to the later lengths the same way. The earlier lengths, divided the same way, are the
     record's. None when no axis, or more than one, fits."""
-    longest = int(before.max())
+    longest = int(before.max(initial=0))
     found = []
     for axis in range(1, len(shape)):
         size = shape[axis]
@@ -212,7 +212,9 @@ def subsampled_lengths(shape: tuple[int, ...], before: np.ndarray, after: np.nda
         if factor < 2:
             continue
         scaled = -(-before // factor)
-        onward = max(1, round(size / max(int(after.max()), 1)))
-        if _fits(size, int(scaled.max())) and _fits(-(-int(scaled.max()) // onward), int(after.max())):
+        onward = max(1, round(size / max(int(after.max(initial=0)), 1)))
+        if _fits(size, int(scaled.max(initial=0))) and _fits(
+            -(-int(scaled.max(initial=0)) // onward), int(after.max(initial=0))
+        ):
             found.append(scaled)
     return found[0] if len(found) == 1 else None
