@@ -100,13 +100,17 @@ class CaptureOptions:
 
     def __post_init__(self) -> None:
         """Lengths are refused before anything runs where no bundle could hold them, and kept as plain ints."""
-        lengths = self.lengths
-        if lengths is None:
+        if self.lengths is None:
             return
-        whole = all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in lengths)
-        if not lengths or not whole:
+        given: Any = self.lengths
+        lengths = given.tolist() if hasattr(given, "tolist") else given  # a tensor or an array of them
+        sequence = isinstance(lengths, list | tuple)
+        whole = sequence and all(
+            isinstance(n, numbers.Integral) and not isinstance(n, bool) and int(n) >= 0 for n in lengths
+        )
+        if not sequence or len(lengths) == 0 or not whole:
             raise InputError(
-                f"lengths={lengths!r}: expected one integer >= 0 per example of the batch (at least one), as "
+                f"lengths={given!r}: expected one integer >= 0 per example of the batch (at least one), as "
                 "--lengths 16000,12000 gives"
             )
         object.__setattr__(self, "lengths", tuple(int(n) for n in lengths))

@@ -28,6 +28,7 @@ from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.format.dtypes import tag_of
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.buffer_state import BufferState
 from parity_harness.replay.compare.buffers import compare_buffers
@@ -337,10 +338,14 @@ class _ReplaySession:
         """The port's buffers standing for recorded parameters it does not have as parameters (a frozen position
         encoding a port registers as a buffer): their values are compared as those parameters'."""
         recorded = self.weights.index.params
-        found = []
+        found: list[tuple[str, torch.Tensor]] = []
         for name, buffer in self.model.named_buffers():
             mapped = self.rename.parameter(name)
-            if mapped is not None and mapped in recorded and mapped not in paired and buffer is not None:
+            if mapped is None or mapped in paired or buffer is None:
+                continue
+            ref = recorded.get(mapped)
+            # Only one holding the recorded shape and dtype: another is a different tensor, left absent (waivable).
+            if ref is not None and (tuple(buffer.shape), tag_of(buffer.dtype)) == (ref.shape, ref.tag):
                 found.append((mapped, buffer.detach()))
                 paired.add(mapped)
         if found:

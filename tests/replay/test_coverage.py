@@ -474,7 +474,7 @@ class _PositionTable(nn.Module):
     """A frozen position table: a parameter in the reference, a buffer in the port (``as_buffer``); ``row`` of the
     port's table is off by 1e-3 where given."""
 
-    def __init__(self, as_buffer: bool = False, row: int | None = None) -> None:
+    def __init__(self, as_buffer: bool = False, row: int | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin = nn.Linear(4, 4)
@@ -482,17 +482,18 @@ class _PositionTable(nn.Module):
         if row is not None:
             table[row] += 1e-3
         if as_buffer:
-            self.register_buffer("pos", table)
+            self.register_buffer("pos", table.to(dtype))
         else:
             self.pos = nn.Parameter(table, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x + self.pos[: x.shape[1]])
+        return self.lin(x + self.pos[: x.shape[1]].to(x.dtype))
 
 
 def test_a_recorded_parameter_the_port_holds_as_a_buffer_is_compared(tmp_path: Path) -> None:
-    """A frozen parameter the port registers as a buffer of the same name is compared with it (it was missing:
-    INCOMPLETE for a correct port); a wrong row the batch never reads (the sixth) still fails."""
+    """A frozen parameter the port registers as a buffer of the same name, shape and dtype is compared with it (it
+    was missing: INCOMPLETE for a correct port); a wrong row the batch never reads (the sixth) still fails; a buffer
+    of another dtype is another tensor, left unpaired (INCOMPLETE), not a divergence."""
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "pos.h5"
@@ -500,6 +501,8 @@ def test_a_recorded_parameter_the_port_holds_as_a_buffer_is_compared(tmp_path: P
     with BundleReader(bundle) as reader:
         result = compare_run(_PositionTable(as_buffer=True), reader)
         wrong = compare_run(_PositionTable(as_buffer=True, row=5), reader)
+        wider = compare_run(_PositionTable(as_buffer=True, dtype=torch.float64), reader)
+    assert (wider.verdict, wider.coverage()["param"].missing) == ("INCOMPLETE", ("pos",))
     assert result.verdict == "MATCH", result.bundle_only
     assert "pos" in {r.name for r in result.param_values}
     assert (wrong.verdict, [r.name for r in wrong.differing_parameters]) == ("MISMATCH", ["pos"])

@@ -593,7 +593,19 @@ def test_a_batch_of_many_examples_finds_the_same_padding(tmp_path: Path) -> None
     assert verdict == "MATCH"
 
 
-@pytest.mark.parametrize("lengths", [(), (3, -1), (2.5, 3)], ids=["empty", "negative", "fraction"])
+@pytest.mark.parametrize("given", [torch.tensor([20, 9]), np.array([20, 9]), [20, 9]], ids=["tensor", "array", "list"])
+def test_lengths_given_as_a_tensor_or_an_array_are_taken(tmp_path: Path, given: Any) -> None:
+    """Speech models keep their lengths in a tensor: the capture takes them as plain integers (the check refusing
+    bad lengths crashed on them)."""
+    bundle = tmp_path / "b.h5"
+    capture_run(_Subsampled("inner-lengths"), (torch.randn(2, 20, 4), torch.tensor([20, 9])), bundle, lengths=given)
+    with BundleReader(bundle) as reader:
+        assert reader.index.run.lengths == (20, 9)
+
+
+@pytest.mark.parametrize(
+    "lengths", [(), (3, -1), (2.5, 3), torch.tensor(7), "20,9"], ids=["empty", "negative", "fraction", "0-d", "text"]
+)
 def test_lengths_that_cannot_be_a_batchs_are_refused_before_capture(tmp_path: Path, lengths: tuple[Any, ...]) -> None:
     """Lengths no bundle can hold: refused with an input error naming them, and no file is left (an empty batch's
     bundle was written, and then refused by every reader as damaged)."""
