@@ -5,12 +5,13 @@ after ``--map auto``'s alignment run; the caller gets them back once the replay 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
 import torch
+
+from parity_harness.replay.compare.containers import HeldItems, hold, is_container, put_back
 
 __all__ = ["BufferState"]
 
@@ -25,33 +26,39 @@ class _ModuleState:
     attributes: dict[str, tuple[object, torch.Tensor | None]]
     """Plain attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``, the
     private flag that says it was made): name -> (the object, a copy of a dense tensor's values)."""
-    containers: dict[str, tuple[Container, Container]]
-    """Attributes holding a plain list, dict or set (a history a forward appends to): name -> (the object, a shallow
-    copy of what it held)."""
+    containers: dict[str, tuple[object, HeldItems | None]]
+    """Attributes holding a list, dict, set or tuple (a history a forward appends to): name -> (the object, what it
+    held; None for one too large to keep, which keeps whatever it holds then)."""
+    registrations: _Registrations
 
 
 @dataclass(frozen=True)
 class BufferState:
-    """Every module's buffers, submodules, plain counters and plain containers: a forward may register a buffer, fill
-    one that was None, put another tensor in a buffer's place (even a view of a weight), create a submodule holding a
-    counter, count its steps in an attribute, or append to a list it holds. A container's items are kept as they
-    were (the same objects), not copied: a tensor in a list that a forward changes in place stays changed; other
-    objects an attribute holds are left as they are."""
+    """Every module's buffers, submodules, plain counters, containers and registrations: a forward may register a
+    buffer, fill one that was None, put another tensor in a buffer's place (even a view of a weight), create a
+    submodule holding a counter, count its steps in an attribute, append to a list it holds
+    (:mod:`~parity_harness.replay.compare.containers`), or set itself up once, registering a hook or a weight norm
+    and noting so in a flag or a list: the hooks registered and the parameters replaced since go with the flag, or
+    the next run would set itself up a second time. Other objects an attribute holds are left as they are."""
 
     modules: tuple[_ModuleState, ...]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> BufferState:
         """``model``'s buffers and submodules as they are now (a TorchScript module's are its compiled code's)."""
-        return cls(tuple(_state_of(m) for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)))
+        memo: dict[int, HeldItems] = {}  # a container held by several attributes is kept once
+        modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+        return cls(tuple(_state_of(module, memo) for module in modules))
 
     def restore(self) -> None:
         """The model back to this state: each buffer the tensor it was, holding the values it had (written only
         where they changed; never into a tensor the run put in its place), None entries None, buffers and submodules
         added since removed, those removed put back."""
+        done: set[int] = set()
         with torch.no_grad():
             for state in self.modules:
                 module = state.module
+                state.registrations.put_back(module)
                 _replace(module._modules, state.children)
                 restored_buffers = {
                     name: None if saved is None else _restored(*saved) for name, saved in state.buffers.items()
@@ -59,7 +66,7 @@ class BufferState:
                 _replace(module._buffers, restored_buffers)
                 module._non_persistent_buffers_set = set(state.non_persistent)
                 _put_back(module, state.attributes)
-                _put_back_containers(module, state.containers)
+                _put_back_containers(module, state.containers, done)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -75,7 +82,10 @@ class BufferState:
             for state in self.modules
         ]
         attributes = [(state.module, _plain_attributes(state.module)) for state in self.modules]
-        containers = [(state.module, _containers_of(state.module)) for state in self.modules]
+        memo: dict[int, HeldItems] = {}
+        containers = [(state.module, _containers_of(state.module, memo)) for state in self.modules]
+        registrations = [(state.module, _Registrations.of(state.module)) for state in self.modules]
+        applied: set[int] = set()
         try:
             for state in self.modules:
                 _replace(state.module._modules, state.children)
@@ -83,20 +93,23 @@ class BufferState:
                 _replace(state.module._buffers, copies)
                 state.module._non_persistent_buffers_set = set(state.non_persistent)
                 _put_back(state.module, {name: (_copied(*saved), None) for name, saved in state.attributes.items()})
-                _put_back_containers(state.module, state.containers)
+                _put_back_containers(state.module, state.containers, applied)
             yield
         finally:
             for module, saved in attributes:
                 _put_back(module, {name: (value, None) for name, value in saved.items()})
+            done: set[int] = set()
             for module, held in containers:
-                _put_back_containers(module, held)
+                _put_back_containers(module, held, done)
+            for module, registered in registrations:
+                registered.put_back(module)
             for module, buffers, children, names in current:
                 _replace(module._modules, children)
                 _replace(module._buffers, buffers)
                 module._non_persistent_buffers_set = names
 
 
-def _state_of(module: torch.nn.Module) -> _ModuleState:
+def _state_of(module: torch.nn.Module, memo: dict[int, HeldItems]) -> _ModuleState:
     buffers = {
         name: None if buffer is None else (buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
     }
@@ -110,39 +123,69 @@ def _state_of(module: torch.nn.Module) -> _ModuleState:
         frozenset(module._non_persistent_buffers_set),
         dict(module._modules),
         attributes,
-        _containers_of(module),
+        _containers_of(module, memo),
+        _Registrations.of(module),
     )
 
 
+@dataclass(frozen=True)
+class _Registrations:
+    """A module's class, its parameters (the objects registered) and the hooks registered on it."""
+
+    kind: type
+    parameters: dict[str, torch.nn.Parameter | None]
+    hooks: dict[str, frozenset[int]]
+    """Each of torch's hook dicts -> the ids of the hooks it held."""
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Registrations:
+        hooks = {name: frozenset(getattr(module, name, {})) for name in _HOOK_DICTS}
+        return cls(type(module), dict(module._parameters), hooks)
+
+    def put_back(self, module: torch.nn.Module) -> None:
+        """The class and parameters it had (a parametrization or a weight norm set up since undone), and the hooks
+        registered since taken off (those it had stay: a hook a forward removes, as a lazy module's initialiser,
+        is not put back)."""
+        if type(module) is not self.kind:
+            module.__class__ = self.kind
+        if module._parameters.keys() != self.parameters.keys() or any(
+            module._parameters[name] is not param for name, param in self.parameters.items()
+        ):
+            _replace(module._parameters, self.parameters)
+        for name, ids in self.hooks.items():
+            registered = getattr(module, name, None)
+            if registered is not None and registered.keys() != ids:
+                for added in [key for key in registered if key not in ids]:
+                    del registered[added]
+
+
 _PLAIN: Final = (int, float, bool, str, type(None), torch.Tensor)
-Container = list[object] | dict[object, object] | set[object]
-_CONTAINERS: Final = (list, dict, set)
 _TORCH_OWN: Final = frozenset(vars(torch.nn.Module()))
-"""What every module holds for torch itself (its parameters, buffers, submodules and hooks, in dicts): never put back,
-or hooks registered meanwhile (the replay's own) would be taken off."""
+"""What every module holds for torch itself (its parameters, buffers, submodules and hook dicts): put back as
+registrations (:class:`_Registrations`), never as containers."""
+_HOOK_DICTS: Final = tuple(name for name in _TORCH_OWN if "hook" in name and name != "_is_full_backward_hook")
 
 
-def _containers_of(module: torch.nn.Module) -> dict[str, tuple[Container, Container]]:
-    """The module's attributes holding exactly a list, dict or set (not torch's own), each with a shallow copy."""
-    return {
-        name: (value, copy.copy(value))
-        for name, value in vars(module).items()
-        if type(value) in _CONTAINERS and name not in _TORCH_OWN
-    }
+def _containers_of(module: torch.nn.Module, memo: dict[int, HeldItems]) -> dict[str, tuple[object, HeldItems | None]]:
+    """The module's container attributes (not torch's own), each with what it holds."""
+    return {name: (value, hold(value, memo)) for name, value in vars(module).items() if _is_own_container(name, value)}
 
 
-def _put_back_containers(module: torch.nn.Module, saved: dict[str, tuple[Container, Container]]) -> None:
-    """Each container attribute the object it was, holding what it held then (in place: whatever else holds it sees
-    the same); those added since removed."""
-    for name in [name for name in _containers_of(module) if name not in saved]:
+def _put_back_containers(
+    module: torch.nn.Module, saved: dict[str, tuple[object, HeldItems | None]], done: set[int]
+) -> None:
+    """Each container attribute the object it was, holding what it held (in place: whatever else holds it sees the
+    same); container attributes added since removed."""
+    for name in [name for name, value in vars(module).items() if name not in saved and _is_own_container(name, value)]:
         del module.__dict__[name]
     for name, (container, held) in saved.items():
-        container.clear()
-        if isinstance(container, list):
-            container.extend(held)
-        else:
-            container.update(held)  # type: ignore[arg-type]
+        if held is not None:
+            put_back(held, done)
         module.__dict__[name] = container
+
+
+def _is_own_container(name: str, value: object) -> bool:
+    return name not in _TORCH_OWN and is_container(value)
 
 
 def _plain_attributes(module: torch.nn.Module) -> dict[str, object]:

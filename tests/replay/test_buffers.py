@@ -7,6 +7,7 @@ batch's own statistics, so only the buffers show the difference."""
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import h5py
@@ -266,6 +267,9 @@ class _LazyState(nn.Module):
         self.kind, self.bug, self.calls = kind, bug, 0
         self.history: list[float] = []
         self.tally: dict[str, int] = {}
+        self.nested: dict[str, list[int]] = {"steps": []}
+        self.counts: defaultdict[str, int] = defaultdict(int)
+        self.sums = {"steps": torch.zeros(())}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -278,12 +282,22 @@ class _LazyState(nn.Module):
             self.calls += 1
             self.history.append(1.0)
             self.tally["steps"] = self.tally.get("steps", 0) + 1
-        counts = {"submodule": self.counter.steps, "attribute": self.calls, "list": len(self.history)}
-        count = counts.get(self.kind, self.tally.get("steps", 0))
+            self.nested["steps"].append(1)
+            self.counts["steps"] += 1
+            self.sums["steps"].add_(1)  # in place: the tensor in the dict is the same object
+        count = {
+            "submodule": self.counter.steps,
+            "attribute": self.calls,
+            "list": len(self.history),
+            "dict": self.tally.get("steps", 0),
+            "nested": len(self.nested["steps"]),
+            "defaultdict": self.counts["steps"],
+            "tensor-in-dict": self.sums["steps"],
+        }[self.kind]
         return 3 * self.lin(x) + 5e-5 * count + self.bug
 
 
-@pytest.mark.parametrize("kind", ["submodule", "attribute", "list", "dict"])
+@pytest.mark.parametrize("kind", ["submodule", "attribute", "list", "dict", "nested", "defaultdict", "tensor-in-dict"])
 def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: Path, kind: str) -> None:
     """A filled None buffer, a submodule the forward creates, a plain counter attribute, a list and a dict the forward
     adds to: the float64 rerun started with the counter the replay had moved, so its step (5e-5) counted as the port's
@@ -302,7 +316,8 @@ def test_what_a_run_makes_is_undone_for_the_rerun_and_for_the_caller(tmp_path: P
     assert port.seen is None
     assert not hasattr(port, "counter")
     assert port.calls == 0
-    assert (port.history, port.tally) == ([], {})
+    assert (port.history, port.tally, port.nested, dict(port.counts)) == ([], {}, {"steps": []}, {})
+    assert float(port.sums["steps"]) == 0
     assert buggy.verdict == "MISMATCH"
     (output,) = [r for r in buggy.records if r.name == "output"]
     assert output.rounding is not None
@@ -357,3 +372,35 @@ def test_putting_an_attribute_back_never_writes_into_what_it_views() -> None:
     state.restore()
     assert torch.equal(model.weight, scaled)
     assert torch.equal(model.first_row, 2 * scaled[0])
+
+
+class _HooksItselfOnce(nn.Module):
+    """Sets itself up on its first forward (a scaling hook on ``lin`` and, with ``norm``, a weight norm), noting it in
+    a list: a replay that put the list back but not the registrations set it up again on the next run."""
+
+    def __init__(self, norm: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.norm, self.handles = nn.Linear(4, 3), norm, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.handles:
+            self.handles.append(self.lin.register_forward_hook(lambda module, args, out: out * 2))
+            if self.norm:
+                nn.utils.parametrizations.weight_norm(self.lin)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["hook", "weight-norm"])
+def test_what_a_forward_registers_is_undone_with_the_flag_that_notes_it(tmp_path: Path, norm: bool) -> None:
+    """The hook (and the parametrization) a first forward registers go with the list noting them: the same model
+    replayed three times doubled its output again each time (MISMATCH), or failed registering a second weight norm."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "hooked.h5"
+    capture_run(_HooksItselfOnce(norm), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), bundle)
+    port = _HooksItselfOnce(norm)
+    with BundleReader(bundle) as reader:
+        assert [compare_run(port, reader).verdict for _ in range(3)] == ["MATCH"] * 3
+    assert (port.handles, len(port.lin._forward_hooks), type(port.lin)) == ([], 0, nn.Linear)
+    assert set(port.lin._parameters) == {"weight", "bias"}
