@@ -135,11 +135,12 @@ class _Registrations:
     kind: type
     parameters: dict[str, torch.nn.Parameter | None]
     hooks: dict[str, frozenset[int]]
-    """Each of torch's hook dicts -> the ids of the hooks it held."""
+    """Each of torch's hook dicts that held any -> the ids of the hooks it held."""
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> _Registrations:
-        hooks = {name: frozenset(getattr(module, name, {})) for name in _HOOK_DICTS}
+        held = vars(module)
+        hooks = {name: frozenset(held[name]) for name in _HOOK_DICTS if held.get(name)}  # most are empty
         return cls(type(module), dict(module._parameters), hooks)
 
     def put_back(self, module: torch.nn.Module) -> None:
@@ -152,9 +153,10 @@ class _Registrations:
             module._parameters[name] is not param for name, param in self.parameters.items()
         ):
             _replace(module._parameters, self.parameters)
-        for name, ids in self.hooks.items():
-            registered = getattr(module, name, None)
-            if registered is not None and registered.keys() != ids:
+        held = vars(module)
+        for name in _HOOK_DICTS:
+            registered, ids = held.get(name), self.hooks.get(name, frozenset())
+            if registered and registered.keys() != ids:
                 for added in [key for key in registered if key not in ids]:
                     del registered[added]
 
