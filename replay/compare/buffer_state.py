@@ -23,13 +23,69 @@ class _ModuleState:
     """Name -> (the buffer tensor it held, a copy of its values); None for an entry that was None."""
     non_persistent: frozenset[str]
     children: dict[str, torch.nn.Module | None]
-    attributes: dict[str, tuple[object, torch.Tensor | None]]
-    """Plain attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``, the
-    private flag that says it was made): name -> (the object, a copy of a dense tensor's values)."""
+    attributes: _Attributes
+
+
+@dataclass(frozen=True)
+class _Attributes:
+    """A module's own attributes (not torch's) and its registrations, as they were."""
+
+    plain: dict[str, tuple[object, torch.Tensor | None]]
+    """Attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``, the private
+    flag that says it was made): name -> (the object, a copy of a dense tensor's values; None: not copied)."""
     containers: dict[str, tuple[object, HeldItems | None]]
     """Attributes holding a list, dict, set or tuple (a history a forward appends to): name -> (the object, what it
     held; None for one too large to keep, which keeps whatever it holds then)."""
+    others: dict[str, object]
+    """Every other attribute of its own (a hook's handle, a config object): name -> the object (not a copy)."""
     registrations: _Registrations
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, memo: dict[int, HeldItems], own: frozenset[int], values: bool) -> _Attributes:
+        """``values``: copy the plain tensors' values (to put them back later) or not (to swap copies in)."""
+        plain: dict[str, tuple[object, torch.Tensor | None]] = {}
+        containers: dict[str, tuple[object, HeldItems | None]] = {}
+        others: dict[str, object] = {}
+        for name, value in vars(module).items():
+            if name in _TORCH_OWN:
+                continue
+            if isinstance(value, _PLAIN):
+                kept = value.detach().clone() if values and isinstance(value, torch.Tensor) and _dense(value) else None
+                plain[name] = (value, kept)
+            elif is_container(value):
+                containers[name] = (value, hold(value, memo, own))
+            else:
+                others[name] = value
+        return cls(plain, containers, others, _Registrations.of(module))
+
+    def put_back(self, module: torch.nn.Module, copies: bool = False) -> None:
+        """The module's attributes and registrations as they were, those it made since removed; its containers are
+        put back apart (:meth:`put_back_containers`), once every module's buffers hold their values. ``copies``: a
+        tensor attribute gets a copy of its saved values whatever it holds (for a run that may move it)."""
+        self.registrations.put_back(module)
+        held = module.__dict__
+        for name in [name for name in held if name not in _TORCH_OWN and not self.has(name)]:
+            del held[name]  # whatever it holds: a hook's handle goes with the hook
+        held.update(self.others)
+        for name, (value, values) in self.plain.items():
+            if values is None or (not copies and _holds(value, values)):
+                held[name] = value
+                continue
+            wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
+            held[name] = values.clone().requires_grad_(wants_grad)
+
+    def put_back_containers(
+        self, module: torch.nn.Module, done: set[int], standing_in: dict[int, torch.Tensor] | None = None
+    ) -> None:
+        """Each container attribute the object it was, holding what it held (in place: whatever else holds it sees
+        the same; ``standing_in`` as for :func:`~parity_harness.replay.compare.containers.put_back`)."""
+        for name, (container, held) in self.containers.items():
+            if held is not None:
+                put_back(held, done, standing_in)
+            module.__dict__[name] = container
+
+    def has(self, name: str) -> bool:
+        return name in self.plain or name in self.containers or name in self.others
 
 
 @dataclass(frozen=True)
@@ -38,93 +94,90 @@ class BufferState:
     buffer, fill one that was None, put another tensor in a buffer's place (even a view of a weight), create a
     submodule holding a counter, count its steps in an attribute, append to a list it holds
     (:mod:`~parity_harness.replay.compare.containers`), or set itself up once, registering a hook or a weight norm
-    and noting so in a flag or a list: the hooks registered and the parameters replaced since go with the flag, or
-    the next run would set itself up a second time. Other objects an attribute holds are left as they are."""
+    and noting so in a flag, a list or the hook's handle: the hooks registered and the parameters replaced since go
+    with them, or the next run would set itself up a second time. The objects other attributes hold are put back as
+    those objects, not copies."""
 
     modules: tuple[_ModuleState, ...]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> BufferState:
         """``model``'s buffers and submodules as they are now (a TorchScript module's are its compiled code's)."""
-        memo: dict[int, HeldItems] = {}  # a container held by several attributes is kept once
         modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
-        return cls(tuple(_state_of(module, memo) for module in modules))
+        memo: dict[int, HeldItems] = {}  # a container held by several attributes is kept once
+        own = _own_tensors(modules)
+        return cls(tuple(_state_of(module, memo, own) for module in modules))
 
     def restore(self) -> None:
         """The model back to this state: each buffer the tensor it was, holding the values it had (written only
-        where they changed; never into a tensor the run put in its place), None entries None, buffers and submodules
-        added since removed, those removed put back."""
+        where they changed; never into a tensor the run put in its place), None entries None, buffers, submodules
+        and attributes added since removed, those removed put back."""
         done: set[int] = set()
         with torch.no_grad():
             for state in self.modules:
                 module = state.module
-                state.registrations.put_back(module)
                 _replace(module._modules, state.children)
                 restored_buffers = {
                     name: None if saved is None else _restored(*saved) for name, saved in state.buffers.items()
                 }
                 _replace(module._buffers, restored_buffers)
                 module._non_persistent_buffers_set = set(state.non_persistent)
-                _put_back(module, state.attributes)
-                _put_back_containers(module, state.containers, done)
+                state.attributes.put_back(module)
+            for state in self.modules:  # once every buffer holds its values: a list may hold one
+                state.attributes.put_back_containers(state.module, done)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Copies of this state's values in the model for the duration (its submodules as they were); the model's
-        own buffers and submodules afterwards, untouched."""
-        current = [
-            (
-                state.module,
-                dict(state.module._buffers),
-                dict(state.module._modules),
-                set(state.module._non_persistent_buffers_set),
-            )
-            for state in self.modules
-        ]
-        attributes = [(state.module, _plain_attributes(state.module)) for state in self.modules]
+        own buffers, submodules and attributes afterwards, untouched."""
+        modules = [state.module for state in self.modules]
         memo: dict[int, HeldItems] = {}
-        containers = [(state.module, _containers_of(state.module, memo)) for state in self.modules]
-        registrations = [(state.module, _Registrations.of(state.module)) for state in self.modules]
-        applied: set[int] = set()
+        own = _own_tensors(modules)
+        now = [(m, dict(m._buffers), dict(m._modules), set(m._non_persistent_buffers_set)) for m in modules]
+        attributes = [_Attributes.of(m, memo, own, values=False) for m in modules]
+        standing_in: dict[int, torch.Tensor] = {}
+        """The saved buffers, by id -> the copies the rerun runs with (a list holding one gets the copy)."""
         try:
             for state in self.modules:
                 _replace(state.module._modules, state.children)
                 copies = {name: None if saved is None else saved[1].clone() for name, saved in state.buffers.items()}
+                for saved, copy in zip(state.buffers.values(), copies.values(), strict=True):
+                    if saved is not None and copy is not None:
+                        standing_in[id(saved[0])] = copy
                 _replace(state.module._buffers, copies)
                 state.module._non_persistent_buffers_set = set(state.non_persistent)
-                _put_back(state.module, {name: (_copied(*saved), None) for name, saved in state.attributes.items()})
-                _put_back_containers(state.module, state.containers, applied)
+                state.attributes.put_back(state.module, copies=True)
+            applied: set[int] = set()
+            for state in self.modules:
+                state.attributes.put_back_containers(state.module, applied, standing_in)
             yield
         finally:
-            for module, saved in attributes:
-                _put_back(module, {name: (value, None) for name, value in saved.items()})
             done: set[int] = set()
-            for module, held in containers:
-                _put_back_containers(module, held, done)
-            for module, registered in registrations:
-                registered.put_back(module)
-            for module, buffers, children, names in current:
+            for (module, buffers, children, names), held in zip(now, attributes, strict=True):
                 _replace(module._modules, children)
                 _replace(module._buffers, buffers)
                 module._non_persistent_buffers_set = names
+                held.put_back(module)
+            for module, held in zip(modules, attributes, strict=True):
+                held.put_back_containers(module, done)
 
 
-def _state_of(module: torch.nn.Module, memo: dict[int, HeldItems]) -> _ModuleState:
+def _own_tensors(modules: list[torch.nn.Module]) -> frozenset[int]:
+    """The ids of the modules' parameters and buffers: a container holding one keeps it as the object it is."""
+    held = (tensors for m in modules for tensors in (m._parameters, m._buffers))
+    return frozenset(id(tensor) for tensors in held for tensor in tensors.values() if tensor is not None)
+
+
+def _state_of(module: torch.nn.Module, memo: dict[int, HeldItems], own: frozenset[int]) -> _ModuleState:
     buffers = {
         name: None if buffer is None else (buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
-    }
-    attributes = {
-        name: (value, value.detach().clone() if isinstance(value, torch.Tensor) and _dense(value) else None)
-        for name, value in _plain_attributes(module).items()
     }
     return _ModuleState(
         module,
         buffers,
         frozenset(module._non_persistent_buffers_set),
         dict(module._modules),
-        attributes,
-        _containers_of(module, memo),
-        _Registrations.of(module),
+        _Attributes.of(module, memo, own, values=True),
     )
 
 
@@ -163,56 +216,14 @@ class _Registrations:
 
 _PLAIN: Final = (int, float, bool, str, type(None), torch.Tensor)
 _TORCH_OWN: Final = frozenset(vars(torch.nn.Module()))
-"""What every module holds for torch itself (its parameters, buffers, submodules and hook dicts): put back as
-registrations (:class:`_Registrations`), never as containers."""
+"""What every module holds for torch itself (its mode, parameters, buffers, submodules and hook dicts): put back as
+registrations (:class:`_Registrations`) and buffers, the mode by the caller, never as attributes."""
 _HOOK_DICTS: Final = tuple(name for name in _TORCH_OWN if "hook" in name and name != "_is_full_backward_hook")
-
-
-def _containers_of(module: torch.nn.Module, memo: dict[int, HeldItems]) -> dict[str, tuple[object, HeldItems | None]]:
-    """The module's container attributes (not torch's own), each with what it holds."""
-    return {name: (value, hold(value, memo)) for name, value in vars(module).items() if _is_own_container(name, value)}
-
-
-def _put_back_containers(
-    module: torch.nn.Module, saved: dict[str, tuple[object, HeldItems | None]], done: set[int]
-) -> None:
-    """Each container attribute the object it was, holding what it held (in place: whatever else holds it sees the
-    same); container attributes added since removed."""
-    for name in [name for name, value in vars(module).items() if name not in saved and _is_own_container(name, value)]:
-        del module.__dict__[name]
-    for name, (container, held) in saved.items():
-        if held is not None:
-            put_back(held, done)
-        module.__dict__[name] = container
-
-
-def _is_own_container(name: str, value: object) -> bool:
-    return name not in _TORCH_OWN and is_container(value)
-
-
-def _plain_attributes(module: torch.nn.Module) -> dict[str, object]:
-    """The module's attributes that hold a number, a string, None or a tensor, private ones too (a flag saying a
-    public one was made must go back with it); ``training`` is the mode, restored apart."""
-    return {name: value for name, value in vars(module).items() if name != "training" and isinstance(value, _PLAIN)}
 
 
 def _dense(value: object) -> bool:
     """A tensor whose values can be copied and compared (not sparse, not on the meta device)."""
     return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta
-
-
-def _put_back(module: torch.nn.Module, saved: dict[str, tuple[object, torch.Tensor | None]]) -> None:
-    """The module's plain attributes as ``saved`` has them, those added since removed. A tensor is the same object
-    where its values did not change, else a copy of the saved ones: never written in place, since an attribute may
-    be a view of a weight."""
-    for name in [name for name in _plain_attributes(module) if name not in saved]:
-        del module.__dict__[name]
-    for name, (value, values) in saved.items():
-        if values is None or _holds(value, values):
-            module.__dict__[name] = value
-            continue
-        wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
-        module.__dict__[name] = values.clone().requires_grad_(wants_grad)
 
 
 def _holds(tensor: object, values: torch.Tensor) -> bool:
@@ -222,11 +233,6 @@ def _holds(tensor: object, values: torch.Tensor) -> bool:
     assert isinstance(tensor, torch.Tensor)
     same_kind = (tensor.shape, tensor.dtype, tensor.device) == (values.shape, values.dtype, values.device)
     return same_kind and torch.equal(tensor, values)
-
-
-def _copied(value: object, values: torch.Tensor | None) -> object:
-    """A tensor attribute's saved values as a tensor of its own (the rerun may move it); any other value as is."""
-    return values.clone() if values is not None else value
 
 
 def _replace(target: dict, entries: dict) -> None:  # type: ignore[type-arg]

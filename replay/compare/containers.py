@@ -10,16 +10,18 @@ hold them, and one that holds what it held is left alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
-__all__ = ["HeldItems", "hold", "put_back"]
+__all__ = ["MAX_ITEMS", "MAX_TENSOR_BYTES", "HeldItems", "hold", "is_container", "put_back"]
 
-MAX_ITEMS: Final = 1 << 16
+MAX_ITEMS: Final = 1 << 12
 """Items of the largest container kept (a vocabulary is no state a forward moves; copying it would cost seconds)."""
+MAX_TENSOR_BYTES: Final = 16 << 20
+"""Bytes of the largest tensor in a container whose values are kept (a read-only table would double in memory)."""
 _MAX_DEPTH: Final = 4
 """Containers nested deeper are not looked into."""
 _KINDS: Final = (list, dict, set, tuple)
@@ -42,8 +44,10 @@ def is_container(value: object) -> bool:
     return isinstance(value, _KINDS)
 
 
-def hold(container: Any, memo: dict[int, HeldItems], depth: int = 0) -> HeldItems | None:
-    """What ``container`` holds now (None when it is too large to keep); ``memo`` keeps each container once."""
+def hold(container: Any, memo: dict[int, HeldItems], own: frozenset[int], depth: int = 0) -> HeldItems | None:
+    """What ``container`` holds now (None when it is too large to keep); ``memo`` keeps each container once; ``own``:
+    the ids of the model's parameters and buffers, kept as the objects they are (their values come back with the
+    model's own: an LSTM lists its weights, a module may keep a child's buffer in a list)."""
     if id(container) in memo:
         return memo[id(container)]
     if len(container) > MAX_ITEMS:
@@ -54,31 +58,49 @@ def hold(container: Any, memo: dict[int, HeldItems], depth: int = 0) -> HeldItem
         return held
     for position, value in enumerate(_values(container, items)):
         if is_container(value):
-            inner = hold(value, memo, depth + 1)
+            inner = hold(value, memo, own, depth + 1)
             if inner is not None:
                 held.inner[position] = inner
-        elif isinstance(value, torch.Tensor) and _dense(value):
+        elif _kept(value, own):
             held.inner[position] = value.detach().clone()
     return held
 
 
-def put_back(held: HeldItems, done: set[int] | None = None) -> None:
-    """``held.container`` holding what it held (each container once, however many hold it)."""
-    done = set() if done is None else done
+def put_back(held: HeldItems, done: set[int], standing_in: Mapping[int, torch.Tensor] | None = None) -> None:
+    """``held.container`` holding what it held (each container once, however many hold it: ``done``).
+    ``standing_in``: tensors by the id of the one they stand for (a buffer's copy the rerun runs with)."""
     if id(held.container) in done:
         return
     done.add(id(held.container))
     container, items = held.container, list(held.items)
     for position, inner in held.inner.items():
         if isinstance(inner, HeldItems):
-            put_back(inner, done)
+            put_back(inner, done, standing_in)
             continue
         tensor = _values(container, items)[position]
-        if not _holds(tensor, inner) and not isinstance(container, tuple):  # a tuple's tensor stays as it is
-            copy = inner.clone().requires_grad_(tensor.requires_grad)
-            items[position] = (items[position][0], copy) if isinstance(container, dict) else copy
+        if not _holds(tensor, inner):
+            _set_value(container, items, position, inner.clone().requires_grad_(tensor.requires_grad))
+    if standing_in:
+        for position, value in enumerate(_values(container, items)):
+            if id(value) in standing_in:
+                _set_value(container, items, position, standing_in[id(value)])
     if not isinstance(container, tuple) and not _same_items(container, items):
         _refill(container, items)
+
+
+def _set_value(container: Any, items: list[Any], position: int, value: Any) -> None:
+    """Item ``position`` of ``items`` with another value (a tuple's stays: it cannot take one)."""
+    if isinstance(container, dict):
+        items[position] = (items[position][0], value)
+    elif not isinstance(container, tuple):
+        items[position] = value
+
+
+def _kept(value: object, own: frozenset[int]) -> bool:
+    """A tensor whose values are kept: dense, not the model's own, not too large."""
+    if not isinstance(value, torch.Tensor) or id(value) in own or not _dense(value):
+        return False
+    return value.numel() * value.element_size() <= MAX_TENSOR_BYTES
 
 
 def _values(container: Any, items: list[Any]) -> list[Any]:
@@ -98,14 +120,21 @@ def _same_items(container: Any, items: list[Any]) -> bool:
 
 
 def _refill(container: Any, items: list[Any]) -> None:
-    if isinstance(container, list):
-        container[:] = items
-    elif isinstance(container, dict):
+    """The container emptied and given ``items`` back through its own methods (a ``Counter`` counts what ``update``
+    gives it: each key is set instead). One that refuses (torch.fx's immutable lists, a ``ModelOutput``) is left as
+    it is: what it holds then is what the run left there."""
+    try:
+        if isinstance(container, list):
+            container[:] = items
+            return
         container.clear()
-        container.update(items)
-    else:
-        container.clear()
-        container.update(items)
+        if isinstance(container, dict):
+            for key, value in items:
+                container[key] = value
+        else:
+            container.update(items)
+    except Exception:  # any type's own refusal, whatever it raises (a ModelOutput raises Exception itself)
+        return
 
 
 def _dense(value: torch.Tensor) -> bool:

@@ -7,13 +7,14 @@ batch's own statistics, so only the buffers show the difference."""
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import h5py
 import pytest
 import torch
 from torch import nn
+from torch.fx.immutable_collections import immutable_list
 
 from parity_harness.common.format.bundle.layout import ATTR_MINOR
 from parity_harness.common.format.bundle.schema import parse_index
@@ -404,3 +405,48 @@ def test_what_a_forward_registers_is_undone_with_the_flag_that_notes_it(tmp_path
         assert [compare_run(port, reader).verdict for _ in range(3)] == ["MATCH"] * 3
     assert (port.handles, len(port.lin._forward_hooks), type(port.lin)) == ([], 0, nn.Linear)
     assert set(port.lin._parameters) == {"weight", "bias"}
+
+
+class _SetsUpOnce(nn.Module):
+    """State kept where a module keeps it: a child's buffer in a list (moved in place by the forward), a ``Counter``,
+    an fx ``immutable_list``, and a hook registered once and noted by its handle (``case`` says which)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.case = nn.Linear(4, 3), case
+        self.child = nn.Module()
+        self.child.register_buffer("steps", torch.zeros(()))
+        self.refs = [self.child.steps]
+        self.counts: Counter[str] = Counter()
+        self.frozen = immutable_list([torch.zeros(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.case == "handle" and not hasattr(self, "_scale_hook"):
+            self._scale_hook = self.lin.register_forward_hook(lambda module, args, out: out * 2)
+        self.child.steps.add_(1)
+        self.counts["steps"] += 1
+        self.frozen[0].add_(1)  # a tensor in a container that refuses to be refilled
+        count = {"alias": self.refs[0], "counter": self.counts["steps"]}.get(self.case, 0)
+        return 3 * self.lin(x) + 5e-5 * count
+
+
+@pytest.mark.parametrize("case", ["alias", "counter", "handle"])
+def test_state_where_a_module_keeps_it_goes_back_whole(tmp_path: Path, case: str) -> None:
+    """A list holding a child's buffer got a detached copy in its place (the alias was lost: MISMATCH from the
+    second replay); a Counter was refilled by counting its (key, value) pairs; an immutable list crashed the replay
+    after its verdict; a hook registered once was taken off while the attribute holding its handle stayed (the
+    model's output halved for good). Three replays of the same model now MATCH and leave it as it was."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "kept.h5"
+    capture_run(_SetsUpOnce(case).train(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),),
+                bundle, train_mode=True)  # fmt: skip
+    port = _SetsUpOnce(case).train()
+    with BundleReader(bundle) as reader:
+        assert [compare_run(port, reader).verdict for _ in range(3)] == ["MATCH"] * 3
+    assert port.refs[0] is port.child.steps
+    assert float(port.child.steps) == 0
+    assert port.counts == Counter()
+    assert not hasattr(port, "_scale_hook")
+    assert len(port.lin._forward_hooks) == 0
