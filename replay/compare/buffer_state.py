@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from parity_harness.replay.compare.containers import HeldItems, hold, is_container, put_back
 
@@ -50,26 +51,30 @@ class _Attributes:
             if name in _TORCH_OWN:
                 continue
             if isinstance(value, _PLAIN):
-                kept = value.detach().clone() if values and isinstance(value, torch.Tensor) and _dense(value) else None
-                plain[name] = (value, kept)
+                copied = values and isinstance(value, torch.Tensor) and _dense(value) and id(value) not in own
+                plain[name] = (value, value.detach().clone() if copied else None)  # type: ignore[union-attr]
             elif is_container(value):
                 containers[name] = (value, hold(value, memo, own))
             else:
                 others[name] = value
         return cls(plain, containers, others, _Registrations.of(module))
 
-    def put_back(self, module: torch.nn.Module, copies: bool = False) -> None:
-        """The module's attributes and registrations as they were, those it made since removed; its containers are
-        put back apart (:meth:`put_back_containers`), once every module's buffers hold their values. ``copies``: a
-        tensor attribute gets a copy of its saved values whatever it holds (for a run that may move it)."""
-        self.registrations.put_back(module)
+    def put_back(
+        self, module: torch.nn.Module, copies: bool = False, standing_in: dict[int, torch.Tensor] | None = None
+    ) -> None:
+        """The module's attributes as they were, those it made since removed (:func:`_made_here`; after every
+        module's registrations, which decide whether a hook's handle goes); its containers are put back apart
+        (:meth:`put_back_containers`), once every module's buffers hold their values. ``copies``: a tensor attribute
+        gets a copy of its saved values whatever it holds (for a run that may move it); one that is the model's own
+        buffer, the copy in ``standing_in`` the run runs with."""
         held = module.__dict__
-        for name in [name for name in held if name not in _TORCH_OWN and not self.has(name)]:
-            del held[name]  # whatever it holds: a hook's handle goes with the hook
+        for name in [name for name, value in held.items() if name not in _TORCH_OWN and not self.has(name)]:
+            if _made_here(held[name]):
+                del held[name]
         held.update(self.others)
         for name, (value, values) in self.plain.items():
             if values is None or (not copies and _holds(value, values)):
-                held[name] = value
+                held[name] = standing_in.get(id(value), value) if standing_in else value
                 continue
             wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
             held[name] = values.clone().requires_grad_(wants_grad)
@@ -83,6 +88,12 @@ class _Attributes:
             if held is not None:
                 put_back(held, done, standing_in)
             module.__dict__[name] = container
+
+    def moved_unkept(self) -> Iterator[str]:
+        """The names of containers holding a tensor too large to copy that changed since (its version moved)."""
+        for name, (_, held) in self.containers.items():
+            if held is not None and held.moved():
+                yield name
 
     def has(self, name: str) -> bool:
         return name in self.plain or name in self.containers or name in self.others
@@ -114,6 +125,8 @@ class BufferState:
         and attributes added since removed, those removed put back."""
         done: set[int] = set()
         with torch.no_grad():
+            for state in self.modules:  # first: a handle whose hook goes, goes with it
+                state.attributes.registrations.put_back(state.module)
             for state in self.modules:
                 module = state.module
                 _replace(module._modules, state.children)
@@ -137,6 +150,9 @@ class BufferState:
         attributes = [_Attributes.of(m, memo, own, values=False) for m in modules]
         standing_in: dict[int, torch.Tensor] = {}
         """The saved buffers, by id -> the copies the rerun runs with (a list holding one gets the copy)."""
+        moved = next((name for state in self.modules for name in state.attributes.moved_unkept()), None)
+        if moved is not None:
+            raise RuntimeError(f"{moved}: too large to keep, and changed since: the run cannot start as the replay did")
         try:
             for state in self.modules:
                 _replace(state.module._modules, state.children)
@@ -146,13 +162,15 @@ class BufferState:
                         standing_in[id(saved[0])] = copy
                 _replace(state.module._buffers, copies)
                 state.module._non_persistent_buffers_set = set(state.non_persistent)
-                state.attributes.put_back(state.module, copies=True)
+                state.attributes.put_back(state.module, copies=True, standing_in=standing_in)
             applied: set[int] = set()
             for state in self.modules:
                 state.attributes.put_back_containers(state.module, applied, standing_in)
             yield
         finally:
             done: set[int] = set()
+            for module, held in zip(modules, attributes, strict=True):
+                held.registrations.put_back(module)
             for (module, buffers, children, names), held in zip(now, attributes, strict=True):
                 _replace(module._modules, children)
                 _replace(module._buffers, buffers)
@@ -212,6 +230,18 @@ class _Registrations:
             if registered and registered.keys() != ids:
                 for added in [key for key in registered if key not in ids]:
                     del registered[added]
+
+
+def _made_here(value: object) -> bool:
+    """Whether an attribute a forward added goes when the module is put back: a plain value or a container, or the
+    handle of a hook the restore took off (another handle, of a hook on a tensor, stays with its hook: the forward
+    that checks for it would register the hook again)."""
+    if isinstance(value, _PLAIN) or is_container(value):
+        return True
+    if isinstance(value, RemovableHandle):
+        hooks = value.hooks_dict_ref()
+        return hooks is None or value.id not in hooks
+    return False
 
 
 _PLAIN: Final = (int, float, bool, str, type(None), torch.Tensor)

@@ -10,6 +10,7 @@ hold them, and one that holds what it held is left alone.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -37,6 +38,15 @@ class HeldItems:
     """A list's or tuple's items, a dict's ``(key, value)`` pairs, a set's elements."""
     inner: dict[int, HeldItems | torch.Tensor] = field(default_factory=dict)
     """Position in ``items`` -> what the container there held, or a copy of the tensor's values there."""
+    unkept: dict[int, int] = field(default_factory=dict)
+    """Position in ``items`` -> the version counter of a tensor there too large to copy."""
+
+    def moved(self) -> bool:
+        """Whether a tensor too large to copy changed since (its version moved), here or in a container inside."""
+        values = _values(self.container, self.items)
+        if any(values[position]._version != version for position, version in self.unkept.items()):
+            return True
+        return any(inner.moved() for inner in self.inner.values() if isinstance(inner, HeldItems))
 
 
 def is_container(value: object) -> bool:
@@ -63,6 +73,8 @@ def hold(container: Any, memo: dict[int, HeldItems], own: frozenset[int], depth:
                 held.inner[position] = inner
         elif _kept(value, own):
             held.inner[position] = value.detach().clone()
+        elif isinstance(value, torch.Tensor) and id(value) not in own:
+            held.unkept[position] = value._version
     return held
 
 
@@ -123,9 +135,15 @@ def _refill(container: Any, items: list[Any]) -> None:
     """The container emptied and given ``items`` back through its own methods (a ``Counter`` counts what ``update``
     gives it: each key is set instead). One that refuses (torch.fx's immutable lists, a ``ModelOutput``) is left as
     it is: what it holds then is what the run left there."""
+    before = list(container.items()) if isinstance(container, dict) else list(container)
     try:
         if isinstance(container, list):
             container[:] = items
+            return
+        if isinstance(container, dict) and [key for key, _ in before] == [key for key, _ in items]:
+            for key, value in items:  # the same keys: only values change (a dict refusing new keys takes these)
+                if container[key] is not value:
+                    container[key] = value
             return
         container.clear()
         if isinstance(container, dict):
@@ -134,7 +152,20 @@ def _refill(container: Any, items: list[Any]) -> None:
         else:
             container.update(items)
     except Exception:  # any type's own refusal, whatever it raises (a ModelOutput raises Exception itself)
-        return
+        _as_it_was(container, before)
+
+
+def _as_it_was(container: Any, before: list[Any]) -> None:
+    """What a container refusing to be refilled held before the attempt, put back past its own methods."""
+    with contextlib.suppress(Exception):  # an immutable one refused before it changed
+        if isinstance(container, dict):
+            dict.clear(container)
+            dict.update(container, before)
+        elif isinstance(container, list):
+            list.__setitem__(container, slice(None), before)
+        elif isinstance(container, set):
+            set.clear(container)
+            set.update(container, before)
 
 
 def _dense(value: torch.Tensor) -> bool:

@@ -450,3 +450,59 @@ def test_state_where_a_module_keeps_it_goes_back_whole(tmp_path: Path, case: str
     assert port.counts == Counter()
     assert not hasattr(port, "_scale_hook")
     assert len(port.lin._forward_hooks) == 0
+
+
+class _KeysFrozen(dict):  # type: ignore[type-arg]
+    """A config-like dict refusing new keys (addict, mmengine): emptied and refilled, it refused and stayed empty."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        if key not in self:
+            raise KeyError(f"frozen: {key}")
+        super().__setitem__(key, value)
+
+
+class _KeepsOutside(nn.Module):
+    """State a module keeps where the replay cannot copy it all: a gradient hook on a weight registered once and
+    noted by its handle (``hook``), a running count in a dict refusing new keys (``frozen``), a bank of more than
+    16 MiB written in place (``bank``); ``bug`` is added to the output."""
+
+    def __init__(self, case: str, bug: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.case, self.bug = nn.Linear(4, 3), case, bug
+        self.stats = _KeysFrozen()
+        dict.__setitem__(self.stats, "seen", torch.zeros(()))
+        self.memory = {"bank": torch.zeros(5_000_000 if case == "bank" else 1)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.case == "hook" and not hasattr(self, "_halve"):
+            self._halve = self.lin.weight.register_hook(lambda grad: grad * 0.5)
+        count = {"frozen": self.stats["seen"], "bank": self.memory["bank"][0]}.get(self.case, 0)
+        self.stats["seen"].add_(1)
+        self.memory["bank"][0] += 1
+        return 10 * self.lin(x) + 2e-4 * count + self.bug
+
+
+@pytest.mark.parametrize("case", ["hook", "frozen", "bank"])
+def test_state_the_replay_cannot_copy_never_lets_a_bug_pass(tmp_path: Path, case: str) -> None:
+    """A tensor hook registered once stays with its handle (deleting the handle registered the hook again on every
+    replay: MISMATCH, and the caller's gradients halved twice); a dict refusing new keys gets its values back in place
+    (it was emptied); a bank too large to copy that the forward moved leaves the rounding check undecided (the float64
+    rerun started from what the replay left, and a 5e-4 bug passed as rounding)."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "outside.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    capture_run(_KeepsOutside(case).train(), (x,), bundle, train_mode=True)
+    port = _KeepsOutside(case).train()
+    with BundleReader(bundle) as reader:
+        first = compare_run(port, reader).verdict
+        buggy = compare_run(_KeepsOutside(case, bug=5e-4).train(), reader).verdict
+        again = [compare_run(port, reader).verdict for _ in range(2)]
+    assert (first, buggy) == ("MATCH", "MISMATCH" if case != "bank" else "INCOMPLETE")
+    if case == "hook":
+        assert again == ["MATCH", "MATCH"]
+        assert len(port.lin.weight._backward_hooks or {}) == 1
+    if case == "frozen":
+        assert again == ["MATCH", "MATCH"]
+        assert float(port.stats["seen"]) == 0
