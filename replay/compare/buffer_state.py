@@ -1,6 +1,6 @@
-"""The port's buffers (and submodules) as they were at one point of a replay, to run again from there: every rank of
-a multi-rank capture starts from the same ones, and so do the rounding check's float64 rerun and the replay itself
-after ``--map auto``'s alignment run; the caller gets them back once the replay is over."""
+"""The port's state (buffers, submodules, attributes, registrations) as it was at one point of a replay, to run again
+from there: every rank of a multi-rank capture starts from the same one, and so do the rounding check's float64 rerun
+and the replay itself after ``--map auto``'s alignment run; the caller gets it back once the replay is over."""
 
 from __future__ import annotations
 
@@ -68,9 +68,8 @@ class _Attributes:
         gets a copy of its saved values whatever it holds (for a run that may move it); one that is the model's own
         buffer, the copy in ``standing_in`` the run runs with."""
         held = module.__dict__
-        for name in [name for name, value in held.items() if name not in _TORCH_OWN and not self.has(name)]:
-            if _made_here(held[name]):
-                del held[name]
+        for name in [name for name, value in held.items() if not self.has(name) and _made_here(name, value)]:
+            del held[name]
         held.update(self.others)
         for name, (value, values) in self.plain.items():
             if values is None or (not copies and _holds(value, values)):
@@ -232,10 +231,12 @@ class _Registrations:
                     del registered[added]
 
 
-def _made_here(value: object) -> bool:
+def _made_here(name: str, value: object) -> bool:
     """Whether an attribute a forward added goes when the module is put back: a plain value or a container, or the
     handle of a hook the restore took off (another handle, of a hook on a tensor, stays with its hook: the forward
-    that checks for it would register the hook again)."""
+    that checks for it would register the hook again); never torch's own."""
+    if name in _TORCH_OWN:
+        return False
     if isinstance(value, _PLAIN) or is_container(value):
         return True
     if isinstance(value, RemovableHandle):
