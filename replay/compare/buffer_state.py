@@ -5,16 +5,17 @@ and the replay itself after ``--map auto``'s alignment run; the caller gets it b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from parity_harness.replay.compare.containers import HeldItems, hold, is_container, put_back
+from parity_harness.replay.compare.containers import HeldItems, hold, is_container, put_back, replace_tensors
 
-__all__ = ["BufferState"]
+__all__ = ["BufferState", "aliases_following"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,48 @@ class BufferState:
                 held.put_back(module)
             for module, held in zip(modules, attributes, strict=True):
                 held.put_back_containers(module, done)
+
+
+Swapped = TypeVar("Swapped")
+
+
+@contextlib.contextmanager
+def aliases_following(model: torch.nn.Module, swap: contextlib.AbstractContextManager[Swapped]) -> Iterator[Swapped]:
+    """``swap`` entered (it puts other tensors in the model's buffers' places: float64 copies for the rounding check's
+    rerun), with every attribute and container item of the model that held a buffer so replaced holding its
+    replacement for the duration: a module keeping its buffer in a list reads what its forward moves."""
+    modules = list(model.modules())
+    before = {(id(m), name): t for m in modules for name, t in m._buffers.items() if t is not None}
+    with swap as swapped:
+        replacements = {
+            id(before[(id(m), name)]): t
+            for m in modules
+            for name, t in m._buffers.items()
+            if (id(m), name) in before and t is not before[(id(m), name)] and t is not None
+        }
+        undo: list[Callable[[], None]] = []
+        try:
+            if replacements:
+                for module in modules:
+                    _replace_in_attributes(module, replacements, undo)
+            yield swapped
+        finally:
+            for step in reversed(undo):
+                step()
+
+
+def _replace_in_attributes(
+    module: torch.nn.Module, replacements: dict[int, torch.Tensor], undo: list[Callable[[], None]]
+) -> None:
+    held = module.__dict__
+    for name, value in list(held.items()):
+        if name in _TORCH_OWN:
+            continue
+        if isinstance(value, torch.Tensor) and id(value) in replacements:
+            held[name] = replacements[id(value)]
+            undo.append(functools.partial(held.__setitem__, name, value))
+        elif is_container(value):
+            replace_tensors(value, replacements, undo)
 
 
 def _own_tensors(modules: list[torch.nn.Module]) -> frozenset[int]:

@@ -11,13 +11,14 @@ hold them, and one that holds what it held is left alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
-__all__ = ["MAX_ITEMS", "MAX_TENSOR_BYTES", "HeldItems", "hold", "is_container", "put_back"]
+__all__ = ["MAX_ITEMS", "MAX_TENSOR_BYTES", "HeldItems", "hold", "is_container", "put_back", "replace_tensors"]
 
 MAX_ITEMS: Final = 1 << 12
 """Items of the largest container kept (a vocabulary is no state a forward moves; copying it would cost seconds)."""
@@ -178,3 +179,22 @@ def _holds(tensor: Any, values: torch.Tensor) -> bool:
         return False
     same_kind = (tensor.shape, tensor.dtype, tensor.device) == (values.shape, values.dtype, values.device)
     return same_kind and bool(torch.equal(tensor, values))
+
+
+def replace_tensors(
+    container: Any, replacements: Mapping[int, torch.Tensor], undo: list[Callable[[], None]], depth: int = 0
+) -> None:
+    """Each item of ``container`` (and of the lists and dicts inside it) that is a tensor in ``replacements`` (by id)
+    replaced by its replacement, past the container's own methods; ``undo`` gets what puts each back."""
+    if depth > _MAX_DEPTH or len(container) > MAX_ITEMS or isinstance(container, (set, frozenset)):
+        return
+    places = container.items() if isinstance(container, dict) else enumerate(container)
+    for key, value in list(places):
+        if is_container(value):
+            replace_tensors(value, replacements, undo, depth + 1)
+        elif isinstance(value, torch.Tensor) and id(value) in replacements and not isinstance(container, tuple):
+            setter: Callable[[Any, Any, Any], None] = (
+                dict.__setitem__ if isinstance(container, dict) else list.__setitem__
+            )
+            setter(container, key, replacements[id(value)])
+            undo.append(functools.partial(setter, container, key, value))

@@ -38,7 +38,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.buffer_state import BufferState
+from parity_harness.replay.compare.buffer_state import BufferState, aliases_following
 from parity_harness.replay.compare.near_misses import FailingRecord, NearMisses
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
@@ -81,7 +81,7 @@ class RoundingRun:
 
         try:
             start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()
-            with start, in_float64(self.model, index.run.train_mode) as exact:
+            with start, aliases_following(self.model, in_float64(self.model, index.run.train_mode)) as exact:
                 tap = ModuleTap(
                     exact,
                     sink,

@@ -506,3 +506,39 @@ def test_state_the_replay_cannot_copy_never_lets_a_bug_pass(tmp_path: Path, case
     if case == "frozen":
         assert again == ["MATCH", "MATCH"]
         assert float(port.stats["seen"]) == 0
+
+
+class _AliasedSteps(nn.Module):
+    """A child's step counter, read through a list holding it (``list``) or a plain attribute (``attribute``) while
+    the forward moves it; ``bug`` is added to the output."""
+
+    def __init__(self, how: str, bug: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.how, self.bug = nn.Linear(4, 3), how, bug
+        self.child = nn.Module()
+        self.child.register_buffer("steps", torch.zeros(()))
+        self.refs, self.ref = [self.child.steps], self.child.steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.child.steps.add_(1)
+        count = self.refs[0] if self.how == "list" else self.ref
+        return 10 * self.lin(x) + 2e-4 * count + self.bug
+
+
+@pytest.mark.parametrize("how", ["list", "attribute"])
+def test_the_float64_rerun_reads_the_buffer_it_moves_through_an_alias(tmp_path: Path, how: str) -> None:
+    """The float64 rerun runs with float64 copies in the buffers' places: a list still held the float32 one, so the
+    rerun read a count its forward never moved, measured that as the port's rounding, and a 5e-4 bug passed."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "alias.h5"
+    capture_run(_AliasedSteps(how).train(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), bundle,
+                train_mode=True)  # fmt: skip
+    port = _AliasedSteps(how).train()
+    with BundleReader(bundle) as reader:
+        assert compare_run(port, reader).verdict == "MATCH"
+        buggy = compare_run(_AliasedSteps(how, bug=5e-4).train(), reader)
+    assert buggy.verdict == "MISMATCH", buggy.notes
+    assert port.refs[0] is port.child.steps
+    assert port.ref is port.child.steps
