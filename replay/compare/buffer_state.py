@@ -13,7 +13,15 @@ from typing import Final, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from parity_harness.replay.compare.containers import HeldItems, hold, is_container, put_back, replace_tensors
+from parity_harness.replay.compare.containers import (
+    HeldItems,
+    dense,
+    hold,
+    holds,
+    is_container,
+    put_back,
+    replace_tensors,
+)
 
 __all__ = ["BufferState", "aliases_following"]
 
@@ -52,7 +60,7 @@ class _Attributes:
             if name in _TORCH_OWN:
                 continue
             if isinstance(value, _PLAIN):
-                copied = values and isinstance(value, torch.Tensor) and _dense(value) and id(value) not in own
+                copied = values and isinstance(value, torch.Tensor) and dense(value) and id(value) not in own
                 plain[name] = (value, value.detach().clone() if copied else None)  # type: ignore[union-attr]
             elif is_container(value):
                 containers[name] = (value, hold(value, memo, own))
@@ -73,7 +81,7 @@ class _Attributes:
             del held[name]
         held.update(self.others)
         for name, (value, values) in self.plain.items():
-            if values is None or (not copies and _holds(value, values)):
+            if values is None or (not copies and holds(value, values)):
                 held[name] = standing_in.get(id(value), value) if standing_in else value
                 continue
             wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
@@ -295,20 +303,6 @@ registrations (:class:`_Registrations`) and buffers, the mode by the caller, nev
 _HOOK_DICTS: Final = tuple(name for name in _TORCH_OWN if "hook" in name and name != "_is_full_backward_hook")
 
 
-def _dense(value: object) -> bool:
-    """A tensor whose values can be copied and compared (not sparse, not on the meta device)."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta
-
-
-def _holds(tensor: object, values: torch.Tensor) -> bool:
-    """Whether ``tensor`` still holds ``values`` (shape, dtype, device and every element)."""
-    if not _dense(tensor):
-        return False
-    assert isinstance(tensor, torch.Tensor)
-    same_kind = (tensor.shape, tensor.dtype, tensor.device) == (values.shape, values.dtype, values.device)
-    return same_kind and torch.equal(tensor, values)
-
-
 def _replace(target: dict, entries: dict) -> None:  # type: ignore[type-arg]
     """``target`` (a module's own ordered dict) holding exactly ``entries``, in their order."""
     target.clear()
@@ -320,7 +314,7 @@ def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     they changed (BatchNorm's kernels update running statistics in place without moving the version counter), and
     where it cannot be written (an expanded or inference-mode tensor, or one resized since, which nothing wrote in
     place either) a copy of ``values`` instead."""
-    if not _dense(buffer) or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
+    if not dense(buffer) or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
         return values.clone()
     if torch.equal(buffer, values):
         return buffer

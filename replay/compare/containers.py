@@ -18,7 +18,17 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["MAX_ITEMS", "MAX_TENSOR_BYTES", "HeldItems", "hold", "is_container", "put_back", "replace_tensors"]
+__all__ = [
+    "MAX_ITEMS",
+    "MAX_TENSOR_BYTES",
+    "HeldItems",
+    "dense",
+    "hold",
+    "holds",
+    "is_container",
+    "put_back",
+    "replace_tensors",
+]
 
 MAX_ITEMS: Final = 1 << 12
 """Items of the largest container kept (a vocabulary is no state a forward moves; copying it would cost seconds)."""
@@ -91,7 +101,7 @@ def put_back(held: HeldItems, done: set[int], standing_in: Mapping[int, torch.Te
             put_back(inner, done, standing_in)
             continue
         tensor = _values(container, items)[position]
-        if not _holds(tensor, inner):
+        if not holds(tensor, inner):
             _set_value(container, items, position, inner.clone().requires_grad_(tensor.requires_grad))
     if standing_in:
         for position, value in enumerate(_values(container, items)):
@@ -111,7 +121,7 @@ def _set_value(container: Any, items: list[Any], position: int, value: Any) -> N
 
 def _kept(value: object, own: frozenset[int]) -> bool:
     """A tensor whose values are kept: dense, not the model's own, not too large."""
-    if not isinstance(value, torch.Tensor) or id(value) in own or not _dense(value):
+    if not isinstance(value, torch.Tensor) or id(value) in own or not dense(value):
         return False
     return value.numel() * value.element_size() <= MAX_TENSOR_BYTES
 
@@ -169,13 +179,14 @@ def _as_it_was(container: Any, before: list[Any]) -> None:
             set.update(container, before)
 
 
-def _dense(value: torch.Tensor) -> bool:
-    return value.layout == torch.strided and not value.is_meta
+def dense(value: object) -> bool:
+    """A tensor whose values can be copied and compared (not sparse, not on the meta device)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta
 
 
-def _holds(tensor: Any, values: torch.Tensor) -> bool:
+def holds(tensor: object, values: torch.Tensor) -> bool:
     """Whether ``tensor`` still holds ``values`` (shape, dtype, device and every element)."""
-    if not isinstance(tensor, torch.Tensor) or not _dense(tensor):
+    if not isinstance(tensor, torch.Tensor) or not dense(tensor):
         return False
     same_kind = (tensor.shape, tensor.dtype, tensor.device) == (values.shape, values.dtype, values.device)
     return same_kind and bool(torch.equal(tensor, values))
