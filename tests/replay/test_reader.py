@@ -577,7 +577,8 @@ def _mapped_rss(path: Path) -> int:
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux smaps")
 def test_reading_every_record_keeps_at_most_twice_the_largest_resident(tmp_path: Path) -> None:
     """Records are read from the mapped file and their pages dropped in batches: however many records are read,
-    this process holds at most about twice the largest record of the bundle (the pages stay in the OS cache)."""
+    this process holds at most about twice the largest record of the bundle, or the largest and two 2 MiB blocks
+    where records are smaller than that (the pages stay in the OS cache)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(12)))
     path = tmp_path / "many.h5"
@@ -587,12 +588,13 @@ def test_reading_every_record_keeps_at_most_twice_the_largest_resident(tmp_path:
     with BundleReader(path) as reader:
         refs = [ref for ref in reader.index.tensor_refs() if reader.summary(ref) is None]
         largest = max(int(np.prod(ref.shape)) * 4 for ref in refs)
-        assert sum(int(np.prod(ref.shape)) * 4 for ref in refs) > 10 * largest  # many records' worth
+        budget = max(largest, 2 * (2 << 20))
+        assert sum(int(np.prod(ref.shape)) * 4 for ref in refs) > 8 * budget  # many drops' worth
         peak = 0
         for ref in refs:
             assert reader.read_array(ref).size == int(np.prod(ref.shape))
             peak = max(peak, _mapped_rss(path))
-    assert peak <= 2 * largest + (64 << 10)
+    assert peak <= budget + largest + (64 << 10)
 
 
 @pytest.mark.parametrize("change", ["stray-checksum", "missing-dataset"])
