@@ -44,6 +44,12 @@ When msprobe (``pip install mindstudio-probe``) is importable, its dump of the s
 two such dumps are timed in the same run, as steps.
 
 Peak RSS is the process's own (VmHWM for steps, ``wait4``'s ru_maxrss for commands; Linux).
+
+**The bytes' floor** (with the steps): what the bundle's bytes alone cost on this machine, whatever a tool does
+around them, as a share of the bare step: writing them to a new file in the bundle's folder from memory (a capture
+writes at least that much), and mapping the bundle and comparing it with a copy in memory (an exact replay reads and
+compares at least that much), median of ``--repeat`` runs in this process. A step target that leaves less than that
+beside the bare step cannot be met on this machine by any tool that stores every record in full.
 """
 
 from __future__ import annotations
@@ -514,6 +520,59 @@ def largest_record(bundle: Path) -> int:
     return max(sizes)
 
 
+def byte_floor(bundle: Path, repeat: int) -> dict[str, float]:
+    """Seconds to write ``bundle``'s bytes to a new file beside it, and to map it and compare it with a copy in
+    memory (medians of ``repeat`` runs, the page cache warm: as the steps find it)."""
+    import mmap
+
+    import numpy as np
+
+    from parity_harness.common.numerics.bytewise import memory_equal
+
+    size, chunk = bundle.stat().st_size, 4 << 20
+    copy = np.empty(size, dtype=np.uint8)
+    with bundle.open("rb") as handle:
+        handle.readinto(memoryview(copy))
+    target = bundle.with_name(".floor.tmp")
+
+    def write() -> None:
+        descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for start in range(0, size, chunk):
+                os.pwrite(descriptor, memoryview(copy)[start : start + chunk], start)
+        finally:
+            os.close(descriptor)
+
+    def compare() -> None:
+        with bundle.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            stored = np.frombuffer(mapped, dtype=np.uint8)
+            same = all(memory_equal(stored[i : i + chunk], copy[i : i + chunk]) for i in range(0, size, chunk))
+            del stored
+        if not same:
+            raise SystemExit(f"{bundle}: changed while the floor was measured")
+
+    floor = {}
+    for name, work in (("write", write), ("compare", compare)):
+        work()  # untimed: the first write allocates the file system's blocks, the first map may fault from disk
+        seconds = []
+        for _ in range(repeat):
+            target.unlink(missing_ok=True)
+            seconds.append(timed(work))
+        floor[name] = statistics.median(seconds)
+    target.unlink(missing_ok=True)
+    return floor
+
+
+def print_floor(model: str, floor: dict[str, float], bare_seconds: float, size: int) -> None:
+    """The bytes' floor in bare steps, beside what each step target leaves beside the bare step."""
+    print(f"\nFLOOR: the bundle's {size / 1e9:.2f} GB alone (median of runs) {'seconds':>7s} {'bare steps':>11s}")
+    rows = (("writing them to its folder", "write", "capture"), ("mapping and comparing them", "compare", "replay"))
+    for name, key, step in rows:
+        target = TARGETS.get(model, {}).get(step)
+        leaves = f"(the {step} step's target leaves {target[1] - 1:g})" if target and target[0] == "x" else ""
+        print(f"{name:52s} {floor[key]:7.3f} {floor[key] / bare_seconds:11.2f}  {leaves}")
+
+
 def main() -> None:
     import bench_models
 
@@ -562,7 +621,9 @@ def main() -> None:
             bundle.unlink()
         if not options.no_steps:
             figures = measure_steps(options, bundle, summary_bundle)
-            print_steps(options.model, figures, figures.pop("_size"), figures.pop("_summary_size"))
+            size, floor = figures.pop("_size"), figures.pop("_floor")
+            print_steps(options.model, figures, size, figures.pop("_summary_size"))
+            print_floor(options.model, floor, figures["bare"]["seconds"], size)
 
 
 def measure_steps(options: argparse.Namespace, bundle: Path, summary_bundle: Path) -> dict[str, Any]:
@@ -576,6 +637,7 @@ def measure_steps(options: argparse.Namespace, bundle: Path, summary_bundle: Pat
     figures = run(("bare", "capture-no-checksums", "capture", "replay", "replay-isolate"), bundle)
     figures |= run(("replay-near", "replay-far"), bundle)
     figures["_size"] = bundle.stat().st_size
+    figures["_floor"] = byte_floor(bundle, max(options.repeat, 3))
     bundle.unlink()
     figures |= run(("capture-summary", "replay-summary"), summary_bundle)
     figures["_summary_size"] = summary_bundle.stat().st_size if summary_bundle.exists() else 0

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import ROOT
@@ -46,14 +47,36 @@ def test_bench_prints_each_step_beside_its_target(tmp_path: Path) -> None:
         assert line in out, out
     for target in ("<= 2x: ", "<= 2.5x: "):  # the Conformer's capture and replay targets, met or not
         assert target in out, out
+    for floor in ("writing them to its folder", "mapping and comparing them", "step's target leaves 1.5"):
+        assert floor in out, out
 
 
-@pytest.mark.slow
-def test_bench_phases_splits_both_commands_into_phases(tmp_path: Path) -> None:
-    out = _run("bench_phases.py", "--model", "conformer", "--rounds", "1", "--dir", str(tmp_path))
-    phases = ("capture-run: ", "replay-compare: ", "import torch", "dataset creation (HDF5)", "comparing records")
-    for phase in (*phases, "checksums (CRC-32)"):
-        assert phase in out, out
+def test_the_bytes_floor_times_a_write_and_a_compare_of_the_whole_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The floor writes as many bytes as the bundle holds beside it (and leaves nothing behind), and compares every
+    byte of it: a file that changes while it is measured is refused, not timed."""
+    bench = _bench_module()
+    bundle = tmp_path / "bench.h5"
+    bundle.write_bytes(os.urandom(9 << 20))
+    floor = bench.byte_floor(bundle, 2)  # type: ignore[attr-defined]
+    assert set(floor) == {"write", "compare"}
+    assert all(seconds > 0 for seconds in floor.values())
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bench.h5"]
+
+    from parity_harness.common.numerics import bytewise
+
+    compared: list[int] = []
+    real = bytewise.memory_equal
+
+    def differs_at_the_third_chunk(first: np.ndarray, second: np.ndarray) -> bool | None:
+        compared.append(first.nbytes)
+        return False if len(compared) == 3 else real(first, second)
+
+    monkeypatch.setattr(bytewise, "memory_equal", differs_at_the_third_chunk)
+    with pytest.raises(SystemExit, match="changed while the floor was measured"):
+        bench.byte_floor(bundle, 1)  # type: ignore[attr-defined]
+    assert sum(compared[:3]) == 9 << 20  # the untimed run compared the whole file, in chunks
 
 
 def _bench_module() -> object:
