@@ -60,7 +60,7 @@ from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
-from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules
+from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules, waiver_covers
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
@@ -100,7 +100,8 @@ class ReplayOptions:
             ``compiled_module_records`` (hooks on the compiled model); outputs, parameters and
             gradients always.
         waive: globs of bundle record names not to compare; they count as waived, not missing
-            (``MODULE/*`` waives a module's own records, not its children's).
+            (``MODULE/*`` waives a module's own records, its own parameters' values and gradients among them, not
+            its children's).
         rounding: judge float32 records that fail atol/rtol narrowly again by the rounding rule
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
             is not given, i.e. at the defaults; never with a noise floor or a precision below float32, and never
@@ -365,7 +366,7 @@ class _ReplaySession:
         data_parallel = self.options.data_parallel
         if data_parallel is not None and not data_parallel.compares_gradients:
             patterns = (*self.rename.waivers, *self.options.waive)
-            self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in absent))
+            self.waivers_used.update(p for p in patterns if any(waiver_covers(p, name, "param") for name in absent))
             return
         if absent:
             self.result.add_missing("param", absent)
@@ -575,7 +576,7 @@ class _ReplaySession:
         self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
         patterns = (*self.rename.waivers, *self.options.waive)
         recorded = self.weights.index.grads
-        self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in recorded))
+        self.waivers_used.update(p for p in patterns if any(waiver_covers(p, name, "param_grad") for name in recorded))
 
     def compare_buffers(self) -> None:
         """The port's persistent buffers after its run against the reference's (those either run changed)."""
@@ -752,9 +753,10 @@ class _ReplaySession:
     def _apply_waivers(self, strict: bool = True) -> None:
         """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error
         (``strict``)."""
+        missing, waived = self.result.missing_kinds, self.result.waived
         for pattern in (*self.rename.waivers, *self.options.waive):
-            hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
-            if hits or any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
+            hits = [name for name in list(self.result.bundle_only) if waiver_covers(pattern, name, missing[name])]
+            if hits or any(waiver_covers(pattern, name, kind) for name, (kind, _) in waived.items()):
                 self.waivers_used.add(pattern)
             if strict and pattern not in self.waivers_used:
                 raise InputError(
@@ -763,7 +765,7 @@ class _ReplaySession:
                     f"{sorted(self.result.bundle_only)[:5]}{' ...' if len(self.result.bundle_only) > 5 else ''}"
                 )
             for name in hits:
-                self.result.waive(name, self.result.missing_kinds[name], f"waived by {pattern}")
+                self.result.waive(name, missing[name], f"waived by {pattern}")
 
     def note_what_was_left_out(self) -> None:
         """Notes on what was compared differently or not at all, for the report."""

@@ -37,7 +37,16 @@ if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files witho
 _MAX_MAP_BYTES = 16 << 20
 """Largest map file read (16 MiB of rules)."""
 
-__all__ = ["RenameMap", "SlotRule", "bundle_parameters", "describe_slot_rule", "parse_map", "read_map", "unused_rules"]
+__all__ = [
+    "RenameMap",
+    "SlotRule",
+    "bundle_parameters",
+    "describe_slot_rule",
+    "parse_map",
+    "read_map",
+    "unused_rules",
+    "waiver_covers",
+]
 
 _SEPARATOR = "=>"
 _NO_COUNTERPART = "-"
@@ -259,6 +268,18 @@ def read_map(path: str | os.PathLike[str]) -> RenameMap:
     except (OSError, UnicodeDecodeError) as err:
         raise MapFileError(f"{file}: cannot read the map file: {err}") from err
     return parse_map(text, str(file))
+
+
+def waiver_covers(pattern: str, name: str, kind: str) -> bool:
+    """Whether a waiver (a glob of bundle record names) names the record ``name`` of ``kind``. A glob of a module's
+    own records (``M/*``, what ``--waive-module M`` gives) also names M's own parameters (``M.weight``, not those of
+    its children): their values and gradients, which a port without the module has none of either."""
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    if kind not in ("param", "param_grad") or not pattern.endswith("/*"):
+        return False
+    module, dot, _ = name.rpartition(".")
+    return bool(dot) and fnmatch.fnmatchcase(module, pattern[:-2])
 
 
 def bundle_parameters(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from parity_harness.common.errors import InputError, MapFileError
-from parity_harness.replay.naming.mapping import RenameMap, parse_map, read_map
+from parity_harness.replay.naming.mapping import RenameMap, parse_map, read_map, waiver_covers
 
 MAP = r"""
 # port -> reference
@@ -257,3 +257,24 @@ def test_two_port_parameters_mapped_to_one_bundle_name_are_refused(tmp_path: Pat
         compare_run(Net(layer, nn.Linear(3, 2)), reader, rename=rule)
     with BundleReader(bundle) as reader:
         assert compare_run(Net(layer, layer), reader, rename=rule).match
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name", "kind", "covered"),
+    [
+        ("gate/*", "gate/0/output", "forward", True),  # a module's own record
+        ("gate/*", "gate.scale", "param_grad", True),  # its own parameter's gradient
+        ("gate/*", "gate.scale", "param", True),  # and value
+        ("gate/*", "gate.inner.unused", "param", False),  # a child's parameter is the child's
+        ("gate/*", "gate.inner/0/output", "forward", False),
+        ("layers.*/*", "layers.3.weight", "param", True),  # the module glob, matched against the module's path
+        ("output/*", "output.logits", "output", False),  # an output record is no parameter of a module "output"
+        ("gate/*", "scale", "param", False),  # the root's parameters belong to no named module
+        ("gate", "gate.scale", "param", False),  # only a module-records glob names parameters
+        ("gate.*", "gate.scale", "param", True),  # a plain glob matches as it always did
+    ],
+)
+def test_a_module_records_waiver_names_the_modules_own_parameters(
+    pattern: str, name: str, kind: str, covered: bool
+) -> None:
+    assert waiver_covers(pattern, name, kind) is covered
