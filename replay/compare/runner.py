@@ -61,7 +61,7 @@ from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
 from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules, waiver_covers
-from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers
+from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers, strip_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
 
@@ -794,6 +794,8 @@ class _ReplaySession:
                 *(path for path, _ in self.model.named_modules()),
                 *(n for n, _ in self.model.named_parameters()),
             ]
+            if isinstance(self.rename, WrapperRenameMap):  # a rule may name the unwrapped port's names (wrappers.py)
+                port_names += [strip_wrappers(name, self.rename.port_roots) for name in port_names]
             notes += [
                 f"WARNING: map rule '{rule}' matches no module or parameter of the port"
                 for rule in unused_rules(options.rename, port_names)

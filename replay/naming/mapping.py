@@ -113,33 +113,47 @@ class RenameMap:
 
     def module(self, path: str) -> str | None:
         """The bundle's name for a module path, or None when it has no counterpart."""
+        named, mapped = self.named_module(path)
+        return mapped if named else path
+
+    def named_module(self, path: str) -> tuple[bool, str | None]:
+        """Whether an exact rename or a rule names the module path ``path``, and the bundle's name it gives (None:
+        no counterpart)."""
         lookup: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
         if path in lookup:
-            return lookup[path]
+            return True, lookup[path]
         for pattern, replacement in self.rules:
             match = pattern.fullmatch(path)
             if match:
-                return None if replacement == _NO_COUNTERPART else match.expand(replacement)
-        return path
+                return True, None if replacement == _NO_COUNTERPART else match.expand(replacement)
+        return False, None
 
-    def parameter(self, name: str) -> str | None:
-        """The bundle's name for a parameter: what the first rule matching the whole parameter name (and not
-        its module's path) gives, e.g. ``^attn\\.bias_u$ => attn.pos_bias_u``; else its module's mapped path
-        plus its own name."""
-        owner, _, leaf = name.rpartition(".")
+    def named_parameter(self, name: str) -> tuple[bool, str | None]:
+        """Whether an exact rename or a rule matching the whole parameter name (and not its module's path, e.g.
+        ``^attn\\.bias_u$ => attn.pos_bias_u``) names the parameter ``name``, and the bundle's name it gives."""
         lookup: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
         if name in lookup:
-            return lookup[name]
+            return True, lookup[name]
+        owner = name.rpartition(".")[0]
         for pattern, replacement in self.rules:
             match = pattern.fullmatch(name)
             if match and not pattern.fullmatch(owner):  # a rule for modules that also fits the name: not a param rule
-                return None if replacement == _NO_COUNTERPART else match.expand(replacement)
+                return True, None if replacement == _NO_COUNTERPART else match.expand(replacement)
+        return False, None
+
+    def parameter(self, name: str) -> str | None:
+        """The bundle's name for a parameter: what a rule for the whole parameter name gives
+        (:meth:`named_parameter`); else its module's mapped path plus its own name."""
+        named, mapped = self.named_parameter(name)
+        if named:
+            return mapped
+        owner, _, leaf = name.rpartition(".")
         if not owner:
             return name
-        mapped = self.module(owner)
-        if mapped is None:
+        module = self.module(owner)
+        if module is None:
             return None
-        return f"{mapped}.{leaf}" if mapped else leaf
+        return f"{module}.{leaf}" if module else leaf
 
 
 def describe_slot_rule(rule: SlotRule) -> str:

@@ -17,7 +17,7 @@ normalised, so that normalisation never hides a real rename.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -68,7 +68,9 @@ class WrapperRenameMap(RenameMap):
     """Bundle modules that are a wrapper's inner root (``module``): no port module is one."""
 
     def module(self, path: str) -> str | None:
-        mapped = super().module(path)
+        named, mapped = self._port_named(self.named_module, path)
+        if not named:
+            mapped = path
         if mapped is None:
             return None
         normal = strip_wrappers(mapped, self.port_roots)
@@ -77,16 +79,30 @@ class WrapperRenameMap(RenameMap):
         return self.bundle_modules.get(normal, normal)
 
     def parameter(self, name: str) -> str | None:
-        mapped = super().parameter(name)
-        owner = name.rpartition(".")[0]
-        if mapped is None and owner and not strip_wrappers(owner, self.port_roots):
-            # A parameter of the wrapped root itself (a ViT's pos_embed under torch.compile's _orig_mod): the root's
-            # own, though the root is no module record.
-            mapped = super().parameter(strip_wrappers(name, self.port_roots))
+        named, mapped = self._port_named(self.named_parameter, name)
+        if not named:
+            owner, _, leaf = name.rpartition(".")
+            if owner and strip_wrappers(owner, self.port_roots):
+                module = self.module(owner)
+                if module is None:
+                    return None
+                mapped = f"{module}.{leaf}"
+            else:  # the root's own parameter (a ViT's pos_embed), under the port's wrappers or not
+                mapped = strip_wrappers(name, self.port_roots)
         if mapped is None:
             return None
         normal = strip_wrappers(mapped, self.port_roots)
         return self.bundle_params.get(normal, normal)
+
+    def _port_named(self, named: Callable[[str], tuple[bool, str | None]], name: str) -> tuple[bool, str | None]:
+        """What the map's renames make of the port's ``name`` as it is, else of the name without the port's
+        wrappers: a map is mostly written for the unwrapped model (its rules fit ``encoder.layer.0``, not
+        ``module.encoder.layer.0`` under DataParallel), and one written for the wrapped port keeps working."""
+        found = named(name)
+        unwrapped = strip_wrappers(name, self.port_roots)
+        if found[0] or unwrapped == name or not unwrapped:
+            return found
+        return named(unwrapped)
 
 
 def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleIndex) -> tuple[RenameMap, str | None]:

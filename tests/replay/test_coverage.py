@@ -470,6 +470,44 @@ def test_a_wrapped_ports_root_parameter_is_compared(tmp_path: Path, trainable: b
     assert ("pos_embed" in {r.name for r in result.of_kind("param_grad")}) is trainable
 
 
+class _RenamedRoot(nn.Module):
+    """:class:`_RootParameter` with other names: ``proj`` for ``lin``, ``pe`` for ``pos_embed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        reference = _RootParameter(trainable=True)
+        self.proj, self.pe = reference.lin, reference.pos_embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.pe)
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [r"^proj$ => lin" + "\n" + r"^pe$ => pos_embed", r"^module\.proj$ => lin" + "\n" + r"^module\.pe$ => pos_embed"],
+    ids=["written-for-the-unwrapped-port", "written-for-the-wrapper"],
+)
+def test_a_map_for_the_unwrapped_port_renames_the_wrapped_ports_modules(tmp_path: Path, rules: str) -> None:
+    """A map is written for the model's own names; the same port under DataParallel names its modules
+    ``module.proj``, which no rule fits: its module records and parameters went unpaired (INCOMPLETE for a correct
+    port) while its root parameter was paired. Rules apply to the names without the port's wrappers too; a map
+    written with the wrapper's prefix keeps working, and neither is reported as matching nothing."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "renamed.h5"
+    capture_run(_RootParameter(True), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}, bundle)
+    for port in (_RenamedRoot(), nn.DataParallel(_RenamedRoot())):
+        with BundleReader(bundle) as reader:
+            result = compare_run(port, reader, rename=parse_map(rules))
+        if "module" in rules and not isinstance(port, nn.DataParallel):
+            assert result.verdict == "INCOMPLETE"  # that map names a wrapper this port does not have
+            continue
+        assert result.verdict == "MATCH", result.bundle_only
+        assert {r.name for r in result.of_kind("param_grad")} == {"lin.weight", "lin.bias", "pos_embed"}
+        assert {r.name for r in result.of_kind("forward")} == {"lin/0/input.input", "lin/0/output"}
+        assert not [note for note in result.notes if "matches no module or parameter" in note], result.notes
+
+
 class _PositionTable(nn.Module):
     """A frozen position table: a parameter in the reference, a buffer in the port (``as_buffer``); ``row`` of the
     port's table is off by 1e-3 where given."""
