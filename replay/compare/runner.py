@@ -60,7 +60,13 @@ from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
-from parity_harness.replay.naming.mapping import RenameMap, describe_slot_rule, unused_rules, waiver_covers
+from parity_harness.replay.naming.mapping import (
+    RenameMap,
+    bundle_parameters,
+    describe_slot_rule,
+    unused_rules,
+    waiver_covers,
+)
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers, strip_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
@@ -366,7 +372,7 @@ class _ReplaySession:
         data_parallel = self.options.data_parallel
         if data_parallel is not None and not data_parallel.compares_gradients:
             patterns = (*self.rename.waivers, *self.options.waive)
-            self.waivers_used.update(p for p in patterns if any(waiver_covers(p, name, "param") for name in absent))
+            self.waivers_used.update(p for p in patterns if any(self._covers(p, name, "param") for name in absent))
             return
         if absent:
             self.result.add_missing("param", absent)
@@ -576,7 +582,7 @@ class _ReplaySession:
         self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
         patterns = (*self.rename.waivers, *self.options.waive)
         recorded = self.weights.index.grads
-        self.waivers_used.update(p for p in patterns if any(waiver_covers(p, name, "param_grad") for name in recorded))
+        self.waivers_used.update(p for p in patterns if any(self._covers(p, name, "param_grad") for name in recorded))
 
     def compare_buffers(self) -> None:
         """The port's persistent buffers after its run against the reference's (those either run changed)."""
@@ -755,8 +761,8 @@ class _ReplaySession:
         (``strict``)."""
         missing, waived = self.result.missing_kinds, self.result.waived
         for pattern in (*self.rename.waivers, *self.options.waive):
-            hits = [name for name in list(self.result.bundle_only) if waiver_covers(pattern, name, missing[name])]
-            if hits or any(waiver_covers(pattern, name, kind) for name, (kind, _) in waived.items()):
+            hits = [name for name in list(self.result.bundle_only) if self._covers(pattern, name, missing[name])]
+            if hits or any(self._covers(pattern, name, kind) for name, (kind, _) in waived.items()):
                 self.waivers_used.add(pattern)
             if strict and pattern not in self.waivers_used:
                 raise InputError(
@@ -764,8 +770,45 @@ class _ReplaySession:
                     "uncompared ones are "
                     f"{sorted(self.result.bundle_only)[:5]}{' ...' if len(self.result.bundle_only) > 5 else ''}"
                 )
+            for name in self._held_elsewhere(pattern, hits):
+                hits.remove(name)
             for name in hits:
                 self.result.waive(name, missing[name], f"waived by {pattern}")
+
+    def _covers(self, pattern: str, name: str, kind: str) -> bool:
+        roots = self.rename.bundle_root_paths if isinstance(self.rename, WrapperRenameMap) else frozenset()
+        return waiver_covers(pattern, name, kind, roots)
+
+    def _held_elsewhere(self, pattern: str, hits: list[str]) -> list[str]:
+        """The parameters among a module glob's ``hits`` (not named by ``pattern`` itself) that the port may hold
+        under another name: a port parameter of the same shape and dtype pairs with no record (a module folded into
+        its parent keeps its parameter there; a tied weight is recorded under the first module's name). Waiving
+        them with the module would leave that parameter compared with nothing: they stay missing, and a note says
+        how to pair or waive them."""
+        kept = []
+        recorded = {**self.weights.index.grads, **self.weights.index.params}
+        for name in hits:
+            ref = recorded.get(name)
+            if ref is None or fnmatch.fnmatchcase(name, pattern):
+                continue
+            port = self._unpaired_port_parameters.get((ref.shape, ref.tag))
+            if port is not None:
+                kept.append(name)
+                self.result.notes.append(
+                    f"{name}: not waived by {pattern}: the port's parameter {port} has its shape and dtype and pairs "
+                    f"with no record; map it to {name} with --map if it is its counterpart, else --waive {name}"
+                )
+        return kept
+
+    @functools.cached_property
+    def _unpaired_port_parameters(self) -> dict[tuple[tuple[int, ...], str], str]:
+        """(shape, dtype tag) -> the bundle name of a port parameter paired with no recorded value or gradient."""
+        recorded = self.weights.index.params.keys() | self.weights.index.grads.keys()
+        unpaired: dict[tuple[tuple[int, ...], str], str] = {}
+        for name, param in bundle_parameters(self.model, self.rename, recorded):
+            if name not in recorded:
+                unpaired.setdefault((tuple(param.shape), tag_of(param.dtype)), name)
+        return unpaired
 
     def note_what_was_left_out(self) -> None:
         """Notes on what was compared differently or not at all, for the report."""

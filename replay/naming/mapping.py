@@ -42,6 +42,7 @@ __all__ = [
     "SlotRule",
     "bundle_parameters",
     "describe_slot_rule",
+    "expand",
     "parse_map",
     "read_map",
     "unused_rules",
@@ -125,7 +126,7 @@ class RenameMap:
         for pattern, replacement in self.rules:
             match = pattern.fullmatch(path)
             if match:
-                return True, None if replacement == _NO_COUNTERPART else match.expand(replacement)
+                return True, expand(match, replacement)
         return False, None
 
     def named_parameter(self, name: str) -> tuple[bool, str | None]:
@@ -138,7 +139,7 @@ class RenameMap:
         for pattern, replacement in self.rules:
             match = pattern.fullmatch(name)
             if match and not pattern.fullmatch(owner):  # a rule for modules that also fits the name: not a param rule
-                return True, None if replacement == _NO_COUNTERPART else match.expand(replacement)
+                return True, expand(match, replacement)
         return False, None
 
     def parameter(self, name: str) -> str | None:
@@ -284,16 +285,23 @@ def read_map(path: str | os.PathLike[str]) -> RenameMap:
     return parse_map(text, str(file))
 
 
-def waiver_covers(pattern: str, name: str, kind: str) -> bool:
+def expand(match: re.Match[str], replacement: str) -> str | None:
+    """What a rule that matched gives: its replacement expanded, or None for ``-`` (no counterpart)."""
+    return None if replacement == _NO_COUNTERPART else match.expand(replacement)
+
+
+def waiver_covers(pattern: str, name: str, kind: str, roots: Collection[str] = ()) -> bool:
     """Whether a waiver (a glob of bundle record names) names the record ``name`` of ``kind``. A glob of a module's
     own records (``M/*``, what ``--waive-module M`` gives) also names M's own parameters (``M.weight``, not those of
-    its children): their values and gradients, which a port without the module has none of either."""
+    its children, nor the root's: ``roots`` are the bundle's wrappers, ``module`` for a capture under DDP): their
+    values and gradients, which a port without the module has none of either (the caller keeps those a port may
+    hold under another name)."""
     if fnmatch.fnmatchcase(name, pattern):
         return True
     if kind not in ("param", "param_grad") or not pattern.endswith("/*"):
         return False
     module, dot, _ = name.rpartition(".")
-    return bool(dot) and fnmatch.fnmatchcase(module, pattern[:-2])
+    return bool(dot) and module not in roots and fnmatch.fnmatchcase(module, pattern[:-2])
 
 
 def bundle_parameters(

@@ -17,14 +17,14 @@ normalised, so that normalisation never hides a real rename.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
 import torch
 
 from parity_harness.common.format.bundle.schema import BundleIndex
-from parity_harness.replay.naming.mapping import RenameMap
+from parity_harness.replay.naming.mapping import RenameMap, expand
 
 __all__ = ["INNER_WRAPPERS", "ROOT_WRAPPERS", "WrapperRenameMap", "normalize_wrappers", "strip_wrappers"]
 
@@ -58,51 +58,90 @@ def _inner(names: Iterable[str]) -> set[str]:
 
 @dataclass(frozen=True)
 class WrapperRenameMap(RenameMap):
-    """A rename map followed by wrapper normalisation: port name -> mapped -> the bundle's own spelling."""
+    """A rename map followed by wrapper normalisation: port name -> mapped -> the bundle's own spelling.
+
+    A map is mostly written for the unwrapped model (``^encoder\\.layer\\.(\\d+)$``, not
+    ``^module\\.encoder...`` under DataParallel): each rule is matched against the port's names without its
+    wrappers, as the unwrapped port's would be, except a rule written for the wrapped names (one that fits some of
+    them and none of the unwrapped ones), which is matched against the wrapped names as it always was. What a
+    rule gives is a bundle name, used as it is."""
 
     port_roots: tuple[str, ...] = ()
     bundle_modules: dict[str, str] = field(default_factory=dict)
     """Normalised name -> the bundle's name, for modules."""
     bundle_params: dict[str, str] = field(default_factory=dict)
+    """Normalised name -> the bundle's name, for parameters (and the buffers named as they are)."""
     hidden: frozenset[str] = frozenset()
     """Bundle modules that are a wrapper's inner root (``module``): no port module is one."""
+    bundle_roots: tuple[str, ...] = ()
+    """The bundle's leading wrappers: a parameter of one is the root's own (``module.pos_embed``)."""
+    wrapped_rules: frozenset[int] = frozenset()
+    """Positions of the rules written for the port's wrapped names."""
 
     def module(self, path: str) -> str | None:
-        named, mapped = self._port_named(self.named_module, path)
+        named, mapped, wrapped = self._renamed(path, parameter=False)
         if not named:
-            mapped = path
-        if mapped is None:
-            return None
-        normal = strip_wrappers(mapped, self.port_roots)
-        if not normal:
-            return None  # the port's wrapped root: the bundle's root is not a record
-        return self.bundle_modules.get(normal, normal)
+            mapped = strip_wrappers(path, self.port_roots)
+        elif mapped is not None and wrapped:  # a rule for the wrapped names may keep the wrapper
+            mapped = strip_wrappers(mapped, self.port_roots)
+        if not mapped:
+            return None  # no counterpart, or the port's wrapped root: the bundle's root is not a record
+        return self.bundle_modules.get(mapped, mapped)
 
     def parameter(self, name: str) -> str | None:
-        named, mapped = self._port_named(self.named_parameter, name)
-        if not named:
-            owner, _, leaf = name.rpartition(".")
-            if owner and strip_wrappers(owner, self.port_roots):
-                module = self.module(owner)
-                if module is None:
-                    return None
-                mapped = f"{module}.{leaf}"
-            else:  # the root's own parameter (a ViT's pos_embed), under the port's wrappers or not
-                mapped = strip_wrappers(name, self.port_roots)
-        if mapped is None:
-            return None
-        normal = strip_wrappers(mapped, self.port_roots)
-        return self.bundle_params.get(normal, normal)
+        named, mapped, wrapped = self._renamed(name, parameter=True)
+        if named:
+            if mapped is None:
+                return None
+            return self._bundle_parameter(strip_wrappers(mapped, self.port_roots) if wrapped else mapped)
+        owner, _, leaf = name.rpartition(".")
+        if owner and strip_wrappers(owner, self.port_roots):
+            module = self.module(owner)
+            return None if module is None else self._bundle_parameter(f"{module}.{leaf}")
+        return self._bundle_parameter(strip_wrappers(name, self.port_roots))  # the root's own (a ViT's pos_embed)
 
-    def _port_named(self, named: Callable[[str], tuple[bool, str | None]], name: str) -> tuple[bool, str | None]:
-        """What the map's renames make of the port's ``name`` as it is, else of the name without the port's
-        wrappers: a map is mostly written for the unwrapped model (its rules fit ``encoder.layer.0``, not
-        ``module.encoder.layer.0`` under DataParallel), and one written for the wrapped port keeps working."""
-        found = named(name)
+    @property
+    def bundle_root_paths(self) -> frozenset[str]:
+        """The module paths of the bundle's wrappers (``module``, ``module._orig_mod``): the reference's root."""
+        return frozenset(".".join(self.bundle_roots[:end]) for end in range(1, len(self.bundle_roots) + 1))
+
+    def _bundle_parameter(self, name: str) -> str:
+        """The bundle's spelling of a parameter name: as it is where the bundle has it, else through the bundle's
+        wrappers."""
+        known: frozenset[str] = self._recorded  # type: ignore[attr-defined]
+        return name if name in known else self.bundle_params.get(name, name)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "_recorded", frozenset(self.bundle_params.values()))
+
+    def _renamed(self, name: str, *, parameter: bool) -> tuple[bool, str | None, bool]:
+        """Whether the map renames the port's ``name`` (an exact rename of it as it is or unwrapped, else the first
+        rule fitting the spelling it is written for), what it gives, and whether a rule for the wrapped names did."""
         unwrapped = strip_wrappers(name, self.port_roots)
-        if found[0] or unwrapped == name or not unwrapped:
-            return found
-        return named(unwrapped)
+        exact: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
+        for key in (name, unwrapped):
+            if key in exact:
+                return True, exact[key], False
+        for position, (pattern, replacement) in enumerate(self.rules):
+            wrapped = position in self.wrapped_rules
+            spelled = name if wrapped else unwrapped
+            match = pattern.fullmatch(spelled)
+            if match and not (parameter and pattern.fullmatch(spelled.rpartition(".")[0])):
+                return True, expand(match, replacement), wrapped
+        return False, None, False
+
+
+def _rules_for_wrapped_names(rename: RenameMap, names: list[str], roots: tuple[str, ...]) -> frozenset[int]:
+    """The rules that fit some of the port's wrapped ``names`` and none of them unwrapped: written for the wrapped
+    spelling (before maps applied to the unwrapped names, the only one that worked)."""
+    unwrapped = [strip_wrappers(name, roots) for name in names]
+    wrapped = [name for name, bare in zip(names, unwrapped, strict=True) if name != bare]
+    return frozenset(
+        position
+        for position, (pattern, _) in enumerate(rename.rules)
+        if any(pattern.fullmatch(name) for name in wrapped) and not any(pattern.fullmatch(bare) for bare in unwrapped)
+    )
 
 
 def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleIndex) -> tuple[RenameMap, str | None]:
@@ -112,6 +151,7 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     normalising would make two bundle names collide (then the note says so).
     """
     port_modules = [path for path, _ in model.named_modules() if path]
+    port_names = [*port_modules, *(name for name, _ in model.named_parameters(remove_duplicate=False))]
     bundle_modules = sorted({call.module for call in index.calls})
     buffers = index.buffers
     recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
@@ -144,6 +184,8 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
             bundle_modules=modules,
             bundle_params=params,
             hidden=hidden,
+            bundle_roots=bundle_roots,
+            wrapped_rules=_rules_for_wrapped_names(rename, port_names, port_roots),
         ),
         note,
     )

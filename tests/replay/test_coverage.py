@@ -619,3 +619,137 @@ def test_waiving_a_module_the_port_lacks_waives_its_own_parameters_too(
     options = [option for module in waived_modules for option in ("--waive-module", module)]
     cli = replay("--bundle", bundle, "--model", f"{HERE}:_without_gate", *options)
     assert cli.exit_code == (0 if not left else 1), cli.output
+
+
+class _LayerScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((4,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class _ScaledBlock(nn.Module):
+    """A block with a LayerScale module (``ls.gamma``), or (``folded``) the port's: the same scale held as the block's
+    own ``gamma``, kept out of training where ``bug``."""
+
+    def __init__(self, folded: bool = False, bug: bool = False) -> None:
+        super().__init__()
+        self.fc, self.folded, self.bug = nn.Linear(4, 4), folded, bug
+        if folded:
+            self.gamma = nn.Parameter(torch.full((4,), 0.5))
+        else:
+            self.ls = _LayerScale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.folded:
+            return x + self.ls(self.fc(x))
+        return x + self.fc(x) * (self.gamma.detach() if self.bug else self.gamma)
+
+
+def _scaled(folded: bool = False, bug: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_ScaledBlock(folded, bug), _ScaledBlock(folded, bug))
+
+
+def test_waiving_a_folded_module_keeps_the_parameter_the_port_holds_elsewhere(tmp_path: Path) -> None:
+    """A port that folds a module into its parent mostly keeps the module's parameter there, under another name:
+    waiving the module must not waive that parameter's records, or a port whose scale never trains passes (it
+    did, MATCH). They stay missing, a note names the port's parameter of the same shape and dtype; mapped, the
+    bug is a MISMATCH; waived by name, they go."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "scaled.h5"
+    capture_run(_scaled(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), bundle, seed=0)
+    modules = ("0.ls/*", "1.ls/*")
+    with BundleReader(bundle) as reader:
+        buggy = compare_run(_scaled(folded=True, bug=True), reader, waive=modules)
+        assert buggy.verdict == "INCOMPLETE"
+        assert sorted(buggy.bundle_only) == ["0.ls.gamma", "1.ls.gamma"]
+        assert any(
+            note.startswith("0.ls.gamma: not waived by 0.ls/*: the port's parameter 0.gamma") for note in buggy.notes
+        )
+        mapped = compare_run(
+            _scaled(folded=True, bug=True), reader, waive=modules, rename=parse_map(r"^(\d+)\.gamma$ => \1.ls.gamma")
+        )
+        assert mapped.verdict == "MISMATCH"
+        assert {r.name for r in mapped.records if not r.match} == {"0.ls.gamma", "1.ls.gamma"}
+        by_name = compare_run(_scaled(folded=True), reader, waive=(*modules, "*.ls.gamma"))
+        assert by_name.verdict == "MATCH", by_name.bundle_only
+
+
+class _Positions(nn.Module):
+    """A root parameter (``pos``, or ``other`` in a port that renames it) doubled in backward where ``bug``."""
+
+    def __init__(self, name: str = "pos", bug: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.name, self.bug = nn.Linear(4, 4), name, bug
+        setattr(self, name, nn.Parameter(torch.randn(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = getattr(self, self.name)
+        return self.lin(x + (pos + pos - pos.detach() if self.bug else pos))
+
+
+def test_a_wrapper_root_waiver_leaves_the_roots_parameters_alone(tmp_path: Path) -> None:
+    """A capture under DataParallel names the root ``module``; ``module/*`` waives that wrapper's records, never the
+    root's own parameters (``module.pos``): a port that renamed and broke that parameter stayed INCOMPLETE before
+    and passed after module globs waived parameters."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "wrapped.h5"
+    x = {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}
+    capture_run(nn.DataParallel(_Positions()), x, bundle, seed=0)
+    with BundleReader(bundle) as reader:
+        assert compare_run(_Positions(), reader).verdict == "MATCH"
+        result = compare_run(_Positions("other", bug=True), reader, waive=("module/*",))
+    assert result.verdict == "INCOMPLETE"
+    assert result.bundle_only == ["module.pos"]
+
+
+class _Tail(nn.Module):
+    """Blocks with a linear named ``inner`` (``ln`` in the reference, ``norm`` in the port), a final one named
+    ``last`` (``norm_f``, ``norm``), and a child module named ``module`` holding a ``proj`` (``lin`` in the port)."""
+
+    def __init__(self, port: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.last, self.child = ("norm", "norm", "lin") if port else ("ln", "norm_f", "proj")
+        self.blocks = nn.ModuleList(nn.Module() for _ in range(2))
+        for block in self.blocks:
+            setattr(block, self.inner, nn.Linear(4, 4))
+        setattr(self, self.last, nn.Linear(4, 4))
+        self.module = nn.Module()  # a real child of that name (a user's container), not a wrapper
+        setattr(self.module, self.child, nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = getattr(self.module, self.child)(x)
+        for block in self.blocks:
+            x = x + getattr(block, self.inner)(x)
+        return getattr(self, self.last)(x)
+
+
+_TAIL_MAP = "\n".join([r"^norm$ => norm_f", r"^(.*)\.norm$ => \1.ln", r"^module\.lin$ => module.proj"])
+
+
+@pytest.mark.parametrize("wrap", ["none", "DataParallel", "checkpoint_wrapper"])
+def test_a_wrapped_port_is_renamed_as_the_unwrapped_one_rule_order_included(tmp_path: Path, wrap: str) -> None:
+    """Under a wrapper the port's names change (``module.norm``), and a later, generic rule fitting the wrapped name
+    (``^(.*)\\.norm$``) took it before the first rule, written for ``norm``; a child really named ``module`` lost that
+    part of its name. Rules are matched against the unwrapped names, in their order, as for the unwrapped port."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "tail.h5"
+    capture_run(_Tail(port=False), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),), bundle, seed=0)
+    port = _Tail(port=True)
+    if wrap == "checkpoint_wrapper":
+        port.blocks[0].norm = checkpoint_wrapper(port.blocks[0].norm)
+    wrapped = nn.DataParallel(port) if wrap == "DataParallel" else port
+    with BundleReader(bundle) as reader:
+        result = compare_run(wrapped, reader, rename=parse_map(_TAIL_MAP))
+    assert result.verdict == "MATCH", result.bundle_only
+    assert {"norm_f.weight", "blocks.0.ln.weight", "module.proj.weight"} <= {r.name for r in result.param_values}
