@@ -718,9 +718,14 @@ def test_a_waived_gradient_is_accepted_on_every_torchrun_process(tmp_path: Path)
     done = _torchrun_replay(out, f"{Path(__file__).resolve()}:drift_with_a_bias_buffer", 2, *waived)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "RESULT: MATCH" in done.stdout
-    unused = _torchrun_replay(out, f"{Path(__file__).resolve()}:drift_with_a_bias_buffer", 2, *waived, "--waive", "x*")
-    assert unused.returncode != 0  # torchrun says 1 for a worker's exit 2
-    assert "waiver 'x*' (--waive or a map's 'waive' line) matches no record left uncompared" in unused.stderr
+    for stale in ("x*", "lin1.weight"):  # naming nothing; naming a gradient the port pairs (process 0 compares it)
+        unused = _torchrun_replay(
+            out, f"{Path(__file__).resolve()}:drift_with_a_bias_buffer", 2, *waived, "--waive", stale
+        )
+        assert unused.returncode != 0  # torchrun says 1 for a worker's exit 2
+        message = f"waiver '{stale}' (--waive or a map's 'waive' line) matches no record left uncompared"
+        assert unused.stderr.count(message) == 2, unused.stderr[-3000:]  # every process, none left waiting
+        assert unused.stderr.count("exitcode  : 2") == 2, unused.stderr[-3000:]  # torchrun's summary: both exit 2
 
 
 def drift_without_its_spare() -> torch.nn.Module:

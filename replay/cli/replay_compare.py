@@ -166,7 +166,7 @@ def _walked_first(bundle: Path) -> Path | None:
     "--waive-module",
     multiple=True,
     metavar="MODULE",
-    help="Waive one module's own records (bundle name), its parameters' among them, not its children's. Repeatable.",
+    help="Waive one module's own records (bundle name), not its children's. Repeatable.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 @click.option(

@@ -60,13 +60,7 @@ from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
-from parity_harness.replay.naming.mapping import (
-    RenameMap,
-    bundle_parameters,
-    describe_slot_rule,
-    unused_rules,
-    waiver_covers,
-)
+from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters, describe_slot_rule, unused_rules
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers, strip_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
@@ -106,8 +100,7 @@ class ReplayOptions:
             ``compiled_module_records`` (hooks on the compiled model); outputs, parameters and
             gradients always.
         waive: globs of bundle record names not to compare; they count as waived, not missing
-            (``MODULE/*`` waives a module's own records, its own parameters' values and gradients among them, not
-            its children's).
+            (``MODULE/*`` waives a module's own records, not its children's).
         rounding: judge float32 records that fail atol/rtol narrowly again by the rounding rule
             (``compare.rounding``: one float64 rerun of the port). ``None``: exactly when ``tolerances``
             is not given, i.e. at the defaults; never with a noise floor or a precision below float32, and never
@@ -372,7 +365,7 @@ class _ReplaySession:
         data_parallel = self.options.data_parallel
         if data_parallel is not None and not data_parallel.compares_gradients:
             patterns = (*self.rename.waivers, *self.options.waive)
-            self.waivers_used.update(p for p in patterns if any(self._covers(p, name, "param") for name in absent))
+            self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in absent))
             return
         if absent:
             self.result.add_missing("param", absent)
@@ -578,11 +571,15 @@ class _ReplaySession:
 
     def _leave_gradients_to_process_zero(self) -> None:
         """Under torchrun, process 0 compares the gradients every process holds after the sum; a waiver naming
-        gradient records is its to judge (here it counts as used)."""
+        gradient records it will find unpaired is its to judge (here it counts as used). One naming only gradients
+        the port pairs is unused there too: every process then stops at the same error (process 0 alone did, and
+        the others broke their connections waiting for it)."""
         self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
         patterns = (*self.rename.waivers, *self.options.waive)
         recorded = self.weights.index.grads
-        self.waivers_used.update(p for p in patterns if any(self._covers(p, name, "param_grad") for name in recorded))
+        paired = {name for name, _ in bundle_parameters(self.model, self.rename, recorded)}
+        unpaired = [name for name in recorded if name not in paired]
+        self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in unpaired))
 
     def compare_buffers(self) -> None:
         """The port's persistent buffers after its run against the reference's (those either run changed)."""
@@ -759,10 +756,9 @@ class _ReplaySession:
     def _apply_waivers(self, strict: bool = True) -> None:
         """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error
         (``strict``)."""
-        missing, waived = self.result.missing_kinds, self.result.waived
         for pattern in (*self.rename.waivers, *self.options.waive):
-            hits = [name for name in list(self.result.bundle_only) if self._covers(pattern, name, missing[name])]
-            if hits or any(self._covers(pattern, name, kind) for name, (kind, _) in waived.items()):
+            hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
+            if hits or any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
                 self.waivers_used.add(pattern)
             if strict and pattern not in self.waivers_used:
                 raise InputError(
@@ -770,45 +766,8 @@ class _ReplaySession:
                     "uncompared ones are "
                     f"{sorted(self.result.bundle_only)[:5]}{' ...' if len(self.result.bundle_only) > 5 else ''}"
                 )
-            for name in self._held_elsewhere(pattern, hits):
-                hits.remove(name)
             for name in hits:
-                self.result.waive(name, missing[name], f"waived by {pattern}")
-
-    def _covers(self, pattern: str, name: str, kind: str) -> bool:
-        roots = self.rename.bundle_root_paths if isinstance(self.rename, WrapperRenameMap) else frozenset()
-        return waiver_covers(pattern, name, kind, roots)
-
-    def _held_elsewhere(self, pattern: str, hits: list[str]) -> list[str]:
-        """The parameters among a module glob's ``hits`` (not named by ``pattern`` itself) that the port may hold
-        under another name: a port parameter of the same shape and dtype pairs with no record (a module folded into
-        its parent keeps its parameter there; a tied weight is recorded under the first module's name). Waiving
-        them with the module would leave that parameter compared with nothing: they stay missing, and a note says
-        how to pair or waive them."""
-        kept = []
-        recorded = {**self.weights.index.grads, **self.weights.index.params}
-        for name in hits:
-            ref = recorded.get(name)
-            if ref is None or fnmatch.fnmatchcase(name, pattern):
-                continue
-            port = self._unpaired_port_parameters.get((ref.shape, ref.tag))
-            if port is not None:
-                kept.append(name)
-                self.result.notes.append(
-                    f"{name}: not waived by {pattern}: the port's parameter {port} has its shape and dtype and pairs "
-                    f"with no record; map it to {name} with --map if it is its counterpart, else --waive {name}"
-                )
-        return kept
-
-    @functools.cached_property
-    def _unpaired_port_parameters(self) -> dict[tuple[tuple[int, ...], str], str]:
-        """(shape, dtype tag) -> the bundle name of a port parameter paired with no recorded value or gradient."""
-        recorded = self.weights.index.params.keys() | self.weights.index.grads.keys()
-        unpaired: dict[tuple[tuple[int, ...], str], str] = {}
-        for name, param in bundle_parameters(self.model, self.rename, recorded):
-            if name not in recorded:
-                unpaired.setdefault((tuple(param.shape), tag_of(param.dtype)), name)
-        return unpaired
+                self.result.waive(name, self.result.missing_kinds[name], f"waived by {pattern}")
 
     def note_what_was_left_out(self) -> None:
         """Notes on what was compared differently or not at all, for the report."""
@@ -836,6 +795,7 @@ class _ReplaySession:
             port_names = [
                 *(path for path, _ in self.model.named_modules()),
                 *(n for n, _ in self.model.named_parameters()),
+                *(n for n, _ in self.model.named_buffers()),  # a buffer standing for a recorded parameter
             ]
             if isinstance(self.rename, WrapperRenameMap):  # a rule may name the unwrapped port's names (wrappers.py)
                 port_names += [strip_wrappers(name, self.rename.port_roots) for name in port_names]

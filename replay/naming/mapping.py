@@ -27,7 +27,7 @@ import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from parity_harness.common.errors import MapFileError
 
@@ -43,10 +43,10 @@ __all__ = [
     "bundle_parameters",
     "describe_slot_rule",
     "expand",
+    "literal_pattern",
     "parse_map",
     "read_map",
     "unused_rules",
-    "waiver_covers",
 ]
 
 _SEPARATOR = "=>"
@@ -85,6 +85,46 @@ class RenameMap:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_lookup", dict(self.exact))
+        literals: dict[str, int] = {}
+        patterned = []
+        for position, (pattern, _) in enumerate(self.rules):
+            literal = literal_pattern(pattern.pattern)
+            if literal is None:
+                patterned.append(position)
+            else:
+                literals.setdefault(literal, position)
+        # A map saved by --map auto --save-map is one literal rule per module: looked up, not matched one by one.
+        object.__setattr__(self, "_literals", literals)
+        object.__setattr__(self, "_patterned", tuple(patterned))
+
+    def first_rule(
+        self,
+        name: str,
+        *,
+        parameter: bool = False,
+        wrapped: str | None = None,
+        for_wrapped: frozenset[int] = frozenset(),
+    ) -> tuple[bool, str | None, bool]:
+        """Whether a rule names ``name`` (the first, in order, that fits it whole; a rule for modules that also fits a
+        ``parameter`` name is no parameter rule), what it gives (None: no counterpart), and whether it is one of
+        ``for_wrapped``: the rules written for a wrapped port's names, fitted to ``wrapped`` instead."""
+        literals: dict[str, int] = self._literals  # type: ignore[attr-defined]
+        limit = len(self.rules)
+        for spelled, of_wrapped in ((name, False), (wrapped, True)):
+            position = None if spelled is None else literals.get(spelled)
+            if position is not None and (position in for_wrapped) == of_wrapped:
+                limit = min(limit, position)
+        patterned: tuple[int, ...] = self._patterned  # type: ignore[attr-defined]
+        for position in (*(p for p in patterned if p < limit), limit):
+            if position == len(self.rules):
+                break
+            pattern, replacement = self.rules[position]
+            of_wrapped = position in for_wrapped
+            spelled = wrapped if of_wrapped else name
+            match = None if spelled is None else pattern.fullmatch(spelled)
+            if match and not (parameter and pattern.fullmatch(spelled.rpartition(".")[0])):  # type: ignore[union-attr]
+                return True, expand(match, replacement), of_wrapped
+        return False, None, False
 
     def slot_rule(self, module: str, slot: str) -> SlotRule | None:
         """The ``slots`` rule that renames the port's ``slot`` of a call of bundle module ``module``, if any."""
@@ -123,11 +163,7 @@ class RenameMap:
         lookup: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
         if path in lookup:
             return True, lookup[path]
-        for pattern, replacement in self.rules:
-            match = pattern.fullmatch(path)
-            if match:
-                return True, expand(match, replacement)
-        return False, None
+        return self.first_rule(path)[:2]
 
     def named_parameter(self, name: str) -> tuple[bool, str | None]:
         """Whether an exact rename or a rule matching the whole parameter name (and not its module's path, e.g.
@@ -135,12 +171,7 @@ class RenameMap:
         lookup: dict[str, str | None] = self._lookup  # type: ignore[attr-defined]
         if name in lookup:
             return True, lookup[name]
-        owner = name.rpartition(".")[0]
-        for pattern, replacement in self.rules:
-            match = pattern.fullmatch(name)
-            if match and not pattern.fullmatch(owner):  # a rule for modules that also fits the name: not a param rule
-                return True, expand(match, replacement)
-        return False, None
+        return self.first_rule(name, parameter=True)[:2]
 
     def parameter(self, name: str) -> str | None:
         """The bundle's name for a parameter: what a rule for the whole parameter name gives
@@ -285,23 +316,33 @@ def read_map(path: str | os.PathLike[str]) -> RenameMap:
     return parse_map(text, str(file))
 
 
+_SPECIAL: Final = frozenset(".^$*+?{}[]|()\\")
+
+
+def literal_pattern(pattern: str) -> str | None:
+    """The one string a rule's pattern fits whole (anchors optional, every special character escaped), or None."""
+    body = pattern.removeprefix("^")
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    text, escaped = [], False
+    for char in body:
+        if escaped:
+            if char.isalnum() or char == "_":  # \d, \w, \b: a class or an anchor, not a character
+                return None
+            text.append(char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char in _SPECIAL:
+            return None
+        else:
+            text.append(char)
+    return None if escaped else "".join(text)
+
+
 def expand(match: re.Match[str], replacement: str) -> str | None:
     """What a rule that matched gives: its replacement expanded, or None for ``-`` (no counterpart)."""
     return None if replacement == _NO_COUNTERPART else match.expand(replacement)
-
-
-def waiver_covers(pattern: str, name: str, kind: str, roots: Collection[str] = ()) -> bool:
-    """Whether a waiver (a glob of bundle record names) names the record ``name`` of ``kind``. A glob of a module's
-    own records (``M/*``, what ``--waive-module M`` gives) also names M's own parameters (``M.weight``, not those of
-    its children, nor the root's: ``roots`` are the bundle's wrappers, ``module`` for a capture under DDP): their
-    values and gradients, which a port without the module has none of either (the caller keeps those a port may
-    hold under another name)."""
-    if fnmatch.fnmatchcase(name, pattern):
-        return True
-    if kind not in ("param", "param_grad") or not pattern.endswith("/*"):
-        return False
-    module, dot, _ = name.rpartition(".")
-    return bool(dot) and module not in roots and fnmatch.fnmatchcase(module, pattern[:-2])
 
 
 def bundle_parameters(

@@ -24,7 +24,7 @@ from typing import Final
 import torch
 
 from parity_harness.common.format.bundle.schema import BundleIndex
-from parity_harness.replay.naming.mapping import RenameMap, expand
+from parity_harness.replay.naming.mapping import RenameMap, literal_pattern
 
 __all__ = ["INNER_WRAPPERS", "ROOT_WRAPPERS", "WrapperRenameMap", "normalize_wrappers", "strip_wrappers"]
 
@@ -73,8 +73,6 @@ class WrapperRenameMap(RenameMap):
     """Normalised name -> the bundle's name, for parameters (and the buffers named as they are)."""
     hidden: frozenset[str] = frozenset()
     """Bundle modules that are a wrapper's inner root (``module``): no port module is one."""
-    bundle_roots: tuple[str, ...] = ()
-    """The bundle's leading wrappers: a parameter of one is the root's own (``module.pos_embed``)."""
     wrapped_rules: frozenset[int] = frozenset()
     """Positions of the rules written for the port's wrapped names."""
 
@@ -100,11 +98,6 @@ class WrapperRenameMap(RenameMap):
             return None if module is None else self._bundle_parameter(f"{module}.{leaf}")
         return self._bundle_parameter(strip_wrappers(name, self.port_roots))  # the root's own (a ViT's pos_embed)
 
-    @property
-    def bundle_root_paths(self) -> frozenset[str]:
-        """The module paths of the bundle's wrappers (``module``, ``module._orig_mod``): the reference's root."""
-        return frozenset(".".join(self.bundle_roots[:end]) for end in range(1, len(self.bundle_roots) + 1))
-
     def _bundle_parameter(self, name: str) -> str:
         """The bundle's spelling of a parameter name: as it is where the bundle has it, else through the bundle's
         wrappers."""
@@ -123,25 +116,26 @@ class WrapperRenameMap(RenameMap):
         for key in (name, unwrapped):
             if key in exact:
                 return True, exact[key], False
-        for position, (pattern, replacement) in enumerate(self.rules):
-            wrapped = position in self.wrapped_rules
-            spelled = name if wrapped else unwrapped
-            match = pattern.fullmatch(spelled)
-            if match and not (parameter and pattern.fullmatch(spelled.rpartition(".")[0])):
-                return True, expand(match, replacement), wrapped
-        return False, None, False
+        return self.first_rule(unwrapped, parameter=parameter, wrapped=name, for_wrapped=self.wrapped_rules)
 
 
 def _rules_for_wrapped_names(rename: RenameMap, names: list[str], roots: tuple[str, ...]) -> frozenset[int]:
     """The rules that fit some of the port's wrapped ``names`` and none of them unwrapped: written for the wrapped
-    spelling (before maps applied to the unwrapped names, the only one that worked)."""
+    spelling (before maps applied to the unwrapped names, the only one that worked). A rule naming one literal path
+    (``--save-map`` writes one per module) is looked up, not matched against every name."""
     unwrapped = [strip_wrappers(name, roots) for name in names]
     wrapped = [name for name, bare in zip(names, unwrapped, strict=True) if name != bare]
-    return frozenset(
-        position
-        for position, (pattern, _) in enumerate(rename.rules)
-        if any(pattern.fullmatch(name) for name in wrapped) and not any(pattern.fullmatch(bare) for bare in unwrapped)
-    )
+    wrapped_set, unwrapped_set = set(wrapped), set(unwrapped)
+    found = set()
+    for position, (pattern, _) in enumerate(rename.rules):
+        literal = literal_pattern(pattern.pattern)
+        if literal is not None:
+            fits = literal in wrapped_set and literal not in unwrapped_set
+        else:
+            fits = any(map(pattern.fullmatch, wrapped)) and not any(map(pattern.fullmatch, unwrapped))
+        if fits:
+            found.add(position)
+    return frozenset(found)
 
 
 def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleIndex) -> tuple[RenameMap, str | None]:
@@ -151,7 +145,11 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     normalising would make two bundle names collide (then the note says so).
     """
     port_modules = [path for path, _ in model.named_modules() if path]
-    port_names = [*port_modules, *(name for name, _ in model.named_parameters(remove_duplicate=False))]
+    port_names = [
+        *port_modules,
+        *(name for name, _ in model.named_parameters(remove_duplicate=False)),
+        *(name for name, _ in model.named_buffers(remove_duplicate=False)),  # a buffer standing for a parameter
+    ]
     bundle_modules = sorted({call.module for call in index.calls})
     buffers = index.buffers
     recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
@@ -184,7 +182,6 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
             bundle_modules=modules,
             bundle_params=params,
             hidden=hidden,
-            bundle_roots=bundle_roots,
             wrapped_rules=_rules_for_wrapped_names(rename, port_names, port_roots),
         ),
         note,
