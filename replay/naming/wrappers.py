@@ -72,7 +72,7 @@ class WrapperRenameMap(RenameMap):
     bundle_params: dict[str, str] = field(default_factory=dict)
     """Normalised name -> the bundle's name, for parameters (and the buffers named as they are)."""
     hidden: frozenset[str] = frozenset()
-    """Bundle modules that are a wrapper's inner root (``module``): no port module is one."""
+    """Bundle modules that are wrappers (:func:`_wrapper_modules`): no port module is one."""
     wrapped_rules: frozenset[int] = frozenset()
     """Positions of the rules written for the port's wrapped names."""
 
@@ -138,6 +138,18 @@ def _rules_for_wrapped_names(rename: RenameMap, names: list[str], roots: tuple[s
     return frozenset(found)
 
 
+def _wrapper_modules(modules: list[str], roots: tuple[str, ...]) -> frozenset[str]:
+    """The recorded modules that are wrappers, whose records no port module has: the root's (``module`` under DDP,
+    ``module._orig_mod`` under DataParallel around torch.compile) and each around a module (a checkpoint or FSDP1
+    wrapper, whose wrapped module, recorded under ``._checkpoint_wrapped_module``, is the port's module)."""
+    recorded = set(modules)
+    return frozenset(
+        name
+        for name in modules
+        if not strip_wrappers(name, roots) or any(f"{name}.{inner}" in recorded for inner in INNER_WRAPPERS)
+    )
+
+
 def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleIndex) -> tuple[RenameMap, str | None]:
     """``rename`` extended to see through wrapper prefixes on either side, and a note for the report.
 
@@ -158,15 +170,16 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     port_inner, bundle_inner = _inner(port_modules), _inner(bundle_modules)
     if not (port_roots or bundle_roots or port_inner or bundle_inner):
         return rename, None
+    hidden = _wrapper_modules(bundle_modules, bundle_roots)
     modules: dict[str, str] = {}
     for name in bundle_modules:
         normal = strip_wrappers(name, bundle_roots)
+        if name in hidden:
+            continue
         if normal in modules:
             return rename, f"wrapper names not normalised: bundle modules {modules[normal]!r} and {name!r} collide"
         modules[normal] = name
     params = {strip_wrappers(name, bundle_roots): name for name in bundle_params}
-    modules.pop("", None)
-    hidden = frozenset({name for name in bundle_modules if not strip_wrappers(name, bundle_roots)})
     described = []
     for side, roots, inner in (("bundle", bundle_roots, bundle_inner), ("port", port_roots, port_inner)):
         parts = [f"'{c}.' ({ROOT_WRAPPERS[c]})" for c in roots] + [f"'{c}.' ({INNER_WRAPPERS[c]})" for c in inner]

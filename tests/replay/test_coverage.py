@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -675,3 +676,49 @@ def test_a_wrapped_port_is_renamed_as_the_unwrapped_one_rule_order_included(tmp_
         result = compare_run(wrapped, reader, rename=parse_map(_TAIL_MAP))
     assert result.verdict == "MATCH", result.bundle_only
     assert {"norm_f.weight", "blocks.0.ln.weight", "module.proj.weight"} <= {r.name for r in result.param_values}
+
+
+class _Checkpointable(nn.Module):
+    """Two layers, the first under activation checkpointing's wrapper where ``checkpointed``; ``bug`` scales the
+    first layer's output by 1.001."""
+
+    def __init__(self, checkpointed: bool = False, bug: bool = False) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        torch.manual_seed(0)
+        self.lin, self.out, self.bug = nn.Linear(4, 4), nn.Linear(4, 4), bug
+        if checkpointed:
+            self.lin = checkpoint_wrapper(self.lin)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(x) * (1.001 if self.bug else 1.0))
+
+
+_WRAPPED: dict[str, Any] = {
+    "plain": lambda bug=False: _Checkpointable(bug=bug),
+    "checkpointed": lambda bug=False: _Checkpointable(checkpointed=True, bug=bug),
+    "DataParallel-checkpointed": lambda bug=False: nn.DataParallel(_Checkpointable(checkpointed=True, bug=bug)),
+    "DataParallel-compiled": lambda bug=False: nn.DataParallel(
+        torch.compile(_Checkpointable(bug=bug), backend="eager")
+    ),
+}
+
+
+@pytest.mark.parametrize("captured", list(_WRAPPED))
+def test_a_capture_with_wrappers_around_modules_pairs_with_any_wrapping_of_the_port(
+    tmp_path: Path, captured: str
+) -> None:
+    """A wrapper around a module (activation checkpointing's, FSDP1's) and a wrapper inside the root's (DataParallel
+    around torch.compile) are recorded as modules of their own, whose names normalise to those of the modules they
+    wrap: the two collided, nothing was normalised, and a correct port wrapped otherwise was INCOMPLETE. The
+    wrappers' records now go as a wrapper's, the wrapped modules pair with the port's, however it is wrapped."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "wrapped.h5"
+    capture_run(_WRAPPED[captured](), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        for name, make in _WRAPPED.items():
+            result = compare_run(make(), reader)
+            assert result.verdict == "MATCH", (name, result.bundle_only, result.notes)
+            assert compare_run(make(bug=True), reader).verdict == "MISMATCH", name
