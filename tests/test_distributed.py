@@ -724,8 +724,9 @@ def test_a_waived_gradient_is_accepted_on_every_torchrun_process(tmp_path: Path)
         )
         assert unused.returncode != 0  # torchrun says 1 for a worker's exit 2
         message = f"waiver '{stale}' (--waive or a map's 'waive' line) matches no record left uncompared"
-        assert unused.stderr.count(message) == 2, unused.stderr[-3000:]  # every process, none left waiting
-        assert unused.stderr.count("exitcode  : 2") == 2, unused.stderr[-3000:]  # torchrun's summary: both exit 2
+        assert message in unused.stderr, unused.stderr[-3000:]
+        # No process went on into a collective the other had left (torchrun may stop the slower one first).
+        assert "Connection closed" not in unused.stderr, unused.stderr[-3000:]
 
 
 def drift_without_its_spare() -> torch.nn.Module:

@@ -12,7 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
@@ -740,18 +740,36 @@ class _ReplaySession:
         if self.index.selection.records("grads") and self.index.run.backward != "none":
             self.result.records += self.sink.absent_gradients()
         wanted = self.options.layers or Selection()
-        hidden = self.rename.hidden if isinstance(self.rename, WrapperRenameMap) else frozenset()
+        wrappers = self._wrapper_records()
         for name in unvisited_module_records(self.reader, self.sink.seen):
             module, kind = name.split("/")[0], kind_of_module_record(name)
             if not self.module_records:
                 self.result.waive(name, kind, "--compile compares no module records (--compile-per-module does)")
             elif not wanted.records_module(module):
                 self.result.waive(name, kind, f"left out by {self.options.layers.describe()}")  # type: ignore[union-attr]
-            elif module in hidden:
+            elif wrappers(name):
                 self.result.waive(name, kind, "a wrapper the port does not have")
             else:
                 self.result.add_missing(kind, [name])
         self._apply_waivers(strict_waivers)
+
+    def _wrapper_records(self) -> Callable[[str], bool]:
+        """Whether a bundle module record is a wrapper's that the port need not have: the root's wrappers', and a
+        wrapper's around a module where the wrapped module has the same record (under reentrant checkpointing it
+        has no gradients, and the wrapper's are the only record of them: missing unless paired or waived)."""
+        if not isinstance(self.rename, WrapperRenameMap):
+            return lambda name: False
+        hidden, wrapped = self.rename.hidden, self.rename.wrapped
+        recorded = set(unvisited_module_records(self.reader, set())) if wrapped else set()
+
+        def of_wrapper(name: str) -> bool:
+            module, _, rest = name.partition("/")
+            if module not in hidden:
+                return False
+            inner = wrapped.get(module)
+            return inner is None or f"{inner}/{rest}" in recorded
+
+        return of_wrapper
 
     def _apply_waivers(self, strict: bool = True) -> None:
         """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error

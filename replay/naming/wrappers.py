@@ -73,10 +73,17 @@ class WrapperRenameMap(RenameMap):
     """Normalised name -> the bundle's name, for parameters (and the buffers named as they are)."""
     hidden: frozenset[str] = frozenset()
     """Bundle modules that are wrappers (:func:`_wrapper_modules`): no port module is one."""
+    wrapped: dict[str, str] = field(default_factory=dict)
+    """A bundle wrapper around a module -> the wrapped module: a record of the wrapper goes as a wrapper's only where
+    the wrapped module has the same one (under reentrant checkpointing the wrapper alone records gradients)."""
+    port_wrappers: frozenset[str] = frozenset()
+    """The port's wrappers around a module: not tapped, or the wrapped module's calls would count twice."""
     wrapped_rules: frozenset[int] = frozenset()
     """Positions of the rules written for the port's wrapped names."""
 
     def module(self, path: str) -> str | None:
+        if path in self.port_wrappers:
+            return None
         named, mapped, wrapped = self._renamed(path, parameter=False)
         if not named:
             mapped = strip_wrappers(path, self.port_roots)
@@ -139,15 +146,17 @@ def _rules_for_wrapped_names(rename: RenameMap, names: list[str], roots: tuple[s
 
 
 def _wrapper_modules(modules: list[str], roots: tuple[str, ...]) -> frozenset[str]:
-    """The recorded modules that are wrappers, whose records no port module has: the root's (``module`` under DDP,
-    ``module._orig_mod`` under DataParallel around torch.compile) and each around a module (a checkpoint or FSDP1
-    wrapper, whose wrapped module, recorded under ``._checkpoint_wrapped_module``, is the port's module)."""
-    recorded = set(modules)
-    return frozenset(
-        name
-        for name in modules
-        if not strip_wrappers(name, roots) or any(f"{name}.{inner}" in recorded for inner in INNER_WRAPPERS)
-    )
+    """The modules that are wrappers, whose records the other side's modules need not have: the root's (``module``
+    under DDP, ``module._orig_mod`` under DataParallel around torch.compile) and each around a module
+    (:func:`_around`)."""
+    return frozenset(name for name in modules if not strip_wrappers(name, roots)) | frozenset(_around(modules))
+
+
+def _around(modules: list[str]) -> dict[str, str]:
+    """Each wrapper around a module (activation checkpointing's, FSDP1's) -> the module it wraps, recorded under
+    ``<wrapper>._checkpoint_wrapped_module``: the other side's module of that name."""
+    known = set(modules)
+    return {name: f"{name}.{inner}" for name in modules for inner in INNER_WRAPPERS if f"{name}.{inner}" in known}
 
 
 def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleIndex) -> tuple[RenameMap, str | None]:
@@ -195,6 +204,8 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
             bundle_modules=modules,
             bundle_params=params,
             hidden=hidden,
+            wrapped=_around(bundle_modules),
+            port_wrappers=frozenset(_around(port_modules)),
             wrapped_rules=_rules_for_wrapped_names(rename, port_names, port_roots),
         ),
         note,

@@ -722,3 +722,60 @@ def test_a_capture_with_wrappers_around_modules_pairs_with_any_wrapping_of_the_p
             result = compare_run(make(), reader)
             assert result.verdict == "MATCH", (name, result.bundle_only, result.notes)
             assert compare_run(make(bug=True), reader).verdict == "MISMATCH", name
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The identity forward; backward scales the gradient by 1.01 (a bug in a port's backward only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1.01
+
+
+class _Twice(nn.Module):
+    """A linear layer called twice, checkpointed (``impl``: activation checkpointing's implementation) or not;
+    ``bug``: its input's gradient scaled by 1.01."""
+
+    def __init__(self, impl: str | None = None, bug: bool = False) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        torch.manual_seed(0)
+        self.lin, self.out, self.bug = nn.Linear(4, 4), nn.Linear(4, 4), bug
+        if impl is not None:
+            self.lin = checkpoint_wrapper(self.lin, checkpoint_impl=CheckpointImpl[impl])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.lin(x))
+        hidden = _ScaledGradient.apply(hidden) if self.bug else hidden  # the first call's gradient, wrong
+        return self.out(torch.tanh(self.lin(hidden)))
+
+
+@pytest.mark.parametrize("captured", [None, "NO_REENTRANT", "REENTRANT"])
+@pytest.mark.parametrize("ported", [None, "NO_REENTRANT"])
+def test_a_checkpoint_wrapper_never_counts_a_call_twice_nor_hides_the_only_gradient_record(
+    tmp_path: Path, captured: str | None, ported: str | None
+) -> None:
+    """A port's wrapper around a module and the wrapped module both named the same module: each call counted twice,
+    and a correct port whose checkpointed layer runs twice failed. Under reentrant checkpointing the wrapped module
+    records no gradient, and the wrapper's were waived as a wrapper's: a port wrong in that backward passed. Those
+    records now stay missing (INCOMPLETE) where the wrapped module has none of its own."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "twice.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    capture_run(_Twice(captured), (x,), bundle)
+    with BundleReader(bundle) as reader:
+        correct, buggy = compare_run(_Twice(ported), reader), compare_run(_Twice(ported, bug=True), reader)
+    if captured == "REENTRANT":  # the wrapper's gradient records have no counterpart: missing, never waived
+        assert correct.verdict == "INCOMPLETE"
+        assert {"lin/0/grad_output", "lin/1/grad_input.input"} <= set(correct.bundle_only)
+        assert not any(name.startswith("lin/") and "grad" in name for name in correct.waived)
+        assert buggy.verdict != "MATCH"
+        return
+    assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
+    assert buggy.verdict == "MISMATCH"
