@@ -197,11 +197,13 @@ def describe_slot_rule(rule: SlotRule) -> str:
 def unused_rules(rename: RenameMap, names: Iterable[str]) -> list[str]:
     """The rules (as written) that match none of ``names`` (the port's module paths and parameter names)."""
     seen = list(names)
-    return [
-        f"{pattern.pattern} => {replacement}"
-        for pattern, replacement in rename.rules
-        if not any(pattern.fullmatch(name) for name in seen)
-    ]
+    known = set(seen)
+
+    def used(pattern: re.Pattern[str]) -> bool:
+        literal = literal_pattern(pattern.pattern)  # a saved --map auto map: thousands, each one path
+        return literal in known if literal is not None else any(map(pattern.fullmatch, seen))
+
+    return [f"{pattern.pattern} => {replacement}" for pattern, replacement in rename.rules if not used(pattern)]
 
 
 def _parse_rule(line: str, number: int, source: str) -> tuple[re.Pattern[str], str] | None:
