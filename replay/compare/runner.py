@@ -748,7 +748,7 @@ class _ReplaySession:
             elif not wanted.records_module(module):
                 self.result.waive(name, kind, f"left out by {self.options.layers.describe()}")  # type: ignore[union-attr]
             elif wrappers(name):
-                self.result.waive(name, kind, "a wrapper the port does not have")
+                self.result.waive(name, kind, "a wrapper's record (what it wraps is compared)")
             else:
                 self.result.add_missing(kind, [name])
         self._apply_waivers(strict_waivers)
