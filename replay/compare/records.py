@@ -16,6 +16,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.common.errors import AdapterError, InputError
 from parity_harness.common.format.bundle.schema import TensorRef, Tree, iter_tensors
 from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import NearMisses
@@ -37,6 +38,7 @@ __all__ = [
     "compared_modules",
     "gradient_presence",
     "mapped_parameters",
+    "same_record",
     "slots",
     "unpad",
     "unvisited_module_records",
@@ -416,3 +418,32 @@ def unvisited_module_records(reader: BundleReader, seen: set[str]) -> list[str]:
             if name not in seen:
                 names.append(name)
     return names
+
+
+def record_ref(reader: BundleReader, name: str) -> TensorRef | None:
+    """The tensor of a module record (``module/call/slot``), or None where the bundle has no such record."""
+    module, _, rest = name.partition("/")
+    call_text, _, slot = rest.partition("/")
+    found = reader.find_call(module, int(call_text)) if call_text.isdigit() else None
+    if found is None:
+        return None
+    call = found[1]
+    if slot.startswith("grad_output"):
+        return call.grad_outputs.get(slot)
+    if slot.startswith("grad_input"):
+        return call.grad_inputs.get(slot)
+    return {**slots(call.inputs, "input"), **slots(call.outputs, "output")}.get(slot)
+
+
+def same_record(reader: BundleReader, name: str, other: str) -> bool:
+    """Whether two module records both hold full values, and the same ones (the same bytes of the file, as capture
+    linked one tensor recorded twice, or equal bytes)."""
+    first, second = record_ref(reader, name), record_ref(reader, other)
+    if first is None or second is None or (first.shape, first.tag) != (second.shape, second.tag):
+        return False
+    if reader.summary(first) is not None or reader.summary(second) is not None:
+        return False  # statistics prove nothing equal
+    identity = reader.dataset_identity(first)
+    if identity is not None and identity == reader.dataset_identity(second):
+        return True
+    return same_bytes(reader.read_array(first), reader.read_array(second))

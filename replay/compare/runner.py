@@ -49,6 +49,7 @@ from parity_harness.replay.compare.records import (
     compared_modules,
     gradient_presence,
     mapped_parameters,
+    same_record,
     slots,
     unpad,
     unvisited_module_records,
@@ -755,19 +756,20 @@ class _ReplaySession:
 
     def _wrapper_records(self) -> Callable[[str], bool]:
         """Whether a bundle module record is a wrapper's that the port need not have: the root's wrappers', and a
-        wrapper's around a module where the wrapped module has the same record (under reentrant checkpointing it
-        has no gradients, and the wrapper's are the only record of them: missing unless paired or waived)."""
+        wrapper's around a module that holds the values of the wrapped module's same record (what the wrapper passes
+        on): under reentrant checkpointing the wrapped module records no gradients, a module called directly too
+        numbers its calls otherwise, and the wrapper's record is then the only one of its values, missing unless
+        paired or waived."""
         if not isinstance(self.rename, WrapperRenameMap):
             return lambda name: False
         hidden, wrapped = self.rename.hidden, self.rename.wrapped
-        recorded = set(unvisited_module_records(self.reader, set())) if wrapped else set()
 
         def of_wrapper(name: str) -> bool:
             module, _, rest = name.partition("/")
             if module not in hidden:
                 return False
             inner = wrapped.get(module)
-            return inner is None or f"{inner}/{rest}" in recorded
+            return inner is None or same_record(self.reader, name, f"{inner}/{rest}")
 
         return of_wrapper
 

@@ -145,18 +145,27 @@ def _rules_for_wrapped_names(rename: RenameMap, names: list[str], roots: tuple[s
     return frozenset(found)
 
 
-def _wrapper_modules(modules: list[str], roots: tuple[str, ...]) -> frozenset[str]:
+_WRAPPER_TYPES: Final = frozenset({"CheckpointWrapper", "FullyShardedDataParallel"})
+"""The classes of the wrappers around a module (their names, so that neither is imported): a module of another class
+with a child of the wrapped module's name does work of its own."""
+
+
+def _wrapper_modules(modules: list[str], roots: tuple[str, ...], around: dict[str, str]) -> frozenset[str]:
     """The modules that are wrappers, whose records the other side's modules need not have: the root's (``module``
-    under DDP, ``module._orig_mod`` under DataParallel around torch.compile) and each around a module
-    (:func:`_around`)."""
-    return frozenset(name for name in modules if not strip_wrappers(name, roots)) | frozenset(_around(modules))
+    under DDP, ``module._orig_mod`` under DataParallel around torch.compile) and each around a module (``around``)."""
+    return frozenset(name for name in modules if not strip_wrappers(name, roots)) | frozenset(around)
 
 
-def _around(modules: list[str]) -> dict[str, str]:
-    """Each wrapper around a module (activation checkpointing's, FSDP1's) -> the module it wraps, recorded under
-    ``<wrapper>._checkpoint_wrapped_module``: the other side's module of that name."""
-    known = set(modules)
-    return {name: f"{name}.{inner}" for name in modules for inner in INNER_WRAPPERS if f"{name}.{inner}" in known}
+def _around(types: dict[str, str]) -> dict[str, str]:
+    """Each wrapper around a module (activation checkpointing's, FSDP1's; by module path -> class name) -> the module
+    it wraps, recorded under ``<wrapper>._checkpoint_wrapped_module``: the other side's module of that name."""
+    return {
+        name: f"{name}.{inner}"
+        for name, kind in types.items()
+        if kind.rpartition(".")[2] in _WRAPPER_TYPES
+        for inner in INNER_WRAPPERS
+        if f"{name}.{inner}" in types
+    }
 
 
 def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleIndex) -> tuple[RenameMap, str | None]:
@@ -176,10 +185,11 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
     bundle_params = sorted({*index.params, *index.grads, *recorded_buffers})  # buffers are named as parameters are
     port_roots, bundle_roots = _roots(port_modules), _roots(bundle_modules or bundle_params)
-    port_inner, bundle_inner = _inner(port_modules), _inner(bundle_modules)
+    port_inner, bundle_inner = _inner(port_names), _inner([*bundle_modules, *bundle_params])
     if not (port_roots or bundle_roots or port_inner or bundle_inner):
         return rename, None
-    hidden = _wrapper_modules(bundle_modules, bundle_roots)
+    bundle_around = _around({call.module: call.type for call in index.calls})
+    hidden = _wrapper_modules(bundle_modules, bundle_roots, bundle_around)
     modules: dict[str, str] = {}
     for name in bundle_modules:
         normal = strip_wrappers(name, bundle_roots)
@@ -204,8 +214,8 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
             bundle_modules=modules,
             bundle_params=params,
             hidden=hidden,
-            wrapped=_around(bundle_modules),
-            port_wrappers=frozenset(_around(port_modules)),
+            wrapped=bundle_around,
+            port_wrappers=frozenset(_around({path: type(module).__name__ for path, module in model.named_modules()})),
             wrapped_rules=_rules_for_wrapped_names(rename, port_names, port_roots),
         ),
         note,

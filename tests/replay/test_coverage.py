@@ -779,3 +779,84 @@ def test_a_checkpoint_wrapper_never_counts_a_call_twice_nor_hides_the_only_gradi
         return
     assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
     assert buggy.verdict == "MISMATCH"
+
+
+class _SharedBase(nn.Module):
+    """A frozen base layer called directly, then through a checkpoint wrapper (``impl``) on a second input: the
+    wrapped module's call 0 is the direct one, the wrapper's call 0 the checkpointed one. ``bug``: the checkpointed
+    call's gradient scaled by 1.01."""
+
+    def __init__(self, impl: str | None = None, bug: bool = False) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        torch.manual_seed(0)
+        base = nn.Linear(4, 4).requires_grad_(False)
+        self.ck = checkpoint_wrapper(base, checkpoint_impl=CheckpointImpl[impl]) if impl else base
+        self.head, self.bug = nn.Linear(8, 4), bug
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        direct = getattr(self.ck, "_checkpoint_wrapped_module", self.ck)(x)
+        through = self.ck(y)
+        through = _ScaledGradient.apply(through) if self.bug else through
+        return self.head(torch.cat([direct, through], -1))
+
+
+class _GradientScaler(nn.Module):
+    """Not a wrapper, though its child has a wrapper's child name: it scales the gradient into its input."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self._checkpoint_wrapped_module, self.scale = nn.Linear(4, 4), scale
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        kept = input.detach()
+        return self._checkpoint_wrapped_module(kept + self.scale * (input - kept))
+
+
+def _scaled_first(scale: float) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_GradientScaler(scale), nn.Tanh(), nn.Linear(4, 3))
+
+
+def test_a_wrapper_record_goes_as_a_wrapper_s_only_where_it_holds_the_wrapped_record_s_values(tmp_path: Path) -> None:
+    """A wrapper's record was waived wherever the wrapped module had a record of the same call number and slot: a
+    module also called directly numbers its calls otherwise (the checkpointed call's gradients, recorded by the
+    wrapper alone under reentrant checkpointing, were waived against the direct call's), and a module of another
+    class with a child of the wrapped module's name does work of its own (its input's gradient, scaled, recorded
+    nowhere else). A port wrong in either passed. Such records now stay missing, or are compared."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    shared = tmp_path / "shared.h5"
+    inputs = tuple(torch.randn(2, 4, generator=torch.Generator().manual_seed(seed)).requires_grad_() for seed in (1, 2))
+    capture_run(_SharedBase("REENTRANT"), inputs, shared)
+    with BundleReader(shared) as reader:
+        for port in (_SharedBase(bug=True), _SharedBase("REENTRANT", bug=True)):
+            result = compare_run(port, reader)
+            assert result.verdict != "MATCH"
+            assert {"ck/0/grad_output", "ck/0/grad_input.input"} <= set(result.bundle_only)
+    scaled = tmp_path / "scaled.h5"
+    capture_run(_scaled_first(0.1), (inputs[0],), scaled)
+    with BundleReader(scaled) as reader:
+        assert compare_run(_scaled_first(0.1), reader).verdict == "MATCH"
+        wrong = compare_run(_scaled_first(-1.0), reader)
+    assert wrong.verdict == "MISMATCH"
+    assert "0/0/grad_input.input" in {r.name for r in wrong.records if not r.match}
+
+
+@pytest.mark.parametrize("layers", ["out", "lin"])
+def test_a_capture_recording_no_wrapped_module_still_normalises_its_parameters(tmp_path: Path, layers: str) -> None:
+    """A capture whose filters leave out the module a checkpoint wrapper wraps still records its parameters under the
+    wrapper's name (``lin._checkpoint_wrapped_module.weight``); normalisation looked at module names alone, so
+    nothing was normalised and a correct plain port was INCOMPLETE."""
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.common.format.bundle.selection import Selection
+
+    bundle = tmp_path / "filtered.h5"
+    x = {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}
+    capture_run(_Checkpointable(checkpointed=True), x, bundle, selection=Selection(layers=(layers,)))
+    with BundleReader(bundle) as reader:
+        assert "lin._checkpoint_wrapped_module.weight" in reader.index.params
+        result = compare_run(_Checkpointable(), reader)
+        assert result.verdict == "MATCH", result.bundle_only
+        assert compare_run(_Checkpointable(bug=True), reader).verdict == "MISMATCH"
