@@ -126,10 +126,14 @@ class RenameMap:
                 return True, expand(match, replacement), of_wrapped
         return False, None, False
 
+    def module_spellings(self, module: str) -> tuple[str, ...]:
+        """The names a ``slots`` line's module glob is matched against, for bundle module ``module``: its own."""
+        return (module,)
+
     def slot_rule(self, module: str, slot: str) -> SlotRule | None:
         """The ``slots`` rule that renames the port's ``slot`` of a call of bundle module ``module``, if any."""
-        forward = slot.removeprefix(_GRAD)
-        return next((rule for rule in self.slot_rules if rule.applies(module, forward)), None)
+        forward, spellings = slot.removeprefix(_GRAD), self.module_spellings(module)
+        return next((rule for rule in self.slot_rules if any(rule.applies(m, forward) for m in spellings)), None)
 
     def slots(self, module: str, slot: str) -> tuple[str, ...]:
         """The bundle's slot(s) for the port's ``slot`` of a call of bundle module ``module`` (``grad_`` slots
@@ -144,8 +148,9 @@ class RenameMap:
     def port_slot(self, module: str, ref_slot: str) -> str | None:
         """The port's forward slot for the reference's ``ref_slot``; None for the second and later slots of a sum
         (the port has one tensor for all of them)."""
+        spellings = self.module_spellings(module)
         for rule in self.slot_rules:
-            if not fnmatch.fnmatchcase(module, rule.modules):
+            if not any(fnmatch.fnmatchcase(spelled, rule.modules) for spelled in spellings):
                 continue
             for position, ref in enumerate(rule.refs):
                 if ref_slot == ref or ref_slot.startswith(ref + "."):

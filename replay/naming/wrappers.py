@@ -114,6 +114,13 @@ class WrapperRenameMap(RenameMap):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "_recorded", frozenset(self.bundle_params.values()))
+        object.__setattr__(self, "_normal", {bundle: normal for normal, bundle in self.bundle_modules.items()})
+
+    def module_spellings(self, module: str) -> tuple[str, ...]:
+        """A bundle module's own name and its name without the bundle's wrappers: a map's ``slots`` line is written
+        for the unwrapped model as its rules are."""
+        normal: dict[str, str] = self._normal  # type: ignore[attr-defined]
+        return (module, normal[module]) if normal.get(module, module) != module else (module,)
 
     def _renamed(self, name: str, *, parameter: bool) -> tuple[bool, str | None, bool]:
         """Whether the map renames the port's ``name`` (an exact rename of it as it is or unwrapped, else the first

@@ -860,3 +860,62 @@ def test_a_capture_recording_no_wrapped_module_still_normalises_its_parameters(t
         result = compare_run(_Checkpointable(), reader)
         assert result.verdict == "MATCH", result.bundle_only
         assert compare_run(_Checkpointable(bug=True), reader).verdict == "MISMATCH"
+
+
+class _InputProjection(nn.Module):
+    """A bias-free projection whose argument is called ``input`` (the reference's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return input @ self.weight.T
+
+
+class _XProjection(nn.Module):
+    """The same, its argument called ``x`` (the port's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+class _Projected(nn.Module):
+    """The reference (``lin``, ``out``) or the port (``proj``, ``head``), whose projection names its argument
+    otherwise; ``bug`` scales the hidden values by 1.001."""
+
+    def __init__(self, port: bool, checkpointed: bool = False, bug: bool = False) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        torch.manual_seed(0)
+        layer: nn.Module = _XProjection() if port else _InputProjection()
+        self.names, self.bug = ("proj", "head") if port else ("lin", "out"), bug
+        setattr(self, self.names[0], checkpoint_wrapper(layer) if checkpointed else layer)
+        setattr(self, self.names[1], nn.Linear(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(getattr(self, self.names[0])(x)) * (1.001 if self.bug else 1.0)
+        return getattr(self, self.names[1])(hidden)
+
+
+@pytest.mark.parametrize("wrap", ["checkpointed", "DataParallel"])
+def test_a_maps_slots_line_names_a_wrapped_capture_s_module_as_the_unwrapped_one(tmp_path: Path, wrap: str) -> None:
+    """A map's ``slots lin x=input`` line, written for the unwrapped model as its rules are, was matched against the
+    bundle's own module names only (``lin._checkpoint_wrapped_module``, ``module.lin``): the renamed argument went
+    unpaired and a correct port was INCOMPLETE."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "slots.h5"
+    reference = _Projected(port=False, checkpointed=wrap == "checkpointed")
+    capture_run(nn.DataParallel(reference) if wrap == "DataParallel" else reference, {"x": torch.randn(2, 4)}, bundle)
+    rename = parse_map("^proj$ => lin\n^head$ => out\nslots lin x=input\n")
+    with BundleReader(bundle) as reader:
+        correct = compare_run(_Projected(port=True), reader, rename=rename)
+        assert correct.verdict == "MATCH", correct.bundle_only
+        assert not [note for note in correct.notes if "renamed nothing" in note]
+        assert compare_run(_Projected(port=True, bug=True), reader, rename=rename).verdict == "MISMATCH"
