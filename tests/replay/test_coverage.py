@@ -873,15 +873,11 @@ class _InputProjection(nn.Module):
         return input @ self.weight.T
 
 
-class _XProjection(nn.Module):
+class _XProjection(_InputProjection):
     """The same, its argument called ``x`` (the port's)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.T
+        return super().forward(x)
 
 
 class _Projected(nn.Module):
