@@ -762,13 +762,13 @@ class _ReplaySession:
         paired or waived."""
         if not isinstance(self.rename, WrapperRenameMap):
             return lambda name: False
-        hidden, wrapped = self.rename.hidden, self.rename.wrapped
+        hidden, around = self.rename.hidden, self.rename.around
 
         def of_wrapper(name: str) -> bool:
             module, _, rest = name.partition("/")
             if module not in hidden:
                 return False
-            inner = wrapped.get(module)
+            inner = around.get(module)
             return inner is None or same_record(self.reader, name, f"{inner}/{rest}")
 
         return of_wrapper

@@ -42,7 +42,6 @@ __all__ = [
     "SlotRule",
     "bundle_parameters",
     "describe_slot_rule",
-    "expand",
     "literal_pattern",
     "parse_map",
     "read_map",
@@ -123,7 +122,7 @@ class RenameMap:
             spelled = wrapped if of_wrapped else name
             match = None if spelled is None else pattern.fullmatch(spelled)
             if match and not (parameter and pattern.fullmatch(spelled.rpartition(".")[0])):  # type: ignore[union-attr]
-                return True, expand(match, replacement), of_wrapped
+                return True, _expand(match, replacement), of_wrapped
         return False, None, False
 
     def module_spellings(self, module: str) -> tuple[str, ...]:
@@ -347,7 +346,7 @@ def literal_pattern(pattern: str) -> str | None:
     return None if escaped else "".join(text)
 
 
-def expand(match: re.Match[str], replacement: str) -> str | None:
+def _expand(match: re.Match[str], replacement: str) -> str | None:
     """What a rule that matched gives: its replacement expanded, or None for ``-`` (no counterpart)."""
     return None if replacement == _NO_COUNTERPART else match.expand(replacement)
 

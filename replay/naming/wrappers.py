@@ -73,7 +73,7 @@ class WrapperRenameMap(RenameMap):
     """Normalised name -> the bundle's name, for parameters (and the buffers named as they are)."""
     hidden: frozenset[str] = frozenset()
     """Bundle modules that are wrappers (:func:`_wrapper_modules`): no port module is one."""
-    wrapped: dict[str, str] = field(default_factory=dict)
+    around: dict[str, str] = field(default_factory=dict)
     """A bundle wrapper around a module -> the wrapped module: a record of the wrapper goes as a wrapper's only where
     the wrapped module has the same one (under reentrant checkpointing the wrapper alone records gradients)."""
     port_wrappers: frozenset[str] = frozenset()
@@ -221,7 +221,7 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
             bundle_modules=modules,
             bundle_params=params,
             hidden=hidden,
-            wrapped=bundle_around,
+            around=bundle_around,
             port_wrappers=frozenset(_around({path: type(module).__name__ for path, module in model.named_modules()})),
             wrapped_rules=_rules_for_wrapped_names(rename, port_names, port_roots),
         ),
