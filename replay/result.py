@@ -272,6 +272,9 @@ class ComparisonResult:
     """Kind of each bundle record left uncompared (the names of ``bundle_only``)."""
     waived: dict[str, tuple[RecordKind, str]] = field(default_factory=dict)
     """Bundle records not compared on purpose: name -> (kind, why)."""
+    unused_waivers: list[str] = field(default_factory=list)
+    """Under torchrun: the waivers this process found nothing to waive with, which another process may have used;
+    the job refuses those no process used (``compare.data_parallel.gather_verdicts``)."""
 
     def add_missing(self, kind: RecordKind, names: list[str]) -> None:
         """Bundle records of ``kind`` the replay did not compare (unless waived later)."""

@@ -729,6 +729,47 @@ def test_a_waived_gradient_is_accepted_on_every_torchrun_process(tmp_path: Path)
         assert "Connection closed" not in unused.stderr, unused.stderr[-3000:]
 
 
+def branchy_calling_extra_inline() -> torch.nn.Module:
+    """``--model`` factory: the ``branchy`` job's model computing its ``extra`` layer inline (the same parameters, no
+    call of the module): rank 0's records of ``extra`` have no counterpart and are waived."""
+    from tests.distributed_jobs import Branchy, rank_inputs
+
+    class Inline(Branchy):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.inp(x)
+            if torch.equal(x, rank_inputs(0)["x"]):
+                h = torch.nn.functional.linear(h, self.extra.weight, self.extra.bias)
+            return {"logits": self.head(h)}
+
+    return Inline()
+
+
+@pytest.mark.slow
+def test_a_waiver_used_by_one_torchrun_process_is_used_by_the_job(tmp_path: Path) -> None:
+    """A module only rank 0 ran (a data-dependent branch), waived: process 1 found the waiver unused and exited 2,
+    and process 0 lost its connection, where a single-process replay of the same capture gives MATCH. Waivers are
+    now judged over the job: one used by any process is used; one no process used stops every process with the
+    same error."""
+    out = tmp_path / "bundle.h5"
+    assert [r.returncode for r in run_ranks("branchy", out)] == [0, 0]
+    model = f"{Path(__file__).resolve()}:branchy_calling_extra_inline"
+    replay = ["--bundle", str(manifest_path(out)), "--model", model, "--waive-module", "extra"]
+    single = CliRunner().invoke(replay_main, replay)
+    assert single.exit_code == 0, single.output[-3000:]
+    assert "RESULT: MATCH" in single.output
+    unwaived = _torchrun_replay(out, model, 2)
+    assert "RESULT: INCOMPLETE" in unwaived.stdout, unwaived.stdout[-3000:]
+    assert "extra/0/" in unwaived.stdout
+    done = _torchrun_replay(out, model, 2, "--waive-module", "extra")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "RESULT: MATCH" in done.stdout
+    stale = _torchrun_replay(out, model, 2, "--waive-module", "extra", "--waive-module", "head2")
+    assert stale.returncode != 0
+    message = "waiver 'head2/*' (--waive or a map's 'waive' line) matches no record left uncompared"
+    assert message in stale.stderr, stale.stderr[-3000:]
+    assert "Connection closed" not in stale.stderr, stale.stderr[-3000:]
+
+
 def drift_without_its_spare() -> torch.nn.Module:
     """``--model`` factory: the reference of ``ddp-frozen-drift`` without the frozen parameter it never reads."""
     from tests.distributed_jobs import Drift

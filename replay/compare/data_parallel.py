@@ -13,6 +13,7 @@ from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import NearMisses
 from parity_harness.replay.diagnose.isolation import LayoutTransform
+from parity_harness.replay.naming.mapping import unused_waiver_error
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_tensor
 
@@ -168,6 +169,8 @@ class Verdict:
     """Its records left uncompared without a waiver, under ``rank<r>:NAME`` names."""
     parameters: list[RecordResult]
     """Its parameters whose values are not the reference's (other weights loaded), under ``rank<r>:NAME`` names."""
+    unused_waivers: list[str] | None = None
+    """The waivers it found nothing to waive with (None: it replayed no rank)."""
 
 
 def _under_rank(name: str, rank: int) -> str:
@@ -179,7 +182,12 @@ def gather_verdicts(
     process: int, world_size: int, assigned: list[int], result: ComparisonResult | None
 ) -> list[Verdict]:
     """Every replay process's verdict, with what differed and went uncompared, on every process (a collective:
-    each process calls it once)."""
+    each process calls it once).
+
+    Raises:
+        InputError: on every process alike, for a waiver that no process found anything to waive with (one that
+            waives records of another process's ranks only is used).
+    """
     import torch.distributed as dist
 
     own = Verdict(process, assigned, None, [], [], [])
@@ -188,10 +196,20 @@ def gather_verdicts(
         failing = [replace(r, name=_under_rank(r.name, main)) for r in result.records if not r.match]
         missing = [(_under_rank(n, main), result.missing_kinds.get(n) or "forward") for n in result.bundle_only]
         parameters = [replace(r, name=_under_rank(r.name, main)) for r in result.differing_parameters]
-        own = Verdict(process, assigned, result.match, failing, missing, parameters)
-    verdicts: list[Verdict | None] = [None] * world_size
-    dist.all_gather_object(verdicts, own)
-    return [verdict for verdict in verdicts if verdict is not None]
+        own = Verdict(process, assigned, result.match, failing, missing, parameters, list(result.unused_waivers))
+    gathered: list[Verdict | None] = [None] * world_size
+    dist.all_gather_object(gathered, own)
+    verdicts = [verdict for verdict in gathered if verdict is not None]
+    _refuse_unused_waivers(verdicts)
+    return verdicts
+
+
+def _refuse_unused_waivers(verdicts: list[Verdict]) -> None:
+    """Raise for the first waiver unused on every process that replayed a rank (each was given the same ones)."""
+    judged = [verdict.unused_waivers for verdict in verdicts if verdict.unused_waivers is not None]
+    unused = [pattern for pattern in judged[0] if all(pattern in other for other in judged[1:])] if judged else []
+    if unused:
+        raise unused_waiver_error(unused[0], [name for verdict in verdicts for name, _ in verdict.missing])
 
 
 def merge_verdicts(result: ComparisonResult, verdicts: list[Verdict], process: int) -> None:

@@ -61,7 +61,12 @@ from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
 from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
-from parity_harness.replay.naming.mapping import RenameMap, bundle_parameters, describe_slot_rule, unused_rules
+from parity_harness.replay.naming.mapping import (
+    RenameMap,
+    describe_slot_rule,
+    unused_rules,
+    unused_waiver_error,
+)
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers, strip_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
 from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
@@ -360,13 +365,11 @@ class _ReplaySession:
         """Recorded parameters the port has none of (or ``--map`` names none for): uncompared records, so the replay
         is INCOMPLETE unless they are waived. One whose gradient the bundle records is left to that record, under
         the same name (missing, or waived with it); a frozen or unused one has none. Under torchrun, process 0 names
-        them (every process holds the same parameters), and a waiver naming them is its to judge (here it counts as
-        used)."""
+        them (every process holds the same parameters), and a waiver naming them is its to use (the job judges
+        waivers over every process)."""
         absent = [name for name in absent if name not in self.weights.index.grads]
         data_parallel = self.options.data_parallel
         if data_parallel is not None and not data_parallel.compares_gradients:
-            patterns = (*self.rename.waivers, *self.options.waive)
-            self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in absent))
             return
         if absent:
             self.result.add_missing("param", absent)
@@ -572,15 +575,8 @@ class _ReplaySession:
 
     def _leave_gradients_to_process_zero(self) -> None:
         """Under torchrun, process 0 compares the gradients every process holds after the sum; a waiver naming
-        gradient records it will find unpaired is its to judge (here it counts as used). One naming only gradients
-        the port pairs is unused there too: every process then stops at the same error (process 0 alone did, and
-        the others broke their connections waiting for it)."""
+        gradient records is its to use (the job judges waivers over every process: :func:`gather_verdicts`)."""
         self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
-        patterns = (*self.rename.waivers, *self.options.waive)
-        recorded = self.weights.index.grads
-        paired = {name for name, _ in bundle_parameters(self.model, self.rename, recorded)}
-        unpaired = [name for name in recorded if name not in paired]
-        self.waivers_used.update(p for p in patterns if any(fnmatch.fnmatchcase(name, p) for name in unpaired))
 
     def compare_buffers(self) -> None:
         """The port's persistent buffers after its run against the reference's (those either run changed)."""
@@ -775,19 +771,22 @@ class _ReplaySession:
 
     def _apply_waivers(self, strict: bool = True) -> None:
         """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error
-        (``strict``)."""
+        (``strict``). Under torchrun a pattern may match records of another process's ranks only: those this process
+        found unused are left in the result for the job to judge (:func:`gather_verdicts`), every process alike."""
+        unused = []
         for pattern in (*self.rename.waivers, *self.options.waive):
             hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
             if hits or any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
                 self.waivers_used.add(pattern)
-            if strict and pattern not in self.waivers_used:
-                raise InputError(
-                    f"waiver {pattern!r} (--waive or a map's 'waive' line) matches no record left uncompared; the "
-                    "uncompared ones are "
-                    f"{sorted(self.result.bundle_only)[:5]}{' ...' if len(self.result.bundle_only) > 5 else ''}"
-                )
+            if pattern not in self.waivers_used:
+                unused.append(pattern)
             for name in hits:
                 self.result.waive(name, self.result.missing_kinds[name], f"waived by {pattern}")
+        data_parallel = self.options.data_parallel
+        if strict and data_parallel is not None and data_parallel.across_processes:
+            self.result.unused_waivers = unused
+        elif strict and unused:
+            raise unused_waiver_error(unused[0], self.result.bundle_only)
 
     def note_what_was_left_out(self) -> None:
         """Notes on what was compared differently or not at all, for the report."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from parity_harness.common.errors import MapFileError
+from parity_harness.common.errors import InputError, MapFileError
 
 if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files without importing it
     import torch
@@ -46,6 +46,7 @@ __all__ = [
     "parse_map",
     "read_map",
     "unused_rules",
+    "unused_waiver_error",
 ]
 
 _SEPARATOR = "=>"
@@ -239,6 +240,16 @@ def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> 
         raise MapFileError(
             f"{where}: replacement {replacement!r} is invalid for a regex with {compiled.groups} group(s): {err}"
         ) from err
+
+
+def unused_waiver_error(pattern: str, uncompared: Collection[str]) -> InputError:
+    """The error for a waiver that waives nothing: a stale pattern must not pass silently (it would waive a record
+    recorded later by mistake, or hide that the one it was written for is now compared)."""
+    shown = sorted(uncompared)
+    return InputError(
+        f"waiver {pattern!r} (--waive or a map's 'waive' line) matches no record left uncompared; the uncompared ones "
+        f"are {shown[:5]}{' ...' if len(shown) > 5 else ''}"
+    )
 
 
 def _parse_waiver(line: str, number: int, source: str) -> str | None:
