@@ -243,8 +243,7 @@ def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> 
 
 
 def unused_waiver_error(pattern: str, uncompared: Collection[str]) -> InputError:
-    """The error for a waiver that waives nothing: a stale pattern must not pass silently (it would waive a record
-    recorded later by mistake, or hide that the one it was written for is now compared)."""
+    """The error for a waiver that waives nothing (a typo, or a waiver gone stale): refused, never ignored."""
     shown = sorted(uncompared)
     return InputError(
         f"waiver {pattern!r} (--waive or a map's 'waive' line) matches no record left uncompared; the uncompared ones "
