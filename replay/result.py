@@ -274,7 +274,7 @@ class ComparisonResult:
     """Bundle records not compared on purpose: name -> (kind, why)."""
     unused_waivers: list[str] = field(default_factory=list)
     """Under torchrun: the waivers this process found nothing to waive with, which another process may have used;
-    the job refuses those no process used (``compare.data_parallel.gather_verdicts``)."""
+    the job refuses those no process used (``compare.data_parallel.agree_on_waivers``)."""
 
     def add_missing(self, kind: RecordKind, names: list[str]) -> None:
         """Bundle records of ``kind`` the replay did not compare (unless waived later)."""

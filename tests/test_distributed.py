@@ -768,6 +768,34 @@ def test_a_waiver_used_by_one_torchrun_process_is_used_by_the_job(tmp_path: Path
     message = "waiver 'head2/*' (--waive or a map's 'waive' line) matches no record left uncompared"
     assert message in stale.stderr, stale.stderr[-3000:]
     assert "Connection closed" not in stale.stderr, stale.stderr[-3000:]
+    # The library's job under torchrun judges them too (only the command's verdict gathering did).
+    caller = tmp_path / "library_caller.py"
+    caller.write_text(_LIBRARY_CALLER)
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = [*torchrun, str(caller), str(manifest_path(out)), model, "extra/*", "head2/*"]
+    library = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert library.stdout.count(f"InputError: {message}") == 2, library.stdout[-3000:] + library.stderr[-3000:]
+
+
+_LIBRARY_CALLER = """
+import os, sys
+from pathlib import Path
+import torch.distributed as dist
+from parity_harness.capture.cli.shared import resolve_adapter
+from parity_harness.common.errors import InputError
+from parity_harness.replay.compare.job import ReplayJob, run_replay_job
+from parity_harness.replay.compare.runner import ReplayOptions
+
+job = ReplayJob(Path(sys.argv[1]), resolve_adapter(None, sys.argv[2]), options=ReplayOptions(waive=tuple(sys.argv[3:])))
+try:
+    print(f"process {os.environ['RANK']}: match={run_replay_job(job).result.match}", flush=True)
+except InputError as err:
+    print(f"process {os.environ['RANK']}: InputError: {err}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
 
 
 def drift_without_its_spare() -> torch.nn.Module:

@@ -20,6 +20,7 @@ from parity_harness.replay.result import ComparisonResult, RecordKind, RecordRes
 __all__ = [
     "DataParallelRuns",
     "Verdict",
+    "agree_on_waivers",
     "every_process",
     "gather_verdicts",
     "merge_verdicts",
@@ -169,8 +170,6 @@ class Verdict:
     """Its records left uncompared without a waiver, under ``rank<r>:NAME`` names."""
     parameters: list[RecordResult]
     """Its parameters whose values are not the reference's (other weights loaded), under ``rank<r>:NAME`` names."""
-    unused_waivers: list[str] | None = None
-    """The waivers it found nothing to waive with (None: it replayed no rank)."""
 
 
 def _under_rank(name: str, rank: int) -> str:
@@ -182,12 +181,7 @@ def gather_verdicts(
     process: int, world_size: int, assigned: list[int], result: ComparisonResult | None
 ) -> list[Verdict]:
     """Every replay process's verdict, with what differed and went uncompared, on every process (a collective:
-    each process calls it once).
-
-    Raises:
-        InputError: on every process alike, for a waiver that no process found anything to waive with (one that
-            waives records of another process's ranks only is used).
-    """
+    each process calls it once)."""
     import torch.distributed as dist
 
     own = Verdict(process, assigned, None, [], [], [])
@@ -196,20 +190,30 @@ def gather_verdicts(
         failing = [replace(r, name=_under_rank(r.name, main)) for r in result.records if not r.match]
         missing = [(_under_rank(n, main), result.missing_kinds.get(n) or "forward") for n in result.bundle_only]
         parameters = [replace(r, name=_under_rank(r.name, main)) for r in result.differing_parameters]
-        own = Verdict(process, assigned, result.match, failing, missing, parameters, list(result.unused_waivers))
-    gathered: list[Verdict | None] = [None] * world_size
+        own = Verdict(process, assigned, result.match, failing, missing, parameters)
+    verdicts: list[Verdict | None] = [None] * world_size
+    dist.all_gather_object(verdicts, own)
+    return [verdict for verdict in verdicts if verdict is not None]
+
+
+def agree_on_waivers(result: ComparisonResult | None) -> None:
+    """Under torchrun, once every process has replayed (``result``: None for one with no capture rank): raise, on
+    every process alike, for a waiver that no process found anything to waive with (a collective: each process calls
+    it once). A waiver naming records of one process's ranks only (a branch only rank 0 took) is used.
+
+    Raises:
+        InputError: the first waiver no process used, with the records each process left uncompared, named as its
+            waivers are matched against them.
+    """
+    import torch.distributed as dist
+
+    own = None if result is None else (list(result.unused_waivers), list(result.bundle_only))
+    gathered: list[tuple[list[str], list[str]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, own)
-    verdicts = [verdict for verdict in gathered if verdict is not None]
-    _refuse_unused_waivers(verdicts)
-    return verdicts
-
-
-def _refuse_unused_waivers(verdicts: list[Verdict]) -> None:
-    """Raise for the first waiver unused on every process that replayed a rank (each was given the same ones)."""
-    judged = [verdict.unused_waivers for verdict in verdicts if verdict.unused_waivers is not None]
-    unused = [pattern for pattern in judged[0] if all(pattern in other for other in judged[1:])] if judged else []
+    judged = [found for found in gathered if found is not None]
+    unused = [p for p in judged[0][0] if all(p in others for others, _ in judged[1:])] if judged else []
     if unused:
-        raise unused_waiver_error(unused[0], [name for verdict in verdicts for name, _ in verdict.missing])
+        raise unused_waiver_error(unused[0], sorted({name for _, uncompared in judged for name in uncompared}))
 
 
 def merge_verdicts(result: ComparisonResult, verdicts: list[Verdict], process: int) -> None:

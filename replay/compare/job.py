@@ -21,7 +21,7 @@ from parity_harness.common.format.bundle.layout import ATTR_DTYPE
 from parity_harness.common.format.containment import Catalog
 from parity_harness.common.format.manifest import Manifest, find_manifest
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.data_parallel import DataParallelRuns
+from parity_harness.replay.compare.data_parallel import DataParallelRuns, agree_on_waivers
 from parity_harness.replay.compare.runner import ReplayOptions, compare_run, rounding_check_applies
 from parity_harness.replay.naming.alignment import OTHER_BOUNDARIES, OUT_OF_ORDER, ProposedMap, align_modules
 from parity_harness.replay.naming.mapping import read_map
@@ -87,7 +87,8 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
         on_proposal: told the ``--map auto`` proposal before the comparison runs (to show or save it).
 
     Raises:
-        ParityError: a bundle, manifest, map, checkpoint or adapter problem (exit code 2 in the CLI).
+        ParityError: a bundle, manifest, map, checkpoint or adapter problem (exit code 2 in the CLI); under
+            torchrun, a waiver no process used (on every process alike).
     """
     with ExitStack() as stack:
         located = locate_bundles(job)
@@ -100,6 +101,7 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
             plan.data_parallel.reduce_gradients(model, ComparisonResult(tolerances=ToleranceTable()))
             if rounding_check_applies(job.options):
                 plan.data_parallel.join_float64_rerun(model)
+            agree_on_waivers(None)
             return ReplayOutcome(None, context=plan.context, assigned=plan.assigned)
         with no_exit(job.adapter.name, "the model's own code (its forward or backward)"):
             options, proposal = _naming(job, model, plan.reader)
@@ -107,6 +109,8 @@ def run_replay_job(job: ReplayJob, *, on_proposal: Callable[[ProposedMap], None]
                 on_proposal(proposal)
             options = _with_adapter(job, options, plan.data_parallel)
             result = compare_run(model, plan.reader, options)
+        if plan.context is not None:  # a waiver only another process used is used
+            agree_on_waivers(result)
         if proposal is not None:
             _note_uncertain_pairs(result, proposal)
         return ReplayOutcome(result, proposal, plan.context, plan.assigned)

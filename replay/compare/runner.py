@@ -575,7 +575,7 @@ class _ReplaySession:
 
     def _leave_gradients_to_process_zero(self) -> None:
         """Under torchrun, process 0 compares the gradients every process holds after the sum; a waiver naming
-        gradient records is its to use (the job judges waivers over every process: :func:`gather_verdicts`)."""
+        gradient records is its to use (the job judges waivers over every process: ``agree_on_waivers``)."""
         self.result.notes.append("gradients: compared by replay process 0 (every process holds the same ones)")
 
     def compare_buffers(self) -> None:
@@ -772,7 +772,7 @@ class _ReplaySession:
     def _apply_waivers(self, strict: bool = True) -> None:
         """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error
         (``strict``). Under torchrun a pattern may match records of another process's ranks only: those this process
-        found unused are left in the result for the job to judge (:func:`gather_verdicts`), every process alike."""
+        found unused are left in the result for the job to judge (``data_parallel.agree_on_waivers``)."""
         unused = []
         for pattern in (*self.rename.waivers, *self.options.waive):
             hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
