@@ -3,6 +3,8 @@ gradients) compared by name, and backward exactly as the reference did it."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,7 +16,7 @@ from parity_harness.capture.observe.driving import LossFn
 from parity_harness.capture.observe.hooks import CallInfo
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.common.errors import AdapterError, InputError
-from parity_harness.common.format.bundle.schema import TensorRef, Tree, iter_tensors
+from parity_harness.common.format.bundle.schema import ModuleCall, TensorRef, Tree, iter_tensors
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.metrics import unmatchable
@@ -25,6 +27,7 @@ from parity_harness.replay.compare.repeats import RecentDiffs
 from parity_harness.replay.diagnose.isolation import LayoutTransform, as_recorded
 from parity_harness.replay.naming.mapping import RenameMap, SlotRule, bundle_parameters
 from parity_harness.replay.naming.slots import bundle_slots
+from parity_harness.replay.naming.wrappers import WrapperRenameMap
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record, diff_sum
 
@@ -37,6 +40,7 @@ __all__ = [
     "compare_named",
     "compared_modules",
     "gradient_presence",
+    "gradient_stand_ins",
     "mapped_parameters",
     "same_record",
     "slots",
@@ -81,6 +85,9 @@ class ComparingSink:
         """Gradient records a map's sum stands for, recorded as statistics only: left uncompared, never failed."""
         self._live_slots: dict[tuple[str, int], set[str]] = {}
         """Per port call (bundle naming): the slots that held a tensor, so a gradient that never came is seen."""
+        around = rename.around if isinstance(rename, WrapperRenameMap) else {}
+        self._gradients_of = gradient_stand_ins(reader, around)
+        """Bundle module -> the wrapper whose gradient records are its own (:func:`gradient_stand_ins`)."""
         forward_total = sum(len(slots(c.inputs, "input")) + len(slots(c.outputs, "output")) for c in index.calls)
         self._totals = {"forward": forward_total, "backward": len(index.backward_order)}
         self._done = {"forward": 0, "backward": 0}
@@ -212,8 +219,8 @@ class ComparingSink:
         a slot that held a tensor in the port, that never reached the port (a detached branch, ``no_grad``).
         Shown as "no gradient in the port", never as some other tensor's value."""
         absent = []
-        for (module, call), live in self._live_slots.items():
-            found = self._reader.find_call(module, call)
+        for (called, call), live in self._live_slots.items():
+            module, found = self._gradient_call(called, call)
             if found is None:
                 continue
             position, recorded = found
@@ -230,16 +237,58 @@ class ComparingSink:
 
     def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
         """Compare a gradient with the reference's as soon as backward produces it."""
-        found = self._reader.find_call(info.module, info.call)
+        module, found = self._gradient_call(info.module, info.call)
         if found is None:
             self._result.replay_only.append(record_name(info.module, info.call, slot))
             return
+        info = info if module == info.module else dataclasses.replace(info, module=module)
         expected = {**found[1].grad_outputs, **found[1].grad_inputs}
         # Ordered as the reference's backward produced the slot(s) this gradient is compared with.
         ranks = [
             self._backward_rank.get((found[0], t), -1) for t in bundle_slots(self._rename, info.module, slot, expected)
         ]
         self._compare("backward", info, [(slot, grad)], expected, min(ranks, default=-1))
+
+    def _gradient_call(self, module: str, call: int) -> tuple[str, tuple[int, ModuleCall] | None]:
+        """The bundle call holding the gradients of ``module``'s call: its own, or its wrapper's where that one
+        records them in its place."""
+        owner = self._gradients_of.get(module, module)
+        return owner, self._reader.find_call(owner, call)
+
+
+def gradient_stand_ins(reader: BundleReader, around: dict[str, str]) -> dict[str, str]:
+    """Wrapped module -> the wrapper around it whose gradient records are the wrapped module's own.
+
+    Under reentrant activation checkpointing the wrapped module runs without autograd in the forward and records no
+    gradient: its wrapper records them, for the same calls. Taken only where that is certain: the wrapped module
+    recorded no gradient, each of its calls went through the wrapper (as many calls), and each wrapper call's forward
+    records hold the values of the wrapped module's same call (the wrapper passes them on, nothing else)."""
+    if not around:
+        return {}
+    calls: defaultdict[str, list[ModuleCall]] = defaultdict(list)
+    for recorded in reader.index.calls:
+        calls[recorded.module].append(recorded)
+    stand_ins = {}
+    for wrapper, inner in around.items():
+        outer, wrapped = calls.get(wrapper, []), calls.get(inner, [])
+        if not outer or len(outer) != len(wrapped) or any(c.grad_outputs or c.grad_inputs for c in wrapped):
+            continue
+        if all(_passes_on(reader, wrapper, inner, call) for call in range(len(outer))):
+            stand_ins[inner] = wrapper
+    return stand_ins
+
+
+def _passes_on(reader: BundleReader, wrapper: str, inner: str, call: int) -> bool:
+    """Whether the wrapper's call holds the wrapped module's same call's inputs and outputs, every one of them."""
+    forward = []
+    for module in (wrapper, inner):
+        found = reader.find_call(module, call)
+        if found is None:
+            return False
+        forward.append({**slots(found[1].inputs, "input"), **slots(found[1].outputs, "output")}.keys())
+    if forward[0] != forward[1] or not any(slot.startswith("output") for slot in forward[0]):
+        return False
+    return all(same_record(reader, f"{wrapper}/{call}/{slot}", f"{inner}/{call}/{slot}") for slot in forward[0])
 
 
 def compare_named(

@@ -40,8 +40,10 @@ from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.buffer_state import BufferState, aliases_following
 from parity_harness.replay.compare.near_misses import FailingRecord, NearMisses
+from parity_harness.replay.compare.records import gradient_stand_ins
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
+from parity_harness.replay.naming.wrappers import WrapperRenameMap
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RoundingCheck
 
@@ -69,12 +71,11 @@ class RoundingRun:
         """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run."""
         wanted = near.modules()
         index = self.reader.index
+        sink = _LevelSink(self.reader, self.rename, near, self.transform)
 
         def hooked(path: str) -> str | None:
             name = self.compared(path)
-            return name if name in wanted else None
-
-        sink = _LevelSink(self.reader, self.rename, near, self.transform)
+            return name if name is not None and (name in wanted or sink.gradients_of(name) in wanted) else None
 
         def report(kind: str, name: str, value: torch.Tensor) -> None:
             near.measure(kind, name, self.transform(name, value))
@@ -110,6 +111,7 @@ class _LevelSink:
         transform: Callable[[str, torch.Tensor], torch.Tensor],
     ) -> None:
         self._reader, self._rename, self._near, self._transform = reader, rename, near, transform
+        self._gradients_of = gradient_stand_ins(reader, rename.around if isinstance(rename, WrapperRenameMap) else {})
 
     def _measure(self, info: CallInfo, live: Iterable[tuple[str, torch.Tensor]], expected: dict[str, Any]) -> None:
         for slot, tensor in live:
@@ -137,8 +139,15 @@ class _LevelSink:
         """Measure a call's outputs."""
         self._measure(info, iter_live_tensors(outputs, "output"), self._expected(info, "outputs"))
 
+    def gradients_of(self, module: str) -> str:
+        """The bundle module whose records hold ``module``'s gradients: its wrapper's, where that one records them in
+        its place (``records.gradient_stand_ins``), else its own."""
+        return self._gradients_of.get(module, module)
+
     def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
-        """Measure a gradient."""
+        """Measure a gradient, under the name the replay compared it by."""
+        owner = self.gradients_of(info.module)
+        info = info if owner == info.module else dataclasses.replace(info, module=owner)
         self._measure(info, [(slot, grad)], self._expected(info, "grads"))
 
 

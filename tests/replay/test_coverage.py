@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from parity_harness.common.errors import InputError, MapFileError, ParityMismatch
+from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.assertions import assert_parity
 from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
@@ -762,8 +763,9 @@ def test_a_checkpoint_wrapper_never_counts_a_call_twice_nor_hides_the_only_gradi
 ) -> None:
     """A port's wrapper around a module and the wrapped module both named the same module: each call counted twice,
     and a correct port whose checkpointed layer runs twice failed. Under reentrant checkpointing the wrapped module
-    records no gradient, and the wrapper's were waived as a wrapper's: a port wrong in that backward passed. Those
-    records now stay missing (INCOMPLETE) where the wrapped module has none of its own."""
+    records no gradient, and the wrapper's were waived as a wrapper's: a port wrong in that backward passed; then
+    they stayed missing, and a correct port was INCOMPLETE. They are now the wrapped module's gradient records,
+    compared with the port's."""
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "twice.h5"
@@ -771,14 +773,96 @@ def test_a_checkpoint_wrapper_never_counts_a_call_twice_nor_hides_the_only_gradi
     capture_run(_Twice(captured), (x,), bundle)
     with BundleReader(bundle) as reader:
         correct, buggy = compare_run(_Twice(ported), reader), compare_run(_Twice(ported, bug=True), reader)
-    if captured == "REENTRANT":  # the wrapper's gradient records have no counterpart: missing, never waived
-        assert correct.verdict == "INCOMPLETE"
-        assert {"lin/0/grad_output", "lin/1/grad_input.input"} <= set(correct.bundle_only)
-        assert not any(name.startswith("lin/") and "grad" in name for name in correct.waived)
-        assert buggy.verdict != "MATCH"
-        return
     assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
     assert buggy.verdict == "MISMATCH"
+    if captured == "REENTRANT":  # the wrapper's gradient records are compared, never waived
+        grads = {"lin/0/grad_output", "lin/0/grad_input.input", "lin/1/grad_output", "lin/1/grad_input.input"}
+        assert grads <= {r.name for r in correct.records}
+        assert "lin/0/grad_output" in {r.name for r in buggy.records if not r.match}
+        assert not any("grad" in name for name in correct.waived)
+
+
+class _CheckpointedLayers(nn.Module):
+    """Three layers of two modules each, each layer under activation checkpointing's wrapper (``impl``) or not;
+    ``bug``: ``backward`` scales the gradient into layer 1's output by 1.01, ``detached`` cuts layer 0's input off
+    from the graph."""
+
+    def __init__(self, impl: str | None = None, bug: str | None = None) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)]
+        if impl is not None:
+            layers = [checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl[impl]) for layer in layers]
+        self.layers, self.bug = nn.ModuleList(layers), bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach() if self.bug == "detached" else x
+        for number, layer in enumerate(self.layers):
+            x = layer(x)
+            x = _ScaledGradient.apply(x) if self.bug == "backward" and number == 1 else x
+        return x
+
+
+@pytest.mark.parametrize("ported", [None, "NO_REENTRANT", "DataParallel"])
+def test_a_reentrant_checkpointed_capture_compares_its_layers_gradients_with_any_port(
+    tmp_path: Path, ported: str | None
+) -> None:
+    """Under reentrant activation checkpointing only each layer's wrapper records gradients, at the layer's
+    boundary: they are the layer's own gradient records, compared with a port checkpointed otherwise or not at all
+    (a correct port was INCOMPLETE); a port wrong in a layer's backward, or whose backward never reaches a layer's
+    input, fails there."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    def port(bug: str | None = None) -> nn.Module:
+        if ported == "DataParallel":
+            return nn.DataParallel(_CheckpointedLayers(bug=bug))
+        return _CheckpointedLayers(ported, bug)
+
+    bundle = tmp_path / "layers.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    capture_run(_CheckpointedLayers("REENTRANT"), (x,), bundle)
+    with BundleReader(bundle) as reader:
+        correct = compare_run(port(), reader)
+        wrong, detached = compare_run(port("backward"), reader), compare_run(port("detached"), reader)
+    assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
+    boundaries = {f"layers.{n}/0/{slot}" for n in range(3) for slot in ("grad_output", "grad_input.input")}
+    assert boundaries <= {r.name for r in correct.records}
+    assert wrong.verdict == "MISMATCH"
+    assert "layers.1/0/grad_output" in {r.name for r in wrong.records if not r.match}
+    assert "layers.2/0/grad_output" not in {r.name for r in wrong.records if not r.match}
+    assert detached.verdict == "MISMATCH"
+    absent = {r.name: r.diff.problem for r in detached.records if not r.match}
+    assert "no gradient in the port" in (absent.get("layers.0/0/grad_input.input") or ""), absent
+
+
+class _SummingLinear(nn.Linear):
+    """A linear layer summing its products in another order than BLAS: the same values up to float32 rounding."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return (input.unsqueeze(-1) * self.weight.t()).sum(-2) + self.bias
+
+
+def test_a_reentrant_checkpointed_layer_s_gradients_are_judged_by_the_rounding_rule(tmp_path: Path) -> None:
+    """A correct port whose layers round differently fails the wrapper-recorded gradients of a reentrant capture at
+    atol = rtol = 0 by float32 rounding alone; the rounding check's float64 rerun did not produce them (it looked for
+    them under the wrapped module's name), and the correct port was MISMATCH."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "layers.h5"
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    capture_run(_CheckpointedLayers("REENTRANT"), (x,), bundle)
+    port = _CheckpointedLayers()
+    for layer in port.layers:
+        summing = _SummingLinear(4, 4)
+        summing.load_state_dict(layer[0].state_dict())
+        layer[0] = summing
+    with BundleReader(bundle) as reader:
+        result = compare_run(port, reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)), rounding=True)
+    assert result.verdict == "MATCH", [(r.name, r.rounding) for r in result.records if not r.match]
+    by_rounding = {r.name for r in result.records if r.rule == "rounding"}
+    assert {"layers.0/0/grad_output", "layers.0/0/grad_input.input"} <= by_rounding
 
 
 class _SharedBase(nn.Module):
