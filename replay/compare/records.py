@@ -40,6 +40,7 @@ __all__ = [
     "compare_named",
     "compared_modules",
     "gradient_presence",
+    "gradient_records",
     "gradient_stand_ins",
     "mapped_parameters",
     "same_record",
@@ -99,17 +100,21 @@ class ComparingSink:
         live: Iterable[tuple[str, torch.Tensor]],
         expected: dict[str, TensorRef],
         rank: int,
+        owner: str | None = None,
     ) -> None:
+        """``owner``: the bundle module the records are named after, where not the call's (a wrapper holding its
+        gradients); slots are renamed after the call's module all the same, as the map names it."""
+        named = info if owner is None else dataclasses.replace(info, module=owner)
         for position, (slot, tensor) in enumerate(live):
             targets = bundle_slots(self._rename, info.module, slot, expected)
             if not targets:
                 self._result.replay_only.append(record_name(info.module, info.call, slot))
                 continue
             if kind == "backward" and len(targets) > 1:  # one port tensor for several equal reference ones
-                self._compare_sum(info, targets, tensor, expected, (rank, position))
+                self._compare_sum(named, targets, tensor, expected, (rank, position))
                 continue
             for target in targets:
-                self._compare_one(kind, info, target, tensor, expected[target], (rank, position))
+                self._compare_one(kind, named, target, tensor, expected[target], (rank, position))
 
     def _compare_one(
         self, kind: RecordKind, info: CallInfo, slot: str, tensor: torch.Tensor, ref: TensorRef, order: tuple[int, int]
@@ -224,7 +229,7 @@ class ComparingSink:
             if found is None:
                 continue
             position, recorded = found
-            for slot, ref in {**recorded.grad_outputs, **recorded.grad_inputs}.items():
+            for slot, ref in gradient_records(recorded, stood_in=module != called).items():
                 name = record_name(module, call, slot)
                 if name in self.seen or name in self.unsummable or slot.removeprefix("grad_") not in live:
                     continue
@@ -237,17 +242,16 @@ class ComparingSink:
 
     def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
         """Compare a gradient with the reference's as soon as backward produces it."""
-        module, found = self._gradient_call(info.module, info.call)
+        owner, found = self._gradient_call(info.module, info.call)
         if found is None:
             self._result.replay_only.append(record_name(info.module, info.call, slot))
             return
-        info = info if module == info.module else dataclasses.replace(info, module=module)
-        expected = {**found[1].grad_outputs, **found[1].grad_inputs}
+        expected = gradient_records(found[1], stood_in=owner != info.module)
         # Ordered as the reference's backward produced the slot(s) this gradient is compared with.
         ranks = [
             self._backward_rank.get((found[0], t), -1) for t in bundle_slots(self._rename, info.module, slot, expected)
         ]
-        self._compare("backward", info, [(slot, grad)], expected, min(ranks, default=-1))
+        self._compare("backward", info, [(slot, grad)], expected, min(ranks, default=-1), owner)
 
     def _gradient_call(self, module: str, call: int) -> tuple[str, tuple[int, ModuleCall] | None]:
         """The bundle call holding the gradients of ``module``'s call: its own, or its wrapper's where that one
@@ -276,6 +280,16 @@ def gradient_stand_ins(reader: BundleReader, around: dict[str, str]) -> dict[str
         if all(_passes_on(reader, wrapper, inner, call) for call in range(len(outer))):
             stand_ins[inner] = wrapper
     return stand_ins
+
+
+def gradient_records(call: ModuleCall, *, stood_in: bool) -> dict[str, TensorRef]:
+    """A call's gradient records by slot. Those of a wrapper standing in for the wrapped module (``stood_in``) hold
+    the gradients from outside it: its output's is the wrapped module's own only where it has one output with a
+    gradient (an output computed from another inside, ``(y, y.sum())``, sends it a gradient the wrapper's records
+    miss); its inputs' are always (they take in every path through the module)."""
+    if stood_in and len(call.grad_outputs) > 1:
+        return dict(call.grad_inputs)
+    return {**call.grad_outputs, **call.grad_inputs}
 
 
 def _passes_on(reader: BundleReader, wrapper: str, inner: str, call: int) -> bool:

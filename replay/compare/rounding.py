@@ -40,7 +40,7 @@ from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.buffer_state import BufferState, aliases_following
 from parity_harness.replay.compare.near_misses import FailingRecord, NearMisses
-from parity_harness.replay.compare.records import gradient_stand_ins
+from parity_harness.replay.compare.records import gradient_records, gradient_stand_ins
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.naming.wrappers import WrapperRenameMap
@@ -113,10 +113,13 @@ class _LevelSink:
         self._reader, self._rename, self._near, self._transform = reader, rename, near, transform
         self._gradients_of = gradient_stand_ins(reader, rename.around if isinstance(rename, WrapperRenameMap) else {})
 
-    def _measure(self, info: CallInfo, live: Iterable[tuple[str, torch.Tensor]], expected: dict[str, Any]) -> None:
+    def _measure(
+        self, info: CallInfo, live: Iterable[tuple[str, torch.Tensor]], expected: dict[str, Any], owner: str = ""
+    ) -> None:
+        """``owner``: the bundle module the records are named after, where not the call's (see ``gradients_of``)."""
         for slot, tensor in live:
             for target in bundle_slots(self._rename, info.module, slot, expected):
-                name = record_name(info.module, info.call, target)
+                name = record_name(owner or info.module, info.call, target)
                 if self._near.wants("module", name):
                     self._near.measure("module", name, self._transform(name, tensor))
 
@@ -127,9 +130,7 @@ class _LevelSink:
         call = found[1]
         if event == "inputs":
             return dict(iter_tensors(call.inputs, "input"))
-        if event == "outputs":
-            return dict(iter_tensors(call.outputs, "output"))
-        return {**call.grad_outputs, **call.grad_inputs}
+        return dict(iter_tensors(call.outputs, "output"))
 
     def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Measure a call's arguments."""
@@ -147,8 +148,9 @@ class _LevelSink:
     def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
         """Measure a gradient, under the name the replay compared it by."""
         owner = self.gradients_of(info.module)
-        info = info if owner == info.module else dataclasses.replace(info, module=owner)
-        self._measure(info, [(slot, grad)], self._expected(info, "grads"))
+        found = self._reader.find_call(owner, info.call)
+        expected = {} if found is None else gradient_records(found[1], stood_in=owner != info.module)
+        self._measure(info, [(slot, grad)], expected, owner)
 
 
 def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]) -> None:

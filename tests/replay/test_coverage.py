@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -835,6 +837,129 @@ def test_a_reentrant_checkpointed_capture_compares_its_layers_gradients_with_any
     assert detached.verdict == "MISMATCH"
     absent = {r.name: r.diff.problem for r in detached.records if not r.match}
     assert "no gradient in the port" in (absent.get("layers.0/0/grad_input.input") or ""), absent
+
+
+class _SwappedGradients(torch.autograd.Function):
+    """The identity on two tensors whose backward hands each input the other's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return first.clone(), second.clone()
+
+    @staticmethod
+    def backward(ctx: Any, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return second, first
+
+
+class _Gate(nn.Module):
+    """``lin(a) * b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.lin(a) * b
+
+
+class _PortedGate(_Gate):
+    """The port's: its arguments named the other way round (its ``b`` is the reference's ``a``); ``bug``: their
+    gradients swapped in its backward."""
+
+    def __init__(self, bug: bool = False) -> None:
+        super().__init__()
+        self.bug = bug
+
+    def forward(self, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.bug:
+            b, a = _SwappedGradients.apply(b, a)
+        return self.lin(b) * a
+
+
+class _Gated(nn.Module):
+    def __init__(self, make_gate: Callable[[], nn.Module], impl: str | None = None) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        torch.manual_seed(0)
+        gate = make_gate()
+        self.gate = gate if impl is None else checkpoint_wrapper(gate, checkpoint_impl=CheckpointImpl[impl])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.gate(x, y)))
+
+
+@pytest.mark.parametrize(
+    ("root", "line"), [(False, "slots gate a=b b=a"), (True, "slots gate a=b b=a"), (False, "slots gate.* a=b b=a")]
+)
+def test_a_map_s_slots_line_renames_the_gradients_a_wrapper_holds(tmp_path: Path, root: bool, line: str) -> None:
+    """The gradients a reentrant checkpoint wrapper records for the module it wraps are that module's: a map's
+    ``slots`` line for the module renames them too. It was matched against the wrapper's name (under a DataParallel
+    capture, or written for the bundle's spelling of the module), the slots were paired unrenamed, and a port
+    swapping its two inputs' gradients passed."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    generator = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(2, 4, generator=generator).requires_grad_() for _ in range(2))
+    reference = _Gated(_Gate, "REENTRANT")
+    bundle = tmp_path / "gated.h5"
+    capture_run(nn.DataParallel(reference) if root else reference, (x, y), bundle)
+    rename = parse_map(line + "\n")
+    with BundleReader(bundle) as reader:
+        correct = compare_run(_Gated(_PortedGate), reader, rename=rename)
+        wrong = compare_run(_Gated(functools.partial(_PortedGate, bug=True)), reader, rename=rename)
+    assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
+    gate = "module.gate" if root else "gate"
+    assert {f"{gate}/0/grad_input.a", f"{gate}/0/grad_input.b"} <= {r.name for r in correct.records}
+    assert wrong.verdict == "MISMATCH"
+    assert {f"{gate}/0/grad_input.a", f"{gate}/0/grad_input.b"} <= {r.name for r in wrong.records if not r.match}
+
+
+class _TwoOutputs(nn.Module):
+    """A layer returning its output and a sum of it: the sum's gradient reaches the first output inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        return y, y.sum(-1)
+
+
+class _Pooled(nn.Module):
+    def __init__(self, impl: str | None = None) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        torch.manual_seed(0)
+        block = _TwoOutputs()
+        self.block = block if impl is None else checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl[impl])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, total = self.block(x)
+        return self.head(torch.tanh(y)) * total.unsqueeze(-1)
+
+
+def test_a_wrapper_s_output_gradients_stand_in_only_for_a_module_with_one(tmp_path: Path) -> None:
+    """A reentrant checkpoint wrapper's output gradients are those from outside the module: where one output is
+    computed from another inside it (``(y, y.sum())``), the module's own output gradient also takes what the other
+    sends back, and a correct port failed there. Such a call's output gradients stay uncompared (INCOMPLETE until
+    waived); its input gradients, which take in every path through the module, are compared."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "pooled.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    capture_run(_Pooled("REENTRANT"), (x,), bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_Pooled(), reader)
+        waived = compare_run(_Pooled(), reader, waive=("block/0/grad_output.*",))
+    assert result.verdict == "INCOMPLETE", [r.name for r in result.records if not r.match]
+    assert set(result.bundle_only) == {"block/0/grad_output.0", "block/0/grad_output.1"}
+    assert "block/0/grad_input.x" in {r.name for r in result.records if r.match}
+    assert waived.verdict == "MATCH"
 
 
 class _SummingLinear(nn.Linear):
