@@ -83,14 +83,18 @@ class _Phase:
 class _GradTap:
     """A tensor hook forwarding one slot's gradient to the sink, at most once, from the run's own backward: a
     gradient the model takes inside its forward (``torch.autograd.grad`` for forces, a gradient penalty) runs the
-    hooks too, with that inner gradient, which is no record of the run's backward."""
+    hooks too, with that inner gradient, which is no record of the run's backward. A hook called with None (an
+    output of a multi-output op that got no gradient: an unused chunk of ``chunk``, a custom Function's or a
+    reentrant checkpoint's other output) carries no gradient: nothing is recorded, as for a tensor none reached."""
 
     __slots__ = ("fired", "info", "phase", "sink", "slot")
 
     def __init__(self, sink: TapSink, info: CallInfo, slot: str, phase: _Phase) -> None:
         self.sink, self.info, self.slot, self.fired, self.phase = sink, info, slot, False, phase
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
         if not self.fired and self.phase.backward:
             self.fired = True
             self.sink.on_grad(self.info, self.slot, grad)

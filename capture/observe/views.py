@@ -38,7 +38,7 @@ _SWEEP_EVERY: Final = 32
 class _Tap(Protocol):
     fired: bool
 
-    def __call__(self, grad: torch.Tensor) -> None: ...
+    def __call__(self, grad: torch.Tensor | None) -> None: ...
 
 
 class BaseFallback:
@@ -76,13 +76,13 @@ class BaseFallback:
         if self.view is not None:
             self.modified, self.view = self.view._version != self.version, None
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad: torch.Tensor | None) -> None:
         # Let go of the view here if nothing else reaches it: held any longer, it would outlive this node (its history
         # leads back here, a cycle through the graph that only Python's garbage collector breaks). Not otherwise: a
         # gradient taken inside forward (``autograd.grad``) runs this node while forward code still holds the view.
         if self.ledger is not None:
             self.ledger.settle(self)
-        if self.tap.fired:  # the view's hook runs before its base's whenever it is alive
+        if self.tap.fired or grad is None:  # the view's hook runs before its base's whenever it is alive
             return
         if not (self.modified if self.view is None else self.view._version != self.version):
             # Not modified in place since the call, so the view's own hook is alive: it did not fire because no

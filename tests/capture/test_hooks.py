@@ -202,6 +202,56 @@ def test_no_gradient_is_recorded_where_none_flows(tmp_path: Path, block: type[Bl
         assert ("blocks.1.lin", "grad_input.input") in recorded
 
 
+class _Halves(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.chunk(2, -1)
+
+
+class _FirstHalf(nn.Module):
+    """A layer split in two halves, the second one used only where ``both``; the halves' module is called as it is,
+    or under reentrant activation checkpointing (whose outputs are a custom Function's)."""
+
+    def __init__(self, both: bool, checkpointed: bool = False) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        torch.manual_seed(0)
+        self.lin, self.head, self.both = nn.Linear(4, 4), nn.Linear(2, 2), both
+        self.halves = (
+            checkpoint_wrapper(_Halves(), checkpoint_impl=CheckpointImpl.REENTRANT) if checkpointed else _Halves()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.halves(self.lin(x))
+        return self.head(first) + (second if self.both else 0.0)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_an_output_no_gradient_reaches_among_several_is_recorded_without_one(
+    tmp_path: Path, checkpointed: bool
+) -> None:
+    """Autograd calls a hook on one output of a multi-output op (``chunk``, a custom Function, a reentrant
+    checkpoint) with None when that output gets no gradient: capture crashed on it (an AttributeError), and so did a
+    replay whose port drops an output the reference used. Such a slot now has no gradient record, and a port
+    dropping a used output fails there ("no gradient in the port")."""
+    from parity_harness.replay.compare.runner import compare_run
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    unused, used = tmp_path / "unused.h5", tmp_path / "used.h5"
+    capture_run(_FirstHalf(both=False, checkpointed=checkpointed), (x,), unused)
+    capture_run(_FirstHalf(both=True, checkpointed=checkpointed), (x,), used)
+    assert ("halves", "grad_output.1") not in recorded_grads(unused)
+    assert ("halves", "grad_output.0") in recorded_grads(unused)
+    with BundleReader(unused) as reader:
+        assert compare_run(_FirstHalf(both=False), reader).verdict == "MATCH"
+    with BundleReader(used) as reader:
+        dropping = compare_run(_FirstHalf(both=False), reader)
+    assert dropping.verdict == "MISMATCH"
+    absent = {r.name: r.diff.problem or "" for r in dropping.records if not r.match}
+    if not checkpointed:  # a reentrant wrapper's output gradients stand in only where a call has one
+        assert "no gradient in the port" in absent["halves/0/grad_output.1"], absent
+
+
 def test_capture_and_replay_import_no_torch_compile_machinery(tmp_path: Path) -> None:
     """Hooks are marked for torch.compile only where it is loaded: a capture and a replay of an uncompiled model
     never import torch._dynamo (its import alone took 0.7 s of every command)."""
