@@ -31,6 +31,7 @@ __all__ = [
     "diff_sum",
     "diff_tensor",
     "kind_of_module_record",
+    "summed_records",
 ]
 
 RecordKind = Literal["output", "param_grad", "forward", "backward", "buffer", "param"]
@@ -111,17 +112,25 @@ def diff_sum(
     reader: BundleReader, refs: list[TensorRef], actual: torch.Tensor, tolerance: Tolerance, ignore: np.ndarray | None
 ) -> TensorDiff:
     """Compare a live tensor with the sum of several records (one port gradient for several reference slots that
-    held the same tensor); the sum is taken in float64 and stored in the records' dtype, as autograd would."""
+    held the same tensor): :func:`summed_records`."""
+    summed = summed_records(reader, refs)
+    if summed is None:
+        problem = "cannot sum these records (statistics only, or their shapes or dtypes differ)"
+        return unmatchable(refs[0].shape, refs[0].tag, to_storage(actual)[1], problem)
+    return diff_tensor(*summed, actual, tolerance, ignore)
+
+
+def summed_records(reader: BundleReader, refs: list[TensorRef]) -> tuple[np.ndarray, str] | None:
+    """The sum of several records, taken in float64 and stored in their dtype as autograd would, with its tag; None
+    where they cannot be summed (statistics only, or shapes or dtypes that differ)."""
     first = refs[0]
     if any(reader.summary(ref) is not None for ref in refs) or any(
         (ref.shape, ref.tag) != (first.shape, first.tag) for ref in refs
     ):
-        problem = "cannot sum these records (statistics only, or their shapes or dtypes differ)"
-        return unmatchable(first.shape, first.tag, to_storage(actual)[1], problem)
+        return None
     parts = [reader.read_tensor(ref) for ref in refs]
     total = torch.stack([part.to(torch.float64) for part in parts]).sum(0)
-    expected, tag = to_storage(total.to(parts[0].dtype))
-    return diff_tensor(expected, tag, actual, tolerance, ignore)
+    return to_storage(total.to(parts[0].dtype))
 
 
 def diff_tensor(

@@ -18,6 +18,7 @@ from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_li
 from parity_harness.common.errors import AdapterError, InputError
 from parity_harness.common.format.bundle.schema import ModuleCall, TensorRef, Tree, iter_tensors
 from parity_harness.common.format.bundle.selection import Selection
+from parity_harness.common.format.dtypes import to_numeric
 from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
@@ -29,7 +30,14 @@ from parity_harness.replay.naming.mapping import RenameMap, SlotRule, bundle_par
 from parity_harness.replay.naming.slots import bundle_slots
 from parity_harness.replay.naming.wrappers import WrapperRenameMap
 from parity_harness.replay.reader import BundleReader
-from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult, diff_record, diff_sum
+from parity_harness.replay.result import (
+    ComparisonResult,
+    RecordKind,
+    RecordResult,
+    diff_record,
+    diff_sum,
+    summed_records,
+)
 
 __all__ = [
     "ComparingSink",
@@ -154,10 +162,14 @@ class ComparingSink:
             return
         tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
         ignore, masked = self._padding(info, slots[0], refs[0])
-        diff = diff_sum(self._reader, refs, self._transform(names[0], grad), tolerance, ignore)
-        for name, slot in zip(names, slots, strict=True):
+        compared = self._transform(names[0], grad)
+        diff = diff_sum(self._reader, refs, compared, tolerance, ignore)
+        summed = None if self._near is None or diff.match else summed_records(self._reader, refs)
+        for name, slot, ref in zip(names, slots, refs, strict=True):
             self.seen.add(name)
             self._add(RecordResult("backward", name, diff, order, info.module, slot, masked=masked))
+            if self._near is not None and summed is not None:  # judged by the rounding rule against the sum
+                self._near.offer("module", name, ref, compared, diff, ignore, expected=to_numeric(*summed))
         self.summed.append(f"{names[0]} = {' + '.join(slots)}")
 
     def _add(self, record: RecordResult) -> None:

@@ -354,3 +354,76 @@ def test_slots_lines_that_cannot_mean_one_thing(text: str, rename: bool) -> None
     else:
         with pytest.raises(MapFileError, match="<map>:1"):
             parse_map(text)
+
+
+class _ProductsSummedOtherwise(nn.Linear):
+    """The same map as ``nn.Linear``, its products summed in another order: float32 rounding apart."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return (input.unsqueeze(-1) * self.weight.t()).sum(-2) + self.bias
+
+
+class _GradientTimes(torch.autograd.Function):
+    """The identity; backward scales the gradient by 1.001 (a bug in a backward only)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1.001
+
+
+class _TwoArgumentGate(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(a)) * b
+
+
+class _OneArgumentGate(nn.Module):
+    """The port's: one argument standing for both; ``bug``: its gradient scaled."""
+
+    def __init__(self, width: int, bug: bool) -> None:
+        super().__init__()
+        self.lin, self.bug = _ProductsSummedOtherwise(width, width), bug
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        a = _GradientTimes.apply(a) if self.bug else a
+        return torch.tanh(self.lin(a)) * a
+
+
+class _Gated(nn.Module):
+    def __init__(self, port: bool = False, bug: bool = False, width: int = 256) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = _ProductsSummedOtherwise(width, width) if port else nn.Linear(width, width)
+        self.gate = _OneArgumentGate(width, bug) if port else _TwoArgumentGate(width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x) * 30
+        return self.head(self.gate(h) if isinstance(self.gate, _OneArgumentGate) else self.gate(h, h))
+
+
+def test_a_summed_gradient_is_judged_by_the_rounding_rule(tmp_path: Path) -> None:
+    """One port gradient compared with the sum of several reference slots (``a=a+b``) was never offered to the
+    rounding check: a correct port that only rounds differently failed it at the default tolerances while its
+    other records passed as rounding. It is now judged against the sum; a bug in that gradient still fails."""
+    from parity_harness.replay.compare.runner import compare_run
+    from parity_harness.replay.reader import BundleReader
+
+    bundle = tmp_path / "gated.h5"
+    capture_run(_Gated(), (torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).requires_grad_(),), bundle)
+    rename = parse_map("slots gate a=a+b\n")
+    with BundleReader(bundle) as reader:
+        correct = compare_run(_Gated(port=True), reader, rename=rename)
+        wrong = compare_run(_Gated(port=True, bug=True), reader, rename=rename)
+    summed = {"gate/0/grad_input.a", "gate/0/grad_input.b"}
+    assert correct.verdict == "MATCH", [(r.name, r.rounding) for r in correct.records if not r.match]
+    assert summed <= {r.name for r in correct.records if r.rule == "rounding"}  # out of atol/rtol, by rounding
+    assert wrong.verdict == "MISMATCH"
+    assert summed <= {r.name for r in wrong.records if not r.match}
