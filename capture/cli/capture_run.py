@@ -19,6 +19,7 @@ from parity_harness.capture.cli.shared import (
 from parity_harness.capture.distributed import WRAPS
 from parity_harness.capture.record.job import CaptureJob, CaptureOutcome, run_capture_job
 from parity_harness.capture.record.recorder import CaptureOptions
+from parity_harness.common.format.bundle.schema import describe_without_autograd
 from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection, parse_byte_size
 
 __all__ = ["main"]
@@ -225,6 +226,8 @@ def _report(outcome: CaptureOutcome, out: str, every: int, options: CaptureOptio
             f"capture-run: warning: the model's output {slot} is a {kind}, which a bundle cannot hold: it was not "
             "recorded nor backpropagated, and replay leaves it uncompared; have the adapter's forward return tensors"
         )
+    if summary.without_autograd:
+        click.echo(f"capture-run: note: {describe_without_autograd(summary.without_autograd)}")
     if options.self_check:
         click.echo("capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones")
     if not options.selection.is_everything:

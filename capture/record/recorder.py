@@ -42,6 +42,7 @@ from parity_harness.common.errors import CaptureError, InputError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
 from parity_harness.common.format.bundle.lengths import PaddingPlan
 from parity_harness.common.format.bundle.schema import (
+    AUTOGRAD_OFF,
     BackwardMode,
     BundleIndex,
     RecordedBuffers,
@@ -131,6 +132,9 @@ class CaptureSummary:
     """Records stored as links to an identical tensor recorded before."""
     unstored_outputs: list[tuple[str, str]] = field(default_factory=list)
     """The model's outputs the capture could not store, (slot, type): replay leaves them uncompared."""
+    without_autograd: list[str] = field(default_factory=list)
+    """Modules called with autograd off in the forward (``torch.no_grad``, reentrant activation checkpointing): no
+    gradient of theirs was recorded (``run.extra["autograd_off"]``)."""
 
 
 def capture_run(
@@ -227,6 +231,7 @@ def _capture(
             seconds,
             writer.linked_count,
             unstored,
+            index.run.without_autograd(),
         )
 
 
@@ -356,6 +361,8 @@ class _CaptureRun:
 
     def _run_info(self) -> RunInfo:
         info, options = dict(self.info), self.options
+        if self.tap is not None and self.tap.without_autograd and self.mode != "none":
+            info[AUTOGRAD_OFF] = list(self.tap.without_autograd)
         return RunInfo(
             seed=options.seed,
             train_mode=options.train_mode,

@@ -265,6 +265,11 @@ class ComparingSink:
         ]
         self._compare("backward", info, [(slot, grad)], expected, min(ranks, default=-1), owner)
 
+    @property
+    def held_by_wrappers(self) -> frozenset[str]:
+        """The bundle modules whose gradients their wrappers recorded in their place (:func:`gradient_stand_ins`)."""
+        return frozenset(self._gradients_of)
+
     def _gradient_call(self, module: str, call: int) -> tuple[str, tuple[int, ModuleCall] | None]:
         """The bundle call holding the gradients of ``module``'s call: its own, or its wrapper's where that one
         records them in its place."""

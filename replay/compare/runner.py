@@ -26,7 +26,7 @@ from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import InputError
-from parity_harness.common.format.bundle.schema import TensorRef
+from parity_harness.common.format.bundle.schema import TensorRef, describe_without_autograd
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.dtypes import tag_of
 from parity_harness.common.numerics.tolerances import ToleranceTable
@@ -801,6 +801,11 @@ class _ReplaySession:
             notes.append(f"precision: {self.precision.describe()}; values compared upcast to float32")
         if self.wrapper_note:
             notes.append(self.wrapper_note)
+        without = self.index.run.without_autograd()
+        if self.index.selection.records("grads") and self.sink is not None:
+            without = [name for name in without if name not in self.sink.held_by_wrappers]
+            if without:
+                notes.append(f"{describe_without_autograd(without)}; so none of the port's was compared with them")
         _note_selection(self.result, self.reader, options.layers)
         if not self.reader.verified:
             notes.append(

@@ -424,3 +424,64 @@ def test_an_output_a_bundle_cannot_hold_is_warned_about(tmp_path: Path, npz: Pat
     result = capture("--model", f"{module}:build", "--inputs", npz, "--out", tmp_path / "b.h5")
     assert result.exit_code == 0, result.output
     assert "warning: the model's output output is a types.SimpleNamespace, which a bundle cannot hold" in result.output
+
+
+AUTOGRAD_OFF_MODEL = """
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Net(nn.Module):
+    def __init__(self, checkpointed=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.frozen = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = self.pre(x)
+        h = checkpoint(self.block, h, use_reentrant=True) if self.checkpointed else self.block(h)
+        with torch.no_grad():
+            bias = self.frozen(x)
+        return self.head(h + bias)
+
+
+def build():
+    return Net()
+
+
+def build_port():
+    return Net(checkpointed=False)
+"""
+
+
+def test_modules_run_with_autograd_off_are_named_by_capture_and_replay(tmp_path: Path, npz: Path) -> None:
+    """A reference whose forward runs modules with autograd off (reentrant ``torch.utils.checkpoint``, as
+    transformers' gradient checkpointing can; ``torch.no_grad``) records no gradient of theirs, and nothing said
+    so: the port's gradients there went unnoticed into "only in the replay". Capture now names those modules, in the
+    bundle and on its summary, and replay repeats it in its notes; a forward-only capture has nothing to say."""
+    from parity_harness.replay.cli.replay_compare import main as replay
+
+    (tmp_path / "autograd_off_model.py").write_text(AUTOGRAD_OFF_MODEL)
+    out, forward_only = tmp_path / "run.h5", tmp_path / "forward.h5"
+    model = f"{tmp_path / 'autograd_off_model.py'}:build"
+    result = capture("--model", model, "--inputs", npz, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "capture-run: note: 4 module(s) ran with autograd off in the reference's forward" in result.stdout
+    assert "no gradient of theirs was recorded: block, block.0, block.1, frozen" in result.stdout
+    with BundleReader(out) as reader:
+        assert reader.index.run.without_autograd() == ["block", "block.0", "block.1", "frozen"]
+    port = f"{tmp_path / 'autograd_off_model.py'}:build_port"
+    replayed = CliRunner().invoke(replay, ["--bundle", str(out), "--model", port])
+    assert replayed.exit_code == 0, replayed.output
+    assert "4 module(s) ran with autograd off" in replayed.output
+    assert "so none of the port's was compared with them" in replayed.output
+    assert (
+        capture("--model", model, "--inputs", npz, "--out", forward_only, "--record", "inputs,outputs").exit_code == 0
+    )
+    with BundleReader(forward_only) as reader:
+        assert "autograd_off" not in reader.index.run.extra

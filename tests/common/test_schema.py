@@ -452,3 +452,17 @@ def test_messages_about_crafted_values_stay_short(bad: list[object]) -> None:
         parse_tree(bad, "inputs")
     assert len(str(caught.value)) < 400
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [(None, []), (["a", "b.0"], ["a", "b.0"]), ("a", []), (7, []), (["a", 3, None, "c"], ["a", "c"]), ({"a": 1}, [])],
+)
+def test_the_modules_run_with_autograd_off_read_as_names_whatever_the_bundle_says(
+    written: Any, read: list[str]
+) -> None:
+    """``run.extra["autograd_off"]`` is the bundle's own word: anything but a list of names reads as no names (a
+    note is built from it; a malformed one must not raise)."""
+    extra = {} if written is None else {"autograd_off": written}
+    info = schema.RunInfo(seed=0, train_mode=False, backward="cotangent", extra=extra)
+    assert info.without_autograd() == read

@@ -30,6 +30,7 @@ from parity_harness.common.format.preview import clipped, shown
 from parity_harness.common.numerics.statistics import parse_statistics
 
 __all__ = [
+    "AUTOGRAD_OFF",
     "MAX_DEPTH",
     "BackwardMode",
     "BundleIndex",
@@ -38,6 +39,7 @@ __all__ = [
     "RunInfo",
     "TensorRef",
     "Tree",
+    "describe_without_autograd",
     "iter_tensors",
     "iter_values",
     "parse_index",
@@ -49,6 +51,17 @@ BackwardMode = Literal["cotangent", "loss", "none"]
 ArgumentNaming = Literal["by-signature", "by-position"]
 OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
 MAX_DEPTH: Final = 64
+AUTOGRAD_OFF: Final = "autograd_off"
+"""``run.extra`` key: the modules called with autograd off in the forward (:meth:`RunInfo.without_autograd`)."""
+
+
+def describe_without_autograd(names: list[str]) -> str:
+    """What it means that these modules ran with autograd off in the reference's forward, in one line."""
+    listed = clipped(", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else ""))
+    return (
+        f"{len(names)} module(s) ran with autograd off in the reference's forward (torch.no_grad, or reentrant "
+        f"activation checkpointing, which recomputes them in backward): no gradient of theirs was recorded: {listed}"
+    )
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,12 @@ class RunInfo:
     to) or ``by-position`` (bundles before 1.3: positions as called)."""
     lengths: tuple[int, ...] | None = None
     """Per-example valid lengths of a padded batch, as declared at capture (``capture-run --lengths``; 1.3)."""
+
+    def without_autograd(self) -> list[str]:
+        """The modules the reference called with autograd off in its forward (``extra["autograd_off"]``, written by
+        capture since 2026-11-27; a bundle's own words, so anything but a list of names reads as none)."""
+        names = self.extra.get(AUTOGRAD_OFF)
+        return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored in the index."""
