@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -243,3 +244,23 @@ def build_convolutions(kind: type[nn.Conv1d]) -> nn.Module:
     """Two seeded convolutions (``kind``: ``nn.Conv1d`` for the reference, :class:`MatmulConv1d` for a port)."""
     torch.manual_seed(0)
     return nn.Sequential(kind(64, 128, 5, padding=2), nn.Tanh(), kind(128, 64, 3, padding=1))
+
+
+class GradientScaled(torch.autograd.Function):
+    """The identity; backward scales the gradient by ``factor``: a bug in a port's backward only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class ProductsSummedOtherwise(nn.Linear):
+    """The same map as ``nn.Linear``, its products summed in another order: float32 rounding apart."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return (input.unsqueeze(-1) * self.weight.t()).sum(-2) + self.bias

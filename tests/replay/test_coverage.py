@@ -24,7 +24,7 @@ from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.markdown import render_markdown
 from parity_harness.replay.report.tables import render_result
 from tests.cli_helpers import one_error_line
-from tests.models import Block, build_tiny
+from tests.models import Block, GradientScaled, ProductsSummedOtherwise, build_tiny
 
 HERE = Path(__file__).resolve()
 
@@ -727,18 +727,6 @@ def test_a_capture_with_wrappers_around_modules_pairs_with_any_wrapping_of_the_p
             assert compare_run(make(bug=True), reader).verdict == "MISMATCH", name
 
 
-class _ScaledGradient(torch.autograd.Function):
-    """The identity forward; backward scales the gradient by 1.01 (a bug in a port's backward only)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * 1.01
-
-
 class _Twice(nn.Module):
     """A linear layer called twice, checkpointed (``impl``: activation checkpointing's implementation) or not;
     ``bug``: its input's gradient scaled by 1.01."""
@@ -754,7 +742,7 @@ class _Twice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(self.lin(x))
-        hidden = _ScaledGradient.apply(hidden) if self.bug else hidden  # the first call's gradient, wrong
+        hidden = GradientScaled.apply(hidden, 1.01) if self.bug else hidden  # the first call's gradient, wrong
         return self.out(torch.tanh(self.lin(hidden)))
 
 
@@ -803,7 +791,7 @@ class _CheckpointedLayers(nn.Module):
         x = x.detach() if self.bug == "detached" else x
         for number, layer in enumerate(self.layers):
             x = layer(x)
-            x = _ScaledGradient.apply(x) if self.bug == "backward" and number == 1 else x
+            x = GradientScaled.apply(x, 1.01) if self.bug == "backward" and number == 1 else x
         return x
 
 
@@ -962,13 +950,6 @@ def test_a_wrapper_s_output_gradients_stand_in_only_for_a_module_with_one(tmp_pa
     assert waived.verdict == "MATCH"
 
 
-class _SummingLinear(nn.Linear):
-    """A linear layer summing its products in another order than BLAS: the same values up to float32 rounding."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return (input.unsqueeze(-1) * self.weight.t()).sum(-2) + self.bias
-
-
 def test_a_reentrant_checkpointed_layer_s_gradients_are_judged_by_the_rounding_rule(tmp_path: Path) -> None:
     """A correct port whose layers round differently fails the wrapper-recorded gradients of a reentrant capture at
     atol = rtol = 0 by float32 rounding alone; the rounding check's float64 rerun did not produce them (it looked for
@@ -980,7 +961,7 @@ def test_a_reentrant_checkpointed_layer_s_gradients_are_judged_by_the_rounding_r
     capture_run(_CheckpointedLayers("REENTRANT"), (x,), bundle)
     port = _CheckpointedLayers()
     for layer in port.layers:
-        summing = _SummingLinear(4, 4)
+        summing = ProductsSummedOtherwise(4, 4)
         summing.load_state_dict(layer[0].state_dict())
         layer[0] = summing
     with BundleReader(bundle) as reader:
@@ -1007,7 +988,7 @@ class _SharedBase(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         direct = getattr(self.ck, "_checkpoint_wrapped_module", self.ck)(x)
         through = self.ck(y)
-        through = _ScaledGradient.apply(through) if self.bug else through
+        through = GradientScaled.apply(through, 1.01) if self.bug else through
         return self.head(torch.cat([direct, through], -1))
 
 

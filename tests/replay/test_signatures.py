@@ -17,6 +17,7 @@ from parity_harness.common.errors import MapFileError
 from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.naming.mapping import parse_map
 from tests.cli_helpers import one_error_line
+from tests.models import GradientScaled, ProductsSummedOtherwise
 
 HERE = Path(__file__).resolve()
 
@@ -356,25 +357,6 @@ def test_slots_lines_that_cannot_mean_one_thing(text: str, rename: bool) -> None
             parse_map(text)
 
 
-class _ProductsSummedOtherwise(nn.Linear):
-    """The same map as ``nn.Linear``, its products summed in another order: float32 rounding apart."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return (input.unsqueeze(-1) * self.weight.t()).sum(-2) + self.bias
-
-
-class _GradientTimes(torch.autograd.Function):
-    """The identity; backward scales the gradient by 1.001 (a bug in a backward only)."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-        return grad * 1.001
-
-
 class _TwoArgumentGate(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -389,10 +371,10 @@ class _OneArgumentGate(nn.Module):
 
     def __init__(self, width: int, bug: bool) -> None:
         super().__init__()
-        self.lin, self.bug = _ProductsSummedOtherwise(width, width), bug
+        self.lin, self.bug = ProductsSummedOtherwise(width, width), bug
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        a = _GradientTimes.apply(a) if self.bug else a
+        a = GradientScaled.apply(a, 1.001) if self.bug else a
         return torch.tanh(self.lin(a)) * a
 
 
@@ -400,7 +382,7 @@ class _Gated(nn.Module):
     def __init__(self, port: bool = False, bug: bool = False, width: int = 256) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.pre = _ProductsSummedOtherwise(width, width) if port else nn.Linear(width, width)
+        self.pre = ProductsSummedOtherwise(width, width) if port else nn.Linear(width, width)
         self.gate = _OneArgumentGate(width, bug) if port else _TwoArgumentGate(width)
         self.head = nn.Linear(width, width)
 
