@@ -53,6 +53,18 @@ class Branchy(nn.Module):
         return {"logits": self.head(h)}
 
 
+class FrozenBranch(Branchy):
+    """``extra`` runs on rank 1's batch only, and with autograd off (a frozen expert): no gradient of it is recorded
+    on that rank."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        if not torch.equal(x, rank_inputs(0)["x"]):
+            with torch.no_grad():
+                h = h + self.extra(h)
+        return {"logits": self.head(h)}
+
+
 def build_batchnorm(momentum: float = 0.1) -> nn.Module:
     """A seeded stack with a BatchNorm, captured in train mode: its running statistics move."""
     torch.manual_seed(0)
@@ -97,6 +109,7 @@ BUILDERS = {
     "dies": build_tiny,
     "unwrapped": build_tiny,
     "branchy": Branchy,
+    "branchy-frozen": FrozenBranch,
     "ddp-independent": build_independent,
     "unwrapped-independent": build_independent,
     "fsdp-shards-independent": build_independent,
@@ -135,7 +148,14 @@ def main() -> None:
     if options.job == "dies":
         model.inp = nn.Sequential(model.inp, DiesOnRank1())
     sharded = options.job.startswith("fsdp")
-    unwrapped = options.job in ("unwrapped", "branchy", "drift", "lazy-drift", "unwrapped-independent")
+    unwrapped = options.job in (
+        "unwrapped",
+        "branchy",
+        "branchy-frozen",
+        "drift",
+        "lazy-drift",
+        "unwrapped-independent",
+    )
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
     shards = options.job.startswith("fsdp-shards")

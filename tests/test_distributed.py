@@ -316,6 +316,20 @@ def test_a_layer_filter_may_name_a_module_only_some_ranks_ran(tmp_path: Path, op
 
 
 @pytest.mark.slow
+def test_calls_without_autograd_on_another_rank_are_noted(tmp_path: Path) -> None:
+    """A module only rank 1 calls, with autograd off, recorded no gradient there: a replay of the manifest from
+    rank 0 (the default) said nothing of it, since only the bundle it compares in full was read for the note."""
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("branchy-frozen", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    model = "tests.distributed_jobs:FrozenBranch"
+    result = CliRunner().invoke(replay_main, ["--bundle", str(manifest_path(out)), "--model", model])
+    assert result.exit_code == 0, result.output
+    assert "1 module call(s) ran with autograd off" in result.output
+    assert "no gradient of theirs was recorded: rank1:extra/0;" in result.output
+
+
+@pytest.mark.slow
 def test_local_shards_are_recorded_and_put_back_together(tmp_path: Path) -> None:
     """shards=True: every rank writes its own half of each FSDP2 parameter and gradient (no all-gather);
     one process puts them back together and everything matches."""

@@ -185,10 +185,10 @@ class ModuleTap:
         self._lent: dict[int, list[_Lent]] = {}  # per open call (id of its CallInfo): aliases put into its arguments
         self._held = HeldViews()
         self._phase = _Phase()
-        self.without_autograd: dict[str, None] = {}
-        """The modules (reported names, in call order) called with autograd off while gradients are observed: under
-        ``torch.no_grad`` or reentrant activation checkpointing, whose recomputation runs in backward, after the
-        forward's hooks are gone. No gradient of theirs reaches the sink."""
+        self.without_autograd: list[str] = []
+        """The module calls (``module/call``, reported names, in call order) made with autograd off while gradients
+        are observed: under ``torch.no_grad`` or reentrant activation checkpointing, whose recomputation runs in
+        backward, after the forward's hooks are gone. No gradient of theirs reaches the sink."""
 
     def __enter__(self) -> ModuleTap:
         before, after = _eager(self._before), _eager(self._after)
@@ -218,7 +218,7 @@ class ModuleTap:
         self._open[id(module)].append(info)
         if not (self._backward and torch.is_grad_enabled()):
             if self._backward:
-                self.without_autograd[name] = None
+                self.without_autograd.append(f"{name}/{info.call}")
             return None
         return self._alias_inputs(info, args, kwargs)
 

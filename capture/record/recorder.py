@@ -133,8 +133,8 @@ class CaptureSummary:
     unstored_outputs: list[tuple[str, str]] = field(default_factory=list)
     """The model's outputs the capture could not store, (slot, type): replay leaves them uncompared."""
     without_autograd: list[str] = field(default_factory=list)
-    """Modules called with autograd off in the forward (``torch.no_grad``, reentrant activation checkpointing): no
-    gradient of theirs was recorded (``run.extra["autograd_off"]``)."""
+    """Module calls (``module/call``) made with autograd off in the forward (``torch.no_grad``, reentrant activation
+    checkpointing): no gradient of theirs was recorded (``run.extra["autograd_off"]``)."""
 
 
 def capture_run(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import reprlib
 from typing import Final
 
-__all__ = ["SHOWN_CHARACTERS", "clipped", "shown"]
+__all__ = ["SHOWN_CHARACTERS", "clipped", "printable", "shown"]
 
 SHOWN_CHARACTERS: Final = 120
 """The most characters :func:`shown` returns (and an ellipsis)."""
@@ -30,6 +30,13 @@ def shown(value: object) -> str:
     """A short repr of ``value`` for a message: at most three levels deep, six items a container, 60 characters a
     string and :data:`SHOWN_CHARACTERS` in all."""
     return clipped(_PREVIEW.repr(value))
+
+
+def printable(value: object) -> str:
+    """Text from a bundle, shown as is but for control characters (escaped): a crafted name or provenance string
+    cannot start a line of its own (a forged ``RESULT: MATCH``) or drive the terminal."""
+    text = str(value)
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def clipped(text: str) -> str:

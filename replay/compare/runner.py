@@ -788,6 +788,22 @@ class _ReplaySession:
         elif strict and unused:
             raise unused_waiver_error(unused[0], self.result.bundle_only)
 
+    def _note_calls_without_autograd(self) -> None:
+        """The reference's module calls made with autograd off, which recorded no gradient, of every rank (another
+        rank's under ``rank<r>:``); not those whose gradients a checkpoint wrapper holds."""
+        if not self.index.selection.records("grads") or self.sink is None:
+            return
+        held, data_parallel = self.sink.held_by_wrappers, self.options.data_parallel
+        runs = [self.reader] if data_parallel is None else (data_parallel.captured or data_parallel.ranks)
+        calls = [
+            f"{'' if run is self.reader else f'rank{rank}:'}{call}"
+            for rank, run in enumerate(runs)
+            for call in run.index.run.without_autograd()
+            if call.rpartition("/")[0] not in held
+        ]
+        if calls:
+            self.result.notes.append(f"{describe_without_autograd(calls)}; so none of the port's was compared there")
+
     def note_what_was_left_out(self) -> None:
         """Notes on what was compared differently or not at all, for the report."""
         notes, options = self.result.notes, self.options
@@ -801,11 +817,7 @@ class _ReplaySession:
             notes.append(f"precision: {self.precision.describe()}; values compared upcast to float32")
         if self.wrapper_note:
             notes.append(self.wrapper_note)
-        without = self.index.run.without_autograd()
-        if self.index.selection.records("grads") and self.sink is not None:
-            without = [name for name in without if name not in self.sink.held_by_wrappers]
-            if without:
-                notes.append(f"{describe_without_autograd(without)}; so none of the port's was compared with them")
+        self._note_calls_without_autograd()
         _note_selection(self.result, self.reader, options.layers)
         if not self.reader.verified:
             notes.append(

@@ -12,20 +12,14 @@ from tabulate import tabulate
 
 from parity_harness.common.format.bundle.layout import record_name
 from parity_harness.common.format.bundle.schema import RecordedBuffers, TensorRef, iter_tensors
+from parity_harness.common.format.preview import printable
 from parity_harness.replay.reader import BundleReader
 
-__all__ = ["printable", "render_listing"]
+__all__ = ["render_listing"]
 
 
 def _ref_rows(pairs: Iterable[tuple[str, TensorRef]]) -> list[list[str]]:
     return [[printable(name), "x".join(map(str, ref.shape)) or "scalar", printable(ref.tag)] for name, ref in pairs]
-
-
-def printable(value: object) -> str:
-    """Text from a bundle, shown as is but for control characters (escaped): a crafted name or provenance string
-    cannot start a line of its own (a forged ``RESULT: MATCH``) or drive the terminal."""
-    text = str(value)
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _backward_seed(cotangent: list[object] | None, loss: list[object] | None) -> Iterable[tuple[str, TensorRef]]:

@@ -447,7 +447,7 @@ class Net(nn.Module):
         h = checkpoint(self.block, h, use_reentrant=True) if self.checkpointed else self.block(h)
         with torch.no_grad():
             bias = self.frozen(x)
-        return self.head(h + bias)
+        return self.head(self.frozen(h) + bias)  # its second call with autograd on
 
 
 def build():
@@ -460,10 +460,11 @@ def build_port():
 
 
 def test_modules_run_with_autograd_off_are_named_by_capture_and_replay(tmp_path: Path, npz: Path) -> None:
-    """A reference whose forward runs modules with autograd off (reentrant ``torch.utils.checkpoint``, as
-    transformers' gradient checkpointing can; ``torch.no_grad``) records no gradient of theirs, and nothing said
-    so: the port's gradients there went unnoticed into "only in the replay". Capture now names those modules, in the
-    bundle and on its summary, and replay repeats it in its notes; a forward-only capture has nothing to say."""
+    """A reference whose forward calls modules with autograd off (reentrant ``torch.utils.checkpoint``, as
+    transformers' gradient checkpointing can; ``torch.no_grad``) records no gradient of those calls, and nothing
+    said so: the port's gradients there went unnoticed into "only in the replay". Capture now names those calls (not
+    a module's other calls, which record theirs), in the bundle and on its summary, and replay repeats it in its
+    notes; a forward-only capture has nothing to say."""
     from parity_harness.replay.cli.replay_compare import main as replay
 
     (tmp_path / "autograd_off_model.py").write_text(AUTOGRAD_OFF_MODEL)
@@ -471,15 +472,16 @@ def test_modules_run_with_autograd_off_are_named_by_capture_and_replay(tmp_path:
     model = f"{tmp_path / 'autograd_off_model.py'}:build"
     result = capture("--model", model, "--inputs", npz, "--out", out)
     assert result.exit_code == 0, result.output
-    assert "capture-run: note: 4 module(s) ran with autograd off in the reference's forward" in result.stdout
-    assert "no gradient of theirs was recorded: block, block.0, block.1, frozen" in result.stdout
+    assert "capture-run: note: 4 module call(s) ran with autograd off in the reference's forward" in result.stdout
+    assert "no gradient of theirs was recorded: block/0, block.0/0, block.1/0, frozen/0\n" in result.stdout
     with BundleReader(out) as reader:
-        assert reader.index.run.without_autograd() == ["block", "block.0", "block.1", "frozen"]
+        assert reader.index.run.without_autograd() == ["block/0", "block.0/0", "block.1/0", "frozen/0"]
+        assert reader.find_call("frozen", 1)[1].grad_inputs  # type: ignore[index]
     port = f"{tmp_path / 'autograd_off_model.py'}:build_port"
     replayed = CliRunner().invoke(replay, ["--bundle", str(out), "--model", port])
     assert replayed.exit_code == 0, replayed.output
-    assert "4 module(s) ran with autograd off" in replayed.output
-    assert "so none of the port's was compared with them" in replayed.output
+    assert "4 module call(s) ran with autograd off" in replayed.output
+    assert "so none of the port's was compared there" in replayed.output
     assert (
         capture("--model", model, "--inputs", npz, "--out", forward_only, "--record", "inputs,outputs").exit_code == 0
     )

@@ -466,3 +466,10 @@ def test_the_modules_run_with_autograd_off_read_as_names_whatever_the_bundle_say
     extra = {} if written is None else {"autograd_off": written}
     info = schema.RunInfo(seed=0, train_mode=False, backward="cotangent", extra=extra)
     assert info.without_autograd() == read
+
+
+def test_the_note_on_calls_without_autograd_shows_control_characters_escaped() -> None:
+    """A bundle's names reach the report: one holding a line break cannot start a line of its own (a forged RESULT)."""
+    note = schema.describe_without_autograd(["a/0", "b\nRESULT: MATCH/0"])
+    assert "\n" not in note
+    assert "b\\nRESULT: MATCH/0" in note

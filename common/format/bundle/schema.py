@@ -26,7 +26,7 @@ from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.layout import join_slot, pair_slots
 from parity_harness.common.format.bundle.selection import Selection, parse_selection
 from parity_harness.common.format.dtypes import TAGS
-from parity_harness.common.format.preview import clipped, shown
+from parity_harness.common.format.preview import clipped, printable, shown
 from parity_harness.common.numerics.statistics import parse_statistics
 
 __all__ = [
@@ -52,15 +52,16 @@ ArgumentNaming = Literal["by-signature", "by-position"]
 OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
 MAX_DEPTH: Final = 64
 AUTOGRAD_OFF: Final = "autograd_off"
-"""``run.extra`` key: the modules called with autograd off in the forward (:meth:`RunInfo.without_autograd`)."""
+"""``run.extra`` key: the module calls made with autograd off in the forward (:meth:`RunInfo.without_autograd`)."""
 
 
-def describe_without_autograd(names: list[str]) -> str:
-    """What it means that these modules ran with autograd off in the reference's forward, in one line."""
-    listed = clipped(", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else ""))
+def describe_without_autograd(calls: list[str]) -> str:
+    """What it means that these module calls (``module/call``) ran with autograd off in the reference's forward."""
+    listed = ", ".join(printable(call) for call in calls[:5]) + (f", ... ({len(calls) - 5} more)" if calls[5:] else "")
     return (
-        f"{len(names)} module(s) ran with autograd off in the reference's forward (torch.no_grad, or reentrant "
-        f"activation checkpointing, which recomputes them in backward): no gradient of theirs was recorded: {listed}"
+        f"{len(calls)} module call(s) ran with autograd off in the reference's forward (torch.no_grad, or reentrant "
+        f"activation checkpointing, which recomputes them in backward): no gradient of theirs was recorded: "
+        f"{clipped(listed)}"
     )
 
 
@@ -105,8 +106,9 @@ class RunInfo:
     """Per-example valid lengths of a padded batch, as declared at capture (``capture-run --lengths``; 1.3)."""
 
     def without_autograd(self) -> list[str]:
-        """The modules the reference called with autograd off in its forward (``extra["autograd_off"]``, written by
-        capture since 2026-11-27; a bundle's own words, so anything but a list of names reads as none)."""
+        """The module calls (``module/call``) the reference made with autograd off in its forward
+        (``extra["autograd_off"]``, written by capture since 2026-11-27; a bundle's own words, so anything but a
+        list of names reads as none)."""
         names = self.extra.get(AUTOGRAD_OFF)
         return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
 
