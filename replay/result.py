@@ -29,6 +29,7 @@ __all__ = [
     "Verdict",
     "diff_record",
     "diff_sum",
+    "diff_summed",
     "diff_tensor",
     "kind_of_module_record",
     "summed_records",
@@ -113,10 +114,20 @@ def diff_sum(
 ) -> TensorDiff:
     """Compare a live tensor with the sum of several records (one port gradient for several reference slots that
     held the same tensor): :func:`summed_records`."""
-    summed = summed_records(reader, refs)
+    return diff_summed(summed_records(reader, refs), refs[0], actual, tolerance, ignore)
+
+
+def diff_summed(
+    summed: tuple[np.ndarray, str] | None,
+    first: TensorRef,
+    actual: torch.Tensor,
+    tolerance: Tolerance,
+    ignore: np.ndarray | None,
+) -> TensorDiff:
+    """:func:`diff_sum` of a sum already taken (None: the records could not be summed; ``first``: the first of them)."""
     if summed is None:
         problem = "cannot sum these records (statistics only, or their shapes or dtypes differ)"
-        return unmatchable(refs[0].shape, refs[0].tag, to_storage(actual)[1], problem)
+        return unmatchable(first.shape, first.tag, to_storage(actual)[1], problem)
     return diff_tensor(*summed, actual, tolerance, ignore)
 
 

@@ -35,7 +35,7 @@ from parity_harness.replay.result import (
     RecordKind,
     RecordResult,
     diff_record,
-    diff_sum,
+    diff_summed,
     summed_records,
 )
 
@@ -163,13 +163,15 @@ class ComparingSink:
         tolerance = self._result.tolerances.for_record(names[0], refs[0].tag)
         ignore, masked = self._padding(info, slots[0], refs[0])
         compared = self._transform(names[0], grad)
-        diff = diff_sum(self._reader, refs, compared, tolerance, ignore)
-        summed = None if self._near is None or diff.match else summed_records(self._reader, refs)
+        summed = summed_records(self._reader, refs)
+        diff = diff_summed(summed, refs[0], compared, tolerance, ignore)
+        judged = self._near is not None and summed is not None and not diff.match
+        total = to_numeric(*summed) if judged and summed is not None else None
         for name, slot, ref in zip(names, slots, refs, strict=True):
             self.seen.add(name)
             self._add(RecordResult("backward", name, diff, order, info.module, slot, masked=masked))
-            if self._near is not None and summed is not None:  # judged by the rounding rule against the sum
-                self._near.offer("module", name, ref, compared, diff, ignore, expected=to_numeric(*summed))
+            if self._near is not None and total is not None:  # judged by the rounding rule against the sum
+                self._near.offer("module", name, ref, compared, diff, ignore, expected=total)
         self.summed.append(f"{names[0]} = {' + '.join(slots)}")
 
     def _add(self, record: RecordResult) -> None:
