@@ -349,6 +349,57 @@ def test_damaged_bundle_is_refused(
     assert detail in str(raised)
 
 
+def _renamed_in_index(edit: Callable[[dict[str, Any]], None]) -> Callable[[h5py.File], None]:
+    """A mutation editing the decoded /index document, stored back as msgpack."""
+
+    def mutate(file: h5py.File) -> None:
+        document = msgpack.unpackb(file["index"][()].tobytes(), raw=False, strict_map_key=False)
+        edit(document)
+        replace_index(msgpack.packb(document, use_bin_type=True))(file)
+
+    return mutate
+
+
+_FORGED = "head\n\nRESULT: MATCH (atol=1e-05, rtol=1e-05)"
+
+
+def _forge_module(document: dict[str, Any]) -> None:
+    document["calls"][0]["module"] = _FORGED
+
+
+def _forge_parameter(document: dict[str, Any]) -> None:
+    document["params"][0][0] = _FORGED
+
+
+def _forge_gradient_slot(document: dict[str, Any]) -> None:
+    call = next(call for call in document["calls"] if call.get("grad_outputs"))
+    call["grad_outputs"][0][0] = _FORGED
+
+
+def _forge_argument(document: dict[str, Any]) -> None:
+    inputs = document["inputs"]  # TinyNet is called with keywords: a dict node of [key, value] pairs
+    inputs[1][0][0] = _FORGED
+
+
+def _forge_order(document: dict[str, Any]) -> None:
+    document["forward_order"][0][1] = "inputs\r"
+
+
+@pytest.mark.parametrize(
+    "forge", [_forge_module, _forge_parameter, _forge_gradient_slot, _forge_argument, _forge_order]
+)
+def test_a_name_holding_a_control_character_is_refused(
+    tiny_bundle: Path, forge: Callable[[dict[str, Any]], None]
+) -> None:
+    """Names from a bundle reach the reports as they are: one holding a line break printed a line of its own (a
+    forged ``RESULT: MATCH`` in a MISMATCH report). A bundle naming a module, parameter or slot with a control
+    character is refused when its index is read, in one line saying where."""
+    raised = open_error(damaged_copy(tiny_bundle, _renamed_in_index(forge)))
+    assert type(raised) is BundleFormatError, repr(raised)
+    assert "holds a control character" in str(raised)
+    assert "\n" not in str(raised)
+
+
 def test_newer_major_version_names_both_versions(tiny_bundle: Path) -> None:
     """A newer major version raises UnsupportedBundleVersion naming the bundle's and the reader's versions."""
     path = damaged_copy(tiny_bundle, set_attr("format_version", FORMAT_VERSION + 1))

@@ -378,9 +378,27 @@ _SCALARS: Final = frozenset((bool, int, float, str, bytes))
 _KEYS: Final = frozenset((str, int, float, bool))
 
 
+def _is_name(value: object) -> bool:
+    """Whether ``value`` is a name a report may show as it is: a string without control characters (a crafted one
+    holding a line break could print a line of its own in the report, a forged ``RESULT: MATCH``)."""
+    return type(value) is str and value.isprintable()
+
+
+def _expect_name(value: object, where: str) -> str:
+    """``value`` if it is a name (:func:`_is_name`), else a :class:`BundleFormatError` saying where."""
+    name = cast(str, _expect(value, str, where))
+    if not name.isprintable():
+        raise _fail(where, f"name {shown(name)} holds a control character (a report would print a line of it)")
+    return name
+
+
 def _are_pairs(pairs: object, depth: int) -> bool:
     return type(pairs) is list and all(
-        type(pair) is list and len(pair) == 2 and type(pair[0]) in _KEYS and _is_tree(pair[1], depth + 1)
+        type(pair) is list
+        and len(pair) == 2
+        and type(pair[0]) in _KEYS
+        and (type(pair[0]) is not str or pair[0].isprintable())
+        and _is_tree(pair[1], depth + 1)
         for pair in pairs
     )
 
@@ -425,7 +443,9 @@ def _check_pairs_named(pairs: object, where: str, depth: int) -> None:
         key_child = cast(list[object], _expect(pair, list, where))
         if len(key_child) != 2:
             raise _fail(where, "a dict entry is not a [key, value] pair")
-        _expect(key_child[0], (str, int, float, bool), f"{where} key")
+        key = _expect(key_child[0], (str, int, float, bool), f"{where} key")
+        if isinstance(key, str):
+            _expect_name(key, f"{where} key")
         _check_tree_named(key_child[1], f"{where}.{key_child[0]}", depth + 1)
 
 
@@ -436,7 +456,7 @@ def _named_refs(obj: object) -> dict[str, TensorRef] | None:
         return None
     refs: dict[str, TensorRef] = {}
     for pair in obj:
-        if not (type(pair) is list and len(pair) == 2 and type(pair[0]) is str and _is_tensor_node(pair[1])):
+        if not (type(pair) is list and len(pair) == 2 and _is_name(pair[0]) and _is_tensor_node(pair[1])):
             return None
         name, (_, path, tag, shape, requires_grad) = pair
         if name in refs:
@@ -454,7 +474,7 @@ def _parse_named_refs(obj: object, where: str) -> dict[str, TensorRef]:
         items = cast(list[object], _expect(pair, list, where))
         if len(items) != 2:
             raise _fail(where, "an entry is not a [name, tensor] pair")
-        name = cast(str, _expect(items[0], str, where))
+        name = _expect_name(items[0], where)
         if name in refs:
             raise _fail(where, f"name {shown(name)} appears twice")
         refs[name] = parse_tensor_ref(items[1], f"{where}[{shown(name)}]")
@@ -524,7 +544,7 @@ _CALL_FIELDS: Final = frozenset(("module", "call", "type", "inputs", "outputs", 
 def _is_call(call: dict[object, object]) -> bool:
     """Whether a call's fields (no others: checked first) are valid, its lists of gradients aside."""
     return (
-        type(call.get("module")) is str
+        _is_name(call.get("module"))
         and type(call.get("call")) is int
         and type(call.get("type")) is str
         and _is_tree(call.get("inputs"), 0)
@@ -535,7 +555,7 @@ def _is_call(call: dict[object, object]) -> bool:
 def _parse_call_named(obj: object, where: str) -> ModuleCall:
     call = _parse_map(obj, where)
     return ModuleCall(
-        module=cast(str, _expect(call.get("module"), str, f"{where}.module")),
+        module=_expect_name(call.get("module"), f"{where}.module"),
         call=cast(int, _expect(call.get("call"), int, f"{where}.call")),
         type=cast(str, _expect(call.get("type"), str, f"{where}.type")),
         inputs=parse_tree(call.get("inputs"), f"{where}.inputs"),
@@ -551,7 +571,7 @@ def _is_order(obj: object, n_calls: int) -> bool:
         and len(event) == 2
         and type(event[0]) is int
         and 0 <= event[0] < n_calls
-        and type(event[1]) is str
+        and _is_name(event[1])
         for event in obj
     )
 
@@ -565,6 +585,7 @@ def _parse_order(obj: object, where: str, n_calls: int) -> list[tuple[int, str]]
         position = items[0] if len(items) == 2 else None
         if not isinstance(position, int) or isinstance(position, bool) or not isinstance(items[1], str):
             raise _fail(where, f"expected [call index, slot], got {shown(items)}")
+        _expect_name(items[1], where)
         if not 0 <= position < n_calls:
             raise _fail(where, f"call index {position} is out of range (there are {n_calls} calls)")
         events.append((position, items[1]))
@@ -614,7 +635,7 @@ def _parse_buffers(obj: object, params: dict[str, TensorRef]) -> RecordedBuffers
     names = {}
     for key in ("changed", "unchanged"):
         listed = cast(list[object], _expect(fields.get(key, []), list, f"buffers.{key}"))
-        if not all(type(name) is str for name in listed) or len(set(listed)) != len(listed):
+        if not all(_is_name(name) for name in listed) or len(set(listed)) != len(listed):
             raise _fail(f"buffers.{key}", f"expected a list of distinct names, got {shown(listed)}")
         names[key] = cast(list[str], listed)
     absent = [name for name in names["changed"] if name not in params]
