@@ -518,13 +518,15 @@ def record_ref(reader: BundleReader, name: str) -> TensorRef | None:
 
 
 def same_record(reader: BundleReader, name: str, other: str) -> bool:
-    """Whether two module records both hold full values, and the same ones (the same bytes of the file, as capture
-    linked one tensor recorded twice, or equal bytes)."""
+    """Whether two module records hold the same values: the same bytes of the file (as capture linked one tensor
+    recorded twice), equal bytes, or, both kept as statistics only, equal statistics, the CRC-32 of the bytes among
+    them (the check every record of a bundle relies on)."""
     first, second = record_ref(reader, name), record_ref(reader, other)
     if first is None or second is None or (first.shape, first.tag) != (second.shape, second.tag):
         return False
-    if reader.summary(first) is not None or reader.summary(second) is not None:
-        return False  # statistics prove nothing equal
+    summaries = reader.summary(first), reader.summary(second)
+    if summaries != (None, None):
+        return None not in summaries and summaries[0] == summaries[1]
     identity = reader.dataset_identity(first)
     if identity is not None and identity == reader.dataset_identity(second):
         return True

@@ -1105,3 +1105,33 @@ def test_a_maps_slots_line_names_a_wrapped_capture_s_module_as_the_unwrapped_one
         assert correct.verdict == "MATCH", correct.bundle_only
         assert not [note for note in correct.notes if "renamed nothing" in note]
         assert compare_run(_Projected(port=True, bug=True), reader, rename=rename).verdict == "MISMATCH"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_wrapper_s_records_kept_as_statistics_go_as_the_wrapped_module_s(tmp_path: Path, reentrant: bool) -> None:
+    """A capture keeping its records as statistics only (``--summary-only``) under activation checkpointing: the
+    wrapper's records were never taken for the wrapped module's (statistics proved nothing equal), and a correct port
+    was INCOMPLETE. Equal statistics, the CRC-32 of the bytes among them, now count as the same values: the wrapper's
+    forward records go as a wrapper's, and under reentrant checkpointing its gradients stand for the wrapped
+    module's; a port wrong in that backward still fails there."""
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.common.format.bundle.selection import Selection
+
+    bundle = tmp_path / "statistics.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    capture_run(
+        _CheckpointedLayers("REENTRANT" if reentrant else "NO_REENTRANT"),
+        (x,),
+        bundle,
+        selection=Selection(summary_only=True),
+    )
+    with BundleReader(bundle) as reader:
+        correct, wrong = (
+            compare_run(_CheckpointedLayers(), reader),
+            compare_run(_CheckpointedLayers(bug="backward"), reader),
+        )
+    assert correct.verdict == "MATCH", correct.bundle_only
+    assert wrong.verdict == "MISMATCH"
+    failing = {r.name for r in wrong.records if not r.match}
+    layer = "layers.1" if reentrant else "layers.1._checkpoint_wrapped_module"  # the wrapper's, or its own
+    assert f"{layer}/0/grad_output" in failing, failing
