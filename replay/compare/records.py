@@ -4,6 +4,7 @@ gradients) compared by name, and backward exactly as the reference did it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -311,6 +312,14 @@ def gradient_records(call: ModuleCall, *, stood_in: bool) -> dict[str, TensorRef
     return {**call.grad_outputs, **call.grad_inputs}
 
 
+def _same_statistics(first: dict[str, float | int], second: dict[str, float | int]) -> bool:
+    """Whether two records' statistics are equal, a NaN equal to a NaN (finite values summing past float64's range
+    give a NaN sum, the same for the same bytes)."""
+    return first.keys() == second.keys() and all(
+        first[key] == second[key] or (math.isnan(first[key]) and math.isnan(second[key])) for key in first
+    )
+
+
 def _passes_on(reader: BundleReader, wrapper: str, inner: str, call: int) -> bool:
     """Whether the wrapper's call holds the wrapped module's same call's inputs and outputs, every one of them."""
     forward = []
@@ -525,8 +534,10 @@ def same_record(reader: BundleReader, name: str, other: str) -> bool:
     if first is None or second is None or (first.shape, first.tag) != (second.shape, second.tag):
         return False
     summaries = reader.summary(first), reader.summary(second)
+    if summaries[0] is not None and summaries[1] is not None:
+        return _same_statistics(summaries[0], summaries[1])
     if summaries != (None, None):
-        return None not in summaries and summaries[0] == summaries[1]
+        return False
     identity = reader.dataset_identity(first)
     if identity is not None and identity == reader.dataset_identity(second):
         return True

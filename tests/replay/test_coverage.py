@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1135,3 +1136,38 @@ def test_a_wrapper_s_records_kept_as_statistics_go_as_the_wrapped_module_s(tmp_p
     failing = {r.name for r in wrong.records if not r.match}
     layer = "layers.1" if reentrant else "layers.1._checkpoint_wrapped_module"  # the wrapper's, or its own
     assert f"{layer}/0/grad_output" in failing, failing
+
+
+class _Scale(nn.Module):
+    """Multiplies by a float64 scale of 1 (a buffer: its gradient would sum past float64's range): values near
+    float64's limit pass through unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_records_whose_statistics_hold_a_nan_sum_are_the_same_where_equal(tmp_path: Path) -> None:
+    """Finite float64 values summing past float64's range give a NaN sum, and a NaN never equals a NaN: two records
+    of the same bytes kept as statistics only were not the same, and the wrapper's record was left missing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.common.format.bundle.selection import Selection
+    from parity_harness.replay.compare.records import record_ref
+
+    values = torch.zeros(1, 16, dtype=torch.float64)
+    values[0, [0, 8]], values[0, [1, 9]] = 1e308, -1e308
+    bundle, only_statistics = tmp_path / "huge.h5", Selection(summary_only=True)
+    capture_run(
+        nn.Sequential(checkpoint_wrapper(_Scale())), (values.requires_grad_(),), bundle, selection=only_statistics
+    )
+    with BundleReader(bundle) as reader:
+        summary = reader.summary(record_ref(reader, "0/0/output"))  # type: ignore[arg-type]
+        assert summary is not None
+        assert math.isnan(summary["sum"])
+        result = compare_run(nn.Sequential(_Scale()), reader)
+    assert result.verdict == "MATCH", result.bundle_only
