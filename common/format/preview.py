@@ -10,7 +10,7 @@ from __future__ import annotations
 import reprlib
 from typing import Final
 
-__all__ = ["SHOWN_CHARACTERS", "clipped", "printable", "shown"]
+__all__ = ["SHOWN_CHARACTERS", "clipped", "first_names", "printable", "shown"]
 
 SHOWN_CHARACTERS: Final = 120
 """The most characters :func:`shown` returns (and an ellipsis)."""
@@ -30,6 +30,11 @@ def shown(value: object) -> str:
     """A short repr of ``value`` for a message: at most three levels deep, six items a container, 60 characters a
     string and :data:`SHOWN_CHARACTERS` in all."""
     return clipped(_PREVIEW.repr(value))
+
+
+def first_names(names: list[str], limit: int = 5) -> str:
+    """The first few of ``names`` and how many more there are."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def printable(value: object) -> str:

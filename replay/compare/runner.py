@@ -29,6 +29,7 @@ from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.schema import TensorRef, describe_without_autograd
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.dtypes import tag_of
+from parity_harness.common.format.preview import first_names
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.buffer_state import BufferState
 from parity_harness.replay.compare.buffers import compare_buffers
@@ -224,11 +225,6 @@ def _state_kept(model: torch.nn.Module) -> Iterator[None]:
         buffers.restore()
 
 
-def _shown_names(names: list[str], limit: int = 5) -> str:
-    """The first few of ``names`` and how many more there are."""
-    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
-
-
 _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
 """How the notes of the rounding check begin (``recheck_rounding``, ``_undecided``)."""
 
@@ -357,7 +353,7 @@ class _ReplaySession:
         if found:
             self.result.notes.append(
                 f"{len(found)} recorded parameter(s) compared with the port's buffer(s) of that name: "
-                f"{_shown_names([name for name, _ in found])}"
+                f"{first_names([name for name, _ in found])}"
             )
         return found
 
@@ -375,7 +371,7 @@ class _ReplaySession:
             self.result.add_missing("param", absent)
             self.result.notes.append(
                 f"{len(absent)} recorded parameter(s) the port does not have (or --map does not name), their values "
-                f"not compared: {_shown_names(absent)}; map them with --map, or --waive them if the port needs none"
+                f"not compared: {first_names(absent)}; map them with --map, or --waive them if the port needs none"
             )
 
     def run_every_rank(self) -> None:

@@ -26,7 +26,7 @@ from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.bundle.layout import join_slot, pair_slots
 from parity_harness.common.format.bundle.selection import Selection, parse_selection
 from parity_harness.common.format.dtypes import TAGS
-from parity_harness.common.format.preview import clipped, printable, shown
+from parity_harness.common.format.preview import clipped, first_names, printable, shown
 from parity_harness.common.numerics.statistics import parse_statistics
 
 __all__ = [
@@ -57,7 +57,7 @@ AUTOGRAD_OFF: Final = "autograd_off"
 
 def describe_without_autograd(calls: list[str]) -> str:
     """What it means that these module calls (``module/call``) ran with autograd off in the reference's forward."""
-    listed = ", ".join(printable(call) for call in calls[:5]) + (f", ... ({len(calls) - 5} more)" if calls[5:] else "")
+    listed = first_names([printable(call) for call in calls])
     return (
         f"{len(calls)} module call(s) ran with autograd off in the reference's forward (torch.no_grad, or reentrant "
         f"activation checkpointing, which recomputes them in backward): no gradient of theirs was recorded: "
