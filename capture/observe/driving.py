@@ -26,6 +26,7 @@ __all__ = [
     "rng_state",
     "seed_everything",
     "to_device",
+    "torch_generator_states",
 ]
 
 ForwardFn = Callable[[torch.nn.Module, Any], Any]
@@ -37,6 +38,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
+
+
+def torch_generator_states() -> tuple[bytes, ...]:
+    """The states of torch's global generators (the CPU's, and each CUDA device's once CUDA is initialised): two
+    that differ tell that a run drew random numbers from them."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda))
 
 
 def rng_state() -> tuple[dict[str, object], np.ndarray]:

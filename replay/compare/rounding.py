@@ -11,8 +11,10 @@ passes when it is within atol/rtol *or* within ``ROUNDING_FACTOR * level`` of th
 ``level`` is plausible as float32 rounding (:func:`plausible_level`): at most ``MAX_RELATIVE_LEVEL`` of
 the record's largest magnitude, or larger than the exact (float64) value itself, as for a sum that
 cancels to zero (a key bias's gradient under softmax), whose float32 value is pure rounding on both sides.
-A random stream that the rerun draws differently, or a port that computes in float16 or bfloat16 (autocast
-leaves float64 alone), is neither.
+A port that computes in float16 or bfloat16 (autocast leaves float64 alone) is neither, nor is a random stream
+that the rerun draws differently (``torch.rand`` in float64): where the rerun drew from torch's global generators,
+a record whose level is no rounding is left undecided (the replay INCOMPLETE) rather than failed, if rounding could
+explain its differences.
 
 A bug is in the port's arithmetic, not in its rounding: it survives the float64 rerun, so ``level``
 stays at the rounding size while the difference does not. A difference the plain rule flags that is
@@ -153,19 +155,24 @@ class _LevelSink:
         self._measure(info, [(slot, grad)], expected, owner)
 
 
-def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]) -> None:
+def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float], *, drew_random: bool = False) -> int:
     """Judge each kept record again with the rounding rule; the ones it passes match, with the reason attached.
+    Returns how many it left undecided.
 
     ``floors``: the reference's own float64 error per record, when the bundle has a noise floor (the larger
-    of the two rounding levels is used).
+    of the two rounding levels is used). ``drew_random``: the float64 rerun drew random numbers, so a record it
+    measured far from the port's values is left undecided (INCOMPLETE) where rounding could explain its
+    differences, not failed as computing something else.
     """
     widened: dict[str, Tolerance] = {}
+    undecided = 0
     for position, record in enumerate(result.records):
         kept = near.kept.get(("module" if record.kind in ("forward", "backward") else record.kind, record.name))
         if kept is None or record.match or record.diff.problem is not None:
             continue  # a failure with a problem (a padded gradient that is not zero) is not about rounding
         tolerance = result.tolerances.for_record(record.name, kept.ref.tag)
-        check = kept.check(floors.get(record.name))
+        check = kept.check(floors.get(record.name), drew_random=drew_random)
+        undecided += not check.decided
         result.records[position] = dataclasses.replace(record, rounding=check)
         if check.passed:
             widened[record.name] = Tolerance(max(tolerance.atol, check.allowed), tolerance.rtol, tolerance.equal_nan)
@@ -173,6 +180,7 @@ def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]
         table = result.tolerances
         per_record = {**(table.per_record or {}), **widened}
         result.tolerances = ToleranceTable(table.default, table.overrides, table.per_dtype, per_record)
+    return undecided
 
 
 def leave_undecided(result: ComparisonResult, failing: Mapping[tuple[str, str], FailingRecord], why: str) -> int:

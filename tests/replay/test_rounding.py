@@ -612,3 +612,66 @@ def test_a_nan_in_masked_padding_leaves_the_rounding_rule_to_the_rest(tmp_path: 
     wrong.register_forward_hook(lambda module, args, out: out + bump)
     (output,) = [r for r in _replay(wrong, path, mask_padding=True).records if r.name == "output"]
     assert not output.match
+
+
+class _SplitLinear(torch.nn.Linear):
+    """A linear layer adding the two halves of each dot product apart: the same sum in another order."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        half, weight = input.shape[-1] // 2, self.weight
+        return input[..., :half] @ weight[:, :half].T + input[..., half:] @ weight[:, half:].T + self.bias
+
+
+class _StochasticDepth(torch.nn.Module):
+    """A residual block whose branch is dropped per example by ``torch.rand(..., dtype=x.dtype)`` (stochastic depth
+    as timm < 0.6 and vendored copies of it write it): torch draws other numbers in float64 from the same state.
+    ``split``: the port's linear layers sum in another order (:class:`_SplitLinear`); ``scale``: a bug scaling the
+    branch."""
+
+    def __init__(self, split: bool = False, scale: float = 1.0, drop: float = 0.3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        linear = _SplitLinear if split else torch.nn.Linear
+        self.fc1, self.fc2 = linear(64, 512), linear(512, 64)
+        self.scale, self.drop = scale, drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.fc2(F.gelu(self.fc1(x))) * self.scale
+        if self.training and self.drop:
+            keep = 1 - self.drop
+            kept = (keep + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device)).floor_()
+            branch = branch / keep * kept
+        return x + branch
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3], ids=["no-draws", "draws"])
+def test_a_rerun_drawing_random_numbers_leaves_its_near_misses_undecided(tmp_path: Path, drop: float) -> None:
+    """A correct port that only sums in another order fails atol/rtol on its weight gradients. Without random draws
+    the rounding rule passes it; with draws that torch makes differently in float64, the rerun measures no rounding
+    level, so those records are undecided (INCOMPLETE, saying why), not a MISMATCH blaming the port. A bug in the
+    same port is never passed: beyond what rounding could explain it still fails."""
+    x = 10 * torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(1))
+    bundle = tmp_path / "stochastic_depth.h5"
+    capture_run(_StochasticDepth(drop=drop), (x,), bundle, seed=0, train_mode=True)
+    plain = _replay(_StochasticDepth(split=True, drop=drop), bundle, rounding=False)
+    near = {r.name for r in plain.records if not r.match}
+    assert near, "the port's other summation order must fail atol/rtol, or this tests nothing"
+
+    result = _replay(_StochasticDepth(split=True, drop=drop), bundle)
+    judged = [r for r in result.records if r.name in near]
+    if not drop:
+        assert result.verdict == "MATCH"
+        assert all(r.rule == "rounding" for r in judged)
+        assert not any("drew random numbers" in note for note in result.notes)
+    else:
+        assert result.verdict == "INCOMPLETE"
+        assert all(r.undecided and not r.match for r in judged), [(r.name, r.rounding) for r in judged]
+        assert all(r.rounding is not None and "drew random numbers" in r.rounding.why for r in judged)
+        assert any("drew random numbers" in note and "INCOMPLETE" in note for note in result.notes)
+        assert result.first_divergence("backward") is None
+
+    buggy = _replay(_StochasticDepth(split=True, scale=1.001, drop=drop), bundle)
+    assert buggy.verdict == "MISMATCH"
+    output = next(r for r in buggy.records if r.kind == "output")
+    assert not output.match
+    assert not output.undecided
