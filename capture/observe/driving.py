@@ -43,7 +43,7 @@ def seed_everything(seed: int) -> None:
 def torch_generator_states() -> tuple[bytes, ...]:
     """The states of torch's global generators (the CPU's, and each CUDA device's once CUDA is initialised): two
     that differ tell that a run drew random numbers from them."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
     return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda))
 
 

@@ -42,6 +42,10 @@ rest, is left out)."""
 _FILL_RATIO: Final = 2.0**14
 """An element both sides hold bit for bit, more than this many times every element they differ on, is a fill (a
 mask's -1e9), not a value whose rounding the record's differences could share."""
+_FLOAT64_SLACK: Final = 2.0**-30
+"""Of the record's largest magnitude: what float64 arithmetic may leave between two exact computations of one value
+(float32 rounds at 2^-24), so that a record the reference computes exactly (a noise floor of 0) is not failed for
+it."""
 _MEMORY_BUDGET: Final = 1 << 29
 """Bytes of port values kept in memory; the rest go to a temporary file."""
 _CHUNK: Final = 1 << 20
@@ -145,6 +149,12 @@ class _Kept:
     """The port's largest float32 error on the peers, over every measurement of the record (None: unmeasured)."""
     exact_scale: float = 0.0
     """The largest ``|port64|`` over the compared elements."""
+    holder: BundleReader | None = None
+    """The bundle holding the reference's values, read again when the record is measured (None: they were handed
+    over, not read from one record, and the distance below is not taken)."""
+    survivor: float | None = None
+    """The largest ``|port64 - reference|`` on the peers: the difference that exact arithmetic leaves (None: not
+    taken)."""
 
     def check(self, floor: float | None, *, drew_random: bool = False) -> RoundingCheck:
         """The rule: every element within atol/rtol or within ``ROUNDING_FACTOR`` x the level (the port's error,
@@ -166,6 +176,9 @@ class _Kept:
                 return RoundingCheck(level, allowed, False, why, decided=False)
             why = f"{differ}: not float32 rounding"
             return RoundingCheck(level, allowed, False, why)
+        survives = self._survives(floor)
+        if survives is not None:
+            return RoundingCheck(level, allowed, False, survives)
         if failing.worst > allowed:
             why = f"max |diff| {failing.worst:.2e} beyond atol/rtol > {ROUNDING_FACTOR:g} x {level:.2e}, {source}"
             return RoundingCheck(level, allowed, False, why)
@@ -174,6 +187,21 @@ class _Kept:
             f"{level:.2e}, {source}"
         )
         return RoundingCheck(level, allowed, True, why)
+
+    def _survives(self, floor: float | None) -> str | None:
+        """Why the difference is no rounding, where the reference's noise floor shows it survives exact arithmetic:
+        the port's float64 values further from the reference than ``ROUNDING_FACTOR`` x the reference's own float32
+        error (a port whose ill-conditioned formula measures a large level of its own would otherwise excuse a bug
+        of that size); None where it does not, or there is no floor to judge by."""
+        if floor is None or self.survivor is None:
+            return None
+        bound = ROUNDING_FACTOR * floor + _FLOAT64_SLACK * self.failing.scale
+        if not self.survivor > bound:
+            return None
+        return (
+            f"the float64 rerun is {self.survivor:.2e} from the reference, > {ROUNDING_FACTOR:g} x {floor:.2e}, the "
+            "reference's noise floor: the difference survives exact arithmetic, not float32 rounding"
+        )
 
 
 class _SpillFile:
@@ -256,19 +284,20 @@ class NearMisses:
             return
         values = value.detach().to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
+        holder = None
         if expected is None:
             holder = self._weights if key[0] == "param_grad" else self._reader
             expected = holder.read_array(ref, verify=False)
         failing = _failing(to_numeric(expected, ref.tag), values, tolerance, ignore)
         if values.nbytes <= self._budget:
             self._budget -= values.nbytes
-            self.kept[key] = _Kept(ref, failing, values)
+            self.kept[key] = _Kept(ref, failing, values, holder=holder)
             return
         offset = self._spill.write(values)
         if offset is None:
             self.unjudged[key] = failing
             return
-        self.kept[key] = _Kept(ref, failing, None, offset)
+        self.kept[key] = _Kept(ref, failing, None, offset, holder=holder)
 
     def measure(self, kind: str, name: str, exact: torch.Tensor) -> None:
         """The port's float32 error on a kept record: its distance to the float64 rerun's value, on the peers."""
@@ -277,7 +306,8 @@ class NearMisses:
         if kept is None or not exact.is_floating_point() or tuple(exact.shape) != shape:
             return
         flat = exact.detach().reshape(-1)
-        level, exact_scale = 0.0, kept.exact_scale
+        level, exact_scale, survivor = 0.0, kept.exact_scale, kept.survivor
+        reference = None if kept.holder is None else kept.holder.read_array(kept.ref, verify=False).reshape(-1)
         for part in _chunks(flat.numel()):
             values = self._values(kept, part).astype(np.float64)
             exact_values = flat[part].to("cpu", torch.float64).numpy()
@@ -286,8 +316,11 @@ class NearMisses:
             level = max(level, float(np.max(error, initial=0.0, where=peers)))
             counted = _bits(kept.failing.counted, part)
             exact_scale = _nan_max(exact_scale, float(np.max(np.abs(exact_values), initial=0.0, where=counted)))
+            if reference is not None:
+                left = np.abs(exact_values - reference[part].astype(np.float64))
+                survivor = max(survivor or 0.0, float(np.max(left, initial=0.0, where=peers & np.isfinite(left))))
         kept.level = level if kept.level is None else max(kept.level, level)
-        kept.exact_scale = exact_scale
+        kept.exact_scale, kept.survivor = exact_scale, survivor
 
     def _values(self, kept: _Kept, part: slice) -> np.ndarray:
         if kept.value is not None:

@@ -19,7 +19,10 @@ explain its differences.
 A bug is in the port's arithmetic, not in its rounding: it survives the float64 rerun, so ``level``
 stays at the rounding size while the difference does not. A difference the plain rule flags that is
 more than ``ROUNDING_FACTOR + 2`` times the port's rounding (the two sides' rounding can add up) always
-fails. What this cannot see: a reference whose rounding is far worse than the port's (the check measures
+fails. Where the bundle holds the reference's noise floor (``capture-run --noise-floor``), what the port's float64
+values leave against the reference is judged as well: beyond ``ROUNDING_FACTOR`` x the reference's own rounding it
+survives exact arithmetic, so it is no rounding, however large the port's own (an ill-conditioned formula's).
+What this cannot see: a reference whose rounding is far worse than the port's (the check measures
 the port's; ``capture-run --noise-floor`` measures the reference's, and is used too when recorded), and a
 bug confined to a float32-only code path (``if x.dtype == torch.float32``) smaller than
 ``MAX_RELATIVE_LEVEL`` of the record: the float64 rerun takes the other path, so the bug looks like rounding.

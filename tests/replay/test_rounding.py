@@ -675,3 +675,69 @@ def test_a_rerun_drawing_random_numbers_leaves_its_near_misses_undecided(tmp_pat
     output = next(r for r in buggy.records if r.kind == "output")
     assert not output.match
     assert not output.undecided
+
+
+class _OnePassLayerNorm(torch.nn.LayerNorm):
+    """LayerNorm with the variance as ``E[x^2] - E[x]^2``: the same math, ill-conditioned in float32 on rows far from
+    zero mean (its own rounding ~100 times a two-pass one's)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        mean = input.mean(-1, keepdim=True)
+        variance = (input * input).mean(-1, keepdim=True) - mean * mean
+        return (input - mean) * torch.rsqrt(variance + self.eps) * self.weight + self.bias
+
+
+class _NormHead(torch.nn.Module):
+    """LayerNorm then a linear head; ``one_pass``: the norm is :class:`_OnePassLayerNorm`; ``eps``: its epsilon (the
+    reference's is 1e-6)."""
+
+    def __init__(self, one_pass: bool = False, eps: float = 1e-6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        norm = _OnePassLayerNorm if one_pass else torch.nn.LayerNorm
+        self.norm, self.head = norm(64, eps=eps), torch.nn.Linear(64, 32)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.3 * torch.randn(64))
+            self.norm.bias.copy_(0.3 * torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+def test_a_noise_floor_fails_a_bug_an_ill_conditioned_port_s_rounding_would_excuse(tmp_path: Path) -> None:
+    """Rows offset far from zero mean make the one-pass port's float32 error large (yet plausible as rounding), so
+    an eps of 1e-5 for 1e-6 (5e-5 of the output) lies within 4x of it. With the reference's noise floor recorded,
+    what the port's float64 rerun leaves against the reference is judged too: the correct port still matches, the
+    bug fails, saying that its difference survives exact arithmetic."""
+    x = 6.0 + 0.3 * torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1))
+    bundle = tmp_path / "norm_head.h5"
+    capture_run(_NormHead(), (x,), bundle, seed=0, noise_floor=True)
+    plain = _replay(_NormHead(one_pass=True), bundle, rounding=False)
+    assert plain.verdict == "MISMATCH"  # the one-pass port's rounding alone fails atol/rtol: the rule is at work
+
+    correct = _replay(_NormHead(one_pass=True), bundle)
+    assert correct.verdict == "MATCH"
+    assert {r.name for r in correct.records if r.rule == "rounding"} == {r.name for r in plain.records if not r.match}
+
+    buggy = _replay(_NormHead(one_pass=True, eps=1e-5), bundle)
+    assert buggy.verdict == "MISMATCH"
+    output = next(r for r in buggy.records if r.kind == "output")
+    assert not output.match
+    assert output.rounding is not None
+    assert "survives exact arithmetic" in output.rounding.why
+    assert output.diff.max_abs <= output.rounding.allowed  # within 4x the port's own rounding: the old rule passed it
+    assert buggy.first_divergence("forward").name == "norm/0/output"  # type: ignore[union-attr]
+
+
+def test_a_correct_port_matches_at_the_defaults_against_a_noise_floor(tmp_path: Path) -> None:
+    """With the reference's noise floor recorded, the independent port's near misses (forward, backward and weight
+    gradients) still all pass as rounding: what its float64 rerun leaves against the reference is the reference's
+    own rounding. The eps bug still fails where it starts."""
+    bundle = tmp_path / "reference_noise.h5"
+    capture_run(build(), token_ids(), bundle, seed=0, noise_floor=True)
+    result = _replay(build(manual=True), bundle)
+    assert result.verdict == "MATCH", [(r.name, r.rounding) for r in result.records if not r.match][:3]
+    assert {r.kind for r in result.records if r.rule == "rounding"} >= {"forward", "backward", "param_grad"}
+    buggy = _replay(build(manual=True, bug="eps"), bundle)
+    assert buggy.verdict == "MISMATCH"
+    assert buggy.first_divergence("forward").name == "blocks.1.norm1/0/output"  # type: ignore[union-attr]
