@@ -27,7 +27,7 @@ from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import RoundingCheck
 
-__all__ = ["MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "FailingRecord", "NearMisses", "plausible_level"]
+__all__ = ["LOOSE_LEVEL", "MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "FailingRecord", "NearMisses", "plausible_level"]
 
 ROUNDING_FACTOR: Final = 4.0
 """An element passes the rounding rule within this many times the port's own float32 error on the record."""
@@ -35,6 +35,10 @@ MAX_RELATIVE_LEVEL: Final = 2.0**-14
 """A float32 error above this fraction of the record's largest magnitude is not rounding (a random stream, a
 data-dependent branch that the float64 rerun took differently, float16 arithmetic: its unit roundoff is 2^-11).
 Correct float32 ports measured at up to 6e-6 of the record (tests/independent_port.py, the Conformer example)."""
+LOOSE_LEVEL: Final = 2.0**-16
+"""A level above this fraction of the record's values is larger than correct float32 ports of well-conditioned
+formulas measure (up to 6e-6 of the record, above); an ill-conditioned one (a one-pass variance on rows far from
+zero mean: 3e-5 to 5e-5) reaches it."""
 _PEER_RANGE: Final = 8.0
 """The level is measured on elements up to this many times the largest failing one (measured on correct ports:
 the largest failing difference stays within 2.3x the level so measured; a massive activation, 10^4 times the
@@ -187,6 +191,17 @@ class _Kept:
             f"{level:.2e}, {source}"
         )
         return RoundingCheck(level, allowed, True, why)
+
+    def loose_level(self) -> float | None:
+        """The port's level relative to the record's values where it is larger than a well-conditioned float32
+        formula's (:data:`LOOSE_LEVEL`) yet passed as rounding on that ground (not as a sum cancelling to about
+        zero); else None. A bug up to ``ROUNDING_FACTOR`` x such a level passes too, unless a noise floor judges
+        what survives exact arithmetic."""
+        failing, level = self.failing, self.level
+        if level is None or failing.scale <= 0.0:
+            return None
+        relative = level / failing.scale
+        return relative if LOOSE_LEVEL < relative <= MAX_RELATIVE_LEVEL else None
 
     def _survives(self, floor: float | None) -> str | None:
         """Why the difference is no rounding, where the reference's noise floor shows it survives exact arithmetic:

@@ -52,7 +52,7 @@ from parity_harness.replay.naming.wrappers import WrapperRenameMap
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult, RoundingCheck
 
-__all__ = ["RoundingRun", "leave_undecided", "rejudge"]
+__all__ = ["Rejudged", "RoundingRun", "leave_undecided", "rejudge"]
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,21 @@ class _LevelSink:
         self._measure(info, [(slot, grad)], expected, owner)
 
 
-def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float], *, drew_random: bool = False) -> int:
+@dataclass
+class Rejudged:
+    """What :func:`rejudge` did beyond its verdicts, for the replay's notes."""
+
+    undecided: int = 0
+    """Records left undecided (the rerun drew random numbers)."""
+    loose: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Records passed, with no noise floor, against a port rounding level too large for a well-conditioned formula:
+    name -> that level relative to the record's values (``near_misses.LOOSE_LEVEL``)."""
+
+
+def rejudge(
+    result: ComparisonResult, near: NearMisses, floors: dict[str, float], *, drew_random: bool = False
+) -> Rejudged:
     """Judge each kept record again with the rounding rule; the ones it passes match, with the reason attached.
-    Returns how many it left undecided.
 
     ``floors``: the reference's own float64 error per record, when the bundle has a noise floor (the larger
     of the two rounding levels is used). ``drew_random``: the float64 rerun drew random numbers, so a record it
@@ -168,22 +180,25 @@ def rejudge(result: ComparisonResult, near: NearMisses, floors: dict[str, float]
     differences, not failed as computing something else.
     """
     widened: dict[str, Tolerance] = {}
-    undecided = 0
+    done = Rejudged()
     for position, record in enumerate(result.records):
         kept = near.kept.get(("module" if record.kind in ("forward", "backward") else record.kind, record.name))
         if kept is None or record.match or record.diff.problem is not None:
             continue  # a failure with a problem (a padded gradient that is not zero) is not about rounding
         tolerance = result.tolerances.for_record(record.name, kept.ref.tag)
-        check = kept.check(floors.get(record.name), drew_random=drew_random)
-        undecided += not check.decided
+        floor = floors.get(record.name)
+        check = kept.check(floor, drew_random=drew_random)
+        done.undecided += not check.decided
         result.records[position] = dataclasses.replace(record, rounding=check)
         if check.passed:
             widened[record.name] = Tolerance(max(tolerance.atol, check.allowed), tolerance.rtol, tolerance.equal_nan)
+            if floor is None and (loose := kept.loose_level()) is not None:
+                done.loose[record.name] = loose
     if widened:  # --isolate judges these records' local differences by the same allowance
         table = result.tolerances
         per_record = {**(table.per_record or {}), **widened}
         result.tolerances = ToleranceTable(table.default, table.overrides, table.per_dtype, per_record)
-    return undecided
+    return done
 
 
 def leave_undecided(result: ComparisonResult, failing: Mapping[tuple[str, str], FailingRecord], why: str) -> int:

@@ -63,6 +63,7 @@ def test_correct_port_passes_at_defaults_and_says_why(bundle: Path) -> None:
         assert record.rounding.level > 0
         assert record.diff.max_abs <= max(record.rounding.allowed, 1e-5 + 1e-5 * 1e4)
     assert any("rounding rule:" in note for note in result.notes)
+    assert not any("2^-16" in note for note in result.notes)  # a well-conditioned port's rounding: no caveat
     kinds = {r.kind for r in by_rounding}
     assert {"forward", "backward", "param_grad"} <= kinds, kinds
     data = result.to_json()
@@ -727,6 +728,23 @@ def test_a_noise_floor_fails_a_bug_an_ill_conditioned_port_s_rounding_would_excu
     assert "survives exact arithmetic" in output.rounding.why
     assert output.diff.max_abs <= output.rounding.allowed  # within 4x the port's own rounding: the old rule passed it
     assert buggy.first_divergence("forward").name == "norm/0/output"  # type: ignore[union-attr]
+    assert not any("2^-16" in note for note in correct.notes + buggy.notes)  # judged: no caveat to make
+
+
+def test_a_match_on_an_ill_conditioned_port_s_rounding_says_how_weak_it_is(tmp_path: Path) -> None:
+    """Without a noise floor the rule cannot tell the one-pass port's large rounding from a bug within 4x of it: its
+    MATCH says so in the report, naming a record and how to judge it (a well-conditioned port's MATCH does not:
+    ``test_correct_port_passes_at_defaults_and_says_why``)."""
+    x = 6.0 + 0.3 * torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1))
+    bundle = tmp_path / "norm_head.h5"
+    capture_run(_NormHead(), (x,), bundle, seed=0)
+    result = _replay(_NormHead(one_pass=True), bundle)
+    assert result.verdict == "MATCH"
+    caveat = [note for note in result.notes if "2^-16" in note]
+    assert len(caveat) == 1
+    assert "norm/0/output" in caveat[0]
+    assert "--noise-floor" in caveat[0]
+    assert "2^-16" in render_result(result)
 
 
 def test_a_correct_port_matches_at_the_defaults_against_a_noise_floor(tmp_path: Path) -> None:
