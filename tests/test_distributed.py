@@ -777,6 +777,16 @@ def test_a_waiver_used_by_one_torchrun_process_is_used_by_the_job(tmp_path: Path
     done = _torchrun_replay(out, model, 2, "--waive-module", "extra")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "RESULT: MATCH" in done.stdout
+    # A waiver naming the rank's records as the report lists another rank's (rank0:NAME) waives them wherever rank 0
+    # is replayed: compared in full by a single process, or by a torchrun process of its own (it matched nothing).
+    for rank in (0, 1):
+        prefixed = CliRunner().invoke(replay_main, [*replay[:4], "--rank", str(rank), "--waive", "rank0:extra/*"])
+        assert prefixed.exit_code == 0, prefixed.output[-3000:]
+    prefixed_job = _torchrun_replay(out, model, 2, "--waive", "rank0:extra/*")
+    assert prefixed_job.returncode == 0, prefixed_job.stdout[-3000:] + prefixed_job.stderr[-3000:]
+    assert "RESULT: MATCH" in prefixed_job.stdout
+    wrong_rank = CliRunner().invoke(replay_main, [*replay[:4], "--waive", "rank1:extra/*"])
+    assert wrong_rank.exit_code == 2, wrong_rank.output[-3000:]  # rank 1 never ran extra: the waiver waives nothing
     stale = _torchrun_replay(out, model, 2, "--waive-module", "extra", "--waive-module", "head2")
     assert stale.returncode != 0
     message = "waiver 'head2/*' (--waive or a map's 'waive' line) matches no record left uncompared"

@@ -236,6 +236,11 @@ _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
 """How the notes of the rounding check begin (``recheck_rounding``, ``_undecided``)."""
 
 
+def _waives(pattern: str, name: str, own: str) -> bool:
+    """Whether a waiver names a record, as it is or under its rank's prefix ``own`` (``rank<r>:``, or empty)."""
+    return fnmatch.fnmatchcase(name, pattern) or (bool(own) and fnmatch.fnmatchcase(own + name, pattern))
+
+
 def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
     """A recorded input for the float64 rerun: floating tensors as float64 (requiring grad as recorded)."""
     tensor = reader.read_tensor(ref)
@@ -798,10 +803,10 @@ class _ReplaySession:
         """``--waive GLOB``: recorded names the user chose not to compare; a pattern that waives nothing is an error
         (``strict``). Under torchrun a pattern may match records of another process's ranks only: those this process
         found unused are left in the result for the job to judge (``data_parallel.agree_on_waivers``)."""
-        unused = []
+        unused, own = [], self._own_rank_prefix()
         for pattern in (*self.rename.waivers, *self.options.waive):
-            hits = [name for name in list(self.result.bundle_only) if fnmatch.fnmatchcase(name, pattern)]
-            if hits or any(fnmatch.fnmatchcase(n, pattern) for n in self.result.waived):
+            hits = [name for name in list(self.result.bundle_only) if _waives(pattern, name, own)]
+            if hits or any(_waives(pattern, name, own) for name in self.result.waived):
                 self.waivers_used.add(pattern)
             if pattern not in self.waivers_used:
                 unused.append(pattern)
@@ -812,6 +817,15 @@ class _ReplaySession:
             self.result.unused_waivers = unused
         elif strict and unused:
             raise unused_waiver_error(unused[0], self.result.bundle_only)
+
+    def _own_rank_prefix(self) -> str:
+        """``rank<r>:`` for a rank of a multi-rank capture, whose records a waiver may name so (as the report lists
+        another rank's): this bundle's records answer to it wherever this rank is replayed (compared in full, as
+        another rank, or by a torchrun process of its own); else empty."""
+        data_parallel = self.options.data_parallel
+        runs = [] if data_parallel is None else (data_parallel.captured or data_parallel.ranks)
+        found = next((rank for rank, run in enumerate(runs) if run is self.reader), None)
+        return "" if found is None else f"rank{found}:"
 
     def _note_calls_without_autograd(self) -> None:
         """The reference's module calls made with autograd off, which recorded no gradient, of every rank (another
