@@ -22,10 +22,12 @@ import torch
 from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, map_tensors, seed_everything
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
+from parity_harness.capture.record.draws import SameDraws
 from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
 
-__all__ = ["in_float64", "measure_noise_floor"]
+__all__ = ["BufferValues", "buffer_values", "in_float64", "measure_noise_floor"]
 
 
 def _to_float64(value: Any) -> Any:
@@ -67,10 +69,31 @@ class _NoiseSink:
         self._measure_all(info, [(slot, grad)])
 
 
+BufferValues = dict[tuple[int, str], torch.Tensor]
+"""(``id`` of a module, buffer name) -> a copy of the buffer's values."""
+
+
+def buffer_values(model: torch.nn.Module) -> BufferValues:
+    """A copy of every buffer of ``model``, to start a later float64 run from (:func:`in_float64`)."""
+    return {
+        (id(module), name): buffer.detach().clone()
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    }
+
+
 @contextlib.contextmanager
-def in_float64(model: torch.nn.Module, train_mode: bool) -> Iterator[torch.nn.Module]:
-    """``model`` with float64 copies of its floating parameters and buffers (other buffers copied as they are)
-    and no gradients, in ``train_mode``; on exit every original tensor, gradient and mode is back in place."""
+def in_float64(
+    model: torch.nn.Module,
+    train_mode: bool,
+    unmatched: set[str] | None = None,
+    start: BufferValues | None = None,
+) -> Iterator[torch.nn.Module]:
+    """``model`` with float64 copies of its floating parameters and buffers (other buffers copied as they are;
+    from ``start``'s values where given, as a run before moved them) and no gradients, in ``train_mode``, its random
+    draws made as in float32 (:class:`SameDraws`; ``unmatched`` gets those that could not be); on exit every
+    original tensor, gradient and mode is back in place."""
     params = [(param, param.data, param.grad) for param in model.parameters()]
     buffers = [
         (module, name, buffer)
@@ -85,8 +108,10 @@ def in_float64(model: torch.nn.Module, train_mode: bool) -> Iterator[torch.nn.Mo
             if data.is_floating_point():
                 param.data = data.to(torch.float64)
         for module, name, buffer in buffers:  # a BatchNorm update (statistics, batch count) lands on the copy
-            module._buffers[name] = buffer.to(torch.float64) if buffer.is_floating_point() else buffer.clone()
-        yield model.train(train_mode)
+            values = (start or {}).get((id(module), name), buffer)
+            module._buffers[name] = values.to(torch.float64) if values.is_floating_point() else values.clone()
+        with SameDraws(set() if unmatched is None else unmatched):
+            yield model.train(train_mode)
     finally:
         for param, data, grad in params:
             param.data, param.grad = data, grad
@@ -105,13 +130,23 @@ def measure_noise_floor(
     forward: ForwardFn | None,
     loss: LossFn | None,
     train_mode: bool,
+    start: BufferValues,
 ) -> dict[str, float]:
-    """Rerun ``model`` in float64 and return, per record name, its distance to the recorded values.
+    """Rerun ``model`` in float64 from the buffers ``start`` holds (those the recorded run started from) and return,
+    per record name, its distance to the recorded values.
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
     """
-    with in_float64(model, train_mode) as exact_model:
-        return _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
+    unmatched: set[str] = set()
+    with in_float64(model, train_mode, unmatched, start) as exact_model:
+        floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
+    if unmatched:
+        raise CaptureError(
+            f"--noise-floor: the model draws random numbers ({', '.join(sorted(unmatched))}) that its float64 run "
+            "cannot draw as the recorded run did, so the floor would measure other draws, not the reference's "
+            "rounding; capture without --noise-floor, or in eval mode"
+        )
+    return floors
 
 
 def _float64_run(

@@ -32,7 +32,7 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.gradients import GradientStream, run_backward, write_params
-from parity_harness.capture.record.noise import measure_noise_floor
+from parity_harness.capture.record.noise import BufferValues, buffer_values, measure_noise_floor
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.selfcheck import observer_differences
 from parity_harness.capture.record.sink import BundleRecorder, SelectiveStore, selected_modules, store_at
@@ -259,6 +259,7 @@ class _CaptureRun:
         self.floors: dict[str, float] = {}
         self.tap: ModuleTap | None = None
         self.buffers_before: BufferSnapshot | None = None
+        self.buffers_at_start: BufferValues | None = None
         self.buffers: RecordedBuffers | None = None
         self.padded: PaddedPositions | None = None
         """Where the seeded cotangent is zero: each output's padded positions (``--lengths``)."""
@@ -281,6 +282,8 @@ class _CaptureRun:
         # Each rank of a distributed job moves its own copy of the buffers (replay runs the ranks one after another
         # on one model): only a single process records them.
         self.buffers_before = BufferSnapshot(self.model) if self.context is None else None
+        # The noise floor's float64 run starts where the recorded run started, not from what it left (an EMA).
+        self.buffers_at_start = buffer_values(self.model) if self.options.noise_floor else None
 
     def record_forward(self) -> Any:
         """The forward pass under the tap: every module call's inputs and outputs, then the model's outputs."""
@@ -336,7 +339,7 @@ class _CaptureRun:
         if options.noise_floor:
             self.floors = measure_noise_floor(
                 self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
-                loss=options.loss, train_mode=options.train_mode,
+                loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
             )  # fmt: skip
 
     def index(self) -> BundleIndex:

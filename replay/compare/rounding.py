@@ -11,21 +11,23 @@ passes when it is within atol/rtol *or* within ``ROUNDING_FACTOR * level`` of th
 ``level`` is plausible as float32 rounding (:func:`plausible_level`): at most ``MAX_RELATIVE_LEVEL`` of
 the record's largest magnitude, or larger than the exact (float64) value itself, as for a sum that
 cancels to zero (a key bias's gradient under softmax), whose float32 value is pure rounding on both sides.
-A port that computes in float16 or bfloat16 (autocast leaves float64 alone) is neither, nor is a random stream
-that the rerun draws differently (``torch.rand`` in float64): where the rerun drew from torch's global generators,
-a record whose level is no rounding is left undecided (the replay INCOMPLETE) rather than failed, if rounding could
-explain its differences.
+A port that computes in float16 or bfloat16 (autocast leaves float64 alone) is neither. Random draws that torch
+makes differently in float64 (``torch.rand``, ``uniform_``, large ``randn``: not dropout's masks) make the rerun
+another computation, whose distance to the port's values may look like rounding or not: where torch's generators
+end the rerun in another state than the replay, nothing passes as rounding, and a record whose differences rounding
+could explain is left undecided (the replay INCOMPLETE).
 
 A bug is in the port's arithmetic, not in its rounding: it survives the float64 rerun, so ``level``
 stays at the rounding size while the difference does not. A difference the plain rule flags that is
 more than ``ROUNDING_FACTOR + 2`` times the port's rounding (the two sides' rounding can add up) always
-fails. Where the bundle holds the reference's noise floor (``capture-run --noise-floor``), what the port's float64
-values leave against the reference is judged as well: beyond ``ROUNDING_FACTOR`` x the reference's own rounding it
-survives exact arithmetic, so it is no rounding, however large the port's own (an ill-conditioned formula's).
-What this cannot see: a reference whose rounding is far worse than the port's (the check measures
-the port's; ``capture-run --noise-floor`` measures the reference's, and is used too when recorded), and a
-bug confined to a float32-only code path (``if x.dtype == torch.float32``) smaller than
-``MAX_RELATIVE_LEVEL`` of the record: the float64 rerun takes the other path, so the bug looks like rounding.
+fails. What this cannot see: a bug within ``ROUNDING_FACTOR`` x a large rounding level of the port's own on the
+same record (an ill-conditioned formula's; a note names such records, ``near_misses.LOOSE_LEVEL``); a reference whose
+rounding is far worse than the port's (the check measures the port's; ``capture-run --noise-floor`` measures the
+reference's, and is used too when recorded); and a bug confined to a float32-only code path (``if x.dtype ==
+torch.float32``) smaller than ``MAX_RELATIVE_LEVEL`` of the record: the float64 rerun takes the other path, so the
+bug looks like rounding. The reference's noise floor cannot judge what the port's float64 rerun leaves against the
+reference either: a reference pinning part of its arithmetic to float32 (transformers' rotary embeddings) keeps that
+rounding in its own float64 run too, so a correct port computing it in float64 would seem to leave more.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ class RoundingRun:
     """The port's buffers as the replay started: the rerun starts from them, not from what the replay's forward
     left (a BatchNorm's statistics, a step counter, a cache)."""
 
-    def measure(self, near: NearMisses) -> str | None:
-        """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run."""
+    def measure(self, near: NearMisses, unmatched: set[str]) -> str | None:
+        """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run.
+        ``unmatched`` gets the random draws the rerun could not make as the float32 run made them."""
         wanted = near.modules()
         index = self.reader.index
         sink = _LevelSink(self.reader, self.rename, near, self.transform)
@@ -87,7 +90,7 @@ class RoundingRun:
 
         try:
             start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()
-            with start, aliases_following(self.model, in_float64(self.model, index.run.train_mode)) as exact:
+            with start, aliases_following(self.model, in_float64(self.model, index.run.train_mode, unmatched)) as exact:
                 tap = ModuleTap(
                     exact,
                     sink,
@@ -163,21 +166,21 @@ class Rejudged:
     """What :func:`rejudge` did beyond its verdicts, for the replay's notes."""
 
     undecided: int = 0
-    """Records left undecided (the rerun drew random numbers)."""
+    """Records left undecided (the rerun drew other random numbers than the replay)."""
     loose: dict[str, float] = dataclasses.field(default_factory=dict)
     """Records passed, with no noise floor, against a port rounding level too large for a well-conditioned formula:
     name -> that level relative to the record's values (``near_misses.LOOSE_LEVEL``)."""
 
 
 def rejudge(
-    result: ComparisonResult, near: NearMisses, floors: dict[str, float], *, drew_random: bool = False
+    result: ComparisonResult, near: NearMisses, floors: dict[str, float], *, draws_differ: bool = False
 ) -> Rejudged:
     """Judge each kept record again with the rounding rule; the ones it passes match, with the reason attached.
 
     ``floors``: the reference's own float64 error per record, when the bundle has a noise floor (the larger
-    of the two rounding levels is used). ``drew_random``: the float64 rerun drew random numbers, so a record it
-    measured far from the port's values is left undecided (INCOMPLETE) where rounding could explain its
-    differences, not failed as computing something else.
+    of the two rounding levels is used). ``draws_differ``: the float64 rerun drew other random numbers than the
+    replay, so it measured no rounding level: records rounding could explain are left undecided (INCOMPLETE), none
+    passed.
     """
     widened: dict[str, Tolerance] = {}
     done = Rejudged()
@@ -187,7 +190,7 @@ def rejudge(
             continue  # a failure with a problem (a padded gradient that is not zero) is not about rounding
         tolerance = result.tolerances.for_record(record.name, kept.ref.tag)
         floor = floors.get(record.name)
-        check = kept.check(floor, drew_random=drew_random)
+        check = kept.check(floor, draws_differ=draws_differ)
         done.undecided += not check.decided
         result.records[position] = dataclasses.replace(record, rounding=check)
         if check.passed:

@@ -283,9 +283,11 @@ class _ReplaySession:
         """The rounding check reruns every rank this process replayed, for the gradients they combine."""
         self.joined = False
         """Under torchrun, this process's float64 rerun reached the collective that tells the others it ran."""
-        self.rerun_drew_random = False
-        """The float64 rerun drew from torch's global generators (its values then say nothing of the port's
-        rounding wherever a draw reached)."""
+        self.replay_draws: tuple[bytes, ...] | None = None
+        """torch's generators as this bundle's replay left them (after its backward)."""
+        self.unmatched_draws: set[str] = set()
+        """The random draws the float64 rerun could not make as the replay made them (``capture.record.draws``): it
+        is then another computation, and measures no rounding level."""
         self.rank_buffers: BufferState | None = None
         """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
@@ -470,6 +472,7 @@ class _ReplaySession:
             self._forward_and_backward(tap, sink, watch, inputs)
         finally:
             tap.release()
+        self.replay_draws = torch_generator_states()
 
     def _forward_and_backward(
         self, tap: ModuleTap, sink: ComparingSink, watch: OutsideUses | None, inputs: Any
@@ -630,7 +633,7 @@ class _ReplaySession:
         run = RoundingRun(
             self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, self.initial_buffers
         )
-        failure = run.measure(near)
+        failure = run.measure(near, self.unmatched_draws)
         if self._rerun_across_processes() and not self.joined:  # it failed before its rerun joined the others'
             every_process(False)
         if failure is not None:
@@ -639,21 +642,22 @@ class _ReplaySession:
                 f"the port could not rerun in float64 ({failure})",
             )
             return
-        done = rejudge(self.result, near, self.index.noise_floor or {}, drew_random=self.rerun_drew_random)
+        draws = self.unmatched_draws
+        done = rejudge(self.result, near, self.index.noise_floor or {}, draws_differ=bool(draws))
         if done.undecided:
             self.result.notes.append(
                 f"rounding check: {done.undecided} record(s) out of atol/rtol by no more than float32 rounding could "
-                "explain were not judged (the float64 rerun drew random numbers, which torch draws differently in "
-                "float64, so its values are not the port's computation in exact arithmetic): the replay is "
-                "INCOMPLETE, not a mismatch; judge them with explicit --atol/--rtol, or waive them"
+                f"explain were not judged (the float64 rerun could not draw the random numbers the replay drew: "
+                f"{', '.join(sorted(draws))}; so it measured no rounding level): the replay is INCOMPLETE, not a "
+                "mismatch; judge them with explicit --atol/--rtol, or waive them"
             )
         if done.loose:
             name, relative = max(done.loose.items(), key=lambda item: item[1])
             self.result.notes.append(
                 f"rounding rule: {len(done.loose)} record(s) passed against a port rounding level above 2^-16 of their "
                 f"values (e.g. {name}: {relative:.1e} of them), more than a well-conditioned float32 formula gives "
-                f"(an ill-conditioned one's?): a bug within {ROUNDING_FACTOR:g}x that level passes there too; capture "
-                "the reference with --noise-floor to judge what survives exact arithmetic"
+                f"(an ill-conditioned one's?): a bug within {ROUNDING_FACTOR:g}x that level would pass there too; "
+                "--no-rounding-check shows them judged by atol/rtol alone"
             )
 
     def _undecided(self, failing: Mapping[tuple[str, str], FailingRecord], why: str) -> None:
@@ -745,7 +749,6 @@ class _ReplaySession:
         told to ``report`` when given."""
         inputs = to_device(rebuild(run.index.inputs, functools.partial(_float64_input, run)), self.target)
         seed_everything(run.index.run.seed)
-        seeded = torch_generator_states()
         with tap or contextlib.nullcontext():
             outputs = call_forward(exact, inputs, self.options.forward)
         on_loss = None
@@ -754,9 +757,10 @@ class _ReplaySession:
                 report("output", slot, tensor)
             on_loss = functools.partial(report, "output", "loss")
         backward_as_recorded(run, outputs, self.options.loss, self.transform, on_loss=on_loss)
-        # torch draws other numbers in float64 than in float32 from the same state: the rerun's values then differ
-        # from the port's by more than rounding wherever a draw reaches (dropout, stochastic depth).
-        self.rerun_drew_random |= torch_generator_states() != seeded
+        # The rerun draws as the replay did (capture.record.draws); an end state of torch's generators other than
+        # the replay's tells of a draw it could not see (another rank's run has no replay here to compare with).
+        if run is self.reader and self.replay_draws is not None and torch_generator_states() != self.replay_draws:
+            self.unmatched_draws.add("a draw no operator showed")
 
     def account_for_unvisited(self, strict_waivers: bool = True) -> None:
         """Module records the port never produced: missing, or waived when left out on purpose (--layers,

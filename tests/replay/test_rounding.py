@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from torch.nn import functional as F
 
 from parity_harness.capture.record.recorder import capture_run
-from parity_harness.common.errors import InputError, ParityMismatch
+from parity_harness.common.errors import CaptureError, InputError, ParityMismatch
+from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.assertions import assert_parity
 from parity_harness.replay.cli.replay_compare import main as replay_main
@@ -624,58 +625,88 @@ class _SplitLinear(torch.nn.Linear):
 
 
 class _StochasticDepth(torch.nn.Module):
-    """A residual block whose branch is dropped per example by ``torch.rand(..., dtype=x.dtype)`` (stochastic depth
-    as timm < 0.6 and vendored copies of it write it): torch draws other numbers in float64 from the same state.
-    ``split``: the port's linear layers sum in another order (:class:`_SplitLinear`); ``scale``: a bug scaling the
-    branch."""
+    """``x + drop_path(gain * mlp(x))``, then a LayerNorm of ``eps`` if one is given (the reference's: 1e-6). The
+    drop-path is written as timm < 0.6 and vendored copies of it write it, ``torch.rand(..., dtype=x.dtype)``, which
+    torch draws otherwise in float64. ``draws``: ``global`` from torch's generator, ``own`` from a generator of the
+    model's own (seeded at construction); ``split``: the port's linear layers sum in another order
+    (:class:`_SplitLinear`)."""
 
-    def __init__(self, split: bool = False, scale: float = 1.0, drop: float = 0.3) -> None:
+    def __init__(self, draws: str = "global", split: bool = False, eps: float | None = None, gain: float = 1.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         linear = _SplitLinear if split else torch.nn.Linear
-        self.fc1, self.fc2 = linear(64, 512), linear(512, 64)
-        self.scale, self.drop = scale, drop
+        self.fc1, self.fc2 = linear(64, 256), linear(256, 64)
+        self.norm = torch.nn.Identity() if eps is None else torch.nn.LayerNorm(64, eps=eps)
+        self.draws, self.gain, self.generator = draws, gain, torch.Generator().manual_seed(7)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        branch = self.fc2(F.gelu(self.fc1(x))) * self.scale
-        if self.training and self.drop:
-            keep = 1 - self.drop
-            kept = (keep + torch.rand((x.shape[0], 1, 1), dtype=x.dtype, device=x.device)).floor_()
-            branch = branch / keep * kept
-        return x + branch
+        branch = self.gain * self.fc2(F.gelu(self.fc1(x)))
+        if self.training:
+            generator = self.generator if self.draws == "own" else None
+            keep = torch.rand((x.shape[0], 1, 1), dtype=x.dtype, generator=generator).add_(0.7).floor_()
+            branch = branch / 0.7 * keep
+        return self.norm(x + branch)
 
 
-@pytest.mark.parametrize("drop", [0.0, 0.3], ids=["no-draws", "draws"])
-def test_a_rerun_drawing_random_numbers_leaves_its_near_misses_undecided(tmp_path: Path, drop: float) -> None:
-    """A correct port that only sums in another order fails atol/rtol on its weight gradients. Without random draws
-    the rounding rule passes it; with draws that torch makes differently in float64, the rerun measures no rounding
-    level, so those records are undecided (INCOMPLETE, saying why), not a MISMATCH blaming the port. A bug in the
-    same port is never passed: beyond what rounding could explain it still fails."""
-    x = 10 * torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(1))
-    bundle = tmp_path / "stochastic_depth.h5"
-    capture_run(_StochasticDepth(drop=drop), (x,), bundle, seed=0, train_mode=True)
-    plain = _replay(_StochasticDepth(split=True, drop=drop), bundle, rounding=False)
-    near = {r.name for r in plain.records if not r.match}
+def _inputs(scale: float, *shape: int) -> torch.Tensor:
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def _stochastic_depth_bundle(tmp_path: Path, reference: _StochasticDepth, x: torch.Tensor) -> Path:
+    bundle = tmp_path / f"stochastic_depth_{reference.draws}_{reference.gain}.h5"
+    capture_run(reference, (x,), bundle, seed=0, train_mode=True)
+    return bundle
+
+
+def test_the_float64_rerun_draws_the_random_numbers_the_replay_drew(tmp_path: Path) -> None:
+    """torch draws ``rand`` otherwise in float64: the rerun dropped other samples than the replay. Now it draws them
+    as the replay did, so a correct port that only sums in another order (out of atol/rtol) is judged by the rounding
+    rule and matches; and a LayerNorm eps bug is never passed, where the other draws, with the branch scaled down,
+    moved the rerun by a plausible 'rounding level' that excused it (a false MATCH)."""
+    bundle = _stochastic_depth_bundle(tmp_path, _StochasticDepth(), _inputs(10.0, 8, 64, 64))
+    near = {r.name for r in _replay(_StochasticDepth(split=True), bundle, rounding=False).records if not r.match}
     assert near, "the port's other summation order must fail atol/rtol, or this tests nothing"
+    correct = _replay(_StochasticDepth(split=True), bundle)
+    assert correct.verdict == "MATCH", [(r.name, r.rounding) for r in correct.records if not r.match]
+    assert {r.name for r in correct.records if r.rule == "rounding"} == near
 
-    result = _replay(_StochasticDepth(split=True, drop=drop), bundle)
-    judged = [r for r in result.records if r.name in near]
-    if not drop:
-        assert result.verdict == "MATCH"
-        assert all(r.rule == "rounding" for r in judged)
-        assert not any("drew random numbers" in note for note in result.notes)
-    else:
-        assert result.verdict == "INCOMPLETE"
-        assert all(r.undecided and not r.match for r in judged), [(r.name, r.rounding) for r in judged]
-        assert all(r.rounding is not None and "drew random numbers" in r.rounding.why for r in judged)
-        assert any("drew random numbers" in note and "INCOMPLETE" in note for note in result.notes)
-        assert result.first_divergence("backward") is None
-
-    buggy = _replay(_StochasticDepth(split=True, scale=1.001, drop=drop), bundle)
+    scaled = _stochastic_depth_bundle(tmp_path, _StochasticDepth(eps=1e-6, gain=1.5e-4), _inputs(0.3, 16, 16, 64))
+    assert _replay(_StochasticDepth(eps=1e-5, gain=1.5e-4), scaled, rounding=False).verdict == "MISMATCH"
+    buggy = _replay(_StochasticDepth(eps=1e-5, gain=1.5e-4), scaled)
     assert buggy.verdict == "MISMATCH"
-    output = next(r for r in buggy.records if r.kind == "output")
-    assert not output.match
-    assert not output.undecided
+    assert buggy.first_divergence("forward").name == "norm/0/output"  # type: ignore[union-attr]
+
+
+def test_draws_the_float64_rerun_cannot_repeat_leave_near_misses_undecided(tmp_path: Path) -> None:
+    """Draws from a generator of the model's own, which the replay moved on, cannot be repeated: the records the rule
+    could pass are undecided (INCOMPLETE, saying why), not failed as another computation nor passed."""
+    bundle = _stochastic_depth_bundle(tmp_path, _StochasticDepth("own"), _inputs(10.0, 8, 64, 64))
+    near = {r.name for r in _replay(_StochasticDepth("own", split=True), bundle, rounding=False).records if not r.match}
+    assert near, "the port's other summation order must fail atol/rtol, or this tests nothing"
+    result = _replay(_StochasticDepth("own", split=True), bundle)
+    assert result.verdict == "INCOMPLETE"
+    judged = [r for r in result.records if r.name in near]
+    assert all(r.undecided for r in judged), [(r.name, r.rounding) for r in judged]
+    assert all(r.rounding is not None and "could not draw" in r.rounding.why for r in judged)
+    assert any("a generator of the model's own" in note and "INCOMPLETE" in note for note in result.notes)
+    assert result.first_divergence("backward") is None
+
+
+def test_the_reference_s_noise_floor_run_draws_as_the_recorded_run_did(tmp_path: Path) -> None:
+    """capture-run --noise-floor's float64 run draws the drop-path's numbers as the recorded run did, so its floor is
+    the reference's rounding, not the distance to other draws; draws it cannot repeat (a generator of the model's
+    own) stop the capture with a clear error rather than record a floor of something else."""
+    x = _inputs(10.0, 8, 64, 64)
+    bundle = tmp_path / "floor.h5"
+    capture_run(_StochasticDepth(), (x,), bundle, seed=0, train_mode=True, noise_floor=True)
+    with BundleReader(bundle) as reader:
+        floor = reader.index.noise_floor["output"]
+        (_, output), *_ = iter_tensors(reader.index.outputs, "output")
+        largest = float(np.abs(reader.read_float64(output)).max())
+    assert 0.0 < floor < 2.0**-20 * largest
+    with pytest.raises(CaptureError, match="a generator of the model's own"):
+        capture_run(_StochasticDepth("own"), (x,), tmp_path / "own.h5", seed=0, train_mode=True, noise_floor=True)
+    assert not (tmp_path / "own.h5").exists()
 
 
 class _OnePassLayerNorm(torch.nn.LayerNorm):
@@ -705,36 +736,10 @@ class _NormHead(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-def test_a_noise_floor_fails_a_bug_an_ill_conditioned_port_s_rounding_would_excuse(tmp_path: Path) -> None:
-    """Rows offset far from zero mean make the one-pass port's float32 error large (yet plausible as rounding), so
-    an eps of 1e-5 for 1e-6 (5e-5 of the output) lies within 4x of it. With the reference's noise floor recorded,
-    what the port's float64 rerun leaves against the reference is judged too: the correct port still matches, the
-    bug fails, saying that its difference survives exact arithmetic."""
-    x = 6.0 + 0.3 * torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1))
-    bundle = tmp_path / "norm_head.h5"
-    capture_run(_NormHead(), (x,), bundle, seed=0, noise_floor=True)
-    plain = _replay(_NormHead(one_pass=True), bundle, rounding=False)
-    assert plain.verdict == "MISMATCH"  # the one-pass port's rounding alone fails atol/rtol: the rule is at work
-
-    correct = _replay(_NormHead(one_pass=True), bundle)
-    assert correct.verdict == "MATCH"
-    assert {r.name for r in correct.records if r.rule == "rounding"} == {r.name for r in plain.records if not r.match}
-
-    buggy = _replay(_NormHead(one_pass=True, eps=1e-5), bundle)
-    assert buggy.verdict == "MISMATCH"
-    output = next(r for r in buggy.records if r.kind == "output")
-    assert not output.match
-    assert output.rounding is not None
-    assert "survives exact arithmetic" in output.rounding.why
-    assert output.diff.max_abs <= output.rounding.allowed  # within 4x the port's own rounding: the old rule passed it
-    assert buggy.first_divergence("forward").name == "norm/0/output"  # type: ignore[union-attr]
-    assert not any("2^-16" in note for note in correct.notes + buggy.notes)  # judged: no caveat to make
-
-
 def test_a_match_on_an_ill_conditioned_port_s_rounding_says_how_weak_it_is(tmp_path: Path) -> None:
     """Without a noise floor the rule cannot tell the one-pass port's large rounding from a bug within 4x of it: its
-    MATCH says so in the report, naming a record and how to judge it (a well-conditioned port's MATCH does not:
-    ``test_correct_port_passes_at_defaults_and_says_why``)."""
+    MATCH says so in the report, naming a record (a well-conditioned port's MATCH does not:
+    ``test_correct_port_passes_at_defaults_and_says_why``). The buggy port passes too: the limit the note states."""
     x = 6.0 + 0.3 * torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1))
     bundle = tmp_path / "norm_head.h5"
     capture_run(_NormHead(), (x,), bundle, seed=0)
@@ -743,14 +748,16 @@ def test_a_match_on_an_ill_conditioned_port_s_rounding_says_how_weak_it_is(tmp_p
     caveat = [note for note in result.notes if "2^-16" in note]
     assert len(caveat) == 1
     assert "norm/0/output" in caveat[0]
-    assert "--noise-floor" in caveat[0]
+    assert "--no-rounding-check" in caveat[0]
     assert "2^-16" in render_result(result)
+    buggy = _replay(_NormHead(one_pass=True, eps=1e-5), bundle)
+    assert any("2^-16" in note for note in buggy.notes), buggy.verdict
 
 
 def test_a_correct_port_matches_at_the_defaults_against_a_noise_floor(tmp_path: Path) -> None:
-    """With the reference's noise floor recorded, the independent port's near misses (forward, backward and weight
-    gradients) still all pass as rounding: what its float64 rerun leaves against the reference is the reference's
-    own rounding. The eps bug still fails where it starts."""
+    """With the reference's noise floor recorded (the rule then takes the larger of it and the port's level), the
+    independent port's near misses (forward, backward and weight gradients) all pass as rounding, and the eps bug
+    still fails where it starts."""
     bundle = tmp_path / "reference_noise.h5"
     capture_run(build(), token_ids(), bundle, seed=0, noise_floor=True)
     result = _replay(build(manual=True), bundle)
