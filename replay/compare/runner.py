@@ -792,14 +792,18 @@ class _ReplaySession:
         paired or waived."""
         if not isinstance(self.rename, WrapperRenameMap):
             return lambda name: False
-        hidden, around = self.rename.hidden, self.rename.around
+        hidden, around, roots = self.rename.hidden, self.rename.around, self.rename.bundle_roots
 
         def of_wrapper(name: str) -> bool:
             module, _, rest = name.partition("/")
             if module not in hidden:
                 return False
             inner = around.get(module)
-            return inner is None or same_record(self.reader, name, f"{inner}/{rest}")
+            # Around the model itself (DataParallel(checkpoint_wrapper(model))), its records are the root's, which
+            # no port module has: the wrapped root records no gradients under reentrant checkpointing.
+            return (
+                inner is None or not strip_wrappers(inner, roots) or same_record(self.reader, name, f"{inner}/{rest}")
+            )
 
         return of_wrapper
 

@@ -67,6 +67,7 @@ class WrapperRenameMap(RenameMap):
     rule gives is a bundle name, used as it is."""
 
     port_roots: tuple[str, ...] = ()
+    bundle_roots: tuple[str, ...] = ()
     bundle_modules: dict[str, str] = field(default_factory=dict)
     """Normalised name -> the bundle's name, for modules."""
     bundle_params: dict[str, str] = field(default_factory=dict)
@@ -109,7 +110,11 @@ class WrapperRenameMap(RenameMap):
         """The bundle's spelling of a parameter name: as it is where the bundle has it, else through the bundle's
         wrappers."""
         known: frozenset[str] = self._recorded  # type: ignore[attr-defined]
-        return name if name in known else self.bundle_params.get(name, name)
+        if name in known:
+            return name
+        # A checkpoint wrapper at the bundle's root names parameters without itself (its named_parameters strips its
+        # prefix) where its modules keep it: the parameter of a module under it is found by its normalised name.
+        return self.bundle_params.get(name) or self.bundle_params.get(strip_wrappers(name, self.bundle_roots), name)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -218,6 +223,7 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
             rename.slot_rules,
             rename.exact,
             port_roots=port_roots,
+            bundle_roots=bundle_roots,
             bundle_modules=modules,
             bundle_params=params,
             hidden=hidden,

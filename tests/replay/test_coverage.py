@@ -24,6 +24,7 @@ from parity_harness.replay.naming.mapping import parse_map
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.markdown import render_markdown
 from parity_harness.replay.report.tables import render_result
+from parity_harness.replay.result import RecordResult
 from tests.cli_helpers import one_error_line
 from tests.models import Block, GradientScaled, ProductsSummedOtherwise, build_tiny
 
@@ -826,6 +827,40 @@ def test_a_reentrant_checkpointed_capture_compares_its_layers_gradients_with_any
     assert detached.verdict == "MISMATCH"
     absent = {r.name: r.diff.problem for r in detached.records if not r.match}
     assert "no gradient in the port" in (absent.get("layers.0/0/grad_input.input") or ""), absent
+
+
+@pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["wrapper-root", "DataParallel-around-it"])
+def test_a_capture_of_a_model_wrapped_whole_for_checkpointing_pairs_its_parameters(
+    tmp_path: Path, impl: str, parallel: bool
+) -> None:
+    """The checkpoint wrapper at the root names its parameters without itself (``layers.0.0.weight``), its modules
+    with it (``_checkpoint_wrapped_module.layers.0``): the unwrapped port's gradients paired with none of them, and a
+    correct port was INCOMPLETE. Under DataParallel the wrapper's own gradient records (under reentrant checkpointing
+    the only ones at the model's boundary) are the root's, which no port module has, and were left missing. Both
+    pair now, and a backward bug fails at the parameters it reaches."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "wrapped_whole.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    reference: nn.Module = checkpoint_wrapper(_CheckpointedLayers(), checkpoint_impl=CheckpointImpl[impl])
+    capture_run(nn.DataParallel(reference) if parallel else reference, (x,), bundle)
+    with BundleReader(bundle) as reader:
+        assert any(name.endswith("layers.0.0.weight") for name in reader.index.grads)
+        correct = compare_run(_CheckpointedLayers(), reader)
+        wrong = compare_run(_CheckpointedLayers(bug="backward"), reader)
+    assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
+
+    def unwrapped(records: list[RecordResult]) -> set[str]:  # the bundle's names, under DataParallel's prefixes
+        return {record.name[record.name.index("layers.") :] for record in records}
+
+    expected = {f"layers.{n}.0.{p}" for n in range(3) for p in ("weight", "bias")}
+    assert unwrapped(correct.of_kind("param_grad")) == expected
+    assert wrong.verdict == "MISMATCH"
+    failing = unwrapped([r for r in wrong.of_kind("param_grad") if not r.match])
+    assert {"layers.0.0.weight", "layers.1.0.weight"} <= failing
 
 
 class _SwappedGradients(torch.autograd.Function):
