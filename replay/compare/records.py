@@ -273,6 +273,11 @@ class ComparingSink:
         """The bundle modules whose gradients their wrappers recorded in their place (:func:`gradient_stand_ins`)."""
         return frozenset(self._gradients_of)
 
+    @property
+    def stand_ins(self) -> dict[str, str]:
+        """Bundle module -> the wrapper whose gradient records are its own (:func:`gradient_stand_ins`)."""
+        return dict(self._gradients_of)
+
     def _gradient_call(self, module: str, call: int) -> tuple[str, tuple[int, ModuleCall] | None]:
         """The bundle call holding the gradients of ``module``'s call: its own, or its wrapper's where that one
         records them in its place."""

@@ -934,6 +934,7 @@ class _ReplaySession:
             forward_context=functools.partial(self.precision.forward, self.target),
             mask_padding=options.mask_padding,
             chained=self._chained_records(),
+            stand_ins=self.sink.stand_ins if self.sink is not None else None,
         )
         levels = self._local_levels(needs_levels(self.result, isolation))
         apply_isolation(self.result, isolation, levels if self.near is not None else None)
@@ -963,6 +964,7 @@ class _ReplaySession:
                 device=self.options.device,
                 isolation_inputs=self.options.isolation_inputs,
                 mask_padding=self.options.mask_padding,
+                stand_ins=self.sink.stand_ins if self.sink is not None else None,
             )
         except Exception as err:
             self.result.notes.append(f"isolation: the modules could not rerun in float64 ({type(err).__name__})")

@@ -24,6 +24,7 @@ after each isolated call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ __all__ = [
     "as_recorded",
     "isolate",
     "not_recordable",
+    "with_stood_in_gradients",
 ]
 
 LayoutTransform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -269,9 +271,12 @@ class Isolator:
         rename: RenameMap,
         cast: Callable[[Any], Any] = lambda value: value,
         context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        stand_ins: dict[str, str] | None = None,
     ) -> None:
         self.reader, self.tolerances, self.device, self.transform = reader, tolerances, device, transform
         self.rename = rename
+        self.stand_ins = stand_ins or {}
+        """Wrapped module -> the wrapper whose gradient records are its own: its local gradients go by that name."""
         self.padding: PaddingPlan | None = None
         self.position: int | None = None
         """The bundle position of the call being isolated (for padding masks)."""
@@ -392,7 +397,7 @@ class Isolator:
             [self.reader.read_tensor(ref).to(out.device, out.dtype) for out, ref in seeds],
             allow_unused=True,
         )
-        prefix = f"{call.module}/{call.call}/"
+        prefix = f"{self.stand_ins.get(call.module, call.module)}/{call.call}/"  # as the chained records are named
         for (slot, _), grad in zip(inputs, grads[: len(inputs)], strict=True):
             targets = bundle_slots(self.rename, call.module, slot, call.grad_inputs)
             if grad is None or not targets:
@@ -440,6 +445,7 @@ def isolate(
     forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     mask_padding: bool = False,
     chained: ChainedRecords | None = None,
+    stand_ins: dict[str, str] | None = None,
 ) -> Isolation:
     """Run every matched module call of ``model`` on the reference's recorded inputs.
 
@@ -457,6 +463,7 @@ def isolate(
         mask_padding: leave padded positions out, as ``--mask-padding`` does in the chained comparison.
         chained: the chained run's records; a call it already ran on the reference's exact inputs is not run
             again, nor summed again a parameter gradient those calls alone give (:func:`_plan_reuse`).
+        stand_ins: wrapped module -> the wrapper whose gradient records are its own (``records.gradient_stand_ins``).
 
     Returns:
         Local differences by record name (bundle naming) and the modules that could not be isolated.
@@ -467,14 +474,16 @@ def isolate(
         if name is not None:
             modules[name] = module
     named = {id(param): name for name, param in bundle_parameters(model, rename, reader.index.params)}
+    stand_ins = stand_ins or {}
     isolator = Isolator(
-        reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context
+        reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context, stand_ins
     )
     isolator.padding = padding_plan(reader) if mask_padding else None
-    reuse = _plan_reuse(reader.index.calls, modules, named, chained) if chained is not None else _Reuse({}, {})
-    for position, call in enumerate(reader.index.calls):
+    calls = [with_stood_in_gradients(reader, call, stand_ins) for call in reader.index.calls]
+    reuse = _plan_reuse(calls, modules, named, chained) if chained is not None else _Reuse({}, {})
+    for position, call in enumerate(calls):
         if progress is not None:
-            progress("isolate", position + 1, len(reader.index.calls))
+            progress("isolate", position + 1, len(calls))
         if call.module not in modules or call.module in isolator.outcome.skipped:
             continue
         reason = not_recordable(call.inputs)
@@ -489,4 +498,18 @@ def isolate(
         isolator.run_call(modules[call.module], call, isolation_inputs)
     outside = frozenset(named[key] for key in chained.params_used_outside if key in named) if chained else frozenset()
     isolator.compare_params(reuse.params, outside)
+    for inner, owner in stand_ins.items():  # the wrapper's records are the wrapped module's: so is its isolation
+        if inner in isolator.outcome.skipped:
+            isolator.outcome.skipped.setdefault(owner, isolator.outcome.skipped[inner])
     return isolator.outcome
+
+
+def with_stood_in_gradients(reader: BundleReader, call: ModuleCall, stand_ins: dict[str, str]) -> ModuleCall:
+    """``call`` with the gradient records of the wrapper standing in for its module (``stand_ins``:
+    under reentrant checkpointing the wrapped module records none), to seed its backward and judge its inputs'
+    gradients by: its output gradients are the wrapper's (what reaches it from outside), its input gradients too."""
+    owner = stand_ins.get(call.module)
+    found = None if owner is None else reader.find_call(owner, call.call)
+    if found is None:
+        return call
+    return dataclasses.replace(call, grad_outputs=found[1].grad_outputs, grad_inputs=found[1].grad_inputs)

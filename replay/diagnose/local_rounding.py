@@ -19,7 +19,13 @@ from parity_harness.common.numerics.metrics import TensorDiff, unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.near_misses import plausible_level
 from parity_harness.replay.compare.padding import padding_plan
-from parity_harness.replay.diagnose.isolation import InputAdapter, Isolator, LayoutTransform, not_recordable
+from parity_harness.replay.diagnose.isolation import (
+    InputAdapter,
+    Isolator,
+    LayoutTransform,
+    not_recordable,
+    with_stood_in_gradients,
+)
 from parity_harness.replay.naming.mapping import RenameMap
 from parity_harness.replay.reader import BundleReader
 
@@ -58,19 +64,25 @@ def local_levels(
     device: str,
     isolation_inputs: InputAdapter | None,
     mask_padding: bool = False,
+    stand_ins: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """Per local record of the calls of ``modules`` (bundle names): the port's float32 rounding on it (records
     whose float32 and float64 values differ by more than rounding can be are left out); with ``mask_padding``,
     measured outside the padded positions, which the comparison leaves out too (garbage there, however large, is
-    no rounding of the values compared)."""
+    no rounding of the values compared). ``stand_ins``: wrapped module -> the wrapper whose gradient records are
+    its own (``isolation.with_stood_in_gradients``)."""
+    stand_ins = stand_ins or {}
     by_name = {rename.module(path): module for path, module in model.named_modules() if path}
     calls = [
-        (position, call)
+        (position, with_stood_in_gradients(reader, call, stand_ins))
         for position, call in enumerate(reader.index.calls)
-        if call.module in modules and by_name.get(call.module) is not None and not_recordable(call.inputs) is None
+        if (call.module in modules or stand_ins.get(call.module) in modules)
+        and by_name.get(call.module) is not None
+        and not_recordable(call.inputs) is None
     ]
-    single = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _same)
-    double = _Collector(reader, ToleranceTable(), torch.device(device), transform, {}, rename, _to_float64)
+    where = torch.device(device)
+    single = _Collector(reader, ToleranceTable(), where, transform, {}, rename, _same, stand_ins=stand_ins)
+    double = _Collector(reader, ToleranceTable(), where, transform, {}, rename, _to_float64, stand_ins=stand_ins)
     single.padding = padding_plan(reader) if mask_padding else None
     levels: dict[str, float] = {}
     for position, call in calls:  # one call at a time: what is kept is one call's values, whatever the model's size

@@ -774,10 +774,17 @@ def test_a_checkpoint_wrapper_never_counts_a_call_twice_nor_hides_the_only_gradi
         assert not any("grad" in name for name in correct.waived)
 
 
+class _ScaledInside(nn.Sequential):
+    """A layer whose backward scales the gradient reaching its output by 1.01, inside it: a bug of its own."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Sequential's argument name
+        return GradientScaled.apply(super().forward(input), 1.01)
+
+
 class _CheckpointedLayers(nn.Module):
     """Three layers of two modules each, each layer under activation checkpointing's wrapper (``impl``) or not;
-    ``bug``: ``backward`` scales the gradient into layer 1's output by 1.01, ``detached`` cuts layer 0's input off
-    from the graph."""
+    ``bug``: ``backward`` scales the gradient into layer 1's output by 1.01 (between the layers), ``inside`` does
+    so inside layer 1, ``detached`` cuts layer 0's input off from the graph."""
 
     def __init__(self, impl: str | None = None, bug: str | None = None) -> None:
         super().__init__()
@@ -785,6 +792,8 @@ class _CheckpointedLayers(nn.Module):
 
         torch.manual_seed(0)
         layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)]
+        if bug == "inside":
+            layers[1] = _ScaledInside(*layers[1])
         if impl is not None:
             layers = [checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl[impl]) for layer in layers]
         self.layers, self.bug = nn.ModuleList(layers), bug
@@ -827,6 +836,26 @@ def test_a_reentrant_checkpointed_capture_compares_its_layers_gradients_with_any
     assert detached.verdict == "MISMATCH"
     absent = {r.name: r.diff.problem for r in detached.records if not r.match}
     assert "no gradient in the port" in (absent.get("layers.0/0/grad_input.input") or ""), absent
+
+
+def test_isolation_finds_a_bug_inside_a_layer_whose_wrapper_holds_its_gradients(tmp_path: Path) -> None:
+    """Under reentrant checkpointing the layer's gradient records are its wrapper's: --isolate seeds the layer's
+    backward with them and judges its input gradient by them, so a bug inside layer 1 is the origin there (it was
+    'not isolated', with no reason and no origin); a correct port has none."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "layers.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    capture_run(_CheckpointedLayers("REENTRANT"), (x,), bundle)
+    with BundleReader(bundle) as reader:
+        correct = compare_run(_CheckpointedLayers(), reader, isolate=True)
+        wrong = compare_run(_CheckpointedLayers(bug="inside"), reader, isolate=True)
+    assert correct.verdict == "MATCH"
+    assert correct.first_origin("backward") is None
+    origin = wrong.first_origin("backward")
+    assert origin is not None
+    assert origin.name == "layers.1/0/grad_input.input"
+    assert {r.name: r.verdict for r in wrong.of_kind("backward")}["layers.0/0/grad_output"] == "inherited"
 
 
 @pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
