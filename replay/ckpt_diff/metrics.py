@@ -21,6 +21,7 @@ from typing import Final
 import numpy as np
 
 from parity_harness.common.format.dtypes import to_numeric
+from parity_harness.common.numerics.integers import exact_difference, needs_exact_difference
 
 __all__ = ["BLOCK_ELEMENTS", "PairMoments", "SideMoments", "measure_pair", "measure_side"]
 
@@ -157,7 +158,9 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
             moments.a.count += x.size
             moments.b.count += y.size
             before = moments.differing
-            if not _fast_block(x, y, scratch[:, : x.size], epsilon, moments):
+            if tag_a in _INTEGER and needs_exact_difference(raw_a.reshape(-1), raw_b.reshape(-1)):
+                _exact_integer_block(raw_a.reshape(-1), raw_b.reshape(-1), x, y, moments)
+            elif not _fast_block(x, y, scratch[:, : x.size], epsilon, moments):
                 for start in range(0, x.size, _CAREFUL_ELEMENTS):  # float64 temporaries that stay in cache
                     part = slice(start, start + _CAREFUL_ELEMENTS)
                     if not _fast_block(x[part], y[part], scratch[:, : x[part].size], epsilon, moments):
@@ -221,6 +224,26 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
     moments.both_delta += squares_d
     moments.both_gap += gap
     return True
+
+
+def _exact_integer_block(
+    raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: np.ndarray, moments: PairMoments
+) -> None:
+    """A block of 64-bit integers past 2**52, whose differences float64 would round away (2**60 + 1 - 2**60 = 0): B-A
+    taken in integers (``numerics.integers``), each side's statistics from the widened values as elsewhere."""
+    d = exact_difference(raw_a, raw_b, np.empty(raw_a.size, dtype=np.float64))
+    both = x + y
+    squares_d, squares_a, squares_b, gap = (float(np.dot(u, v)) for u, v in ((d, d), (x, x), (y, y), (d, both)))
+    moments.a.add(float(x.sum()), squares_a, float(x.min()), float(x.max()))
+    moments.b.add(float(y.sum()), squares_b, float(y.min()), float(y.max()))
+    np.abs(d, out=d)
+    moments.delta_squares += squares_d
+    moments.delta_abs += float(d.sum())
+    moments.max_abs = max(moments.max_abs, float(d.max()))
+    moments.both_a += squares_a
+    moments.both_b += squares_b
+    moments.both_delta += squares_d
+    moments.both_gap += gap
 
 
 def _integers_differing(raw_a: np.ndarray, raw_b: np.ndarray, x: np.ndarray, y: np.ndarray, epsilon: float) -> int:

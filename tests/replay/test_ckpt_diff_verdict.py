@@ -34,11 +34,13 @@ def npz_pair(tmp_path: Path, a: dict[str, np.ndarray], b: dict[str, np.ndarray])
     ids=["int64", "uint64", "negative-int64"],
 )
 def test_wide_integers_are_compared_exactly(tmp_path: Path, dtype: type, value: int) -> None:
-    """Integers float64 cannot tell apart (2**60 against 2**60 + 1) are different, also within an epsilon below 1."""
+    """Integers float64 cannot tell apart (2**60 against 2**60 + 1) are different, also within an epsilon below 1;
+    their distances are taken exactly too (L1, L2 and max |B-A| were 0 beside one changed element)."""
     a, b = np.array([value, 5], dtype=dtype), np.array([value + 1, 5], dtype=dtype)
     result = ckpt_diff.diff(*npz_pair(tmp_path, {"step": a}, {"step": b}))
     assert not result.equal
     assert result.tensors[0].elements_changed == 1
+    assert (result.tensors[0].l1, result.tensors[0].l2, result.tensors[0].max_abs) == (1.0, 1.0, 1.0)
     assert not ckpt_diff.diff(tmp_path / "a.npz", tmp_path / "b.npz", epsilon=0.5).equal
     assert ckpt_diff.diff(tmp_path / "a.npz", tmp_path / "b.npz", epsilon=2.0).equal
 
