@@ -2,15 +2,17 @@
 
 A float64 rerun of a model (the reference's noise floor, the port's rounding check) is the same computation in exact
 arithmetic only if it draws the same random numbers. torch draws some differently in float64 from the same
-generator state (``torch.rand``, ``uniform_``, ``randn`` of more than 16 elements; dropout's masks happen to agree),
-and that changes which samples a stochastic-depth layer drops: the rerun's distance to the float32 values is then no
-rounding, yet may be small enough to pass for it.
+generator state (``torch.rand``, ``uniform_``, ``randn`` of more than 16 elements, CUDA's fused dropout; the CPU's
+dropout masks happen to agree), and that changes which samples a stochastic-depth layer drops: the rerun's distance to
+the float32 values is then no rounding, yet may be small enough to pass for it.
 
-:class:`SameDraws` makes each float64 draw in float32, from the same generator, and widens it: the rerun consumes the
-generator as the float32 run did and gets its numbers. A draw it cannot make so (an operator it does not know, a
-generator of the model's own, which the run before has moved on) is named in ``unmatched``, for the caller to judge
-the rerun by; an operator tagged as drawing that leaves torch's generators as they were (attention without dropout)
-drew nothing.
+:class:`SameDraws` makes each such float64 draw in float32, from the same generator, into a tensor of the same
+strides, and widens it: the rerun consumes the generator as the float32 run did and gets its numbers. A draw from a
+generator of the model's own (which the run before has moved on) is named in ``unmatched``, for the caller to judge
+the rerun by. A draw the float32 run made in float64 on purpose is narrowed too: the generators' end state tells
+(below). Other draws (``randint``, ``multinomial``, ``poisson``: the same in float64) are made as they come; the
+caller compares the state torch's generators end the rerun in with the one the float32 run left, which tells of a
+draw made otherwise (not inside ``torch.random.fork_rng``, which puts the state back).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from typing import Any, Final
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from parity_harness.capture.observe.driving import torch_generator_states
 
 __all__ = ["SameDraws"]
 
@@ -68,18 +68,47 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.unmatched.add(f"{packet.__name__} from a generator of the model's own")
             return func(*args, **kwargs)
         if packet in _FILLS and args and _is_float64(args[0]):
-            narrow = torch.empty_like(args[0], dtype=torch.float32)
-            func(narrow, *(_narrowed(value) for value in args[1:]), **kwargs)
-            return args[0].copy_(narrow)
+            return _fill_narrow(func, args, kwargs)
         if packet in _FACTORIES and kwargs.get("dtype") == torch.float64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(torch.float64)
         if packet in _LIKE and _is_float64(args[0]) and kwargs.get("dtype") in (None, torch.float64):
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(torch.float64)
         if packet is _aten.bernoulli and _is_float64(args[0]):  # probabilities in, draws of their dtype out
             return func(*(_narrowed(value) for value in args), **kwargs).to(torch.float64)
-        widened = any(_is_float64(value) for value in (*args, *kwargs.values())) or kwargs.get("dtype") == torch.float64
-        before = torch_generator_states() if widened else ()
-        result = func(*args, **kwargs)
-        if widened and torch_generator_states() != before:  # it drew (attention without dropout draws nothing)
-            self.unmatched.add(packet.__name__)
-        return result
+        if packet is _aten.native_dropout and _is_float64(args[0]):  # CUDA's fused dropout: the mask as in float32
+            return _dropout_narrow(func, args, kwargs)
+        if packet is _aten.rrelu_with_noise and _is_float64(args[0]):
+            return _rrelu_narrow(func, args, kwargs)
+        # Any other draw (randint, multinomial, poisson...) is made as it comes: torch's generators ending the rerun
+        # in another state than the float32 run left them tells of one drawn otherwise (the caller compares them).
+        return func(*args, **kwargs)
+
+
+def _fill_narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An in-place draw into a float64 tensor, made into a float32 one of the same strides (a strided slice is drawn
+    element by element, a contiguous tensor by vectors: other numbers) and widened into it."""
+    target = args[0]
+    narrow = torch.empty_strided(target.size(), target.stride(), dtype=torch.float32, device=target.device)
+    func(narrow, *(_narrowed(value) for value in args[1:]), **kwargs)
+    return target.copy_(narrow)
+
+
+def _dropout_narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``native_dropout`` of a float64 input: its mask drawn as for the float32 input, the output scaled in float64."""
+    values = args[0]
+    p = float(args[1] if len(args) > 1 else kwargs["p"])
+    _, mask = func(values.to(torch.float32), *args[1:], **kwargs)
+    return values * mask * (0.0 if p >= 1.0 else 1.0 / (1.0 - p)), mask
+
+
+def _rrelu_narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``rrelu_with_noise`` of a float64 input: its noise (the slopes, 1 where the input is positive) drawn as for the
+    float32 input into the caller's noise tensor, the output ``input * noise`` in float64."""
+    values, noise = args[0], args[1]
+    training = args[4] if len(args) > 4 else kwargs.get("training", False)
+    if not training:
+        return func(*args, **kwargs)
+    narrow = noise.to(torch.float32)
+    func(values.to(torch.float32), narrow, *args[2:], **kwargs)
+    noise.copy_(narrow)
+    return values * noise

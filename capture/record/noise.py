@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity_harness.capture.observe.driving import ForwardFn, LossFn, call_forward, map_tensors, seed_everything
+from parity_harness.capture.observe.driving import (
+    ForwardFn,
+    LossFn,
+    call_forward,
+    map_tensors,
+    seed_everything,
+    torch_generator_states,
+)
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.capture.record.draws import SameDraws
@@ -131,15 +138,22 @@ def measure_noise_floor(
     loss: LossFn | None,
     train_mode: bool,
     start: BufferValues,
+    draws: tuple[bytes, ...] | None,
 ) -> dict[str, float]:
     """Rerun ``model`` in float64 from the buffers ``start`` holds (those the recorded run started from) and return,
-    per record name, its distance to the recorded values.
+    per record name, its distance to the recorded values. ``draws``: torch's generators as the recorded run left them,
+    where the float64 run must leave them too (else it drew other numbers).
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
+
+    Raises:
+        CaptureError: the float64 run could not draw the random numbers the recorded run drew.
     """
     unmatched: set[str] = set()
     with in_float64(model, train_mode, unmatched, start) as exact_model:
         floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
+    if draws is not None and torch_generator_states() != draws:
+        unmatched.add("a draw made otherwise in float64")
     if unmatched:
         raise CaptureError(
             f"--noise-floor: the model draws random numbers ({', '.join(sorted(unmatched))}) that its float64 run "

@@ -27,6 +27,7 @@ from parity_harness.capture.observe.driving import (
     call_forward,
     rng_state,
     seed_everything,
+    torch_generator_states,
 )
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
@@ -260,6 +261,8 @@ class _CaptureRun:
         self.tap: ModuleTap | None = None
         self.buffers_before: BufferSnapshot | None = None
         self.buffers_at_start: BufferValues | None = None
+        self.draws_after: tuple[bytes, ...] | None = None
+        """torch's generators as the recorded run left them (after its backward)."""
         self.buffers: RecordedBuffers | None = None
         self.padded: PaddedPositions | None = None
         """Where the seeded cotangent is zero: each output's padded positions (``--lengths``)."""
@@ -305,6 +308,7 @@ class _CaptureRun:
                 self.writer, outputs, options.seed, options.loss, self.padded
             )
         self.grads = gradients.finish()
+        self.draws_after = torch_generator_states()  # the noise floor's float64 run must end where this one did
 
     def _padded_positions(self, lengths: tuple[int, ...]) -> PaddedPositions:
         """The model outputs' padded positions, by the plan replay's ``--mask-padding`` masks them with, built from
@@ -340,6 +344,7 @@ class _CaptureRun:
             self.floors = measure_noise_floor(
                 self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
                 loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
+                draws=self.draws_after,
             )  # fmt: skip
 
     def index(self) -> BundleIndex:

@@ -760,7 +760,7 @@ class _ReplaySession:
         # The rerun draws as the replay did (capture.record.draws); an end state of torch's generators other than
         # the replay's tells of a draw it could not see (another rank's run has no replay here to compare with).
         if run is self.reader and self.replay_draws is not None and torch_generator_states() != self.replay_draws:
-            self.unmatched_draws.add("a draw no operator showed")
+            self.unmatched_draws.add("a draw made otherwise in float64")
 
     def account_for_unvisited(self, strict_waivers: bool = True) -> None:
         """Module records the port never produced: missing, or waived when left out on purpose (--layers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -707,6 +708,65 @@ def test_the_reference_s_noise_floor_run_draws_as_the_recorded_run_did(tmp_path:
     with pytest.raises(CaptureError, match="a generator of the model's own"):
         capture_run(_StochasticDepth("own"), (x,), tmp_path / "own.h5", seed=0, train_mode=True, noise_floor=True)
     assert not (tmp_path / "own.h5").exists()
+
+
+def _slice_noise(h: torch.Tensor) -> torch.Tensor:
+    """Noise drawn into every other column of a wider buffer: a strided fill, drawn element by element."""
+    return h + 0.01 * h.new_empty(*h.shape[:-1], 2 * h.shape[-1])[..., ::2].normal_()
+
+
+_DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "dropout": lambda h: F.dropout(h, 0.2, True),
+    "native_dropout": lambda h: torch.native_dropout(h, 0.2, True)[0],  # what F.dropout runs on CUDA
+    "rrelu": lambda h: F.rrelu(h, training=True),
+    "strided_normal": _slice_noise,
+    "multinomial": lambda h: h + 0.01 * h[..., torch.multinomial(torch.softmax(h[0, 0].detach(), -1), 8)].sum(-1, True),
+    "randint_like": lambda h: h + 0.01 * torch.randint_like(h, 3),
+    "float64_on_purpose": lambda h: (
+        h * torch.rand(h.shape[0], 1, 1, dtype=torch.float64).add_(0.7).floor_().to(h.dtype)
+    ),
+}
+
+
+class _Drawing(torch.nn.Module):
+    """Two linear layers with a random draw between them (``_DRAWS``); ``split``: the port's layers sum in another
+    order (:class:`_SplitLinear`)."""
+
+    def __init__(self, draw: str, split: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        linear = _SplitLinear if split else torch.nn.Linear
+        self.fc1, self.fc2, self.draw = linear(64, 256), linear(256, 64), draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(_DRAWS[self.draw](self.fc1(x))))
+
+
+@pytest.mark.parametrize("draw", sorted(_DRAWS))
+def test_every_kind_of_draw_is_repeated_by_the_float64_runs_or_judged_undecided(tmp_path: Path, draw: str) -> None:
+    """Each draw is made in the float64 runs as the float32 run made it: a correct port matches by the rounding rule,
+    and the reference's noise floor is captured, for draws torch makes alike in float64 (dropout's mask, randint,
+    multinomial), those made by the fused dropout and RReLU (their masks and slopes drawn for a float32 copy), and a
+    fill of a strided slice (drawn into a float32 tensor of the same strides: a contiguous one is filled otherwise).
+    A draw made in float64 on purpose is narrowed too and ends the generator elsewhere: its near misses are
+    undecided, and the noise floor is refused, rather than judged against other numbers."""
+    x = 10 * torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(1))
+    bundle = tmp_path / "drawing.h5"
+    capture_run(_Drawing(draw), (x,), bundle, seed=0, train_mode=True)
+    near = {r.name for r in _replay(_Drawing(draw, split=True), bundle, rounding=False).records if not r.match}
+    assert near, "the port's other summation order must fail atol/rtol, or this tests nothing"
+    result = _replay(_Drawing(draw, split=True), bundle)
+    floor = tmp_path / "floor.h5"
+    if draw != "float64_on_purpose":
+        assert result.verdict == "MATCH", [(r.name, r.rounding) for r in result.records if not r.match]
+        capture_run(_Drawing(draw), (x,), floor, seed=0, train_mode=True, noise_floor=True)
+        with BundleReader(floor) as reader:
+            assert 0.0 < reader.index.noise_floor["output"] < 1e-4
+        return
+    assert result.verdict == "INCOMPLETE"
+    assert any("a draw made otherwise in float64" in note for note in result.notes)
+    with pytest.raises(CaptureError, match="a draw made otherwise in float64"):
+        capture_run(_Drawing(draw), (x,), floor, seed=0, train_mode=True, noise_floor=True)
 
 
 class _OnePassLayerNorm(torch.nn.LayerNorm):
