@@ -8,11 +8,12 @@ the float32 values is then no rounding, yet may be small enough to pass for it.
 
 :class:`SameDraws` makes each such float64 draw in float32, from the same generator, into a tensor of the same
 strides, and widens it: the rerun consumes the generator as the float32 run did and gets its numbers. A draw from a
-generator of the model's own (which the run before has moved on) is named in ``unmatched``, for the caller to judge
-the rerun by. A draw the float32 run made in float64 on purpose is narrowed too: the generators' end state tells
-(below). Other draws (``randint``, ``multinomial``, ``poisson``: the same in float64) are made as they come; the
-caller compares the state torch's generators end the rerun in with the one the float32 run left, which tells of a
-draw made otherwise (not inside ``torch.random.fork_rng``, which puts the state back).
+generator the model holds (which the run before has moved on) is named in ``unmatched``, for the caller to judge the
+rerun by; one made and seeded within the forward draws the same again. A draw the float32 run made in float64 on
+purpose is narrowed too: the generators' end state tells (below). Other draws (``randint``, ``multinomial``,
+``poisson``: the same in float64) are made as they come; the caller compares the state torch's generators end the
+rerun in with the one the float32 run left, which tells of a draw made otherwise (not inside
+``torch.random.fork_rng``, which puts the state back).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Final
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SameDraws"]
+__all__ = ["SameDraws", "held_generators"]
 
 _aten = torch.ops.aten
 _FILLS: Final = frozenset(
@@ -48,11 +49,12 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Args:
         unmatched: where to add a description of each draw that could not be made as in float32.
+        held: the generators the model holds (:func:`held_generators`): the run before moved them on.
     """
 
-    def __init__(self, unmatched: set[str]) -> None:
+    def __init__(self, unmatched: set[str], held: tuple[torch.Generator, ...] = ()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.unmatched = unmatched
+        self.unmatched, self.held = unmatched, held
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -62,9 +64,17 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*args, **kwargs)
         return self._draw(func, args, kwargs)
 
+    def _held(self, value: object) -> bool:
+        """Whether ``value`` is a generator the model holds: the dispatcher hands over another Python object for the
+        same generator, so it is known by its state (one in the same state draws the same numbers anyway)."""
+        if not isinstance(value, torch.Generator) or not self.held:
+            return False
+        state = value.get_state()
+        return any(held.device == value.device and torch.equal(held.get_state(), state) for held in self.held)
+
     def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         packet = func.overloadpacket
-        if any(isinstance(value, torch.Generator) for value in (*args, *kwargs.values())):
+        if any(self._held(value) for value in (*args, *kwargs.values())):
             self.unmatched.add(f"{packet.__name__} from a generator of the model's own")
             return func(*args, **kwargs)
         if packet in _FILLS and args and _is_float64(args[0]):
@@ -82,6 +92,14 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Any other draw (randint, multinomial, poisson...) is made as it comes: torch's generators ending the rerun
         # in another state than the float32 run left them tells of one drawn otherwise (the caller compares them).
         return func(*args, **kwargs)
+
+
+def held_generators(model: torch.nn.Module) -> tuple[torch.Generator, ...]:
+    """Each generator an attribute of one of ``model``'s modules holds: the float32 run drew from it, so a rerun draws
+    the numbers after those (a generator made and seeded within the forward draws the same again)."""
+    return tuple(
+        value for module in model.modules() for value in vars(module).values() if isinstance(value, torch.Generator)
+    )
 
 
 def _fill_narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

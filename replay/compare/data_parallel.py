@@ -121,6 +121,7 @@ class DataParallelRuns:
             return
         with in_float64(model, self.parameters.index.run.train_mode) as exact:
             sum_gradients_across_processes(exact)
+        every_process(True)  # it drew nothing (the others agree whether any of them drew otherwise)
 
 
 def _collective_device() -> torch.device:

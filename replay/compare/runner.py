@@ -687,6 +687,9 @@ class _ReplaySession:
             if not every_process(failure is None):
                 raise failure or RuntimeError("another replay process's float64 rerun failed")
             sum_gradients_across_processes(exact)
+            # The summed gradients hold every process's draws: one that drew otherwise leaves them all unmeasured.
+            if not every_process(not self.unmatched_draws):
+                self.unmatched_draws.add("a draw made otherwise on another replay process")
         if data_parallel and data_parallel.grad_reduction == "mean":
             world = len(data_parallel.captured or data_parallel.ranks)
             with torch.no_grad():

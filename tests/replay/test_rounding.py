@@ -722,6 +722,9 @@ _DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "strided_normal": _slice_noise,
     "multinomial": lambda h: h + 0.01 * h[..., torch.multinomial(torch.softmax(h[0, 0].detach(), -1), 8)].sum(-1, True),
     "randint_like": lambda h: h + 0.01 * torch.randint_like(h, 3),
+    "seeded_in_forward": lambda h: (
+        h + 0.01 * torch.randn(h.shape, generator=torch.Generator().manual_seed(3), dtype=h.dtype)
+    ),
     "float64_on_purpose": lambda h: (
         h * torch.rand(h.shape[0], 1, 1, dtype=torch.float64).add_(0.7).floor_().to(h.dtype)
     ),
@@ -746,8 +749,9 @@ class _Drawing(torch.nn.Module):
 def test_every_kind_of_draw_is_repeated_by_the_float64_runs_or_judged_undecided(tmp_path: Path, draw: str) -> None:
     """Each draw is made in the float64 runs as the float32 run made it: a correct port matches by the rounding rule,
     and the reference's noise floor is captured, for draws torch makes alike in float64 (dropout's mask, randint,
-    multinomial), those made by the fused dropout and RReLU (their masks and slopes drawn for a float32 copy), and a
-    fill of a strided slice (drawn into a float32 tensor of the same strides: a contiguous one is filled otherwise).
+    multinomial), those made by the fused dropout and RReLU (their masks and slopes drawn for a float32 copy), a fill
+    of a strided slice (drawn into a float32 tensor of the same strides: a contiguous one is filled otherwise), and a
+    draw from a generator the forward makes and seeds (unlike one the model holds, which the replay moved on).
     A draw made in float64 on purpose is narrowed too and ends the generator elsewhere: its near misses are
     undecided, and the noise floor is refused, rather than judged against other numbers."""
     x = 10 * torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(1))
