@@ -5,10 +5,11 @@ Replay drives the port through the same functions, so both environments run the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ __all__ = [
     "LossFn",
     "PaddedPositions",
     "call_forward",
+    "generators_kept",
     "make_cotangents",
     "map_tensors",
     "rng_state",
@@ -45,6 +47,22 @@ def torch_generator_states() -> tuple[bytes, ...]:
     that differ tell that a run drew random numbers from them."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
     return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda))
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's global generators as they were, once the block is over: a capture or replay
+    seeds them for its runs, and a test suite checking parity must not find its own random numbers changed after."""
+    python, numpy_state, torch_cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def rng_state() -> tuple[dict[str, object], np.ndarray]:

@@ -25,6 +25,7 @@ from parity_harness.capture.observe.driving import (
     LossFn,
     PaddedPositions,
     call_forward,
+    generators_kept,
     rng_state,
     seed_everything,
     torch_generator_states,
@@ -173,11 +174,12 @@ def capture_run(
     given = {key: (defaults[key]() if value is None and key in defaults else value) for key, value in fields.items()}
     options = dataclasses.replace(options or CaptureOptions(), **given)
     context = current_rank()
-    if context is None:
-        return _capture(model, inputs, Path(out), options, None)
-    if options.noise_floor:
+    if context is not None and options.noise_floor:
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
-    return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))
+    with generators_kept():
+        if context is None:
+            return _capture(model, inputs, Path(out), options, None)
+        return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))
 
 
 def _capture_rank(

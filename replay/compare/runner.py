@@ -23,6 +23,7 @@ from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
     call_forward,
+    generators_kept,
     seed_everything,
     to_device,
     torch_generator_states,
@@ -180,7 +181,7 @@ def compare_run(
             inputs, a noise floor it does not have).
     """
     options = dataclasses.replace(options or ReplayOptions(), **fields)
-    with _state_kept(model), full_float32(options.allow_tf32):
+    with _state_kept(model), generators_kept(), full_float32(options.allow_tf32):
         return _compare(model, reader, options)
 
 
@@ -236,9 +237,15 @@ _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")
 """How the notes of the rounding check begin (``recheck_rounding``, ``_undecided``)."""
 
 
+_RANK_PREFIX: Final = re.compile(r"rank\d+:")
+
+
 def _waives(pattern: str, name: str, own: str) -> bool:
-    """Whether a waiver names a record, as it is or under its rank's prefix ``own`` (``rank<r>:``, or empty)."""
-    return fnmatch.fnmatchcase(name, pattern) or (bool(own) and fnmatch.fnmatchcase(own + name, pattern))
+    """Whether a waiver names a record, as it is or, one of this rank's own (another rank's are listed under their
+    ``rank<r>:`` prefix already), under this rank's prefix ``own`` (``rank<r>:``, or empty)."""
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    return bool(own) and not _RANK_PREFIX.match(name) and fnmatch.fnmatchcase(own + name, pattern)
 
 
 def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
@@ -802,11 +809,12 @@ class _ReplaySession:
             if module not in hidden:
                 return False
             inner = around.get(module)
-            # Around the model itself (DataParallel(checkpoint_wrapper(model))), its records are the root's, which
-            # no port module has: the wrapped root records no gradients under reentrant checkpointing.
-            return (
-                inner is None or not strip_wrappers(inner, roots) or same_record(self.reader, name, f"{inner}/{rest}")
-            )
+            if inner is None or same_record(self.reader, name, f"{inner}/{rest}"):
+                return True
+            # Around the model itself (DataParallel(checkpoint_wrapper(model))), its records are the root's, which no
+            # port module has: its inputs and outputs are the model's, its output gradient the cotangent. Not its
+            # inputs' gradients: under reentrant checkpointing the only record of the model inputs' gradient.
+            return not strip_wrappers(inner, roots) and not rest.partition("/")[2].startswith("grad_input")
 
         return of_wrapper
 

@@ -773,6 +773,25 @@ def test_every_kind_of_draw_is_repeated_by_the_float64_runs_or_judged_undecided(
         capture_run(_Drawing(draw), (x,), floor, seed=0, train_mode=True, noise_floor=True)
 
 
+def test_capture_and_replay_leave_the_caller_s_random_generators_as_they_were(tmp_path: Path) -> None:
+    """Both seed Python's, NumPy's and torch's generators for their runs (the recorded one, the noise floor's, the
+    replay and its float64 rerun); a test suite checking parity then drew other numbers than it would have."""
+    import random
+
+    def states() -> tuple[object, ...]:
+        return random.getstate(), np.random.get_state()[1].tobytes(), torch.get_rng_state().numpy().tobytes()
+
+    reference, port = _Drawing("dropout"), _Drawing("dropout", split=True)  # they seed torch as they are made
+    torch.manual_seed(123), np.random.seed(7), random.seed(5)  # the suite's own
+    x, before = 10 * torch.randn(8, 64, 64), states()
+    bundle = tmp_path / "drawing.h5"
+    capture_run(reference, (x,), bundle, seed=0, train_mode=True, noise_floor=True)
+    assert states() == before
+    result = _replay(port, bundle)
+    assert any(r.rule == "rounding" for r in result.records)  # the float64 rerun ran
+    assert states() == before
+
+
 class _OnePassLayerNorm(torch.nn.LayerNorm):
     """LayerNorm with the variance as ``E[x^2] - E[x]^2``: the same math, ill-conditioned in float32 on rows far from
     zero mean (its own rounding ~100 times a two-pass one's)."""
