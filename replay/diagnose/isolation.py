@@ -277,6 +277,9 @@ class Isolator:
         self.rename = rename
         self.stand_ins = stand_ins or {}
         """Wrapped module -> the wrapper whose gradient records are its own: its local gradients go by that name."""
+        self.silent: frozenset[int] = frozenset()
+        """``id`` of the port's modules whose calls recorded no gradient (under a stood-in wrapper: see
+        :meth:`_local_parameters`)."""
         self.padding: PaddingPlan | None = None
         self.position: int | None = None
         """The bundle position of the call being isolated (for padding masks)."""
@@ -388,7 +391,7 @@ class Isolator:
         if not seeds:
             return
         inputs = [(f"grad_{slot}", leaf) for slot, leaf in leaves.items()]
-        params = [(name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+        params = [(name, p) for name, p in self._local_parameters(module, call) if p.requires_grad]
         if not inputs and not params:
             return
         grads = torch.autograd.grad(
@@ -409,6 +412,21 @@ class Isolator:
             key = self.param_names.get(id(param))
             if grad is not None and key is not None:
                 self.param_sums[key] = self.param_sums[key] + grad if key in self.param_sums else grad.detach()
+
+    def _local_parameters(self, module: torch.nn.Module, call: ModuleCall) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters whose gradients ``call``'s isolated backward gives: the module's own, and where its wrapper
+        holds its gradient records (reentrant checkpointing: nothing inside recorded one), those of the modules inside
+        it that recorded none (``silent``), which no isolated call of their own could give."""
+        own = list(module.named_parameters(recurse=False))
+        if call.module not in self.stand_ins:
+            return own
+        inside = [
+            (f"{path}.{name}", param)
+            for path, child in module.named_modules()
+            if path and id(child) in self.silent
+            for name, param in child.named_parameters(recurse=False)
+        ]
+        return own + inside
 
     def compare_params(self, settled: dict[str, TensorDiff], used_outside: frozenset[str] = frozenset()) -> None:
         """Every summed parameter gradient against the reference's; ``settled`` ones take the given difference, and
@@ -479,6 +497,8 @@ def isolate(
         reader, tolerances, torch.device(device), to_reference, named, rename, cast_inputs, forward_context, stand_ins
     )
     isolator.padding = padding_plan(reader) if mask_padding else None
+    recording = {call.module for call in reader.index.calls if call.grad_outputs or call.grad_inputs}
+    isolator.silent = frozenset(id(module) for name, module in modules.items() if name not in recording)
     calls = [with_stood_in_gradients(reader, call, stand_ins) for call in reader.index.calls]
     reuse = _plan_reuse(calls, modules, named, chained) if chained is not None else _Reuse({}, {})
     for position, call in enumerate(calls):

@@ -781,10 +781,18 @@ class _ScaledInside(nn.Sequential):
         return GradientScaled.apply(super().forward(input), 1.01)
 
 
+class _WeightGradientScaled(nn.Linear):
+    """A linear layer whose weight's gradient alone is scaled by 1.01: a bug in a child of a layer."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name
+        return nn.functional.linear(input, GradientScaled.apply(self.weight, 1.01), self.bias)
+
+
 class _CheckpointedLayers(nn.Module):
     """Three layers of two modules each, each layer under activation checkpointing's wrapper (``impl``) or not;
     ``bug``: ``backward`` scales the gradient into layer 1's output by 1.01 (between the layers), ``inside`` does
-    so inside layer 1, ``detached`` cuts layer 0's input off from the graph."""
+    so inside layer 1, ``weight`` scales the gradient of layer 1's linear weight alone, ``detached`` cuts layer 0's
+    input off from the graph."""
 
     def __init__(self, impl: str | None = None, bug: str | None = None) -> None:
         super().__init__()
@@ -794,6 +802,10 @@ class _CheckpointedLayers(nn.Module):
         layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)]
         if bug == "inside":
             layers[1] = _ScaledInside(*layers[1])
+        if bug == "weight":
+            child = _WeightGradientScaled(4, 4)
+            child.load_state_dict(layers[1][0].state_dict())
+            layers[1][0] = child
         if impl is not None:
             layers = [checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl[impl]) for layer in layers]
         self.layers, self.bug = nn.ModuleList(layers), bug
@@ -841,7 +853,9 @@ def test_a_reentrant_checkpointed_capture_compares_its_layers_gradients_with_any
 def test_isolation_finds_a_bug_inside_a_layer_whose_wrapper_holds_its_gradients(tmp_path: Path) -> None:
     """Under reentrant checkpointing the layer's gradient records are its wrapper's: --isolate seeds the layer's
     backward with them and judges its input gradient by them, so a bug inside layer 1 is the origin there (it was
-    'not isolated', with no reason and no origin); a correct port has none."""
+    'not isolated', with no reason and no origin); a correct port has none. The gradients of the parameters of the
+    modules inside it, which recorded none, come from that backward too: a bug in a child's weight gradient is the
+    origin at that weight (it was 'not isolated')."""
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "layers.h5"
@@ -856,6 +870,12 @@ def test_isolation_finds_a_bug_inside_a_layer_whose_wrapper_holds_its_gradients(
     assert origin is not None
     assert origin.name == "layers.1/0/grad_input.input"
     assert {r.name: r.verdict for r in wrong.of_kind("backward")}["layers.0/0/grad_output"] == "inherited"
+    by_layer = {r.name.split(".")[1]: r.verdict for r in wrong.of_kind("param_grad")}  # the layer's own inside it
+    assert by_layer == {"0": "inherited", "1": "origin", "2": "ok"}, by_layer
+    with BundleReader(bundle) as reader:
+        weight = compare_run(_CheckpointedLayers(bug="weight"), reader, isolate=True)
+    verdicts = {r.name: r.verdict for r in weight.of_kind("param_grad") if not r.match}
+    assert verdicts == {"layers.1._checkpoint_wrapped_module.0.weight": "origin"}, verdicts
 
 
 @pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
