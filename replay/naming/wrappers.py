@@ -46,10 +46,19 @@ def _roots(names: list[str]) -> tuple[str, ...]:
 
 
 def strip_wrappers(name: str, roots: tuple[str, ...]) -> str:
-    """``name`` without the given leading wrappers and without inner wrapper components."""
+    """``name`` without the given leading wrappers and without inner wrapper components (nor torch.compile's
+    ``_orig_mod`` right after one: ``checkpoint_wrapper(torch.compile(block))``)."""
     for root in roots:
         name = "" if name == root else name.removeprefix(root + ".")
-    return ".".join(part for part in name.split(".") if part not in INNER_WRAPPERS)
+    kept: list[str] = []
+    after_inner = False
+    for part in name.split("."):
+        if part in INNER_WRAPPERS or (after_inner and part == "_orig_mod"):
+            after_inner = True
+            continue
+        after_inner = False
+        kept.append(part)
+    return ".".join(kept)
 
 
 def _inner(names: Iterable[str]) -> set[str]:
@@ -210,7 +219,10 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
         if normal in modules:
             return rename, f"wrapper names not normalised: bundle modules {modules[normal]!r} and {name!r} collide"
         modules[normal] = name
-    params = {strip_wrappers(name, bundle_roots): name for name in bundle_params}
+    # A checkpoint wrapper at the root names its parameters without itself: what follows (torch.compile's
+    # ``_orig_mod``) leads every parameter name, a root of theirs alone.
+    param_roots = bundle_roots or _roots(bundle_params)
+    params = {strip_wrappers(name, param_roots): name for name in bundle_params}
     described = []
     for side, roots, inner in (("bundle", bundle_roots, bundle_inner), ("port", port_roots, port_inner)):
         parts = [f"'{c}.' ({ROOT_WRAPPERS[c]})" for c in roots] + [f"'{c}.' ({INNER_WRAPPERS[c]})" for c in inner]

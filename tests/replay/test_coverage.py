@@ -850,6 +850,28 @@ def test_a_reentrant_checkpointed_capture_compares_its_layers_gradients_with_any
     assert "no gradient in the port" in (absent.get("layers.0/0/grad_input.input") or ""), absent
 
 
+@pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
+def test_a_checkpoint_wrapper_around_a_compiled_model_pairs_with_the_plain_port(tmp_path: Path, impl: str) -> None:
+    """``checkpoint_wrapper(torch.compile(model))``: torch.compile's ``_orig_mod`` follows the wrapper in every module
+    name and leads every parameter name (the root wrapper drops its own): neither paired with the plain port, a
+    correct port was INCOMPLETE with only its output compared. Both are seen through now; a backward bug fails."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "compiled.h5"
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    compiled = torch.compile(_CheckpointedLayers(), backend="eager")
+    capture_run(checkpoint_wrapper(compiled, checkpoint_impl=CheckpointImpl[impl]), (x,), bundle)
+    with BundleReader(bundle) as reader:
+        correct = compare_run(_CheckpointedLayers(), reader)
+        wrong = compare_run(_CheckpointedLayers(bug="backward"), reader)
+    assert correct.verdict == "MATCH", (correct.bundle_only, [r.name for r in correct.records if not r.match])
+    assert len(correct.of_kind("param_grad")) == 6
+    assert len(correct.of_kind("forward")) > 10
+    assert wrong.verdict == "MISMATCH"
+
+
 def test_isolation_finds_a_bug_inside_a_layer_whose_wrapper_holds_its_gradients(tmp_path: Path) -> None:
     """Under reentrant checkpointing the layer's gradient records are its wrapper's: --isolate seeds the layer's
     backward with them and judges its input gradient by them, so a bug inside layer 1 is the origin there (it was
