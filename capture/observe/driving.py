@@ -53,8 +53,10 @@ def torch_generator_states() -> tuple[bytes, ...]:
 def generators_kept() -> Iterator[None]:
     """Python's, NumPy's and torch's global generators as they were, once the block is over: a capture or replay
     seeds them for its runs, and a test suite checking parity must not find its own random numbers changed after."""
-    python, numpy_state, torch_cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    python, numpy_state, torch_cpu, seed = random.getstate(), np.random.get_state(), torch.get_rng_state(), None
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    if cuda is None:
+        seed = torch.initial_seed()  # what CUDA's generators start from, once initialised
     try:
         yield
     finally:
@@ -63,6 +65,8 @@ def generators_kept() -> Iterator[None]:
         torch.set_rng_state(torch_cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        elif seed is not None and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.manual_seed_all(seed)  # initialised by the run: as the caller's seed would have left them
 
 
 def rng_state() -> tuple[dict[str, object], np.ndarray]:

@@ -8,12 +8,12 @@ the float32 values is then no rounding, yet may be small enough to pass for it.
 
 :class:`SameDraws` makes each such float64 draw in float32, from the same generator, into a tensor of the same
 strides, and widens it: the rerun consumes the generator as the float32 run did and gets its numbers. A draw from a
-generator the model holds (which the run before has moved on) is named in ``unmatched``, for the caller to judge the
-rerun by; one made and seeded within the forward draws the same again. A draw the float32 run made in float64 on
-purpose is narrowed too: the generators' end state tells (below). Other draws (``randint``, ``multinomial``,
-``poisson``: the same in float64) are made as they come; the caller compares the state torch's generators end the
-rerun in with the one the float32 run left, which tells of a draw made otherwise (not inside
-``torch.random.fork_rng``, which puts the state back).
+generator of the model's own is repeated only where the forward seeds it before drawing (else the float32 run moved
+it on, wherever the model keeps it): any other is named in ``unmatched``, for the caller to judge the rerun by. A
+draw the float32 run made in float64 on purpose is narrowed too: the generators' end state tells (below). Other draws
+(``randint``, ``multinomial``, ``poisson``: the same in float64) are made as they come; the caller compares the state
+torch's generators end the rerun in with the one the float32 run left, which tells of a draw made otherwise (not
+inside ``torch.random.fork_rng``, which puts the state back).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Final
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SameDraws", "held_generators"]
+__all__ = ["SameDraws"]
 
 _aten = torch.ops.aten
 _FILLS: Final = frozenset(
@@ -40,6 +40,11 @@ def _is_float64(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.float64
 
 
+def _widened(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call takes a float64 tensor or asks for float64 values."""
+    return any(_is_float64(value) for value in args) or kwargs.get("dtype") == torch.float64
+
+
 def _narrowed(value: object) -> object:
     return value.to(torch.float32) if isinstance(value, torch.Tensor) and value.dtype == torch.float64 else value
 
@@ -49,12 +54,13 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Args:
         unmatched: where to add a description of each draw that could not be made as in float32.
-        held: the generators the model holds (:func:`held_generators`): the run before moved them on.
     """
 
-    def __init__(self, unmatched: set[str], held: tuple[torch.Generator, ...] = ()) -> None:
+    def __init__(self, unmatched: set[str]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.unmatched, self.held = unmatched, held
+        self.unmatched = unmatched
+        self._repeatable: set[bytes] = set()
+        """States of generators of the model's own that this run seeded and drew from (each draw's next state)."""
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -64,23 +70,39 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*args, **kwargs)
         return self._draw(func, args, kwargs)
 
-    def _held(self, value: object) -> bool:
-        """Whether ``value`` is a generator the model holds: the dispatcher hands over another Python object for the
-        same generator, so it is known by its state (one in the same state draws the same numbers anyway)."""
-        if not isinstance(value, torch.Generator) or not self.held:
-            return False
-        state = value.get_state()
-        return any(held.device == value.device and torch.equal(held.get_state(), state) for held in self.held)
-
     def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         packet = func.overloadpacket
-        if any(self._held(value) for value in (*args, *kwargs.values())):
+        generator = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Generator)), None)
+        if generator is not None and not self._repeatable_from(generator):
             self.unmatched.add(f"{packet.__name__} from a generator of the model's own")
-            return func(*args, **kwargs)
+        result = self._narrowed_draw(func, packet, args, kwargs)
+        if generator is not None:
+            self._repeatable.add(generator.get_state().numpy().tobytes())
+        return result
+
+    def _repeatable_from(self, generator: torch.Generator) -> bool:
+        """Whether a generator of the model's own draws here what it drew in the float32 run: seeded just before (its
+        state that of a fresh one of its seed), or drawn from since by this run alone. One the model keeps (however:
+        an attribute, a list, a helper object, a global) was moved on by the float32 run and draws what follows."""
+        state = generator.get_state().numpy().tobytes()
+        if state in self._repeatable:
+            return True
+        fresh = torch.Generator(device=generator.device).manual_seed(generator.initial_seed())
+        return fresh.get_state().numpy().tobytes() == state
+
+    def _narrowed_draw(self, func: Any, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if packet in _FILLS and args and _is_float64(args[0]):
             return _fill_narrow(func, args, kwargs)
         if packet in _FACTORIES and kwargs.get("dtype") == torch.float64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(torch.float64)
+        if packet in _FACTORIES and _is_float64(kwargs.get("out")):  # rand(..., out=buffer)
+            out = kwargs["out"]
+            narrow = torch.empty_strided(out.size(), out.stride(), dtype=torch.float32, device=out.device)
+            func(*args, **{**kwargs, "out": narrow})
+            return out.copy_(narrow)
+        if packet is _aten.normal and "out" not in kwargs and _widened(args, kwargs):  # torch.normal(mean, std)
+            narrow_kwargs = {**kwargs, "dtype": torch.float32} if kwargs.get("dtype") == torch.float64 else kwargs
+            return func(*(_narrowed(value) for value in args), **narrow_kwargs).to(torch.float64)
         if packet in _LIKE and _is_float64(args[0]) and kwargs.get("dtype") in (None, torch.float64):
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(torch.float64)
         if packet is _aten.bernoulli and _is_float64(args[0]):  # probabilities in, draws of their dtype out
@@ -92,14 +114,6 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # Any other draw (randint, multinomial, poisson...) is made as it comes: torch's generators ending the rerun
         # in another state than the float32 run left them tells of one drawn otherwise (the caller compares them).
         return func(*args, **kwargs)
-
-
-def held_generators(model: torch.nn.Module) -> tuple[torch.Generator, ...]:
-    """Each generator an attribute of one of ``model``'s modules holds: the float32 run drew from it, so a rerun draws
-    the numbers after those (a generator made and seeded within the forward draws the same again)."""
-    return tuple(
-        value for module in model.modules() for value in vars(module).values() if isinstance(value, torch.Generator)
-    )
 
 
 def _fill_narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

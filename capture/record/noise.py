@@ -29,7 +29,7 @@ from parity_harness.capture.observe.driving import (
 )
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
-from parity_harness.capture.record.draws import SameDraws, held_generators
+from parity_harness.capture.record.draws import SameDraws
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
@@ -117,7 +117,7 @@ def in_float64(
         for module, name, buffer in buffers:  # a BatchNorm update (statistics, batch count) lands on the copy
             values = (start or {}).get((id(module), name), buffer)
             module._buffers[name] = values.to(torch.float64) if values.is_floating_point() else values.clone()
-        with SameDraws(set() if unmatched is None else unmatched, held_generators(model)):
+        with SameDraws(set() if unmatched is None else unmatched):
             yield model.train(train_mode)
     finally:
         for param, data, grad in params:

@@ -629,8 +629,8 @@ class _StochasticDepth(torch.nn.Module):
     """``x + drop_path(gain * mlp(x))``, then a LayerNorm of ``eps`` if one is given (the reference's: 1e-6). The
     drop-path is written as timm < 0.6 and vendored copies of it write it, ``torch.rand(..., dtype=x.dtype)``, which
     torch draws otherwise in float64. ``draws``: ``global`` from torch's generator, ``own`` from a generator of the
-    model's own (seeded at construction); ``split``: the port's linear layers sum in another order
-    (:class:`_SplitLinear`)."""
+    model's own (seeded at construction), ``kept`` from one it keeps in a list; ``split``: the port's linear layers
+    sum in another order (:class:`_SplitLinear`)."""
 
     def __init__(self, draws: str = "global", split: bool = False, eps: float | None = None, gain: float = 1.0) -> None:
         super().__init__()
@@ -639,11 +639,12 @@ class _StochasticDepth(torch.nn.Module):
         self.fc1, self.fc2 = linear(64, 256), linear(256, 64)
         self.norm = torch.nn.Identity() if eps is None else torch.nn.LayerNorm(64, eps=eps)
         self.draws, self.gain, self.generator = draws, gain, torch.Generator().manual_seed(7)
+        self.kept = [torch.Generator().manual_seed(7)]  # a generator the model keeps out of sight: in a list
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         branch = self.gain * self.fc2(F.gelu(self.fc1(x)))
         if self.training:
-            generator = self.generator if self.draws == "own" else None
+            generator = {"own": self.generator, "kept": self.kept[0]}.get(self.draws)
             keep = torch.rand((x.shape[0], 1, 1), dtype=x.dtype, generator=generator).add_(0.7).floor_()
             branch = branch / 0.7 * keep
         return self.norm(x + branch)
@@ -678,13 +679,16 @@ def test_the_float64_rerun_draws_the_random_numbers_the_replay_drew(tmp_path: Pa
     assert buggy.first_divergence("forward").name == "norm/0/output"  # type: ignore[union-attr]
 
 
-def test_draws_the_float64_rerun_cannot_repeat_leave_near_misses_undecided(tmp_path: Path) -> None:
-    """Draws from a generator of the model's own, which the replay moved on, cannot be repeated: the records the rule
-    could pass are undecided (INCOMPLETE, saying why), not failed as another computation nor passed."""
-    bundle = _stochastic_depth_bundle(tmp_path, _StochasticDepth("own"), _inputs(10.0, 8, 64, 64))
-    near = {r.name for r in _replay(_StochasticDepth("own", split=True), bundle, rounding=False).records if not r.match}
+@pytest.mark.parametrize("draws", ["own", "kept"])
+def test_draws_the_float64_rerun_cannot_repeat_leave_near_misses_undecided(tmp_path: Path, draws: str) -> None:
+    """Draws from a generator of the model's own, which the replay moved on, cannot be repeated, wherever the model
+    keeps it (an attribute, a list: the first version looked at attributes only, and a generator in a list let a bug
+    pass as rounding): the records the rule could pass are undecided (INCOMPLETE, saying why), not failed as another
+    computation nor passed."""
+    bundle = _stochastic_depth_bundle(tmp_path, _StochasticDepth(draws), _inputs(10.0, 8, 64, 64))
+    near = {r.name for r in _replay(_StochasticDepth(draws, split=True), bundle, rounding=False).records if not r.match}
     assert near, "the port's other summation order must fail atol/rtol, or this tests nothing"
-    result = _replay(_StochasticDepth("own", split=True), bundle)
+    result = _replay(_StochasticDepth(draws, split=True), bundle)
     assert result.verdict == "INCOMPLETE"
     judged = [r for r in result.records if r.name in near]
     assert all(r.undecided for r in judged), [(r.name, r.rounding) for r in judged]
@@ -722,6 +726,7 @@ _DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "strided_normal": _slice_noise,
     "multinomial": lambda h: h + 0.01 * h[..., torch.multinomial(torch.softmax(h[0, 0].detach(), -1), 8)].sum(-1, True),
     "randint_like": lambda h: h + 0.01 * torch.randint_like(h, 3),
+    "normal_functional": lambda h: torch.normal(h, 0.01),
     "seeded_in_forward": lambda h: (
         h + 0.01 * torch.randn(h.shape, generator=torch.Generator().manual_seed(3), dtype=h.dtype)
     ),
