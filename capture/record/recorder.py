@@ -288,7 +288,9 @@ class _CaptureRun:
         # on one model): only a single process records them.
         self.buffers_before = BufferSnapshot(self.model) if self.context is None else None
         # The noise floor's float64 run starts where the recorded run started, not from what it left (an EMA).
-        self.buffers_at_start = buffer_values(self.model) if self.options.noise_floor else None
+        self.buffers_at_start = (
+            buffer_values(self.model) if self.options.noise_floor or self.options.self_check else None
+        )
 
     def record_forward(self) -> Any:
         """The forward pass under the tap: every module call's inputs and outputs, then the model's outputs."""
@@ -341,7 +343,7 @@ class _CaptureRun:
         """The observer self-check and the float64 noise floor, when asked for."""
         options = self.options
         if options.self_check:
-            _observer_check(self.model, self.inputs, options, outputs, self.padded)
+            _observer_check(self.model, self.inputs, options, outputs, self.padded, self.buffers_at_start)
         if options.noise_floor:
             self.floors = measure_noise_floor(
                 self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
@@ -397,13 +399,18 @@ class _CaptureRun:
 
 
 def _observer_check(
-    model: torch.nn.Module, inputs: Any, options: CaptureOptions, outputs: Any, padded: PaddedPositions | None
+    model: torch.nn.Module,
+    inputs: Any,
+    options: CaptureOptions,
+    outputs: Any,
+    padded: PaddedPositions | None,
+    start: BufferValues | None,
 ) -> None:
     hooked_outputs = [(slot, t.detach().clone()) for slot, t in iter_live_tensors(outputs, "output")]
     hooked_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     problems = observer_differences(
         model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
-        hooked_outputs=hooked_outputs, hooked_grads=hooked_grads,
+        hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start,
     )  # fmt: skip
     if problems:
         raise CaptureError(

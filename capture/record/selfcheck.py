@@ -47,12 +47,22 @@ def observer_differences(
     padded: PaddedPositions | None = None,
     hooked_outputs: list[tuple[str, torch.Tensor]],
     hooked_grads: dict[str, torch.Tensor],
+    start: dict[tuple[int, str], torch.Tensor] | None = None,
 ) -> list[str]:
     """Rerun ``model`` without hooks; describe every output and gradient whose bits differ from the hooked run.
 
-    Buffers (BatchNorm statistics) are restored afterwards, so the model is left as one run left it.
+    The rerun starts from the buffers ``start`` holds, those the hooked run started from (keyed by ``id`` of the
+    module and buffer name, ``noise.buffer_values``): a buffer the forward updates before using it (a running mean)
+    would otherwise give other numbers. Buffers (BatchNorm statistics) are restored afterwards, so the model is left
+    as one run left it.
     """
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                began = (start or {}).get((id(module), name))
+                if buffer is not None and began is not None and began.shape == buffer.shape:
+                    buffer.copy_(began)
     model.zero_grad(set_to_none=True)
     seed_everything(seed)
     outputs = call_forward(model, inputs, forward)
