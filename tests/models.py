@@ -264,3 +264,21 @@ class ProductsSummedOtherwise(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return (input.unsqueeze(-1) * self.weight.t()).sum(-2) + self.bias
+
+
+class RunningCentre(nn.Module):
+    """A linear layer whose output is centred by a running mean the train-mode forward updates before using it: a run
+    that starts from the buffers another run left computes other numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 32)
+        self.register_buffer("mean", torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
+        return h - self.mean

@@ -13,7 +13,7 @@ from parity_harness.capture.cli.capture_run import main
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.errors import CaptureError
-from tests.models import build_tiny, tiny_inputs
+from tests.models import RunningCentre, build_tiny, tiny_inputs
 
 
 @pytest.mark.parametrize("train_mode", [False, True])
@@ -23,28 +23,11 @@ def test_observer_check_passes_on_an_honest_capture(tmp_path: Path, train_mode: 
     assert (tmp_path / "b.h5").exists()
 
 
-class _RunningCentre(torch.nn.Module):
-    """A linear layer whose output is centred by a running mean the train-mode forward updates before using it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(16, 32)
-        self.register_buffer("mean", torch.zeros(32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        if self.training:
-            with torch.no_grad():
-                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
-        return h - self.mean
-
-
 def test_the_check_reruns_from_the_buffers_the_recorded_run_started_from(tmp_path: Path) -> None:
     """A buffer the forward updates before using it: the rerun started from the value the recorded run left and
     computed other numbers, so an honest capture failed as 'recording changed what the model computes'. The model is
     left as the one recorded run left it."""
-    model, once = _RunningCentre(), _RunningCentre()
+    model, once = RunningCentre(), RunningCentre()
     x = 10 * torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
     capture_run(model, (x,), tmp_path / "b.h5", self_check=True, train_mode=True)
     assert (tmp_path / "b.h5").exists()

@@ -16,6 +16,7 @@ from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, REF_ADAPTER, replay_with_adapter
+from tests.models import RunningCentre
 
 
 @pytest.fixture(scope="module")
@@ -129,33 +130,16 @@ def test_noise_floor_needs_no_copy_and_leaves_the_model_as_it_was(tmp_path: Path
         assert torch.equal(tensor, other), name  # BatchNorm updates of the float64 run landed on copies
 
 
-class _RunningCentre(torch.nn.Module):
-    """A linear layer whose output is centred by a running mean the train-mode forward updates before using it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = torch.nn.Linear(16, 32)
-        self.register_buffer("mean", torch.zeros(32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        if self.training:
-            with torch.no_grad():
-                self.mean.mul_(0.9).add_(0.1 * h.mean(0))
-        return h - self.mean
-
-
 def test_the_noise_floor_run_starts_from_the_buffers_the_recorded_run_started_from(tmp_path: Path) -> None:
     """A buffer the recorded run moved (a running mean updated before use) is put back for the float64 run: its floor
     is the reference's rounding (about 1e-6 here), not the distance to a computation with another mean; and the model
     keeps the buffer the recorded run left."""
-    model = _RunningCentre()
+    model = RunningCentre()
     x = 10 * torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
     capture_run(model, (x,), tmp_path / "noise.h5", seed=0, train_mode=True, noise_floor=True)
     with BundleReader(tmp_path / "noise.h5") as reader:
         floor = reader.index.noise_floor["output"]
     assert 0.0 < floor < 1e-4
-    once = _RunningCentre()
+    once = RunningCentre()
     once.train()(x)
     assert torch.equal(model.mean, once.mean)  # moved once, by the recorded run
