@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib
 import inspect
 import json
@@ -140,11 +141,31 @@ class PhaseTimers:
                     setattr(other, alias, wrapped)
 
 
+class CollectionTimer:
+    """The garbage collector's collections from :meth:`start` on: count and seconds, full ones apart."""
+
+    def __init__(self) -> None:
+        self.figures = {"full": [0, 0.0], "young": [0, 0.0]}
+        self._began = 0.0
+
+    def start(self) -> None:
+        if self._on_collection not in gc.callbacks:
+            gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        counted = self.figures["full" if info["generation"] == 2 else "young"]
+        counted[0] += 1
+        counted[1] += time.perf_counter() - self._began
+
+
 def run_command(options: argparse.Namespace) -> None:
     """The command itself, timed phase by phase; its figures written to ``options.figures`` as JSON."""
     os.environ["PARITY_BENCH_MODEL"] = options.model
-    timers, imports = PhaseTimers(), {"torch": 0.0, "project": 0.0}
-    main = (import_capture if options.child == "capture" else import_replay)(timers, imports)
+    timers, imports, collections = PhaseTimers(), {"torch": 0.0, "project": 0.0}, CollectionTimer()
+    main = (import_capture if options.child == "capture" else import_replay)(timers, imports, collections)
     started = time.perf_counter()
     try:
         main(options.arguments)  # as its console script runs it: the command's own exit code and exit handling
@@ -153,10 +174,11 @@ def run_command(options: argparse.Namespace) -> None:
             raise
     run_seconds = time.perf_counter() - started - imports.pop("during the run", 0.0)
     figures = {"entered": ENTERED, **imports, "run": run_seconds, "phases": timers.seconds, "left": time.time()}
+    figures["collections"] = collections.figures
     Path(options.figures).write_text(json.dumps(figures))
 
 
-def import_capture(timers: PhaseTimers, imports: dict[str, float]) -> Callable[..., Any]:
+def import_capture(timers: PhaseTimers, imports: dict[str, float], collections: CollectionTimer) -> Callable[..., Any]:
     """capture-run's entry point, torch and the project imported and timed first, as its console script does."""
     started = time.perf_counter()
     import torch  # noqa: F401  (timed: the bare process pays it too)
@@ -167,10 +189,11 @@ def import_capture(timers: PhaseTimers, imports: dict[str, float]) -> Callable[.
 
     imports["project"] = time.perf_counter() - started
     timers.install(CAPTURE)
+    collections.start()  # after the imports, whose collections the bare process makes too
     return main
 
 
-def import_replay(timers: PhaseTimers, imports: dict[str, float]) -> Callable[..., Any]:
+def import_replay(timers: PhaseTimers, imports: dict[str, float], collections: CollectionTimer) -> Callable[..., Any]:
     """replay-compare's entry point. Its console script imports a light module, starts the bundle's metadata walk,
     and only then imports torch and the comparison: the same happens here, those imports timed where they run."""
     started = time.perf_counter()
@@ -190,6 +213,7 @@ def import_replay(timers: PhaseTimers, imports: dict[str, float]) -> Callable[..
 
             imports["project"] += time.perf_counter() - started - imports["torch"]
             timers.install(REPLAY)
+            collections.start()
             imports["during the run"] = time.perf_counter() - started
             yield
 
@@ -270,6 +294,11 @@ def print_profile(title: str, figures: dict[str, Any], bare: float) -> None:
         if round(seconds, 3) == 0:  # a phase this command did not reach (a checksum the writer thread took)
             continue
         print(f"  {name:62s} {seconds:8.3f} {seconds / whole:6.1%}")
+    full, young = figures["collections"]["full"], figures["collections"]["young"]
+    print(
+        f"  of which, inside the phases above after the imports: garbage collections {full[1] + young[1]:.3f} s "
+        f"({full[0]} full, {full[1]:.3f} s; {young[0]} young)"
+    )
     if other:
         print("  on other threads, overlapping the above (CPU seconds of those threads):")
         for name, seconds in sorted(other.items(), key=lambda item: -item[1]):

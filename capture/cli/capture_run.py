@@ -13,6 +13,7 @@ from click.core import ParameterSource
 from parity_harness.capture.cli.shared import (
     OneLineErrors,
     adapter_options,
+    freeze_what_is_alive,
     handle_errors,
     resolve_adapter,
 )
@@ -178,6 +179,7 @@ def main(
         job = CaptureJob(
             driver, Path(out), ckpt, device, batch_size, seq_len, lengths, inputs_file, wrap, steps, every, options
         )
+        freeze_what_is_alive()
         outcome = run_capture_job(job)
     _report(outcome, out, every, options)
 
