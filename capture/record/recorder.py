@@ -31,6 +31,7 @@ from parity_harness.capture.observe.driving import (
     torch_generator_states,
 )
 from parity_harness.capture.observe.hooks import ModuleTap
+from parity_harness.capture.observe.model_state import model_kept
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.gradients import GradientStream, run_backward, write_params
@@ -162,6 +163,9 @@ def capture_run(
     are gathered and written by rank 0, or with ``shards`` written by every rank as its local
     shard, with the dimension it is split along (no all-gather: for models too big to gather).
 
+    The model is left as it was found, but for its gradients (the run's): modes, buffers (a train-mode run moves
+    BatchNorm's statistics) and attributes, and the global random generators.
+
     Returns:
         A :class:`CaptureSummary`.
 
@@ -176,7 +180,7 @@ def capture_run(
     context = current_rank()
     if context is not None and options.noise_floor:
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
-    with generators_kept():
+    with model_kept(model), generators_kept():
         if context is None:
             return _capture(model, inputs, Path(out), options, None)
         return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
+from parity_harness.capture.observe.model_state import BufferState, aliases_following
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.capture.record.noise import in_float64
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
-from parity_harness.replay.compare.buffer_state import BufferState, aliases_following
 from parity_harness.replay.compare.near_misses import FailingRecord, NearMisses
 from parity_harness.replay.compare.records import gradient_records, gradient_stand_ins
 from parity_harness.replay.naming.mapping import RenameMap

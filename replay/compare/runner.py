@@ -12,7 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
@@ -29,6 +29,7 @@ from parity_harness.capture.observe.driving import (
     torch_generator_states,
 )
 from parity_harness.capture.observe.hooks import ModuleTap
+from parity_harness.capture.observe.model_state import BufferState, model_kept
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.provenance import model_provenance, snapshot
@@ -39,7 +40,6 @@ from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.dtypes import tag_of
 from parity_harness.common.format.preview import first_names
 from parity_harness.common.numerics.tolerances import ToleranceTable
-from parity_harness.replay.compare.buffer_state import BufferState
 from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import (
     DataParallelRuns,
@@ -181,7 +181,7 @@ def compare_run(
             inputs, a noise floor it does not have).
     """
     options = dataclasses.replace(options or ReplayOptions(), **fields)
-    with _state_kept(model), generators_kept(), full_float32(options.allow_tf32):
+    with model_kept(model), generators_kept(), full_float32(options.allow_tf32):
         return _compare(model, reader, options)
 
 
@@ -209,28 +209,6 @@ def _phases(session: _ReplaySession, options: ReplayOptions) -> None:
     if options.isolate:
         session.isolate()
         session.settle_checksums()
-
-
-@contextlib.contextmanager
-def _state_kept(model: torch.nn.Module) -> Iterator[None]:
-    """The caller's model as it was once the replay is over: each module's train/eval mode, its parameters' tensors
-    (``--dtype`` casts them), its buffers and submodules (a train-mode replay moves BatchNorm's statistics, fills a
-    buffer that was None, makes a counter). A test checking one model against two bundles would otherwise compare
-    the second with what the first left."""
-    modes = [(module, module.training) for module in model.modules()]
-    parameters = [(param, param.data) for param in model.parameters()]
-    buffers = BufferState.of(model)
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-        with torch.no_grad():
-            for param, data in parameters:  # .data is a new wrapper at each access: compared by what it holds
-                if (param.dtype, param.device, param.data_ptr()) != (data.dtype, data.device, data.data_ptr()):
-                    param.grad = None  # of the cast tensor's dtype
-                    param.data = data
-        buffers.restore()
 
 
 _ROUNDING_NOTES: Final = ("rounding rule:", "rounding check:")

@@ -587,7 +587,7 @@ def _port_signatures(
     """The port's module calls, run once (no grad) on the bundle's recorded inputs, in completion order; its buffers
     as they were afterwards (a train-mode forward moves BatchNorm's statistics and step counters, and the replay
     must start where the reference's run started)."""
-    from parity_harness.replay.compare.buffer_state import BufferState  # not for ckpt-diff, which aligns no calls
+    from parity_harness.capture.observe.model_state import BufferState  # not for ckpt-diff, which aligns no calls
 
     sink = _SignatureSink()
     inputs = to_device(reader.rebuild(reader.index.inputs), torch.device(device))

@@ -142,15 +142,16 @@ def test_allow_tf32_keeps_the_settings_and_an_error_still_restores_them() -> Non
 
 
 class _Watching(nn.Module):
-    """A linear layer that notes the TF32 settings its forward runs under."""
+    """A linear layer that notes the TF32 settings its forward runs under, in a list it does not hold itself: capture
+    and replay give a module's own lists back as they found them."""
 
-    def __init__(self) -> None:
+    def __init__(self, seen: list[tuple[object, object]]) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
-        self.seen: list[tuple[object, object]] = []
+        self.note = seen.append
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append((torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
+        self.note((torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()))
         return self.lin(x)
 
 
@@ -160,21 +161,22 @@ def test_capture_and_replay_run_without_tf32_and_provenance_says_so(tmp_path: Pa
     self-check's rerun included), the provenance records what the run used, and ``allow_tf32`` keeps them."""
     _high()
     torch.manual_seed(0)
-    model, inputs = _Watching(), (torch.randn(2, 4),)
+    seen: list[tuple[object, object]] = []
+    model, inputs = _Watching(seen), (torch.randn(2, 4),)
     capture_run(model, inputs, tmp_path / "off.h5", self_check=True)
     with BundleReader(tmp_path / "off.h5") as reader:
         result = compare_run(model, reader)
         recorded = reader.provenance()
     assert result.verdict == "MATCH"
-    assert set(model.seen) == {(False, "highest")}
+    assert set(seen) == {(False, "highest")}
     assert (recorded["tf32_cudnn"], recorded["float32_matmul_precision"]) == ("False", "highest")
     assert result.replay_provenance["tf32_matmul"] == "False"
-    model.seen.clear()
+    seen.clear()
     capture_run(model, inputs, tmp_path / "on.h5", allow_tf32=True)
     with BundleReader(tmp_path / "on.h5") as reader:
         compare_run(model, reader, allow_tf32=True)
         assert reader.provenance()["float32_matmul_precision"] == "high"
-    assert set(model.seen) == {(True, "high")}
+    assert set(seen) == {(True, "high")}
     assert torch.get_float32_matmul_precision() == "high"
 
 

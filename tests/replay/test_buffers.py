@@ -362,7 +362,7 @@ def test_sparse_attributes_and_private_flags_are_put_back_whole(tmp_path: Path) 
 def test_putting_an_attribute_back_never_writes_into_what_it_views() -> None:
     """An attribute viewing a weight that changed in place (an embedding's max_norm renormalises during forward):
     the attribute gets a copy of its old values, and the weight is not written (rows of it went back, others not)."""
-    from parity_harness.replay.compare.buffer_state import BufferState
+    from parity_harness.capture.observe.model_state import BufferState
 
     model = nn.Linear(4, 3)
     model.first_row = model.weight.detach()[0]

@@ -1,6 +1,7 @@
-"""The port's state (buffers, submodules, attributes, registrations) as it was at one point of a replay, to run again
-from there: every rank of a multi-rank capture starts from the same one, and so do the rounding check's float64 rerun
-and the replay itself after ``--map auto``'s alignment run; the caller gets it back once the replay is over."""
+"""A model's state (modes, buffers, submodules, attributes, registrations) as it was at one point, to run again from
+there or to give it back: a capture and a replay leave the caller's model as they found it (:func:`model_kept`);
+every rank of a multi-rank replay starts from the same state, and so do the rounding check's float64 rerun and the
+replay itself after ``--map auto``'s alignment run."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Final, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from parity_harness.replay.compare.containers import (
+from parity_harness.capture.observe.containers import (
     HeldItems,
     dense,
     hold,
@@ -23,7 +24,7 @@ from parity_harness.replay.compare.containers import (
     replace_tensors,
 )
 
-__all__ = ["BufferState", "aliases_following"]
+__all__ = ["BufferState", "aliases_following", "model_kept"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class _Attributes:
         self, module: torch.nn.Module, done: set[int], standing_in: dict[int, torch.Tensor] | None = None
     ) -> None:
         """Each container attribute the object it was, holding what it held (in place: whatever else holds it sees
-        the same; ``standing_in`` as for :func:`~parity_harness.replay.compare.containers.put_back`)."""
+        the same; ``standing_in`` as for :func:`~parity_harness.capture.observe.containers.put_back`)."""
         for name, (container, held) in self.containers.items():
             if held is not None:
                 put_back(held, done, standing_in)
@@ -112,7 +113,7 @@ class BufferState:
     """Every module's buffers, submodules, plain counters, containers and registrations: a forward may register a
     buffer, fill one that was None, put another tensor in a buffer's place (even a view of a weight), create a
     submodule holding a counter, count its steps in an attribute, append to a list it holds
-    (:mod:`~parity_harness.replay.compare.containers`), or set itself up once, registering a hook or a weight norm
+    (:mod:`~parity_harness.capture.observe.containers`), or set itself up once, registering a hook or a weight norm
     and noting so in a flag, a list or the hook's handle: the hooks registered and the parameters replaced since go
     with them, or the next run would set itself up a second time. The objects other attributes hold are put back as
     those objects, not copies."""
@@ -186,6 +187,29 @@ class BufferState:
                 held.put_back(module)
             for module, held in zip(modules, attributes, strict=True):
                 held.put_back_containers(module, done)
+
+
+@contextlib.contextmanager
+def model_kept(model: torch.nn.Module) -> Iterator[None]:
+    """The caller's model as it was once the block is over: each module's train/eval mode, its parameters' tensors
+    (a replay's ``--dtype`` casts them), its buffers, submodules and attributes (a train-mode run moves BatchNorm's
+    statistics, fills a buffer that was None, makes a counter). Gradients stay: they are the run's. A test capturing
+    one model twice, or checking it against two bundles, would otherwise run the second time from what the first
+    left, and a port loaded from the reference's ``state_dict`` after a capture would start from moved statistics."""
+    modes = [(module, module.training) for module in model.modules()]
+    parameters = [(param, param.data) for param in model.parameters()]
+    buffers = BufferState.of(model)
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        with torch.no_grad():
+            for param, data in parameters:  # .data is a new wrapper at each access: compared by what it holds
+                if (param.dtype, param.device, param.data_ptr()) != (data.dtype, data.device, data.data_ptr()):
+                    param.grad = None  # of the cast tensor's dtype
+                    param.data = data
+        buffers.restore()
 
 
 Swapped = TypeVar("Swapped")

@@ -1,11 +1,11 @@
-"""What a module's lists, dicts, sets and tuples held at one point of a replay, to put back in place.
+"""What a module's lists, dicts, sets and tuples held at one point of a run, to put back in place.
 
 A forward may append to a history it keeps in a list, count in a ``defaultdict``, keep a tensor in a dict and add to
-it in place: state the next run (another rank's, the rounding check's float64 rerun, the caller's next replay) would
-otherwise start from. Each container is put back as the same object holding the same items (whoever else holds it
-sees the same), nested ones too; a dense tensor among the items that changed its values is replaced by a copy of the
-old ones, never written in place (it may view a weight). Containers are copied once each, however many attributes
-hold them, and one that holds what it held is left alone.
+it in place: state the next run (another rank's, the rounding check's float64 rerun, the caller's next capture or
+replay) would otherwise start from. Each container is put back as the same object holding the same items (whoever
+else holds it sees the same), nested ones too; a dense tensor among the items that changed its values is replaced by a
+copy of the old ones, never written in place (it may view a weight). Containers are copied once each, however many
+attributes hold them, and one that holds what it held is left alone.
 """
 
 from __future__ import annotations
