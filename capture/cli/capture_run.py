@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from parity_harness.capture.cli.shared import (
     OneLineErrors,
     adapter_options,
-    freeze_what_is_alive,
+    frozen_while_working,
     handle_errors,
     resolve_adapter,
 )
@@ -179,8 +179,8 @@ def main(
         job = CaptureJob(
             driver, Path(out), ckpt, device, batch_size, seq_len, lengths, inputs_file, wrap, steps, every, options
         )
-        freeze_what_is_alive()
-        outcome = run_capture_job(job)
+        with frozen_while_working():
+            outcome = run_capture_job(job)
     _report(outcome, out, every, options)
 
 

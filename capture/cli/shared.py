@@ -27,7 +27,7 @@ __all__ = [
     "Tol",
     "adapter_options",
     "fail",
-    "freeze_what_is_alive",
+    "frozen_while_working",
     "handle_errors",
     "resolve_adapter",
     "tolerances_given",
@@ -121,17 +121,21 @@ def _skip_last_collection_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
-@functools.cache  # once a process: a test suite invoking commands again and again freezes its garbage once at most
-def freeze_what_is_alive() -> None:
-    """Leave the objects alive now (the imports: torch's alone are some 200,000) out of the full garbage
-    collections for the rest of the process; called as a command's work begins.
+@contextmanager
+def frozen_while_working() -> Iterator[None]:
+    """The objects alive as a command's work begins (the imports: torch's alone are some 200,000) left out of the
+    garbage collector's full collections until the work is over.
 
     A command's run makes enough objects to set off one more full collection than the bare model's process runs
-    before its exit (70-130 ms over the Conformer example's 214,000 objects, 20-30 ms over the 43,000 left after a
-    freeze: ``scripts/bench_phases.py``). What is frozen is still freed when nothing refers to it; only a cycle
-    already unreachable now is never collected.
+    before its exit: a walk over all of them (74-112 ms for the Conformer example's 214,000 objects, 8-14 ms over the
+    43,000 made since a freeze: ``scripts/bench_phases.py``). What is frozen is still freed when nothing refers to
+    it; a cycle among those objects that becomes garbage during the work is collected only after it.
     """
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def resolve_adapter(

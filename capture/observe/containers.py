@@ -20,20 +20,28 @@ import torch
 
 __all__ = [
     "MAX_ITEMS",
+    "MAX_KEPT_BYTES",
     "MAX_TENSOR_BYTES",
+    "CopyBudget",
     "HeldItems",
+    "backed",
     "dense",
     "hold",
     "holds",
     "is_container",
     "put_back",
     "replace_tensors",
+    "storage_address",
+    "written_back",
 ]
 
 MAX_ITEMS: Final = 1 << 12
 """Items of the largest container kept (a vocabulary is no state a forward moves; copying it would cost seconds)."""
 MAX_TENSOR_BYTES: Final = 16 << 20
 """Bytes of the largest tensor in a container whose values are kept (a read-only table would double in memory)."""
+MAX_KEPT_BYTES: Final = 256 << 20
+"""Bytes of such tensors' values kept in all, for one model: past them, tensors are watched by their version counter
+instead (a list of per-layer caches would double in memory)."""
 _MAX_DEPTH: Final = 4
 """Containers nested deeper are not looked into."""
 _KINDS: Final = (list, dict, set, tuple)
@@ -65,8 +73,27 @@ def is_container(value: object) -> bool:
     return isinstance(value, _KINDS)
 
 
-def hold(container: Any, memo: dict[int, HeldItems], own: frozenset[int], depth: int = 0) -> HeldItems | None:
-    """What ``container`` holds now (None when it is too large to keep); ``memo`` keeps each container once; ``own``:
+class CopyBudget:
+    """What is left of the bytes of tensor values one model's state may keep copies of (:data:`MAX_KEPT_BYTES`)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_KEPT_BYTES
+
+    def take(self, tensor: torch.Tensor, largest: int = MAX_TENSOR_BYTES) -> bool:
+        """Whether ``tensor``'s values may be copied (no larger than ``largest``, and within what is left), taking
+        their bytes from what is left if so."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > largest or nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+def hold(
+    container: Any, memo: dict[int, HeldItems], own: frozenset[int], budget: CopyBudget, depth: int = 0
+) -> HeldItems | None:
+    """What ``container`` holds now (None when it is too large to keep); ``memo`` keeps each container once; ``budget``
+    bounds the bytes of tensor values copied; ``own``:
     the ids of the model's parameters and buffers, kept as the objects they are (their values come back with the
     model's own: an LSTM lists its weights, a module may keep a child's buffer in a list)."""
     if id(container) in memo:
@@ -79,29 +106,36 @@ def hold(container: Any, memo: dict[int, HeldItems], own: frozenset[int], depth:
         return held
     for position, value in enumerate(_values(container, items)):
         if is_container(value):
-            inner = hold(value, memo, own, depth + 1)
+            inner = hold(value, memo, own, budget, depth + 1)
             if inner is not None:
                 held.inner[position] = inner
-        elif _kept(value, own):
+        elif _kept(value, own, budget):
             held.inner[position] = value.detach().clone()
         elif isinstance(value, torch.Tensor) and id(value) not in own:
             held.unkept[position] = value._version
     return held
 
 
-def put_back(held: HeldItems, done: set[int], standing_in: Mapping[int, torch.Tensor] | None = None) -> None:
+def put_back(
+    held: HeldItems,
+    done: set[int],
+    standing_in: Mapping[int, torch.Tensor] | None = None,
+    weights: frozenset[int | None] | None = None,
+) -> None:
     """``held.container`` holding what it held (each container once, however many hold it: ``done``).
-    ``standing_in``: tensors by the id of the one they stand for (a buffer's copy the rerun runs with)."""
+    ``standing_in``: tensors by the id of the one they stand for (a buffer's copy the rerun runs with). ``weights``:
+    give the model back (its parameters' storages, never written); a tensor that changed in place gets its values
+    back in place (:func:`written_back`), else a copy of them in its place."""
     if id(held.container) in done:
         return
     done.add(id(held.container))
     container, items = held.container, list(held.items)
     for position, inner in held.inner.items():
         if isinstance(inner, HeldItems):
-            put_back(inner, done, standing_in)
+            put_back(inner, done, standing_in, weights)
             continue
         tensor = _values(container, items)[position]
-        if not holds(tensor, inner):
+        if not holds(tensor, inner) and (weights is None or not written_back(tensor, inner, weights)):
             _set_value(container, items, position, inner.clone().requires_grad_(tensor.requires_grad))
     if standing_in:
         for position, value in enumerate(_values(container, items)):
@@ -119,11 +153,11 @@ def _set_value(container: Any, items: list[Any], position: int, value: Any) -> N
         items[position] = value
 
 
-def _kept(value: object, own: frozenset[int]) -> bool:
-    """A tensor whose values are kept: dense, not the model's own, not too large."""
+def _kept(value: object, own: frozenset[int], budget: CopyBudget) -> bool:
+    """A tensor whose values are kept: dense, not the model's own, within the budget."""
     if not isinstance(value, torch.Tensor) or id(value) in own or not dense(value):
         return False
-    return value.numel() * value.element_size() <= MAX_TENSOR_BYTES
+    return budget.take(value)
 
 
 def _values(container: Any, items: list[Any]) -> list[Any]:
@@ -180,8 +214,24 @@ def _as_it_was(container: Any, before: list[Any]) -> None:
 
 
 def dense(value: object) -> bool:
-    """A tensor whose values can be copied and compared (not sparse, not on the meta device)."""
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta
+    """A tensor whose values can be copied and compared (not sparse, not on the meta device, its storage holding
+    every element it views)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta and backed(value)
+
+
+def backed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage holds every element it views: FSDP1 frees the storage of its modules' weights
+    between forwards (and offloading tricks do the same), and reading such a view reads past the storage's end."""
+    if tensor.numel() == 0:
+        return True
+    try:
+        nbytes = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage to ask (a subclass, a functional tensor)
+        return True
+    last = tensor.storage_offset() + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return (last + 1) * tensor.element_size() <= nbytes
 
 
 def holds(tensor: object, values: torch.Tensor) -> bool:
@@ -209,3 +259,31 @@ def replace_tensors(
             )
             setter(container, key, replacements[id(value)])
             undo.append(functools.partial(setter, container, key, value))
+
+
+def written_back(tensor: object, values: torch.Tensor, weights: frozenset[int | None]) -> bool:
+    """Whether ``values`` (a copy of what ``tensor`` held) could be written back into ``tensor`` itself, which every
+    tensor sharing its memory then sees again (a tensor two modules hold, a view of a buffer): the same shape, dtype
+    and device, writable (not expanded, not an inference-mode tensor), and not on a parameter's memory (``weights``:
+    their storages' addresses), which is never written: a view of a few rows of a weight the run renormalised (an
+    embedding's ``max_norm``) would put those rows back and not the others."""
+    if not isinstance(tensor, torch.Tensor) or not dense(tensor):
+        return False
+    if (tensor.shape, tensor.dtype, tensor.device) != (values.shape, values.dtype, values.device):
+        return False
+    if storage_address(tensor) in weights:
+        return False
+    try:
+        with torch.no_grad():
+            tensor.copy_(values)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def storage_address(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s storage starts (None where it has none to ask)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None

@@ -152,6 +152,14 @@ def _containers(value: Any, depth: int = 0) -> set[int]:
     return found
 
 
+def _cut_inside(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether inputs or parameters that require a gradient went into a call (made with autograd on) whose floating
+    outputs require none: its forward turned autograd off inside (``@torch.no_grad()``), or detached them all."""
+    if any(tensor.requires_grad for _, tensor in iter_live_call_inputs(args, dict(kwargs), ())):
+        return True
+    return any(param.requires_grad for param in module.parameters())
+
+
 class ModuleTap:
     """Context manager hooking every submodule of ``model`` (the root itself is not hooked). Gradient hooks put on
     tensors during the ``with`` block stay until :meth:`release`, to be called after backward.
@@ -183,12 +191,15 @@ class ModuleTap:
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
         self._lent: dict[int, list[_Lent]] = {}  # per open call (id of its CallInfo): aliases put into its arguments
+        self._noted: dict[int, int] = {}  # per open call: how many calls without autograd came before it
         self._held = HeldViews()
         self._phase = _Phase()
         self.without_autograd: list[str] = []
         """The module calls (``module/call``, reported names, in call order) made with autograd off while gradients
         are observed: under ``torch.no_grad`` or reentrant activation checkpointing, whose recomputation runs in
-        backward, after the forward's hooks are gone. No gradient of theirs reaches the sink."""
+        backward, after the forward's hooks are gone; or that turned it off inside (a forward decorated with
+        ``torch.no_grad``: its floating outputs require no gradient where its inputs or parameters do). No gradient
+        of theirs reaches the sink."""
 
     def __enter__(self) -> ModuleTap:
         before, after = _eager(self._before), _eager(self._after)
@@ -216,6 +227,7 @@ class ModuleTap:
         self._calls[name] += 1
         self._sink.on_inputs(info, args, kwargs)
         self._open[id(module)].append(info)
+        self._noted[id(info)] = len(self.without_autograd)  # where a call found to cut the graph goes (``_after``)
         if not (self._backward and torch.is_grad_enabled()):
             if self._backward:
                 self.without_autograd.append(f"{name}/{info.call}")
@@ -274,11 +286,17 @@ class ModuleTap:
 
     def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> None:
         info = self._open[id(module)].pop()
+        noted = self._noted.pop(id(info))
         self._sink.on_outputs(info, outputs)
         if self._backward and torch.is_grad_enabled():
+            watched = floating = False
             for slot, tensor in iter_live_tensors(outputs, "output"):
                 if tensor.requires_grad:
                     self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
+                    watched = True
+                floating = floating or tensor.dtype.is_floating_point or tensor.dtype.is_complex
+            if floating and not watched and _cut_inside(module, args, kwargs):
+                self.without_autograd.insert(noted, f"{info.module}/{info.call}")
             self._held.sweep_if_due()
         lent = self._lent.pop(id(info), None)
         if lent:
@@ -303,4 +321,5 @@ class ModuleTap:
             handle.remove()
         self._tensor_hooks.clear()
         self._lent.clear()  # of calls that raised: their arguments keep the aliases, of the same values
+        self._noted.clear()
         self._held = HeldViews()

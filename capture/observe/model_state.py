@@ -15,23 +15,32 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from parity_harness.capture.observe.containers import (
+    MAX_KEPT_BYTES,
+    CopyBudget,
     HeldItems,
+    backed,
     dense,
     hold,
     holds,
     is_container,
     put_back,
     replace_tensors,
+    storage_address,
+    written_back,
 )
 
 __all__ = ["BufferState", "aliases_following", "model_kept"]
+
+_Copies = dict[int, torch.Tensor]
+"""Copies of tensor attributes' values, by the id of the tensor."""
 
 
 @dataclass(frozen=True)
 class _ModuleState:
     module: torch.nn.Module
-    buffers: dict[str, tuple[torch.Tensor, torch.Tensor] | None]
-    """Name -> (the buffer tensor it held, a copy of its values); None for an entry that was None."""
+    buffers: dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]
+    """Name -> (the buffer tensor it held, a copy of its values; None where they cannot be read: its storage freed);
+    None for an entry that was None."""
     non_persistent: frozenset[str]
     children: dict[str, torch.nn.Module | None]
     attributes: _Attributes
@@ -44,6 +53,8 @@ class _Attributes:
     plain: dict[str, tuple[object, torch.Tensor | None]]
     """Attributes holding a number, a string, None or a tensor (a step counter kept as ``self.steps``, the private
     flag that says it was made): name -> (the object, a copy of a dense tensor's values; None: not copied)."""
+    unkept: dict[str, int]
+    """Tensor attributes too large to copy (a preallocated cache): name -> the tensor's version counter then."""
     containers: dict[str, tuple[object, HeldItems | None]]
     """Attributes holding a list, dict, set or tuple (a history a forward appends to): name -> (the object, what it
     held; None for one too large to keep, which keeps whatever it holds then)."""
@@ -52,31 +63,47 @@ class _Attributes:
     registrations: _Registrations
 
     @classmethod
-    def of(cls, module: torch.nn.Module, memo: dict[int, HeldItems], own: frozenset[int], values: bool) -> _Attributes:
-        """``values``: copy the plain tensors' values (to put them back later) or not (to swap copies in)."""
+    def of(
+        cls,
+        module: torch.nn.Module,
+        memo: dict[int, HeldItems],
+        own: frozenset[int],
+        copies: _Copies | None,
+        budget: CopyBudget,
+    ) -> _Attributes:
+        """``copies``: copy the plain tensors' values (to put them back later; a tensor several modules hold, once:
+        by its id) or, None, not (to swap copies in)."""
         plain: dict[str, tuple[object, torch.Tensor | None]] = {}
+        unkept: dict[str, int] = {}
         containers: dict[str, tuple[object, HeldItems | None]] = {}
         others: dict[str, object] = {}
         for name, value in vars(module).items():
             if name in _TORCH_OWN:
                 continue
             if isinstance(value, _PLAIN):
-                copied = values and isinstance(value, torch.Tensor) and dense(value) and id(value) not in own
-                plain[name] = (value, value.detach().clone() if copied else None)  # type: ignore[union-attr]
+                copy = None if copies is None else _copy_of(value, copies, own, budget)
+                if copies is not None and copy is None and isinstance(value, torch.Tensor) and id(value) not in own:
+                    unkept[name] = value._version
+                plain[name] = (value, copy)
             elif is_container(value):
-                containers[name] = (value, hold(value, memo, own))
+                containers[name] = (value, hold(value, memo, own, budget))
             else:
                 others[name] = value
-        return cls(plain, containers, others, _Registrations.of(module))
+        return cls(plain, unkept, containers, others, _Registrations.of(module))
 
     def put_back(
-        self, module: torch.nn.Module, copies: bool = False, standing_in: dict[int, torch.Tensor] | None = None
+        self,
+        module: torch.nn.Module,
+        copies: bool = False,
+        standing_in: dict[int, torch.Tensor] | None = None,
+        weights: frozenset[int | None] | None = None,
     ) -> None:
         """The module's attributes as they were, those it made since removed (:func:`_made_here`; after every
         module's registrations, which decide whether a hook's handle goes); its containers are put back apart
         (:meth:`put_back_containers`), once every module's buffers hold their values. ``copies``: a tensor attribute
         gets a copy of its saved values whatever it holds (for a run that may move it); one that is the model's own
-        buffer, the copy in ``standing_in`` the run runs with."""
+        buffer, the copy in ``standing_in`` the run runs with. ``weights``: give the model back (its parameters'
+        storages): a tensor that changed in place gets its values back in place (``containers.written_back``)."""
         held = module.__dict__
         for name in [name for name, value in held.items() if not self.has(name) and _made_here(name, value)]:
             del held[name]
@@ -85,21 +112,32 @@ class _Attributes:
             if values is None or (not copies and holds(value, values)):
                 held[name] = standing_in.get(id(value), value) if standing_in else value
                 continue
+            if weights is not None and written_back(value, values, weights):
+                held[name] = value
+                continue
             wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
             held[name] = values.clone().requires_grad_(wants_grad)
 
     def put_back_containers(
-        self, module: torch.nn.Module, done: set[int], standing_in: dict[int, torch.Tensor] | None = None
+        self,
+        module: torch.nn.Module,
+        done: set[int],
+        standing_in: dict[int, torch.Tensor] | None = None,
+        weights: frozenset[int | None] | None = None,
     ) -> None:
         """Each container attribute the object it was, holding what it held (in place: whatever else holds it sees
-        the same; ``standing_in`` as for :func:`~parity_harness.capture.observe.containers.put_back`)."""
+        the same; ``standing_in`` and ``weights`` as for ``containers.put_back``)."""
         for name, (container, held) in self.containers.items():
             if held is not None:
-                put_back(held, done, standing_in)
+                put_back(held, done, standing_in, weights)
             module.__dict__[name] = container
 
     def moved_unkept(self) -> Iterator[str]:
-        """The names of containers holding a tensor too large to copy that changed since (its version moved)."""
+        """The names of tensor attributes, and of containers holding a tensor, too large to copy that changed since
+        (their version moved)."""
+        for name, version in self.unkept.items():
+            if self.plain[name][0]._version != version:  # type: ignore[attr-defined]
+                yield name
         for name, (_, held) in self.containers.items():
             if held is not None and held.moved():
                 yield name
@@ -126,13 +164,26 @@ class BufferState:
         modules = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
         memo: dict[int, HeldItems] = {}  # a container held by several attributes is kept once
         own = _own_tensors(modules)
-        return cls(tuple(_state_of(module, memo, own) for module in modules))
+        copies: _Copies = {}
+        budget = CopyBudget()
+        return cls(tuple(_state_of(module, memo, own, copies, budget) for module in modules))
+
+    def values_of(self, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The copy of ``buffer``'s values this state holds (never written), if it is one of the model's buffers."""
+        return self._copies.get(id(buffer))
+
+    @functools.cached_property
+    def _copies(self) -> dict[int, torch.Tensor | None]:
+        saved = (entry for state in self.modules for entry in state.buffers.values() if entry is not None)
+        return {id(buffer): values for buffer, values in saved}
 
     def restore(self) -> None:
         """The model back to this state: each buffer the tensor it was, holding the values it had (written only
         where they changed; never into a tensor the run put in its place), None entries None, buffers, submodules
         and attributes added since removed, those removed put back."""
         done: set[int] = set()
+        params = (param for state in self.modules for param in state.module._parameters.values())
+        weights = frozenset(storage_address(param) for param in params if param is not None)
         with torch.no_grad():
             for state in self.modules:  # first: a handle whose hook goes, goes with it
                 state.attributes.registrations.put_back(state.module)
@@ -144,9 +195,9 @@ class BufferState:
                 }
                 _replace(module._buffers, restored_buffers)
                 module._non_persistent_buffers_set = set(state.non_persistent)
-                state.attributes.put_back(module)
+                state.attributes.put_back(module, weights=weights)
             for state in self.modules:  # once every buffer holds its values: a list may hold one
-                state.attributes.put_back_containers(state.module, done)
+                state.attributes.put_back_containers(state.module, done, weights=weights)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -156,7 +207,8 @@ class BufferState:
         memo: dict[int, HeldItems] = {}
         own = _own_tensors(modules)
         now = [(m, dict(m._buffers), dict(m._modules), set(m._non_persistent_buffers_set)) for m in modules]
-        attributes = [_Attributes.of(m, memo, own, values=False) for m in modules]
+        budget = CopyBudget()
+        attributes = [_Attributes.of(m, memo, own, None, budget) for m in modules]
         standing_in: dict[int, torch.Tensor] = {}
         """The saved buffers, by id -> the copies the rerun runs with (a list holding one gets the copy)."""
         moved = next((name for state in self.modules for name in state.attributes.moved_unkept()), None)
@@ -165,7 +217,7 @@ class BufferState:
         try:
             for state in self.modules:
                 _replace(state.module._modules, state.children)
-                copies = {name: None if saved is None else saved[1].clone() for name, saved in state.buffers.items()}
+                copies = {name: None if saved is None else _copy(*saved) for name, saved in state.buffers.items()}
                 for saved, copy in zip(state.buffers.values(), copies.values(), strict=True):
                     if saved is not None and copy is not None:
                         standing_in[id(saved[0])] = copy
@@ -190,26 +242,44 @@ class BufferState:
 
 
 @contextlib.contextmanager
-def model_kept(model: torch.nn.Module) -> Iterator[None]:
+def model_kept(model: torch.nn.Module) -> Iterator[BufferState]:
     """The caller's model as it was once the block is over: each module's train/eval mode, its parameters' tensors
     (a replay's ``--dtype`` casts them), its buffers, submodules and attributes (a train-mode run moves BatchNorm's
     statistics, fills a buffer that was None, makes a counter). Gradients stay: they are the run's. A test capturing
     one model twice, or checking it against two bundles, would otherwise run the second time from what the first
-    left, and a port loaded from the reference's ``state_dict`` after a capture would start from moved statistics."""
+    left, and a port loaded from the reference's ``state_dict`` after a capture would start from moved statistics.
+    Yields the state kept (its copies of the buffers' values are there to read)."""
     modes = [(module, module.training) for module in model.modules()]
     parameters = [(param, param.data) for param in model.parameters()]
     buffers = BufferState.of(model)
-    try:
-        yield
-    finally:
+
+    def give_back() -> None:
         for module, training in modes:
             module.training = training
         with torch.no_grad():
-            for param, data in parameters:  # .data is a new wrapper at each access: compared by what it holds
-                if (param.dtype, param.device, param.data_ptr()) != (data.dtype, data.device, data.data_ptr()):
-                    param.grad = None  # of the cast tensor's dtype
+            for param, data in parameters:
+                if not _same_memory(param, data):
+                    if (param.dtype, param.device) != (data.dtype, data.device):
+                        param.grad = None  # of the cast tensor's dtype
                     param.data = data
         buffers.restore()
+
+    try:
+        yield buffers
+    except BaseException:
+        with contextlib.suppress(Exception):  # the run's own error is the one to see, not one of putting things back
+            give_back()
+        raise
+    give_back()
+
+
+def _same_memory(param: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether a parameter still holds ``data`` (``.data`` is a new wrapper at each access: compared by what it
+    holds); a parameter that cannot say (a lazy module's, made during the run) is left as the run left it."""
+    try:
+        return (param.dtype, param.device, param.data_ptr()) == (data.dtype, data.device, data.data_ptr())
+    except (RuntimeError, ValueError):
+        return True
 
 
 Swapped = TypeVar("Swapped")
@@ -260,16 +330,20 @@ def _own_tensors(modules: list[torch.nn.Module]) -> frozenset[int]:
     return frozenset(id(tensor) for tensors in held for tensor in tensors.values() if tensor is not None)
 
 
-def _state_of(module: torch.nn.Module, memo: dict[int, HeldItems], own: frozenset[int]) -> _ModuleState:
+def _state_of(
+    module: torch.nn.Module, memo: dict[int, HeldItems], own: frozenset[int], copies: _Copies, budget: CopyBudget
+) -> _ModuleState:
+    outside = module._non_persistent_buffers_set
     buffers = {
-        name: None if buffer is None else (buffer, buffer.detach().clone()) for name, buffer in module._buffers.items()
+        name: None if buffer is None else (buffer, _buffer_copy(buffer, name in outside, budget))
+        for name, buffer in module._buffers.items()
     }
     return _ModuleState(
         module,
         buffers,
         frozenset(module._non_persistent_buffers_set),
         dict(module._modules),
-        _Attributes.of(module, memo, own, values=True),
+        _Attributes.of(module, memo, own, copies, budget),
     )
 
 
@@ -333,17 +407,36 @@ def _replace(target: dict, entries: dict) -> None:  # type: ignore[type-arg]
     target.update(entries)
 
 
-def _restored(buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The buffer tensor a module had, holding ``values`` (a copy of what it held then): written back only where
-    they changed (BatchNorm's kernels update running statistics in place without moving the version counter), and
-    where it cannot be written (an expanded or inference-mode tensor, or one resized since, which nothing wrote in
-    place either) a copy of ``values`` instead."""
-    if not dense(buffer) or (buffer.shape, buffer.dtype, buffer.device) != (values.shape, values.dtype, values.device):
-        return values.clone()
-    if torch.equal(buffer, values):
+def _restored(buffer: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+    """The buffer tensor a module had, holding ``values`` (a copy of what it held then; None: not copied): written
+    back only where they changed (BatchNorm's kernels update running statistics in place without moving the version
+    counter), and where it cannot be written (an expanded or inference-mode tensor, or one resized since, which
+    nothing wrote in place either) a copy of ``values`` instead."""
+    if values is None or holds(buffer, values) or written_back(buffer, values, frozenset()):
         return buffer
-    try:
-        buffer.copy_(values)
-    except (RuntimeError, NotImplementedError):
-        return values.clone()
-    return buffer
+    return values.clone()
+
+
+def _copy(buffer: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+    """A copy of a buffer's saved values for a rerun; the buffer itself where they could not be read."""
+    return buffer if values is None else values.clone()
+
+
+def _buffer_copy(buffer: torch.Tensor, non_persistent: bool, budget: CopyBudget) -> torch.Tensor | None:
+    """A copy of a buffer's values, or None where they cannot be read (its storage freed) or, for a buffer outside
+    the state dict (a precomputed table, mostly), where it is larger than what is left of the budget."""
+    if not backed(buffer) or (non_persistent and not budget.take(buffer, largest=MAX_KEPT_BYTES)):
+        return None
+    return buffer.detach().clone()
+
+
+def _copy_of(value: object, copies: _Copies, own: frozenset[int], budget: CopyBudget) -> torch.Tensor | None:
+    """A copy of a tensor attribute's values (one per tensor, however many modules hold it), or None: not a dense
+    tensor, the model's own (its values come back with the model's), or too large to copy."""
+    if not isinstance(value, torch.Tensor) or id(value) in own or not dense(value):
+        return None
+    if id(value) not in copies:
+        if not budget.take(value, largest=MAX_KEPT_BYTES):  # an attribute is state more often than a list's tensor
+            return None
+        copies[id(value)] = value.detach().clone()
+    return copies[id(value)]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from parity_harness.capture.observe.model_state import BufferState
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.format.bundle.layout import BUFFERS, escape_dotted
 from parity_harness.common.format.bundle.schema import RecordedBuffers
@@ -15,13 +18,16 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The buffers a state dict holds (BatchNorm's running statistics and batch count...), by name; not those
     registered ``persistent=False``. Read off the modules, as ``state_dict`` does, without running its hooks (a
     sharded model's gather them)."""
-    found = {}
+    return {name: buffer.detach() for name, buffer in _persistent(model)}
+
+
+def _persistent(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each persistent buffer, by its state dict name, as the tensor object the module holds."""
     for prefix, module in model.named_modules():
         skipped = module._non_persistent_buffers_set
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in skipped:
-                found[f"{prefix}.{name}" if prefix else name] = buffer.detach()
-    return found
+                yield f"{prefix}.{name}" if prefix else name, buffer
 
 
 def same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
@@ -38,10 +44,14 @@ def same_values(before: torch.Tensor, after: torch.Tensor) -> bool:
 
 
 class BufferSnapshot:
-    """A copy of every persistent buffer of a model, taken before a run."""
+    """A copy of every persistent buffer of a model, taken before a run (``kept``'s copies where it has them: a
+    model's state kept for the caller already holds one)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._before = {name: buffer.clone() for name, buffer in persistent_buffers(model).items()}
+    def __init__(self, model: torch.nn.Module, kept: BufferState | None = None) -> None:
+        self._before = {}
+        for name, buffer in _persistent(model):
+            copy = None if kept is None else kept.values_of(buffer)
+            self._before[name] = buffer.detach().clone() if copy is None else copy
 
     def changed(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         """The buffers whose values differ from the snapshot's (by name, as they are now), and the names of the

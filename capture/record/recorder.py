@@ -31,7 +31,7 @@ from parity_harness.capture.observe.driving import (
     torch_generator_states,
 )
 from parity_harness.capture.observe.hooks import ModuleTap
-from parity_harness.capture.observe.model_state import model_kept
+from parity_harness.capture.observe.model_state import BufferState, model_kept
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.gradients import GradientStream, run_backward, write_params
@@ -180,9 +180,9 @@ def capture_run(
     context = current_rank()
     if context is not None and options.noise_floor:
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
-    with model_kept(model), generators_kept():
+    with model_kept(model) as kept, generators_kept():
         if context is None:
-            return _capture(model, inputs, Path(out), options, None)
+            return _capture(model, inputs, Path(out), options, None, kept)
         return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))
 
 
@@ -209,14 +209,20 @@ def _capture_rank(
 
 
 def _capture(
-    model: torch.nn.Module, inputs: Any, out: Path, options: CaptureOptions, context: RankContext | None
+    model: torch.nn.Module,
+    inputs: Any,
+    out: Path,
+    options: CaptureOptions,
+    context: RankContext | None,
+    kept: BufferState | None = None,
 ) -> CaptureSummary:
+    """``kept``: the model's state as the caller gave it (whose buffers' copies the run's snapshot reuses)."""
     started = time.perf_counter()
     with (
         full_float32(options.allow_tf32),
         BundleWriter(out, overwrite=options.overwrite, checksums=options.checksums) as writer,
     ):
-        run = _CaptureRun(writer, model, inputs, options, context)
+        run = _CaptureRun(writer, model, inputs, options, context, kept)
         run.record_inputs_and_parameters()
         try:
             outputs = run.record_forward()
@@ -252,8 +258,10 @@ class _CaptureRun:
         inputs: Any,
         options: CaptureOptions,
         context: RankContext | None,
+        kept: BufferState | None = None,
     ) -> None:
         self.writer, self.model, self.inputs, self.options, self.context = writer, model, inputs, options, context
+        self.kept = kept
         self.info = dict(options.run_info)
         self.recorder = BundleRecorder(writer, options.selection)
         if options.lengths is not None:  # the lengths among the records find the cotangent's padding
@@ -290,7 +298,7 @@ class _CaptureRun:
             self.info["shard_dims"] = shard_dims
         # Each rank of a distributed job moves its own copy of the buffers (replay runs the ranks one after another
         # on one model): only a single process records them.
-        self.buffers_before = BufferSnapshot(self.model) if self.context is None else None
+        self.buffers_before = BufferSnapshot(self.model, self.kept) if self.context is None else None
         # The noise floor's float64 run starts where the recorded run started, not from what it left (an EMA).
         self.buffers_at_start = (
             buffer_values(self.model) if self.options.noise_floor or self.options.self_check else None
@@ -377,7 +385,7 @@ class _CaptureRun:
 
     def _run_info(self) -> RunInfo:
         info, options = dict(self.info), self.options
-        if self.tap is not None and self.tap.without_autograd and self.mode != "none":
+        if self.tap is not None and self.tap.without_autograd:  # all of them, where no output reached backward
             info[AUTOGRAD_OFF] = list(self.tap.without_autograd)
         return RunInfo(
             seed=options.seed,

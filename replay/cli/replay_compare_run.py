@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import click
 from click.core import ParameterSource
 
-from parity_harness.capture.cli.shared import freeze_what_is_alive, resolve_adapter, tolerances_given, write_report
+from parity_harness.capture.cli.shared import frozen_while_working, resolve_adapter, tolerances_given, write_report
 from parity_harness.capture.distributed import leave_job
 from parity_harness.capture.models.adapters import Adapter
 from parity_harness.common.format.bundle.selection import Selection
@@ -44,8 +44,8 @@ def train(params: Mapping[str, Any]) -> int:
     """``--steps``: rerun the port's training on the recorded batches (the command's options by parameter name);
     the exit code."""
     driver = resolve_adapter(params["adapter"], params["model_spec"], params["ckpt"], params["trust_pickle"])
-    freeze_what_is_alive()
-    return _replay_training(driver, params)
+    with frozen_while_working():
+        return _replay_training(driver, params)
 
 
 def compare(params: Mapping[str, Any]) -> int:
@@ -61,8 +61,8 @@ def compare(params: Mapping[str, Any]) -> int:
         verify=not params["no_verify"],
         rank=params["rank"],
     )
-    freeze_what_is_alive()
-    outcome = run_replay_job(job, on_proposal=functools.partial(_show_proposal, save_map=params["save_map"]))
+    with frozen_while_working():
+        outcome = run_replay_job(job, on_proposal=functools.partial(_show_proposal, save_map=params["save_map"]))
     progress.close()
     verdicts = None
     if outcome.context is not None:  # every process's findings reach rank 0 before it renders: the job's reports

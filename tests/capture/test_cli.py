@@ -102,6 +102,21 @@ def test_writes_a_bundle_and_prints_a_summary(tmp_path: Path, tiny_ckpt: Path, n
     assert leftovers(tmp_path) == []
 
 
+def test_commands_run_in_process_leave_the_garbage_collector_as_they_found_it(tmp_path: Path, npz: Path) -> None:
+    """The commands freeze the objects alive while they work (full collections skip torch's); a test suite invoking
+    them in its own process must get every object back to collect afterwards, its garbage cycles included."""
+    from parity_harness.replay.cli.replay_compare import main as replay
+
+    gc.collect()
+    frozen = gc.get_freeze_count()
+    out = tmp_path / "run.h5"
+    assert capture("--model", TINY, "--inputs", npz, "--out", out).exit_code == 0
+    assert gc.get_freeze_count() == frozen
+    replayed = CliRunner().invoke(replay, ["--bundle", str(out), "--model", TINY])
+    assert replayed.exit_code == 0, replayed.output
+    assert gc.get_freeze_count() == frozen
+
+
 def test_inputs_npz_replaces_make_inputs(tmp_path: Path, npz: Path) -> None:
     """--inputs feeds the .npz arrays bit for bit as keyword arguments; make_inputs is never called."""
     adapter = tmp_path / "adapter.py"
@@ -487,3 +502,40 @@ def test_modules_run_with_autograd_off_are_named_by_capture_and_replay(tmp_path:
     )
     with BundleReader(forward_only) as reader:
         assert "autograd_off" not in reader.index.run.extra
+
+
+NO_GRAD_FORWARD_MODEL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.head(self.pre(x).tanh())
+
+
+def build():
+    return Net()
+"""
+
+
+def test_a_forward_run_without_autograd_names_why_no_gradient_was_recorded(tmp_path: Path, npz: Path) -> None:
+    """A forward decorated with ``torch.no_grad`` (or an adapter calling an inference entry point) leaves no output
+    to backpropagate: the capture said "backward: none" and nothing about why. It now names every call, as for
+    modules called with autograd off in a forward that does reach backward."""
+    (tmp_path / "no_grad_model.py").write_text(NO_GRAD_FORWARD_MODEL)
+    out = tmp_path / "run.h5"
+    result = capture("--model", f"{tmp_path / 'no_grad_model.py'}:build", "--inputs", npz, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "backward: none" in result.stdout
+    assert "note: 2 module call(s) ran with autograd off in the reference's forward (torch.no_grad or " in result.stdout
+    assert "no gradient of theirs was recorded: pre/0, head/0\n" in result.stdout
+    with BundleReader(out) as reader:
+        assert reader.index.run.without_autograd() == ["pre/0", "head/0"]

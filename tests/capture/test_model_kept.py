@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from parity_harness.capture.observe import containers
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
@@ -96,3 +99,122 @@ def test_a_capture_that_fails_gives_the_model_back_too(tmp_path: Path) -> None:
         assert torch.equal(model.state_dict()[name], value), name
     assert not model.training
     assert model.calls == 0
+
+
+def test_a_view_of_storage_freed_between_forwards_is_not_read(tmp_path: Path) -> None:
+    """FSDP1 frees the storage its modules' weights view between forwards: copying such a tensor to give it back
+    read past the storage's end (the process died of a segmentation fault). Run in a child process for that reason."""
+    script = f"""
+import torch
+from torch import nn
+from parity_harness.capture.record.recorder import capture_run
+
+class Offloaded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        flat = torch.zeros(1 << 22)
+        self.cached = flat.view(1 << 11, 1 << 11)
+        flat.untyped_storage().resize_(0)
+        self.register_buffer("freed", torch.zeros(1 << 22), persistent=False)
+        self.freed.untyped_storage().resize_(0)
+
+    def forward(self, x):
+        return self.lin(x)
+
+model = Offloaded()
+capture_run(model, (torch.randn(2, 4),), {str(tmp_path / "b.h5")!r})
+assert model.cached.untyped_storage().nbytes() == 0
+print("captured")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, "captured"), done.stderr[-2000:]
+
+
+class _Sharing(nn.Module):
+    """Two layers holding one tensor (a memory both write), a parent viewing its child's running mean, a tuple
+    holding a counter: state a forward moves in place, which must come back in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        memory = torch.zeros(4)
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.memory, self.second.memory = memory, memory
+        self.norm = nn.BatchNorm1d(4)
+        self.centre = self.norm.running_mean[:2]
+        self.counters = (torch.zeros(1),)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x) + self.first.memory
+        with torch.no_grad():
+            self.first.memory.add_(1)
+            self.counters[0].add_(1)
+        h = self.norm(self.second(h) + self.second.memory)
+        return h[:, :2] - self.centre + self.counters[0]
+
+
+def test_state_shared_or_viewed_comes_back_in_place(tmp_path: Path) -> None:
+    """A changed tensor attribute was put back as a fresh copy: the two layers no longer shared their memory, and the
+    parent's view no longer followed the running mean, so the model computed otherwise after its capture."""
+    model, fresh = _Sharing(), _Sharing()
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    capture_run(model, (x,), tmp_path / "b.h5", train_mode=True)
+    assert model.first.memory is model.second.memory
+    assert model.centre._base is model.norm.running_mean
+    assert float(model.counters[0]) == 0.0
+    model.train(), fresh.train()
+    for _ in range(2):  # the second forward sees what the first moved: sharing, views and counters alike
+        assert torch.equal(model(x), fresh(x))
+    assert torch.equal(model.centre, model.norm.running_mean[:2])
+
+
+def test_list_tensors_past_the_copy_budget_are_left_as_the_run_left_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies of a model's state are bounded: per-layer caches kept in a list doubled the model's memory. Within the
+    budget, values come back; past it, a tensor keeps what the run wrote into it."""
+    monkeypatch.setattr(containers, "MAX_KEPT_BYTES", 3 * 4096 * 4)
+
+    class Caching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.caches = [torch.zeros(4096) for _ in range(5)]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for cache in self.caches:
+                cache.fill_(7)
+            return self.lin(x)
+
+    model = Caching()
+    capture_run(model, (torch.randn(2, 4),), tmp_path / "b.h5")
+    assert [float(cache.max()) for cache in model.caches] == [0.0, 0.0, 0.0, 7.0, 7.0]
+
+
+def test_a_parameter_whose_data_the_forward_replaces_keeps_its_gradient(tmp_path: Path) -> None:
+    """Pruning-style ``w.data = w.data * mask``: the parameter gets its tensor back, and its gradient stays."""
+
+    class Pruning(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin.weight.data = self.lin.weight.data * (self.lin.weight.data.abs() > 0.2)
+            return self.lin(x)
+
+    model = Pruning()
+    before = model.lin.weight.detach().clone()
+    capture_run(model, (torch.randn(2, 4),), tmp_path / "b.h5")
+    assert torch.equal(model.lin.weight, before)
+    assert model.lin.weight.grad is not None
+
+
+def test_an_error_giving_the_model_back_does_not_hide_the_runs_own(tmp_path: Path) -> None:
+    """A lazy module cannot be captured before its first forward: the user sees why, not an error of putting its
+    uninitialised parameters back."""
+    with pytest.raises(ValueError, match="uninitialized parameter") as raised:
+        capture_run(nn.LazyLinear(3), (torch.randn(2, 4),), tmp_path / "b.h5")
+    assert "data_ptr" not in str(raised.value)

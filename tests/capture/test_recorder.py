@@ -383,3 +383,46 @@ def test_lists_and_dicts_given_to_modules_keep_what_the_modules_write(tmp_path: 
         grad_output = reader.read_tensor(reader.find_call("lin", 0)[1].grad_outputs["grad_output"])
         assert not torch.equal(grad_input, grad_output)  # the module's share, not the sum over h's consumers
     assert _self_replay(path, _Collecting()).match
+
+
+class _Frozen(nn.Module):
+    """A trainable layer whose forward turns autograd off inside: its output carries no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh()
+
+
+class _WithFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.frozen, self.head = nn.Linear(4, 4), _Frozen(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        mask = (h > 0).float()  # a floating output of no module, from inputs that require grad: nothing to say
+        return self.head(h * mask + self.frozen(h))
+
+
+def test_a_module_turning_autograd_off_inside_its_forward_is_named(tmp_path: Path) -> None:
+    """``@torch.no_grad()`` on a submodule's forward: its hooks run with autograd on, so it went unnamed while the
+    calls inside it were named, and its own missing gradients (grad_output, grad_input) went unexplained."""
+    summary = capture_run(_WithFrozen(), (torch.randn(3, 4),), tmp_path / "b.h5")
+    assert summary.backward == "cotangent"
+    assert summary.without_autograd == ["frozen/0", "frozen.lin/0"]  # in call order: the module, then its calls
+
+
+def test_modules_whose_outputs_need_no_gradient_are_not_named(tmp_path: Path) -> None:
+    """Integer outputs, and floating ones of a call whose inputs and parameters need no gradient (a frozen
+    embedding), carry none to miss."""
+    torch.manual_seed(0)
+    frozen = nn.Embedding(5, 4).requires_grad_(False)
+    model = nn.Sequential(frozen, nn.Linear(4, 2))
+    summary = capture_run(model, (torch.tensor([[1, 2, 3]]),), tmp_path / "b.h5")
+    assert summary.backward == "cotangent"
+    assert summary.without_autograd == []

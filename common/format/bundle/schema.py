@@ -59,8 +59,9 @@ def describe_without_autograd(calls: list[str]) -> str:
     """What it means that these module calls (``module/call``) ran with autograd off in the reference's forward."""
     listed = first_names([printable(call) for call in calls])
     return (
-        f"{len(calls)} module call(s) ran with autograd off in the reference's forward (torch.no_grad, or reentrant "
-        f"activation checkpointing, which recomputes them in backward): no gradient of theirs was recorded: "
+        f"{len(calls)} module call(s) ran with autograd off in the reference's forward (torch.no_grad or "
+        "inference_mode, around the call or inside it, or reentrant activation checkpointing, which recomputes them in "
+        f"backward) or detached their outputs: no gradient of theirs was recorded: "
         f"{clipped(listed)}"
     )
 
