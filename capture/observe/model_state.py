@@ -168,6 +168,11 @@ class BufferState:
         budget = CopyBudget()
         return cls(tuple(_state_of(module, memo, own, copies, budget) for module in modules))
 
+    def moved_unkept(self) -> str | None:
+        """The name of an attribute too large to copy that changed since (a run cannot start from this state), if
+        any."""
+        return next((name for state in self.modules for name in state.attributes.moved_unkept()), None)
+
     def values_of(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """The copy of ``buffer``'s values this state holds (never written), if it is one of the model's buffers."""
         return self._copies.get(id(buffer))
@@ -211,7 +216,7 @@ class BufferState:
         attributes = [_Attributes.of(m, memo, own, None, budget) for m in modules]
         standing_in: dict[int, torch.Tensor] = {}
         """The saved buffers, by id -> the copies the rerun runs with (a list holding one gets the copy)."""
-        moved = next((name for state in self.modules for name in state.attributes.moved_unkept()), None)
+        moved = self.moved_unkept()
         if moved is not None:
             raise RuntimeError(f"{moved}: too large to keep, and changed since: the run cannot start as the replay did")
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import numbers
@@ -352,16 +353,32 @@ class _CaptureRun:
             self.tap.release()
 
     def check(self, outputs: Any) -> None:
-        """The observer self-check and the float64 noise floor, when asked for."""
+        """The observer self-check and the float64 noise floor, when asked for, each rerunning from the state the
+        recorded run started from."""
         options = self.options
         if options.self_check:
-            _observer_check(self.model, self.inputs, options, outputs, self.padded, self.buffers_at_start)
+            with self._as_the_run_started("--self-check"):
+                _observer_check(self.model, self.inputs, options, outputs, self.padded, self.buffers_at_start)
         if options.noise_floor:
-            self.floors = measure_noise_floor(
-                self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
-                loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
-                draws=self.draws_after,
-            )  # fmt: skip
+            with self._as_the_run_started("--noise-floor"):
+                self.floors = measure_noise_floor(
+                    self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
+                    loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
+                    draws=self.draws_after,
+                )  # fmt: skip
+
+    def _as_the_run_started(self, option: str) -> contextlib.AbstractContextManager[None]:
+        """The model's attributes, containers and buffers as the recorded run found them, for a rerun (a forward
+        scaling by a step counter it keeps computes other numbers from the next step); as that run left them after."""
+        if self.kept is None:
+            return contextlib.nullcontext()
+        moved = self.kept.moved_unkept()
+        if moved is not None:
+            raise CaptureError(
+                f"{option}: the model's {moved!r} is too large to copy and the recorded run changed it, so a rerun "
+                f"cannot start where the recorded run did; capture without {option}"
+            )
+        return self.kept.applied()
 
     def index(self) -> BundleIndex:
         """The bundle's index of everything recorded."""

@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from torch import nn
 
 from parity_harness.capture.cli.capture_run import main
 from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.errors import CaptureError
+from parity_harness.replay.reader import BundleReader
 from tests.models import RunningCentre, build_tiny, tiny_inputs
 
 
@@ -63,3 +65,30 @@ def test_cli_reports_the_self_check(tmp_path: Path, tiny_ckpt: Path) -> None:
     assert "capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones" in (
         result.stdout
     )
+
+
+class _WarmUp(nn.Module):
+    """A forward scaling its output by a step counter it keeps in a plain attribute (a warm-up schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = min(1.0, (self.steps + 1) / 10)
+        self.steps += 1
+        return self.lin(x) * scale
+
+
+def test_the_checks_rerun_from_the_attributes_the_recorded_run_started_from(tmp_path: Path) -> None:
+    """The self-check's rerun and the noise floor's started from the buffers the recorded run started from, but from
+    the step counter it had moved: an honest capture failed the self-check, and the floor measured the distance to
+    another computation (0.2 where float32 rounding gives about 1e-7)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    model = _WarmUp()
+    capture_run(model, (x,), tmp_path / "b.h5", self_check=True, noise_floor=True)
+    with BundleReader(tmp_path / "b.h5") as reader:
+        assert reader.index.noise_floor["output"] < 1e-6
+    assert model.steps == 0
