@@ -1,4 +1,4 @@
-"""What a module's lists, dicts, sets and tuples held at one point of a run, to put back in place.
+"""What a module's lists, dicts, sets, tuples and deques held at one point of a run, to put back in place.
 
 A forward may append to a history it keeps in a list, count in a ``defaultdict``, keep a tensor in a dict and add to
 it in place: state the next run (another rank's, the rounding check's float64 rerun, the caller's next capture or
@@ -10,6 +10,7 @@ attributes hold them, and one that holds what it held is left alone.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Mapping
@@ -44,7 +45,7 @@ MAX_KEPT_BYTES: Final = 256 << 20
 instead (a list of per-layer caches would double in memory)."""
 _MAX_DEPTH: Final = 4
 """Containers nested deeper are not looked into."""
-_KINDS: Final = (list, dict, set, tuple)
+_KINDS: Final = (list, dict, set, tuple, collections.deque)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class HeldItems:
 
 
 def is_container(value: object) -> bool:
-    """A list, dict, set or tuple (their subclasses too: a ``defaultdict``, an ``OrderedDict``)."""
+    """A list, dict, set, tuple or deque (their subclasses too: a ``defaultdict``, an ``OrderedDict``)."""
     return isinstance(value, _KINDS)
 
 
@@ -185,6 +186,10 @@ def _refill(container: Any, items: list[Any]) -> None:
         if isinstance(container, list):
             container[:] = items
             return
+        if isinstance(container, collections.deque):  # a bounded one holds what it held: no more than its bound
+            container.clear()
+            container.extend(items)
+            return
         if isinstance(container, dict) and [key for key, _ in before] == [key for key, _ in items]:
             for key, value in items:  # the same keys: only values change (a dict refusing new keys takes these)
                 if container[key] is not value:
@@ -208,6 +213,9 @@ def _as_it_was(container: Any, before: list[Any]) -> None:
             dict.update(container, before)
         elif isinstance(container, list):
             list.__setitem__(container, slice(None), before)
+        elif isinstance(container, collections.deque):
+            collections.deque.clear(container)
+            collections.deque.extend(container, before)
         elif isinstance(container, set):
             set.clear(container)
             set.update(container, before)
@@ -255,7 +263,11 @@ def replace_tensors(
             replace_tensors(value, replacements, undo, depth + 1)
         elif isinstance(value, torch.Tensor) and id(value) in replacements and not isinstance(container, tuple):
             setter: Callable[[Any, Any, Any], None] = (
-                dict.__setitem__ if isinstance(container, dict) else list.__setitem__
+                dict.__setitem__
+                if isinstance(container, dict)
+                else list.__setitem__
+                if isinstance(container, list)
+                else collections.deque.__setitem__
             )
             setter(container, key, replacements[id(value)])
             undo.append(functools.partial(setter, container, key, value))

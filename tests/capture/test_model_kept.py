@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,27 @@ def test_an_error_giving_the_model_back_does_not_hide_the_runs_own(tmp_path: Pat
     with pytest.raises(ValueError, match="uninitialized parameter") as raised:
         capture_run(nn.LazyLinear(3), (torch.randn(2, 4),), tmp_path / "b.h5")
     assert "data_ptr" not in str(raised.value)
+
+
+def test_a_bounded_history_comes_back_as_it_was(tmp_path: Path) -> None:
+    """A ``deque`` the forward appends to (its output depends on how full it is): the second capture of one model
+    recorded another run, its history one entry longer."""
+
+    class Remembering(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+            self.history: collections.deque[float] = collections.deque([0.5], maxlen=3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.history.append(float(x.mean()))
+            return self.lin(x) * len(self.history)
+
+    model, x = Remembering(), (torch.randn(2, 4),)
+    for name in ("first.h5", "second.h5"):
+        capture_run(model, x, tmp_path / name)
+    assert list(model.history) == [0.5]
+    with BundleReader(tmp_path / "second.h5") as reader:
+        result = compare_run(Remembering(), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
+    assert [record.name for record in result.records if not record.match] == []
