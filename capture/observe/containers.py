@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -43,6 +43,8 @@ MAX_TENSOR_BYTES: Final = 16 << 20
 MAX_KEPT_BYTES: Final = 256 << 20
 """Bytes of such tensors' values kept in all, for one model: past them, tensors are watched by their version counter
 instead (a list of per-layer caches would double in memory)."""
+_ALWAYS_KEPT: Final = 64 << 10
+"""Bytes of a tensor kept whatever is left of the budget (a step counter after the tables of a long model)."""
 _MAX_DEPTH: Final = 4
 """Containers nested deeper are not looked into."""
 _KINDS: Final = (list, dict, set, tuple, collections.deque)
@@ -60,6 +62,15 @@ class HeldItems:
     """Position in ``items`` -> what the container there held, or a copy of the tensor's values there."""
     unkept: dict[int, int] = field(default_factory=dict)
     """Position in ``items`` -> the version counter of a tensor there too large to copy."""
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Each tensor among the items, here and in the containers inside."""
+        for value in _values(self.container, self.items):
+            if isinstance(value, torch.Tensor):
+                yield value
+        for inner in self.inner.values():
+            if isinstance(inner, HeldItems):
+                yield from inner.tensors()
 
     def moved(self) -> bool:
         """Whether a tensor too large to copy changed since (its version moved), here or in a container inside."""
@@ -84,7 +95,7 @@ class CopyBudget:
         """Whether ``tensor``'s values may be copied (no larger than ``largest``, and within what is left), taking
         their bytes from what is left if so."""
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > largest or nbytes > self.left:
+        if nbytes > largest or nbytes > max(self.left, _ALWAYS_KEPT):  # a counter comes back whatever came before
             return False
         self.left -= nbytes
         return True
@@ -136,7 +147,9 @@ def put_back(
             put_back(inner, done, standing_in, weights)
             continue
         tensor = _values(container, items)[position]
-        if not holds(tensor, inner) and (weights is None or not written_back(tensor, inner, weights)):
+        if weights is not None and (storage_address(tensor) in weights or written_back(tensor, inner, weights)):
+            continue  # back in place, or on a parameter's memory: as the parameter, what the run left (never a copy)
+        if not holds(tensor, inner):
             _set_value(container, items, position, inner.clone().requires_grad_(tensor.requires_grad))
     if standing_in:
         for position, value in enumerate(_values(container, items)):

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from parity_harness.capture.observe.containers import storage_address
 from parity_harness.capture.observe.naming import (
     ArgumentNames,
     argument_key,
@@ -152,12 +153,22 @@ def _containers(value: Any, depth: int = 0) -> set[int]:
     return found
 
 
-def _cut_inside(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether inputs or parameters that require a gradient went into a call (made with autograd on) whose floating
-    outputs require none: its forward turned autograd off inside (``@torch.no_grad()``), or detached them all."""
-    if any(tensor.requires_grad for _, tensor in iter_live_call_inputs(args, dict(kwargs), ())):
+def _cut_inside(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> bool:
+    """Whether a call made with autograd on, whose floating outputs require no gradient, cut the graph inside: its
+    parameters require one (``@torch.no_grad()`` on its forward), or an output is an input that requires one,
+    detached. Not a table or a mask a module without parameters builds (a rotary embedding's cosines)."""
+    if any(param.requires_grad for param in module.parameters()):
         return True
-    return any(param.requires_grad for param in module.parameters())
+    inputs = {
+        storage_address(tensor)
+        for _, tensor in iter_live_call_inputs(args, dict(kwargs), ())
+        if tensor.requires_grad and tensor.layout == torch.strided
+    }
+    return any(
+        storage_address(tensor) in inputs
+        for _, tensor in iter_live_tensors(outputs, "output")
+        if tensor.layout == torch.strided
+    )
 
 
 class ModuleTap:
@@ -295,7 +306,7 @@ class ModuleTap:
                     self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
                     watched = True
                 floating = floating or tensor.dtype.is_floating_point or tensor.dtype.is_complex
-            if floating and not watched and _cut_inside(module, args, kwargs):
+            if floating and not watched and _cut_inside(module, args, kwargs, outputs):
                 self.without_autograd.insert(noted, f"{info.module}/{info.call}")
             self._held.sweep_if_due()
         lent = self._lent.pop(id(info), None)

@@ -18,7 +18,6 @@ from parity_harness.capture.observe.containers import (
     MAX_KEPT_BYTES,
     CopyBudget,
     HeldItems,
-    backed,
     dense,
     hold,
     holds,
@@ -44,6 +43,8 @@ class _ModuleState:
     non_persistent: frozenset[str]
     children: dict[str, torch.nn.Module | None]
     attributes: _Attributes
+    versions: dict[str, int]
+    """Buffers whose values were not copied: name -> version counter then."""
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ class _Attributes:
             if values is None or (not copies and holds(value, values)):
                 held[name] = standing_in.get(id(value), value) if standing_in else value
                 continue
-            if weights is not None and written_back(value, values, weights):
-                held[name] = value
+            if weights is not None and (_on_weights(value, weights) or written_back(value, values, weights)):
+                held[name] = value  # on a parameter's memory: as the parameter, the run's values (never a copy)
                 continue
             wants_grad = isinstance(value, torch.Tensor) and value.requires_grad
             held[name] = values.clone().requires_grad_(wants_grad)
@@ -131,6 +132,15 @@ class _Attributes:
             if held is not None:
                 put_back(held, done, standing_in, weights)
             module.__dict__[name] = container
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor an attribute holds, itself or in a container (a few levels deep), with the attribute's name."""
+        for name, (value, _) in self.plain.items():
+            if isinstance(value, torch.Tensor):
+                yield name, value
+        for name, (_, held) in self.containers.items():
+            if held is not None:  # not one too large to keep
+                yield from ((name, tensor) for tensor in held.tensors())
 
     def moved_unkept(self) -> Iterator[str]:
         """The names of tensor attributes, and of containers holding a tensor, too large to copy that changed since
@@ -169,9 +179,25 @@ class BufferState:
         return cls(tuple(_state_of(module, memo, own, copies, budget) for module in modules))
 
     def moved_unkept(self) -> str | None:
-        """The name of an attribute too large to copy that changed since (a run cannot start from this state), if
-        any."""
+        """The name of a buffer or attribute too large to copy that changed since (a run cannot start from this
+        state), if any."""
+        for state in self.modules:
+            for name, saved in state.buffers.items():
+                if saved is not None and saved[1] is None and saved[0]._version != state.versions.get(name):
+                    return name
         return next((name for state in self.modules for name in state.attributes.moved_unkept()), None)
+
+    def viewing_attribute(self) -> str | None:
+        """The name of an attribute holding, itself or in a container, a tensor on the memory of one of the model's
+        parameters or buffers other than that tensor itself (``self.k = self.cache[0]``), if any: a run that puts
+        other tensors in their places (a float64 copy) leaves such a view reading the old memory."""
+        owned = [tensor for state in self.modules for tensor in _own(state.module)]
+        memory, objects = {storage_address(tensor) for tensor in owned} - {None}, {id(tensor) for tensor in owned}
+        for state in self.modules:
+            for name, value in state.attributes.tensors():
+                if id(value) not in objects and storage_address(value) in memory:
+                    return name
+        return None
 
     def values_of(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """The copy of ``buffer``'s values this state holds (never written), if it is one of the model's buffers."""
@@ -282,7 +308,8 @@ def _same_memory(param: torch.Tensor, data: torch.Tensor) -> bool:
     """Whether a parameter still holds ``data`` (``.data`` is a new wrapper at each access: compared by what it
     holds); a parameter that cannot say (a lazy module's, made during the run) is left as the run left it."""
     try:
-        return (param.dtype, param.device, param.data_ptr()) == (data.dtype, data.device, data.data_ptr())
+        now = (param.dtype, param.device, param.data_ptr(), param.shape, param.stride(), param.storage_offset())
+        return now == (data.dtype, data.device, data.data_ptr(), data.shape, data.stride(), data.storage_offset())
     except (RuntimeError, ValueError):
         return True
 
@@ -329,6 +356,13 @@ def _replace_in_attributes(
             replace_tensors(value, replacements, undo)
 
 
+def _own(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """A module's own parameters and buffers."""
+    for tensor in [*module._parameters.values(), *module._buffers.values()]:
+        if tensor is not None:
+            yield tensor
+
+
 def _own_tensors(modules: list[torch.nn.Module]) -> frozenset[int]:
     """The ids of the modules' parameters and buffers: a container holding one keeps it as the object it is."""
     held = (tensors for m in modules for tensors in (m._parameters, m._buffers))
@@ -349,6 +383,7 @@ def _state_of(
         frozenset(module._non_persistent_buffers_set),
         dict(module._modules),
         _Attributes.of(module, memo, own, copies, budget),
+        {name: saved[0]._version for name, saved in buffers.items() if saved is not None and saved[1] is None},
     )
 
 
@@ -428,11 +463,16 @@ def _copy(buffer: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
 
 
 def _buffer_copy(buffer: torch.Tensor, non_persistent: bool, budget: CopyBudget) -> torch.Tensor | None:
-    """A copy of a buffer's values, or None where they cannot be read (its storage freed) or, for a buffer outside
-    the state dict (a precomputed table, mostly), where it is larger than what is left of the budget."""
-    if not backed(buffer) or (non_persistent and not budget.take(buffer, largest=MAX_KEPT_BYTES)):
-        return None
+    """A copy of a buffer's values, or None where they cannot be read (sparse, on the meta device, its storage
+    freed) or, for a buffer outside the state dict (a precomputed table, mostly), where it is larger than what is
+    left of the budget (its version counter is watched instead)."""
+    if not dense(buffer) or (non_persistent and not budget.take(buffer, largest=MAX_KEPT_BYTES)):
+        return None  # sparse, meta or freed: kept as the object it is
     return buffer.detach().clone()
+
+
+def _on_weights(value: object, weights: frozenset[int | None]) -> bool:
+    return isinstance(value, torch.Tensor) and storage_address(value) in weights
 
 
 def _copy_of(value: object, copies: _Copies, own: frozenset[int], budget: CopyBudget) -> torch.Tensor | None:

@@ -6,8 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
+from parity_harness.capture.observe.containers import backed
 from parity_harness.capture.observe.model_state import BufferState
 from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BUFFERS, escape_dotted
 from parity_harness.common.format.bundle.schema import RecordedBuffers
 
@@ -50,6 +52,12 @@ class BufferSnapshot:
     def __init__(self, model: torch.nn.Module, kept: BufferState | None = None) -> None:
         self._before = {}
         for name, buffer in _persistent(model):
+            if not backed(buffer):
+                raise CaptureError(
+                    f"buffer {name}: its storage is freed ({buffer.untyped_storage().nbytes()} bytes for "
+                    f"{buffer.numel()} elements), so it cannot be recorded; capture the model with its buffers in "
+                    "memory"
+                )
             copy = None if kept is None else kept.values_of(buffer)
             self._before[name] = buffer.detach().clone() if copy is None else copy
 

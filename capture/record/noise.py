@@ -28,6 +28,7 @@ from parity_harness.capture.observe.driving import (
     torch_generator_states,
 )
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
+from parity_harness.capture.observe.model_state import aliases_following
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.capture.record.draws import SameDraws
 from parity_harness.capture.storage.writer import BundleWriter
@@ -150,7 +151,8 @@ def measure_noise_floor(
         CaptureError: the float64 run could not draw the random numbers the recorded run drew.
     """
     unmatched: set[str] = set()
-    with in_float64(model, train_mode, unmatched, start) as exact_model:
+    # An attribute or a list holding a buffer itself follows its float64 copy (``aliases_following``).
+    with aliases_following(model, in_float64(model, train_mode, unmatched, start)) as exact_model:
         floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
     if draws is not None and torch_generator_states() != draws:
         unmatched.add("a draw made otherwise in float64")

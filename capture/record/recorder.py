@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import numbers
@@ -354,31 +353,46 @@ class _CaptureRun:
 
     def check(self, outputs: Any) -> None:
         """The observer self-check and the float64 noise floor, when asked for, each rerunning from the state the
-        recorded run started from."""
+        recorded run started from (the model goes back to it once the capture is over anyway)."""
         options = self.options
         if options.self_check:
-            with self._as_the_run_started("--self-check"):
-                _observer_check(self.model, self.inputs, options, outputs, self.padded, self.buffers_at_start)
+            hooked = _hooked_values(self.model, outputs)  # before the rewind, which drops modules the run made
+            self._rewind("--self-check")
+            _observer_check(self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start)
         if options.noise_floor:
-            with self._as_the_run_started("--noise-floor"):
+            self._rewind("--noise-floor")
+            try:
                 self.floors = measure_noise_floor(
                     self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
                     draws=self.draws_after,
                 )  # fmt: skip
+            except (RuntimeError, TypeError, ValueError) as err:  # the model in float64 (a module its forward makes)
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise CaptureError(
+                    f"--noise-floor: the model's float64 run failed ({first}), so no floor could be measured; "
+                    "capture without --noise-floor"
+                ) from err
 
-    def _as_the_run_started(self, option: str) -> contextlib.AbstractContextManager[None]:
-        """The model's attributes, containers and buffers as the recorded run found them, for a rerun (a forward
-        scaling by a step counter it keeps computes other numbers from the next step); as that run left them after."""
+    def _rewind(self, option: str) -> None:
+        """The model's attributes, containers and buffers back as the recorded run found them, in place (whatever
+        shares a tensor's memory sees its values again), for a rerun: a forward scaling by a step counter it keeps
+        computes other numbers from the next step on."""
         if self.kept is None:
-            return contextlib.nullcontext()
+            return
         moved = self.kept.moved_unkept()
         if moved is not None:
             raise CaptureError(
                 f"{option}: the model's {moved!r} is too large to copy and the recorded run changed it, so a rerun "
                 f"cannot start where the recorded run did; capture without {option}"
             )
-        return self.kept.applied()
+        if option == "--noise-floor" and (viewing := self.kept.viewing_attribute()) is not None:
+            raise CaptureError(
+                f"--noise-floor: the model's attribute {viewing!r} views the memory of one of its parameters or "
+                "buffers, which its float64 run replaces by float64 copies: the view would read the float32 values "
+                "and the floor would measure that; capture without --noise-floor"
+            )
+        self.kept.restore()
 
     def index(self) -> BundleIndex:
         """The bundle's index of everything recorded."""
@@ -427,16 +441,25 @@ class _CaptureRun:
         )
 
 
+_Hooked = tuple[list[tuple[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _hooked_values(model: torch.nn.Module, outputs: Any) -> _Hooked:
+    """Copies of the recorded run's outputs and parameter gradients, for the self-check."""
+    hooked_outputs = [(slot, t.detach().clone()) for slot, t in iter_live_tensors(outputs, "output")]
+    hooked_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return hooked_outputs, hooked_grads
+
+
 def _observer_check(
     model: torch.nn.Module,
     inputs: Any,
     options: CaptureOptions,
-    outputs: Any,
+    hooked: _Hooked,
     padded: PaddedPositions | None,
     start: BufferValues | None,
 ) -> None:
-    hooked_outputs = [(slot, t.detach().clone()) for slot, t in iter_live_tensors(outputs, "output")]
-    hooked_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    hooked_outputs, hooked_grads = hooked
     problems = observer_differences(
         model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
         hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start,

@@ -74,7 +74,8 @@ def observer_differences(
             torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
+            if name in buffers and buffers[name].shape == buffer.shape:  # not one the rerun registered
+                buffer.copy_(buffers[name])
     problems = []
     bare_outputs = dict(iter_live_tensors(outputs, "output"))
     for slot, hooked in hooked_outputs:

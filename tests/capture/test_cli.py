@@ -115,6 +115,13 @@ def test_commands_run_in_process_leave_the_garbage_collector_as_they_found_it(tm
     replayed = CliRunner().invoke(replay, ["--bundle", str(out), "--model", TINY])
     assert replayed.exit_code == 0, replayed.output
     assert gc.get_freeze_count() == frozen
+    gc.freeze()  # a host process that froze its own objects keeps them frozen
+    try:
+        kept = gc.get_freeze_count()
+        assert capture("--model", TINY, "--inputs", npz, "--out", tmp_path / "again.h5").exit_code == 0
+        assert gc.get_freeze_count() > kept // 2  # not undone (some frozen objects may be freed meanwhile)
+    finally:
+        gc.unfreeze()
 
 
 def test_inputs_npz_replaces_make_inputs(tmp_path: Path, npz: Path) -> None:

@@ -174,23 +174,26 @@ def test_list_tensors_past_the_copy_budget_are_left_as_the_run_left_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Copies of a model's state are bounded: per-layer caches kept in a list doubled the model's memory. Within the
-    budget, values come back; past it, a tensor keeps what the run wrote into it."""
-    monkeypatch.setattr(containers, "MAX_KEPT_BYTES", 3 * 4096 * 4)
+    budget, values come back, and a small tensor's (a counter) always; past it, a large one keeps what the run wrote."""
+    monkeypatch.setattr(containers, "MAX_KEPT_BYTES", 3 * 32768 * 4)  # three caches of 128 KiB
 
     class Caching(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lin = nn.Linear(4, 4)
-            self.caches = [torch.zeros(4096) for _ in range(5)]
+            self.caches = [torch.zeros(32768) for _ in range(5)]
+            self.steps = torch.zeros(1)  # small: back whatever came before
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for cache in self.caches:
                 cache.fill_(7)
+            self.steps.add_(1)
             return self.lin(x)
 
     model = Caching()
     capture_run(model, (torch.randn(2, 4),), tmp_path / "b.h5")
     assert [float(cache.max()) for cache in model.caches] == [0.0, 0.0, 0.0, 7.0, 7.0]
+    assert float(model.steps) == 0.0
 
 
 def test_a_parameter_whose_data_the_forward_replaces_keeps_its_gradient(tmp_path: Path) -> None:
@@ -243,3 +246,44 @@ def test_a_bounded_history_comes_back_as_it_was(tmp_path: Path) -> None:
     with BundleReader(tmp_path / "second.h5") as reader:
         result = compare_run(Remembering(), reader, tolerances=ToleranceTable(Tolerance(0.0, 0.0)))
     assert [record.name for record in result.records if not record.match] == []
+
+
+def test_buffers_that_cannot_be_copied_come_back_as_the_same_objects(tmp_path: Path) -> None:
+    """A sparse buffer (an adjacency matrix) shared with a list: putting a clone in its place split the two, and
+    doubled it in memory."""
+
+    class Graph(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("adjacency", torch.eye(4).to_sparse(), persistent=False)
+            self.held = [self.adjacency]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(self.adjacency, self.lin(x).t()).t()
+
+    model = Graph()
+    adjacency = model.adjacency
+    capture_run(model, (torch.randn(2, 4),), tmp_path / "b.h5")
+    assert model.adjacency is adjacency
+    assert model.held[0] is adjacency
+
+
+def test_a_parameter_the_forward_lays_out_otherwise_gets_its_layout_back(tmp_path: Path) -> None:
+    """``w.data = w.data.t()``: the same memory in another layout was taken for the same tensor."""
+
+    class Transposing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin.weight.data = self.lin.weight.data.t()
+            return self.lin(x)
+
+    model = Transposing()
+    before = model.lin.weight.detach().clone()
+    capture_run(model, (torch.randn(2, 4),), tmp_path / "b.h5")
+    assert torch.equal(model.lin.weight, before)

@@ -426,3 +426,40 @@ def test_modules_whose_outputs_need_no_gradient_are_not_named(tmp_path: Path) ->
     summary = capture_run(model, (torch.tensor([[1, 2, 3]]),), tmp_path / "b.h5")
     assert summary.backward == "cotangent"
     assert summary.without_autograd == []
+
+
+class _Table(nn.Module):
+    """A sinusoidal table built from its input's shape (a rotary embedding's cosines): no gradient to miss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        position = torch.arange(x.shape[1], dtype=torch.float32)[:, None]
+        return torch.sin(position / 10 ** (torch.arange(x.shape[2], dtype=torch.float32) / x.shape[2]))
+
+
+class _Mask(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.abs().sum(-1) > 0.5).float()
+
+
+class _StopGradient(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+class _Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.table, self.mask, self.stop = nn.Linear(4, 4), _Table(), _Mask(), _StopGradient()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (h + self.table(h)) * self.mask(h)[..., None] + self.stop(h)
+
+
+def test_tables_and_masks_are_not_named_but_a_detaching_module_is(tmp_path: Path) -> None:
+    """A module without parameters building a table or a mask from inputs that require grad cut no gradient: naming
+    it put a note on every replay of, for one, every Llama-like model (its rotary embedding). One returning its input
+    detached did cut it."""
+    summary = capture_run(_Tables(), (torch.randn(2, 3, 4),), tmp_path / "b.h5")
+    assert summary.without_autograd == ["stop/0"]

@@ -92,3 +92,56 @@ def test_the_checks_rerun_from_the_attributes_the_recorded_run_started_from(tmp_
     with BundleReader(tmp_path / "b.h5") as reader:
         assert reader.index.noise_floor["output"] < 1e-6
     assert model.steps == 0
+
+
+class _ViewOfCache(nn.Module):
+    """An attribute viewing a buffer the forward writes into (half of a key/value cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(2, 4))
+        self.keys = self.cache[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.cache[0].add_(x.mean(0))
+        return self.lin(x) + self.keys
+
+
+class _MadeOnFirstCall(nn.Module):
+    """A forward that registers a buffer and makes a layer on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.proj: nn.Linear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.proj is None:
+            self.register_buffer("centre", x.detach().mean(0))
+            self.proj = nn.Linear(4, 4)
+        return self.proj(self.lin(x) - self.centre)
+
+
+def test_the_checks_rerun_with_the_models_views_and_what_its_forward_makes(tmp_path: Path) -> None:
+    """The reruns started from copies of the model's attributes: a view of a buffer stopped following it, and the
+    self-check failed an honest capture; a buffer and a layer made on the first call made it fail with a KeyError or
+    a gradient "present without hooks"."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for model in (_ViewOfCache(), _MadeOnFirstCall()):
+        capture_run(model, (x,), tmp_path / f"{type(model).__name__}.h5", self_check=True)
+
+
+def test_the_noise_floor_refuses_what_its_float64_run_cannot_follow(tmp_path: Path) -> None:
+    """A view of a buffer reads the float32 memory while the float64 run writes a float64 copy: the floor measured
+    that (0.78 where rounding gives 1e-7) and let a port off by as much pass with a noise factor. A layer made in
+    the forward is made in float32 there. Both refuse, saying why."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(CaptureError, match=r"--noise-floor: the model's attribute 'keys' views the memory"):
+        capture_run(_ViewOfCache(), (x,), tmp_path / "view.h5", noise_floor=True)
+    with pytest.raises(CaptureError, match=r"--noise-floor: the model's float64 run failed \(mat1 and mat2"):
+        capture_run(_MadeOnFirstCall(), (x,), tmp_path / "made.h5", noise_floor=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
