@@ -33,6 +33,7 @@ __all__ = [
     "put_back",
     "replace_tensors",
     "storage_address",
+    "version_of",
     "written_back",
 ]
 
@@ -75,7 +76,7 @@ class HeldItems:
     def moved(self) -> bool:
         """Whether a tensor too large to copy changed since (its version moved), here or in a container inside."""
         values = _values(self.container, self.items)
-        if any(values[position]._version != version for position, version in self.unkept.items()):
+        if any(version_of(values[position]) != version for position, version in self.unkept.items()):
             return True
         return any(inner.moved() for inner in self.inner.values() if isinstance(inner, HeldItems))
 
@@ -124,7 +125,7 @@ def hold(
         elif _kept(value, own, budget):
             held.inner[position] = value.detach().clone()
         elif isinstance(value, torch.Tensor) and id(value) not in own:
-            held.unkept[position] = value._version
+            held.unkept[position] = version_of(value)
     return held
 
 
@@ -304,6 +305,15 @@ def written_back(tensor: object, values: torch.Tensor, weights: frozenset[int | 
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter; -1 for an inference-mode tensor, which has none (nor can it be written outside
+    inference mode)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1
 
 
 def storage_address(tensor: torch.Tensor) -> int | None:

@@ -156,18 +156,16 @@ def _containers(value: Any, depth: int = 0) -> set[int]:
 def _cut_inside(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> bool:
     """Whether a call made with autograd on, whose floating outputs require no gradient, cut the graph inside: its
     parameters require one (``@torch.no_grad()`` on its forward), or an output is an input that requires one,
-    detached. Not a table or a mask a module without parameters builds (a rotary embedding's cosines)."""
+    detached, or looks like it (its shape and dtype: a normalisation under ``torch.no_grad``). Not, by that measure,
+    a table or a mask a module without parameters builds (a rotary embedding's cosines), whose shapes differ."""
     if any(param.requires_grad for param in module.parameters()):
         return True
-    inputs = {
-        storage_address(tensor)
-        for _, tensor in iter_live_call_inputs(args, dict(kwargs), ())
-        if tensor.requires_grad and tensor.layout == torch.strided
-    }
+    inputs = [tensor for _, tensor in iter_live_call_inputs(args, dict(kwargs), ()) if tensor.requires_grad]
+    memory = {storage_address(tensor) for tensor in inputs if tensor.layout == torch.strided}
+    kinds = {(tensor.shape, tensor.dtype) for tensor in inputs}
     return any(
-        storage_address(tensor) in inputs
+        (tensor.layout == torch.strided and storage_address(tensor) in memory) or (tensor.shape, tensor.dtype) in kinds
         for _, tensor in iter_live_tensors(outputs, "output")
-        if tensor.layout == torch.strided
     )
 
 

@@ -6,6 +6,7 @@ replay itself after ``--map auto``'s alignment run."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from parity_harness.capture.observe.containers import (
     put_back,
     replace_tensors,
     storage_address,
+    version_of,
     written_back,
 )
 
@@ -84,7 +86,7 @@ class _Attributes:
             if isinstance(value, _PLAIN):
                 copy = None if copies is None else _copy_of(value, copies, own, budget)
                 if copies is not None and copy is None and isinstance(value, torch.Tensor) and id(value) not in own:
-                    unkept[name] = value._version
+                    unkept[name] = version_of(value)
                 plain[name] = (value, copy)
             elif is_container(value):
                 containers[name] = (value, hold(value, memo, own, budget))
@@ -146,7 +148,7 @@ class _Attributes:
         """The names of tensor attributes, and of containers holding a tensor, too large to copy that changed since
         (their version moved)."""
         for name, version in self.unkept.items():
-            if self.plain[name][0]._version != version:  # type: ignore[attr-defined]
+            if version_of(self.plain[name][0]) != version:  # type: ignore[arg-type]
                 yield name
         for name, (_, held) in self.containers.items():
             if held is not None and held.moved():
@@ -167,6 +169,8 @@ class BufferState:
     those objects, not copies."""
 
     modules: tuple[_ModuleState, ...]
+    versions: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Each buffer's and tensor attribute's version counter then, by the tensor's id."""
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> BufferState:
@@ -176,28 +180,45 @@ class BufferState:
         own = _own_tensors(modules)
         copies: _Copies = {}
         budget = CopyBudget()
-        return cls(tuple(_state_of(module, memo, own, copies, budget) for module in modules))
+        state = cls(tuple(_state_of(module, memo, own, copies, budget) for module in modules))
+        state.versions.update((id(tensor), version_of(tensor)) for _, tensor in state._buffers_and_attributes())
+        return state
 
     def moved_unkept(self) -> str | None:
         """The name of a buffer or attribute too large to copy that changed since (a run cannot start from this
         state), if any."""
         for state in self.modules:
             for name, saved in state.buffers.items():
-                if saved is not None and saved[1] is None and saved[0]._version != state.versions.get(name):
+                if saved is not None and saved[1] is None and version_of(saved[0]) != state.versions.get(name):
                     return name
         return next((name for state in self.modules for name in state.attributes.moved_unkept()), None)
 
-    def viewing_attribute(self) -> str | None:
-        """The name of an attribute holding, itself or in a container, a tensor on the memory of one of the model's
-        parameters or buffers other than that tensor itself (``self.k = self.cache[0]``), if any: a run that puts
-        other tensors in their places (a float64 copy) leaves such a view reading the old memory."""
-        owned = [tensor for state in self.modules for tensor in _own(state.module)]
-        memory, objects = {storage_address(tensor) for tensor in owned} - {None}, {id(tensor) for tensor in owned}
-        for state in self.modules:
-            for name, value in state.attributes.tensors():
-                if id(value) not in objects and storage_address(value) in memory:
-                    return name
+    def view_of_written_buffer(self) -> str | None:
+        """A buffer or attribute, described, (a tensor it holds, or one in a container) that shares a buffer's memory
+        without being that buffer (``self.k = self.cache[0]``), where the run since wrote that memory, if any: a run
+        that puts float64 copies in the buffers' places leaves such a view reading the float32 values the run
+        changes. Not a view of a parameter (its float64 copy holds the same values, and no forward writes it), an
+        empty tensor, nor memory the run left alone (a mask's rows)."""
+        buffers: dict[int | None, list[torch.Tensor]] = {}
+        for name, tensor in self._buffers_and_attributes():
+            if name.startswith("buffer ") and tensor.numel():
+                buffers.setdefault(storage_address(tensor), []).append(tensor)
+        buffers.pop(None, None)
+        for name, tensor in self._buffers_and_attributes():
+            sharing = [other for other in buffers.get(storage_address(tensor), []) if other is not tensor]
+            now = version_of(tensor)
+            if tensor.numel() and sharing and now != self.versions.get(id(tensor), now):
+                return name  # a view shares its base's version counter: moved, the memory was written
         return None
+
+    def _buffers_and_attributes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each buffer and tensor attribute of every module as they were kept, described (``buffer 'mem'``,
+        ``attribute 'keys'``)."""
+        for state in self.modules:
+            for name, saved in state.buffers.items():
+                if saved is not None:
+                    yield f"buffer {name!r}", saved[0]
+            yield from ((f"attribute {name!r}", tensor) for name, tensor in state.attributes.tensors())
 
     def values_of(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """The copy of ``buffer``'s values this state holds (never written), if it is one of the model's buffers."""
@@ -383,7 +404,7 @@ def _state_of(
         frozenset(module._non_persistent_buffers_set),
         dict(module._modules),
         _Attributes.of(module, memo, own, copies, budget),
-        {name: saved[0]._version for name, saved in buffers.items() if saved is not None and saved[1] is None},
+        {name: version_of(saved[0]) for name, saved in buffers.items() if saved is not None and saved[1] is None},
     )
 
 

@@ -41,7 +41,7 @@ from parity_harness.capture.record.selfcheck import observer_differences
 from parity_harness.capture.record.sink import BundleRecorder, SelectiveStore, selected_modules, store_at
 from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.capture.storage.writer import BundleWriter
-from parity_harness.common.errors import CaptureError, InputError
+from parity_harness.common.errors import CaptureError, InputError, ParityError
 from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
 from parity_harness.common.format.bundle.lengths import PaddingPlan
 from parity_harness.common.format.bundle.schema import (
@@ -367,6 +367,8 @@ class _CaptureRun:
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
                     draws=self.draws_after,
                 )  # fmt: skip
+            except ParityError:
+                raise
             except (RuntimeError, TypeError, ValueError) as err:  # the model in float64 (a module its forward makes)
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise CaptureError(
@@ -386,11 +388,11 @@ class _CaptureRun:
                 f"{option}: the model's {moved!r} is too large to copy and the recorded run changed it, so a rerun "
                 f"cannot start where the recorded run did; capture without {option}"
             )
-        if option == "--noise-floor" and (viewing := self.kept.viewing_attribute()) is not None:
+        if option == "--noise-floor" and (viewing := self.kept.view_of_written_buffer()) is not None:
             raise CaptureError(
-                f"--noise-floor: the model's attribute {viewing!r} views the memory of one of its parameters or "
-                "buffers, which its float64 run replaces by float64 copies: the view would read the float32 values "
-                "and the floor would measure that; capture without --noise-floor"
+                f"--noise-floor: the model's {viewing} shares the memory of a buffer its run wrote, and its float64 "
+                "run puts a float64 copy in each buffer's place: that view would read the float32 values and the "
+                "floor would measure that; capture without --noise-floor"
             )
         self.kept.restore()
 

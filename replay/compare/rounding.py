@@ -77,11 +77,11 @@ class RoundingRun:
     def measure(self, near: NearMisses, unmatched: set[str]) -> str | None:
         """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run.
         ``unmatched`` gets the random draws the rerun could not make as the float32 run made them."""
-        viewing = self.buffers.viewing_attribute() if self.buffers is not None else None
+        viewing = self.buffers.view_of_written_buffer() if self.buffers is not None else None
         if viewing is not None:
             return (
-                f"the port's attribute {viewing!r} views the memory of one of its parameters or buffers, which the "
-                "float64 rerun replaces by float64 copies: it would read the float32 values"
+                f"the port's {viewing} shares the memory of a buffer its run wrote, and the float64 rerun puts a "
+                "float64 copy in each buffer's place: that view would read the float32 values"
             )
         wanted = near.modules()
         index = self.reader.index

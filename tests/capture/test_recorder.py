@@ -446,20 +446,27 @@ class _StopGradient(nn.Module):
         return x.detach()
 
 
+class _NoGradNormalize(nn.Module):
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(x, dim=-1)
+
+
 class _Tables(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin, self.table, self.mask, self.stop = nn.Linear(4, 4), _Table(), _Mask(), _StopGradient()
+        self.normalize = _NoGradNormalize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        return (h + self.table(h)) * self.mask(h)[..., None] + self.stop(h)
+        return (h + self.table(h)) * self.mask(h)[..., None] + self.stop(h) + self.normalize(h)
 
 
 def test_tables_and_masks_are_not_named_but_a_detaching_module_is(tmp_path: Path) -> None:
     """A module without parameters building a table or a mask from inputs that require grad cut no gradient: naming
     it put a note on every replay of, for one, every Llama-like model (its rotary embedding). One returning its input
-    detached did cut it."""
+    detached, or normalising it under ``torch.no_grad``, did cut it."""
     summary = capture_run(_Tables(), (torch.randn(2, 3, 4),), tmp_path / "b.h5")
-    assert summary.without_autograd == ["stop/0"]
+    assert summary.without_autograd == ["stop/0", "normalize/0"]

@@ -110,6 +110,15 @@ class _ViewOfCache(nn.Module):
         return self.lin(x) + self.keys
 
 
+class _BufferViewOfCache(_ViewOfCache):
+    """The same view, registered as a buffer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.keys
+        self.register_buffer("keys", self.cache[0], persistent=False)
+
+
 class _MadeOnFirstCall(nn.Module):
     """A forward that registers a buffer and makes a layer on its first call."""
 
@@ -140,8 +149,10 @@ def test_the_noise_floor_refuses_what_its_float64_run_cannot_follow(tmp_path: Pa
     that (0.78 where rounding gives 1e-7) and let a port off by as much pass with a noise factor. A layer made in
     the forward is made in float32 there. Both refuse, saying why."""
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(CaptureError, match=r"--noise-floor: the model's attribute 'keys' views the memory"):
+    with pytest.raises(CaptureError, match=r"--noise-floor: the model's attribute 'keys' shares the memory of a buff"):
         capture_run(_ViewOfCache(), (x,), tmp_path / "view.h5", noise_floor=True)
+    with pytest.raises(CaptureError, match=r"--noise-floor: the model's buffer '(keys|cache)' shares the memory of a"):
+        capture_run(_BufferViewOfCache(), (x,), tmp_path / "buffer.h5", noise_floor=True)
     with pytest.raises(CaptureError, match=r"--noise-floor: the model's float64 run failed \(mat1 and mat2"):
         capture_run(_MadeOnFirstCall(), (x,), tmp_path / "made.h5", noise_floor=True)
     assert sorted(path.name for path in tmp_path.iterdir()) == []
