@@ -299,10 +299,10 @@ class _CaptureRun:
         # Each rank of a distributed job moves its own copy of the buffers (replay runs the ranks one after another
         # on one model): only a single process records them.
         self.buffers_before = BufferSnapshot(self.model, self.kept) if self.context is None else None
-        # The noise floor's float64 run starts where the recorded run started, not from what it left (an EMA).
-        self.buffers_at_start = (
-            buffer_values(self.model) if self.options.noise_floor or self.options.self_check else None
-        )
+        # The checks' reruns start where the recorded run started, not from what it left (an EMA): the kept state
+        # rewinds the model there (``_rewind``); without one (a rank of a distributed job), these copies do.
+        rerun = self.options.noise_floor or self.options.self_check
+        self.buffers_at_start = buffer_values(self.model) if rerun and self.kept is None else None
 
     def record_forward(self) -> Any:
         """The forward pass under the tap: every module call's inputs and outputs, then the model's outputs."""
