@@ -282,3 +282,41 @@ class RunningCentre(nn.Module):
             with torch.no_grad():
                 self.mean.mul_(0.9).add_(0.1 * h.mean(0))
         return h - self.mean
+
+
+class RMSNorm(nn.Module):
+    """Llama's normalisation: its input used twice (squared for the scale, and scaled)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class NormedResidual(nn.Module):
+    """``x + mlp(norm(x))``: ``x`` used by the norm twice and by the residual once, three gradients summed."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class PreNormNet(nn.Module):
+    """Three pre-norm residual layers and a head, as a Llama-like model stacks them."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(NormedResidual(width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)

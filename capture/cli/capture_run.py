@@ -20,6 +20,7 @@ from parity_harness.capture.cli.shared import (
 from parity_harness.capture.distributed import WRAPS
 from parity_harness.capture.record.job import CaptureJob, CaptureOutcome, run_capture_job
 from parity_harness.capture.record.recorder import CaptureOptions
+from parity_harness.capture.record.selfcheck import describe_self_check
 from parity_harness.common.format.bundle.schema import describe_without_autograd
 from parity_harness.common.format.bundle.selection import RECORD_KINDS, Selection, parse_byte_size
 
@@ -111,7 +112,8 @@ def _parse_lengths(value: str | None) -> list[int] | None:
 @click.option(
     "--self-check",
     is_flag=True,
-    help="Also run the model without hooks and fail unless outputs and gradients match the recorded run bitwise.",
+    help="Also run the model without hooks and fail unless its outputs match the recorded run bitwise and its "
+    "gradients bitwise or within 4x the model's own float32 rounding (a float64 run judges).",
 )
 @click.option(
     "--wrap",
@@ -231,7 +233,7 @@ def _report(outcome: CaptureOutcome, out: str, every: int, options: CaptureOptio
     if summary.without_autograd:
         click.echo(f"capture-run: note: {describe_without_autograd(summary.without_autograd)}")
     if options.self_check:
-        click.echo("capture-run: self-check passed: outputs and gradients without hooks are bitwise the recorded ones")
+        click.echo(f"capture-run: self-check passed: {describe_self_check(summary.regrouped)}")
     if not options.selection.is_everything:
         click.echo(f"capture-run: selection: {options.selection.describe()}")
     if outcome.manifest is not None and outcome.context is not None:

@@ -35,10 +35,11 @@ from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
 
-__all__ = ["BufferValues", "buffer_values", "in_float64", "measure_noise_floor"]
+__all__ = ["BufferValues", "buffer_values", "float64_inputs", "in_float64", "measure_noise_floor"]
 
 
-def _to_float64(value: Any) -> Any:
+def float64_inputs(value: Any) -> Any:
+    """A model's inputs with float64 copies of their floating tensors (detached), the rest as they are."""
     return map_tensors(
         value, lambda tensor: tensor.detach().to(torch.float64) if tensor.is_floating_point() else tensor
     )
@@ -180,7 +181,7 @@ def _float64_run(
     tap = ModuleTap(exact_model, sink)
     try:
         with tap:
-            outputs = call_forward(exact_model, _to_float64(inputs), forward)
+            outputs = call_forward(exact_model, float64_inputs(inputs), forward)
         for slot, tensor in iter_live_tensors(outputs, "output"):
             sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
         if loss is not None:

@@ -75,8 +75,9 @@ class CaptureOptions:
         noise_floor: also rerun a float64 copy and store each record's distance to it
             (``record.noise``), so replay can judge errors against the reference's own.
         selection: record only some modules or kinds of tensors, or some as statistics only.
-        self_check: rerun the model without hooks and fail (no bundle) unless its outputs and
-            gradients equal the recorded run's bit for bit (``record.selfcheck``).
+        self_check: rerun the model without hooks and fail (no bundle) unless its outputs equal the
+            recorded run's bit for bit, and its gradients too or within float32 rounding of sums the hooks
+            group otherwise, judged by a float64 run (``record.selfcheck``).
         checksums: record a CRC-32 per tensor, which readers verify (about a quarter second of
             a core per GB written); off, readers cannot tell a damaged bundle from a port bug.
         shards: in a distributed job, every rank records its local shard of each parameter and
@@ -138,6 +139,9 @@ class CaptureSummary:
     without_autograd: list[str] = field(default_factory=list)
     """Module calls (``module/call``) made with autograd off in the forward (``torch.no_grad``, reentrant activation
     checkpointing): no gradient of theirs was recorded (``run.extra["autograd_off"]``)."""
+    regrouped: int = 0
+    """Parameter gradients the self-check passed as float32 rounding of sums the hooks group otherwise, their bits
+    not those of a run without hooks (``record.selfcheck``)."""
 
 
 def capture_run(
@@ -245,6 +249,7 @@ def _capture(
             writer.linked_count,
             unstored,
             index.run.without_autograd(),
+            run.regrouped,
         )
 
 
@@ -272,6 +277,8 @@ class _CaptureRun:
         self.grads: dict[str, TensorRef] = {}
         self.rng: dict[str, Any] = {}
         self.floors: dict[str, float] = {}
+        self.regrouped = 0
+        """Gradients the self-check found to differ from a bare run's in bits within float32 rounding."""
         self.tap: ModuleTap | None = None
         self.buffers_before: BufferSnapshot | None = None
         self.buffers_at_start: BufferValues | None = None
@@ -358,7 +365,11 @@ class _CaptureRun:
         if options.self_check:
             hooked = _hooked_values(self.model, outputs)  # before the rewind, which drops modules the run made
             self._rewind("--self-check")
-            _observer_check(self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start)
+            viewing = self.kept.view_of_written_buffer() if self.kept is not None else None
+            refused = None if viewing is None else f"the model's {viewing} shares the memory of a buffer its run wrote"
+            self.regrouped = _observer_check(
+                self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, refused
+            )
         if options.noise_floor:
             self._rewind("--noise-floor")
             try:
@@ -460,14 +471,26 @@ def _observer_check(
     hooked: _Hooked,
     padded: PaddedPositions | None,
     start: BufferValues | None,
-) -> None:
+    float64_refused: str | None,
+) -> int:
+    """Fail the capture if recording changed what the model computes; else return how many gradients differ from the
+    bare run's in bits within float32 rounding (``selfcheck``)."""
     hooked_outputs, hooked_grads = hooked
-    problems = observer_differences(
+    check = observer_differences(
         model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
-        hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start,
+        hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start, train_mode=options.train_mode,
+        float64_refused=float64_refused,
     )  # fmt: skip
+    problems, unjudged = check.problems, check.unjudged
     if problems:
         raise CaptureError(
             f"self-check: recording changed what the model computes in {len(problems)} tensor(s), e.g. {problems[0]}; "
             "no bundle was written; please report this with the model"
         )
+    if unjudged:
+        raise CaptureError(
+            f"self-check: {len(unjudged)} gradient(s) differ from a run without hooks, e.g. {unjudged[0]}, and "
+            f"whether by float32 rounding alone (the hooks sum each module's share of a gradient apart) could not "
+            f"be judged: {check.why_unjudged}; no bundle was written; capture without --self-check"
+        )
+    return len(check.regrouped)
