@@ -310,9 +310,9 @@ class NormedResidual(nn.Module):
 class PreNormNet(nn.Module):
     """Three pre-norm residual layers and a head, as a Llama-like model stacks them."""
 
-    def __init__(self, width: int = 16, depth: int = 3) -> None:
+    def __init__(self, width: int = 16, depth: int = 3, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.layers = nn.ModuleList(NormedResidual(width) for _ in range(depth))
         self.head = nn.Linear(width, 5)
 

@@ -39,10 +39,15 @@ __all__ = ["BufferValues", "buffer_values", "float64_inputs", "in_float64", "mea
 
 
 def float64_inputs(value: Any) -> Any:
-    """A model's inputs with float64 copies of their floating tensors (detached), the rest as they are."""
-    return map_tensors(
-        value, lambda tensor: tensor.detach().to(torch.float64) if tensor.is_floating_point() else tensor
-    )
+    """A model's inputs with float64 copies of their floating tensors (new leaves, requiring grad as the inputs do: a
+    model may differentiate with respect to them), the rest as they are."""
+
+    def widened(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        return tensor.detach().to(torch.float64).requires_grad_(tensor.requires_grad)
+
+    return map_tensors(value, widened)
 
 
 class _NoiseSink:

@@ -7,6 +7,7 @@ import functools
 import numbers
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,8 +141,8 @@ class CaptureSummary:
     """Module calls (``module/call``) made with autograd off in the forward (``torch.no_grad``, reentrant activation
     checkpointing): no gradient of theirs was recorded (``run.extra["autograd_off"]``)."""
     regrouped: int = 0
-    """Parameter gradients the self-check passed as float32 rounding of sums the hooks group otherwise, their bits
-    not those of a run without hooks (``record.selfcheck``)."""
+    """Outputs and parameter gradients the self-check passed as float32 rounding of sums the hooks group otherwise,
+    their bits not those of a run without hooks (``record.selfcheck``)."""
 
 
 def capture_run(
@@ -367,9 +368,12 @@ class _CaptureRun:
             self._rewind("--self-check")
             viewing = self.kept.view_of_written_buffer() if self.kept is not None else None
             refused = None if viewing is None else f"the model's {viewing} shares the memory of a buffer its run wrote"
+            rewind = None if self.kept is None else functools.partial(self._rewind, "--self-check")
             self.regrouped = _observer_check(
-                self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, refused
+                self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, rewind, refused
             )
+            for name, param in self.model.named_parameters():  # the recorded run's gradients, not the rerun's
+                param.grad = hooked[1].get(name)
         if options.noise_floor:
             self._rewind("--noise-floor")
             try:
@@ -471,6 +475,7 @@ def _observer_check(
     hooked: _Hooked,
     padded: PaddedPositions | None,
     start: BufferValues | None,
+    rewind: Callable[[], None] | None,
     float64_refused: str | None,
 ) -> int:
     """Fail the capture if recording changed what the model computes; else return how many gradients differ from the
@@ -479,7 +484,7 @@ def _observer_check(
     check = observer_differences(
         model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
         hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start, train_mode=options.train_mode,
-        float64_refused=float64_refused,
+        rewind=rewind, float64_refused=float64_refused,
     )  # fmt: skip
     problems, unjudged = check.problems, check.unjudged
     if problems:
@@ -489,8 +494,8 @@ def _observer_check(
         )
     if unjudged:
         raise CaptureError(
-            f"self-check: {len(unjudged)} gradient(s) differ from a run without hooks, e.g. {unjudged[0]}, and "
-            f"whether by float32 rounding alone (the hooks sum each module's share of a gradient apart) could not "
-            f"be judged: {check.why_unjudged}; no bundle was written; capture without --self-check"
+            f"self-check: {len(unjudged)} output(s) or gradient(s) differ from a run without hooks, e.g. "
+            f"{unjudged[0]}, and whether by float32 rounding alone (the hooks sum each module's share of a gradient "
+            f"apart) could not be judged: {check.why_unjudged}; no bundle was written; capture without --self-check"
         )
     return len(check.regrouped)

@@ -23,18 +23,13 @@ import torch
 from parity_harness.common.format.bundle.schema import TensorRef
 from parity_harness.common.format.dtypes import to_numeric
 from parity_harness.common.numerics.metrics import TensorDiff
+from parity_harness.common.numerics.rounding import MAX_RELATIVE_LEVEL, ROUNDING_FACTOR, plausible_level
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.result import RoundingCheck
 
 __all__ = ["LOOSE_LEVEL", "MAX_RELATIVE_LEVEL", "ROUNDING_FACTOR", "FailingRecord", "NearMisses", "plausible_level"]
 
-ROUNDING_FACTOR: Final = 4.0
-"""An element passes the rounding rule within this many times the port's own float32 error on the record."""
-MAX_RELATIVE_LEVEL: Final = 2.0**-14
-"""A float32 error above this fraction of the record's largest magnitude is not rounding (a random stream, a
-data-dependent branch that the float64 rerun took differently, float16 arithmetic: its unit roundoff is 2^-11).
-Correct float32 ports measured at up to 6e-6 of the record (tests/independent_port.py, the Conformer example)."""
 LOOSE_LEVEL: Final = 2.0**-16
 """A level above this fraction of the record's values is larger than correct float32 ports of well-conditioned
 formulas measure (up to 6e-6 of the record, above); an ill-conditioned one (a one-pass variance on rows far from
@@ -51,12 +46,6 @@ _MEMORY_BUDGET: Final = 1 << 29
 """Bytes of port values kept in memory; the rest go to a temporary file."""
 _CHUNK: Final = 1 << 20
 """Elements judged at a time (float64 temporaries of a few MB, whatever the record's size)."""
-
-
-def plausible_level(level: float, scale: float, exact_scale: float) -> bool:
-    """Whether a float32-vs-float64 distance ``level`` can be float32 rounding on values up to ``scale``: small
-    against them, or larger than the exact values themselves (a sum cancelling to about zero: pure rounding)."""
-    return level <= MAX_RELATIVE_LEVEL * scale or exact_scale <= level / 4
 
 
 @dataclass
