@@ -64,6 +64,10 @@ class _Attributes:
     others: dict[str, object]
     """Every other attribute of its own (a hook's handle, a config object): name -> the object (not a copy)."""
     registrations: _Registrations
+    generators: dict[str, tuple[torch.Generator, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """Attributes holding a ``torch.Generator`` of the module's own (noise drawn in the forward): name -> (the
+    generator, its state then). Put back with the generator, so that a run from this state draws what the run from it
+    drew."""
 
     @classmethod
     def of(
@@ -80,9 +84,12 @@ class _Attributes:
         unkept: dict[str, int] = {}
         containers: dict[str, tuple[object, HeldItems | None]] = {}
         others: dict[str, object] = {}
+        generators: dict[str, tuple[torch.Generator, torch.Tensor]] = {}
         for name, value in vars(module).items():
             if name in _TORCH_OWN:
                 continue
+            if isinstance(value, torch.Generator):
+                generators[name] = (value, value.get_state())
             if isinstance(value, _PLAIN):
                 copy = None if copies is None else _copy_of(value, copies, own, budget)
                 if copies is not None and copy is None and isinstance(value, torch.Tensor) and id(value) not in own:
@@ -92,7 +99,7 @@ class _Attributes:
                 containers[name] = (value, hold(value, memo, own, budget))
             else:
                 others[name] = value
-        return cls(plain, unkept, containers, others, _Registrations.of(module))
+        return cls(plain, unkept, containers, others, _Registrations.of(module), generators)
 
     def put_back(
         self,
@@ -111,6 +118,8 @@ class _Attributes:
         for name in [name for name, value in held.items() if not self.has(name) and _made_here(name, value)]:
             del held[name]
         held.update(self.others)
+        for generator, state in self.generators.values():
+            generator.set_state(state)  # the object put back above, unless another attribute holds it now
         for name, (value, values) in self.plain.items():
             if values is None or (not copies and holds(value, values)):
                 held[name] = standing_in.get(id(value), value) if standing_in else value
@@ -219,6 +228,12 @@ class BufferState:
                 if saved is not None:
                     yield f"buffer {name!r}", saved[0]
             yield from ((f"attribute {name!r}", tensor) for name, tensor in state.attributes.tensors())
+
+    def generator_states(self) -> frozenset[bytes]:
+        """The states the model's own generators (module attributes) held: a run started from this state draws from
+        each what the run from it drew (``record.draws.SameDraws``)."""
+        held = (kept for module in self.modules for kept in module.attributes.generators.values())
+        return frozenset(state.numpy().tobytes() for _, state in held)
 
     def values_of(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """The copy of ``buffer``'s values this state holds (never written), if it is one of the model's buffers."""

@@ -54,13 +54,18 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Args:
         unmatched: where to add a description of each draw that could not be made as in float32.
+        started: the states the model's own generators held when the float32 run started, where the rerun puts them
+            back (``observe.model_state.BufferState.generator_states``): a draw from one in that state repeats the
+            run's.
     """
 
-    def __init__(self, unmatched: set[str]) -> None:
+    def __init__(self, unmatched: set[str], started: frozenset[bytes] = frozenset()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.unmatched = unmatched
-        self._repeatable: set[bytes] = set()
-        """States of generators of the model's own that this run seeded and drew from (each draw's next state)."""
+        self._repeatable: set[bytes] = set(started)
+        """States of generators of the model's own that this run seeded and drew from (each draw's next state), and
+        those they held as the float32 run started, where the rerun starts them (``started``). By state: a generator
+        reaches ``__torch_dispatch__`` as another Python object than the one the model holds."""
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -370,8 +370,9 @@ class _CaptureRun:
             refused = None if viewing is None else f"the model's {viewing} shares the memory of a buffer its run wrote"
             rewind = None if self.kept is None else functools.partial(self._rewind, "--self-check")
             self.regrouped = _observer_check(
-                self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, rewind, refused
-            )
+                self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, rewind, refused,
+                self._generators_started(),
+            )  # fmt: skip
             for name, param in self.model.named_parameters():  # the recorded run's gradients, not the rerun's
                 param.grad = hooked[1].get(name)
         if options.noise_floor:
@@ -380,7 +381,7 @@ class _CaptureRun:
                 self.floors = measure_noise_floor(
                     self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
-                    draws=self.draws_after,
+                    draws=self.draws_after, started=self._generators_started(),
                 )  # fmt: skip
             except ParityError:
                 raise
@@ -390,6 +391,10 @@ class _CaptureRun:
                     f"--noise-floor: the model's float64 run failed ({first}), so no floor could be measured; "
                     "capture without --noise-floor"
                 ) from err
+
+    def _generators_started(self) -> frozenset[bytes]:
+        """The states the model's own generators held as the recorded run started (where ``_rewind`` puts them)."""
+        return frozenset() if self.kept is None else self.kept.generator_states()
 
     def _rewind(self, option: str) -> None:
         """The model's attributes, containers and buffers back as the recorded run found them, in place (whatever
@@ -477,6 +482,7 @@ def _observer_check(
     start: BufferValues | None,
     rewind: Callable[[], None] | None,
     float64_refused: str | None,
+    started: frozenset[bytes],
 ) -> int:
     """Fail the capture if recording changed what the model computes; else return how many gradients differ from the
     bare run's in bits within float32 rounding (``selfcheck``)."""
@@ -484,7 +490,7 @@ def _observer_check(
     check = observer_differences(
         model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
         hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start, train_mode=options.train_mode,
-        rewind=rewind, float64_refused=float64_refused,
+        rewind=rewind, float64_refused=float64_refused, started=started,
     )  # fmt: skip
     problems, unjudged = check.problems, check.unjudged
     if problems:

@@ -108,6 +108,8 @@ class _Rerun:
     padded: PaddedPositions | None
     start: BufferValues | None
     """The buffers the recorded run started from (None: those the model holds now)."""
+    started: frozenset[bytes]
+    """The states the model's own generators held as the recorded run started (``draws.SameDraws``)."""
 
     def backward(self, outputs: Any) -> None:
         """Backpropagate the loss, or the seeded cotangents (the same values in float32 and float64)."""
@@ -133,18 +135,20 @@ def observer_differences(
     train_mode: bool = False,
     rewind: Callable[[], None] | None = None,
     float64_refused: str | None = None,
+    started: frozenset[bytes] = frozenset(),
 ) -> ObserverCheck:
     """Rerun ``model`` without hooks; describe every output whose bits differ from the hooked run, and every gradient
     whose bits differ by more than float32 rounding of sums grouped otherwise (module docstring), judged by a float64
     run in ``train_mode`` that ``rewind`` starts where the recorded run started (its attributes, counters and
-    modules; without one, or with ``float64_refused`` saying why none can run, those gradients fail as unjudged).
+    modules, and the model's own generators in the states ``started``; without one, or with ``float64_refused``
+    saying why none can run, those gradients fail as unjudged).
 
     The rerun starts from the buffers ``start`` holds, those the hooked run started from (keyed by ``id`` of the
     module and buffer name, ``noise.buffer_values``): a buffer the forward updates before using it (a running mean)
     would otherwise give other numbers. Buffers (BatchNorm statistics) are restored afterwards, so the model is left
     as one run left it.
     """
-    rerun = _Rerun(model, inputs, seed, forward, loss, padded, start)
+    rerun = _Rerun(model, inputs, seed, forward, loss, padded, start, started)
     bare_outputs, bare_grads, draws = _bare_run(rerun)
     check = ObserverCheck()
     differing: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -239,7 +243,7 @@ def _float64_values(
     model = rerun.model
     try:
         rewind()
-        with aliases_following(model, in_float64(model, train_mode, unmatched, rerun.start)) as exact:
+        with aliases_following(model, in_float64(model, train_mode, unmatched, rerun.start, rerun.started)) as exact:
             seed_everything(rerun.seed)
             outputs = call_forward(exact, float64_inputs(rerun.inputs), rerun.forward)
             values = {slot: tensor.detach().clone() for slot, tensor in iter_live_tensors(outputs, "output")}

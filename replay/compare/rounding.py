@@ -96,7 +96,9 @@ class RoundingRun:
 
         try:
             start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()
-            with start, aliases_following(self.model, in_float64(self.model, index.run.train_mode, unmatched)) as exact:
+            started = self.buffers.generator_states() if self.buffers is not None else frozenset()
+            exact_model = in_float64(self.model, index.run.train_mode, unmatched, started=started)
+            with start, aliases_following(self.model, exact_model) as exact:
                 tap = ModuleTap(
                     exact,
                     sink,
