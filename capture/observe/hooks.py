@@ -73,12 +73,14 @@ class TapSink(Protocol):
 
 
 class _Phase:
-    """Whether a tap's forward is over: gradients reach the sink only from then on."""
+    """Whether a tap's forward is over: gradients reach the sink only from then on; and whether one reached a hook
+    before (the model differentiates inside its forward)."""
 
-    __slots__ = ("backward",)
+    __slots__ = ("backward", "inner")
 
     def __init__(self) -> None:
         self.backward = False
+        self.inner = False
 
 
 class _GradTap:
@@ -96,7 +98,9 @@ class _GradTap:
     def __call__(self, grad: torch.Tensor | None) -> None:
         if grad is None:
             return
-        if not self.fired and self.phase.backward:
+        if not self.phase.backward:
+            self.phase.inner = True
+        elif not self.fired:
             self.fired = True
             self.sink.on_grad(self.info, self.slot, grad)
 
@@ -319,6 +323,12 @@ class ModuleTap:
             fallback = BaseFallback(tap, tensor, base)
             self._tensor_hooks.append(base.register_hook(fallback))  # type: ignore[no-untyped-call]
             self._held.add(fallback)
+
+    @property
+    def differentiated_in_forward(self) -> bool:
+        """Whether a gradient reached this tap's hooks during the forward: the model runs autograd inside it (forces,
+        a gradient penalty), through the aliases the hooks hand its modules, whose sums those group otherwise."""
+        return self._phase.inner
 
     def release(self) -> None:
         """Take this tap's gradient hooks off every tensor: call it once backward is over (they outlive the ``with``

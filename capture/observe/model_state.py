@@ -229,11 +229,10 @@ class BufferState:
                     yield f"buffer {name!r}", saved[0]
             yield from ((f"attribute {name!r}", tensor) for name, tensor in state.attributes.tensors())
 
-    def generator_states(self) -> frozenset[bytes]:
-        """The states the model's own generators (module attributes) held: a run started from this state draws from
-        each what the run from it drew (``record.draws.SameDraws``)."""
-        held = (kept for module in self.modules for kept in module.attributes.generators.values())
-        return frozenset(state.numpy().tobytes() for _, state in held)
+    def generators(self) -> list[torch.Generator]:
+        """The generators the model's modules held as attributes: :meth:`restore` and :meth:`applied` put them back in
+        the states they held then (``record.draws.SameDraws`` takes draws from them as the run's)."""
+        return [generator for module in self.modules for generator, _ in module.attributes.generators.values()]
 
     def values_of(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """The copy of ``buffer``'s values this state holds (never written), if it is one of the model's buffers."""
@@ -462,8 +461,8 @@ def _made_here(name: str, value: object) -> bool:
     that checks for it would register the hook again); never torch's own."""
     if name in _TORCH_OWN:
         return False
-    if isinstance(value, _PLAIN) or is_container(value):
-        return True
+    if isinstance(value, _PLAIN) or is_container(value) or isinstance(value, torch.Generator):
+        return True  # a generator too: one made on the first call is made again, at its seed, by the next run
     if isinstance(value, RemovableHandle):
         hooks = value.hooks_dict_ref()
         return hooks is None or value.id not in hooks

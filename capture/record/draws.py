@@ -18,6 +18,7 @@ inside ``torch.random.fork_rng``, which puts the state back).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
@@ -26,6 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["SameDraws"]
 
 _aten = torch.ops.aten
+_MARKER_SEED: Final = 0x5EED_CAFE
+"""Seed of the marker state written through a generator to tell which of the model's it is."""
 _FILLS: Final = frozenset(
     {_aten.uniform_, _aten.normal_, _aten.bernoulli_, _aten.exponential_, _aten.cauchy_, _aten.log_normal_}
 )
@@ -54,18 +57,17 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Args:
         unmatched: where to add a description of each draw that could not be made as in float32.
-        started: the states the model's own generators held when the float32 run started, where the rerun puts them
-            back (``observe.model_state.BufferState.generator_states``): a draw from one in that state repeats the
-            run's.
+        own: the generators the model's modules hold as attributes, put back in the states they held when the float32
+            run started (``observe.model_state``): draws from them repeat the run's.
     """
 
-    def __init__(self, unmatched: set[str], started: frozenset[bytes] = frozenset()) -> None:
+    def __init__(self, unmatched: set[str], own: Sequence[torch.Generator] = ()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.unmatched = unmatched
-        self._repeatable: set[bytes] = set(started)
-        """States of generators of the model's own that this run seeded and drew from (each draw's next state), and
-        those they held as the float32 run started, where the rerun starts them (``started``). By state: a generator
-        reaches ``__torch_dispatch__`` as another Python object than the one the model holds."""
+        self._own = list(own)
+        self._repeatable: set[bytes] = set()
+        """States of other generators of the model's own that this run seeded and drew from (each draw's next
+        state)."""
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -78,17 +80,38 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         packet = func.overloadpacket
         generator = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Generator)), None)
-        if generator is not None and not self._repeatable_from(generator):
+        put_back = generator is not None and self._is_own(generator)
+        if generator is not None and not put_back and not self._repeatable_from(generator):
             self.unmatched.add(f"{packet.__name__} from a generator of the model's own")
         result = self._narrowed_draw(func, packet, args, kwargs)
-        if generator is not None:
+        if generator is not None and not put_back:  # a state one put back reaches vouches for no other generator
             self._repeatable.add(generator.get_state().numpy().tobytes())
         return result
 
+    def _is_own(self, generator: torch.Generator) -> bool:
+        """Whether ``generator`` is one of those put back (``own``). It reaches ``__torch_dispatch__`` as another
+        Python object than the model holds, and another generator may be in the same state (one of the same seed on
+        a helper object, moved on by the float32 run): told apart by writing a marker state through it and seeing
+        which one holds it."""
+        state = generator.get_state()
+        candidates = [
+            own for own in self._own if own.device == generator.device and torch.equal(own.get_state(), state)
+        ]
+        if not candidates:
+            return False
+        marker = torch.Generator(device=generator.device).manual_seed(_MARKER_SEED).get_state()
+        if torch.equal(marker, state):
+            marker = torch.Generator(device=generator.device).manual_seed(_MARKER_SEED + 1).get_state()
+        generator.set_state(marker)
+        try:
+            return any(torch.equal(own.get_state(), marker) for own in candidates)
+        finally:
+            generator.set_state(state)
+
     def _repeatable_from(self, generator: torch.Generator) -> bool:
-        """Whether a generator of the model's own draws here what it drew in the float32 run: seeded just before (its
-        state that of a fresh one of its seed), or drawn from since by this run alone. One the model keeps (however:
-        an attribute, a list, a helper object, a global) was moved on by the float32 run and draws what follows."""
+        """Whether another generator of the model's own draws here what it drew in the float32 run: seeded just before
+        (its state that of a fresh one of its seed), or drawn from since by this run alone. One the model keeps out of
+        sight (a list, a helper object, a global) was moved on by the float32 run and draws what follows."""
         state = generator.get_state().numpy().tobytes()
         if state in self._repeatable:
             return True

@@ -369,9 +369,10 @@ class _CaptureRun:
             viewing = self.kept.view_of_written_buffer() if self.kept is not None else None
             refused = None if viewing is None else f"the model's {viewing} shares the memory of a buffer its run wrote"
             rewind = None if self.kept is None else functools.partial(self._rewind, "--self-check")
+            inner = self.tap is not None and self.tap.differentiated_in_forward
             self.regrouped = _observer_check(
                 self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, rewind, refused,
-                self._generators_started(),
+                self._own_generators(), inner,
             )  # fmt: skip
             for name, param in self.model.named_parameters():  # the recorded run's gradients, not the rerun's
                 param.grad = hooked[1].get(name)
@@ -381,7 +382,7 @@ class _CaptureRun:
                 self.floors = measure_noise_floor(
                     self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
-                    draws=self.draws_after, started=self._generators_started(),
+                    draws=self.draws_after, own=self._own_generators(),
                 )  # fmt: skip
             except ParityError:
                 raise
@@ -392,9 +393,9 @@ class _CaptureRun:
                     "capture without --noise-floor"
                 ) from err
 
-    def _generators_started(self) -> frozenset[bytes]:
-        """The states the model's own generators held as the recorded run started (where ``_rewind`` puts them)."""
-        return frozenset() if self.kept is None else self.kept.generator_states()
+    def _own_generators(self) -> list[torch.Generator]:
+        """The generators the model's modules hold, which ``_rewind`` puts back where the recorded run started them."""
+        return [] if self.kept is None else self.kept.generators()
 
     def _rewind(self, option: str) -> None:
         """The model's attributes, containers and buffers back as the recorded run found them, in place (whatever
@@ -482,7 +483,8 @@ def _observer_check(
     start: BufferValues | None,
     rewind: Callable[[], None] | None,
     float64_refused: str | None,
-    started: frozenset[bytes],
+    own: list[torch.Generator],
+    outputs_by_rounding: bool,
 ) -> int:
     """Fail the capture if recording changed what the model computes; else return how many gradients differ from the
     bare run's in bits within float32 rounding (``selfcheck``)."""
@@ -490,7 +492,7 @@ def _observer_check(
     check = observer_differences(
         model, inputs, seed=options.seed, forward=options.forward, loss=options.loss, padded=padded,
         hooked_outputs=hooked_outputs, hooked_grads=hooked_grads, start=start, train_mode=options.train_mode,
-        rewind=rewind, float64_refused=float64_refused, started=started,
+        rewind=rewind, float64_refused=float64_refused, own=own, outputs_by_rounding=outputs_by_rounding,
     )  # fmt: skip
     problems, unjudged = check.problems, check.unjudged
     if problems:
@@ -501,7 +503,7 @@ def _observer_check(
     if unjudged:
         raise CaptureError(
             f"self-check: {len(unjudged)} output(s) or gradient(s) differ from a run without hooks, e.g. "
-            f"{unjudged[0]}, and whether by float32 rounding alone (the hooks sum each module's share of a gradient "
-            f"apart) could not be judged: {check.why_unjudged}; no bundle was written; capture without --self-check"
+            f"{unjudged[0]}, and whether recording changed them (or float32 rounding of sums the hooks group "
+            f"otherwise) could not be judged: {check.why_unjudged}; no bundle was written; capture without --self-check"
         )
     return len(check.regrouped)

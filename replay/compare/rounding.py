@@ -96,8 +96,8 @@ class RoundingRun:
 
         try:
             start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()
-            started = self.buffers.generator_states() if self.buffers is not None else frozenset()
-            exact_model = in_float64(self.model, index.run.train_mode, unmatched, started=started)
+            own = self.buffers.generators() if self.buffers is not None else []
+            exact_model = in_float64(self.model, index.run.train_mode, unmatched, own=own)
             with start, aliases_following(self.model, exact_model) as exact:
                 tap = ModuleTap(
                     exact,

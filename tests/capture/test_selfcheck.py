@@ -237,7 +237,7 @@ def test_gradients_that_no_float64_run_can_judge_fail_saying_why(tmp_path: Path)
     message = str(caught.value)
     assert re.match(r"self-check: \d+ output\(s\) or gradient\(s\) differ from a run without hooks, e\.g\. ", message)
     assert "could not be judged: the float64 run failed (TypeError: expected float32, got torch.float64)" in message
-    assert "recording changed" not in message
+    assert "recording changed what the model computes" not in message
     assert message.endswith("capture without --self-check")
     assert list(tmp_path.iterdir()) == []
 
@@ -349,7 +349,7 @@ def test_a_float64_run_that_computes_otherwise_judges_nothing(tmp_path: Path, mo
     the values it was to judge fail as unjudged, saying so."""
     monkeypatch.setattr(_GradTap, "__call__", _scaling_leaving("layers.1"))
     with pytest.raises(
-        CaptureError, match=r"could not be judged: the float64 run is \S+ from the bare run, more than ro"
+        CaptureError, match=r"could not be judged: the float64 run is \S+ from the bare run there, more"
     ):
         capture_run(_EpsOfItsDtype(), (1e-4 * _PRE_NORM_INPUT,), tmp_path / "b.h5", self_check=True)
     assert list(tmp_path.iterdir()) == []
@@ -373,3 +373,70 @@ def test_zero_dimensional_outputs_and_parameters_are_compared(tmp_path: Path) ->
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     capture_run(_ReturnsItsLoss(), (x,), tmp_path / "b.h5", self_check=True)
     assert (tmp_path / "b.h5").exists()
+
+
+class _Clock:
+    """A helper object (not a module) the model keeps its step count on: out of the capture's sight."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+
+class _CountingOnAHelper(PreNormNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = _Clock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.step += 1
+        return super().forward(x * (1.0 + 0.1 * self.clock.step))
+
+
+def test_a_run_that_does_not_repeat_from_the_rewound_state_judges_nothing(tmp_path: Path) -> None:
+    """A step count on a helper object is not put back: the run without hooks computed the next step, and the check
+    blamed recording ('recording changed'), or, for the float64 run, measured the step for rounding (and let a
+    defective hook through). It now runs once more from the rewound state and, where the two differ, judges nothing,
+    saying that the model keeps state the capture does not put back."""
+    with pytest.raises(CaptureError) as caught:
+        capture_run(_CountingOnAHelper(), (_PRE_NORM_INPUT,), tmp_path / "b.h5", self_check=True)
+    message = str(caught.value)
+    assert "could not be judged: the run without hooks does not repeat from the state the recorded run started" in (
+        message
+    )
+    assert "recording changed what the model computes" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outputs_of_a_forward_without_autograd_inside_stay_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aliases are views: they change no value a forward computes, so an output is judged by rounding only where the
+    forward ran autograd. Hooks that moved a hidden module's output by 2 units in the last place passed when every
+    output was judged by rounding; they fail."""
+    honest = ModuleTap._after
+
+    def nudging(self: ModuleTap, module: nn.Module, args: Any, kwargs: Any, outputs: Any) -> Any:
+        honest(self, module, args, kwargs, outputs)
+        if module is model.layers[1] and isinstance(outputs, torch.Tensor):
+            with torch.no_grad():
+                outputs.mul_(1 + 2.4e-7)
+
+    model = PreNormNet()
+    monkeypatch.setattr(ModuleTap, "_after", nudging)
+    with pytest.raises(CaptureError, match=r"recording changed what the model computes in \d+ tensor\(s\), e\.g\. out"):
+        capture_run(model, (_PRE_NORM_INPUT,), tmp_path / "b.h5", self_check=True)
+
+
+def test_a_value_of_a_few_elements_fails_beyond_rounding(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value of fewer than 16 elements passed whenever the hooked run's error was 'plausible' by the rule's cancelling
+    branch, true of any error larger than the value itself: a hook scaling the gradient into a gain by 10 passed. It
+    must stay within 4 x float32's largest relative rounding of the value."""
+
+    def scaling(self: _GradTap, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is not None and self.info.module == "layers.0" and self.slot.startswith("grad_input"):
+            return grad * 10
+        return None
+
+    monkeypatch.setattr(_GradTap, "__call__", scaling)
+    with pytest.raises(CaptureError, match=r"grad gain: differs by up to \S+, more than 4 x"):
+        capture_run(_Gained(0), (_PRE_NORM_INPUT,), tmp_path / "b.h5", self_check=True)
