@@ -18,8 +18,9 @@ Such a value passes when its difference is at most ``ROUNDING_FACTOR`` (4) times
 it, measured against a float64 run of the model started where the recorded run started (as replay's rounding rule
 judges a port), and at least one unit in the last place of its largest element. A value of fewer than 16 elements,
 whose own error is too small a sample (it can be far below its typical size by chance), passes within 4x the largest
-relative error float32 rounding gives (2^-14 of the value). A perturbation the hooks made does not stay within the
-model's own rounding.
+relative error float32 rounding gives (2^-14 of the value, or of the model's largest gradient where its exact value
+is about zero: a parameter the model is invariant to holds rounding noise only). Outputs get no such allowance. A
+perturbation the hooks made does not stay within the model's own rounding.
 
 Nothing is judged, and the values fail as unjudged, saying why, where no float64 run can judge: the model cannot run
 in float64; the run without hooks does not repeat from the rewound state (state the capture does not put back); the
@@ -187,8 +188,9 @@ def observer_differences(
         exact: dict[str, torch.Tensor] = {}
     else:
         exact, float64_refused = _float64_values(rerun, train_mode, draws, rewind) if differing else ({}, None)
+    model_scale = max((_largest(grad) for grad in bare_grads.values()), default=0.0)
     for label, (hooked, bare) in differing.items():
-        _judge(check, label, hooked, bare, exact.get(label), float64_refused)
+        _judge(check, label, (hooked, bare, exact.get(label)), model_scale, float64_refused)
     return check
 
 
@@ -297,17 +299,25 @@ def _float64_values(
     return values, None
 
 
+def _largest(tensor: torch.Tensor) -> float:
+    """The largest finite magnitude in ``tensor`` (0 for none)."""
+    finite = tensor.detach()[torch.isfinite(tensor.detach())] if tensor.is_floating_point() else tensor.new_zeros(0)
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
 def _judge(
     check: ObserverCheck,
     label: str,
-    hooked: torch.Tensor,
-    bare: torch.Tensor,
-    exact: torch.Tensor | None,
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    model_scale: float,
     refused: str | None,
 ) -> None:
-    """Pass a value whose bits differ (``label``: an output's slot, or ``grad NAME``) where the difference is within
-    ``ROUNDING_FACTOR`` times the bare run's own error on it (at least one unit in the last place of its largest
-    element), that error plausible as rounding; else describe it, as a change or as unjudged."""
+    """Pass a value whose bits differ (``label``: an output's slot, or ``grad NAME``; ``values``: the hooked, bare and
+    float64 runs') where the difference is within ``ROUNDING_FACTOR`` times the bare run's own error on it (at least
+    one unit in the last place of its largest element), that error plausible as rounding; else describe it, as a
+    change or as unjudged. ``model_scale``: the largest of the bare run's gradients, the scale of the rounding noise a
+    gradient whose exact value is about zero holds (a parameter the model is invariant to)."""
+    hooked, bare, exact = values
     hooked, bare = hooked.detach(), bare.detach()  # an output of the bare run still requires grad
     finite = torch.isfinite(bare)
     hooked64, bare64 = hooked.double()[finite], bare.double()[finite]
@@ -319,7 +329,9 @@ def _judge(
     level = float((bare64 - exact64).abs().max())
     scale, exact_scale = float(bare64.abs().max()), float(exact64.abs().max())
     unit = torch.finfo(bare.dtype).eps
-    if not (math.isfinite(level) and plausible_level(level, scale, exact_scale, unit)):
+    about_zero = exact_scale <= max(level / 4, unit * model_scale)  # its exact value below float32's resolution
+    plausible = plausible_level(level, scale, exact_scale, unit) or level <= unit * model_scale
+    if not (math.isfinite(level) and plausible):
         why = f"the float64 run is {level:.3g} from the bare run there, more than float32 rounding goes"
         _unjudged(check, label, difference, f"{why} (numbers that depend on the dtype, as finfo(dtype).eps does)")
         return
@@ -327,7 +339,9 @@ def _judge(
         check.regrouped.append(label)
         return
     relative = MAX_RELATIVE_LEVEL * unit / FLOAT32_UNIT  # the largest relative error float32 rounding gives
-    if bare.numel() < _FEW and difference <= ROUNDING_FACTOR * relative * max(scale, exact_scale):
+    magnitude = max(scale, exact_scale, model_scale if about_zero else 0.0)
+    few = bare.numel() < _FEW and label.startswith("grad ")  # an output a forward computes has no such excuse
+    if few and difference <= ROUNDING_FACTOR * relative * magnitude:
         check.regrouped.append(label)  # the bare run's error on so few elements is too small a sample to bound it
         return
     check.problems.append(
