@@ -9,7 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,11 +42,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def torch_generator_states() -> tuple[bytes, ...]:
-    """The states of torch's global generators (the CPU's, and each CUDA device's once CUDA is initialised): two
-    that differ tell that a run drew random numbers from them."""
+def torch_generator_states(own: Sequence[torch.Generator] = ()) -> tuple[bytes, ...]:
+    """The states of torch's global generators (the CPU's, and each CUDA device's once CUDA is initialised), and of
+    the generators ``own`` a model holds: two that differ tell that a run drew random numbers from them."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
-    return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda))
+    held = [generator.get_state() for generator in own]
+    return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda, *held))
 
 
 @contextlib.contextmanager

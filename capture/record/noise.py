@@ -164,7 +164,7 @@ def measure_noise_floor(
     # An attribute or a list holding a buffer itself follows its float64 copy (``aliases_following``).
     with aliases_following(model, in_float64(model, train_mode, unmatched, start, own)) as exact_model:
         floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
-    if draws is not None and torch_generator_states() != draws:
+    if draws is not None and torch_generator_states(own) != draws:
         unmatched.add("a draw made otherwise in float64")
     if unmatched:
         raise CaptureError(

@@ -332,7 +332,8 @@ class _CaptureRun:
                 self.writer, outputs, options.seed, options.loss, self.padded
             )
         self.grads = gradients.finish()
-        self.draws_after = torch_generator_states()  # the noise floor's float64 run must end where this one did
+        # the noise floor's float64 run must end where this one did, the model's own generators included
+        self.draws_after = torch_generator_states(self._own_generators())
 
     def _padded_positions(self, lengths: tuple[int, ...]) -> PaddedPositions:
         """The model outputs' padded positions, by the plan replay's ``--mask-padding`` masks them with, built from

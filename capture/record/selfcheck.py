@@ -250,7 +250,7 @@ def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
     seed_everything(rerun.seed)
     outputs = call_forward(model, rerun.inputs, rerun.forward)
     rerun.backward(outputs)
-    draws = torch_generator_states()
+    draws = torch_generator_states(rerun.own)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers and buffers[name].shape == buffer.shape:  # not one the rerun registered
@@ -293,7 +293,7 @@ def _float64_values(
     except Exception as err:  # any failure of the model in float64 leaves the gradients unjudged: the check fails
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return {}, f"the float64 run failed ({type(err).__name__}: {first[:200]})"
-    if unmatched or torch_generator_states() != draws:
+    if unmatched or torch_generator_states(rerun.own) != draws:
         drawn = ", ".join(sorted(unmatched)) or "a draw made otherwise in float64"
         return {}, f"the float64 run could not draw the random numbers the run drew ({drawn})"
     return values, None

@@ -457,7 +457,7 @@ class _ReplaySession:
             self._forward_and_backward(tap, sink, watch, inputs)
         finally:
             tap.release()
-        self.replay_draws = torch_generator_states()
+        self.replay_draws = torch_generator_states(self._own_generators())
 
     def _forward_and_backward(
         self, tap: ModuleTap, sink: ComparingSink, watch: OutsideUses | None, inputs: Any
@@ -749,8 +749,13 @@ class _ReplaySession:
         backward_as_recorded(run, outputs, self.options.loss, self.transform, on_loss=on_loss)
         # The rerun draws as the replay did (capture.record.draws); an end state of torch's generators other than
         # the replay's tells of a draw it could not see (another rank's run has no replay here to compare with).
-        if run is self.reader and self.replay_draws is not None and torch_generator_states() != self.replay_draws:
+        ended = torch_generator_states(self._own_generators())
+        if run is self.reader and self.replay_draws is not None and ended != self.replay_draws:
             self.unmatched_draws.add("a draw made otherwise in float64")
+
+    def _own_generators(self) -> list[torch.Generator]:
+        """The generators the port's modules hold, which the rounding check's rerun starts where the replay did."""
+        return [] if self.initial_buffers is None else self.initial_buffers.generators()
 
     def account_for_unvisited(self, strict_waivers: bool = True) -> None:
         """Module records the port never produced: missing, or waived when left out on purpose (--layers,

@@ -13,6 +13,7 @@ from torch import nn
 
 from parity_harness.capture.observe import containers
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.schema import iter_tensors
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
@@ -110,6 +111,7 @@ def test_a_view_of_storage_freed_between_forwards_is_not_read(tmp_path: Path) ->
 import torch
 from torch import nn
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.schema import iter_tensors
 
 class Offloaded(nn.Module):
@@ -350,3 +352,34 @@ def test_a_generator_the_forward_makes_goes_with_the_run(tmp_path: Path) -> None
         (_, a), *_ = iter_tensors(first.index.outputs, "output")
         (_, b), *_ = iter_tensors(second.index.outputs, "output")
         assert (first.read_array(a) == second.read_array(b)).all()
+
+
+class OwnFullRangeNoise(OwnNoise):
+    """Noise from ``random_()`` over its tensor's whole range: a draw torch makes otherwise for a float64 tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * (1 + 1e-9 * torch.empty_like(x).random_(generator=self.noise)))
+
+
+def test_a_float64_rerun_that_drew_otherwise_from_the_models_own_generator_is_refused(tmp_path: Path) -> None:
+    """A float64 rerun that takes draws from a generator the model holds must end it where the float32 run did, as it
+    must torch's own: a draw made otherwise in float64 (``random_`` over a float64 range) recorded a noise floor of
+    1e7, which would let any port pass with --noise-factor."""
+    with pytest.raises(CaptureError, match=r"--noise-floor: the model draws random numbers \(a draw made otherwise"):
+        capture_run(OwnFullRangeNoise(), _inputs(), tmp_path / "b.h5", noise_floor=True)
+    assert not (tmp_path / "b.h5").exists()
+
+
+def test_the_rounding_checks_rerun_that_drew_otherwise_from_the_ports_generator_judges_nothing(tmp_path: Path) -> None:
+    """The same for replay's rounding check: its float64 rerun drew otherwise from the port's own generator, and its
+    near misses were judged against that other computation; they are undecided, saying why."""
+    capture_run(OwnFullRangeNoise(), _inputs(), tmp_path / "b.h5")
+    port = OwnFullRangeNoise()
+    with torch.no_grad():
+        port.lin.weight.mul_(1 + 2e-7)  # rounding-sized differences, beyond a 1e-9 tolerance
+    with BundleReader(tmp_path / "b.h5") as reader:
+        result = compare_run(port, reader, tolerances=ToleranceTable(Tolerance(1e-9, 1e-9)), rounding=True)
+    near = [record for record in result.records if record.name in ("output", "lin/0/output")]
+    assert near, "the port's rounding-sized differences must fail the 1e-9 tolerance, or this tests nothing"
+    assert all(record.undecided for record in near), [(record.name, record.rounding) for record in near]
+    assert any("a draw made otherwise in float64" in note for note in result.notes)
