@@ -91,14 +91,18 @@ def _bits(tensor: torch.Tensor) -> bytes:
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # a 0-d loss too
 
 
+def _largest_difference(hooked: torch.Tensor, bare: torch.Tensor) -> float | None:
+    """max |hooked - bare| of two values of one shape and dtype, in double precision; None for integers."""
+    if hooked.is_complex():
+        return float((hooked.to(torch.complex128) - bare.to(torch.complex128)).abs().max())
+    return float((hooked.double() - bare.double()).abs().max()) if hooked.is_floating_point() else None
+
+
 def _describe(name: str, hooked: torch.Tensor, bare: torch.Tensor) -> str:
     if hooked.shape != bare.shape or hooked.dtype != bare.dtype:
         return f"{name}: {tuple(bare.shape)} {bare.dtype} without hooks, {tuple(hooked.shape)} {hooked.dtype} with"
-    if hooked.is_complex():
-        difference: object = (hooked.to(torch.complex128) - bare.to(torch.complex128)).abs().max().item()
-    else:
-        difference = (hooked.double() - bare.double()).abs().max().item() if hooked.is_floating_point() else "n/a"
-    return f"{name}: bits differ (max abs difference {difference})"
+    difference = _largest_difference(hooked.detach(), bare.detach())
+    return f"{name}: bits differ (max abs difference {'n/a' if difference is None else difference})"
 
 
 @dataclass(frozen=True)
@@ -184,10 +188,9 @@ def observer_differences(
         return check
     if rewind is None:
         float64_refused = float64_refused or "no copy of the model's state was kept to start a float64 run from"
-    if float64_refused is not None or rewind is None:
-        exact: dict[str, torch.Tensor] = {}
-    else:
-        exact, float64_refused = _float64_values(rerun, train_mode, draws, rewind) if differing else ({}, None)
+    exact: dict[str, torch.Tensor] = {}
+    if float64_refused is None and rewind is not None and differing:
+        exact, float64_refused = _float64_values(rerun, train_mode, draws, rewind)
     model_scale = max((_largest(grad) for grad in bare_grads.values()), default=0.0)
     for label, (hooked, bare) in differing.items():
         _judge(check, label, (hooked, bare, exact.get(label)), model_scale, float64_refused)
@@ -227,8 +230,8 @@ def _sort(
     """A value whose bits differ: to be judged by a float64 run where rounding can explain it, else a problem; complex
     values are not judged (the float64 run keeps them complex64), so they fail as unjudged."""
     if hooked.is_complex() and hooked.shape == bare.shape and hooked.dtype == bare.dtype:
-        difference = float((hooked.to(torch.complex128) - bare.to(torch.complex128)).abs().max())
-        _unjudged(check, label, difference, "the float64 run keeps complex values in complex64")
+        difference = _largest_difference(hooked.detach(), bare.detach())
+        _unjudged(check, label, difference or 0.0, "the float64 run keeps complex values in complex64")
     elif _regroupable(hooked, bare):
         differing[label] = (hooked, bare)
     else:
