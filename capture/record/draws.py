@@ -8,8 +8,10 @@ the float32 values is then no rounding, yet may be small enough to pass for it.
 
 :class:`SameDraws` makes each such float64 draw in float32, from the same generator, into a tensor of the same
 strides, and widens it: the rerun consumes the generator as the float32 run did and gets its numbers. A draw from a
-generator of the model's own is repeated only where the forward seeds it before drawing (else the float32 run moved
-it on, wherever the model keeps it): any other is named in ``unmatched``, for the caller to judge the rerun by. A
+generator passed to it (``generator=g``) is repeated only from a state the float32 run drew from, as its
+``observe.draw_log.DrawLog`` counted them, each once, or from one the rerun's own draws from such a state led to:
+any other (a generator the float32 run moved on, wherever the model keeps it; one the forward seeds from a step
+clock the rerun does not put back) is named in ``unmatched``, for the caller to judge the rerun by. A
 draw the float32 run made in float64 on purpose is narrowed too: the generators' end state tells (below). Other draws
 (``randint``, ``multinomial``, ``poisson``: the same in float64) are made as they come; the caller compares the state
 torch's generators end the rerun in with the one the float32 run left, which tells of a draw made otherwise (not
@@ -18,11 +20,14 @@ inside ``torch.random.fork_rng``, which puts the state back).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from parity_harness.capture.observe.draw_log import state_key
 
 __all__ = ["SameDraws"]
 
@@ -59,15 +64,20 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
         unmatched: where to add a description of each draw that could not be made as in float32.
         own: the generators the model's modules hold as attributes, put back in the states they held when the float32
             run started (``observe.model_state``): draws from them repeat the run's.
+        drawn: the states the float32 run drew from (``DrawLog.states``, counts); without it, no draw from a generator
+            passed to the call, other than ``own``'s, is taken for the run's.
     """
 
-    def __init__(self, unmatched: set[str], own: Sequence[torch.Generator] = ()) -> None:
+    def __init__(
+        self, unmatched: set[str], own: Sequence[torch.Generator] = (), drawn: Mapping[bytes, int] | None = None
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.unmatched = unmatched
         self._own = list(own)
+        self._drawn = collections.Counter(drawn or {})
+        """The float32 run's states not yet drawn from by this run."""
         self._repeatable: set[bytes] = set()
-        """States of other generators of the model's own that this run seeded and drew from (each draw's next
-        state)."""
+        """States this run's draws from other generators led to (each draw's next state)."""
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -81,11 +91,14 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
         packet = func.overloadpacket
         generator = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Generator)), None)
         put_back = generator is not None and self._is_own(generator)
-        if generator is not None and not put_back and not self._repeatable_from(generator):
-            self.unmatched.add(f"{packet.__name__} from a generator of the model's own")
+        # A draw from one put back uses up the float32 run's draw from that state too: it vouches for no other.
+        if generator is not None and not self._drew_before(generator) and not put_back:
+            self.unmatched.add(
+                f"{packet.__name__} from a generator of the model's own in a state the float32 run did not draw from"
+            )
         result = self._narrowed_draw(func, packet, args, kwargs)
         if generator is not None and not put_back:  # a state one put back reaches vouches for no other generator
-            self._repeatable.add(generator.get_state().numpy().tobytes())
+            self._repeatable.add(state_key(generator))
         return result
 
     def _is_own(self, generator: torch.Generator) -> bool:
@@ -108,15 +121,16 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
         finally:
             generator.set_state(state)
 
-    def _repeatable_from(self, generator: torch.Generator) -> bool:
-        """Whether another generator of the model's own draws here what it drew in the float32 run: seeded just before
-        (its state that of a fresh one of its seed), or drawn from since by this run alone. One the model keeps out of
-        sight (a list, a helper object, a global) was moved on by the float32 run and draws what follows."""
-        state = generator.get_state().numpy().tobytes()
+    def _drew_before(self, generator: torch.Generator) -> bool:
+        """Whether the float32 run drew from ``generator``'s state (each of its draws vouches for one draw here), or
+        this run's own draws from such a state led to it."""
+        state = state_key(generator)
         if state in self._repeatable:
             return True
-        fresh = torch.Generator(device=generator.device).manual_seed(generator.initial_seed())
-        return fresh.get_state().numpy().tobytes() == state
+        if self._drawn[state] <= 0:
+            return False
+        self._drawn[state] -= 1
+        return True
 
     def _narrowed_draw(self, func: Any, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if packet in _FILLS and args and _is_float64(args[0]):

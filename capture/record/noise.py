@@ -13,7 +13,7 @@ proxies and typed-tensor machinery) cannot always be deep-copied.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,11 +104,13 @@ def in_float64(
     unmatched: set[str] | None = None,
     start: BufferValues | None = None,
     own: Sequence[torch.Generator] = (),
+    drawn: Mapping[bytes, int] | None = None,
 ) -> Iterator[torch.nn.Module]:
     """``model`` with float64 copies of its floating parameters and buffers (other buffers copied as they are;
     from ``start``'s values where given, as a run before moved them) and no gradients, in ``train_mode``, its random
     draws made as in float32 (:class:`SameDraws`, told which generators ``own`` of the model's the caller put back in
-    the states the float32 run started them in; ``unmatched`` gets those that could not be); on exit every original
+    the states the float32 run started them in, and ``drawn`` the states the float32 run drew from, as its
+    ``DrawLog`` counted them; ``unmatched`` gets those that could not be); on exit every original
     tensor, gradient and mode is back in place."""
     params = [(param, param.data, param.grad) for param in model.parameters()]
     buffers = [
@@ -126,7 +128,7 @@ def in_float64(
         for module, name, buffer in buffers:  # a BatchNorm update (statistics, batch count) lands on the copy
             values = (start or {}).get((id(module), name), buffer)
             module._buffers[name] = values.to(torch.float64) if values.is_floating_point() else values.clone()
-        with SameDraws(set() if unmatched is None else unmatched, own):
+        with SameDraws(set() if unmatched is None else unmatched, own, drawn):
             yield model.train(train_mode)
     finally:
         for param, data, grad in params:
@@ -149,11 +151,13 @@ def measure_noise_floor(
     start: BufferValues,
     draws: tuple[bytes, ...] | None,
     own: Sequence[torch.Generator] = (),
+    drawn: Mapping[bytes, int] | None = None,
 ) -> dict[str, float]:
     """Rerun ``model`` in float64 from the buffers ``start`` holds (those the recorded run started from) and return,
     per record name, its distance to the recorded values. ``draws``: torch's generators as the recorded run left them,
     where the float64 run must leave them too (else it drew other numbers); ``own``: the generators the model's
-    modules hold, which the caller put back where the recorded run started them.
+    modules hold, which the caller put back where the recorded run started them; ``drawn``: the generator states the
+    recorded run drew from (``observe.draw_log.DrawLog``).
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
 
@@ -162,7 +166,7 @@ def measure_noise_floor(
     """
     unmatched: set[str] = set()
     # An attribute or a list holding a buffer itself follows its float64 copy (``aliases_following``).
-    with aliases_following(model, in_float64(model, train_mode, unmatched, start, own)) as exact_model:
+    with aliases_following(model, in_float64(model, train_mode, unmatched, start, own, drawn)) as exact_model:
         floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
     if draws is not None and torch_generator_states(own) != draws:
         unmatched.add("a draw made otherwise in float64")

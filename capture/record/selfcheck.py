@@ -30,12 +30,13 @@ float64 run is farther from the bare run than rounding goes (numbers that depend
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
+from parity_harness.capture.observe.draw_log import DrawLog
 from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
@@ -128,6 +129,15 @@ class _Rerun:
         triples = make_cotangents(outputs, self.seed, self.padded)
         if triples:
             torch.autograd.backward([t for _, t, _ in triples], [c for _, _, c in triples])
+
+
+@dataclass(frozen=True)
+class _Draws:
+    """How the bare run drew: where torch's generators and the model's own ended, and the states of the generators
+    handed to its draws (``observe.draw_log``)."""
+
+    ended: tuple[bytes, ...]
+    drawn: Mapping[bytes, int]
 
 
 def observer_differences(
@@ -238,9 +248,9 @@ def _sort(
         check.problems.append(_describe(label, hooked, bare))
 
 
-def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bytes, ...]]:
-    """The run without hooks: its outputs by slot, its parameters' gradients by name, and torch's generators after
-    it (a float64 run must leave them so, or it drew other numbers)."""
+def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], _Draws]:
+    """The run without hooks: its outputs by slot, its parameters' gradients by name, and its draws (a float64 run
+    must draw as it did)."""
     model = rerun.model
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with torch.no_grad():
@@ -251,9 +261,10 @@ def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
                     buffer.copy_(began)
     model.zero_grad(set_to_none=True)
     seed_everything(rerun.seed)
-    outputs = call_forward(model, rerun.inputs, rerun.forward)
-    rerun.backward(outputs)
-    draws = torch_generator_states(rerun.own)
+    with DrawLog() as log:  # the backward too: its seeded cotangent is a draw the float64 run makes again
+        outputs = call_forward(model, rerun.inputs, rerun.forward)
+        rerun.backward(outputs)
+    draws = _Draws(torch_generator_states(rerun.own), log.states)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers and buffers[name].shape == buffer.shape:  # not one the rerun registered
@@ -275,7 +286,7 @@ def _regroupable(hooked: torch.Tensor, bare: torch.Tensor) -> bool:
 
 
 def _float64_values(
-    rerun: _Rerun, train_mode: bool, draws: tuple[bytes, ...], rewind: Callable[[], None]
+    rerun: _Rerun, train_mode: bool, draws: _Draws, rewind: Callable[[], None]
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """The outputs (by slot) and parameters' gradients (``grad NAME``) of the same run in float64
     (``noise.in_float64``: the model itself on float64 copies, put back after), started where the recorded run started
@@ -285,7 +296,8 @@ def _float64_values(
     model = rerun.model
     try:
         rewind()
-        with aliases_following(model, in_float64(model, train_mode, unmatched, rerun.start, rerun.own)) as exact:
+        float64 = in_float64(model, train_mode, unmatched, rerun.start, rerun.own, draws.drawn)
+        with aliases_following(model, float64) as exact:
             seed_everything(rerun.seed)
             outputs = call_forward(exact, float64_inputs(rerun.inputs), rerun.forward)
             values = {slot: tensor.detach().clone() for slot, tensor in iter_live_tensors(outputs, "output")}
@@ -296,7 +308,7 @@ def _float64_values(
     except Exception as err:  # any failure of the model in float64 leaves the gradients unjudged: the check fails
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return {}, f"the float64 run failed ({type(err).__name__}: {first[:200]})"
-    if unmatched or torch_generator_states(rerun.own) != draws:
+    if unmatched or torch_generator_states(rerun.own) != draws.ended:
         drawn = ", ".join(sorted(unmatched)) or "a draw made otherwise in float64"
         return {}, f"the float64 run could not draw the random numbers the run drew ({drawn})"
     return values, None

@@ -19,6 +19,7 @@ from typing import Any, Final, cast
 
 import torch
 
+from parity_harness.capture.observe.draw_log import DrawLog
 from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
@@ -277,6 +278,9 @@ class _ReplaySession:
         """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
         self.initial_buffers = BufferState.of(model) if self.near is not None else None
+        self.draw_log = DrawLog() if self.near is not None else None
+        """The states of the generators the port's forwards handed to their draws, which alone the rounding check's
+        rerun may draw from (``capture.observe.draw_log``)."""
         self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
@@ -465,7 +469,8 @@ class _ReplaySession:
         """The port's forward under ``tap``, its outputs compared, and backward as the bundle ran it."""
         options = self.options
         tapped = tap if self.module_records else contextlib.nullcontext()
-        with self.precision.forward(self.target), tapped, watch or contextlib.nullcontext():
+        log = self.draw_log or contextlib.nullcontext()
+        with self.precision.forward(self.target), log, tapped, watch or contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
         self._note_outside_uses(watch, [tensor for _, tensor in live])
@@ -615,9 +620,9 @@ class _ReplaySession:
         if not near.kept and not self.judge_gradients:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
-        run = RoundingRun(
-            self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, self.initial_buffers
-        )
+        drawn = self.draw_log.states if self.draw_log is not None else None
+        rerun, start = self._rerun_in_float64, self.initial_buffers
+        run = RoundingRun(self.model, self.reader, self.rename, compared, self.transform, rerun, start, drawn)
         failure = run.measure(near, self.unmatched_draws)
         if self._rerun_across_processes() and not self.joined:  # it failed before its rerun joined the others'
             every_process(False)

@@ -524,3 +524,29 @@ def test_a_gradient_about_zero_is_judged_against_the_models_gradients(tmp_path: 
     as a float64 run 1e-15 from a bare 0 'more than rounding goes'."""
     x = torch.randn(4, 7, 16, generator=torch.Generator().manual_seed(seed))
     capture_run(_ShiftInvariant(seed), (x,), tmp_path / "b.h5", self_check=True, seed=seed)
+
+
+class _PeekingNoise(PreNormNet):
+    """Noise from a copy of the model's own generator's state (the next step's numbers, without moving it), then from
+    the generator itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.noise = torch.Generator().manual_seed(11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        peek = torch.Generator()
+        peek.set_state(self.noise.get_state())
+        x = x + 0.01 * torch.randn(x.shape, generator=peek) + 0.01 * torch.randn(x.shape, generator=self.noise)
+        return super().forward(x)
+
+
+def test_draws_from_a_copy_of_the_models_generator_are_the_runs_own(tmp_path: Path) -> None:
+    """After an earlier step moved the model's generator, a copy of its state is neither the generator put back nor in
+    a fresh one's state: its draws were refused, and an honest capture failed the self-check as unjudged. The float32
+    run drew from that state, so the float64 run may; the regrouped gradients are judged and pass."""
+    model = _PeekingNoise()
+    with torch.no_grad():
+        model(_PRE_NORM_INPUT)  # the earlier step
+    summary = capture_run(model, (_PRE_NORM_INPUT,), tmp_path / "b.h5", self_check=True, train_mode=True)
+    assert summary.regrouped > 0, "no gradient differed from the bare run's: the float64 run judged nothing"

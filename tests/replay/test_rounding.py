@@ -632,8 +632,10 @@ class _StochasticDepth(torch.nn.Module):
     """``x + drop_path(gain * mlp(x))``, then a LayerNorm of ``eps`` if one is given (the reference's: 1e-6). The
     drop-path is written as timm < 0.6 and vendored copies of it write it, ``torch.rand(..., dtype=x.dtype)``, which
     torch draws otherwise in float64. ``draws``: ``global`` from torch's generator, ``own`` from a generator of the
-    model's own (seeded at construction), ``kept`` from one it keeps in a list; ``split``: the port's linear layers
-    sum in another order (:class:`_SplitLinear`)."""
+    model's own (seeded at construction), ``kept`` from one it keeps in a list, ``clock`` from one it makes each call,
+    seeded from a step clock on a helper object, ``peek`` from a copy of its own generator's state (the next call's
+    numbers, its own generator moved on apart); ``split``: the port's linear layers sum in another order
+    (:class:`_SplitLinear`)."""
 
     def __init__(self, draws: str = "global", split: bool = False, eps: float | None = None, gain: float = 1.0) -> None:
         super().__init__()
@@ -643,14 +645,32 @@ class _StochasticDepth(torch.nn.Module):
         self.norm = torch.nn.Identity() if eps is None else torch.nn.LayerNorm(64, eps=eps)
         self.draws, self.gain, self.generator = draws, gain, torch.Generator().manual_seed(7)
         self.kept = [torch.Generator().manual_seed(7)]  # a generator the model keeps out of sight: in a list
+        self.clock = _Clock()  # not a module: nothing puts its step back
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         branch = self.gain * self.fc2(F.gelu(self.fc1(x)))
         if self.training:
-            generator = {"own": self.generator, "kept": self.kept[0]}.get(self.draws)
-            keep = torch.rand((x.shape[0], 1, 1), dtype=x.dtype, generator=generator).add_(0.7).floor_()
+            keep = torch.rand((x.shape[0], 1, 1), dtype=x.dtype, generator=self._generator()).add_(0.7).floor_()
             branch = branch / 0.7 * keep
         return self.norm(x + branch)
+
+    def _generator(self) -> torch.Generator | None:
+        if self.draws == "clock":
+            self.clock.step += 1
+            return torch.Generator().manual_seed(999 + self.clock.step)
+        if self.draws == "peek":
+            peek = torch.Generator()
+            peek.set_state(self.generator.get_state())
+            torch.rand(1, generator=self.generator)
+            return peek
+        return {"own": self.generator, "kept": self.kept[0]}.get(self.draws)
+
+
+class _Clock:
+    """A training-step clock a model shares with other objects (a data loader, a scheduler)."""
+
+    def __init__(self) -> None:
+        self.step = 0
 
 
 def _inputs(scale: float, *shape: int) -> torch.Tensor:
@@ -729,6 +749,41 @@ def test_the_reference_s_noise_floor_run_draws_as_the_recorded_run_did(tmp_path:
     with pytest.raises(CaptureError, match="a generator of the model's own"):
         capture_run(_StochasticDepth("kept"), (x,), tmp_path / "kept.h5", seed=0, train_mode=True, noise_floor=True)
     assert not (tmp_path / "kept.h5").exists()
+
+
+def test_draws_from_a_generator_seeded_from_state_the_rerun_does_not_put_back_judge_nothing(tmp_path: Path) -> None:
+    """A forward seeding a new generator from a step clock on a helper object: the float64 rerun, a step later, drew
+    from another seed. It was taken for the replay's draws because its state was that of a fresh generator, and the
+    other drop-path moved the rerun by a 'rounding level' that passed a LayerNorm eps bug (a false MATCH), and the
+    reference's noise floor came out about 1000x its rounding. The rerun now draws from the states the replay drew
+    from alone: the near misses are undecided, and --noise-floor refuses the model."""
+    x = _inputs(0.3, 16, 16, 64)
+    bundle = _stochastic_depth_bundle(tmp_path, _StochasticDepth("clock", eps=1e-6, gain=1.5e-4), x)
+    assert _replay(_StochasticDepth("clock", eps=1e-5, gain=1.5e-4), bundle, rounding=False).verdict == "MISMATCH"
+    buggy = _replay(_StochasticDepth("clock", eps=1e-5, gain=1.5e-4), bundle)
+    assert buggy.verdict == "INCOMPLETE", [(r.name, r.rounding) for r in buggy.records if not r.match]
+    assert not any(r.rule == "rounding" for r in buggy.records)
+    assert any("in a state the float32 run did not draw from" in note for note in buggy.notes)
+    with pytest.raises(CaptureError, match="in a state the float32 run did not draw from"):
+        capture_run(_StochasticDepth("clock"), (x,), tmp_path / "floor.h5", seed=0, train_mode=True, noise_floor=True)
+
+
+def test_a_copy_of_a_generator_the_model_holds_draws_again_as_the_run_drew(tmp_path: Path) -> None:
+    """A forward drawing from a copy of its own generator's state (the next step's numbers, without moving it), after
+    an earlier step moved that generator: the copy is neither the generator put back nor in a fresh one's state, and
+    its draws were refused, leaving a correct port INCOMPLETE and the reference without a noise floor. The float32
+    run drew from that state, so the rerun may: the port matches, its near misses passed as rounding."""
+    x = _inputs(10.0, 8, 64, 64)
+    reference, port, plain_port = (_StochasticDepth("peek", split=split) for split in (False, True, True))
+    for model in (reference, port, plain_port):
+        model.train()(x)  # the earlier step
+    bundle = tmp_path / "peek.h5"
+    capture_run(reference, (x,), bundle, seed=0, train_mode=True, noise_floor=True)
+    near = {r.name for r in _replay(plain_port, bundle, rounding=False).records if not r.match}
+    assert near, "the port's other summation order must fail atol/rtol, or this tests nothing"
+    correct = _replay(port, bundle)
+    assert correct.verdict == "MATCH", [(r.name, r.rounding) for r in correct.records if not r.match]
+    assert {r.name for r in correct.records if r.rule == "rounding"} == near
 
 
 def _slice_noise(h: torch.Tensor) -> torch.Tensor:
