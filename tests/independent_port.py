@@ -12,6 +12,9 @@ on a few elements of large sums. ``bug`` plants a real difference in block 1 of 
 - ``float32_only``: block 1 scales its attention residual by 1.001 in float32 only (the rerun does not see it);
 - ``float16``: block 1's fc1 runs under float16 autocast (float64 is never autocast);
 - ``between_modules``: the model scales the embedding by 1.001 in its own forward, outside any submodule.
+
+``noise`` adds noise to the embedding from a generator the forward makes and seeds, the same each call (a
+deterministic augmentation): a draw the rounding check's float64 rerun must repeat.
 """
 
 from __future__ import annotations
@@ -92,16 +95,20 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, manual: bool = False, bug: str | None = None, width: int = 64, heads: int = 4) -> None:
+    def __init__(
+        self, manual: bool = False, bug: str | None = None, width: int = 64, heads: int = 4, noise: bool = False
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, width)
-        self.bug = bug
+        self.bug, self.noise = bug, noise
         self.blocks = nn.ModuleList(Block(width, heads, manual, bug if i == 1 else None) for i in range(2))
         self.norm = Norm(width, manual=manual)
         self.head = Proj(width, VOCAB, manual)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
+        if self.noise:
+            x = x + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
         if self.bug == "between_modules":
             x = x * 1.001
         for block in self.blocks:
@@ -109,9 +116,9 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def build(manual: bool = False, bug: str | None = None) -> Model:
+def build(manual: bool = False, bug: str | None = None, noise: bool = False) -> Model:
     """The reference (``manual=False``) or the port, with the same seeded weights (norms around one)."""
-    model = Model(manual, bug)
+    model = Model(manual, bug, noise=noise)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -274,20 +274,23 @@ def test_a_near_miss_that_is_no_rounding_fails_on_whichever_rank_it_lands(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["ddp-independent", "fsdp-shards-independent"])
+@pytest.mark.parametrize("job", ["ddp-independent", "fsdp-shards-independent", "ddp-independent-noise"])
 def test_a_correct_port_of_a_data_parallel_capture_passes_at_the_defaults(tmp_path: Path, job: str) -> None:
     """The independent port (its own kernels: it differs from the reference by float32 rounding) against a DDP
     capture of the reference on two ranks, and an FSDP one recording local shards, replayed in one process at the
     default tolerances: every near miss, of either rank and of the gradients combined over both, is judged by
     float64 reruns of the ranks and passes (DDP: left undecided, INCOMPLETE; shards: the gradients put back together
-    were never offered to the rule, MISMATCH). The port with a planted bug still fails."""
+    were never offered to the rule, MISMATCH). The port with a planted bug still fails. With noise drawn in the
+    forward (``-noise``), the rerun of both ranks draws from the states both ranks' replays drew from (it was given
+    the replayed rank's alone: the other rank's draw was refused and the correct port left INCOMPLETE)."""
     from tests.independent_port import build
 
     out = tmp_path / "bundle.h5"
     results = run_ranks(job, out)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     manifest = read_manifest(manifest_path(out))
-    for port, verdict in ((build(manual=True), "MATCH"), (build(manual=True, bug="eps"), "MISMATCH")):
+    noise = job.endswith("-noise")
+    for port, verdict in ((build(True, noise=noise), "MATCH"), (build(True, "eps", noise), "MISMATCH")):
         readers = [BundleReader(file) for file in manifest.files]
         try:
             runs = DataParallelRuns(readers, readers[manifest.params_from], manifest.grad_reduction, manifest.shards)

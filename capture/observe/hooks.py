@@ -32,7 +32,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from parity_harness.capture.observe.containers import storage_address
-from parity_harness.capture.observe.draw_log import set_aside
 from parity_harness.capture.observe.naming import (
     ArgumentNames,
     argument_key,
@@ -216,7 +215,7 @@ class ModuleTap:
         of theirs reaches the sink."""
 
     def __enter__(self) -> ModuleTap:
-        before, after = _eager(set_aside(self._before)), _eager(set_aside(self._after))
+        before, after = _eager(self._before), _eager(self._after)
         for path, module in self._model.named_modules():
             name = self._rename(path) if path else None
             if name is None:

@@ -1,39 +1,47 @@
-"""Random draws in a float64 rerun, made as the float32 run made them.
+"""Random draws in a float64 rerun, made as the float32 run made them, and the proof that they were.
 
-A float64 rerun of a model (the reference's noise floor, the port's rounding check) is the same computation in exact
-arithmetic only if it draws the same random numbers. torch draws some differently in float64 from the same
-generator state (``torch.rand``, ``uniform_``, ``randn`` of more than 16 elements, CUDA's fused dropout; the CPU's
-dropout masks happen to agree), and that changes which samples a stochastic-depth layer drops: the rerun's distance to
-the float32 values is then no rounding, yet may be small enough to pass for it.
+A float64 rerun of a model (the reference's noise floor and self-check, the port's rounding check) is the same
+computation in exact arithmetic only if it draws the same random numbers. torch draws some differently in float64
+from the same generator state (``torch.rand``, ``uniform_``, ``randn`` of more than 16 elements, CUDA's fused dropout;
+the CPU's dropout masks happen to agree), and that changes which samples a stochastic-depth layer drops: the rerun's
+distance to the float32 values is then no rounding, yet may be small enough to pass for it.
 
 :class:`SameDraws` makes each such float64 draw in float32, from the same generator, into a tensor of the same
-strides, and widens it: the rerun consumes the generator as the float32 run did and gets its numbers. A draw from a
-generator passed to it (``generator=g``) is repeated only from a state the float32 run drew from, as its
-``observe.draw_log.DrawLog`` counted them, each once, or from one the rerun's own draws from such a state led to:
-any other (a generator the float32 run moved on, wherever the model keeps it; one the forward seeds from a step
-clock the rerun does not put back) is named in ``unmatched``, for the caller to judge the rerun by. A
-draw the float32 run made in float64 on purpose is narrowed too: the generators' end state tells (below). Other draws
+strides, and widens it: the rerun consumes the generator as the float32 run did and gets its numbers. A draw the
+float32 run made in float64 on purpose is narrowed too: the generators' end state tells (below). Other draws
 (``randint``, ``multinomial``, ``poisson``: the same in float64) are made as they come; the caller compares the state
 torch's generators end the rerun in with the one the float32 run left, which tells of a draw made otherwise (not
 inside ``torch.random.fork_rng``, which puts the state back).
+
+A draw from a generator handed to it (``generator=g``) repeats the float32 run's only if ``g`` is where it was then,
+wherever the model keeps it: a module's attribute (put back with the model state), a list or a helper object (moved on
+by the run), or made in the forward and seeded there, perhaps from a step clock the rerun does not put back. Both
+:class:`SameDraws` and :class:`DrawSequence` list, in order, the state each such draw started from
+(:attr:`DrawSequence.started`); the caller compares the rerun's list with that of a float32 run made again from the
+same starting point, and takes the rerun for another computation where they differ. Only a model that draws so pays for
+that float32 run. The recorded (or replayed) run itself is not watched, so that nothing changes what it computes (a
+torch function mode would turn off fused fast paths): a state its run alone moved (a clock that advances on the first
+call only) goes unseen.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Mapping, Sequence
+import hashlib
 from typing import Any, Final
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parity_harness.capture.observe.draw_log import state_key
+__all__ = ["HANDED_GENERATORS", "DrawSequence", "SameDraws"]
 
-__all__ = ["SameDraws"]
+HANDED_GENERATORS: Final = (
+    "draws from generators handed to them, which the float64 run found in other states than a float32 run made "
+    "again found them in: one the run moves on, wherever the model keeps it, or seeds from state the rerun does not "
+    "put back"
+)
+"""What an ``unmatched`` set says where :attr:`DrawSequence.started` differs between the runs."""
 
 _aten = torch.ops.aten
-_MARKER_SEED: Final = 0x5EED_CAFE
-"""Seed of the marker state written through a generator to tell which of the model's it is."""
 _FILLS: Final = frozenset(
     {_aten.uniform_, _aten.normal_, _aten.bernoulli_, _aten.exponential_, _aten.cauchy_, _aten.log_normal_}
 )
@@ -57,27 +65,14 @@ def _narrowed(value: object) -> object:
     return value.to(torch.float32) if isinstance(value, torch.Tensor) and value.dtype == torch.float64 else value
 
 
-class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Within the block, float64 random draws are made in float32 and widened (module docstring).
+class DrawSequence(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Within the block, lists the state of each generator handed to a random draw, before the draw (module
+    docstring); draws from torch's own generators, which the caller seeds, are not listed."""
 
-    Args:
-        unmatched: where to add a description of each draw that could not be made as in float32.
-        own: the generators the model's modules hold as attributes, put back in the states they held when the float32
-            run started (``observe.model_state``): draws from them repeat the run's.
-        drawn: the states the float32 run drew from (``DrawLog.states``, counts); without it, no draw from a generator
-            passed to the call, other than ``own``'s, is taken for the run's.
-    """
-
-    def __init__(
-        self, unmatched: set[str], own: Sequence[torch.Generator] = (), drawn: Mapping[bytes, int] | None = None
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.unmatched = unmatched
-        self._own = list(own)
-        self._drawn = collections.Counter(drawn or {})
-        """The float32 run's states not yet drawn from by this run."""
-        self._repeatable: set[bytes] = set()
-        """States this run's draws from other generators led to (each draw's next state)."""
+        self.started: list[bytes] = []
+        """Per draw from a generator handed to it, in order: the generator's device and a digest of its state."""
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -85,52 +80,27 @@ class SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
+        generator = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Generator)), None)
+        if generator is not None:
+            self.started.append(_digest(generator))
         return self._draw(func, args, kwargs)
 
     def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        packet = func.overloadpacket
-        generator = next((value for value in (*args, *kwargs.values()) if isinstance(value, torch.Generator)), None)
-        put_back = generator is not None and self._is_own(generator)
-        # A draw from one put back uses up the float32 run's draw from that state too: it vouches for no other.
-        if generator is not None and not self._drew_before(generator) and not put_back:
-            self.unmatched.add(
-                f"{packet.__name__} from a generator of the model's own in a state the float32 run did not draw from"
-            )
-        result = self._narrowed_draw(func, packet, args, kwargs)
-        if generator is not None and not put_back:  # a state one put back reaches vouches for no other generator
-            self._repeatable.add(state_key(generator))
-        return result
+        return func(*args, **kwargs)
 
-    def _is_own(self, generator: torch.Generator) -> bool:
-        """Whether ``generator`` is one of those put back (``own``). It reaches ``__torch_dispatch__`` as another
-        Python object than the model holds, and another generator may be in the same state (one of the same seed on
-        a helper object, moved on by the float32 run): told apart by writing a marker state through it and seeing
-        which one holds it."""
-        state = generator.get_state()
-        candidates = [
-            own for own in self._own if own.device == generator.device and torch.equal(own.get_state(), state)
-        ]
-        if not candidates:
-            return False
-        marker = torch.Generator(device=generator.device).manual_seed(_MARKER_SEED).get_state()
-        if torch.equal(marker, state):
-            marker = torch.Generator(device=generator.device).manual_seed(_MARKER_SEED + 1).get_state()
-        generator.set_state(marker)
-        try:
-            return any(torch.equal(own.get_state(), marker) for own in candidates)
-        finally:
-            generator.set_state(state)
 
-    def _drew_before(self, generator: torch.Generator) -> bool:
-        """Whether the float32 run drew from ``generator``'s state (each of its draws vouches for one draw here), or
-        this run's own draws from such a state led to it."""
-        state = state_key(generator)
-        if state in self._repeatable:
-            return True
-        if self._drawn[state] <= 0:
-            return False
-        self._drawn[state] -= 1
-        return True
+def _digest(generator: torch.Generator) -> bytes:
+    """A generator's device and a digest of its state (a CPU generator's is 5 KB)."""
+    state = generator.get_state().numpy().tobytes()
+    return generator.device.type.encode() + hashlib.blake2b(state, digest_size=16).digest()
+
+
+class SameDraws(DrawSequence):  # type: ignore[no-untyped-call]
+    """Within the block, float64 random draws are made in float32 and widened, and the states of the generators
+    handed to them listed (module docstring)."""
+
+    def _draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._narrowed_draw(func, func.overloadpacket, args, kwargs)
 
     def _narrowed_draw(self, func: Any, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if packet in _FILLS and args and _is_float64(args[0]):

@@ -13,7 +13,7 @@ proxies and typed-tensor machinery) cannot always be deep-copied.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,12 +30,12 @@ from parity_harness.capture.observe.driving import (
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.model_state import aliases_following
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
-from parity_harness.capture.record.draws import SameDraws
+from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, SameDraws
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
 
-__all__ = ["BufferValues", "buffer_values", "float64_inputs", "in_float64", "measure_noise_floor"]
+__all__ = ["BufferValues", "buffer_values", "float64_inputs", "from_start", "in_float64", "measure_noise_floor"]
 
 
 def float64_inputs(value: Any) -> Any:
@@ -101,17 +101,30 @@ def buffer_values(model: torch.nn.Module) -> BufferValues:
 def in_float64(
     model: torch.nn.Module,
     train_mode: bool,
-    unmatched: set[str] | None = None,
     start: BufferValues | None = None,
-    own: Sequence[torch.Generator] = (),
-    drawn: Mapping[bytes, int] | None = None,
+    started: list[bytes] | None = None,
 ) -> Iterator[torch.nn.Module]:
     """``model`` with float64 copies of its floating parameters and buffers (other buffers copied as they are;
     from ``start``'s values where given, as a run before moved them) and no gradients, in ``train_mode``, its random
-    draws made as in float32 (:class:`SameDraws`, told which generators ``own`` of the model's the caller put back in
-    the states the float32 run started them in, and ``drawn`` the states the float32 run drew from, as its
-    ``DrawLog`` counted them; ``unmatched`` gets those that could not be); on exit every original
-    tensor, gradient and mode is back in place."""
+    draws made as in float32 (:class:`SameDraws`; ``started`` gets the states of the generators handed to them, for
+    the caller to compare with a float32 run's: ``record.draws``); on exit every original tensor, gradient and mode is
+    back in place."""
+    draws = SameDraws()
+    try:
+        with from_start(model, train_mode, start, torch.float64), draws:
+            yield model
+    finally:
+        if started is not None:
+            started.extend(draws.started)
+
+
+@contextlib.contextmanager
+def from_start(
+    model: torch.nn.Module, train_mode: bool, start: BufferValues | None, dtype: torch.dtype | None = None
+) -> Iterator[torch.nn.Module]:
+    """``model`` in ``train_mode`` without gradients, its buffers copies of ``start``'s values where given (else of
+    their own), its floating parameters and buffers in ``dtype`` where given; on exit every original tensor,
+    gradient and mode is back in place (a BatchNorm's update, a step count, lands on the copies)."""
     params = [(param, param.data, param.grad) for param in model.parameters()]
     buffers = [
         (module, name, buffer)
@@ -120,16 +133,18 @@ def in_float64(
         if buffer is not None
     ]
     modes = [(module, module.training) for module in model.modules()]
+
+    def copy(values: torch.Tensor) -> torch.Tensor:
+        return values.to(dtype) if dtype is not None and values.is_floating_point() else values.clone()
+
     try:
         for param, data, _ in params:
             param.grad = None
-            if data.is_floating_point():
-                param.data = data.to(torch.float64)
-        for module, name, buffer in buffers:  # a BatchNorm update (statistics, batch count) lands on the copy
-            values = (start or {}).get((id(module), name), buffer)
-            module._buffers[name] = values.to(torch.float64) if values.is_floating_point() else values.clone()
-        with SameDraws(set() if unmatched is None else unmatched, own, drawn):
-            yield model.train(train_mode)
+            if dtype is not None and data.is_floating_point():
+                param.data = data.to(dtype)
+        for module, name, buffer in buffers:
+            module._buffers[name] = copy((start or {}).get((id(module), name), buffer))
+        yield model.train(train_mode)
     finally:
         for param, data, grad in params:
             param.data, param.grad = data, grad
@@ -151,13 +166,14 @@ def measure_noise_floor(
     start: BufferValues,
     draws: tuple[bytes, ...] | None,
     own: Sequence[torch.Generator] = (),
-    drawn: Mapping[bytes, int] | None = None,
+    rewind: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Rerun ``model`` in float64 from the buffers ``start`` holds (those the recorded run started from) and return,
     per record name, its distance to the recorded values. ``draws``: torch's generators as the recorded run left them,
     where the float64 run must leave them too (else it drew other numbers); ``own``: the generators the model's
-    modules hold, which the caller put back where the recorded run started them; ``drawn``: the generator states the
-    recorded run drew from (``observe.draw_log.DrawLog``).
+    modules hold, which the caller put back where the recorded run started them; ``rewind``: puts the model back there
+    again (its attributes, counters and generators), for a float32 run made again where the float64 run drew from
+    generators handed to the draws (``record.draws``).
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
 
@@ -165,11 +181,17 @@ def measure_noise_floor(
         CaptureError: the float64 run could not draw the random numbers the recorded run drew.
     """
     unmatched: set[str] = set()
+    started: list[bytes] = []
     # An attribute or a list holding a buffer itself follows its float64 copy (``aliases_following``).
-    with aliases_following(model, in_float64(model, train_mode, unmatched, start, own, drawn)) as exact_model:
+    with aliases_following(model, in_float64(model, train_mode, start, started)) as exact_model:
         floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
     if draws is not None and torch_generator_states(own) != draws:
         unmatched.add("a draw made otherwise in float64")
+    if started and (
+        rewind is None
+        or _float32_draws(model, inputs, writer, seed, forward, loss, train_mode, start, rewind) != started
+    ):
+        unmatched.add(HANDED_GENERATORS)
     if unmatched:
         raise CaptureError(
             f"--noise-floor: the model draws random numbers ({', '.join(sorted(unmatched))}) that its float64 run "
@@ -190,23 +212,59 @@ def _float64_run(
 ) -> dict[str, float]:
     floors: dict[str, float] = {}
     sink = _NoiseSink(writer, floors)
-    seed_everything(seed)
     tap = ModuleTap(exact_model, sink)
     try:
-        with tap:
-            outputs = call_forward(exact_model, float64_inputs(inputs), forward)
-        for slot, tensor in iter_live_tensors(outputs, "output"):
-            sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
-        if loss is not None:
-            loss(outputs).backward()  # type: ignore[no-untyped-call]
-        else:
-            seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
-            pairs = [(t, writer.read_tensor(p).to(t.device, torch.float64)) for t, p in seeded if writer.has(p)]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
+        _run(exact_model, float64_inputs(inputs), writer, seed, forward, loss, tap, sink)
     finally:
         tap.release()
     for name, param in exact_model.named_parameters():
         if param.grad is not None:
             sink.measure(name, f"{GRADS}/{escape_dotted(name)}", param.grad)
     return floors
+
+
+def _run(
+    model: torch.nn.Module,
+    inputs: Any,
+    writer: BundleWriter,
+    seed: int,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+    tap: ModuleTap | None = None,
+    sink: _NoiseSink | None = None,
+) -> None:
+    """The recorded run again: forward (under ``tap``, its outputs measured by ``sink``), then backward from the loss
+    or the recorded cotangent."""
+    seed_everything(seed)
+    with tap or contextlib.nullcontext():
+        outputs = call_forward(model, inputs, forward)
+    if sink is not None:
+        for slot, tensor in iter_live_tensors(outputs, "output"):
+            sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
+    if loss is not None:
+        loss(outputs).backward()  # type: ignore[no-untyped-call]
+        return
+    seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
+    pairs = [(t, writer.read_tensor(p).to(t.device, t.dtype)) for t, p in seeded if writer.has(p)]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
+
+
+def _float32_draws(
+    model: torch.nn.Module,
+    inputs: Any,
+    writer: BundleWriter,
+    seed: int,
+    forward: ForwardFn | None,
+    loss: LossFn | None,
+    train_mode: bool,
+    start: BufferValues,
+    rewind: Callable[[], None],
+) -> list[bytes]:
+    """The states of the generators handed to the draws of the recorded run made again in float32 from where it
+    started (``record.draws``), the model left as it was."""
+    rewind()
+    draws = DrawSequence()
+    with aliases_following(model, from_start(model, train_mode, start)) as again, draws:
+        _run(again, inputs, writer, seed, forward, loss)
+    return draws.started

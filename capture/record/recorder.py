@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import numbers
@@ -22,7 +21,6 @@ from parity_harness.capture.distributed import (
     gradients_digest,
     report_and_write_manifest,
 )
-from parity_harness.capture.observe.draw_log import DrawLog
 from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
@@ -287,8 +285,6 @@ class _CaptureRun:
         self.buffers_at_start: BufferValues | None = None
         self.draws_after: tuple[bytes, ...] | None = None
         """torch's generators as the recorded run left them (after its backward)."""
-        self.draw_log = DrawLog() if options.noise_floor else None
-        """The states of the generators the recorded forward handed to its draws (``observe.draw_log``)."""
         self.buffers: RecordedBuffers | None = None
         self.padded: PaddedPositions | None = None
         """Where the seeded cotangent is zero: each output's padded positions (``--lengths``)."""
@@ -321,8 +317,7 @@ class _CaptureRun:
         selection = self.options.selection
         rename = None if selection.is_everything else selected_modules(selection)
         self.tap = ModuleTap(self.model, self.recorder, record_backward=selection.records("grads"), rename=rename)
-        # the noise floor's float64 run may draw from the states this run drew from alone (``observe.draw_log``)
-        with self.draw_log or contextlib.nullcontext(), self.tap:
+        with self.tap:
             outputs = call_forward(self.model, self.inputs, self.options.forward)
         self.trees["outputs"] = encode_value(outputs, "output", SelectiveStore(self.writer, OUTPUTS, selection))
         return outputs
@@ -389,7 +384,7 @@ class _CaptureRun:
                     self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
                     draws=self.draws_after, own=self._own_generators(),
-                    drawn=self.draw_log.states if self.draw_log is not None else None,
+                    rewind=None if self.kept is None else functools.partial(self._rewind, "--noise-floor"),
                 )  # fmt: skip
             except ParityError:
                 raise

@@ -30,13 +30,12 @@ float64 run is farther from the bare run than rounding goes (numbers that depend
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
-from parity_harness.capture.observe.draw_log import DrawLog
 from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
@@ -48,6 +47,7 @@ from parity_harness.capture.observe.driving import (
 )
 from parity_harness.capture.observe.model_state import aliases_following
 from parity_harness.capture.observe.naming import iter_live_tensors
+from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence
 from parity_harness.capture.record.noise import BufferValues, float64_inputs, in_float64
 from parity_harness.common.numerics.rounding import FLOAT32_UNIT, MAX_RELATIVE_LEVEL, ROUNDING_FACTOR, plausible_level
 
@@ -133,11 +133,11 @@ class _Rerun:
 
 @dataclass(frozen=True)
 class _Draws:
-    """How the bare run drew: where torch's generators and the model's own ended, and the states of the generators
-    handed to its draws (``observe.draw_log``)."""
+    """How a run drew: where torch's generators and the model's own ended, and the states of the generators handed
+    to its draws (``record.draws``)."""
 
     ended: tuple[bytes, ...]
-    drawn: Mapping[bytes, int]
+    started: list[bytes]
 
 
 def observer_differences(
@@ -249,8 +249,8 @@ def _sort(
 
 
 def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], _Draws]:
-    """The run without hooks: its outputs by slot, its parameters' gradients by name, and its draws (a float64 run
-    must draw as it did)."""
+    """The run without hooks: its outputs by slot, its parameters' gradients by name, and how it drew (a float64
+    run must draw so, or it drew other numbers)."""
     model = rerun.model
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with torch.no_grad():
@@ -261,10 +261,11 @@ def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
                     buffer.copy_(began)
     model.zero_grad(set_to_none=True)
     seed_everything(rerun.seed)
-    with DrawLog() as log:  # the backward too: its seeded cotangent is a draw the float64 run makes again
+    sequence = DrawSequence()
+    with sequence:
         outputs = call_forward(model, rerun.inputs, rerun.forward)
         rerun.backward(outputs)
-    draws = _Draws(torch_generator_states(rerun.own), log.states)
+    draws = _Draws(torch_generator_states(rerun.own), sequence.started)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers and buffers[name].shape == buffer.shape:  # not one the rerun registered
@@ -292,12 +293,11 @@ def _float64_values(
     (``noise.in_float64``: the model itself on float64 copies, put back after), started where the recorded run started
     (``rewind``: the bare run moved the model's counters and made its modules), or why there are none: the run
     failed, or drew other random numbers."""
-    unmatched: set[str] = set()
+    started: list[bytes] = []
     model = rerun.model
     try:
         rewind()
-        float64 = in_float64(model, train_mode, unmatched, rerun.start, rerun.own, draws.drawn)
-        with aliases_following(model, float64) as exact:
+        with aliases_following(model, in_float64(model, train_mode, rerun.start, started)) as exact:
             seed_everything(rerun.seed)
             outputs = call_forward(exact, float64_inputs(rerun.inputs), rerun.forward)
             values = {slot: tensor.detach().clone() for slot, tensor in iter_live_tensors(outputs, "output")}
@@ -308,8 +308,8 @@ def _float64_values(
     except Exception as err:  # any failure of the model in float64 leaves the gradients unjudged: the check fails
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return {}, f"the float64 run failed ({type(err).__name__}: {first[:200]})"
-    if unmatched or torch_generator_states(rerun.own) != draws.ended:
-        drawn = ", ".join(sorted(unmatched)) or "a draw made otherwise in float64"
+    if started != draws.started or torch_generator_states(rerun.own) != draws.ended:
+        drawn = HANDED_GENERATORS if started != draws.started else "a draw made otherwise in float64"
         return {}, f"the float64 run could not draw the random numbers the run drew ({drawn})"
     return values, None
 

@@ -73,12 +73,10 @@ class RoundingRun:
     buffers: BufferState | None = None
     """The port's buffers as the replay started: the rerun starts from them, not from what the replay's forward
     left (a BatchNorm's statistics, a step counter, a cache)."""
-    drawn: Mapping[bytes, int] | None = None
-    """The states of the generators the replay's forwards handed to their draws (``capture.observe.draw_log``)."""
 
-    def measure(self, near: NearMisses, unmatched: set[str]) -> str | None:
+    def measure(self, near: NearMisses, started: list[bytes]) -> str | None:
         """Rerun the port in float64 and measure every kept record; a one-line reason if it could not run.
-        ``unmatched`` gets the random draws the rerun could not make as the float32 run made them."""
+        ``started`` gets the states of the generators handed to the rerun's draws (``capture.record.draws``)."""
         viewing = self.buffers.view_of_written_buffer() if self.buffers is not None else None
         if viewing is not None:
             return (
@@ -98,8 +96,7 @@ class RoundingRun:
 
         try:
             start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()
-            own = self.buffers.generators() if self.buffers is not None else []
-            exact_model = in_float64(self.model, index.run.train_mode, unmatched, own=own, drawn=self.drawn)
+            exact_model = in_float64(self.model, index.run.train_mode, started=started)
             with start, aliases_following(self.model, exact_model) as exact:
                 tap = ModuleTap(
                     exact,

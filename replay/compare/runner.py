@@ -19,7 +19,6 @@ from typing import Any, Final, cast
 
 import torch
 
-from parity_harness.capture.observe.draw_log import DrawLog
 from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
@@ -33,6 +32,8 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.model_state import BufferState, model_kept
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
+from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence
+from parity_harness.capture.record.noise import from_start
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import InputError
@@ -227,6 +228,12 @@ def _waives(pattern: str, name: str, own: str) -> bool:
     return bool(own) and not _RANK_PREFIX.match(name) and fnmatch.fnmatchcase(own + name, pattern)
 
 
+def _recorded_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
+    """A recorded model input, requiring grad where the reference's did (its gradient is part of the run)."""
+    tensor = reader.read_tensor(ref)
+    return tensor.requires_grad_(True) if ref.requires_grad and tensor.is_floating_point() else tensor
+
+
 def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
     """A recorded input for the float64 rerun: floating tensors as float64 (requiring grad as recorded)."""
     tensor = reader.read_tensor(ref)
@@ -278,9 +285,6 @@ class _ReplaySession:
         """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
         self.initial_buffers = BufferState.of(model) if self.near is not None else None
-        self.draw_log = DrawLog() if self.near is not None else None
-        """The states of the generators the port's forwards handed to their draws, which alone the rounding check's
-        rerun may draw from (``capture.observe.draw_log``)."""
         self.buffers_before = BufferSnapshot(model)
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
@@ -445,7 +449,8 @@ class _ReplaySession:
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
         options, recorded = self.options, self.index.selection
-        inputs = self.precision.inputs(to_device(rebuild(self.index.inputs, self._input_tensor), self.target))
+        given = rebuild(self.index.inputs, functools.partial(_recorded_input, self.reader))
+        inputs = self.precision.inputs(to_device(given, self.target))
         seed_everything(self.index.run.seed)
         self.sink = sink = ComparingSink(
             self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename, self.near
@@ -469,8 +474,7 @@ class _ReplaySession:
         """The port's forward under ``tap``, its outputs compared, and backward as the bundle ran it."""
         options = self.options
         tapped = tap if self.module_records else contextlib.nullcontext()
-        log = self.draw_log or contextlib.nullcontext()
-        with self.precision.forward(self.target), log, tapped, watch or contextlib.nullcontext():
+        with self.precision.forward(self.target), tapped, watch or contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
         self._note_outside_uses(watch, [tensor for _, tensor in live])
@@ -538,11 +542,6 @@ class _ReplaySession:
             self.reader, self.result.tolerances, "output", [("loss", value)], expected, near=self.near
         )
         add_named(self.result, "output", compared)
-
-    def _input_tensor(self, ref: TensorRef) -> torch.Tensor:
-        """A recorded model input, requiring grad where the reference's did (its gradient is part of the run)."""
-        tensor = self.reader.read_tensor(ref)
-        return tensor.requires_grad_(True) if ref.requires_grad and tensor.is_floating_point() else tensor
 
     def compare_gradients(self) -> None:
         """Every parameter's gradient against the reference's (gathered, or put back together from shards)."""
@@ -620,10 +619,11 @@ class _ReplaySession:
         if not near.kept and not self.judge_gradients:
             return
         compared = compared_modules(self.rename, self.index.selection, self.options.layers)
-        drawn = self.draw_log.states if self.draw_log is not None else None
-        rerun, start = self._rerun_in_float64, self.initial_buffers
-        run = RoundingRun(self.model, self.reader, self.rename, compared, self.transform, rerun, start, drawn)
-        failure = run.measure(near, self.unmatched_draws)
+        run = RoundingRun(
+            self.model, self.reader, self.rename, compared, self.transform, self._rerun_in_float64, self.initial_buffers
+        )
+        started: list[bytes] = []
+        failure = run.measure(near, started)
         if self._rerun_across_processes() and not self.joined:  # it failed before its rerun joined the others'
             every_process(False)
         if failure is not None:
@@ -632,6 +632,8 @@ class _ReplaySession:
                 f"the port could not rerun in float64 ({failure})",
             )
             return
+        if started and self._float32_draws() != started:
+            self.unmatched_draws.add(HANDED_GENERATORS)
         draws = self.unmatched_draws
         done = rejudge(self.result, near, self.index.noise_floor or {}, draws_differ=bool(draws))
         if done.undecided:
@@ -757,6 +759,31 @@ class _ReplaySession:
         ended = torch_generator_states(self._own_generators())
         if run is self.reader and self.replay_draws is not None and ended != self.replay_draws:
             self.unmatched_draws.add("a draw made otherwise in float64")
+
+    def _float32_draws(self) -> list[bytes] | None:
+        """The states of the generators handed to the draws of the runs the float64 rerun made, made again in float32
+        from where the replay started (``capture.record.draws``), the port left as it was; None if it failed."""
+        try:
+            return self._float32_runs()
+        except Exception:  # the float64 rerun's draws cannot be confirmed: its near misses are undecided
+            return None
+
+    def _float32_runs(self) -> list[bytes]:
+        train_mode = self.index.run.train_mode
+        start = self.initial_buffers.applied() if self.initial_buffers is not None else contextlib.nullcontext()
+        draws = DrawSequence()
+        with start, from_start(self.model, train_mode, None) as model, draws:
+            state = BufferState.of(model)
+            for position, run in enumerate(self._float64_order()):
+                if position:
+                    state.restore()
+                inputs = rebuild(run.index.inputs, functools.partial(_recorded_input, run))
+                inputs = self.precision.inputs(to_device(inputs, self.target))
+                seed_everything(run.index.run.seed)
+                with self.precision.forward(self.target):
+                    outputs = call_forward(self.port, inputs, self.options.forward)
+                backward_as_recorded(run, outputs, self.options.loss, self.transform)
+        return draws.started
 
     def _own_generators(self) -> list[torch.Generator]:
         """The generators the port's modules hold, which the rounding check's rerun starts where the replay did."""
