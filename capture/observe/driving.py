@@ -9,7 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ __all__ = [
     "PaddedPositions",
     "call_forward",
     "generators_kept",
+    "handed_generators",
     "make_cotangents",
     "map_tensors",
     "rng_state",
@@ -50,10 +51,34 @@ def torch_generator_states(own: Sequence[torch.Generator] = ()) -> tuple[bytes, 
     return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda, *held))
 
 
+def handed_generators(value: Any, depth: int = 0) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects among a model's inputs (nested mappings, lists, tuples and dataclasses), each
+    once: a sampler or a diffusion step takes its noise from one the caller hands it."""
+    found: dict[int, torch.Generator] = {}
+    if isinstance(value, torch.Generator):
+        return [value]
+    if depth > 32:  # as deep as any real batch nests
+        return []
+    if isinstance(value, Mapping):
+        items: Iterable[Any] = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    else:
+        return []
+    for item in items:
+        for generator in handed_generators(item, depth + 1):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
 @contextlib.contextmanager
-def generators_kept() -> Iterator[None]:
-    """Python's, NumPy's and torch's global generators as they were, once the block is over: a capture or replay
-    seeds them for its runs, and a test suite checking parity must not find its own random numbers changed after."""
+def generators_kept(handed: Iterable[torch.Generator] = ()) -> Iterator[None]:
+    """Python's, NumPy's and torch's global generators as they were, once the block is over, and those ``handed`` to
+    the model among its inputs: a capture or replay seeds and moves them for its runs, and a test suite checking parity
+    must not find its own random numbers changed after."""
+    given = [(generator, generator.get_state()) for generator in handed]
     python, numpy_state, torch_cpu, seed = random.getstate(), np.random.get_state(), torch.get_rng_state(), None
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
     if cuda is None:
@@ -61,6 +86,8 @@ def generators_kept() -> Iterator[None]:
     try:
         yield
     finally:
+        for generator, state in given:
+            generator.set_state(state)
         random.setstate(python)
         np.random.set_state(numpy_state)
         torch.set_rng_state(torch_cpu)

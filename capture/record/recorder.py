@@ -27,6 +27,7 @@ from parity_harness.capture.observe.driving import (
     PaddedPositions,
     call_forward,
     generators_kept,
+    handed_generators,
     rng_state,
     seed_everything,
     torch_generator_states,
@@ -185,7 +186,7 @@ def capture_run(
     context = current_rank()
     if context is not None and options.noise_floor:
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
-    with model_kept(model) as kept, generators_kept():
+    with model_kept(model) as kept, generators_kept(handed_generators(inputs)):
         if context is None:
             return _capture(model, inputs, Path(out), options, None, kept)
         return _capture_rank(model, inputs, Path(out), options, dataclasses.replace(context, shards=options.shards))
@@ -268,6 +269,8 @@ class _CaptureRun:
     ) -> None:
         self.writer, self.model, self.inputs, self.options, self.context = writer, model, inputs, options, context
         self.kept = kept
+        self.handed = [(generator, generator.get_state()) for generator in handed_generators(inputs)]
+        """The generators among the inputs, with their states before the run (the reruns start them there)."""
         self.info = dict(options.run_info)
         self.recorder = BundleRecorder(writer, options.selection)
         if options.lengths is not None:  # the lengths among the records find the cotangent's padding
@@ -396,13 +399,17 @@ class _CaptureRun:
                 ) from err
 
     def _own_generators(self) -> list[torch.Generator]:
-        """The generators the model's modules hold, which ``_rewind`` puts back where the recorded run started them."""
-        return [] if self.kept is None else self.kept.generators()
+        """The generators the model's modules hold and those handed to it among its inputs, which ``_rewind`` puts
+        back where the recorded run started them."""
+        held = [] if self.kept is None else self.kept.generators()
+        return held + [generator for generator, _ in self.handed]
 
     def _rewind(self, option: str) -> None:
         """The model's attributes, containers and buffers back as the recorded run found them, in place (whatever
         shares a tensor's memory sees its values again), for a rerun: a forward scaling by a step counter it keeps
-        computes other numbers from the next step on."""
+        computes other numbers from the next step on. The generators among the inputs go back where they were too."""
+        for generator, state in self.handed:
+            generator.set_state(state)
         if self.kept is None:
             return
         moved = self.kept.moved_unkept()

@@ -383,3 +383,32 @@ def test_the_rounding_checks_rerun_that_drew_otherwise_from_the_ports_generator_
     assert near, "the port's rounding-sized differences must fail the 1e-9 tolerance, or this tests nothing"
     assert all(record.undecided for record in near), [(record.name, record.rounding) for record in near]
     assert any("a draw made otherwise in float64" in note for note in result.notes)
+
+
+class HandedNoise(nn.Module):
+    """Noise from a generator the caller hands the forward (a sampler's, a diffusion step's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.lin(x + 0.1 * torch.randn(x.shape, generator=generator))
+
+
+def test_a_generator_among_the_inputs_comes_back_where_it_was(tmp_path: Path) -> None:
+    """A generator handed to the forward was left where the capture's runs moved it, and --self-check's and
+    --noise-floor's reruns found it moved on: the self-check failed as unjudged, the noise floor was refused. Each rerun
+    starts it where the recorded run did, and the caller gets it back as it gave it."""
+    generator = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=generator)
+    state = generator.get_state()
+    inputs = {"x": _inputs()[0], "generator": generator}
+    capture_run(HandedNoise(), inputs, tmp_path / "b.h5", self_check=True, noise_floor=True, train_mode=True)
+    assert torch.equal(generator.get_state(), state)
+    capture_run(HandedNoise(), inputs, tmp_path / "again.h5")
+    with BundleReader(tmp_path / "b.h5") as first, BundleReader(tmp_path / "again.h5") as again:
+        (_, a), *_ = iter_tensors(first.index.outputs, "output")
+        (_, b), *_ = iter_tensors(again.index.outputs, "output")
+        assert (first.read_array(a) == again.read_array(b)).all()
