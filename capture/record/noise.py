@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -182,15 +183,13 @@ def measure_noise_floor(
     """
     unmatched: set[str] = set()
     started: list[bytes] = []
+    run = _Rerun(model, inputs, writer, seed, forward, loss)
     # An attribute or a list holding a buffer itself follows its float64 copy (``aliases_following``).
     with aliases_following(model, in_float64(model, train_mode, start, started)) as exact_model:
-        floors = _float64_run(exact_model, inputs, writer, seed=seed, forward=forward, loss=loss)
+        floors = run.in_float64(exact_model)
     if draws is not None and torch_generator_states(own) != draws:
         unmatched.add("a draw made otherwise in float64")
-    if started and (
-        rewind is None
-        or _float32_draws(model, inputs, writer, seed, forward, loss, train_mode, start, rewind) != started
-    ):
+    if started and (rewind is None or run.float32_draws(train_mode, start, rewind) != started):
         unmatched.add(HANDED_GENERATORS)
     if unmatched:
         raise CaptureError(
@@ -201,70 +200,54 @@ def measure_noise_floor(
     return floors
 
 
-def _float64_run(
-    exact_model: torch.nn.Module,
-    inputs: Any,
-    writer: BundleWriter,
-    *,
-    seed: int,
-    forward: ForwardFn | None,
-    loss: LossFn | None,
-) -> dict[str, float]:
-    floors: dict[str, float] = {}
-    sink = _NoiseSink(writer, floors)
-    tap = ModuleTap(exact_model, sink)
-    try:
-        _run(exact_model, float64_inputs(inputs), writer, seed, forward, loss, tap, sink)
-    finally:
-        tap.release()
-    for name, param in exact_model.named_parameters():
-        if param.grad is not None:
-            sink.measure(name, f"{GRADS}/{escape_dotted(name)}", param.grad)
-    return floors
+@dataclass(frozen=True)
+class _Rerun:
+    """The recorded run, to make again: forward on its inputs, backward from its loss or recorded cotangent."""
 
+    model: torch.nn.Module
+    inputs: Any
+    writer: BundleWriter
+    seed: int
+    forward: ForwardFn | None
+    loss: LossFn | None
 
-def _run(
-    model: torch.nn.Module,
-    inputs: Any,
-    writer: BundleWriter,
-    seed: int,
-    forward: ForwardFn | None,
-    loss: LossFn | None,
-    tap: ModuleTap | None = None,
-    sink: _NoiseSink | None = None,
-) -> None:
-    """The recorded run again: forward (under ``tap``, its outputs measured by ``sink``), then backward from the loss
-    or the recorded cotangent."""
-    seed_everything(seed)
-    with tap or contextlib.nullcontext():
-        outputs = call_forward(model, inputs, forward)
-    if sink is not None:
-        for slot, tensor in iter_live_tensors(outputs, "output"):
-            sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
-    if loss is not None:
-        loss(outputs).backward()  # type: ignore[no-untyped-call]
-        return
-    seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
-    pairs = [(t, writer.read_tensor(p).to(t.device, t.dtype)) for t, p in seeded if writer.has(p)]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
+    def in_float64(self, exact_model: torch.nn.Module) -> dict[str, float]:
+        """The run on ``exact_model`` (the model on float64 copies), each record's distance to the recorded one."""
+        floors: dict[str, float] = {}
+        sink = _NoiseSink(self.writer, floors)
+        tap = ModuleTap(exact_model, sink)
+        try:
+            self._drive(exact_model, float64_inputs(self.inputs), tap, sink)
+        finally:
+            tap.release()
+        for name, param in exact_model.named_parameters():
+            if param.grad is not None:
+                sink.measure(name, f"{GRADS}/{escape_dotted(name)}", param.grad)
+        return floors
 
+    def float32_draws(self, train_mode: bool, start: BufferValues, rewind: Callable[[], None]) -> list[bytes]:
+        """The states of the generators handed to the draws of the run made again in float32 from where it started
+        (``rewind``, ``start``: ``record.draws``), the model left as it was."""
+        rewind()
+        draws = DrawSequence()
+        with aliases_following(self.model, from_start(self.model, train_mode, start)) as again, draws:
+            self._drive(again, self.inputs)
+        return draws.started
 
-def _float32_draws(
-    model: torch.nn.Module,
-    inputs: Any,
-    writer: BundleWriter,
-    seed: int,
-    forward: ForwardFn | None,
-    loss: LossFn | None,
-    train_mode: bool,
-    start: BufferValues,
-    rewind: Callable[[], None],
-) -> list[bytes]:
-    """The states of the generators handed to the draws of the recorded run made again in float32 from where it
-    started (``record.draws``), the model left as it was."""
-    rewind()
-    draws = DrawSequence()
-    with aliases_following(model, from_start(model, train_mode, start)) as again, draws:
-        _run(again, inputs, writer, seed, forward, loss)
-    return draws.started
+    def _drive(
+        self, model: torch.nn.Module, inputs: Any, tap: ModuleTap | None = None, sink: _NoiseSink | None = None
+    ) -> None:
+        """Forward (under ``tap``, the outputs measured by ``sink``), then backward."""
+        seed_everything(self.seed)
+        with tap or contextlib.nullcontext():
+            outputs = call_forward(model, inputs, self.forward)
+        if sink is not None:
+            for slot, tensor in iter_live_tensors(outputs, "output"):
+                sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
+        if self.loss is not None:
+            self.loss(outputs).backward()  # type: ignore[no-untyped-call]
+            return
+        seeded = [(t, f"{BACKWARD}/cotangent/{slot}") for slot, t in iter_live_tensors(outputs, "output")]
+        pairs = [(t, self.writer.read_tensor(p).to(t.device, t.dtype)) for t, p in seeded if self.writer.has(p)]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [c for _, c in pairs])
