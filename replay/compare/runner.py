@@ -777,11 +777,9 @@ class _ReplaySession:
             for position, run in enumerate(self._float64_order()):
                 if position:
                     state.restore()
-                inputs = rebuild(run.index.inputs, functools.partial(_recorded_input, run))
-                inputs = self.precision.inputs(to_device(inputs, self.target))
+                inputs = to_device(rebuild(run.index.inputs, functools.partial(_recorded_input, run)), self.target)
                 seed_everything(run.index.run.seed)
-                with self.precision.forward(self.target):
-                    outputs = call_forward(self.port, inputs, self.options.forward)
+                outputs = call_forward(model, inputs, self.options.forward)  # as the float64 rerun: eager, no autocast
                 backward_as_recorded(run, outputs, self.options.loss, self.transform)
         return draws.started
 
