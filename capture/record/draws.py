@@ -32,7 +32,7 @@ from typing import Any, Final
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HANDED_GENERATORS", "DrawSequence", "SameDraws"]
+__all__ = ["HANDED_GENERATORS", "DrawSequence", "SameDraws", "unconfirmed"]
 
 HANDED_GENERATORS: Final = (
     "draws from generators handed to them, which the float64 run found in other states than a float32 run made "
@@ -40,6 +40,16 @@ HANDED_GENERATORS: Final = (
     "put back"
 )
 """What an ``unmatched`` set says where :attr:`DrawSequence.started` differs between the runs."""
+
+
+def unconfirmed(err: Exception) -> str:
+    """What an ``unmatched`` set says where the float32 run made again to compare lists with failed."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return (
+        "draws from generators handed to them, which a float32 run made again to confirm failed "
+        f"({type(err).__name__}: {first[:200]})"
+    )
+
 
 _aten = torch.ops.aten
 _FILLS: Final = frozenset(

@@ -31,7 +31,7 @@ from parity_harness.capture.observe.driving import (
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.model_state import aliases_following
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
-from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, SameDraws
+from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, SameDraws, unconfirmed
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
@@ -189,8 +189,10 @@ def measure_noise_floor(
         floors = run.in_float64(exact_model)
     if draws is not None and torch_generator_states(own) != draws:
         unmatched.add("a draw made otherwise in float64")
-    if started and (rewind is None or run.float32_draws(train_mode, start, rewind) != started):
-        unmatched.add(HANDED_GENERATORS)
+    if started:
+        otherwise = run.drawn_otherwise(started, train_mode, start, rewind)
+        if otherwise is not None:
+            unmatched.add(otherwise)
     if unmatched:
         raise CaptureError(
             f"--noise-floor: the model draws random numbers ({', '.join(sorted(unmatched))}) that its float64 run "
@@ -225,9 +227,23 @@ class _Rerun:
                 sink.measure(name, f"{GRADS}/{escape_dotted(name)}", param.grad)
         return floors
 
-    def float32_draws(self, train_mode: bool, start: BufferValues, rewind: Callable[[], None]) -> list[bytes]:
+    def drawn_otherwise(
+        self, started: list[bytes], train_mode: bool, start: BufferValues, rewind: Callable[[], None] | None
+    ) -> str | None:
+        """Why a float64 run's draws from generators handed to them (``started``) are not the run's, if they are not:
+        the run made again in float32 from where it started (``rewind``, ``start``) finds those generators in other
+        states (``record.draws``), or fails, or cannot start there (no ``rewind``)."""
+        if rewind is None:
+            return f"{HANDED_GENERATORS}, with no copy of the model's state to start a float32 run from"
+        try:
+            again = self._float32_draws(train_mode, start, rewind)
+        except Exception as err:  # a refusal, never a crash
+            return unconfirmed(err)
+        return None if again == started else HANDED_GENERATORS
+
+    def _float32_draws(self, train_mode: bool, start: BufferValues, rewind: Callable[[], None]) -> list[bytes]:
         """The states of the generators handed to the draws of the run made again in float32 from where it started
-        (``rewind``, ``start``: ``record.draws``), the model left as it was."""
+        (``rewind``, ``start``), the model left as it was."""
         rewind()
         draws = DrawSequence()
         with aliases_following(self.model, from_start(self.model, train_mode, start)) as again, draws:

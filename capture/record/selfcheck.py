@@ -29,6 +29,7 @@ float64 run is farther from the bare run than rounding goes (numbers that depend
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from parity_harness.capture.observe.driving import (
 )
 from parity_harness.capture.observe.model_state import aliases_following
 from parity_harness.capture.observe.naming import iter_live_tensors
-from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence
+from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, unconfirmed
 from parity_harness.capture.record.noise import BufferValues, float64_inputs, in_float64
 from parity_harness.common.numerics.rounding import FLOAT32_UNIT, MAX_RELATIVE_LEVEL, ROUNDING_FACTOR, plausible_level
 
@@ -248,9 +249,10 @@ def _sort(
         check.problems.append(_describe(label, hooked, bare))
 
 
-def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], _Draws]:
+def _bare_run(rerun: _Rerun, watch: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], _Draws]:
     """The run without hooks: its outputs by slot, its parameters' gradients by name, and how it drew (a float64
-    run must draw so, or it drew other numbers)."""
+    run must draw so, or it drew other numbers); ``watch``: list the states of the generators handed to its draws too
+    (a dispatch mode, under which torch.compile'd code runs eagerly: only to compare with a float64 run's list)."""
     model = rerun.model
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with torch.no_grad():
@@ -262,7 +264,7 @@ def _bare_run(rerun: _Rerun) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
     model.zero_grad(set_to_none=True)
     seed_everything(rerun.seed)
     sequence = DrawSequence()
-    with sequence:
+    with sequence if watch else contextlib.nullcontext():
         outputs = call_forward(model, rerun.inputs, rerun.forward)
         rerun.backward(outputs)
     draws = _Draws(torch_generator_states(rerun.own), sequence.started)
@@ -308,10 +310,23 @@ def _float64_values(
     except Exception as err:  # any failure of the model in float64 leaves the gradients unjudged: the check fails
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return {}, f"the float64 run failed ({type(err).__name__}: {first[:200]})"
-    if started != draws.started or torch_generator_states(rerun.own) != draws.ended:
-        drawn = HANDED_GENERATORS if started != draws.started else "a draw made otherwise in float64"
-        return {}, f"the float64 run could not draw the random numbers the run drew ({drawn})"
-    return values, None
+    if torch_generator_states(rerun.own) != draws.ended:
+        return {}, "the float64 run could not draw the random numbers the run drew (a draw made otherwise in float64)"
+    otherwise = _drawn_otherwise(rerun, rewind, started) if started else None
+    return ({} if otherwise else values), otherwise
+
+
+def _drawn_otherwise(rerun: _Rerun, rewind: Callable[[], None], started: list[bytes]) -> str | None:
+    """Why the float64 run's draws from generators handed to them (``started``) are not the run's, if they are not:
+    a float32 run made again from the same start finds those generators in other states (``record.draws``)."""
+    try:
+        rewind()
+        _, _, again = _bare_run(rerun, watch=True)
+    except Exception as err:
+        return f"the float64 run could not draw the random numbers the run drew ({unconfirmed(err)})"
+    if again.started != started:
+        return f"the float64 run could not draw the random numbers the run drew ({HANDED_GENERATORS})"
+    return None
 
 
 def _largest(tensor: torch.Tensor) -> float:

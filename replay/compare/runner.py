@@ -32,7 +32,7 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.model_state import BufferState, model_kept
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
-from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence
+from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, unconfirmed
 from parity_harness.capture.record.noise import from_start
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.tf32 import full_float32
@@ -632,8 +632,8 @@ class _ReplaySession:
                 f"the port could not rerun in float64 ({failure})",
             )
             return
-        if started and self._float32_draws() != started:
-            self.unmatched_draws.add(HANDED_GENERATORS)
+        if started and (otherwise := self._drawn_otherwise(started)) is not None:
+            self.unmatched_draws.add(otherwise)
         draws = self.unmatched_draws
         done = rejudge(self.result, near, self.index.noise_floor or {}, draws_differ=bool(draws))
         if done.undecided:
@@ -760,15 +760,18 @@ class _ReplaySession:
         if run is self.reader and self.replay_draws is not None and ended != self.replay_draws:
             self.unmatched_draws.add("a draw made otherwise in float64")
 
-    def _float32_draws(self) -> list[bytes] | None:
-        """The states of the generators handed to the draws of the runs the float64 rerun made, made again in float32
-        from where the replay started (``capture.record.draws``), the port left as it was; None if it failed."""
+    def _drawn_otherwise(self, started: list[bytes]) -> str | None:
+        """Why the float64 rerun's draws from generators handed to them (``started``) are not the replay's, if they
+        are not: the same runs made again in float32 find those generators in other states, or fail."""
         try:
-            return self._float32_runs()
-        except Exception:  # the float64 rerun's draws cannot be confirmed: its near misses are undecided
-            return None
+            again = self._float32_draws()
+        except Exception as err:  # the draws cannot be confirmed: the near misses are undecided, never a crash
+            return unconfirmed(err)
+        return None if again == started else HANDED_GENERATORS
 
-    def _float32_runs(self) -> list[bytes]:
+    def _float32_draws(self) -> list[bytes]:
+        """The states of the generators handed to the draws of the runs the float64 rerun made, made again in float32
+        from where the replay started (``capture.record.draws``), the port left as it was."""
         train_mode = self.index.run.train_mode
         start = self.initial_buffers.applied() if self.initial_buffers is not None else contextlib.nullcontext()
         draws = DrawSequence()

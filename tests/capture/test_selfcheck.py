@@ -550,3 +550,26 @@ def test_draws_from_a_copy_of_the_models_generator_are_the_runs_own(tmp_path: Pa
         model(_PRE_NORM_INPUT)  # the earlier step
     summary = capture_run(model, (_PRE_NORM_INPUT,), tmp_path / "b.h5", self_check=True, train_mode=True)
     assert summary.regrouped > 0, "no gradient differed from the bare run's: the float64 run judged nothing"
+
+
+class _CompiledInside(nn.Module):
+    """An MLP torch.compile compiles (inductor fuses the GELU: other bits than eager), then a tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.inner = torch.compile(inner, backend="inductor")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).tanh()
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels
+def test_a_model_compiling_a_submodule_passes(tmp_path: Path) -> None:
+    """The bare run ran under a dispatch mode that lists draws, under which torch.compile'd code runs eagerly: its
+    outputs differed from the recorded run's in the last bits and the self-check blamed recording. The bare run is
+    plain; only a run made to compare a float64 run's draws is watched."""
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+    capture_run(_CompiledInside(), (x,), tmp_path / "b.h5", self_check=True, train_mode=True)
+    assert (tmp_path / "b.h5").exists()

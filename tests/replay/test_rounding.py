@@ -867,6 +867,37 @@ def test_draws_the_model_seeds_anywhere_in_its_run_repeat_in_the_rerun(tmp_path:
     capture_run(_SeededEverywhere(), (x,), tmp_path / "s.h5", seed=0, train_mode=True, loss=loss, self_check=True)
 
 
+class _FailsOnItsThirdCall(_StochasticDepth):
+    """Draws from a generator seeded each call; raises on its third call (a budget on a helper object): the run, the
+    float64 rerun, then the float32 run made to compare their draws."""
+
+    def __init__(self, split: bool = False) -> None:
+        super().__init__("peek", split=split)
+        self.calls = _Clock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.step += 1
+        if self.calls.step == 3:
+            raise KeyError("third call")
+        return super().forward(x)
+
+    def _generator(self) -> torch.Generator | None:
+        return torch.Generator().manual_seed(7)
+
+
+def test_a_float32_run_made_to_confirm_the_draws_that_fails_refuses_without_a_crash(tmp_path: Path) -> None:
+    """The float32 run made again to compare the float64 rerun's draws raised: the noise floor let a KeyError out as a
+    traceback; it refuses, saying so, and the replay leaves its near misses undecided."""
+    x = _inputs(10.0, 8, 64, 64)
+    with pytest.raises(CaptureError, match=r"a float32 run made again to confirm failed \(KeyError: 'third call'\)"):
+        capture_run(_FailsOnItsThirdCall(), (x,), tmp_path / "f.h5", seed=0, train_mode=True, noise_floor=True)
+    bundle = tmp_path / "b.h5"
+    capture_run(_FailsOnItsThirdCall(), (x,), bundle, seed=0, train_mode=True)
+    result = _replay(_FailsOnItsThirdCall(split=True), bundle)
+    assert result.verdict == "INCOMPLETE", [(r.name, r.rounding) for r in result.records if not r.match]
+    assert any("KeyError: 'third call'" in note for note in result.notes), result.notes
+
+
 def test_the_rounding_check_changes_nothing_the_port_computes(tmp_path: Path) -> None:
     """A frozen transformer layer in eval mode takes torch's fused fast path unless a torch function mode is active:
     the replay of the same model must compute what it computes on its own, bit for bit, the rounding check on."""
