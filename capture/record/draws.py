@@ -27,12 +27,13 @@ call only) goes unseen.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HANDED_GENERATORS", "DrawSequence", "SameDraws", "unconfirmed"]
+__all__ = ["HANDED_GENERATORS", "NOT_REPEATED", "DrawSequence", "SameDraws", "first_unrepeated", "unconfirmed"]
 
 HANDED_GENERATORS: Final = (
     "draws from generators handed to them, which the float64 run found in other states than a float32 run made "
@@ -40,6 +41,33 @@ HANDED_GENERATORS: Final = (
     "put back"
 )
 """What an ``unmatched`` set says where :attr:`DrawSequence.started` differs between the runs."""
+
+
+NOT_REPEATED: Final = (
+    "a run made again in float32 from where it started does not give its outputs bit for bit ({slot} differs): the "
+    "model keeps state or draws random numbers that no rerun puts back (NumPy's or Python's generators, torch's "
+    "reseeded from a step count, a clock on a helper object) or runs nondeterministic kernels "
+    "(torch.use_deterministic_algorithms(True) makes them repeat)"
+)
+"""What an ``unmatched`` set says where :func:`first_unrepeated` finds an output."""
+
+
+def first_unrepeated(outputs: Iterable[tuple[str, torch.Tensor]], again: Mapping[str, torch.Tensor]) -> str | None:
+    """The first of a run's ``outputs`` (slot, value) that the run made again did not give bit for bit (NaNs where
+    they were), if any: a float64 rerun measures rounding only if the float32 run repeats from its start."""
+    for slot, value in outputs:
+        other = again.get(slot)
+        if other is None or other.shape != value.shape or other.dtype != value.dtype:
+            return slot
+        first, second = value.detach().reshape(-1), other.detach().reshape(-1).to(value.device)
+        if value.is_floating_point() or value.is_complex():
+            first, second = first.view(_BITS[value.element_size()]), second.view(_BITS[value.element_size()])
+        if not torch.equal(first, second):
+            return slot
+    return None
+
+
+_BITS: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
 def unconfirmed(err: Exception) -> str:

@@ -31,7 +31,14 @@ from parity_harness.capture.observe.driving import (
 from parity_harness.capture.observe.hooks import CallInfo, ModuleTap
 from parity_harness.capture.observe.model_state import aliases_following
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
-from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, SameDraws, unconfirmed
+from parity_harness.capture.record.draws import (
+    HANDED_GENERATORS,
+    NOT_REPEATED,
+    DrawSequence,
+    SameDraws,
+    first_unrepeated,
+    unconfirmed,
+)
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
@@ -168,13 +175,15 @@ def measure_noise_floor(
     draws: tuple[bytes, ...] | None,
     own: Sequence[torch.Generator] = (),
     rewind: Callable[[], None] | None = None,
+    outputs: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> dict[str, float]:
     """Rerun ``model`` in float64 from the buffers ``start`` holds (those the recorded run started from) and return,
     per record name, its distance to the recorded values. ``draws``: torch's generators as the recorded run left them,
     where the float64 run must leave them too (else it drew other numbers); ``own``: the generators the model's
     modules hold, which the caller put back where the recorded run started them; ``rewind``: puts the model back there
-    again (its attributes, counters and generators), for a float32 run made again where the float64 run drew from
-    generators handed to the draws (``record.draws``).
+    again (its attributes, counters and generators), for float32 runs made again: to give ``outputs``, the recorded
+    run's (slot, value), bit for bit, and where the float64 run drew from generators handed to the draws, to find them
+    in the states it found them in (``record.draws``).
 
     Call after the recorded run has written its outputs, cotangent and gradients to ``writer``.
 
@@ -193,6 +202,8 @@ def measure_noise_floor(
         otherwise = run.drawn_otherwise(started, train_mode, start, rewind)
         if otherwise is not None:
             unmatched.add(otherwise)
+    if outputs and rewind is not None and (unrepeated := run.not_repeated(outputs, train_mode, start, rewind)):
+        unmatched.add(unrepeated)
     if unmatched:
         raise CaptureError(
             f"--noise-floor: the model draws random numbers ({', '.join(sorted(unmatched))}) that its float64 run "
@@ -240,6 +251,26 @@ class _Rerun:
         except Exception as err:  # a refusal, never a crash
             return unconfirmed(err)
         return None if again == started else HANDED_GENERATORS
+
+    def not_repeated(
+        self,
+        outputs: Sequence[tuple[str, torch.Tensor]],
+        train_mode: bool,
+        start: BufferValues,
+        rewind: Callable[[], None],
+    ) -> str | None:
+        """Why the run made again in float32 from where it started does not give ``outputs`` bit for bit, if it does
+        not (``record.draws``)."""
+        rewind()
+        try:
+            with aliases_following(self.model, from_start(self.model, train_mode, start)) as again:
+                seed_everything(self.seed)
+                given = dict(iter_live_tensors(call_forward(again, self.inputs, self.forward), "output"))
+        except Exception as err:  # a refusal, never a crash
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            return f"a run made again in float32 to confirm the float64 run failed ({type(err).__name__}: {first})"
+        slot = first_unrepeated(outputs, given)
+        return None if slot is None else NOT_REPEATED.format(slot=slot)
 
     def _float32_draws(self, train_mode: bool, start: BufferValues, rewind: Callable[[], None]) -> list[bytes]:
         """The states of the generators handed to the draws of the run made again in float32 from where it started

@@ -381,6 +381,7 @@ class _CaptureRun:
             for name, param in self.model.named_parameters():  # the recorded run's gradients, not the rerun's
                 param.grad = hooked[1].get(name)
         if options.noise_floor:
+            inner = self.tap is not None and self.tap.differentiated_in_forward  # outputs round otherwise unhooked
             self._rewind("--noise-floor")
             try:
                 self.floors = measure_noise_floor(
@@ -388,6 +389,7 @@ class _CaptureRun:
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
                     draws=self.draws_after, own=self._own_generators(),
                     rewind=None if self.kept is None else functools.partial(self._rewind, "--noise-floor"),
+                    outputs=[] if inner else [(slot, t.detach()) for slot, t in iter_live_tensors(outputs, "output")],
                 )  # fmt: skip
             except ParityError:
                 raise

@@ -29,10 +29,16 @@ from parity_harness.capture.observe.driving import (
     torch_generator_states,
 )
 from parity_harness.capture.observe.hooks import ModuleTap
-from parity_harness.capture.observe.model_state import BufferState, model_kept
+from parity_harness.capture.observe.model_state import BufferState, aliases_following, model_kept
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
-from parity_harness.capture.record.draws import HANDED_GENERATORS, DrawSequence, unconfirmed
+from parity_harness.capture.record.draws import (
+    HANDED_GENERATORS,
+    NOT_REPEATED,
+    DrawSequence,
+    first_unrepeated,
+    unconfirmed,
+)
 from parity_harness.capture.record.noise import from_start
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.tf32 import full_float32
@@ -281,6 +287,10 @@ class _ReplaySession:
         self.unmatched_draws: set[str] = set()
         """The random draws the float64 rerun could not make as the replay made them (``capture.record.draws``): it
         is then another computation, and measures no rounding level."""
+        self.replayed_outputs: list[tuple[str, torch.Tensor]] = []
+        """The port's outputs in this bundle's replay, kept while the rounding check may need them."""
+        self.inner_autograd = False
+        """The port's forward ran autograd through the tap's aliases (its outputs may round otherwise without it)."""
         self.rank_buffers: BufferState | None = None
         """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
@@ -477,6 +487,9 @@ class _ReplaySession:
         with self.precision.forward(self.target), tapped, watch or contextlib.nullcontext():
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
+        if self.near is not None:  # the rounding check's proof that the run repeats from its start
+            self.replayed_outputs = [(slot, tensor.detach()) for slot, tensor in live]
+            self.inner_autograd = tap.differentiated_in_forward
         self._note_outside_uses(watch, [tensor for _, tensor in live])
         expected = slots(self.index.outputs, "output")
         padding = sink.output_padding if options.mask_padding else None
@@ -634,6 +647,8 @@ class _ReplaySession:
             return
         if started and (otherwise := self._drawn_otherwise(started)) is not None:
             self.unmatched_draws.add(otherwise)
+        if (unrepeated := self._not_repeated()) is not None:
+            self.unmatched_draws.add(unrepeated)
         draws = self.unmatched_draws
         done = rejudge(self.result, near, self.index.noise_floor or {}, draws_differ=bool(draws))
         if done.undecided:
@@ -760,6 +775,28 @@ class _ReplaySession:
         if run is self.reader and self.replay_draws is not None and ended != self.replay_draws:
             self.unmatched_draws.add("a draw made otherwise in float64")
 
+    def _not_repeated(self) -> str | None:
+        """Why the port's float64 rerun measures no rounding, if it does not: the replayed run made again in float32
+        from where the replay started does not give the replay's outputs bit for bit (``capture.record.draws``). Not
+        asked of a compiled port (compiled again, it may round otherwise) nor of one whose forward runs autograd (its
+        outputs round otherwise without the tap's aliases)."""
+        outputs, self.replayed_outputs = self.replayed_outputs, []
+        if not outputs or self.inner_autograd or self.port is not self.model:
+            return None
+        start = self.initial_buffers.applied() if self.initial_buffers is not None else contextlib.nullcontext()
+        try:
+            with start, aliases_following(self.model, from_start(self.model, self.index.run.train_mode, None)):
+                given = rebuild(self.index.inputs, functools.partial(_recorded_input, self.reader))
+                inputs = self.precision.inputs(to_device(given, self.target))
+                seed_everything(self.index.run.seed)
+                with self.precision.forward(self.target):
+                    again = dict(iter_live_tensors(call_forward(self.port, inputs, self.options.forward), "output"))
+        except Exception as err:  # undecided near misses, never a crash
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            return f"a run made again in float32 to confirm the float64 rerun failed ({type(err).__name__}: {first})"
+        slot = first_unrepeated(outputs, again)
+        return None if slot is None else NOT_REPEATED.format(slot=slot)
+
     def _drawn_otherwise(self, started: list[bytes]) -> str | None:
         """Why the float64 rerun's draws from generators handed to them (``started``) are not the replay's, if they
         are not: the same runs made again in float32 find those generators in other states, or fail."""
@@ -775,7 +812,7 @@ class _ReplaySession:
         train_mode = self.index.run.train_mode
         start = self.initial_buffers.applied() if self.initial_buffers is not None else contextlib.nullcontext()
         draws = DrawSequence()
-        with start, from_start(self.model, train_mode, None) as model, draws:
+        with start, aliases_following(self.model, from_start(self.model, train_mode, None)) as model, draws:
             state = BufferState.of(model)
             for position, run in enumerate(self._float64_order()):
                 if position:

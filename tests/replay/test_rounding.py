@@ -898,6 +898,47 @@ def test_a_float32_run_made_to_confirm_the_draws_that_fails_refuses_without_a_cr
     assert any("KeyError: 'third call'" in note for note in result.notes), result.notes
 
 
+class _UnseenRandomness(_StochasticDepth):
+    """The drop-path's mask from randomness no generator check sees: ``numpy`` from a NumPy generator the model holds,
+    ``forked`` from torch's reseeded from a step count inside ``fork_rng`` (which puts torch's state back)."""
+
+    def __init__(self, source: str, eps: float) -> None:
+        super().__init__(eps=eps, gain=2e-4)
+        self.source, self.numbers = source, np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.gain * self.fc2(F.gelu(self.fc1(x)))
+        return self.norm(x + branch / 0.7 * self._mask(x))
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor:
+        size = (x.shape[0], 1, 1)
+        if self.source == "numpy":
+            return torch.from_numpy(self.numbers.random(size) < 0.7).to(x.dtype)
+        self.clock.step += 1
+        with torch.random.fork_rng():
+            torch.manual_seed(1000 + self.clock.step)
+            return torch.rand(size).add_(0.7).floor_().to(x.dtype)
+
+
+@pytest.mark.parametrize("source", ["numpy", "forked"])
+def test_randomness_no_rerun_puts_back_judges_nothing(tmp_path: Path, source: str) -> None:
+    """A NumPy generator the model holds, or torch's reseeded from a step count inside fork_rng: the float64 rerun drew
+    another mask, which no generator state told, and was judged as rounding: its distance to the replay passed a
+    LayerNorm eps bug (NumPy's: a false MATCH), and the noise floor came out about 440x the reference's rounding. The
+    replayed run made again in float32 gives other outputs: the near misses are undecided, and --noise-floor refuses
+    the model."""
+    x = _inputs(0.3, 16, 16, 64)
+    bundle = tmp_path / "b.h5"
+    capture_run(_UnseenRandomness(source, 1e-6), (x,), bundle, seed=0, train_mode=True)
+    assert _replay(_UnseenRandomness(source, 1e-5), bundle, rounding=False).verdict == "MISMATCH"
+    buggy = _replay(_UnseenRandomness(source, 1e-5), bundle)
+    assert buggy.verdict == "INCOMPLETE", [(r.name, r.rounding) for r in buggy.records if not r.match]
+    assert any("does not give its outputs bit for bit (output differs)" in note for note in buggy.notes)
+    reference = _UnseenRandomness(source, 1e-6)
+    with pytest.raises(CaptureError, match="does not give its outputs bit for bit"):
+        capture_run(reference, (x,), tmp_path / "f.h5", seed=0, train_mode=True, noise_floor=True)
+
+
 def test_the_rounding_check_changes_nothing_the_port_computes(tmp_path: Path) -> None:
     """A frozen transformer layer in eval mode takes torch's fused fast path unless a torch function mode is active:
     the replay of the same model must compute what it computes on its own, bit for bit, the rounding check on."""
