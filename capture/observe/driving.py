@@ -22,6 +22,7 @@ __all__ = [
     "LossFn",
     "PaddedPositions",
     "call_forward",
+    "fresh_copies",
     "generators_kept",
     "handed_generators",
     "make_cotangents",
@@ -49,6 +50,17 @@ def torch_generator_states(own: Sequence[torch.Generator] = ()) -> tuple[bytes, 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
     held = [generator.get_state() for generator in own]
     return tuple(state.numpy().tobytes() for state in (torch.get_rng_state(), *cuda, *held))
+
+
+def fresh_copies(value: Any) -> Any:
+    """``value`` with a copy of each of its tensors, requiring grad where it did: what a rerun of the model takes, so
+    that a forward changing its inputs in place changes no other run's."""
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        fresh = tensor.detach().clone()
+        return fresh.requires_grad_(True) if tensor.requires_grad and fresh.is_floating_point() else fresh
+
+    return map_tensors(value, copy)
 
 
 def handed_generators(value: Any, depth: int = 0) -> list[torch.Generator]:

@@ -24,6 +24,7 @@ from parity_harness.capture.observe.driving import (
     ForwardFn,
     LossFn,
     call_forward,
+    fresh_copies,
     map_tensors,
     seed_everything,
     torch_generator_states,
@@ -265,7 +266,7 @@ class _Rerun:
         try:
             with aliases_following(self.model, from_start(self.model, train_mode, start)) as again:
                 seed_everything(self.seed)
-                given = dict(iter_live_tensors(call_forward(again, self.inputs, self.forward), "output"))
+                given = dict(iter_live_tensors(call_forward(again, fresh_copies(self.inputs), self.forward), "output"))
         except Exception as err:  # a refusal, never a crash
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             return f"a run made again in float32 to confirm the float64 run failed ({type(err).__name__}: {first})"
@@ -278,7 +279,7 @@ class _Rerun:
         rewind()
         draws = DrawSequence()
         with aliases_following(self.model, from_start(self.model, train_mode, start)) as again, draws:
-            self._drive(again, self.inputs)
+            self._drive(again, fresh_copies(self.inputs))
         return draws.started
 
     def _drive(

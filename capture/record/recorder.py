@@ -26,6 +26,7 @@ from parity_harness.capture.observe.driving import (
     LossFn,
     PaddedPositions,
     call_forward,
+    fresh_copies,
     generators_kept,
     handed_generators,
     rng_state,
@@ -270,6 +271,8 @@ class _CaptureRun:
         self.writer, self.model, self.inputs, self.options, self.context = writer, model, inputs, options, context
         self.kept = kept
         self.handed = [(generator, generator.get_state()) for generator in handed_generators(inputs)]
+        self.rerun_inputs = fresh_copies(inputs) if options.noise_floor or options.self_check else inputs
+        """The inputs as the run was given them, for the checks' reruns (a forward may change its inputs in place)."""
         """The generators among the inputs, with their states before the run (the reruns start them there)."""
         self.info = dict(options.run_info)
         self.recorder = BundleRecorder(writer, options.selection)
@@ -367,29 +370,32 @@ class _CaptureRun:
         """The observer self-check and the float64 noise floor, when asked for, each rerunning from the state the
         recorded run started from (the model goes back to it once the capture is over anyway)."""
         options = self.options
+        # The recorded outputs as they are now: the rewinds put back a buffer an output may be (its values move).
+        # Without hooks, the outputs of a forward running autograd through the hooks' aliases round otherwise.
+        inner = self.tap is not None and self.tap.differentiated_in_forward
+        live = [] if inner or not options.noise_floor else iter_live_tensors(outputs, "output")
+        recorded = [(slot, tensor.detach().clone()) for slot, tensor in live]
         if options.self_check:
             hooked = _hooked_values(self.model, outputs)  # before the rewind, which drops modules the run made
             self._rewind("--self-check")
             viewing = self.kept.view_of_written_buffer() if self.kept is not None else None
             refused = None if viewing is None else f"the model's {viewing} shares the memory of a buffer its run wrote"
             rewind = None if self.kept is None else functools.partial(self._rewind, "--self-check")
-            inner = self.tap is not None and self.tap.differentiated_in_forward
             self.regrouped = _observer_check(
-                self.model, self.inputs, options, hooked, self.padded, self.buffers_at_start, rewind, refused,
+                self.model, self.rerun_inputs, options, hooked, self.padded, self.buffers_at_start, rewind, refused,
                 self._own_generators(), inner,
             )  # fmt: skip
             for name, param in self.model.named_parameters():  # the recorded run's gradients, not the rerun's
                 param.grad = hooked[1].get(name)
         if options.noise_floor:
-            inner = self.tap is not None and self.tap.differentiated_in_forward  # outputs round otherwise unhooked
             self._rewind("--noise-floor")
             try:
                 self.floors = measure_noise_floor(
-                    self.model, self.inputs, self.writer, seed=options.seed, forward=options.forward,
+                    self.model, self.rerun_inputs, self.writer, seed=options.seed, forward=options.forward,
                     loss=options.loss, train_mode=options.train_mode, start=self.buffers_at_start or {},
                     draws=self.draws_after, own=self._own_generators(),
                     rewind=None if self.kept is None else functools.partial(self._rewind, "--noise-floor"),
-                    outputs=[] if inner else [(slot, t.detach()) for slot, t in iter_live_tensors(outputs, "output")],
+                    outputs=recorded,
                 )  # fmt: skip
             except ParityError:
                 raise

@@ -42,6 +42,7 @@ from parity_harness.capture.observe.driving import (
     LossFn,
     PaddedPositions,
     call_forward,
+    fresh_copies,
     make_cotangents,
     seed_everything,
     torch_generator_states,
@@ -265,15 +266,17 @@ def _bare_run(rerun: _Rerun, watch: bool = False) -> tuple[dict[str, torch.Tenso
     seed_everything(rerun.seed)
     sequence = DrawSequence()
     with sequence if watch else contextlib.nullcontext():
-        outputs = call_forward(model, rerun.inputs, rerun.forward)
+        outputs = call_forward(model, fresh_copies(rerun.inputs), rerun.forward)
         rerun.backward(outputs)
     draws = _Draws(torch_generator_states(rerun.own), sequence.started)
+    # copies: an output may be a buffer, put back below
+    given = {slot: tensor.detach().clone() for slot, tensor in iter_live_tensors(outputs, "output")}
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers and buffers[name].shape == buffer.shape:  # not one the rerun registered
                 buffer.copy_(buffers[name])
     grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.grad is not None}
-    return dict(iter_live_tensors(outputs, "output")), grads, draws
+    return given, grads, draws
 
 
 def _regroupable(hooked: torch.Tensor, bare: torch.Tensor) -> bool:

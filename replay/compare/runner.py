@@ -12,6 +12,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from parity_harness.capture.observe.driving import (
     to_device,
     torch_generator_states,
 )
-from parity_harness.capture.observe.hooks import ModuleTap
+from parity_harness.capture.observe.hooks import CallInfo, ModuleTap, TapSink
 from parity_harness.capture.observe.model_state import BufferState, aliases_following, model_kept
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
@@ -289,8 +290,6 @@ class _ReplaySession:
         is then another computation, and measures no rounding level."""
         self.replayed_outputs: list[tuple[str, torch.Tensor]] = []
         """The port's outputs in this bundle's replay, kept while the rounding check may need them."""
-        self.inner_autograd = False
-        """The port's forward ran autograd through the tap's aliases (its outputs may round otherwise without it)."""
         self.rank_buffers: BufferState | None = None
         """On a multi-rank capture, the buffers as the first rank's run started (every rank's run starts from them)."""
         self.near = self._near_misses(reader)
@@ -456,20 +455,24 @@ class _ReplaySession:
             f"{len(other.result.bundle_only)} not compared"
         )
 
+    def _tap(self, sink: TapSink) -> ModuleTap:
+        """The tap the replay runs the port under, reporting to ``sink``."""
+        recorded, by_signature = self.index.selection, self.index.run.arguments == "by-signature"
+        wanted = compared_modules(self.rename, recorded, self.options.layers)
+        return ModuleTap(
+            self.model, sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
+        )
+
     def _run_tapped(self) -> None:
         """This bundle's run, every module record compared as the port produces it."""
-        options, recorded = self.options, self.index.selection
+        options = self.options
         given = rebuild(self.index.inputs, functools.partial(_recorded_input, self.reader))
         inputs = self.precision.inputs(to_device(given, self.target))
         seed_everything(self.index.run.seed)
         self.sink = sink = ComparingSink(
             self.reader, self.result, options.progress, self.transform, options.mask_padding, self.rename, self.near
         )
-        wanted = compared_modules(self.rename, recorded, options.layers)
-        by_signature = self.index.run.arguments == "by-signature"
-        tap = ModuleTap(
-            self.model, sink, record_backward=recorded.records("grads"), rename=wanted, by_signature=by_signature
-        )
+        tap = self._tap(sink)
         # With --isolate (not compiled): which parameters the port also uses outside their modules' calls
         watch = OutsideUses(self.model) if options.isolate and self.port is self.model else None
         try:
@@ -489,7 +492,6 @@ class _ReplaySession:
         live = iter_live_tensors(outputs, "output")
         if self.near is not None:  # the rounding check's proof that the run repeats from its start
             self.replayed_outputs = [(slot, tensor.detach()) for slot, tensor in live]
-            self.inner_autograd = tap.differentiated_in_forward
         self._note_outside_uses(watch, [tensor for _, tensor in live])
         expected = slots(self.index.outputs, "output")
         padding = sink.output_padding if options.mask_padding else None
@@ -777,23 +779,27 @@ class _ReplaySession:
 
     def _not_repeated(self) -> str | None:
         """Why the port's float64 rerun measures no rounding, if it does not: the replayed run made again in float32
-        from where the replay started does not give the replay's outputs bit for bit (``capture.record.draws``). Not
-        asked of a compiled port (compiled again, it may round otherwise) nor of one whose forward runs autograd (its
-        outputs round otherwise without the tap's aliases)."""
+        from where the replay started does not give the replay's outputs bit for bit (``capture.record.draws``). It runs
+        under a tap as the replay's, reporting nowhere (a forward running autograd through their aliases computes as it
+        did). Not asked of a port with torch.compile'd parts: compiled again after the float64 rerun, they may round
+        otherwise."""
         outputs, self.replayed_outputs = self.replayed_outputs, []
-        if not outputs or self.inner_autograd or self.port is not self.model:
+        if not outputs or self.port is not self.model or _compiles(self.model):
             return None
         start = self.initial_buffers.applied() if self.initial_buffers is not None else contextlib.nullcontext()
+        tap = self._tap(_Unobserved())
         try:
             with start, aliases_following(self.model, from_start(self.model, self.index.run.train_mode, None)):
                 given = rebuild(self.index.inputs, functools.partial(_recorded_input, self.reader))
                 inputs = self.precision.inputs(to_device(given, self.target))
                 seed_everything(self.index.run.seed)
-                with self.precision.forward(self.target):
+                with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext():
                     again = dict(iter_live_tensors(call_forward(self.port, inputs, self.options.forward), "output"))
         except Exception as err:  # undecided near misses, never a crash
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             return f"a run made again in float32 to confirm the float64 rerun failed ({type(err).__name__}: {first})"
+        finally:
+            tap.release()
         slot = first_unrepeated(outputs, again)
         return None if slot is None else NOT_REPEATED.format(slot=slot)
 
@@ -1108,3 +1114,22 @@ def _warn_if_mostly_unpaired(result: ComparisonResult) -> None:
             f"WARNING: only {compared} records were compared and {unpaired} bundle records were not: "
             "module names probably differ; pass --map FILE to rename the port's modules"
         )
+
+
+class _Unobserved:
+    """A ``TapSink`` taking nothing: the tap only makes the run what the replay's was."""
+
+    def on_inputs(self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Nothing."""
+
+    def on_outputs(self, info: CallInfo, outputs: object) -> None:
+        """Nothing."""
+
+    def on_grad(self, info: CallInfo, slot: str, grad: torch.Tensor) -> None:
+        """Nothing."""
+
+
+def _compiles(model: torch.nn.Module) -> bool:
+    """Whether any module of ``model`` is a ``torch.compile`` wrapper (it holds the module it compiles as
+    ``_orig_mod``)."""
+    return "torch._dynamo" in sys.modules and any(hasattr(module, "_orig_mod") for module in model.modules())

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.record.recorder import capture_run
@@ -141,3 +142,42 @@ def test_the_noise_floor_run_starts_from_the_buffers_the_recorded_run_started_fr
         floor = reader.index.noise_floor["output"]
     assert 0.0 < floor < 1e-4
     assert torch.equal(model.mean, RunningCentre().mean)  # moved by the recorded run, then put back
+
+
+class _CentresItsInput(nn.Module):
+    """Centres its input in place (an audio front end's normalisation) before two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        features -= features.mean(-1, keepdim=True)
+        return self.body(features)
+
+
+class _ReturnsItsMemory(nn.Module):
+    """Returns a buffer its forward updates in place (a streaming state, an EMA codebook) beside its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("memory", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        self.memory.mul_(0.9).add_(0.1 * y.detach().mean((0, 1)))
+        return y, self.memory
+
+
+@pytest.mark.parametrize("model", [_CentresItsInput, _ReturnsItsMemory])
+def test_the_floor_reruns_what_the_run_was_given_and_returned(tmp_path: Path, model: type[nn.Module]) -> None:
+    """The checks' reruns took the caller's inputs, which the recorded run had changed in place, and compared the
+    recorded outputs after the rewind had put back the buffer one of them is: an honest reference looked as if it did
+    not repeat its run, and --noise-floor refused it. The reruns take the inputs as given, the outputs as returned."""
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    capture_run(model(), (x.clone(),), tmp_path / "b.h5", seed=0, train_mode=True, noise_floor=True, self_check=True)
+    with BundleReader(tmp_path / "b.h5") as reader:
+        assert 0 < reader.index.noise_floor["output.0" if model is _ReturnsItsMemory else "output"] < 1e-5
