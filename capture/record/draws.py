@@ -33,7 +33,15 @@ from typing import Any, Final
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HANDED_GENERATORS", "NOT_REPEATED", "DrawSequence", "SameDraws", "first_unrepeated", "unconfirmed"]
+__all__ = [
+    "HANDED_GENERATORS",
+    "NOT_REPEATED",
+    "DrawSequence",
+    "SameDraws",
+    "first_unrepeated",
+    "not_rerun",
+    "unconfirmed",
+]
 
 HANDED_GENERATORS: Final = (
     "draws from generators handed to them, which the float64 run found in other states than a float32 run made "
@@ -68,6 +76,12 @@ def first_unrepeated(outputs: Iterable[tuple[str, torch.Tensor]], again: Mapping
 
 
 _BITS: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def not_rerun(err: Exception) -> str:
+    """What an ``unmatched`` set says where the run made again to compare outputs with failed."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"a run made again in float32 to confirm the float64 run failed ({type(err).__name__}: {first[:200]})"
 
 
 def unconfirmed(err: Exception) -> str:

@@ -38,6 +38,7 @@ from parity_harness.capture.record.draws import (
     DrawSequence,
     SameDraws,
     first_unrepeated,
+    not_rerun,
     unconfirmed,
 )
 from parity_harness.capture.storage.writer import BundleWriter
@@ -268,8 +269,7 @@ class _Rerun:
                 seed_everything(self.seed)
                 given = dict(iter_live_tensors(call_forward(again, fresh_copies(self.inputs), self.forward), "output"))
         except Exception as err:  # a refusal, never a crash
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            return f"a run made again in float32 to confirm the float64 run failed ({type(err).__name__}: {first})"
+            return not_rerun(err)
         slot = first_unrepeated(outputs, given)
         return None if slot is None else NOT_REPEATED.format(slot=slot)
 

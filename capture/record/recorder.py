@@ -271,9 +271,9 @@ class _CaptureRun:
         self.writer, self.model, self.inputs, self.options, self.context = writer, model, inputs, options, context
         self.kept = kept
         self.handed = [(generator, generator.get_state()) for generator in handed_generators(inputs)]
+        """The generators among the inputs, with their states before the run (the reruns start them there)."""
         self.rerun_inputs = fresh_copies(inputs) if options.noise_floor or options.self_check else inputs
         """The inputs as the run was given them, for the checks' reruns (a forward may change its inputs in place)."""
-        """The generators among the inputs, with their states before the run (the reruns start them there)."""
         self.info = dict(options.run_info)
         self.recorder = BundleRecorder(writer, options.selection)
         if options.lengths is not None:  # the lengths among the records find the cotangent's padding

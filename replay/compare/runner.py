@@ -38,6 +38,7 @@ from parity_harness.capture.record.draws import (
     NOT_REPEATED,
     DrawSequence,
     first_unrepeated,
+    not_rerun,
     unconfirmed,
 )
 from parity_harness.capture.record.noise import from_start
@@ -649,7 +650,7 @@ class _ReplaySession:
             return
         if started and (otherwise := self._drawn_otherwise(started)) is not None:
             self.unmatched_draws.add(otherwise)
-        if (unrepeated := self._not_repeated()) is not None:
+        if not self.unmatched_draws and (unrepeated := self._not_repeated()) is not None:
             self.unmatched_draws.add(unrepeated)
         draws = self.unmatched_draws
         done = rejudge(self.result, near, self.index.noise_floor or {}, draws_differ=bool(draws))
@@ -796,8 +797,7 @@ class _ReplaySession:
                 with self.precision.forward(self.target), tap if self.module_records else contextlib.nullcontext():
                     again = dict(iter_live_tensors(call_forward(self.port, inputs, self.options.forward), "output"))
         except Exception as err:  # undecided near misses, never a crash
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            return f"a run made again in float32 to confirm the float64 rerun failed ({type(err).__name__}: {first})"
+            return not_rerun(err)
         finally:
             tap.release()
         slot = first_unrepeated(outputs, again)
