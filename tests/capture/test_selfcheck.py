@@ -570,6 +570,7 @@ def test_a_model_compiling_a_submodule_passes(tmp_path: Path) -> None:
     """The bare run ran under a dispatch mode that lists draws, under which torch.compile'd code runs eagerly: its
     outputs differed from the recorded run's in the last bits and the self-check blamed recording. The bare run is
     plain; only a run made to compare a float64 run's draws is watched."""
+    torch._dynamo.reset()  # graphs other tests compiled for the same code would make it recompile, or fall back
     x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
     capture_run(_CompiledInside(), (x,), tmp_path / "b.h5", self_check=True, train_mode=True)
     assert (tmp_path / "b.h5").exists()
