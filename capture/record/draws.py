@@ -20,8 +20,13 @@ by the run), or made in the forward and seeded there, perhaps from a step clock 
 (:attr:`DrawSequence.started`); the caller compares the rerun's list with that of a float32 run made again from the
 same starting point, and takes the rerun for another computation where they differ. Only a model that draws so pays for
 that float32 run. The recorded (or replayed) run itself is not watched, so that nothing changes what it computes (a
-torch function mode would turn off fused fast paths): a state its run alone moved (a clock that advances on the first
-call only) goes unseen.
+torch function mode would turn off fused fast paths).
+
+Randomness no generator tells of (a NumPy or Python generator the model holds, torch's reseeded from a step count
+inside ``fork_rng``) and state no rerun puts back (a clock on a helper object) are caught otherwise: the caller makes
+the forward again in float32 from the run's start and requires the run's outputs bit for bit
+(:func:`first_unrepeated`). Only the outputs are compared, so a draw or a state that changes the gradients alone goes
+unseen.
 """
 
 from __future__ import annotations
@@ -80,17 +85,18 @@ _BITS: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 
 
 def not_rerun(err: Exception) -> str:
     """What an ``unmatched`` set says where the run made again to compare outputs with failed."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"a run made again in float32 to confirm the float64 run failed ({type(err).__name__}: {first[:200]})"
+    return f"a run made again in float32 to confirm the float64 run failed ({_said(err)})"
 
 
 def unconfirmed(err: Exception) -> str:
     """What an ``unmatched`` set says where the float32 run made again to compare lists with failed."""
+    return f"draws from generators handed to them, which a float32 run made again to confirm failed ({_said(err)})"
+
+
+def _said(err: Exception) -> str:
+    """An error's type and the first line of its message."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return (
-        "draws from generators handed to them, which a float32 run made again to confirm failed "
-        f"({type(err).__name__}: {first[:200]})"
-    )
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 _aten = torch.ops.aten
