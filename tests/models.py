@@ -320,3 +320,11 @@ class PreNormNet(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+class Clock:
+    """A step count a model keeps on a helper object, not a module (shared with a data loader, a scheduler): nothing a
+    capture or replay puts back."""
+
+    def __init__(self) -> None:
+        self.step = 0

@@ -18,7 +18,7 @@ from parity_harness.capture.record.recorder import capture_run
 from parity_harness.capture.record.selfcheck import describe_self_check
 from parity_harness.common.errors import CaptureError
 from parity_harness.replay.reader import BundleReader
-from tests.models import PreNormNet, RunningCentre, build_tiny, tiny_inputs
+from tests.models import Clock, PreNormNet, RunningCentre, build_tiny, tiny_inputs
 
 
 @pytest.mark.parametrize("train_mode", [False, True])
@@ -375,17 +375,10 @@ def test_zero_dimensional_outputs_and_parameters_are_compared(tmp_path: Path) ->
     assert (tmp_path / "b.h5").exists()
 
 
-class _Clock:
-    """A helper object (not a module) the model keeps its step count on: out of the capture's sight."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-
 class _CountingOnAHelper(PreNormNet):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = _Clock()
+        self.clock = Clock()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.clock.step += 1

@@ -27,7 +27,7 @@ from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.tables import render_result
 from parity_harness.replay.result import ComparisonResult
 from tests.independent_port import build, token_ids
-from tests.models import MatmulConv1d, build_convolutions
+from tests.models import Clock, MatmulConv1d, build_convolutions
 
 PORT = Path(__file__).resolve().parent.parent / "independent_port.py"
 
@@ -646,7 +646,7 @@ class _StochasticDepth(torch.nn.Module):
         self.norm = torch.nn.Identity() if eps is None else torch.nn.LayerNorm(64, eps=eps)
         self.draws, self.gain, self.generator = draws, gain, torch.Generator().manual_seed(7)
         self.kept = [torch.Generator().manual_seed(7)]  # a generator the model keeps out of sight: in a list
-        self.clock = _Clock()  # not a module: nothing puts its step back
+        self.clock = Clock()  # not a module: nothing puts its step back
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         branch = self.gain * self.fc2(F.gelu(self.fc1(x)))
@@ -665,13 +665,6 @@ class _StochasticDepth(torch.nn.Module):
             torch.rand(1, generator=self.generator)
             return peek
         return {"own": self.generator, "kept": self.kept[0]}.get(self.draws)
-
-
-class _Clock:
-    """A training-step clock a model shares with other objects (a data loader, a scheduler)."""
-
-    def __init__(self) -> None:
-        self.step = 0
 
 
 def _inputs(scale: float, *shape: int) -> torch.Tensor:
@@ -873,7 +866,7 @@ class _FailsOnItsThirdCall(_StochasticDepth):
 
     def __init__(self, split: bool = False) -> None:
         super().__init__("peek", split=split)
-        self.calls = _Clock()
+        self.calls = Clock()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.step += 1
