@@ -2,8 +2,8 @@
 # The CUDA paths end to end, on a machine with a GPU (CI has none): the example reference captured on
 # CUDA (pinned staging, non-blocking copies) and on the CPU, each replayed by the port on CUDA and on the
 # CPU, with --isolate; a FastConformer-sized correct port (scripts/large_port_check.sh); then the CUDA and TF32
-# tests (a CUDA replay, repeats linked in a CUDA capture, the self-check, the noise floor and a model's own
-# generator on the GPU). Prints each command's exit code and wall time.
+# tests (a CUDA replay, repeats linked in a CUDA capture, host copies of CUDA tensors, the self-check, the noise
+# floor and a model's own generator on the GPU). Prints each command's exit code and wall time.
 #   scripts/cuda_check.sh [OUT_DIR]        # uses the python3 on PATH, with parity-harness installed
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,5 +57,5 @@ for factory in build_port build_port_eps_bug; do
 done
 # A correct port of FastConformer size on the GPU at the defaults (TF32 off by default; it failed with TF32 on).
 timed large-port-cuda 0 bash scripts/large_port_check.sh cuda "$OUT/large"
-python3 -m pytest -q -p no:cacheprovider tests/capture/test_tf32.py tests/replay/test_variants.py \
+python3 -m pytest -q -p no:cacheprovider tests/capture/test_tf32.py tests/replay/test_variants.py tests/common/test_dtypes.py \
   tests/capture/test_repeat_links.py tests/capture/test_devices.py -k "cuda or tf32"

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from parity_harness.common.format.bundle.schema import TensorRef
-from parity_harness.common.format.dtypes import from_storage, to_storage
+from parity_harness.common.format.dtypes import on_host, to_storage
 from parity_harness.common.numerics.bytewise import same_bytes
 from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.common.numerics.tolerances import Tolerance
@@ -59,10 +59,9 @@ class RecentDiffs:
         key = self._key(ref, tolerance) if ignore is None else None
         if key is None:
             return diff_record(self._reader, ref, actual, tolerance, ignore)
-        if actual.device.type != "cpu":  # one host snapshot, compared and kept: another stream may still write
-            actual = from_storage(*to_storage(actual))
-        elif not actual.is_contiguous():  # one copy for the proof, the comparison and the copy kept, not one each
-            actual = actual.contiguous()
+        # One host snapshot for the proof, the comparison and the copy kept, not one each (and on a GPU, another
+        # stream may still write the tensor).
+        actual = on_host(actual)
         earlier = self._entries.get(key)
         if earlier is not None and _same_bits(earlier[0], earlier[1], *to_storage(actual)):
             self._entries.move_to_end(key)

@@ -14,6 +14,7 @@ from parity_harness.common.format.dtypes import (
     TAGS,
     from_storage,
     is_float_tag,
+    on_host,
     storage_dtype,
     tag_of,
     to_float64,
@@ -246,6 +247,51 @@ def test_round_trip_non_contiguous(tag: str, layout: str) -> None:
     assert array.shape == tuple(view.shape)
     assert array.flags.c_contiguous
     assert_bit_equal(from_storage(array, tag), view)
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _assert_host_copy(tensor: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``on_host(tensor)`` holds ``tensor``'s values in C order in CPU memory, every bit, taken at once: a later write
+    to ``base`` (what ``tensor`` views) does not reach them."""
+    expected = tensor.cpu()
+    host = on_host(tensor)
+    assert host.device.type == "cpu"
+    assert host.is_contiguous()
+    assert_bit_equal(host, expected)
+    assert_bit_equal(round_trip(tensor), expected)
+    if base.device.type != "cpu":
+        base.view(torch.uint8).fill_(0)  # every bit of the device tensor changed
+        assert_bit_equal(host, expected)
+    return host
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", *_LAYOUTS], ids=["contiguous", *_LAYOUTS])
+@pytest.mark.parametrize("tag", SUPPORTED, ids=str)
+def test_host_copy_holds_the_exact_bits(tag: str, layout: str, device: str) -> None:
+    """What replay compares a port's tensor as."""
+    base = random_tensor(tag, (4, 6), seed=11).to(device)
+    _assert_host_copy(base if layout == "contiguous" else _LAYOUTS[layout](base), base)
+
+
+@_NEEDS_CUDA
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("tag", SUPPORTED, ids=str)
+def test_host_copy_of_a_large_cuda_tensor_is_page_locked(tag: str, layout: str) -> None:
+    """A large record's copy lands in page-locked memory (the GPU writes it by DMA), its bits exact all the same."""
+    base = random_tensor(tag, (1024, 1024), seed=12).cuda()
+    host = _assert_host_copy(base if layout == "contiguous" else base.t(), base)
+    assert host.is_pinned()
+
+
+def test_host_copy_of_a_contiguous_cpu_tensor_is_that_tensor() -> None:
+    """No copy where none is needed: an exact replay on the CPU compares the port's own memory."""
+    tensor = torch.randn(3, 5)
+    assert on_host(tensor) is tensor
+    assert on_host(tensor.t()).is_contiguous()
 
 
 @pytest.mark.parametrize("tag", ["C64", "C128"], ids=str)
