@@ -141,12 +141,13 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cuda" and _PINNED_FROM <= tensor.numel() * tensor.element_size() <= _PINNED_UP_TO:
         import torch
 
-        if type(tensor) is torch.Tensor:  # not a subclass (a DTensor): its own ``.cpu()`` knows how
+        # Not a subclass (a DTensor) nor a sparse layout: their own ``.cpu()`` knows how.
+        if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
             try:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             except RuntimeError:  # no page-locked memory to be had: the plain copy
                 return tensor.cpu().contiguous()
-            host.copy_(tensor)  # waits for the copy, as ``.cpu()`` does
+            host.copy_(tensor.detach())  # waits for the copy, as ``.cpu()`` does; no autograd node
             return host
     return tensor.cpu().contiguous()
 

@@ -287,6 +287,18 @@ def test_host_copy_of_a_large_cuda_tensor_is_page_locked(tag: str, layout: str) 
     assert host.is_pinned()
 
 
+@_NEEDS_CUDA
+def test_host_copy_of_a_cuda_activation_joins_no_autograd_graph() -> None:
+    """A port's activation is copied as values: the copy neither requires grad nor hangs off its graph."""
+    weight = torch.randn(512, 512, device="cuda", requires_grad=True)
+    activation = weight * 2
+    host = on_host(activation)
+    assert host.is_pinned()
+    assert not host.requires_grad
+    assert host.grad_fn is None
+    assert torch.equal(host, activation.detach().cpu())
+
+
 def test_host_copy_of_a_contiguous_cpu_tensor_is_that_tensor() -> None:
     """No copy where none is needed: an exact replay on the CPU compares the port's own memory."""
     tensor = torch.randn(3, 5)
