@@ -83,6 +83,8 @@ REPLAY: tuple[tuple[str, str, str], ...] = (
     (_COMPARE, "parity_harness.common.numerics.metrics", "_identical_range"),
     (_COMPARE, "parity_harness.common.numerics.metrics", "_fold_range"),
     ("isolation (--isolate)", "parity_harness.replay.diagnose.isolation", "isolate"),
+    # Its float64 rerun's forward and backward count as the model's own code; what is left is the check's own work.
+    ("the rounding check of near misses", "parity_harness.replay.compare.runner", "_ReplaySession.recheck_rounding"),
     ("the report (tables, verdict)", "parity_harness.replay.cli.replay_compare_run", "_render"),
 )
 """Replay's phases, its own and :data:`_SHARED`."""
