@@ -128,28 +128,34 @@ _PINNED_FROM: Final = 64 << 10
 _PINNED_UP_TO: Final = 256 << 20
 """Bytes from and up to which a CUDA tensor's host copy goes to page-locked memory. On an H200 a copy into a block of
 torch's pinned-memory cache took 13.6 us at 64 KiB, 32 us at 1 MiB and 318 us at 16 MiB, into pageable memory 17.4,
-100 and 1000 us; below 64 KiB the pageable copy is the cheaper (10.2 against 12.5 us at 1 KiB). Above the upper
-bound, the cache would keep a block that large page-locked for the process's life, for one record."""
+100 and 1000 us; below 64 KiB the pageable copy is the cheaper (10.2 against 12.5 us at 1 KiB). The cache keeps
+each block (rounded up to a power of two) page-locked for later copies as long as the process lives: the upper bound
+caps what one tensor leaves so."""
 
 
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in C-contiguous CPU memory: itself where it is so already, else a copy.
+    """``tensor``'s values, detached, in C-contiguous CPU memory: its own memory where it is so already, else a copy
+    (complete when this returns).
 
-    A plain CUDA tensor of a record's usual size is copied into page-locked memory, which the GPU fills by DMA: copied
-    into pageable memory through the driver's staging, the copies took a third of a FastConformer's replay on an H200.
+    A plain contiguous CUDA tensor of a record's usual size is copied into page-locked memory, which the GPU fills by
+    DMA: copied into pageable memory through the driver's staging, the copies took a third of a FastConformer's
+    replay on an H200. Other layouts keep the plain copy: into a C-ordered buffer the GPU would first reorder them in
+    a temporary as large, at the peak of the port's memory.
     """
-    if tensor.device.type == "cuda" and _PINNED_FROM <= tensor.numel() * tensor.element_size() <= _PINNED_UP_TO:
-        import torch
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda" or not _PINNED_FROM <= tensor.numel() * tensor.element_size() <= _PINNED_UP_TO:
+        return tensor.cpu().contiguous()
+    import torch
 
-        # Not a subclass (a DTensor) nor a sparse layout: their own ``.cpu()`` knows how.
-        if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
-            try:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            except RuntimeError:  # no page-locked memory to be had: the plain copy
-                return tensor.cpu().contiguous()
-            host.copy_(tensor.detach())  # waits for the copy, as ``.cpu()`` does; no autograd node
-            return host
-    return tensor.cpu().contiguous()
+    # Not a subclass (a DTensor) nor a sparse tensor: their own ``.cpu()`` knows how.
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or not tensor.is_contiguous():
+        return tensor.cpu().contiguous()
+    try:  # the device named: a default device set by the model (``torch.set_default_device``) is not the host
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    except RuntimeError:  # no page-locked memory to be had: the plain copy
+        return tensor.cpu().contiguous()
+    host.copy_(tensor)  # waits for the copy, as ``.cpu()`` does
+    return host
 
 
 def from_storage(array: np.ndarray, tag: str) -> torch.Tensor:

@@ -249,8 +249,8 @@ def test_round_trip_non_contiguous(tag: str, layout: str) -> None:
     assert_bit_equal(from_storage(array, tag), view)
 
 
-_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+_DEVICES = ["cpu", pytest.param("cuda", marks=_NEEDS_CUDA)]
 
 
 def _assert_host_copy(tensor: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -278,13 +278,37 @@ def test_host_copy_holds_the_exact_bits(tag: str, layout: str, device: str) -> N
 
 
 @_NEEDS_CUDA
-@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("layout", ["contiguous", *_LAYOUTS], ids=["contiguous", *_LAYOUTS])
 @pytest.mark.parametrize("tag", SUPPORTED, ids=str)
-def test_host_copy_of_a_large_cuda_tensor_is_page_locked(tag: str, layout: str) -> None:
-    """A large record's copy lands in page-locked memory (the GPU writes it by DMA), its bits exact all the same."""
+def test_host_copy_of_a_large_cuda_tensor(tag: str, layout: str) -> None:
+    """A record's usual size (1 MiB or more here): a contiguous one lands in page-locked memory (the GPU writes it by
+    DMA), any other layout through the plain copy, its bits exact either way."""
     base = random_tensor(tag, (1024, 1024), seed=12).cuda()
-    host = _assert_host_copy(base if layout == "contiguous" else base.t(), base)
+    tensor = base if layout == "contiguous" else _LAYOUTS[layout](base)
+    host = _assert_host_copy(tensor, base)
+    assert host.is_pinned() == (layout == "contiguous")
+
+
+@_NEEDS_CUDA
+def test_host_copy_waits_for_the_work_queued_before_it() -> None:
+    """The copy is complete when ``on_host`` returns, after every write queued before it on the tensor's stream."""
+    tensor = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the GPU busy for a while before the write lands
+    tensor.fill_(3.0)
+    host = on_host(tensor)
     assert host.is_pinned()
+    assert bool((host == 3.0).all())
+
+
+@_NEEDS_CUDA
+def test_host_copy_under_a_default_cuda_device() -> None:
+    """A model that sets the default device to the GPU still gets its values in page-locked host memory."""
+    tensor = torch.randn(1 << 18, device="cuda")
+    with torch.device("cuda"):
+        host = on_host(tensor)
+    assert host.device.type == "cpu"
+    assert host.is_pinned()
+    assert torch.equal(host, tensor.cpu())
 
 
 @_NEEDS_CUDA
@@ -299,11 +323,15 @@ def test_host_copy_of_a_cuda_activation_joins_no_autograd_graph() -> None:
     assert torch.equal(host, activation.detach().cpu())
 
 
-def test_host_copy_of_a_contiguous_cpu_tensor_is_that_tensor() -> None:
-    """No copy where none is needed: an exact replay on the CPU compares the port's own memory."""
-    tensor = torch.randn(3, 5)
-    assert on_host(tensor) is tensor
-    assert on_host(tensor.t()).is_contiguous()
+def test_host_copy_of_a_contiguous_cpu_tensor_is_its_own_memory() -> None:
+    """No copy where none is needed: an exact replay on the CPU compares the port's own memory, as values."""
+    tensor = torch.randn(3, 5, requires_grad=True) * 2
+    host = on_host(tensor)
+    assert host.data_ptr() == tensor.data_ptr()
+    assert not host.requires_grad
+    transposed = on_host(tensor.t())
+    assert transposed.is_contiguous()
+    assert torch.equal(transposed, tensor.detach().t())
 
 
 @pytest.mark.parametrize("tag", ["C64", "C128"], ids=str)
