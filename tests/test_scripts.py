@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
@@ -147,3 +148,21 @@ def test_the_large_port_check_matches_a_correct_port(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "RESULT: MATCH" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script measures, for minutes")
+def test_the_host_copies_bench_says_it_needs_a_gpu() -> None:
+    """Without CUDA, scripts/bench_host_copies.py refuses in one line (exit 2) rather than measuring the CPU."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_host_copies.py"), "--model", "conformer"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "bench_host_copies.py: needs a CUDA device (torch.cuda.is_available() is False)"
+    ]
