@@ -9,8 +9,10 @@ Replay compares every record on the host, so each of the port's CUDA tensors is 
   against one into a block of torch's pinned-memory cache (what ``on_host`` does from 64 KiB to 256 MiB for a
   contiguous tensor), each the mean of a few hundred copies;
 * **the replay step** of the chosen model (``scripts/bench_models.py``; an exact port at atol = rtol = 1e-3, its bundle
-  captured first), with ``on_host`` as it is and with the plain copy put in its place, interleaved over ``--rounds``
-  rounds in one process, each divided by the median bare forward + backward timed beside it.
+  captured first), with ``on_host`` as it is and with the copies as they were before it (``.cpu()`` into pageable
+  memory, and a second host copy of each repeated record in ``RecentDiffs``) put in its place, interleaved over
+  ``--rounds`` rounds in one process (the order swapped every round), each divided by the median bare forward +
+  backward timed beside it.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def print_copies() -> None:
 
 
 def replay_steps(model_name: str, rounds: int, folder: Path) -> None:
-    """The replay step with ``on_host`` as it is and with the plain copy, interleaved, each beside a bare step."""
+    """The replay step with ``on_host`` and with the copies as before it, interleaved, each beside a bare step."""
     os.environ[bench_models.MODEL_VARIABLE] = model_name
     from parity_harness.capture.record.recorder import capture_run
     from parity_harness.common.format import dtypes
@@ -87,18 +89,24 @@ def replay_steps(model_name: str, rounds: int, folder: Path) -> None:
             compare_run(model, reader, tolerances=ToleranceTable(Tolerance(1e-3, 1e-3)), device="cuda")
         torch.cuda.synchronize()
 
-    def plain(tensor: torch.Tensor) -> torch.Tensor:
+    def plain(tensor: torch.Tensor) -> torch.Tensor:  # what to_storage copied with before on_host
         return tensor.detach().cpu().contiguous()
 
-    ways = {"on_host (page-locked)": (dtypes.on_host, repeats.on_host), "plain copy": (plain, plain)}
+    def plain_twice(tensor: torch.Tensor) -> torch.Tensor:  # RecentDiffs before on_host: a second host copy
+        if tensor.device.type != "cpu":
+            return dtypes.from_storage(*dtypes.to_storage(tensor))
+        return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+    ways = {"on_host (page-locked)": (dtypes.on_host, repeats.on_host), "as before (pageable)": (plain, plain_twice)}
     bare()
     capture_run(model, inputs, bundle, seed=42)
     replay()  # the bundle's first walk and the pinned cache's first blocks: not what is compared
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     bares: list[float] = []
     try:
-        for _ in range(rounds):
-            for name, (for_dtypes, for_repeats) in ways.items():
+        for round_number in range(rounds):
+            order = list(ways.items())
+            for name, (for_dtypes, for_repeats) in order if round_number % 2 == 0 else order[::-1]:
                 started = time.perf_counter()
                 bare()
                 bares.append(time.perf_counter() - started)

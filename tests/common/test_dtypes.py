@@ -233,7 +233,7 @@ _LAYOUTS = {
     "transposed": lambda t: t.t(),
     "strided": lambda t: t[::2, ::3],
     "offset": lambda t: t[1:, 2:],
-    "expanded": lambda t: t[:1].expand(5, 6),
+    "expanded": lambda t: t[:1].expand(t.shape[0] + 1, t.shape[1]),
     "permuted-3d": lambda t: t.unsqueeze(0).permute(2, 0, 1),
 }
 
@@ -290,7 +290,7 @@ def test_host_copy_of_a_large_cuda_tensor(tag: str, layout: str) -> None:
 
 
 @_NEEDS_CUDA
-def test_host_copy_waits_for_the_work_queued_before_it() -> None:
+def test_cuda_host_copy_waits_for_the_work_queued_before_it() -> None:
     """The copy is complete when ``on_host`` returns, after every write queued before it on the tensor's stream."""
     tensor = torch.zeros(1 << 20, device="cuda")
     torch.cuda._sleep(200_000_000)  # the GPU busy for a while before the write lands
