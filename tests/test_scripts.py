@@ -166,3 +166,21 @@ def test_the_host_copies_bench_says_it_needs_a_gpu() -> None:
     assert done.stderr.strip().splitlines() == [
         "bench_host_copies.py: needs a CUDA device (torch.cuda.is_available() is False)"
     ]
+
+
+def test_every_phase_bench_phases_times_exists() -> None:
+    """Each function scripts/bench_phases.py times is where its list says (a moved one would leave its time in "the
+    rest" unseen): installing every timer, in a process of its own, succeeds and wraps each of them."""
+    check = (
+        "import sys; sys.path.insert(0, 'scripts'); import bench_phases as b\n"
+        "timers = b.PhaseTimers()\n"
+        "timers.install(b.CAPTURE); timers.install(b.REPLAY)\n"
+        "from parity_harness.replay.compare.runner import _ReplaySession\n"
+        "assert _ReplaySession.recheck_rounding.__wrapped__.__name__ == 'recheck_rounding'\n"
+        "print(len(b.CAPTURE) + len(b.REPLAY))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=600, check=False, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout) > 20
