@@ -340,14 +340,13 @@ class BundleReader:
                 f"{self.path}:{ref.path}: recorded as statistics only (capture-run --summary-only or "
                 "--max-tensor-bytes), so its values cannot be read"
             )
-        with self._damage_guard(ref.path):
-            return self._read_array(ref, verify)
-
-    def _read_array(self, ref: TensorRef, verify: bool) -> np.ndarray:
-        stored = self._stored[ref.path.lstrip("/")]  # validated at open: every tensor the index names is there
+        stored = self._stored.get(ref.path.lstrip("/"))  # every tensor the index names was found at open
+        if stored is None:
+            raise BundleFormatError(f"{self.path}:{clipped(ref.path)}: no such dataset in the bundle")
         offset, nbytes = stored.offset, stored.nbytes
         if self._map is None or offset is None or nbytes == 0:  # compact (a few bytes in its header) or empty
-            array = np.asarray(self._file[ref.path][()])
+            with self._damage_guard(ref.path):  # read through HDF5; the mapped bytes below are read without it
+                array = np.asarray(self._file[ref.path][()])
             return self.verify(ref, array) if verify else array
         if offset + nbytes > len(self._map):
             raise BundleFormatError(

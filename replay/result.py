@@ -92,10 +92,12 @@ def diff_record(
         if reader.differences_seen:  # a port that differed once mostly differs on: checksum beside the comparison
             reader.verify(ref, expected, later=True)
         diff = diff_tensor(expected, ref.tag, actual, tolerance, ignore)
+        # Only bytes found bit for bit equal to the port's, every one of them compared, vouch for themselves: an exact
+        # replay skips their checksums and runs at memory speed. Damage can hide where values compare equal without
+        # their bits (a zero's sign flipped, a NaN's payload) and in positions left out (padding): checked.
         if not (diff.max_abs == 0.0 and diff.problem is None):
-            # Damaged bytes can only show as a difference: a record equal to the port's value in
-            # every element needs no checksum, which keeps exact replays at memory speed.
-            reader.differences_seen = True
+            reader.differences_seen = True  # later records: checksummed beside their comparison (above)
+        if ignore is not None or not diff.bits_equal:
             reader.verify(ref, expected, later=True)  # settled by the caller (compare_run)
         return diff
     array, tag = to_storage(actual)

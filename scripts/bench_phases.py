@@ -77,7 +77,7 @@ REPLAY: tuple[tuple[str, str, str], ...] = (
     ("metadata walk (the child's, waited for)", "parity_harness.replay.preflight", "Preflight.result"),
     ("opening the bundle: index and checks", "parity_harness.replay.reader", "BundleReader.__init__"),
     ("backward: the model's own code", "parity_harness.replay.compare.records", "backward_as_recorded"),
-    ("reading records", "parity_harness.replay.reader", "BundleReader._read_array"),
+    ("reading records", "parity_harness.replay.reader", "BundleReader.read_array"),
     (_COMPARE, "parity_harness.replay.result", "diff_record"),
     (_COMPARE, "parity_harness.replay.compare.repeats", "RecentDiffs.diff"),
     (_COMPARE, "parity_harness.common.numerics.metrics", "_identical_range"),

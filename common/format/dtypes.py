@@ -117,7 +117,7 @@ def to_storage(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
         flat = flat.resolve_conj()
     if flat.is_neg():
         flat = flat.resolve_neg()
-    flat = on_host(flat)
+    flat = _on_host(flat)
     _, storage, raw = _TABLE[tag]
     if raw:
         return flat.view(_torch_tables()[2][storage]).numpy().view(storage), tag
@@ -142,7 +142,13 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     replay on an H200. Other layouts keep the plain copy: into a C-ordered buffer the GPU would first reorder them in
     a temporary as large, at the peak of the port's memory.
     """
-    tensor = tensor.detach()
+    return _on_host(tensor.detach())
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`on_host` of a detached tensor."""
+    if tensor.is_cpu and tensor.is_contiguous():  # most records of a CPU run: no call through torch's dispatcher
+        return tensor
     if tensor.device.type != "cuda" or not _PINNED_FROM <= tensor.numel() * tensor.element_size() <= _PINNED_UP_TO:
         return tensor.cpu().contiguous()
     import torch
