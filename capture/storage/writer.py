@@ -217,6 +217,12 @@ class BundleWriter:
         self._deduplicate = deduplicate
         self._recent: OrderedDict[_StorageKey, _Recent] = OrderedDict()
         self._stable: dict[str, tuple[torch.Tensor, int]] = {}  # written from memory: must stay unchanged
+        self._handed_over: dict[str, int] = {}
+        """Parameters written from their memory: path -> CRC-32 of their bytes when handed over, which the bytes
+        written must equal (version counters miss edits through ``.data`` or an alias)."""
+        self._from_memory: set[str] = set()
+        """Tensors written from their own memory (parameters, and gradients: whose bytes to store are those they
+        hold at commit)."""
         self._checksums: dict[str, int] = {}  # datasets written through HDF5
         self._links: dict[str, str] = {}  # linked path -> the path written
         self._placed: dict[str, tuple[int | None, tuple[int, ...], str]] = {}  # path -> (offset, shape, tag)
@@ -271,6 +277,8 @@ class BundleWriter:
         if earlier is not None and not stable and self._proven_after_staging(tensor):
             repeat_of = earlier if self._stream.intact(earlier.staged) else None
         staged = self._store(path, tensor, stable=stable, repeat_of=repeat_of)
+        if stable and self._with_checksums and path in self._from_memory:
+            self._handed_over[path] = stored_crc32(to_storage(tensor)[0])  # its bytes now, for commit to prove
         # Only a staged copy proves a repeat's bytes: one written from memory later (a parameter) holds what the
         # memory holds then, and an edit through .data between the two records would go unseen. A copy proven
         # after staging is the newest of those bytes: the next repeat is compared with it, and links its target.
@@ -344,6 +352,7 @@ class BundleWriter:
         if shape and tensor.numel():  # HDF5 places 0-d and empty datasets only when written through it
             if stable and self._stream.writes_from_memory(tensor):
                 self._defer(_Deferred(path, shape=shape, tag=tag, stable=tensor))
+                self._from_memory.add(path)
                 return None
             if not stable and self._stream.stages(tensor):
                 staged = self._stream.stage(tensor, keep=None if repeat_of is None else repeat_of.staged)
@@ -468,11 +477,36 @@ class BundleWriter:
         """Tensors written from their own memory must not have changed since they were handed over."""
         changed = [path for path, (tensor, version) in self._stable.items() if tensor._version != version]
         if changed:
-            raise BundleError(
-                f"{self.path}: {changed[0]} ({len(changed)} tensor(s) in all) changed in place while the capture "
-                "was running, so the recorded value is not reliable; the model must not modify its parameters "
-                "or their gradients during forward and backward"
-            )
+            raise self._changed_in_place(changed, "")
+
+    def _check_contents(self) -> None:
+        """What version counters cannot tell, told by the CRC-32s of the bytes written: a parameter holds the bytes
+        it was handed over with, or the capture fails; a gradient whose memory changed after its bytes were written
+        (an edit through ``.data`` in a hook) is written again, from what it holds now that backward is over. Without
+        checksums, version counters alone."""
+        if not self._with_checksums:
+            return
+        written = self._stream.checksums
+        changed = [path for path, crc in self._handed_over.items() if written.get(path) != crc]
+        if changed:
+            raise self._changed_in_place(changed, " (through .data or an alias: its version counter did not move)")
+        again = False
+        for path in self._from_memory.difference(self._handed_over):  # the gradients
+            tensor = self._stable[path][0]
+            if written.get(path) != stored_crc32(to_storage(tensor)[0]):
+                offset = self._placed[path][0]
+                assert offset is not None  # written from memory: HDF5 placed it
+                self._stream.write_stable(offset, tensor, path)
+                again = True
+        if again:
+            self._stream.drain()
+
+    def _changed_in_place(self, changed: list[str], how: str) -> BundleError:
+        return BundleError(
+            f"{self.path}: {changed[0]} ({len(changed)} tensor(s) in all) changed in place while the capture was "
+            f"running{how}, so the recorded value is not reliable; the model must not modify its parameters or "
+            "their gradients during forward and backward"
+        )
 
     def _unchanged_earlier(self, key: _StorageKey | None, tensor: torch.Tensor) -> _Recent | None:
         """A recently staged record of a view of the same bytes, if neither version counter moved since.
@@ -522,10 +556,14 @@ class BundleWriter:
     def commit(self, index: BundleIndex) -> Path:
         """Wait for the tensor writes, write the index, close the file and move it into place atomically."""
         self._create_deferred()
-        self._stream.close()
+        self._stream.drain()
         self._check_stable()
+        self._check_contents()
+        self._stream.close()
         self._recent.clear()
         self._stable.clear()
+        self._handed_over.clear()
+        self._from_memory.clear()
         self._close_descriptors()
         index = dataclasses.replace(index, checksums=self.checksums() if self._with_checksums else {})
         try:
@@ -557,6 +595,8 @@ class BundleWriter:
                 self._stream.close()
             self._recent.clear()
             self._stable.clear()
+            self._handed_over.clear()
+            self._from_memory.clear()
             with contextlib.suppress(OSError):
                 self._close_descriptors()
             if self._file.id.valid:

@@ -25,6 +25,7 @@ from torch import nn
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.capture.storage.streaming import BLOCK, Staged, TensorStream
 from parity_harness.capture.storage.writer import BundleWriter
+from parity_harness.common.errors import BundleError
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
@@ -355,16 +356,15 @@ class ParameterAsInput(nn.Module):
         return x + projected
 
 
-def test_a_record_of_a_parameter_holds_its_value_of_the_moment(tmp_path: Path) -> None:
-    """proj's input is the parameter itself, whose bytes are written from its memory later: the input record is
-    a copy of the moment, not a link to that later write (which the .data edit reaches)."""
+def test_a_parameter_passed_as_an_input_then_edited_fails_the_capture(tmp_path: Path) -> None:
+    """proj's input is the parameter itself, recorded as a copy of the moment; the parameter's own record is written
+    from its memory later, which the .data edit reaches: the bundle would contradict itself (and the same model fail
+    against it), so the capture refuses, naming the parameter, and leaves no file."""
     torch.manual_seed(0)
-    model = ParameterAsInput()
-    before = model.query.detach().clone()
     out = tmp_path / "b.h5"
-    capture_run(model, (torch.randn(3, 5),), out)
-    with h5py.File(out, "r") as file:
-        assert torch.equal(torch.from_numpy(file["modules/proj/0/input.input"][()]), before)
+    with pytest.raises(BundleError, match=r"params/query .* changed in place .*\(through \.data or an alias"):
+        capture_run(ParameterAsInput(), (torch.randn(3, 5),), out)
+    assert list(tmp_path.iterdir()) == []
 
 
 class Chain(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from parity_harness.capture.record.recorder import capture_run
 from parity_harness.capture.storage import streaming
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import BundleError
+from parity_harness.common.format.bundle.schema import BundleIndex, RunInfo, TensorRef
+from parity_harness.common.format.packing import unpack
 from parity_harness.replay.reader import BundleReader
 
 
@@ -91,23 +94,71 @@ def test_gradients_of_a_module_called_twice_are_the_final_ones(tmp_path: Path) -
             assert torch.equal(reader.read_tensor(reader.index.grads[name]), param.grad), name
 
 
-def test_a_parameter_changed_during_capture_fails_it(tmp_path: Path) -> None:
-    """A model that changes a weight in place during forward cannot be recorded reliably: error, no file."""
+def _add_in_place(weight: torch.Tensor) -> None:
+    with torch.no_grad():
+        weight.add_(1.0)  # its version counter moves
+
+
+def _add_through_data(weight: torch.Tensor) -> None:
+    weight.data.add_(1.0)  # a constraint or an EMA in the forward: no version counter moves
+
+
+def _add_through_numpy(weight: torch.Tensor) -> None:
+    weight.detach().numpy()[...] += 1.0  # an alias NumPy writes through: no version counter moves
+
+
+@pytest.mark.parametrize(
+    "edit", [_add_in_place, _add_through_data, _add_through_numpy], ids=["in place", ".data", "NumPy"]
+)
+@pytest.mark.parametrize("features", [4, 1024], ids=["small", "4 MiB"])
+def test_a_parameter_changed_during_capture_fails_it(
+    tmp_path: Path, edit: Callable[[torch.Tensor], None], features: int
+) -> None:
+    """A model that changes a weight in place during forward cannot be recorded reliably: error, no file; also when
+    the edit leaves the version counter where it was, proven by the bytes (the parameter's bytes are written from
+    its memory later, so the bundle held the edited values and the same model then failed against it)."""
 
     class Drifting(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin = nn.Linear(4, 4)
+            self.lin = nn.Linear(features, features)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                self.lin.weight.add_(1.0)
-            return self.lin(x)
+            out = self.lin(x)
+            edit(self.lin.weight)
+            return out
 
     out = tmp_path / "bundle.h5"
     with pytest.raises(BundleError, match=r"params/lin\.weight .* changed in place while the capture was running"):
-        capture_run(Drifting(), (torch.randn(2, 4),), out)
+        capture_run(Drifting(), (torch.randn(2, features),), out)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("written_first", [True, False], ids=["written before the edit", "edited before its write"])
+def test_a_gradient_edited_behind_its_version_counter_is_stored_as_it_ends(tmp_path: Path, written_first: bool) -> None:
+    """A gradient handed over as it accumulates, then edited through ``.data`` (a hook clipping it): the bundle
+    holds its final values and their checksum, whether its bytes were written before the edit or after."""
+    writer = BundleWriter(tmp_path / "b.h5")
+    grad = torch.randn(64, 64)
+    writer.write_provisional("grads/w", grad)
+    if written_first:  # its dataset made and its bytes on disk now, as a batch made during backward would
+        writer._create_deferred()
+        writer._stream.drain()
+    grad.data.clamp_(-0.1, 0.1)
+    writer.write_provisional("grads/w", grad)  # the same tensor, its version counter unmoved: nothing to hand over
+    writer.commit(_index_of_one_gradient(grad))
+    with h5py.File(tmp_path / "b.h5", "r") as file:
+        stored = file["grads/w"][()]
+        recorded = unpack(file["index"][()], where="index")["checksums"]
+    assert torch.equal(torch.from_numpy(stored), grad)
+    assert recorded["grads/w"] == zlib.crc32(stored.tobytes())
+
+
+def _index_of_one_gradient(grad: torch.Tensor) -> BundleIndex:
+    ref = TensorRef("grads/w", "F32", tuple(grad.shape))
+    return BundleIndex(
+        RunInfo(seed=0, train_mode=False, backward="cotangent"), {}, {}, None, None, {}, {"w": ref}, [], [], []
+    )
 
 
 def test_a_failed_disk_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
