@@ -221,8 +221,9 @@ class BundleWriter:
         """Parameters written from their memory: path -> CRC-32 of their bytes when handed over, which the bytes
         written must equal (version counters miss edits through ``.data`` or an alias)."""
         self._from_memory: set[str] = set()
-        """Tensors written from their own memory (parameters, and gradients: whose bytes to store are those they
-        hold at commit)."""
+        """Tensors written from their own memory, later: the parameters among them are proven at commit."""
+        self._provisional: set[str] = set()
+        """Gradients (:meth:`write_provisional`): the bytes to store are those they hold at commit."""
         self._checksums: dict[str, int] = {}  # datasets written through HDF5
         self._links: dict[str, str] = {}  # linked path -> the path written
         self._placed: dict[str, tuple[int | None, tuple[int, ...], str]] = {}  # path -> (offset, shape, tag)
@@ -310,6 +311,7 @@ class BundleWriter:
         if path not in self._stable:
             self.tensor_count += 1
             self._store(path, tensor, stable=True)
+            self._provisional.add(path)
             return ref
         held, version = self._stable[path]
         if held is not tensor or tensor._version != version:
@@ -365,6 +367,8 @@ class BundleWriter:
             self._write_through_hdf5(path, tensor)
         elif stable:
             self._stream.write_stable(offset, tensor, path)
+            if self._stream.writes_from_memory(tensor):  # later, as a deferred one (a 0-d one placed by HDF5)
+                self._from_memory.add(path)
         else:
             self._stream.write(offset, tensor, path)
         return None
@@ -481,21 +485,24 @@ class BundleWriter:
 
     def _check_contents(self) -> None:
         """What version counters cannot tell, told by the CRC-32s of the bytes written: a parameter holds the bytes
-        it was handed over with, or the capture fails; a gradient whose memory changed after its bytes were written
-        (an edit through ``.data`` in a hook) is written again, from what it holds now that backward is over. Without
-        checksums, version counters alone."""
+        it was handed over with, or the capture fails; a gradient whose values changed after its bytes were written
+        or copied (an edit through ``.data`` in a hook) is written again, from what it holds now that backward is
+        over. Without checksums, version counters alone."""
         if not self._with_checksums:
             return
-        written = self._stream.checksums
+        written = {**self._stream.checksums, **self._checksums}
         changed = [path for path, crc in self._handed_over.items() if written.get(path) != crc]
         if changed:
             raise self._changed_in_place(changed, " (through .data or an alias: its version counter did not move)")
         again = False
-        for path in self._from_memory.difference(self._handed_over):  # the gradients
+        for path in self._provisional:
             tensor = self._stable[path][0]
-            if written.get(path) != stored_crc32(to_storage(tensor)[0]):
-                offset = self._placed[path][0]
-                assert offset is not None  # written from memory: HDF5 placed it
+            if written.get(path) == stored_crc32(to_storage(tensor)[0]):
+                continue
+            offset = self._placed[path][0]
+            if offset is None:
+                self._write_through_hdf5(path, tensor)
+            else:
                 self._stream.write_stable(offset, tensor, path)
                 again = True
         if again:
@@ -564,6 +571,7 @@ class BundleWriter:
         self._stable.clear()
         self._handed_over.clear()
         self._from_memory.clear()
+        self._provisional.clear()
         self._close_descriptors()
         index = dataclasses.replace(index, checksums=self.checksums() if self._with_checksums else {})
         try:
@@ -597,6 +605,7 @@ class BundleWriter:
             self._stable.clear()
             self._handed_over.clear()
             self._from_memory.clear()
+            self._provisional.clear()
             with contextlib.suppress(OSError):
                 self._close_descriptors()
             if self._file.id.valid:

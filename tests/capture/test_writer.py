@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import BundleError
 from parity_harness.common.format.bundle.schema import BundleIndex, RunInfo, TensorRef
 from parity_harness.common.format.packing import unpack
+from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 
 
@@ -110,36 +112,44 @@ def _add_through_numpy(weight: torch.Tensor) -> None:
 @pytest.mark.parametrize(
     "edit", [_add_in_place, _add_through_data, _add_through_numpy], ids=["in place", ".data", "NumPy"]
 )
-@pytest.mark.parametrize("features", [4, 1024], ids=["small", "4 MiB"])
+@pytest.mark.parametrize("shape", [(), (4, 4), (1024, 1024)], ids=["0-d", "small", "4 MiB"])
 def test_a_parameter_changed_during_capture_fails_it(
-    tmp_path: Path, edit: Callable[[torch.Tensor], None], features: int
+    tmp_path: Path, edit: Callable[[torch.Tensor], None], shape: tuple[int, ...]
 ) -> None:
-    """A model that changes a weight in place during forward cannot be recorded reliably: error, no file; also when
-    the edit leaves the version counter where it was, proven by the bytes (the parameter's bytes are written from
-    its memory later, so the bundle held the edited values and the same model then failed against it)."""
+    """A model that changes a parameter in place during forward cannot be recorded reliably: error, no file; also
+    when the edit leaves the version counter where it was (a 0-d temperature clamped through ``.data``, as CLIP
+    does), proven by the bytes: its bytes are written from its memory later, so the bundle held the edited values
+    and the same model then failed against it."""
 
     class Drifting(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin = nn.Linear(features, features)
+            self.scale = nn.Parameter(torch.randn(shape))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out = self.lin(x)
-            edit(self.lin.weight)
+            out = x * self.scale.sum()
+            edit(self.scale)
             return out
 
     out = tmp_path / "bundle.h5"
-    with pytest.raises(BundleError, match=r"params/lin\.weight .* changed in place while the capture was running"):
-        capture_run(Drifting(), (torch.randn(2, features),), out)
+    with pytest.raises(BundleError, match=r"params/scale .* changed in place while the capture was running"):
+        capture_run(Drifting(), (torch.randn(2, 4),), out)
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("written_first", [True, False], ids=["written before the edit", "edited before its write"])
-def test_a_gradient_edited_behind_its_version_counter_is_stored_as_it_ends(tmp_path: Path, written_first: bool) -> None:
+@pytest.mark.parametrize(
+    "make", [lambda: torch.randn(64, 64), lambda: torch.randn(64, 64).t(), lambda: torch.tensor(0.5)],
+    ids=["from its memory", "copied (transposed)", "through HDF5 (0-d)"],
+)  # fmt: skip
+def test_a_gradient_edited_behind_its_version_counter_is_stored_as_it_ends(
+    tmp_path: Path, written_first: bool, make: Callable[[], torch.Tensor]
+) -> None:
     """A gradient handed over as it accumulates, then edited through ``.data`` (a hook clipping it): the bundle
-    holds its final values and their checksum, whether its bytes were written before the edit or after."""
+    holds its final values and their checksum, whether its bytes were written (or copied) before the edit or after,
+    however the writer took them."""
     writer = BundleWriter(tmp_path / "b.h5")
-    grad = torch.randn(64, 64)
+    grad = make()
     writer.write_provisional("grads/w", grad)
     if written_first:  # its dataset made and its bytes on disk now, as a batch made during backward would
         writer._create_deferred()
@@ -150,8 +160,38 @@ def test_a_gradient_edited_behind_its_version_counter_is_stored_as_it_ends(tmp_p
     with h5py.File(tmp_path / "b.h5", "r") as file:
         stored = file["grads/w"][()]
         recorded = unpack(file["index"][()], where="index")["checksums"]
-    assert torch.equal(torch.from_numpy(stored), grad)
-    assert recorded["grads/w"] == zlib.crc32(stored.tobytes())
+    assert torch.equal(torch.from_numpy(np.asarray(stored)), grad)
+    assert recorded["grads/w"] == zlib.crc32(np.ascontiguousarray(stored).tobytes())
+
+
+class _ClippingLate(nn.Sequential):
+    """A deep stack whose first layer's gradient hook clips the last layer's gradient through ``.data``: the last
+    layer's gradient was handed over (and mostly written) long before, and its version counter does not move."""
+
+    def __init__(self, clips: bool = True) -> None:
+        torch.manual_seed(0)
+        super().__init__(*(nn.Linear(32, 32) for _ in range(80)))
+        if clips:
+            self[0].weight.register_post_accumulate_grad_hook(self._clip_the_last)
+
+    def _clip_the_last(self, _: torch.Tensor) -> None:
+        grad = self[-1].weight.grad
+        assert grad is not None
+        grad.data.clamp_(-1e-4, 1e-4)
+
+
+def test_a_gradient_clipped_late_through_data_is_stored_clipped(tmp_path: Path) -> None:
+    """The bundle holds the gradient as backward left it: the same model matches it, and a port that forgets the
+    clipping fails on that gradient (a stale record had matched it)."""
+    bundle = tmp_path / "b.h5"
+    model, x = _ClippingLate(), torch.randn(4, 32)
+    capture_run(model, (x,), bundle)
+    with BundleReader(bundle) as reader:
+        assert torch.equal(reader.read_tensor(reader.index.grads["79.weight"]), model[-1].weight.grad)
+        assert compare_run(_ClippingLate(), reader).match
+    with BundleReader(bundle) as reader:
+        failing = {r.name for r in compare_run(_ClippingLate(clips=False), reader).records if not r.match}
+    assert failing == {"79.weight"}
 
 
 def _index_of_one_gradient(grad: torch.Tensor) -> BundleIndex:
