@@ -21,6 +21,7 @@ import keyword
 import mmap
 import os
 import re
+import stat
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -146,7 +147,7 @@ class BundleReader:
             self._file.close()
             raise
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
-        self._map = _map_file(self._file)
+        self._map, self._read_fd = _map_file(self._file)
         self._resident_bytes = 0
         self._resident_span = (len(self._map) if self._map is not None else 0, 0)
         """The first and last byte of the file read since pages were last dropped."""
@@ -344,9 +345,13 @@ class BundleReader:
         if stored is None:
             raise BundleFormatError(f"{self.path}:{clipped(ref.path)}: no such dataset in the bundle")
         offset, nbytes = stored.offset, stored.nbytes
-        if self._map is None or offset is None or nbytes == 0:  # compact (a few bytes in its header) or empty
-            with self._damage_guard(ref.path):  # read through HDF5; the mapped bytes below are read without it
+        if offset is None or nbytes == 0 or (self._map is None and self._read_fd is None):  # compact, empty
+            with self._damage_guard(ref.path):  # read through HDF5; the bytes below are read without it
                 array = np.asarray(self._file[ref.path][()])
+            return self.verify(ref, array) if verify else array
+        if self._map is None:
+            array = self._read_bytes(ref, stored)
+            self._heap.note(nbytes)
             return self.verify(ref, array) if verify else array
         if offset + nbytes > len(self._map):
             raise BundleFormatError(
@@ -357,6 +362,29 @@ class BundleReader:
         view = np.frombuffer(self._map, dtype=stored.dtype, count=nbytes // stored.dtype.itemsize, offset=offset)
         array = view.reshape(stored.shape)
         return self.verify(ref, array) if verify else array
+
+    def _read_bytes(self, ref: TensorRef, stored: StoredDataset) -> np.ndarray:
+        """A record's bytes read into memory of its own (a file others may change, :func:`_map_file`): one that
+        shrank meanwhile is a short read, refused, where its mapped pages would have killed the process."""
+        fd, offset = self._read_fd, stored.offset
+        assert fd is not None  # what _read_array reads with when nothing is mapped
+        assert offset is not None
+        buffer = np.empty(stored.nbytes, dtype=np.uint8)
+        done = 0
+        while done < stored.nbytes:  # a single read returns at most about 2 GiB
+            try:
+                got = os.preadv(fd, [buffer[done:].data], offset + done)
+            except OSError as err:
+                raise BundleFormatError(f"{self.path}:{clipped(ref.path)}: reading its data failed: {err}") from err
+            if got <= 0:
+                raise BundleFormatError(
+                    f"{self.path}:{clipped(ref.path)}: data at bytes {offset}..{offset + stored.nbytes} ends after "
+                    f"{done} bytes: the bundle was truncated (changed while it was read?)"
+                )
+            done += got
+        array = buffer.view(stored.dtype).reshape(stored.shape)
+        array.flags.writeable = False  # as a mapped record: read-only
+        return array
 
     def verify(self, ref: TensorRef, array: np.ndarray, *, later: bool = False) -> np.ndarray:
         """``array`` (read for ``ref``) after its CRC-32 matched the one recorded at capture (once per dataset).
@@ -445,6 +473,9 @@ class BundleReader:
         self._pending = []
         self._file.close()
         self._map = None  # unmapped once the last array read from it is gone
+        if self._read_fd is not None:
+            os.close(self._read_fd)
+            self._read_fd = None
 
     def __enter__(self) -> BundleReader:
         return self
@@ -502,16 +533,25 @@ def _descriptor(file: h5py.File) -> int | None:
     return handle if isinstance(handle, int) and handle >= 0 else None
 
 
-def _map_file(file: h5py.File) -> mmap.mmap | None:
-    """The file HDF5 opened (the same one even if its path was replaced since), mapped whole and read-only; None
-    where mapping is not possible (empty, special files, another driver)."""
+def _map_file(file: h5py.File) -> tuple[mmap.mmap | None, int | None]:
+    """The file HDF5 opened (the same one even if its path was replaced since), mapped whole and read-only where
+    it is this user's own; else the descriptor to read its records from, or neither (another driver: HDF5 reads
+    them). Another user who can write the file (its owner, or anyone where all may write it) could shrink it while
+    it is read, and a read from a mapped page past its new end kills the process (SIGBUS). A file of one's own that
+    one's group may write is still mapped: a umask of 002 makes every file so, and reading large records into
+    memory of their own took GPT-2's exact replay from 1.5 to 2.3 s."""
     descriptor = _descriptor(file)
     if descriptor is None:
-        return None
+        return None, None
+    readable = descriptor if hasattr(os, "preadv") else None
     try:
-        return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ)  # the mapping holds its own duplicate
+        status = os.fstat(descriptor)
+        own = status.st_uid == getattr(os, "geteuid", lambda: status.st_uid)()
+        if readable is not None and (not own or status.st_mode & stat.S_IWOTH):
+            return None, os.dup(readable)  # closed with the reader, not with HDF5's file
+        return mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ), None  # the mapping holds its own duplicate
     except (OSError, ValueError):
-        return None
+        return None, None  # HDF5 reads the records
 
 
 def _is_auxiliary(name: str) -> bool:
