@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -148,6 +149,8 @@ class BundleReader:
             raise
         self._calls = {(call.module, call.call): position for position, call in enumerate(self.index.calls)}
         self._map, self._read_fd = _map_file(self._file)
+        # A reader dropped unclosed gives its descriptor back when it goes, as its memory map would.
+        self._closes_fd = None if self._read_fd is None else weakref.finalize(self, os.close, self._read_fd)
         self._resident_bytes = 0
         self._resident_span = (len(self._map) if self._map is not None else 0, 0)
         """The first and last byte of the file read since pages were last dropped."""
@@ -473,9 +476,9 @@ class BundleReader:
         self._pending = []
         self._file.close()
         self._map = None  # unmapped once the last array read from it is gone
-        if self._read_fd is not None:
-            os.close(self._read_fd)
-            self._read_fd = None
+        if self._closes_fd is not None:
+            self._closes_fd()  # once: a finalizer called is dead
+        self._read_fd = None
 
     def __enter__(self) -> BundleReader:
         return self

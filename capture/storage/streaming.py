@@ -543,8 +543,11 @@ class TensorStream:
             written = _Written(len(work), [], [], []) if isinstance(work, list) else _Written(0, [], [], [], work[0])
             try:
                 if self._error is None:
+                    # A slice of a tensor's own memory is summed before it is written: what a change made after the
+                    # sum leaves in the file, the writer sees at commit (the sum then differs from the memory's).
+                    before = None if isinstance(work, list) else self._crc(work[1].data)
                     self._put(work, written)
-                    written.sums = [self._crc_now(piece) for piece in written.pieces]
+                    written.sums = [self._crc_now(piece) for piece in written.pieces] if before is None else [before]
             except BaseException as err:  # handed to the main thread
                 self._error = err
             with self._lock:

@@ -164,6 +164,38 @@ def test_a_gradient_edited_behind_its_version_counter_is_stored_as_it_ends(
     assert recorded["grads/w"] == zlib.crc32(np.ascontiguousarray(stored).tobytes())
 
 
+def test_a_gradient_edited_right_after_its_bytes_reach_the_file_is_stored_as_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The edit lands between the write of a gradient's bytes and a checksum taken after it (a checksum thread
+    behind): the CRC-32 of a tensor's own memory is taken before its bytes are written, so commit sees that the memory
+    changed since, and writes it again; a CRC-32 taken after the write described the edited memory, not the stale
+    bytes in the file, which the replay then refused as damaged (or, bit for bit a careless port's, matched)."""
+    grad = torch.randn(256, 256)
+    real_put = streaming._Disk.put
+    edits: list[int] = []
+
+    def put_then_clip(disk: object, data: object, offset: int) -> None:
+        real_put(disk, data, offset)  # type: ignore[arg-type]
+        if not edits:
+            grad.data.clamp_(-0.1, 0.1)  # a later hook, on the main thread, at that moment
+            edits.append(offset)
+
+    monkeypatch.setattr(streaming._Disk, "put", put_then_clip)
+    writer = BundleWriter(tmp_path / "b.h5")
+    writer.write_provisional("grads/w", grad)
+    writer._create_deferred()
+    writer._stream.drain()
+    writer.write_provisional("grads/w", grad)
+    writer.commit(_index_of_one_gradient(grad))
+    assert edits
+    with h5py.File(tmp_path / "b.h5", "r") as file:
+        stored = file["grads/w"][()]
+        recorded = unpack(file["index"][()], where="index")["checksums"]
+    assert torch.equal(torch.from_numpy(stored), grad)
+    assert recorded["grads/w"] == zlib.crc32(stored.tobytes())
+
+
 class _ClippingLate(nn.Sequential):
     """A deep stack whose first layer's gradient hook clips the last layer's gradient through ``.data``: the last
     layer's gradient was handed over (and mostly written) long before, and its version counter does not move."""

@@ -122,3 +122,22 @@ def _figures_of_a_private_copy(
     with BundleReader(private) as reader:
         off = compare_run(_Plain(scale=1.001), reader, tolerances=tolerances)
     return [(r.name, r.diff.mismatched, r.diff.max_abs) for r in off.records if not r.match]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd (Linux)")
+def test_readers_of_a_bundle_read_into_memory_give_their_descriptors_back(tmp_path: Path) -> None:
+    """Closed or merely dropped, a reader of a bundle others may write (which holds a descriptor of its own rather
+    than a memory map) leaves no descriptor open behind it."""
+    import gc
+
+    bundle = tmp_path / "bundle.h5"
+    capture_run(_Plain(), (torch.randn(4, 512),), bundle)
+    _writable_by_all(bundle)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with BundleReader(bundle):
+            pass
+    for _ in range(50):
+        BundleReader(bundle)  # dropped without close()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
