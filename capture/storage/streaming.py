@@ -198,6 +198,8 @@ class _Stable:
     data: np.ndarray
     tensor: torch.Tensor
     """Kept so that the memory being written stays allocated."""
+    twice: bool = False
+    """Checksum each slice again once written: one that changed meanwhile puts :attr:`name` in ``unsteady``."""
     done: int = 0
     """Bytes handed to the disk thread."""
     folded: int = 0
@@ -271,6 +273,9 @@ class TensorStream:
         """Called when the ring is full while copies staged and not yet submitted hold some of it: submits them."""
         self.checksums: dict[str, int] = {}
         """Name -> CRC-32 of the bytes written for it (the last write of a name wins)."""
+        self.unsteady: set[str] = set()
+        """Stable tensors written ``twice``-checked whose memory changed while a slice of it was written: the file may
+        hold bytes other than those checksummed."""
         self._queued: collections.Counter[str] = collections.Counter()
         """Names with writes queued whose checksums are not recorded yet. Counted up on the caller's thread and down
         on any, so the caller's unlocked look can only see a write as still queued after it was recorded: a spare
@@ -372,8 +377,9 @@ class TensorStream:
         """Give a staged copy's ring space back, in its turn, without writing it (its dataset could not be made)."""
         self.submit(staged, _DISCARDED)
 
-    def write_stable(self, offset: int, tensor: torch.Tensor, name: str = "") -> None:
+    def write_stable(self, offset: int, tensor: torch.Tensor, name: str = "", *, twice: bool = False) -> None:
         """Write ``tensor``'s bytes at ``offset`` from its own memory, later; it must not change before :meth:`drain`.
+        ``twice``: prove each slice unchanged while it was written (:attr:`unsteady`).
 
         Tensors not in plain CPU memory are snapshotted as :meth:`write` does.
         """
@@ -386,7 +392,7 @@ class TensorStream:
             self._after_queued(name, self._queued)
             self.checksums[name] = self._crc(b"")
             return
-        item = _Stable(name, offset, _bytes_of(array), tensor)
+        item = _Stable(name, offset, _bytes_of(array), tensor, twice)
         self._submit(lambda: self._enqueue_stable(item), array.nbytes)
 
     def _enqueue_stable(self, item: _Stable) -> None:
@@ -548,6 +554,8 @@ class TensorStream:
                     before = None if isinstance(work, list) else self._crc(work[1].data)
                     self._put(work, written)
                     written.sums = [self._crc_now(piece) for piece in written.pieces] if before is None else [before]
+                    if not isinstance(work, list) and work[0].twice and self._crc(work[1].data) != before:
+                        self.unsteady.add(work[0].name)  # read by the writer once drained
             except BaseException as err:  # handed to the main thread
                 self._error = err
             with self._lock:

@@ -277,9 +277,11 @@ class BundleWriter:
         repeat_of = None
         if earlier is not None and not stable and self._proven_after_staging(tensor):
             repeat_of = earlier if self._stream.intact(earlier.staged) else None
+        if stable and self._with_checksums and tensor.device.type == "cpu":  # its bytes now, for commit to prove
+            self._handed_over[path] = stored_crc32(to_storage(tensor)[0])  # before its write can be queued
         staged = self._store(path, tensor, stable=stable, repeat_of=repeat_of)
-        if stable and self._with_checksums and path in self._from_memory:
-            self._handed_over[path] = stored_crc32(to_storage(tensor)[0])  # its bytes now, for commit to prove
+        if path not in self._from_memory:
+            self._handed_over.pop(path, None)  # copied when handed over, or written through HDF5: nothing to prove
         # Only a staged copy proves a repeat's bytes: one written from memory later (a parameter) holds what the
         # memory holds then, and an edit through .data between the two records would go unseen. A copy proven
         # after staging is the newest of those bytes: the next repeat is compared with it, and links its target.
@@ -366,7 +368,7 @@ class BundleWriter:
         if offset is None:
             self._write_through_hdf5(path, tensor)
         elif stable:
-            self._stream.write_stable(offset, tensor, path)
+            self._stream.write_stable(offset, tensor, path, twice=path in self._handed_over)
             if self._stream.writes_from_memory(tensor):  # later, as a deferred one (a 0-d one placed by HDF5)
                 self._from_memory.add(path)
         else:
@@ -433,7 +435,7 @@ class BundleWriter:
             self._stream.submit(item.staged, offset, item.path)
         else:
             assert item.stable is not None
-            self._stream.write_stable(offset, item.stable, item.path)
+            self._stream.write_stable(offset, item.stable, item.path, twice=item.path in self._handed_over)
 
     def _linked_as_repeat(self, item: _Deferred) -> bool:
         """Make ``item`` a hard link to the earlier record it may repeat if their staged copies hold the same bytes."""
@@ -485,13 +487,14 @@ class BundleWriter:
 
     def _check_contents(self) -> None:
         """What version counters cannot tell, told by the CRC-32s of the bytes written: a parameter holds the bytes
-        it was handed over with, or the capture fails; a gradient whose values changed after its bytes were written
-        or copied (an edit through ``.data`` in a hook) is written again, from what it holds now that backward is
-        over. Without checksums, version counters alone."""
+        it was handed over with, unchanged while they were written, or the capture fails; a gradient whose values
+        changed after its bytes were written or copied (an edit through ``.data`` in a hook) is written again, from
+        what it holds now that backward is over. Without checksums, version counters alone."""
         if not self._with_checksums:
             return
         written = {**self._stream.checksums, **self._checksums}
-        changed = [path for path, crc in self._handed_over.items() if written.get(path) != crc]
+        unsteady = self._stream.unsteady  # changed while written: the file may hold other bytes than checksummed
+        changed = [path for path, crc in self._handed_over.items() if written.get(path) != crc or path in unsteady]
         if changed:
             raise self._changed_in_place(changed, " (through .data or an alias: its version counter did not move)")
         again = False

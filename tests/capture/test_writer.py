@@ -196,6 +196,37 @@ def test_a_gradient_edited_right_after_its_bytes_reach_the_file_is_stored_as_it_
     assert recorded["grads/w"] == zlib.crc32(stored.tobytes())
 
 
+@pytest.mark.parametrize("moment", ["before its write", "after its write"])
+def test_a_parameter_edited_while_its_bytes_are_written_fails_the_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """An edit through ``.data`` landing as the writing thread writes the parameter's bytes (just before the write,
+    just after its checksum; or just after it): the capture fails, naming it, and leaves no file. Taken once, the
+    checksum described either the bytes handed over or the edited memory, not always the bytes in the file, and a
+    bundle whose index disagreed with its own bytes was committed."""
+    param = torch.randn(256, 256)
+    real_put = streaming._Disk.put
+    edits: list[int] = []
+
+    def put_and_edit(disk: object, data: object, offset: int) -> None:
+        if moment == "after its write":
+            real_put(disk, data, offset)  # type: ignore[arg-type]
+        if not edits:
+            param.data.add_(1.0)
+            edits.append(offset)
+        if moment == "before its write":
+            real_put(disk, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(streaming._Disk, "put", put_and_edit)
+    writer = BundleWriter(tmp_path / "b.h5")
+    writer.write_tensor("params/w", param, stable=True)
+    with pytest.raises(BundleError, match=r"params/w .* changed in place .*through \.data or an alias"):
+        writer.commit(_index_of_one_gradient(param))
+    writer.abort()
+    assert edits
+    assert list(tmp_path.iterdir()) == []
+
+
 class _ClippingLate(nn.Sequential):
     """A deep stack whose first layer's gradient hook clips the last layer's gradient through ``.data``: the last
     layer's gradient was handed over (and mostly written) long before, and its version counter does not move."""
