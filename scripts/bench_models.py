@@ -21,6 +21,7 @@ measured against.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -157,10 +158,17 @@ def make_inputs(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Ten
 # ------------------------------------------------------------------ the bare process
 
 
-def seeded_step(model: nn.Module, inputs: dict[str, Any], seed: int = 42) -> None:
-    """One forward and a backward of a seeded random cotangent on every floating output, in plain torch."""
+def seeded_step(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    seed: int = 42,
+    forward_under: contextlib.AbstractContextManager[object] | None = None,
+) -> None:
+    """One forward and a backward of a seeded random cotangent on every floating output, in plain torch
+    (``forward_under``: a context the forward alone runs in, such as hooks observing it)."""
     torch.manual_seed(seed)
-    outputs = model(**inputs)
+    with forward_under or contextlib.nullcontext():
+        outputs = model(**inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     live = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
     generator = torch.Generator().manual_seed(seed)

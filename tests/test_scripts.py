@@ -48,8 +48,12 @@ def test_bench_prints_each_step_beside_its_target(tmp_path: Path) -> None:
         assert line in out, out
     for target in ("<= 2x: ", "<= 2.5x: "):  # the Conformer's capture and replay targets, met or not
         assert target in out, out
-    for floor in ("writing them to its folder", "mapping and comparing them", "step's target leaves 1.5"):
+    floors = ("writing its bytes", "creating its HDF5 objects", "mapping its bytes", "observing every module call")
+    for floor in floors:
         assert floor in out, out
+    assert "capture step: write + objects + observe = " in out, out
+    assert "replay step: compare + observe = " in out, out
+    assert "its target leaves 1.5: " in out, out
 
 
 def test_the_bytes_floor_times_a_write_and_a_compare_of_the_whole_file(
@@ -78,6 +82,40 @@ def test_the_bytes_floor_times_a_write_and_a_compare_of_the_whole_file(
     with pytest.raises(SystemExit, match="changed while the floor was measured"):
         bench.byte_floor(bundle, 1)  # type: ignore[attr-defined]
     assert sum(compared[:3]) == 9 << 20  # the untimed run compared the whole file, in chunks
+
+
+def test_the_object_floor_makes_the_bundles_datasets_and_links_without_their_bytes(tiny_bundle: Path) -> None:
+    """The HDF5 objects' floor creates what the bundle holds (every name, shape, dtype and ``dtype`` tag, and a
+    repeat linked to the dataset it repeats, not a dataset of its own), and leaves nothing behind when timed."""
+    import h5py
+
+    bench = _bench_module()
+    copy = tiny_bundle.with_name("objects.h5")
+    bench.object_maker(tiny_bundle, copy)()  # type: ignore[attr-defined]
+
+    def described(path: Path) -> tuple[dict[str, tuple[object, ...]], list[set[str]]]:
+        names: dict[str, tuple[object, ...]] = {}
+        objects: dict[object, set[str]] = {}
+        with h5py.File(path, "r") as file:
+
+            def visit(name: str) -> None:
+                node = file[name]
+                if isinstance(node, h5py.Dataset):
+                    names[name] = (node.shape, node.dtype.str, node.attrs.get("dtype"))
+                    objects.setdefault(h5py.h5o.get_info(node.id).addr, set()).add(name)
+
+            file.visit_links(visit)
+        return names, sorted((group for group in objects.values() if len(group) > 1), key=sorted)
+
+    bundle_names, bundle_links = described(tiny_bundle)
+    copy_names, copy_links = described(copy)
+    assert copy_names == bundle_names
+    assert bundle_links, "the tiny bundle holds a repeat stored as a link"
+    assert copy_links == bundle_links
+    copy.unlink()
+
+    assert bench.object_floor(tiny_bundle, 2) > 0  # type: ignore[attr-defined]
+    assert sorted(path.name for path in tiny_bundle.parent.iterdir()) == [tiny_bundle.name]
 
 
 def _bench_module() -> object:
