@@ -643,7 +643,8 @@ def object_maker(bundle: Path, target: Path) -> Callable[[], None]:
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
         types: dict[np.dtype[Any], Any] = {}
-        with h5py.File(target, "w", libver=("v108", "v108")) as file:  # the writer's file format
+        # The writer's file format and metadata blocks (capture/storage/writer.py).
+        with h5py.File(target, "w", libver=("v108", "v108"), meta_block_size=64 << 10) as file:
             root = file.id
             for name, shape, dtype, label, linked_to in plan:
                 if linked_to is not None:
@@ -684,7 +685,11 @@ def print_floor(model: str, figures: dict[str, Any], floor: dict[str, float], si
         # adds nothing.
         total = sum(max(floor[part], 0.0) for part in parts) / bare_seconds
         room = target[1] - 1
-        verdict = "leaves room" if total < room else "cannot be met on this machine by a tool built so"
+        verdict = (
+            f"leaves {room - total:.2f} for the rest of the step"
+            if total < room
+            else "cannot be met on this machine by a tool built so"
+        )
         print(f"{step} step: {' + '.join(parts)} = {total:.2f} bare steps; its target leaves {room:g}: {verdict}")
 
 
