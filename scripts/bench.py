@@ -615,12 +615,12 @@ def object_floor(bundle: Path, repeat: int) -> float:
 
 def object_maker(bundle: Path, target: Path) -> Callable[[], None]:
     """A function (re)creating at ``target`` the HDF5 objects of ``bundle``, without their bytes: each dataset (its
-    shape and dtype, space allocated at creation as the writer allocates it, its ``dtype`` attribute) and each
-    second name of a dataset (a hard link), in the order of the bundle's walk, through h5py's low level, in the
-    bundle's file format."""
+    shape and dtype, space allocated at creation, its ``dtype`` attribute) and each second name of a dataset (a hard
+    link), in the order of the bundle's walk, with the writer's file settings and its own low-level pieces."""
     import h5py
     import numpy as np
 
+    from parity_harness.capture.storage import writer
     from parity_harness.common.format.bundle.layout import ATTR_DTYPE
     from parity_harness.common.format.containment import check_contained
 
@@ -632,19 +632,14 @@ def object_maker(bundle: Path, target: Path) -> Callable[[], None]:
         offset = dataset.offset if dataset.nbytes else None
         linked_to = None if offset is None else first.setdefault(offset, name)
         plan.append((name, dataset.shape, dataset.dtype, dataset.label, None if linked_to == name else linked_to))
-    string = h5py.string_dtype()
-    string_file, string_memory = h5py.h5t.py_create(string, logical=True), h5py.h5t.py_create(string)
-    scalar = h5py.h5s.create_simple(())
+    tag = writer._StringAttribute(ATTR_DTYPE)
 
     def make() -> None:
-        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        dcpl = writer._allocate_early()
         lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
         lcpl.set_create_intermediate_group(True)
         types: dict[np.dtype[Any], Any] = {}
-        # The writer's file format and metadata blocks (capture/storage/writer.py).
-        with h5py.File(target, "w", libver=("v108", "v108"), meta_block_size=64 << 10) as file:
+        with h5py.File(target, "w", libver=writer._LIBVER, meta_block_size=writer._META_BLOCK) as file:
             root = file.id
             for name, shape, dtype, label, linked_to in plan:
                 if linked_to is not None:
@@ -654,8 +649,7 @@ def object_maker(bundle: Path, target: Path) -> Callable[[], None]:
                 kind = types.get(dtype) or types.setdefault(dtype, h5py.h5t.py_create(dtype))
                 dataset = h5py.h5d.create(root, name.encode(), kind, space, dcpl=dcpl, lcpl=lcpl)
                 if label is not None:
-                    attribute = h5py.h5a.create(dataset, ATTR_DTYPE.encode(), string_file, scalar)
-                    attribute.write(np.array(label, dtype=string), mtype=string_memory)
+                    tag.write(dataset, label)
 
     return make
 
