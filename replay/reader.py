@@ -371,9 +371,10 @@ class BundleReader:
     def _check_unchanged(self, ref: TensorRef) -> None:
         """Refuse a mapped file that was truncated or written since it was mapped (``cp`` over a bundle rewrites it in
         place) before a page of it is read: a mapped page past a new end kills the process (SIGBUS). A change landing
-        while a record's pages are read (its comparison, its checksum on the second thread) can still do so; reading
-        every record into memory would close that too, at the cost of a second pass over every byte (a prototype
-        with reused buffers: GPT-2's exact replay 1.3-1.4x -> 1.8-1.9x the bare step). One ``fstat``: under 1 us."""
+        while mapped pages are in use (a record compared, checksummed on the second thread, or read again) can still
+        do so; reading every record into memory would close that too, at the cost of a second pass over every byte (a
+        prototype with reused buffers: GPT-2's exact replay 1.3-1.4x -> 1.8-1.9x the bare step). One ``fstat``: under
+        1 us."""
         if self._mapped_from is None:  # its state could not be read when mapped
             return
         try:
