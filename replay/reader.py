@@ -377,12 +377,7 @@ class BundleReader:
         1 us."""
         if self._mapped_from is None:  # its state could not be read when mapped
             return
-        try:
-            status = os.fstat(self._mapped_from)
-            now: tuple[int, int] | None = (status.st_size, status.st_mtime_ns)
-        except OSError:
-            now = None
-        if now != self._mapped_as:
+        if _written_state(self._mapped_from) != self._mapped_as:
             raise BundleFormatError(
                 f"{self.path}:{clipped(ref.path)}: the bundle changed while it was read (truncated or written over: "
                 "copied onto while replayed?); replay it once it is complete"
@@ -559,13 +554,21 @@ def _descriptor(file: h5py.File) -> int | None:
 
 
 def _mapped_state(file: h5py.File) -> tuple[int | None, tuple[int, int] | None]:
-    """The descriptor a mapped file is watched through (HDF5's own), and its size and modification time now."""
+    """The descriptor a mapped file is watched through (HDF5's own), and its :func:`_written_state` now; neither
+    where that cannot be read."""
     descriptor = _descriptor(file)
+    state = None if descriptor is None else _written_state(descriptor)
+    return (None, None) if state is None else (descriptor, state)
+
+
+def _written_state(descriptor: int) -> tuple[int, int] | None:
+    """A file's size and modification time (nanoseconds): both move when it is truncated or written; None when
+    they cannot be read."""
     try:
-        status = None if descriptor is None else os.fstat(descriptor)
+        status = os.fstat(descriptor)
     except OSError:
-        status = None
-    return (None, None) if status is None else (descriptor, (status.st_size, status.st_mtime_ns))
+        return None
+    return status.st_size, status.st_mtime_ns
 
 
 def _map_file(file: h5py.File) -> tuple[mmap.mmap | None, int | None]:
