@@ -8,6 +8,12 @@ FastConformer-sized bench model (bare process 2.8 GB): ``capture-run`` 4.3-4.4 G
 though its largest record is 8 MB. :class:`HeapTrimmer` calls glibc's ``malloc_trim`` once every
 :data:`TRIM_EVERY` bytes of records written (:data:`READ_TRIM_EVERY` read), so that resident memory follows what
 the process holds (3.0 and 2.65 GB then). Elsewhere (no glibc) it does nothing.
+
+A trim is made only while the process holds more than its high-water mark when the work began: below it, a trim
+cannot lower the process's peak, and what it gives back (a previous step's freed activations, in a process that
+replays again and again) the next allocations fault in again. GPT-2's steps repeated in one process, the two rules
+swapped round by round: exact replay 1.52x -> 1.26x the bare step, capture 1.99x -> 1.80x. One-shot commands pass
+their mark early (what loading the model held) and peaked the same within their noise (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -23,14 +30,16 @@ __all__ = ["READ_TRIM_EVERY", "TRIM_EVERY", "HeapTrimmer", "return_free_memory"]
 TRIM_EVERY: Final = 256 << 20
 """Bytes of records written between two of capture's trims (the default of :class:`HeapTrimmer`). A trim itself
 takes 1-4 ms; the pages it gives back are faulted in again by later allocations, which glibc would have served
-without a fault. A one-shot command measured no cost; a process replaying again and again pays it (a repeated
-FastConformer replay: 5.2 -> 5.8 s)."""
+without a fault: hence no trims below the process's earlier peak (:class:`HeapTrimmer`)."""
 READ_TRIM_EVERY: Final = 1 << 30
 """Bytes of records read between two of replay's trims. Exact replays of the FastConformer-sized bench model
 (4.2 GB bundle) in fresh processes, interleaved: 6.9-8.7 s (median 8.0) with a trim every 1 GiB in eight runs,
 8.3-9.5 s (median 8.5) every 256 MiB in six; the peak 1-49 MB over the replay's start against 1-14 MB, while the
 bare step's own peak moved 2807-2892 MB between those runs. Without trims: 7.1-7.7 s, the peak 160-208 MB over
 its start."""
+
+_LOOKS_PER_TRIM: Final = 8
+"""How often, per ``every`` bytes, a trimmer whose trim is due looks again whether the process passed its mark."""
 
 
 @functools.cache
@@ -41,6 +50,27 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     function.argtypes, function.restype = [ctypes.c_size_t], ctypes.c_int
     return function
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux's ``/proc/self/statm``); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_resident_bytes() -> int | None:
+    """The most this process has held resident so far (``VmHWM``); None where it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def return_free_memory() -> bool:
@@ -54,12 +84,14 @@ def return_free_memory() -> bool:
 
 class HeapTrimmer:
     """Counts bytes of work (:meth:`note`) and returns the heap's free memory every ``every`` of them
-    (default :data:`TRIM_EVERY`)."""
+    (default :data:`TRIM_EVERY`) while the process holds more than its high-water mark when the trimmer was made."""
 
     def __init__(self, every: int | None = None) -> None:
         self.every = TRIM_EVERY if every is None else every
         self._since = 0
         self._paused = 0
+        self._due = self.every  # the count at which to trim, or look again whether to
+        self._mark = peak_resident_bytes()
 
     @classmethod
     def for_reading(cls) -> HeapTrimmer:
@@ -67,12 +99,22 @@ class HeapTrimmer:
         return cls(READ_TRIM_EVERY)
 
     def note(self, nbytes: int) -> None:
-        """Count ``nbytes`` of work done; trim once the count since the last trim reaches ``every`` (not while
-        :meth:`paused`)."""
+        """Count ``nbytes`` of work done; once the count since the last trim reaches ``every`` (not while
+        :meth:`paused`), trim if the process is past its earlier peak, else look again every ``every / 8`` bytes."""
         self._since += nbytes
-        if self._since >= self.every and not self._paused:
-            self._since = 0
+        if self._since < self._due or self._paused:
+            return
+        if self._past_earlier_peak():
+            self._since, self._due = 0, self.every
             return_free_memory()
+        else:  # still due: made as soon as the process passes its mark, not up to ``every`` bytes later
+            self._due = self._since + max(self.every // _LOOKS_PER_TRIM, 1)
+
+    def _past_earlier_peak(self) -> bool:
+        """Whether the process holds more now than it ever had before this work began (True where either figure
+        cannot be read: trimming then every ``every`` bytes)."""
+        resident = resident_bytes()
+        return resident is None or self._mark is None or resident >= self._mark
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
