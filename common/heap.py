@@ -9,11 +9,14 @@ though its largest record is 8 MB. :class:`HeapTrimmer` calls glibc's ``malloc_t
 :data:`TRIM_EVERY` bytes of records written (:data:`READ_TRIM_EVERY` read), so that resident memory follows what
 the process holds (3.0 and 2.65 GB then). Elsewhere (no glibc) it does nothing.
 
-A trim is made only while the process holds more than its high-water mark when the work began: below it, a trim
-cannot lower the process's peak, and what it gives back (a previous step's freed activations, in a process that
-replays again and again) the next allocations fault in again. GPT-2's steps repeated in one process, the two rules
-swapped round by round: exact replay 1.52x -> 1.26x the bare step, capture 1.99x -> 1.80x. One-shot commands pass
-their mark early (what loading the model held) and peaked the same within their noise (docs/performance.md).
+A process's first capture or replay trims so throughout. One that follows an earlier one in the same process (a
+test suite, a loop of steps) trims only once it holds more than the process's peak when the last one ended
+(:meth:`HeapTrimmer.finish`): below that peak, what a trim gives back is mostly the earlier run's freed memory, which
+this one allocates again, page fault by page fault. GPT-2's steps repeated in one process, the two rules swapped
+round by round: exact replay 1.52x -> 1.26x the bare step, capture 1.99x -> 1.80x. What it costs is that loop's peak,
+which settles higher (docs/performance.md). A first run keeps the old rule because its trims below any such mark
+still matter: a review found a capture whose process had held a little more than the capture's trimmed peak before
+it began peak 45-91 MB higher without them (trims also keep freed holes from being pinned by small blocks later).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ __all__ = ["READ_TRIM_EVERY", "TRIM_EVERY", "HeapTrimmer", "return_free_memory"]
 TRIM_EVERY: Final = 256 << 20
 """Bytes of records written between two of capture's trims (the default of :class:`HeapTrimmer`). A trim itself
 takes 1-4 ms; the pages it gives back are faulted in again by later allocations, which glibc would have served
-without a fault: hence no trims below the process's earlier peak (:class:`HeapTrimmer`)."""
+without a fault: hence, after a first run in a process, no trims below its peak (:class:`HeapTrimmer`)."""
 READ_TRIM_EVERY: Final = 1 << 30
 """Bytes of records read between two of replay's trims. Exact replays of the FastConformer-sized bench model
 (4.2 GB bundle) in fresh processes, interleaved: 6.9-8.7 s (median 8.0) with a trim every 1 GiB in eight runs,
@@ -82,16 +85,27 @@ def return_free_memory() -> bool:
     return True
 
 
+_peak_at_last_finish: int | None = None
+"""The process's peak resident memory when its last capture or replay ended (:meth:`HeapTrimmer.finish`); None
+before any ended."""
+
+
 class HeapTrimmer:
     """Counts bytes of work (:meth:`note`) and returns the heap's free memory every ``every`` of them
-    (default :data:`TRIM_EVERY`) while the process holds more than its high-water mark when the trimmer was made."""
+    (default :data:`TRIM_EVERY`); after an earlier capture or replay in the process, only while the process holds
+    more than its peak when that one ended."""
 
     def __init__(self, every: int | None = None) -> None:
         self.every = TRIM_EVERY if every is None else every
         self._since = 0
         self._paused = 0
         self._due = self.every  # the count at which to trim, or look again whether to
-        self._mark = peak_resident_bytes()
+        self._mark = _peak_at_last_finish
+
+    def finish(self) -> None:
+        """Note that the work ended: later trimmers in this process take the process's peak now as their mark."""
+        global _peak_at_last_finish
+        _peak_at_last_finish = peak_resident_bytes()
 
     @classmethod
     def for_reading(cls) -> HeapTrimmer:
@@ -111,10 +125,12 @@ class HeapTrimmer:
             self._due = self._since + max(self.every // _LOOKS_PER_TRIM, 1)
 
     def _past_earlier_peak(self) -> bool:
-        """Whether the process holds more now than it ever had before this work began (True where either figure
-        cannot be read: trimming then every ``every`` bytes)."""
+        """Whether the process holds more now than its peak when an earlier capture or replay ended (True with no
+        such mark, or where resident memory cannot be read: trimming then every ``every`` bytes)."""
+        if self._mark is None:
+            return True
         resident = resident_bytes()
-        return resident is None or self._mark is None or resident >= self._mark
+        return resident is None or resident >= self._mark
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -491,6 +491,7 @@ class BundleReader:
         for *_, future in self._pending:
             future.exception()  # waited for, not raised: closing must not mask what is already propagating
         self._pending = []
+        self._heap.finish()
         self._file.close()
         self._map = None  # unmapped once the last array read from it is gone
         if self._closes_fd is not None:

@@ -587,6 +587,7 @@ class BundleWriter:
         self._from_memory.clear()
         self._provisional.clear()
         self._close_descriptors()
+        self._heap.finish()
         index = dataclasses.replace(index, checksums=self.checksums() if self._with_checksums else {})
         try:
             smaller = "record fewer modules (--layers, --skip-layers) or kinds (--record)"
@@ -626,6 +627,7 @@ class BundleWriter:
                 with contextlib.suppress(Exception):
                     self._file.close()
         finally:
+            self._heap.finish()
             self._tmp.unlink(missing_ok=True)
 
     def _close_descriptors(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,12 @@ from tests.models import build_tiny, tiny_inputs
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 LINUX = platform.system() == "Linux"
+
+
+@pytest.fixture(autouse=True)
+def no_earlier_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a process in which no capture or replay has ended yet (and leaves it so)."""
+    monkeypatch.setattr(heap, "_peak_at_last_finish", None)
 
 
 @pytest.fixture
@@ -133,15 +141,16 @@ def test_replay_trims_during_forward_not_during_backward(
     assert "backward" not in trims
 
 
-def test_no_trims_while_the_process_holds_less_than_its_earlier_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A trim is due every ``every`` bytes but made only once resident memory reaches the high-water mark the
-    process had when the trimmer was made; a due trim is looked at again every ``every / 8`` bytes, made as soon as
-    the process passes the mark, and the next is due ``every`` bytes after it."""
+def test_after_an_earlier_run_no_trims_below_its_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trimmer made after an earlier run ended trims only once resident memory reaches the process's peak at that
+    end; a due trim is looked at again every ``every / 8`` bytes, made as soon as the process passes the mark, and
+    the next is due ``every`` bytes after it."""
     looks: list[int] = []
     calls: list[int] = []
     resident = [900]
     monkeypatch.setattr(heap, "return_free_memory", lambda: calls.append(resident[0]) or True)
     monkeypatch.setattr(heap, "peak_resident_bytes", lambda: 1000)
+    heap.HeapTrimmer().finish()  # the earlier run ends with the process's peak at 1000
     monkeypatch.setattr(heap, "resident_bytes", lambda: looks.append(1) or resident[0])
     trimmer = heap.HeapTrimmer(every=800)
     for _ in range(7):
@@ -167,25 +176,58 @@ def test_no_trims_while_the_process_holds_less_than_its_earlier_peak(monkeypatch
     assert calls == [1000, 2000]
 
 
-def test_a_trimmer_that_cannot_read_memory_trims_as_bytes_go(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where resident memory or its peak cannot be read (no /proc), every due trim is made, as before the mark."""
+def test_a_first_run_or_unreadable_memory_trims_as_bytes_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before any run ended in the process, and where resident memory cannot be read (no /proc), every due trim is
+    made whatever the process holds."""
     calls: list[int] = []
     monkeypatch.setattr(heap, "return_free_memory", lambda: calls.append(1) or True)
-    monkeypatch.setattr(heap, "resident_bytes", lambda: None)
-    trimmer = heap.HeapTrimmer(every=100)
-    trimmer.note(250)
     monkeypatch.setattr(heap, "resident_bytes", lambda: 1)
-    monkeypatch.setattr(heap, "peak_resident_bytes", lambda: None)
-    unknown_peak = heap.HeapTrimmer(every=100)
-    unknown_peak.note(100)
+    heap.HeapTrimmer(every=100).note(250)
+    assert calls == [1]
+    monkeypatch.setattr(heap, "peak_resident_bytes", lambda: 1000)
+    heap.HeapTrimmer().finish()
+    monkeypatch.setattr(heap, "resident_bytes", lambda: None)
+    heap.HeapTrimmer(every=100).note(100)
     assert calls == [1, 1]
 
 
+_MARK_IN_A_FRESH_PROCESS = """
+import mmap
+import numpy as np
+from parity_harness.common import heap
+reserved = mmap.mmap(-1, 2 << 30)  # 2 GB of address space never touched: the virtual peak, not the resident one
+calls = []
+heap.return_free_memory = lambda: calls.append(1) or True
+heap.HeapTrimmer().finish()  # an earlier run ends: the mark is the process's peak now
+block = np.ones(512 << 20, dtype=np.uint8)  # 512 MB touched: past the mark
+second = heap.HeapTrimmer(every=1)
+second.note(1)
+trimmed_past = len(calls)
+second.finish()  # it ends holding the block: the mark is now that peak
+del block  # given back to the OS: 512 MB below the mark
+heap.HeapTrimmer(every=1).note(1)
+print(trimmed_past, len(calls) - trimmed_past)
+"""
+
+
 @pytest.mark.skipif(not LINUX, reason="resident memory and its peak are read from Linux's /proc")
-def test_a_run_below_the_process_earlier_peak_does_not_trim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process that held more before (here 256 MB, touched and freed; in use, an earlier step of a loop of
-    replays) captures and replays with a trim due every 256 bytes and makes none: a trim could not lower its peak,
-    and the freed memory it would give back is what the next steps allocate again."""
+def test_the_mark_follows_the_memory_the_process_really_holds() -> None:
+    """Read from /proc, not faked: a fresh process that holds 512 MB more than its peak when a run ended trims; a run
+    ending with them held, and then letting them go, leaves the next one 512 MB below its mark, which does not trim.
+    Wrong units or fields (pages for bytes, VmPeak for VmHWM) fail one or the other."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MARK_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["1", "0"]
+
+
+@pytest.mark.skipif(not LINUX, reason="resident memory and its peak are read from Linux's /proc")
+def test_a_later_run_below_the_peak_of_an_earlier_one_does_not_trim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process's first capture trims as bytes go, wherever its memory stands; once it ended, with the process's
+    peak 256 MB above what a tiny model needs (in use: an earlier step of a loop), a second capture and a replay
+    with a trim due every 256 bytes make none: what they would give back the next run allocates again."""
     resident = heap.resident_bytes()
     peak = heap.peak_resident_bytes()
     assert resident is not None
@@ -197,9 +239,12 @@ def test_a_run_below_the_process_earlier_peak_does_not_trim(tmp_path: Path, monk
     monkeypatch.setattr(heap, "TRIM_EVERY", 256)
     monkeypatch.setattr(heap, "READ_TRIM_EVERY", 256)
     monkeypatch.setattr(heap, "return_free_memory", lambda: calls.append("trim") or True)
+    summary = capture_run(build_tiny(), tiny_inputs(), tmp_path / "first.h5")
+    assert summary.tensor_bytes // 256 >= 3  # many trims were due
+    assert len(calls) >= 3  # the first run: every due trim made
+    calls.clear()
     bundle = tmp_path / "b.h5"
-    summary = capture_run(build_tiny(), tiny_inputs(), bundle)
+    capture_run(build_tiny(), tiny_inputs(), bundle)
     with BundleReader(bundle) as reader:
         assert compare_run(build_tiny(), reader).match
-    assert summary.tensor_bytes // 256 >= 3  # many trims were due
     assert calls == []
