@@ -86,8 +86,9 @@ def return_free_memory() -> bool:
 
 
 _peak_at_last_finish: int | None = None
-"""The process's peak resident memory when its last capture or replay ended (:meth:`HeapTrimmer.finish`); None
-before any ended."""
+"""The process's peak resident memory when its last capture or replay ended: a bundle writer committed or aborted, or
+a reader closed, a reader opened only to list or read a bundle among them (:meth:`HeapTrimmer.finish`); None before
+any did."""
 
 
 class HeapTrimmer:
