@@ -248,3 +248,23 @@ def test_a_later_run_below_the_peak_of_an_earlier_one_does_not_trim(
     with BundleReader(bundle) as reader:
         assert compare_run(build_tiny(), reader).match
     assert calls == []
+
+
+def test_each_way_a_run_ends_sets_the_mark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture committing, a capture failing (its writer aborted) and a reader closing each leave the process's
+    peak at that moment as the mark of the trimmers made after them."""
+    peaks = iter([101, 102, 103, 104])
+    monkeypatch.setattr(heap, "peak_resident_bytes", lambda: next(peaks))
+    bundle = tmp_path / "b.h5"
+    capture_run(build_tiny(), tiny_inputs(), bundle)
+    assert heap.HeapTrimmer()._mark == 101  # committed
+    failing = build_tiny()
+    failing.register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("the model failed")))
+    with pytest.raises(RuntimeError, match="the model failed"):
+        capture_run(failing, tiny_inputs(), tmp_path / "failed.h5")  # its writer aborts
+    assert not (tmp_path / "failed.h5").exists()
+    assert heap.HeapTrimmer()._mark == 102
+    with BundleReader(bundle) as reader:
+        assert heap.HeapTrimmer()._mark == 102  # not while it is open
+        assert compare_run(build_tiny(), reader).match
+    assert heap.HeapTrimmer()._mark == 103
