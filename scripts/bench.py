@@ -92,17 +92,6 @@ STEPS = (
 )
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM), 0 where /proc is unavailable."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def median_seconds(
     step: Callable[[], object],
     repeat: int,
@@ -154,6 +143,8 @@ def child(options: argparse.Namespace) -> None:
     os.environ["PARITY_BENCH_MODEL"] = options.model
     import bench_models
 
+    from parity_harness.common.heap import peak_resident_bytes
+
     model = bench_models.load_model(None, options.device)
     inputs = bench_models.make_inputs(0, options.batch_size, options.seq_len)
     inputs = {name: tensor.to(options.device) for name, tensor in inputs.items()}
@@ -179,7 +170,12 @@ def child(options: argparse.Namespace) -> None:
         beside = synchronized(bare, options.device)
     run = synchronized(step, options.device)
     seconds, bare_seconds = median_seconds(run, options.repeat, prepare or (lambda: None), beside)
-    figures = {"seconds": seconds, "bare_seconds": bare_seconds, "startup": startup, "peak_rss": peak_rss_bytes()}
+    figures = {
+        "seconds": seconds,
+        "bare_seconds": bare_seconds,
+        "startup": startup,
+        "peak_rss": peak_resident_bytes() or 0,
+    }
     print(json.dumps(figures | extra))
 
 
