@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import functools
 import keyword
 import mmap
 import os
@@ -141,9 +143,7 @@ class BundleReader:
                 self.format_version, self.format_minor = self._check_version()
                 # A file from elsewhere as the child's walk found it: never walked in this process.
                 self._stored = self._contained() if catalog is None else catalog.datasets
-                self.index = self._read_index()
-                self._require_checksums()
-                self._validate_tensors()
+                self.index = self._checked_index()
         except BaseException:
             self._file.close()
             raise
@@ -206,31 +206,55 @@ class BundleReader:
         check_compatible(name, major, minor, where=where)
         return major, minor
 
-    def _read_index(self) -> BundleIndex:
+    def _checked_index(self) -> BundleIndex:
+        """The index, decoded and checked against the datasets found; what of that depends only on the index's bytes
+        and the walk is done as this process last did it, where it did (:class:`_RecentIndexes`). The RNG state's
+        checksum is read from the file at every opening."""
+        raw, version = self._index_bytes(), (self.format_version, self.format_minor)
+        decoded = _decoded.find(raw, version)
+        if decoded is None:
+            decoded = _decoded.add(raw, version, self._parse_index(raw))
+        self.index = decoded.index
+        checked = decoded.checked_against(self._stored, self._verify)
+        if not checked:
+            self._require_checksums()
+            self._check_datasets()
+        self._verify_auxiliary(decoded.tensor_paths)
+        if not checked:
+            self._refuse_orphans(decoded.tensor_paths)
+            decoded.note_checked(self._stored, self._verify)
+        return decoded.index
+
+    def _index_bytes(self) -> bytes:
         node = self._file.get(INDEX)
         if not isinstance(node, h5py.Dataset) or node.dtype != np.uint8 or node.ndim != 1:
             raise BundleFormatError(
                 f"{self.path}: the index ({INDEX}) is missing or malformed, so the capture did not finish; "
                 "capture again"
             )
-        document = unpack(node[()], where=f"{self.path}:{INDEX}")
+        return bytes(node[()].tobytes())
+
+    def _parse_index(self, raw: bytes) -> BundleIndex:
+        document = unpack(raw, where=f"{self.path}:{INDEX}")
         try:
             return parse_index(migrate(document, self.format_version))
         except BundleFormatError as err:
             raise BundleFormatError(f"{self.path}: {err}") from err
 
-    def _validate_tensors(self) -> None:
-        referenced: set[str] = set()
-        sums = self.index.checksums
-        refs = list(self.index.tensor_refs())
-        for ref in refs:
-            if ref.path not in self.index.summaries:
+    def _check_datasets(self) -> None:
+        """Every tensor the index names (but those kept as statistics) is a dataset of its dtype and shape, with a
+        checksum where the index has any."""
+        sums, summaries = self.index.checksums, self.index.summaries
+        for ref in self.index.tensor_refs():
+            if ref.path not in summaries:
                 self._check_dataset(ref)
-                referenced.add(ref.path.lstrip("/"))
                 if sums and ref.path not in sums:
                     raise BundleFormatError(f"{self.path}:{ref.path}: the index has no checksum for this tensor")
+
+    def _refuse_orphans(self, tensors: frozenset[str]) -> None:
+        """No dataset the index does not name (but its own and the RNG state's)."""
+        referenced = {path.lstrip("/") for path in tensors if path not in self.index.summaries}
         orphans = [name for name in self._stored if name not in referenced and not _is_auxiliary(name)]
-        self._verify_auxiliary({ref.path for ref in refs})
         if orphans:
             raise BundleFormatError(
                 f"{self.path}: {len(orphans)} dataset(s) not named by the index, e.g. /{orphans[0]}; "
@@ -247,7 +271,7 @@ class BundleReader:
                 "capture it again with checksums"
             )
 
-    def _verify_auxiliary(self, tensors: set[str]) -> None:
+    def _verify_auxiliary(self, tensors: frozenset[str]) -> None:
         """The RNG state's checksum (format 1.4 on, where every RNG dataset has one; a few kilobytes, checked at
         once), and no checksum naming nothing."""
         sums = self.index.checksums
@@ -535,6 +559,59 @@ class _RecentWalks:
 
 
 _walked = _RecentWalks(4)
+
+
+@dataclasses.dataclass
+class _Decoded:
+    """An index as decoded from its bytes, and the walks of a file it was found to agree with."""
+
+    raw: bytes
+    version: tuple[int, int]
+    index: BundleIndex
+    checked: list[tuple[dict[str, StoredDataset], bool]] = dataclasses.field(default_factory=list)
+    """The datasets of each walk (the object itself) the index was checked against, and whether checksums were
+    verified then."""
+
+    @functools.cached_property
+    def tensor_paths(self) -> frozenset[str]:
+        """The path of every tensor the index names."""
+        return frozenset(ref.path for ref in self.index.tensor_refs())
+
+    def checked_against(self, stored: dict[str, StoredDataset], verify: bool) -> bool:
+        return any(walked is stored and verified == verify for walked, verified in self.checked)
+
+    def note_checked(self, stored: dict[str, StoredDataset], verify: bool) -> None:
+        self.checked = [*self.checked[-3:], (stored, verify)]
+
+
+class _RecentIndexes:
+    """The indexes this process decoded last, by their exact bytes and format version, and the walks each was
+    checked against: a test suite opening one bundle test after test decodes and checks its index once (for the
+    Conformer example, 5-7 ms and some 2,000 objects an opening, which Python's garbage collector otherwise moves
+    through its generations replay after replay). Nothing is trusted beyond what was checked: a decoding is reused
+    only for the same bytes, a check only for the same walk, itself reused only for the same file unchanged
+    (:class:`_RecentWalks`). Nothing may change an index once it is decoded (``tests/replay/test_reader.py``)."""
+
+    def __init__(self, size: int, largest: int) -> None:
+        self._size, self._largest, self._lock = size, largest, threading.Lock()
+        self._entries: list[_Decoded] = []
+
+    def find(self, raw: bytes, version: tuple[int, int]) -> _Decoded | None:
+        with self._lock:
+            return next((entry for entry in self._entries if entry.version == version and entry.raw == raw), None)
+
+    def add(self, raw: bytes, version: tuple[int, int], index: BundleIndex) -> _Decoded:
+        entry = _Decoded(raw, version, index)
+        if len(raw) > self._largest:
+            return entry
+        with self._lock:
+            self._entries = [*self._entries[-(self._size - 1) :], entry]
+        return entry
+
+
+_decoded = _RecentIndexes(4, largest=2 << 20)
+"""Indexes of up to 2 MiB (some 12,000 records), decoded into about 4.5 times that in objects: at most about 40 MB
+held."""
 
 
 def _identity_now(path: Path) -> tuple[int, ...] | None:
