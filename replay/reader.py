@@ -557,6 +557,11 @@ class _RecentWalks:
             while len(self._catalogs) > self._size:
                 self._catalogs.popitem(last=False)
 
+    def holds(self, datasets: dict[str, StoredDataset]) -> bool:
+        """Whether these datasets (the object itself) are those of a walk kept here: one that can be reused."""
+        with self._lock:
+            return any(catalog.datasets is datasets for catalog in self._catalogs.values())
+
 
 _walked = _RecentWalks(4)
 
@@ -570,7 +575,8 @@ class _Decoded:
     index: BundleIndex
     checked: list[tuple[dict[str, StoredDataset], bool]] = dataclasses.field(default_factory=list)
     """The datasets of each walk (the object itself) the index was checked against, and whether checksums were
-    verified then."""
+    verified then: only walks :data:`_walked` keeps, which can be reused (a walk handed over by the preflight child
+    for one opening never is), so no more than it keeps (with either setting)."""
 
     @functools.cached_property
     def tensor_paths(self) -> frozenset[str]:
@@ -581,7 +587,9 @@ class _Decoded:
         return any(walked is stored and verified == verify for walked, verified in self.checked)
 
     def note_checked(self, stored: dict[str, StoredDataset], verify: bool) -> None:
-        self.checked = [*self.checked[-3:], (stored, verify)]
+        """Note a check passed in full; one against a walk that cannot be reused is not kept."""
+        kept = [(walked, verified) for walked, verified in self.checked if _walked.holds(walked)]
+        self.checked = [*kept, (stored, verify)] if _walked.holds(stored) else kept
 
 
 class _RecentIndexes:
@@ -590,7 +598,8 @@ class _RecentIndexes:
     Conformer example, 5-7 ms and some 2,000 objects an opening, which Python's garbage collector otherwise moves
     through its generations replay after replay). Nothing is trusted beyond what was checked: a decoding is reused
     only for the same bytes, a check only for the same walk, itself reused only for the same file unchanged
-    (:class:`_RecentWalks`). Nothing may change an index once it is decoded (``tests/replay/test_reader.py``)."""
+    (:class:`_RecentWalks`). Nothing may change an index once it is decoded (checked after every test, in
+    ``tests/conftest.py``)."""
 
     def __init__(self, size: int, largest: int) -> None:
         self._size, self._largest, self._lock = size, largest, threading.Lock()
@@ -610,8 +619,8 @@ class _RecentIndexes:
 
 
 _decoded = _RecentIndexes(4, largest=2 << 20)
-"""Indexes of up to 2 MiB (some 12,000 records), decoded into about 4.5 times that in objects: at most about 40 MB
-held."""
+"""Indexes of up to 2 MiB (some 11,000 records), decoded into about 4.5 times that in objects: at most about 40 MB
+held, beside the walks they were checked against: those :data:`_walked` keeps, or kept at an index's last check."""
 
 
 def _identity_now(path: Path) -> tuple[int, ...] | None:

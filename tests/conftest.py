@@ -12,7 +12,11 @@ import torch._dynamo  # (see below)
 
 from parity_harness.capture.models.adapters import load_adapter
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.migrations import migrate
+from parity_harness.common.format.bundle.schema import parse_index
+from parity_harness.common.format.packing import pack, unpack
 from parity_harness.common.numerics import bytewise
+from parity_harness.replay import reader as reader_module
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.naming.mapping import read_map
 from parity_harness.replay.reader import BundleReader
@@ -29,6 +33,25 @@ EXAMPLES = ROOT / "examples"
 REF_ADAPTER = EXAMPLES / "conformer_ref" / "adapter.py"
 PORT_DIR = EXAMPLES / "conformer_port"
 PORT_MAP = PORT_DIR / "port_to_ref.map"
+
+
+_SHARED_INDEXES: dict[int, tuple[object, bytes]] = {}
+"""Per index the readers of this process share (``replay.reader._RecentIndexes``): the index, and its plain form
+packed (bytes: a NaN among its statistics compares equal to itself)."""
+
+
+@pytest.fixture(autouse=True)
+def shared_indexes_unchanged() -> Iterator[None]:
+    """After every test: each index the readers share is still what its bytes decode to, so that no code path (a
+    replay, a report, a test's own) changes what later openings of the bundle start from."""
+    yield
+    for entry in reader_module._decoded._entries:
+        now = pack(entry.index.to_dict()).tobytes()
+        seen = _SHARED_INDEXES.get(id(entry.index))
+        if seen is None or seen[0] is not entry.index:
+            fresh = parse_index(migrate(unpack(entry.raw, where="index"), entry.version[0]))
+            seen = _SHARED_INDEXES[id(entry.index)] = (entry.index, pack(fresh.to_dict()).tobytes())
+        assert now == seen[1], "a shared bundle index was changed after it was decoded"
 
 
 @pytest.fixture(params=["memcmp", "fallback"])

@@ -114,8 +114,9 @@ def test_a_remembered_index_vouches_for_no_other_file(
     with h5py.File(copy, "r+") as file:
         damage(file)
     assert raw_index(copy) == raw_index(tiny_bundle)
-    with pytest.raises(BundleFormatError, match=refused):
-        BundleReader(copy)
+    for _ in range(2):  # and again: a check that failed vouches for nothing
+        with pytest.raises(BundleFormatError, match=refused):
+            BundleReader(copy)
     assert counted["decoded"] == 1
 
 
@@ -182,3 +183,31 @@ def test_another_index_is_decoded_as_its_own(tiny_bundle: Path, tmp_path: Path, 
         assert first.index.to_dict() != second.index.to_dict()
         assert second.index.to_dict() == parse_index(migrate(unpack(raw_index(other), where="index"), 1)).to_dict()
     assert counted == {"decoded": 2, "checked": 2}
+
+
+def test_what_the_process_keeps_is_bounded(tiny_bundle: Path, tmp_path: Path, counted: dict[str, int]) -> None:
+    """Four indexes at most, each remembering at most the walks the process keeps (four), and none handed over for
+    one opening only (a catalog given by the caller, as the command-line tools do)."""
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.preflight import preflight
+
+    bundles = []
+    for batch in range(1, 7):
+        path = tmp_path / f"b{batch}.h5"
+        capture_run(build_tiny(), {"x": tiny_inputs()["x"].repeat(batch, 1, 1)}, path, seed=42)
+        bundles.append(path)
+        BundleReader(path).close()
+    assert len(reader_module._decoded._entries) == 4
+    copies = []
+    for number in range(6):
+        copy = tmp_path / f"copy{number}.h5"
+        shutil.copyfile(bundles[-1], copy)
+        copies.append(copy)
+        BundleReader(copy).close()
+    (entry,) = [e for e in reader_module._decoded._entries if e.raw == raw_index(bundles[-1])]
+    assert len(entry.checked) == 4
+    assert all(reader_module._walked.holds(walked) for walked, _ in entry.checked)
+    catalog = preflight(copies[0], seconds=30, label="dtype")
+    assert catalog is not None
+    BundleReader(copies[0], catalog=catalog).close()
+    assert not any(walked is catalog.datasets for walked, _ in entry.checked)
