@@ -217,7 +217,7 @@ class BundleReader:
         self.index = decoded.index
         checked = decoded.checked_against(self._stored, self._verify)
         if not checked:
-            self._require_checksums()
+            self._require_checksums(decoded.tensor_paths)
             self._check_datasets()
         self._verify_auxiliary(decoded.tensor_paths)
         if not checked:
@@ -232,7 +232,7 @@ class BundleReader:
                 f"{self.path}: the index ({INDEX}) is missing or malformed, so the capture did not finish; "
                 "capture again"
             )
-        return bytes(node[()].tobytes())
+        return bytes(node[()].tobytes())  # h5py reads as Any
 
     def _parse_index(self, raw: bytes) -> BundleIndex:
         document = unpack(raw, where=f"{self.path}:{INDEX}")
@@ -261,9 +261,9 @@ class BundleReader:
                 "the bundle was altered after capture"
             )
 
-    def _require_checksums(self) -> None:
+    def _require_checksums(self, tensors: frozenset[str]) -> None:
         """A bundle holding tensors but no checksums cannot be verified: refused unless verification is off."""
-        stored = any(ref.path not in self.index.summaries for ref in self.index.tensor_refs())
+        stored = any(path not in self.index.summaries for path in tensors)
         if self._verify and stored and not self.index.checksums:
             raise BundleFormatError(
                 f"{self.path}: unverified: the bundle has no checksums (captured with --no-checksums, or they were "
