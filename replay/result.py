@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from parity_harness.common.format.bundle.schema import TensorRef
-from parity_harness.common.format.dtypes import to_numeric, to_storage
-from parity_harness.common.numerics.metrics import TensorDiff, diff_arrays, unmatchable
+from parity_harness.common.format.dtypes import RAW_TAGS, to_numeric, to_storage
+from parity_harness.common.numerics.metrics import TensorDiff, bit_identical, diff_arrays, unmatchable
 from parity_harness.common.numerics.statistics import array_statistics, diff_statistics
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 
@@ -89,6 +89,10 @@ def diff_record(
     summary = reader.summary(ref)
     if summary is None:
         expected = reader.read_array(ref, verify=False)
+        if ignore is None and not reader.differences_seen:  # a port exact so far: most likely this record too
+            same = _reproduced(expected, ref.tag, actual)
+            if same is not None:
+                return same
         if reader.differences_seen:  # a port that differed once mostly differs on: checksum beside the comparison
             reader.verify(ref, expected, later=True)
         diff = diff_tensor(expected, ref.tag, actual, tolerance, ignore)
@@ -109,6 +113,16 @@ def diff_record(
         expected_dtype=ref.tag,
         actual_dtype=tag,
     )
+
+
+def _reproduced(expected: np.ndarray, tag: str, actual: torch.Tensor) -> TensorDiff | None:
+    """:func:`diff_tensor`'s verdict on a port's CPU tensor of the record's own dtype holding its bits exactly, every
+    value finite, taken with no conversion on the way; None for any other (compared in full: a verdict these bits
+    would get all the same). Checked only while the port was exact (a record that differs is checked twice)."""
+    if not actual.is_cpu or tag in RAW_TAGS:  # raw bf16/float8 bits: their finiteness needs them decoded
+        return None
+    values, actual_tag = to_storage(actual)
+    return bit_identical(expected, values, (tag, tag)) if actual_tag == tag else None
 
 
 def diff_sum(

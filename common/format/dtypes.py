@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLOAT_TAGS",
+    "RAW_TAGS",
     "TAGS",
     "from_storage",
     "is_float_tag",
@@ -70,6 +71,8 @@ def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dic
 
 TAGS: Final = frozenset(_TABLE)
 FLOAT_TAGS: Final = frozenset(t for t in _TABLE if t.startswith(("F", "BF", "C")))
+RAW_TAGS: Final = frozenset(t for t, (_, _, raw) in _TABLE.items() if raw)
+"""Tags whose values NumPy cannot hold: stored as raw bits in an unsigned integer (bf16, float8)."""
 
 
 def tag_of(dtype: torch.dtype) -> str:

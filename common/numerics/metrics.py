@@ -24,7 +24,7 @@ from parity_harness.common.numerics.running import RunningDiff, dot
 from parity_harness.common.numerics.screening import SCREEN_BUFFERS, Screen, screenable
 from parity_harness.common.numerics.tolerances import Tolerance
 
-__all__ = ["TensorDiff", "diff_arrays", "unmatchable"]
+__all__ = ["TensorDiff", "bit_identical", "diff_arrays", "unmatchable"]
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,11 @@ class TensorDiff:
 
 _CHUNK = 1 << 16
 """Elements per pass: the float64 temporaries of one chunk stay in the CPU cache."""
-_SCAN = 1 << 16
+_SCAN = 1 << 18
 """Elements per block of the bit-equality scan: small enough that the finiteness check reads the block again from
-the CPU cache (1M-element blocks: 4.3 GB/s; 64K: 6.0 GB/s)."""
+the CPU cache, large enough that the calls per block cost little (a 48 MB float32 record, its mapped pages dropped
+first: 11.2 GB/s on one core and 14 on two in 256K-element blocks, against 9.5 and 11 in 64K; on the Conformer
+example's 576 records of up to 400 KB, 16.9 -> 15.9 ms)."""
 
 
 def _index(flat_position: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -148,6 +150,14 @@ def _identical_range(e: np.ndarray, a: np.ndarray) -> bool:
         if e.dtype.kind == "f" and not np.isfinite(e_block).all():  # read again while the block is in the cache
             return False
     return True
+
+
+def bit_identical(expected: np.ndarray, actual: np.ndarray, tags: tuple[str, str]) -> TensorDiff | None:
+    """:func:`diff_arrays`'s verdict on two arrays of one shape and dtype holding the same bytes, every value finite
+    (an exact port's every record), found at memory speed; None for any others: :func:`diff_arrays` compares them."""
+    if expected.shape != actual.shape or not _identical_and_finite(expected.reshape(-1), actual.reshape(-1)):
+        return None
+    return _identical(tuple(expected.shape), int(expected.size), tags)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -322,10 +332,11 @@ def diff_arrays(
     """
     if expected.shape != actual.shape:
         return _shape_problem(expected, actual, (expected_dtype, actual_dtype))
+    same = bit_identical(expected, actual, (expected_dtype, actual_dtype))
+    if same is not None:
+        return same
     shape = tuple(expected.shape)
     e, a = expected.reshape(-1), actual.reshape(-1)
-    if _identical_and_finite(e, a):  # the common verdict of an exact port, at memory speed
-        return _identical(shape, int(e.size), (expected_dtype, actual_dtype))
     # One thread: the float64 passes are short NumPy calls, and two threads contending for the GIL between them
     # were measured slower than one.
     run = _fold_range(e, a, tolerance, 0, e.size)
