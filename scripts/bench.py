@@ -50,16 +50,20 @@ share of the bare step: writing the bundle's bytes to a new file in its folder f
 least that much); creating its HDF5 objects (every dataset with its ``dtype`` attribute, every hard link) in a new
 file through h5py's low level, without their bytes (the format stores each record as a dataset of its own);
 mapping the bundle and comparing it with a copy in memory (an exact replay reads and compares at least that much);
-and observing every module call (the bare step with its forward under the project's ``ModuleTap``, whose sink
+comparing each of its float32 datasets, mapped, with values off by a relative 1e-6 at atol = rtol = 1e-3 (what a
+replay of a port that differs in every record compares, with ``--steps`` naming ``replay-near``); and observing
+every module call (the bare step with its forward under the project's ``ModuleTap``, whose sink
 does nothing). Medians of ``--repeat`` runs. Where the parts a step cannot avoid add up to more than its target
 leaves beside the bare step, that target cannot be met on this machine by a tool that stores every record in full
-as a dataset of its own and observes every module call with hooks.
+as a dataset of its own and observes every module call with hooks; likewise the port-off replay's rate, as the
+seconds it may add to the bare step, against its comparisons and the hooks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -596,6 +600,38 @@ def byte_floor(bundle: Path, repeat: int) -> dict[str, float]:
     return floor
 
 
+def near_floor(bundle: Path, repeat: int) -> float:
+    """Seconds to compare each float32 dataset of ``bundle`` (mapped, as replay reads it; a dataset two records name,
+    once) with a copy of its values off by a relative 1e-6, at atol = rtol = 1e-3 (median of ``repeat`` runs after an
+    untimed one): what a replay of a port that differs in every record pays for its comparisons alone."""
+    import mmap
+
+    import h5py
+    import numpy as np
+
+    from parity_harness.common.format.bundle.layout import ATTR_DTYPE
+    from parity_harness.common.format.containment import check_contained
+    from parity_harness.common.numerics.metrics import diff_arrays
+    from parity_harness.common.numerics.tolerances import Tolerance
+
+    with h5py.File(bundle, "r") as file:
+        stored = check_contained(file, bundle, "bundle", label=ATTR_DTYPE)
+    spans = {d.offset: d.nbytes // 4 for d in stored.values() if d.nbytes and d.offset is not None and d.dtype == "f4"}
+    noise, tolerance = np.random.default_rng(0), Tolerance(1e-3, 1e-3)
+
+    def compare_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for stored_values, port_values in pairs:
+            diff_arrays(stored_values, port_values, tolerance, expected_dtype="F32", actual_dtype="F32")
+
+    with bundle.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        views = [np.frombuffer(mapped, np.float32, count=count, offset=offset) for offset, count in spans.items()]
+        pairs = [(view, (view * (1 + 1e-6 * noise.standard_normal(view.size))).astype(np.float32)) for view in views]
+        compare_all(pairs)
+        seconds = statistics.median(timed(functools.partial(compare_all, pairs)) for _ in range(repeat))
+        del views, pairs  # before the map closes: it cannot while arrays point into it
+    return seconds
+
+
 def object_floor(bundle: Path, repeat: int) -> float:
     """Seconds to create ``bundle``'s HDF5 objects without their bytes in a new file beside it (:func:`object_maker`;
     median of ``repeat`` runs after an untimed one): what a tool storing each record as a dataset of its own pays
@@ -662,11 +698,13 @@ def print_floor(model: str, figures: dict[str, Any], floor: dict[str, float], si
         ("writing its bytes to its folder", "write"),
         ("creating its HDF5 objects (datasets, attributes, links)", "objects"),
         ("mapping its bytes and comparing them", "compare"),
+        ("comparing its float32 values with values off by 1e-6", "compare-near"),
         ("observing every module call (the hooks, nothing recorded)", "observe"),
     )
     for name, key in rows:
         if key in floor:
             print(f"{name:62s} {floor[key]:7.3f} {floor[key] / bare_seconds:11.2f}")
+    print_rate_floor(model, floor, size, bare_seconds)
     for step, parts in (("capture", ("write", "objects", "observe")), ("replay", ("compare", "observe"))):
         target = TARGETS.get(model, {}).get(step)
         if target is None or target[0] != "x" or not all(part in floor for part in parts):
@@ -681,6 +719,25 @@ def print_floor(model: str, figures: dict[str, Any], floor: dict[str, float], si
             else "cannot be met on this machine by a tool built so"
         )
         print(f"{step} step: {' + '.join(parts)} = {total:.2f} bare steps; its target leaves {room:g}: {verdict}")
+
+
+def print_rate_floor(model: str, floor: dict[str, float], size: int, bare_seconds: float) -> None:
+    """The port-off replay's rate target as seconds it may add to the bare step, beside what its comparisons and the
+    hooks cost at the least."""
+    target = TARGETS.get(model, {}).get("replay-near")
+    if target is None or target[0] != "GB/s" or not {"compare-near", "observe"} <= floor.keys():
+        return
+    allowed = size / 1e9 / target[1]
+    least = max(floor["compare-near"], 0.0) + max(floor["observe"], 0.0)
+    verdict = (
+        f"leaves {(allowed - least) / bare_seconds:.2f} for the rest of the step"
+        if least < allowed
+        else "cannot be met on this machine by a tool built so"
+    )
+    print(
+        f"port-off replay step: compare-near + observe = {least / bare_seconds:.2f} bare steps; its target "
+        f"({target[1]:g} GB/s of a {size / 1e9:.2f} GB bundle) leaves {allowed / bare_seconds:.2f}: {verdict}"
+    )
 
 
 def main() -> None:
@@ -749,6 +806,8 @@ def measure_steps(options: argparse.Namespace, bundle: Path, summary_bundle: Pat
     figures["_size"] = bundle.stat().st_size
     figures["_floor"] = byte_floor(bundle, max(options.repeat, 3))
     figures["_floor"]["objects"] = object_floor(bundle, max(options.repeat, 3))
+    if "replay-near" in wanted:
+        figures["_floor"]["compare-near"] = near_floor(bundle, max(options.repeat, 3))
     bundle.unlink()
     figures |= run(("capture-summary", "replay-summary"), summary_bundle)
     figures["_summary_size"] = summary_bundle.stat().st_size if summary_bundle.exists() else 0

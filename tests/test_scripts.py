@@ -39,7 +39,7 @@ def test_bench_prints_each_step_beside_its_target(tmp_path: Path) -> None:
         "--repeat",
         "1",
         "--steps",
-        "replay",
+        "replay,replay-near",
         "--dir",
         str(tmp_path),
     )
@@ -54,6 +54,8 @@ def test_bench_prints_each_step_beside_its_target(tmp_path: Path) -> None:
     assert "capture step: write + objects + observe = " in out, out
     assert "replay step: compare + observe = " in out, out
     assert "its target leaves 1.5: " in out, out
+    assert "comparing its float32 values with values off by 1e-6" in out, out
+    assert "port-off replay step: compare-near + observe = " in out, out
 
 
 def test_the_bytes_floor_times_a_write_and_a_compare_of_the_whole_file(
@@ -115,6 +117,39 @@ def test_the_object_floor_makes_the_bundles_datasets_and_links_without_their_byt
     copy.unlink()
 
     assert bench.object_floor(tiny_bundle, 2) > 0  # type: ignore[attr-defined]
+    assert sorted(path.name for path in tiny_bundle.parent.iterdir()) == [tiny_bundle.name]
+
+
+def test_the_port_off_floor_compares_each_float32_dataset_once_with_values_that_differ(
+    tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every float32 dataset's stored values (a repeat's bytes once) against values off by a relative 1e-6, each
+    run: what a replay of a port that differs in every record compares."""
+    import h5py
+
+    from parity_harness.common.numerics import metrics
+
+    stored: dict[int, int] = {}  # a dataset's offset -> its float32 elements
+
+    def note(_: str, node: object) -> None:  # returning a value would end the walk
+        if isinstance(node, h5py.Dataset) and node.dtype == np.float32 and node.size:
+            stored[node.id.get_offset()] = node.size
+
+    with h5py.File(tiny_bundle, "r") as file:
+        file.visititems(note)
+    compared: list[tuple[int, bool]] = []  # (elements, whether values equal the stored ones where these are not 0)
+    real = metrics.diff_arrays
+
+    def spied(expected: np.ndarray, actual: np.ndarray, *args: object, **kwargs: object) -> object:
+        nonzero = expected != 0
+        compared.append((expected.size, bool(nonzero.any() and np.array_equal(expected[nonzero], actual[nonzero]))))
+        return real(expected, actual, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(metrics, "diff_arrays", spied)
+    assert _bench_module().near_floor(tiny_bundle, 2) > 0  # type: ignore[attr-defined]
+    runs = 1 + 2  # untimed, then timed
+    assert sorted(size for size, _ in compared) == sorted(list(stored.values()) * runs)
+    assert not any(equal for size, equal in compared if size > 1)  # off by 1e-6 (a zero stays 0): one may round back
     assert sorted(path.name for path in tiny_bundle.parent.iterdir()) == [tiny_bundle.name]
 
 

@@ -23,8 +23,20 @@ its thread pool, whose threads then spin and take the cores from the model's own
 40% slower forward pass, measured, when comparing while the port runs)."""
 
 
+_STACKED_FROM = 5 * _DOT_PIECE
+"""Elements from which the whole pieces go to BLAS in one call: the call costs about 4.5 us more than a dot of one
+piece, which up to four pieces cost less than (25,600 float32: 8.2 -> 6.0 us; 65,536: 10.7 against 13.5)."""
+
+
 def dot(x: np.ndarray, y: np.ndarray) -> float:
     """Re(sum conj(x) * y) of two flat arrays, float64, without waking BLAS threads."""
+    if x.dtype.kind != "c" and y.dtype.kind != "c" and x.size < _STACKED_FROM:  # real: no conjugate to take
+        if x.size <= _DOT_PIECE:
+            return float(np.vdot(x, y))
+        total = 0.0
+        for begin in range(0, x.size, _DOT_PIECE):
+            total += float(np.vdot(x[begin : begin + _DOT_PIECE], y[begin : begin + _DOT_PIECE]))
+        return total
     whole = x.size - x.size % _DOT_PIECE if x.dtype == y.dtype and x.dtype.kind == "f" else 0
     total = 0.0
     if whole:
