@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import h5py
 import numpy as np
@@ -72,6 +72,8 @@ if TYPE_CHECKING:  # reading metadata needs no torch (replay-compare --list): te
     import torch
 
 __all__ = ["BundleReader", "open_bundle_for_listing", "rebuild", "refuse_unusable_path"]
+
+_Derived = TypeVar("_Derived")
 
 _FAULT_AROUND = 1 << 21
 """Alignment of the span whose pages are dropped: a read fault also maps the cached pages around it, within an
@@ -214,7 +216,7 @@ class BundleReader:
         decoded = _decoded.find(raw, version)
         if decoded is None:
             decoded = _decoded.add(raw, version, self._parse_index(raw))
-        self.index = decoded.index
+        self.index, self._derived = decoded.index, decoded.derived
         checked = decoded.checked_against(self._stored, self._verify)
         if not checked:
             self._require_checksums(decoded.tensor_paths)
@@ -500,6 +502,15 @@ class BundleReader:
         """The tensor's values as float64 (complex128 for complex dtypes)."""
         return to_float64(self.read_array(ref), ref.tag)
 
+    def derived(self, build: Callable[[BundleIndex], _Derived]) -> _Derived:
+        """``build(self.index)``, built once per decoded index: an opening of the same index bytes again (a test suite
+        replaying one bundle) takes it as built. ``build`` reads the index alone, and what it returns, shared so, is
+        never changed (checked after every test, in ``tests/conftest.py``)."""
+        found = self._derived.get(build)
+        if found is None:
+            found = self._derived[build] = build(self.index)
+        return found
+
     def find_call(self, module: str, call: int) -> tuple[int, ModuleCall] | None:
         """The position and record of a module call, or None when the bundle has no such call."""
         position = self._calls.get((module, call))
@@ -577,6 +588,8 @@ class _Decoded:
     """The datasets of each walk (the object itself) the index was checked against, and whether checksums were
     verified then: only walks :data:`_walked` keeps, which can be reused (a walk handed over by the preflight child
     for one opening never is), so no more than it keeps (with either setting)."""
+    derived: dict[Callable[[BundleIndex], Any], Any] = dataclasses.field(default_factory=dict)
+    """What readers built from the index alone (:meth:`BundleReader.derived`), by the function that built it."""
 
     @functools.cached_property
     def tensor_paths(self) -> frozenset[str]:

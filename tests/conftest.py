@@ -42,8 +42,9 @@ packed (bytes: a NaN among its statistics compares equal to itself)."""
 
 @pytest.fixture(autouse=True)
 def shared_indexes_unchanged() -> Iterator[None]:
-    """After every test: each index the readers share is still what its bytes decode to, so that no code path (a
-    replay, a report, a test's own) changes what later openings of the bundle start from."""
+    """After every test: each index the readers share is still what its bytes decode to, and what was built from it
+    (``BundleReader.derived``) what building it again gives, so that no code path (a replay, a report, a test's own)
+    changes what later openings of the bundle start from."""
     yield
     for entry in reader_module._decoded._entries:
         now = pack(entry.index.to_dict()).tobytes()
@@ -52,6 +53,8 @@ def shared_indexes_unchanged() -> Iterator[None]:
             fresh = parse_index(migrate(unpack(entry.raw, where="index"), entry.version[0]))
             seen = _SHARED_INDEXES[id(entry.index)] = (entry.index, pack(fresh.to_dict()).tobytes())
         assert now == seen[1], "a shared bundle index was changed after it was decoded"
+        for build, built in entry.derived.items():
+            assert built == build(entry.index), f"what {build.__qualname__} built from a shared index was changed"
 
 
 @pytest.fixture(params=["memcmp", "fallback"])

@@ -17,7 +17,7 @@ from parity_harness.capture.observe.driving import LossFn
 from parity_harness.capture.observe.hooks import CallInfo
 from parity_harness.capture.observe.naming import iter_live_call_inputs, iter_live_tensors, record_name
 from parity_harness.common.errors import AdapterError, InputError
-from parity_harness.common.format.bundle.schema import ModuleCall, TensorRef, Tree, iter_tensors
+from parity_harness.common.format.bundle.schema import BundleIndex, ModuleCall, TensorRef, Tree, iter_tensors
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.dtypes import to_numeric
 from parity_harness.common.numerics.bytewise import same_bytes
@@ -44,6 +44,7 @@ __all__ = [
     "ComparingSink",
     "Padding",
     "Progress",
+    "RecordPlan",
     "add_named",
     "backward_as_recorded",
     "compare_named",
@@ -60,6 +61,47 @@ __all__ = [
 
 Progress = Callable[[str, int, int], None]
 """``progress(phase, done, total)``: told as records are compared (see ``report.progress.ProgressLine``)."""
+
+
+@dataclass(frozen=True)
+class RecordPlan:
+    """What the comparison of module records derives from an index alone, made once per decoded index
+    (:meth:`BundleReader.derived`: a suite replaying one bundle again and again makes it once). Never changed."""
+
+    inputs: tuple[dict[str, TensorRef], ...]
+    """Per call (its position in the index): its input records by slot."""
+    outputs: tuple[dict[str, TensorRef], ...]
+    gradients: tuple[dict[str, TensorRef], ...]
+    """Per call: its gradient records by slot (:func:`gradient_records` of the call's own)."""
+    forward_rank: dict[tuple[int, str], int]
+    """``(call position, "inputs" | "outputs")`` -> its place in the forward's order."""
+    backward_rank: dict[tuple[int, str], int]
+    """``(call position, gradient slot)`` -> its place in the backward's order."""
+    module_records: tuple[str, ...]
+    """Every module record's name, call by call: inputs, outputs, then gradients."""
+
+    @classmethod
+    def of(cls, index: BundleIndex) -> RecordPlan:
+        inputs = tuple(slots(call.inputs, "input") for call in index.calls)
+        outputs = tuple(slots(call.outputs, "output") for call in index.calls)
+        names = [
+            record_name(call.module, call.call, slot)
+            for call, ins, outs in zip(index.calls, inputs, outputs, strict=True)
+            for slot in [*ins, *outs, *call.grad_outputs, *call.grad_inputs]
+        ]
+        return cls(
+            inputs,
+            outputs,
+            tuple(gradient_records(call, stood_in=False) for call in index.calls),
+            {event: rank for rank, event in enumerate(index.forward_order)},
+            {event: rank for rank, event in enumerate(index.backward_order)},
+            tuple(names),
+        )
+
+    @property
+    def forward_records(self) -> int:
+        """How many input and output records the index holds."""
+        return sum(map(len, self.inputs)) + sum(map(len, self.outputs))
 
 
 class ComparingSink:
@@ -88,8 +130,8 @@ class ComparingSink:
         """Module records compared, a repeat's result reused."""
         self.masked_records = 0
         index = reader.index
-        self._forward_rank = {event: rank for rank, event in enumerate(index.forward_order)}
-        self._backward_rank = {event: rank for rank, event in enumerate(index.backward_order)}
+        self._plan = plan = reader.derived(RecordPlan.of)
+        self._forward_rank, self._backward_rank = plan.forward_rank, plan.backward_rank
         self.seen: set[str] = set()
         self.unsummable: set[str] = set()
         """Gradient records a map's sum stands for, recorded as statistics only: left uncompared, never failed."""
@@ -98,8 +140,7 @@ class ComparingSink:
         around = rename.around if isinstance(rename, WrapperRenameMap) else {}
         self._gradients_of = gradient_stand_ins(reader, around)
         """Bundle module -> the wrapper whose gradient records are its own (:func:`gradient_stand_ins`)."""
-        forward_total = sum(len(slots(c.inputs, "input")) + len(slots(c.outputs, "output")) for c in index.calls)
-        self._totals = {"forward": forward_total, "backward": len(index.backward_order)}
+        self._totals = {"forward": plan.forward_records, "backward": len(index.backward_order)}
         self._done = {"forward": 0, "backward": 0}
 
     def _compare(
@@ -218,7 +259,7 @@ class ComparingSink:
         """Compare a call's arguments with the reference's."""
         live = iter_live_call_inputs(args, kwargs, info.arg_names)
         found = self._reader.find_call(info.module, info.call)
-        expected = {} if found is None else dict(iter_tensors(found[1].inputs, "input"))
+        expected = {} if found is None else self._plan.inputs[found[0]]
         self._note_live(info, live, expected)
         if self._inputs:
             rank = self._forward_rank.get((found[0], "inputs"), -1) if found else -1
@@ -228,7 +269,7 @@ class ComparingSink:
         """Compare a call's outputs with the reference's."""
         live = iter_live_tensors(outputs, "output")
         found = self._reader.find_call(info.module, info.call)
-        expected = {} if found is None else dict(iter_tensors(found[1].outputs, "output"))
+        expected = {} if found is None else self._plan.outputs[found[0]]
         self._note_live(info, live, expected)
         if self._outputs:
             rank = self._forward_rank.get((found[0], "outputs"), -1) if found else -1
@@ -261,7 +302,8 @@ class ComparingSink:
         if found is None:
             self._result.replay_only.append(record_name(info.module, info.call, slot))
             return
-        expected = gradient_records(found[1], stood_in=owner != info.module)
+        stood_in = owner != info.module
+        expected = gradient_records(found[1], stood_in=True) if stood_in else self._plan.gradients[found[0]]
         # Ordered as the reference's backward produced the slot(s) this gradient is compared with.
         ranks = [
             self._backward_rank.get((found[0], t), -1) for t in bundle_slots(self._rename, info.module, slot, expected)
@@ -504,16 +546,8 @@ def slots(tree: Tree, prefix: str) -> dict[str, TensorRef]:
 
 
 def unvisited_module_records(reader: BundleReader, seen: set[str]) -> list[str]:
-    names = []
-    for call in reader.index.calls:
-        slots = [s for s, _ in iter_tensors(call.inputs, "input")] + [
-            s for s, _ in iter_tensors(call.outputs, "output")
-        ]
-        for slot in [*slots, *call.grad_outputs, *call.grad_inputs]:
-            name = record_name(call.module, call.call, slot)
-            if name not in seen:
-                names.append(name)
-    return names
+    """The bundle's module records not in ``seen``, call by call."""
+    return [name for name in reader.derived(RecordPlan.of).module_records if name not in seen]
 
 
 def record_ref(reader: BundleReader, name: str) -> TensorRef | None:

@@ -211,3 +211,38 @@ def test_what_the_process_keeps_is_bounded(tiny_bundle: Path, tmp_path: Path, co
     assert catalog is not None
     BundleReader(copies[0], catalog=catalog).close()
     assert not any(walked is catalog.datasets for walked, _ in entry.checked)
+
+
+def test_what_is_built_from_an_index_is_built_once_for_it(
+    tiny_bundle: Path, tmp_path: Path, counted: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay's record plan is built once for a shared index, replay after replay, and for another index its own;
+    an index too large to share gets one per opening. Replays sharing one compare every record alike."""
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.replay.compare.records import RecordPlan
+
+    builds: list[int] = []
+    make = RecordPlan.of
+
+    def build(index: Any) -> RecordPlan:
+        builds.append(id(index))
+        return make(index)
+
+    monkeypatch.setattr(RecordPlan, "of", staticmethod(build))
+    results = []
+    for _ in range(3):
+        with BundleReader(tiny_bundle) as reader:
+            results.append(sorted((r.name, r.match) for r in compare_run(build_tiny(), reader).records))
+    assert len(builds) == 1
+    assert results[0] == results[1] == results[2]
+    assert all(match for _, match in results[0])
+    other = tmp_path / "other.h5"
+    capture_run(build_tiny(), {"x": tiny_inputs()["x"][:1]}, other, seed=42)
+    with BundleReader(other) as reader:
+        compare_run(build_tiny(), reader)
+    assert len(builds) == 2
+    monkeypatch.setattr(reader_module, "_decoded", reader_module._RecentIndexes(4, largest=0))
+    for _ in range(2):
+        with BundleReader(tiny_bundle) as reader:
+            compare_run(build_tiny(), reader)
+    assert len(builds) == 4
