@@ -632,8 +632,10 @@ class _RecentIndexes:
 
 
 _decoded = _RecentIndexes(4, largest=2 << 20)
-"""Indexes of up to 2 MiB (some 11,000 records), decoded into about 4.5 times that in objects: at most about 40 MB
-held, beside the walks they were checked against: those :data:`_walked` keeps, or kept at an index's last check."""
+"""Indexes of up to 2 MiB (some 11,000 records), decoded into about 4.5 times that in objects, and what was built
+from each (a replay's ``RecordPlan``: each record's name and the dicts of a call's records, about as much again): at
+most about 80 MB held, beside the walks they were checked against: those :data:`_walked` keeps, or kept at an
+index's last check."""
 
 
 def _identity_now(path: Path) -> tuple[int, ...] | None:

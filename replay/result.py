@@ -118,7 +118,8 @@ def diff_record(
 def _reproduced(expected: np.ndarray, tag: str, actual: torch.Tensor) -> TensorDiff | None:
     """:func:`diff_tensor`'s verdict on a port's CPU tensor of the record's own dtype holding its bits exactly, every
     value finite, taken with no conversion on the way; None for any other (compared in full: a verdict these bits
-    would get all the same). Checked only while the port was exact (a record that differs is checked twice)."""
+    would get all the same). Asked only while the port was exact, so that a record it declines is scanned twice: the
+    first that differs, and while none does, each holding a NaN or an infinity (a mask's -inf)."""
     if not actual.is_cpu or tag in RAW_TAGS:  # raw bf16/float8 bits: their finiteness needs them decoded
         return None
     values, actual_tag = to_storage(actual)

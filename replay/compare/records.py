@@ -82,6 +82,7 @@ class RecordPlan:
 
     @classmethod
     def of(cls, index: BundleIndex) -> RecordPlan:
+        """The plan of ``index`` (pass it to :meth:`BundleReader.derived`, which keeps it with the index)."""
         inputs = tuple(slots(call.inputs, "input") for call in index.calls)
         outputs = tuple(slots(call.outputs, "output") for call in index.calls)
         names = [

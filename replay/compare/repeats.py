@@ -56,7 +56,7 @@ class RecentDiffs:
 
     def diff(self, ref: TensorRef, actual: torch.Tensor, tolerance: Tolerance, ignore: np.ndarray | None) -> TensorDiff:
         """``actual`` compared with the record ``ref`` (``ignore``: padded positions, never reused)."""
-        if ignore is None and not self._entries and actual.is_cpu:  # nothing to reuse: an exact port so far
+        if ignore is None and not self._entries and actual.is_cpu:  # nothing remembered: no repeat key needed
             diff = diff_record(self._reader, ref, actual, tolerance)
             if not diff.bits_equal and (key := self._key(ref, tolerance)) is not None:
                 self._remember(key, *to_storage(actual), diff)

@@ -502,7 +502,7 @@ def test_chunked_statistics_equal_whole_array_ones(
     tolerance = Tolerance(1e-6, 1e-5, equal_nan)
     whole = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
     monkeypatch.setattr(metrics, "_CHUNK", chunk)
-    monkeypatch.setattr(metrics, "_SCAN", chunk)
+    monkeypatch.setattr(metrics, "_SCAN_BYTES", chunk * expected.itemsize)
     chunked = diff_arrays(expected, actual, tolerance, expected_dtype="F32", actual_dtype="F32")
     assert 1 - chunked.cosine == pytest.approx(1 - whole.cosine, rel=1e-6)
     assert dataclasses.replace(chunked, cosine=0.0) == dataclasses.replace(whole, cosine=0.0)
