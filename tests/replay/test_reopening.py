@@ -246,3 +246,33 @@ def test_what_is_built_from_an_index_is_built_once_for_it(
         with BundleReader(tiny_bundle) as reader:
             compare_run(build_tiny(), reader)
     assert len(builds) == 4
+
+
+def test_what_is_derived_from_a_walk_is_derived_once_for_it(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The largest record and the names per dataset come from a kept walk once, opening after opening; a file
+    changed since is walked, and its facts derived, anew; a walk not kept (too many files) derives them each time."""
+    monkeypatch.setattr(reader_module, "_walked", reader_module._RecentWalks(1))
+    derived: list[int] = []
+    derive = reader_module._WalkFacts.of
+
+    def counted(datasets: Any) -> Any:
+        derived.append(len(datasets))
+        return derive(datasets)
+
+    monkeypatch.setattr(reader_module._WalkFacts, "of", staticmethod(counted))
+    for _ in range(3):
+        with BundleReader(tiny_bundle) as reader:
+            assert reader.largest_record_bytes == max(s.nbytes for s in reader._stored.values())
+    assert len(derived) == 1
+    other = tmp_path / "other.h5"
+    shutil.copy(tiny_bundle, other)
+    for path in (other, tiny_bundle, other):  # one walk kept: each opening walks and derives again
+        BundleReader(path).close()
+    assert len(derived) == 4
+    with h5py.File(tiny_bundle, "r+") as file:  # changed: another identity, another walk
+        file.attrs["note"] = "changed"
+    BundleReader(tiny_bundle).close()
+    BundleReader(tiny_bundle).close()
+    assert len(derived) == 5
