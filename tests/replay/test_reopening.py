@@ -276,3 +276,20 @@ def test_what_is_derived_from_a_walk_is_derived_once_for_it(
     BundleReader(tiny_bundle).close()
     BundleReader(tiny_bundle).close()
     assert len(derived) == 5
+
+
+def test_the_provenance_is_read_once_per_walk_and_never_stale(tiny_bundle: Path) -> None:
+    """Openings of one file unchanged share its provenance as first read; a file written since shows what it holds
+    now; what a caller does with the dict it gets changes nothing for the next opening."""
+    from parity_harness.common.format.bundle.layout import PROVENANCE
+
+    with BundleReader(tiny_bundle) as reader:
+        first = reader.provenance()
+        first["torch"] = "changed by a caller"
+    with BundleReader(tiny_bundle) as reader:
+        again = reader.provenance()
+    assert again["torch"] != "changed by a caller"
+    with h5py.File(tiny_bundle, "r+") as file:
+        file[PROVENANCE].attrs["torch"] = "rewritten"
+    with BundleReader(tiny_bundle) as reader:
+        assert reader.provenance()["torch"] == "rewritten"
