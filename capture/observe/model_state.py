@@ -63,6 +63,8 @@ class _Attributes:
     held; None for one too large to keep, which keeps whatever it holds then)."""
     others: dict[str, object]
     """Every other attribute of its own (a hook's handle, a config object): name -> the object (not a copy)."""
+    names: tuple[str, ...]
+    """Every attribute's name then, torch's own included: those added since are the only ones that may go."""
     registrations: _Registrations
     generators: dict[str, tuple[torch.Generator, torch.Tensor]] = dataclasses.field(default_factory=dict)
     """Attributes holding a ``torch.Generator`` of the module's own (noise drawn in the forward): name -> (the
@@ -99,7 +101,7 @@ class _Attributes:
                 containers[name] = (value, hold(value, memo, own, budget))
             else:
                 others[name] = value
-        return cls(plain, unkept, containers, others, _Registrations.of(module), generators)
+        return cls(plain, unkept, containers, others, tuple(vars(module)), _Registrations.of(module), generators)
 
     def put_back(
         self,
@@ -115,7 +117,7 @@ class _Attributes:
         buffer, the copy in ``standing_in`` the run runs with. ``weights``: give the model back (its parameters'
         storages): a tensor that changed in place gets its values back in place (``containers.written_back``)."""
         held = module.__dict__
-        for name in [name for name, value in held.items() if not self.has(name) and _made_here(name, value)]:
+        for name in [name for name in held.keys() - self.names if _made_here(name, held[name])]:
             del held[name]
         held.update(self.others)
         for generator, state in self.generators.values():
@@ -162,9 +164,6 @@ class _Attributes:
         for name, (_, held) in self.containers.items():
             if held is not None and held.moved():
                 yield name
-
-    def has(self, name: str) -> bool:
-        return name in self.plain or name in self.containers or name in self.others
 
 
 @dataclass(frozen=True)
