@@ -333,6 +333,8 @@ class BundleReader:
     def provenance(self) -> dict[str, str]:
         """The capturing environment's provenance strings (read once per kept walk of the file: 0.8 ms of HDF5's
         attributes an opening)."""
+        if not self._file.id.valid:  # HDF5 would read nothing, and that nothing would be kept for the next opening
+            raise InputError(f"{self.path}: the reader is closed; read the provenance while it is open")
         return dict(_walked.derived(self._stored, "provenance", self._read_provenance))
 
     def _read_provenance(self) -> dict[str, str]:

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from parity_harness.common.errors import BundleFormatError
+from parity_harness.common.errors import BundleFormatError, InputError
 from parity_harness.common.format.bundle.migrations import migrate
 from parity_harness.common.format.bundle.schema import parse_index
 from parity_harness.common.format.containment import file_identity
@@ -291,5 +291,9 @@ def test_the_provenance_is_read_once_per_walk_and_never_stale(tiny_bundle: Path)
     assert again["torch"] != "changed by a caller"
     with h5py.File(tiny_bundle, "r+") as file:
         file[PROVENANCE].attrs["torch"] = "rewritten"
+    with BundleReader(tiny_bundle) as reader:
+        assert reader.provenance()["torch"] == "rewritten"
+    with pytest.raises(InputError, match="the reader is closed"):  # not an empty provenance, kept for the next
+        reader.provenance()
     with BundleReader(tiny_bundle) as reader:
         assert reader.provenance()["torch"] == "rewritten"
