@@ -58,7 +58,8 @@ def shared_indexes_unchanged() -> Iterator[None]:
     walks = reader_module._walked
     for identity, derived in walks._derived.items():
         facts = derived.get("facts")
-        assert facts in (None, reader_module._WalkFacts.of(walks._catalogs[identity].datasets)), "a walk's facts changed"
+        fresh = reader_module._WalkFacts.of(walks._catalogs[identity].datasets)
+        assert facts in (None, fresh), "the facts derived from a kept walk were changed"
 
 
 @pytest.fixture(params=["memcmp", "fallback"])
