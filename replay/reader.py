@@ -599,7 +599,7 @@ class _RecentWalks:
         where they are a kept walk's (the object itself), the file unchanged since (its identity, status change time
         included). Shared so: never changed by those it is handed to."""
         with self._lock:
-            kept = next((key for key, catalog in self._catalogs.items() if catalog.datasets is datasets), None)
+            kept = self._kept(datasets)
             found = None if kept is None else self._derived.get(kept, {}).get(what)
         if found is None:
             found = build()
@@ -613,7 +613,11 @@ class _RecentWalks:
     def holds(self, datasets: dict[str, StoredDataset]) -> bool:
         """Whether these datasets (the object itself) are those of a walk kept here: one that can be reused."""
         with self._lock:
-            return any(catalog.datasets is datasets for catalog in self._catalogs.values())
+            return self._kept(datasets) is not None
+
+    def _kept(self, datasets: dict[str, StoredDataset]) -> tuple[int, ...] | None:
+        """The identity of the kept walk these datasets (the object itself) are, if any; the lock held."""
+        return next((key for key, catalog in self._catalogs.items() if catalog.datasets is datasets), None)
 
 
 _walked = _RecentWalks(4)
