@@ -173,6 +173,10 @@ def _cut_inside(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[
     )
 
 
+_HOLD_NO_TENSOR = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+"""Arguments that cannot hold a tensor (a ``torch.Size`` is a tuple of ints)."""
+
+
 class ModuleTap:
     """Context manager hooking every submodule of ``model`` (the root itself is not hooked). Gradient hooks put on
     tensors during the ``with`` block stay until :meth:`release`, to be called after backward.
@@ -253,23 +257,32 @@ class ModuleTap:
         aliased: set[str] = set()
         names = info.arg_names
         lent: list[_Lent] = []
+        passed: list[object] = []
         new_args = tuple(
-            self._alias(info, value, join_slot("input", argument_key(names, i)), aliased, lent)
+            self._alias(info, value, join_slot("input", argument_key(names, i)), aliased, lent, passed)
             for i, value in enumerate(args)
         )
-        new_kwargs = {k: self._alias(info, value, join_slot("input", k), aliased, lent) for k, value in kwargs.items()}
+        new_kwargs = {
+            k: self._alias(info, value, join_slot("input", k), aliased, lent, passed) for k, value in kwargs.items()
+        }
         if lent:
             self._lent[id(info)] = lent
-        for slot, tensor in iter_live_call_inputs(args, kwargs, names):
-            # Tensors inside containers we cannot rebuild get a plain hook (sum over consumers).
+        # Tensors inside objects passed as they are get a plain hook (sum over consumers); where none was passed, the
+        # aliases above hook every tensor that requires grad (most calls: a walk of the arguments saved).
+        for slot, tensor in iter_live_call_inputs(args, kwargs, names) if passed else ():
             if tensor.requires_grad and slot not in aliased:
                 self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
         return (new_args, new_kwargs) if aliased else None
 
-    def _alias(self, info: CallInfo, value: Any, slot: str, aliased: set[str], lent: list[_Lent]) -> Any:
+    def _alias(
+        self, info: CallInfo, value: Any, slot: str, aliased: set[str], lent: list[_Lent], passed: list[object]
+    ) -> Any:
         """``value`` with an alias carrying a gradient hook in place of each tensor that requires grad. Immutable
         containers are rebuilt; a list or dict is the caller's own, its items swapped for the aliases (``lent``),
-        so that what the module writes into it stays written (:func:`_give_back` puts the tensors back)."""
+        so that what the module writes into it stays written (:func:`_give_back` puts the tensors back). An object
+        that may hold tensors, passed as it is, goes to ``passed``."""
+        if value is None or isinstance(value, _HOLD_NO_TENSOR):
+            return value
         if isinstance(value, torch.Tensor):
             if not value.requires_grad or value.layout != torch.strided:
                 return value
@@ -278,23 +291,25 @@ class ModuleTap:
             aliased.add(slot)
             return alias
         if type(value) is tuple:
-            return tuple(self._alias(info, v, join_slot(slot, i), aliased, lent) for i, v in enumerate(value))
+            return tuple(self._alias(info, v, join_slot(slot, i), aliased, lent, passed) for i, v in enumerate(value))
         if type(value) in (list, dict):
             keys = list(range(len(value))) if type(value) is list else list(value)
             slots = [join_slot(slot, k) for k in keys] if type(value) is list else pair_slots(slot, keys)
             for key, item_slot in zip(keys, slots, strict=True):
                 item = value[key]
-                alias = self._alias(info, item, item_slot, aliased, lent)
+                alias = self._alias(info, item, item_slot, aliased, lent, passed)
                 if alias is not item:
                     value[key] = alias
                     lent.append(_Lent(value, key, item, alias))
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple (immutable): rebuilt field by field
             slots = pair_slots(slot, list(value._fields))
-            return type(value)(*(self._alias(info, v, s, aliased, lent) for v, s in zip(value, slots, strict=True)))
+            fields = zip(value, slots, strict=True)
+            return type(value)(*(self._alias(info, v, s, aliased, lent, passed) for v, s in fields))
         # A mutable object of its own (a dataclass, an OrderedDict, a ModelOutput) is passed as it is: a copy holding
         # the aliases would lose what the module writes into it (a state object updated in place), and a
         # ModelOutput's items would not see the aliased attributes. Its tensors get a plain hook (module docstring).
+        passed.append(value)
         return value
 
     def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> None:

@@ -184,6 +184,10 @@ def encode_call_inputs(
     return ["D", _pairs(iter(_argument_pairs(args, kwargs, names)), "input", store, 0)]
 
 
+_SEEN: Final = TensorRef("/", "F32", ())
+"""What :class:`_Collector` answers for every tensor (its tree is thrown away): one object, not one per tensor."""
+
+
 class _Collector:
     """A ``StoreTensor`` that only remembers the tensors it was shown."""
 
@@ -192,7 +196,7 @@ class _Collector:
 
     def __call__(self, slot: str, tensor: torch.Tensor) -> TensorRef:
         self.found.append((slot, tensor))
-        return TensorRef("/", "F32", ())
+        return _SEEN
 
 
 def iter_live_tensors(value: object, slot: str) -> list[tuple[str, torch.Tensor]]:

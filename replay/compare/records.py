@@ -155,17 +155,32 @@ class ComparingSink:
     ) -> None:
         """``owner``: the bundle module the records are named after, where not the call's (a wrapper holding its
         gradients); slots are renamed after the call's module all the same, as the map names it."""
-        named = info if owner is None else dataclasses.replace(info, module=owner)
+        named = _named_after(info, owner)
         for position, (slot, tensor) in enumerate(live):
             targets = bundle_slots(self._rename, info.module, slot, expected)
-            if not targets:
-                self._result.replay_only.append(record_name(info.module, info.call, slot))
-                continue
-            if kind == "backward" and len(targets) > 1:  # one port tensor for several equal reference ones
-                self._compare_sum(named, targets, tensor, expected, (rank, position))
-                continue
-            for target in targets:
-                self._compare_one(kind, named, target, tensor, expected[target], (rank, position))
+            self._compare_slot(kind, info, named, slot, tensor, targets, expected, (rank, position))
+
+    def _compare_slot(
+        self,
+        kind: RecordKind,
+        info: CallInfo,
+        named: CallInfo,
+        slot: str,
+        tensor: torch.Tensor,
+        targets: list[str],
+        expected: dict[str, TensorRef],
+        order: tuple[int, int],
+    ) -> None:
+        """The port's ``slot`` of the call ``info`` against its bundle slots ``targets`` (:func:`bundle_slots`), the
+        records named after ``named``'s module."""
+        if not targets:
+            self._result.replay_only.append(record_name(info.module, info.call, slot))
+            return
+        if kind == "backward" and len(targets) > 1:  # one port tensor for several equal reference ones
+            self._compare_sum(named, targets, tensor, expected, order)
+            return
+        for target in targets:
+            self._compare_one(kind, named, target, tensor, expected[target], order)
 
     def _compare_one(
         self, kind: RecordKind, info: CallInfo, slot: str, tensor: torch.Tensor, ref: TensorRef, order: tuple[int, int]
@@ -305,11 +320,10 @@ class ComparingSink:
             return
         stood_in = owner != info.module
         expected = gradient_records(found[1], stood_in=True) if stood_in else self._plan.gradients[found[0]]
+        targets = bundle_slots(self._rename, info.module, slot, expected)
         # Ordered as the reference's backward produced the slot(s) this gradient is compared with.
-        ranks = [
-            self._backward_rank.get((found[0], t), -1) for t in bundle_slots(self._rename, info.module, slot, expected)
-        ]
-        self._compare("backward", info, [(slot, grad)], expected, min(ranks, default=-1), owner)
+        rank = min((self._backward_rank.get((found[0], target), -1) for target in targets), default=-1)
+        self._compare_slot("backward", info, _named_after(info, owner), slot, grad, targets, expected, (rank, 0))
 
     @property
     def held_by_wrappers(self) -> frozenset[str]:
@@ -326,6 +340,11 @@ class ComparingSink:
         records them in its place."""
         owner = self._gradients_of.get(module, module)
         return owner, self._reader.find_call(owner, call)
+
+
+def _named_after(info: CallInfo, owner: str | None) -> CallInfo:
+    """``info`` with its records named after the bundle module ``owner`` (None: the call's own)."""
+    return info if owner is None or owner == info.module else dataclasses.replace(info, module=owner)
 
 
 def gradient_stand_ins(reader: BundleReader, around: dict[str, str]) -> dict[str, str]:

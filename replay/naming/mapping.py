@@ -132,6 +132,8 @@ class RenameMap:
 
     def slot_rule(self, module: str, slot: str) -> SlotRule | None:
         """The ``slots`` rule that renames the port's ``slot`` of a call of bundle module ``module``, if any."""
+        if not self.slot_rules:  # most maps: asked for every record of a replay
+            return None
         forward, spellings = slot.removeprefix(_GRAD), self.module_spellings(module)
         return next((rule for rule in self.slot_rules if any(rule.applies(m, forward) for m in spellings)), None)
 

@@ -43,8 +43,8 @@ def test_a_perturbing_observer_fails_the_capture(tmp_path: Path, monkeypatch: py
     """If the hooks changed a value (here: an 'alias' that is not exact), the capture fails and writes nothing."""
     honest = ModuleTap._alias
 
-    def perturbing(self: ModuleTap, info: Any, value: Any, slot: str, aliased: set[str], lent: list[Any]) -> Any:
-        result = honest(self, info, value, slot, aliased, lent)
+    def perturbing(self: ModuleTap, info: Any, value: Any, slot: str, *tracking: Any) -> Any:
+        result = honest(self, info, value, slot, *tracking)
         return result * (1 + 1e-6) if isinstance(result, torch.Tensor) and result.requires_grad else result
 
     monkeypatch.setattr(ModuleTap, "_alias", perturbing)
