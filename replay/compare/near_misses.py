@@ -88,7 +88,9 @@ def _failing(
     counted_bits = []
     for part in _chunks(expected.size):
         reference, port = expected[part].astype(np.float64), actual[part].astype(np.float64)
-        error, magnitude = np.abs(port - reference), np.abs(reference)
+        with np.errstate(invalid="ignore"):  # an infinity on both sides (a mask's fill): NaN, counted as no error
+            error = np.abs(port - reference)
+        magnitude = np.abs(reference)
         counted = ~np.isnan(reference) if ignored is None else ~ignored[part] & ~np.isnan(reference)
         beyond = counted & (error > tolerance.atol + tolerance.rtol * magnitude)
         count += int(np.count_nonzero(beyond))
@@ -288,7 +290,8 @@ class NearMisses:
         for part in _chunks(flat.numel()):
             values = self._values(kept, part).astype(np.float64)
             exact_values = flat[part].to("cpu", torch.float64).numpy()
-            error = np.abs(values - exact_values)
+            with np.errstate(invalid="ignore"):  # an infinity on both sides: NaN, no peer (below)
+                error = np.abs(values - exact_values)
             peers = _bits(kept.failing.peers, part) & np.isfinite(error)
             level = max(level, float(np.max(error, initial=0.0, where=peers)))
             counted = _bits(kept.failing.counted, part)
