@@ -34,10 +34,12 @@ from torch.utils.hooks import RemovableHandle
 from parity_harness.capture.observe.containers import storage_address
 from parity_harness.capture.observe.naming import (
     ArgumentNames,
-    argument_key,
+    call_input_slots,
     grad_slot,
+    holds_no_tensor,
     iter_live_call_inputs,
     iter_live_tensors,
+    mapping_slots,
     positional_names,
     type_name,
 )
@@ -173,10 +175,6 @@ def _cut_inside(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[
     )
 
 
-_HOLD_NO_TENSOR = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-"""Arguments that cannot hold a tensor (a ``torch.Size`` is a tuple of ints)."""
-
-
 class ModuleTap:
     """Context manager hooking every submodule of ``model`` (the root itself is not hooked). Gradient hooks put on
     tensors during the ``with`` block stay until :meth:`release`, to be called after backward.
@@ -258,13 +256,12 @@ class ModuleTap:
         names = info.arg_names
         lent: list[_Lent] = []
         passed: list[object] = []
+        slots = call_input_slots(args, kwargs, names)  # as the input records are named: their gradients' names
         new_args = tuple(
-            self._alias(info, value, join_slot("input", argument_key(names, i)), aliased, lent, passed)
-            for i, value in enumerate(args)
+            self._alias(info, value, slot, aliased, lent, passed) for value, slot in zip(args, slots, strict=False)
         )
-        new_kwargs = {
-            k: self._alias(info, value, join_slot("input", k), aliased, lent, passed) for k, value in kwargs.items()
-        }
+        kwarg_slots = zip(kwargs.items(), slots[len(args) :], strict=True)
+        new_kwargs = {k: self._alias(info, value, slot, aliased, lent, passed) for (k, value), slot in kwarg_slots}
         if lent:
             self._lent[id(info)] = lent
         # Tensors inside objects passed as they are get a plain hook (sum over consumers); where none was passed, the
@@ -281,7 +278,7 @@ class ModuleTap:
         containers are rebuilt; a list or dict is the caller's own, its items swapped for the aliases (``lent``),
         so that what the module writes into it stays written (:func:`_give_back` puts the tensors back). An object
         that may hold tensors, passed as it is, goes to ``passed``."""
-        if value is None or isinstance(value, _HOLD_NO_TENSOR):
+        if holds_no_tensor(value):
             return value
         if isinstance(value, torch.Tensor):
             if not value.requires_grad or value.layout != torch.strided:
@@ -294,7 +291,7 @@ class ModuleTap:
             return tuple(self._alias(info, v, join_slot(slot, i), aliased, lent, passed) for i, v in enumerate(value))
         if type(value) in (list, dict):
             keys = list(range(len(value))) if type(value) is list else list(value)
-            slots = [join_slot(slot, k) for k in keys] if type(value) is list else pair_slots(slot, keys)
+            slots = [join_slot(slot, k) for k in keys] if type(value) is list else mapping_slots(slot, keys)
             for key, item_slot in zip(keys, slots, strict=True):
                 item = value[key]
                 alias = self._alias(info, item, item_slot, aliased, lent, passed)

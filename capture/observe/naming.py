@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -21,11 +21,14 @@ __all__ = [
     "ArgumentNames",
     "StoreTensor",
     "argument_key",
+    "call_input_slots",
     "encode_call_inputs",
     "encode_value",
     "grad_slot",
+    "holds_no_tensor",
     "iter_live_call_inputs",
     "iter_live_tensors",
+    "mapping_slots",
     "positional_names",
     "record_name",
     "type_name",
@@ -50,7 +53,7 @@ def grad_slot(slot: str) -> str:
 
 def _pairs(items: Iterator[tuple[object, object]], prefix: str, store: StoreTensor, depth: int) -> list[object]:
     listed = list(items)
-    slots = pair_slots(prefix, [key for key, _ in listed])
+    slots = pair_slots(prefix, [key for key, _ in listed])  # keys made plain by the caller: mapping_slots
     return [
         [key, encode_value(child, slot, store, depth + 1)] for (key, child), slot in zip(listed, slots, strict=True)
     ]
@@ -58,6 +61,20 @@ def _pairs(items: Iterator[tuple[object, object]], prefix: str, store: StoreTens
 
 def _plain_key(key: object) -> object:
     return key if isinstance(key, (str, int, float, bool)) else str(key)
+
+
+def mapping_slots(prefix: str, keys: Sequence[object]) -> list[str]:
+    """The slot of each item of a mapping at ``prefix`` with these keys, as :func:`encode_value` names them."""
+    return pair_slots(prefix, [_plain_key(key) for key in keys])
+
+
+def holds_no_tensor(value: object) -> bool:
+    """Whether :func:`encode_value` finds no tensor in ``value`` whatever it is: None, a plain scalar (a subclass too:
+    recorded as its value), a dtype, a device or a ``torch.Size``."""
+    return value is None or isinstance(value, _PLAIN_SCALARS) or type(value) in _NO_TENSOR_TYPES
+
+
+_NO_TENSOR_TYPES: Final = (torch.dtype, torch.device, torch.Size)
 
 
 def encode_value(value: object, slot: str, store: StoreTensor, depth: int = 0) -> Tree:
@@ -174,6 +191,11 @@ def _argument_pairs(
     """Positional arguments keyed by the parameter they bind to (their position where they have none), then
     keywords."""
     return [*((argument_key(names, i), value) for i, value in enumerate(args)), *kwargs.items()]
+
+
+def call_input_slots(args: tuple[object, ...], kwargs: Mapping[str, object], names: ArgumentNames = ()) -> list[str]:
+    """The slot of each positional argument, then of each keyword, as :func:`encode_call_inputs` names them."""
+    return pair_slots("input", [key for key, _ in _argument_pairs(args, kwargs, names)])
 
 
 def encode_call_inputs(

@@ -17,6 +17,7 @@ from parity_harness.capture.observe.driving import make_cotangents
 from parity_harness.capture.observe.naming import positional_names
 from parity_harness.capture.record.recorder import capture_run
 from parity_harness.common.format.bundle.schema import iter_tensors
+from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
 from tests.conftest import REF_ADAPTER
 from tests.models import Block, TinyNet, build_tiny, tiny_inputs
@@ -393,3 +394,53 @@ def test_positional_names_of_a_scripted_module() -> None:
     scripted = torch.jit.script(Outer())
     assert positional_names(scripted) == ("hidden",)
     assert positional_names(scripted.lin) == ("input",)
+
+
+class _Weighs(nn.Module):
+    """Sums its tensor arguments, wherever they are (positional, keyword, values of a dict), each times its own weight:
+    the gradient it passes back to each is that weight times its output's gradient."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        leaves = [*args, *kwargs.values()]
+        values = [v for leaf in leaves for v in (leaf.values() if isinstance(leaf, dict) else [leaf])]
+        return sum((weight + 1.5) * value for weight, value in enumerate(values))  # type: ignore[return-value]
+
+
+class _Colliding(nn.Module):
+    """Calls ``weigh`` with arguments whose names collide as text (``how``), each also used by the caller afterwards,
+    so that only the module's own contribution is its weight times its output's gradient."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.weigh, self.how = nn.Linear(4, 4), _Weighs(), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        a, b = h * 2.0, h * 3.0
+        if self.how == "dict keys":  # a tuple key and a string key of one text
+            out = self.weigh({"(1, 2)": a, (1, 2): b})
+        elif self.how == "None keys":
+            out = self.weigh({"None": a, None: b})
+        else:  # a keyword named as the first position
+            out = self.weigh(a, **{"0": b})
+        return out + a * 7.0 + b * 11.0
+
+
+@pytest.mark.parametrize("how", ["dict keys", "None keys", "keyword like a position"])
+def test_arguments_whose_names_collide_get_their_own_gradients_under_their_own_names(tmp_path: Path, how: str) -> None:
+    """Each input record has its gradient under its own name, the module's own contribution: the hooks once named the
+    second of two arguments alike in text otherwise than its input record (``(1, 2)~tuple`` for ``(1, 2)~str``), and a
+    keyword ``"0"`` as positional 0, whose gradient was then lost."""
+    path = tmp_path / "collide.h5"
+    capture_run(_Colliding(how), (torch.randn(3, 4),), path, seed=0, self_check=True)
+    with BundleReader(path) as reader:
+        _, call = reader.find_call("weigh", 0)
+        inputs = [slot for slot, _ in iter_tensors(call.inputs, "input")]
+        assert len(inputs) == 2
+        assert sorted(call.grad_inputs) == sorted(f"grad_{slot}" for slot in inputs)
+        grad_output = reader.read_tensor(call.grad_outputs["grad_output"])
+        for weight, slot in enumerate(inputs):
+            assert torch.allclose(reader.read_tensor(call.grad_inputs[f"grad_{slot}"]), (weight + 1.5) * grad_output)
+    with BundleReader(path) as reader:
+        assert compare_run(_Colliding(how), reader).verdict == "MATCH"
