@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +45,7 @@ from parity_harness.capture.observe.naming import (
 )
 from parity_harness.capture.observe.views import BaseFallback, HeldViews
 from parity_harness.common.format.bundle.layout import join_slot, pair_slots
+from parity_harness.common.format.bundle.schema import MAX_DEPTH
 
 __all__ = ["CallInfo", "ModuleTap", "TapSink"]
 
@@ -129,6 +130,16 @@ class _Lent:
     key: Any
     tensor: torch.Tensor
     alias: torch.Tensor
+
+
+@dataclass
+class _Aliasing:
+    """What aliasing one call's arguments found: the slots aliased, the aliases lent into the caller's lists and
+    dicts, and whether an object that may hold tensors was passed as it is."""
+
+    aliased: set[str] = field(default_factory=set)
+    lent: list[_Lent] = field(default_factory=list)
+    passed: bool = False
 
 
 def _give_back(lent: list[_Lent], outputs: Any) -> None:
@@ -252,61 +263,55 @@ class ModuleTap:
     def _alias_inputs(
         self, info: CallInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        aliased: set[str] = set()
         names = info.arg_names
-        lent: list[_Lent] = []
-        passed: list[object] = []
+        found = _Aliasing()
         slots = call_input_slots(args, kwargs, names)  # as the input records are named: their gradients' names
-        new_args = tuple(
-            self._alias(info, value, slot, aliased, lent, passed) for value, slot in zip(args, slots, strict=False)
-        )
+        new_args = tuple(self._alias(info, value, slot, found, 1) for value, slot in zip(args, slots, strict=False))
         kwarg_slots = zip(kwargs.items(), slots[len(args) :], strict=True)
-        new_kwargs = {k: self._alias(info, value, slot, aliased, lent, passed) for (k, value), slot in kwarg_slots}
-        if lent:
-            self._lent[id(info)] = lent
+        new_kwargs = {k: self._alias(info, value, slot, found, 1) for (k, value), slot in kwarg_slots}
+        if found.lent:
+            self._lent[id(info)] = found.lent
         # Tensors inside objects passed as they are get a plain hook (sum over consumers); where none was passed, the
         # aliases above hook every tensor that requires grad (most calls: a walk of the arguments saved).
-        for slot, tensor in iter_live_call_inputs(args, kwargs, names) if passed else ():
-            if tensor.requires_grad and slot not in aliased:
+        for slot, tensor in iter_live_call_inputs(args, kwargs, names) if found.passed else ():
+            if tensor.requires_grad and slot not in found.aliased:
                 self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
-        return (new_args, new_kwargs) if aliased else None
+        return (new_args, new_kwargs) if found.aliased else None
 
-    def _alias(
-        self, info: CallInfo, value: Any, slot: str, aliased: set[str], lent: list[_Lent], passed: list[object]
-    ) -> Any:
+    def _alias(self, info: CallInfo, value: Any, slot: str, found: _Aliasing, depth: int) -> Any:
         """``value`` with an alias carrying a gradient hook in place of each tensor that requires grad. Immutable
         containers are rebuilt; a list or dict is the caller's own, its items swapped for the aliases (``lent``),
         so that what the module writes into it stays written (:func:`_give_back` puts the tensors back). An object
-        that may hold tensors, passed as it is, goes to ``passed``."""
-        if holds_no_tensor(value):
+        that may hold tensors, passed as it is, is noted in ``found``. Not below the depth where the input records
+        stop (``MAX_DEPTH``: a dict that holds itself)."""
+        if holds_no_tensor(value) or depth >= MAX_DEPTH:
             return value
         if isinstance(value, torch.Tensor):
             if not value.requires_grad or value.layout != torch.strided:
                 return value
             alias = value.view_as(value)
             self._watch(alias, _GradTap(self._sink, info, grad_slot(slot), self._phase))
-            aliased.add(slot)
+            found.aliased.add(slot)
             return alias
         if type(value) is tuple:
-            return tuple(self._alias(info, v, join_slot(slot, i), aliased, lent, passed) for i, v in enumerate(value))
+            return tuple(self._alias(info, v, join_slot(slot, i), found, depth + 1) for i, v in enumerate(value))
         if type(value) in (list, dict):
             keys = list(range(len(value))) if type(value) is list else list(value)
             slots = [join_slot(slot, k) for k in keys] if type(value) is list else mapping_slots(slot, keys)
             for key, item_slot in zip(keys, slots, strict=True):
                 item = value[key]
-                alias = self._alias(info, item, item_slot, aliased, lent, passed)
+                alias = self._alias(info, item, item_slot, found, depth + 1)
                 if alias is not item:
                     value[key] = alias
-                    lent.append(_Lent(value, key, item, alias))
+                    found.lent.append(_Lent(value, key, item, alias))
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple (immutable): rebuilt field by field
-            slots = pair_slots(slot, list(value._fields))
-            fields = zip(value, slots, strict=True)
-            return type(value)(*(self._alias(info, v, s, aliased, lent, passed) for v, s in fields))
+            fields = zip(value, pair_slots(slot, list(value._fields)), strict=True)
+            return type(value)(*(self._alias(info, v, s, found, depth + 1) for v, s in fields))
         # A mutable object of its own (a dataclass, an OrderedDict, a ModelOutput) is passed as it is: a copy holding
         # the aliases would lose what the module writes into it (a state object updated in place), and a
         # ModelOutput's items would not see the aliased attributes. Its tensors get a plain hook (module docstring).
-        passed.append(value)
+        found.passed = True
         return value
 
     def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> None:

@@ -60,7 +60,15 @@ def _pairs(items: Iterator[tuple[object, object]], prefix: str, store: StoreTens
 
 
 def _plain_key(key: object) -> object:
-    return key if isinstance(key, (str, int, float, bool)) else str(key)
+    """A mapping key as the index keeps it: a str, int, float or bool as its plain value (a subclass's, an ``Enum``
+    of str or int, is what the index reads back, whatever its ``str()`` says), anything else as its text."""
+    if type(key) in (str, int, float, bool):
+        return key
+    if isinstance(key, int):  # the base's own conversions: a subclass's __int__ or __str__ may say otherwise
+        return int.__int__(key)
+    if isinstance(key, float):
+        return float.__float__(key)
+    return str.__str__(key) if isinstance(key, str) else str(key)
 
 
 def mapping_slots(prefix: str, keys: Sequence[object]) -> list[str]:
@@ -190,7 +198,8 @@ def _argument_pairs(
 ) -> list[tuple[object, object]]:
     """Positional arguments keyed by the parameter they bind to (their position where they have none), then
     keywords."""
-    return [*((argument_key(names, i), value) for i, value in enumerate(args)), *kwargs.items()]
+    keywords = ((_plain_key(key), value) for key, value in kwargs.items())  # a str Enum's keyword by its value
+    return [*((argument_key(names, i), value) for i, value in enumerate(args)), *keywords]
 
 
 def call_input_slots(args: tuple[object, ...], kwargs: Mapping[str, object], names: ArgumentNames = ()) -> list[str]:

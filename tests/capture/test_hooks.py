@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import subprocess
 import sys
 from collections import defaultdict
@@ -406,6 +407,14 @@ class _Weighs(nn.Module):
         return sum((weight + 1.5) * value for weight, value in enumerate(values))  # type: ignore[return-value]
 
 
+class _Letter(str, enum.Enum):
+    A = "a"
+
+
+class _Number(enum.IntEnum):
+    ONE = 1
+
+
 class _Colliding(nn.Module):
     """Calls ``weigh`` with arguments whose names collide as text (``how``), each also used by the caller afterwards,
     so that only the module's own contribution is its weight times its output's gradient."""
@@ -422,12 +431,20 @@ class _Colliding(nn.Module):
             out = self.weigh({"(1, 2)": a, (1, 2): b})
         elif self.how == "None keys":
             out = self.weigh({"None": a, None: b})
+        elif self.how == "enum keys":  # kept in the index by value ("a", 1), whatever their str() says
+            out = self.weigh({_Letter.A: a, "1": b * 0.5, _Number.ONE: b})
+        elif self.how == "enum keyword":
+            out = self.weigh(a, **{_Letter.A: b})
+        elif self.how == "typed name taken":  # the second "1" is "1~str", which the first key already is
+            out = self.weigh({"1~str": a, 1: b * 0.5, "1": b})
         else:  # a keyword named as the first position
             out = self.weigh(a, **{"0": b})
         return out + a * 7.0 + b * 11.0
 
 
-@pytest.mark.parametrize("how", ["dict keys", "None keys", "keyword like a position"])
+@pytest.mark.parametrize(
+    "how", ["dict keys", "None keys", "keyword like a position", "enum keys", "enum keyword", "typed name taken"]
+)
 def test_arguments_whose_names_collide_get_their_own_gradients_under_their_own_names(tmp_path: Path, how: str) -> None:
     """Each input record has its gradient under its own name, the module's own contribution: the hooks once named the
     second of two arguments alike in text otherwise than its input record (``(1, 2)~tuple`` for ``(1, 2)~str``), and a
@@ -437,10 +454,42 @@ def test_arguments_whose_names_collide_get_their_own_gradients_under_their_own_n
     with BundleReader(path) as reader:
         _, call = reader.find_call("weigh", 0)
         inputs = [slot for slot, _ in iter_tensors(call.inputs, "input")]
-        assert len(inputs) == 2
+        assert len(inputs) == len({*inputs}) >= 2
         assert sorted(call.grad_inputs) == sorted(f"grad_{slot}" for slot in inputs)
         grad_output = reader.read_tensor(call.grad_outputs["grad_output"])
         for weight, slot in enumerate(inputs):
             assert torch.allclose(reader.read_tensor(call.grad_inputs[f"grad_{slot}"]), (weight + 1.5) * grad_output)
     with BundleReader(path) as reader:
         assert compare_run(_Colliding(how), reader).verdict == "MATCH"
+
+
+def test_a_dict_that_holds_itself_is_recorded_to_the_depth_the_index_keeps(tmp_path: Path) -> None:
+    """An argument that holds itself: the gradient hooks once followed it without end (RecursionError, a traceback
+    in place of a capture); they stop where the input records stop."""
+
+    class Passes(nn.Module):
+        def forward(self, found: dict[str, Any]) -> torch.Tensor:
+            return found["a"] * 3.0
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.passes = nn.Linear(4, 4), Passes()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            found: dict[str, Any] = {"a": self.lin(x)}
+            found["again"] = found
+            return self.passes(found) + found["a"]
+
+    path = tmp_path / "itself.h5"
+    capture_run(Model(), (torch.randn(3, 4),), path, seed=0, self_check=True)
+    with BundleReader(path) as reader:
+        _, call = reader.find_call("passes", 0)
+        inputs = {slot for slot, _ in iter_tensors(call.inputs, "input")}
+        assert "input.found.a" in inputs
+        assert {slot.removeprefix("grad_") for slot in call.grad_inputs} <= inputs
+        grad_output = reader.read_tensor(call.grad_outputs["grad_output"])
+        assert torch.equal(reader.read_tensor(call.grad_inputs["grad_input.found.a"]), 3.0 * grad_output)
+    with BundleReader(path) as reader:
+        assert compare_run(Model(), reader).verdict == "MATCH"

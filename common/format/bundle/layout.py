@@ -78,13 +78,17 @@ def join_slot(prefix: str, key: object) -> str:
 
 def pair_slots(prefix: str, keys: Sequence[object]) -> list[str]:
     """The slot of each key of a mapping (``join_slot``); keys of other types with one text (``{1: a, "1": b}``)
-    would share one, so each later one is also named by its type (``output.1~str``)."""
+    would share one, so each later one is also named by its type (``output.1~str``), and by a count after that
+    where that name is taken too (``{"1~str": a, 1: b, "1": c}``: ``output.1~str~2``)."""
     slots, taken = [], set()
     for key in keys:
         slot = join_slot(prefix, key) if prefix else str(key)  # a tree's top level names its keys unescaped
         if slot in taken:
             typed = f"{key}~{type(key).__name__}"
-            slot = join_slot(prefix, typed) if prefix else typed
+            slot, count = join_slot(prefix, typed) if prefix else typed, 1
+            while slot in taken:
+                count += 1
+                slot = join_slot(prefix, f"{typed}~{count}") if prefix else f"{typed}~{count}"
         taken.add(slot)
         slots.append(slot)
     return slots
