@@ -74,11 +74,14 @@ def _one_line_warning(program: str, message: Warning | str, category: type[Warni
 
 
 def describe_error(err: BaseException) -> str:
-    """``Type: message``, readable also where the message is empty, repeats the type or is a bare key."""
+    """``Type: message``, readable also where the message is empty, repeats the type or is a bare key; with the notes
+    added on the way (where in the model it was raised), on the same line."""
     name, text = type(err).__name__, str(err).strip()
     if isinstance(err, KeyError) and err.args:
         text = f"no entry {err.args[0]!r}"
-    return name if not text or text == name else f"{name}: {text}"
+    described = name if not text or text == name else f"{name}: {text}"
+    notes = [" ".join(str(note).split()) for note in getattr(err, "__notes__", ())]
+    return ", ".join([described, *notes])
 
 
 class OneLineErrors(click.Command):

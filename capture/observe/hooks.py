@@ -213,6 +213,7 @@ class ModuleTap:
         self._handles: list[RemovableHandle] = []
         self._tensor_hooks: list[RemovableHandle] = []  # on tensors, until :meth:`release`
         self._names: dict[int, str] = {}
+        self._paths: dict[int, str] = {}  # the model's own module paths, for its errors
         self._arg_names: dict[int, ArgumentNames] = {}
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._open: defaultdict[int, list[CallInfo]] = defaultdict(list)
@@ -233,17 +234,37 @@ class ModuleTap:
             name = self._rename(path) if path else None
             if name is None:
                 continue
-            self._names[id(module)] = name
+            self._names[id(module)], self._paths[id(module)] = name, path
             self._arg_names[id(module)] = positional_names(module) if self._by_signature else ()
             self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(module.register_forward_hook(after, with_kwargs=True))
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if isinstance(error, Exception):  # the model's own error: say in which module
+            self._note_where(error)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._phase.backward = True  # the run's backward comes after its forward, outside the block
+
+    def _note_where(self, error: Exception) -> None:
+        """Add to ``error`` the innermost module of the model it passed through on its way out (a frame of one of
+        that module's methods, its ``forward`` or one it calls), with the module's latest call."""
+        innermost = None
+        trace = error.__traceback__
+        while trace is not None:
+            owner = trace.tb_frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(owner) in self._paths:
+                innermost = owner
+            trace = trace.tb_next
+        if innermost is None:
+            return
+        where = (
+            f"raised in module {self._paths[id(innermost)]!r} (its call {self._calls[self._names[id(innermost)]] - 1})"
+        )
+        if where not in getattr(error, "__notes__", ()):  # once, where the error passes another tap on its way out
+            error.add_note(where)
 
     def _before(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

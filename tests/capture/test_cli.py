@@ -29,14 +29,21 @@ import torch
 from torch import nn
 
 
+class Fails(nn.Module):
+    def forward(self, x):
+        return self.check(x)
+
+    def check(self, x):
+        raise RuntimeError("boom in forward")
+
+
 class Boom(nn.Module):
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin, self.inner = nn.Linear(4, 4), nn.Sequential(nn.Identity(), Fails())
 
     def forward(self, x):
-        self.lin(x)  # some module tensors are written before the failure
-        raise RuntimeError("boom in forward")
+        return self.inner(self.lin(x))  # some module tensors are written before the failure
 
 
 def build():
@@ -285,13 +292,16 @@ def test_pickled_module_checkpoint_runs_no_code(tmp_path: Path, npz: Path) -> No
 
 
 def test_forward_error_leaves_no_file(tmp_path: Path, npz: Path) -> None:
-    """A model whose forward raises gives exit 2 naming the error; no bundle and no temporary file remain."""
+    """A model whose forward raises gives exit 2 naming the error and the module it was raised in (innermost, the
+    one whose method raised); no bundle and no temporary file remain."""
     (tmp_path / "boom_model.py").write_text(RAISING_MODEL)
     out = tmp_path / "o.h5"
     line = one_error_line(
         "capture-run", capture("--model", f"{tmp_path / 'boom_model.py'}:build", "--inputs", npz, "--out", out)
     )
-    assert "RuntimeError: boom in forward" in line
+    assert line.endswith(
+        "RuntimeError: boom in forward, raised in module 'inner.1' (its call 0) (rerun with --debug for the traceback)"
+    )
     assert not out.exists()
     assert leftovers(tmp_path) == []
 

@@ -493,3 +493,45 @@ def test_a_dict_that_holds_itself_is_recorded_to_the_depth_the_index_keeps(tmp_p
         assert torch.equal(reader.read_tensor(call.grad_inputs["grad_input.found.a"]), 3.0 * grad_output)
     with BundleReader(path) as reader:
         assert compare_run(Model(), reader).verdict == "MATCH"
+
+
+class _FailsOnCall(nn.Module):
+    """Raises on its call number ``failing`` (from 0); ``caught``: its parent catches that and raises its own."""
+
+    def __init__(self, failing: int) -> None:
+        super().__init__()
+        self.failing, self.calls = failing, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.failing:
+            raise ValueError("shapes (3, 4) and (5, 4) do not match")
+        return x * 2.0
+
+
+class _Fails(nn.Module):
+    def __init__(self, caught: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.block, self.caught = nn.Linear(4, 4), nn.Sequential(_FailsOnCall(1)), caught
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.lin(x))
+        try:
+            return self.block(h)
+        except ValueError:
+            if not self.caught:
+                raise
+        raise RuntimeError("the fallback is not written yet")
+
+
+@pytest.mark.parametrize("caught", [False, True])
+def test_a_models_own_error_says_in_which_module(tmp_path: Path, caught: bool) -> None:
+    """The model's own error names the module it was raised in, and that module's call: the innermost one running
+    (the second call of ``block.0``), or, where a parent caught that and raised its own, the parent (the model)."""
+    expected = "raised in module 'block.0' (its call 1)" if not caught else None
+    with pytest.raises((ValueError, RuntimeError)) as raised:
+        capture_run(_Fails(caught), (torch.randn(3, 4),), tmp_path / "b.h5", seed=0)
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes == ([expected] if expected else []), notes  # the model itself is not hooked: nothing to name
+    assert not (tmp_path / "b.h5").exists()
