@@ -260,9 +260,10 @@ class ModuleTap:
             trace = trace.tb_next
         if innermost is None:
             return
-        where = (
-            f"raised in module {self._paths[id(innermost)]!r} (its call {self._calls[self._names[id(innermost)]] - 1})"
-        )
+        where = f"raised in module {self._paths[id(innermost)]!r}"
+        calls = self._calls[self._names[id(innermost)]]
+        if calls:  # else a method of a module never called as a module (``self.inner.check(x)``)
+            where += f" (its call {calls - 1})"
         if where not in getattr(error, "__notes__", ()):  # once, where the error passes another tap on its way out
             error.add_note(where)
 

@@ -525,13 +525,29 @@ class _Fails(nn.Module):
         raise RuntimeError("the fallback is not written yet")
 
 
-@pytest.mark.parametrize("caught", [False, True])
-def test_a_models_own_error_says_in_which_module(tmp_path: Path, caught: bool) -> None:
+class _CallsAMethod(nn.Module):
+    """Calls a method of a submodule it never calls as a module, which raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.spare = nn.Linear(4, 4), _FailsOnCall(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.spare.forward(self.lin(x))
+
+
+@pytest.mark.parametrize("case", ["raised", "caught", "method"])
+def test_a_models_own_error_says_in_which_module(tmp_path: Path, case: str) -> None:
     """The model's own error names the module it was raised in, and that module's call: the innermost one running
-    (the second call of ``block.0``), or, where a parent caught that and raised its own, the parent (the model)."""
-    expected = "raised in module 'block.0' (its call 1)" if not caught else None
+    (the second call of ``block.0``); where a parent caught that and raised its own, the parent (the model, not
+    recorded: nothing to name); a submodule's method called directly, without a call of the module to number."""
+    model = _CallsAMethod() if case == "method" else _Fails(caught=case == "caught")
+    expected = {
+        "raised": ["raised in module 'block.0' (its call 1)"],
+        "caught": [],
+        "method": ["raised in module 'spare'"],
+    }
     with pytest.raises((ValueError, RuntimeError)) as raised:
-        capture_run(_Fails(caught), (torch.randn(3, 4),), tmp_path / "b.h5", seed=0)
-    notes = getattr(raised.value, "__notes__", [])
-    assert notes == ([expected] if expected else []), notes  # the model itself is not hooked: nothing to name
+        capture_run(model, (torch.randn(3, 4),), tmp_path / "b.h5", seed=0)
+    assert getattr(raised.value, "__notes__", []) == expected[case]
     assert not (tmp_path / "b.h5").exists()
