@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import torch
@@ -507,16 +507,21 @@ def mapped_parameters(
     return pairs
 
 
+NO_GRAD: Final = "the port's value does not require grad (a detach?)"
+"""Why an output the reference backpropagated through is left out of the port's backward."""
+
+
 def backward_as_recorded(
     reader: BundleReader,
     outputs: Any,
     loss: LossFn | None,
     transform: LayoutTransform,
     on_loss: Callable[[torch.Tensor], None] | None = None,
-) -> list[str]:
+) -> dict[str, str]:
     """Backpropagate exactly what the reference did: its cotangent, or the adapter's loss (shown to ``on_loss``
-    first). Returns the outputs (``"loss"`` for the loss) the reference backpropagated through but the port's graph
-    does not reach (detached, or computed without grad): left out of the backward, a difference of the port's."""
+    first). Returns the outputs (``"loss"`` for the loss) the reference backpropagated through that the port's
+    backward leaves out, each with why: its graph does not reach them (detached, computed without grad), or the
+    output's shape is not the cotangent's (a difference of the port's, never a crash of the replay)."""
     index = reader.index
     if index.run.backward == "loss":
         if loss is None:
@@ -525,13 +530,13 @@ def backward_as_recorded(
         if on_loss is not None:
             on_loss(value)
         if not value.requires_grad:
-            return ["loss"]
+            return {"loss": NO_GRAD}
         value.backward()  # type: ignore[no-untyped-call]
-        return []
+        return {}
     if index.run.backward == "none" or index.cotangent is None:
-        return []
+        return {}
     live = dict(iter_live_tensors(outputs, "output"))
-    tensors, cotangents, cut = [], [], []
+    tensors, cotangents, left_out = [], [], {}
     for slot, ref in iter_tensors(index.cotangent, ""):
         if slot not in live:
             raise InputError(
@@ -539,14 +544,16 @@ def backward_as_recorded(
                 f"(it has {sorted(live)}); make the port's forward return the same structure"
             )
         in_reference_layout = transform(slot, live[slot])  # the cotangent flows back through the transform
-        if not in_reference_layout.requires_grad:
-            cut.append(slot)
-            continue
-        tensors.append(in_reference_layout)
-        cotangents.append(reader.read_tensor(ref).to(in_reference_layout.device, in_reference_layout.dtype))
+        if tuple(in_reference_layout.shape) != tuple(ref.shape):
+            left_out[slot] = f"the reference's cotangent has shape {ref.shape}"
+        elif not in_reference_layout.requires_grad:
+            left_out[slot] = NO_GRAD
+        else:
+            tensors.append(in_reference_layout)
+            cotangents.append(reader.read_tensor(ref).to(in_reference_layout.device, in_reference_layout.dtype))
     if tensors:
         torch.autograd.backward(tensors, cotangents)
-    return cut
+    return left_out
 
 
 def compared_modules(rename: RenameMap, recorded: Selection, layers: Selection | None) -> Callable[[str], str | None]:

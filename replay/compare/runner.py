@@ -506,8 +506,8 @@ class _ReplaySession:
             self._compare_loss(value)
 
         with self.reader.trims_paused():  # the peak is past: trims now would only fault pages in again
-            cut = backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
-        self._fail_cut_outputs(cut)
+            left_out = backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
+        self._fail_left_out_outputs(left_out)
         sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
 
     def _compare_output_values(self, outputs: object) -> None:
@@ -529,20 +529,22 @@ class _ReplaySession:
                 "have the reference adapter's forward return its tensors (a dict, a tuple), or waive it"
             )
 
-    def _fail_cut_outputs(self, cut: list[str]) -> None:
-        """Fail the output records the reference backpropagated through and the port's graph does not reach: its
-        gradients then lack what flowed back through them (a ``.detach()``, a ``no_grad`` in the port)."""
-        problem = "the port's value does not require grad, the reference backpropagated through it (a detach?)"
+    def _fail_left_out_outputs(self, left_out: dict[str, str]) -> None:
+        """Fail the output records the reference backpropagated through and the port's backward left out (its graph
+        does not reach them, or their shapes differ): its gradients then lack what flowed back through them."""
         for position, record in enumerate(self.result.records):
-            if record.kind == "output" and record.name in cut:
+            if record.kind == "output" and record.name in left_out:
                 diff = record.diff
-                problem_now = f"{diff.problem}; {problem}" if diff.problem else problem
-                failed = dataclasses.replace(diff, match=False, problem=problem_now)
-                self.result.records[position] = dataclasses.replace(record, diff=failed)
-        if cut:
+                why = f"{left_out[record.name]}: left out of the port's backward (the reference's ran through it)"
+                problem = f"{diff.problem}; {why}" if diff.problem else why
+                self.result.records[position] = dataclasses.replace(
+                    record, diff=dataclasses.replace(diff, match=False, problem=problem)
+                )
+        if left_out:
+            named = ", ".join(f"{slot} ({why})" for slot, why in left_out.items())
             self.result.notes.append(
-                f"backward: {', '.join(cut)} left out: the reference backpropagated through them, the port's "
-                "do not require grad; its gradients lack what flowed back through them"
+                f"backward: {named} left out: the reference backpropagated through them; the port's gradients lack "
+                "what flowed back through them"
             )
 
     def _note_outside_uses(self, watch: OutsideUses | None, roots: list[torch.Tensor]) -> None:

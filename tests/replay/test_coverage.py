@@ -392,6 +392,43 @@ def test_an_output_the_port_detached_fails_its_record_not_the_run(tmp_path: Path
     assert any("left out: the reference backpropagated through them" in note for note in result.notes)
 
 
+class _Reshaped(nn.Module):
+    """A linear layer's output and its sum; ``change`` returns one of them in another shape, as a port might."""
+
+    def __init__(self, change: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.change = change
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        total = y.sum()
+        if self.change == "unsqueezed":
+            return y.unsqueeze(0), total
+        if self.change == "narrowed":
+            return y[:, :3], total
+        return y, total.reshape(1) if self.change == "scalar as (1,)" else total
+
+
+@pytest.mark.parametrize(("change", "slot"), [("unsqueezed", "0"), ("narrowed", "0"), ("scalar as (1,)", "1")])
+def test_an_output_of_another_shape_is_a_mismatch_not_a_crash(tmp_path: Path, change: str, slot: str) -> None:
+    """The reference backpropagated a cotangent into an output the port returns in another shape: that output's record
+    fails naming the reference's shape, the backward runs through the rest, and the run is a MISMATCH (exit 1), where
+    torch's "Mismatch in shape" used to end it (exit 2, no verdict)."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "shapes.h5"
+    capture_run(_Reshaped(), {"x": torch.randn(3, 4, generator=torch.Generator().manual_seed(2))}, bundle, seed=0)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_Reshaped(change), reader)
+    failing = {record.name: record.diff.problem or "" for record in result.records if not record.match}
+    assert "cotangent has shape" in failing[f"output.{slot}"]
+    assert "left out of the port's backward" in failing[f"output.{slot}"]
+    assert result.verdict == "MISMATCH"
+    assert {record.name for record in result.records if record.kind == "param_grad"} == {"lin.weight", "lin.bias"}
+
+
 class _WithSpare(nn.Module):
     """A linear layer and, unless ``spare`` is False, a parameter the forward never uses (no gradient recorded)."""
 

@@ -150,6 +150,42 @@ def test_module_that_cannot_be_isolated_says_why_once(tmp_path: Path) -> None:
     assert _verdict(result, "lin/0/output") == "ok"
 
 
+class _Projection(nn.Module):
+    """A weight of its own; ``unsqueezed`` returns its output with an extra leading dimension, as a port might."""
+
+    def __init__(self, unsqueezed: bool) -> None:
+        super().__init__()
+        self.unsqueezed = unsqueezed
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return y.unsqueeze(0) if self.unsqueezed else y
+
+
+class _ProjectedBetween(nn.Module):
+    def __init__(self, unsqueezed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.proj, self.last = nn.Linear(4, 4), _Projection(unsqueezed), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.proj(self.first(x)).reshape(-1, 4))
+
+
+def test_a_module_output_of_another_shape_is_its_origin_not_a_crash(tmp_path: Path) -> None:
+    """Isolated, a module whose output has another shape than the reference's is that difference's origin; its
+    recorded grad_output cannot seed that output's backward, and the replay no longer ends in torch's "Mismatch in
+    shape" (exit 2, no verdict)."""
+    path = tmp_path / "projection.h5"
+    capture_run(_ProjectedBetween(), (torch.randn(3, 4, generator=torch.Generator().manual_seed(1)),), path)
+    with BundleReader(path) as reader:
+        result = compare_run(_ProjectedBetween(unsqueezed=True), reader, tolerances=EXACT, isolate=True)
+    assert result.verdict == "MISMATCH"
+    assert _verdict(result, "proj/0/output") == "origin"
+    assert _verdict(result, "last/0/output") == "ok"
+
+
 def test_cli_isolate_prints_first_origin(ref_bundle: Path, ref_checkpoint: Path, tmp_path: Path) -> None:
     """replay-compare --isolate names the first origin in the summary and the JSON report."""
     report = tmp_path / "report.json"
