@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import torch
@@ -14,7 +16,21 @@ from parity_harness.capture.record.recorder import capture_run
 from parity_harness.replay.assertions import assert_parity
 from parity_harness.replay.result import ComparisonResult
 
-__all__ = ["ParityFixture", "ParityRegenerated"]
+__all__ = ["ParityFixture", "ParityRegenerated", "file_name"]
+
+
+_PLAIN: Final = re.compile(r"[A-Za-z0-9_]+(\[[A-Za-z0-9_.=+-]*\])?")
+"""A test name written as a file name as it is (the brackets of its parameter id dropped): a function's name, and the
+characters of an id that no other id can stand for."""
+
+
+def file_name(test_name: str) -> str:
+    """``test_name`` (``test_x[id]``) as a file name that no other test's name gives: ``test_x-id``; a name with any
+    other character (an id ``a/b``, which ``a_b`` would also give) has them replaced and a digest of the name added."""
+    if _PLAIN.fullmatch(test_name):
+        return test_name.replace("[", "-").removesuffix("]")
+    readable = re.sub(r"[^A-Za-z0-9_.=+-]", "_", test_name.replace("[", "-").removesuffix("]"))[:80]
+    return f"{readable}-{hashlib.sha256(test_name.encode()).hexdigest()[:10]}"
 
 
 class ParityRegenerated(UserWarning):
@@ -24,16 +40,44 @@ class ParityRegenerated(UserWarning):
 class ParityFixture:
     """Bound to one test: knows its default bundle path, tolerances and whether to regenerate."""
 
-    def __init__(self, request: pytest.FixtureRequest, regenerated: list[str]) -> None:
+    def __init__(self, request: pytest.FixtureRequest, regenerated: dict[str, str]) -> None:
         self._request, self._regenerated = request, regenerated
+        self._checks = 0  # this test's parity.check calls without bundle= so far
 
-    def default_bundle(self) -> Path:
-        """``<bundle dir or test file dir>/<test module>/<test name>.h5``."""
+    def default_bundle(self, check: int = 1) -> Path:
+        """The golden bundle of this test's ``check``-th ``parity.check`` without ``bundle=``:
+        ``<bundle dir or test file dir>/<test module>/[<class>/]<test name>.h5``, ``~2``, ``~3``... before ``.h5``
+        for the later checks. Under ``parity_bundle_dir`` the test module's path below the root folder is kept, so
+        two test files of one name in two folders keep apart."""
+        node = self._request.node
+        test_file = Path(node.path)
+        base = self._request.config.getini("parity_bundle_dir")
+        if base:
+            rootpath = Path(self._request.config.rootpath)
+            below = test_file.relative_to(rootpath) if test_file.is_relative_to(rootpath) else Path(test_file.name)
+            folder = Path(rootpath, str(base), below.with_suffix(""))
+        else:
+            folder = test_file.parent / test_file.stem
+        classes = node.nodeid.removesuffix(node.name).split("::")[1:-1]  # nested ones too: identifiers
+        name = file_name(node.name) + (f"~{check}" if check > 1 else "")
+        return folder.joinpath(*classes, f"{name}.h5")
+
+    def _former_default_hint(self, bundle: object, path: Path) -> str:
+        """A line on the bundle at the default path earlier versions gave this test, if one is there: that
+        path left out the test's class and folder (two tests could share it), so it is not read in this one's place."""
+        if bundle is not None or self._checks > 1:
+            return ""
         test_file = Path(self._request.node.path)
         base = self._request.config.getini("parity_bundle_dir")
         folder = Path(self._request.config.rootpath, base) if base else test_file.parent
         name = self._request.node.name.replace("/", "_").replace("[", "-").replace("]", "")
-        return folder / test_file.stem / f"{name}.h5"
+        former = folder / test_file.stem / f"{name}.h5"
+        if former == path or not former.exists():
+            return ""
+        return (
+            f"\n({former} is where earlier versions put this test's golden bundle, and where another test of the same "
+            "name in another class or folder could have put its own: move it here if it is this test's)"
+        )
 
     def _tolerances(self, atol: float | None, rtol: float | None) -> tuple[float | None, float | None]:
         """The first of the call, the ``parity`` marker and the ini that gives atol and rtol (each must give both or
@@ -89,7 +133,9 @@ class ParityFixture:
             options: passed to :func:`replay.assert_parity` (``map``, ``isolate``, ``forward``...).
         """
         __tracebackhide__ = True
-        path = Path(bundle) if bundle is not None else self.default_bundle()
+        if bundle is None:
+            self._checks += 1
+        path = Path(bundle) if bundle is not None else self.default_bundle(self._checks)
         if self._request.config.getoption("parity_regen"):
             self._regenerate(model, inputs, path, seed, options)
             return None
@@ -97,7 +143,7 @@ class ParityFixture:
             pytest.fail(
                 f"golden bundle {path} does not exist; create it in the reference environment with\n"
                 f"    pytest {self._request.node.nodeid} --parity-regen\n"
-                f"or with capture-run ... --out {path}",
+                f"or with capture-run ... --out {path}{self._former_default_hint(bundle, path)}",
                 pytrace=False,
             )
         atol_, rtol_ = self._tolerances(atol, rtol)
@@ -106,11 +152,19 @@ class ParityFixture:
     def _regenerate(self, model: torch.nn.Module, inputs: Any, path: Path, seed: int, options: dict[str, Any]) -> None:
         if inputs is None:
             pytest.fail("--parity-regen needs the inputs: parity.check(model, inputs)", pytrace=False)
+        nodeid, key = self._request.node.nodeid, str(path.absolute())
+        earlier = self._regenerated.get(key)
+        if earlier not in (None, nodeid):  # its capture would replace the earlier one: a test would compare wrongly
+            pytest.fail(
+                f"--parity-regen: {path} was regenerated by {earlier} in this run already; give one of the two "
+                "checks its own bundle=",
+                pytrace=False,
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         capture_run(
             model, inputs, path, seed=seed, overwrite=True, forward=options.get("forward"), loss=options.get("loss"),
             allow_tf32=options.get("allow_tf32", False),
         )  # fmt: skip
-        self._regenerated.append(str(path))
+        self._regenerated[key] = nodeid
         warnings.warn(ParityRegenerated(f"golden bundle regenerated: {path}"), stacklevel=2)
         return

@@ -13,7 +13,8 @@ import pytest
 if TYPE_CHECKING:
     from parity_harness.replay.testing.fixture import ParityFixture
 
-REGENERATED = pytest.StashKey[list[str]]()
+REGENERATED = pytest.StashKey[dict[str, str]]()
+"""The golden bundles --parity-regen wrote in this run: path -> the test that wrote it."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,12 +33,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """Declare the marker and prepare the list of regenerated bundles."""
     config.addinivalue_line("markers", "parity(atol=None, rtol=None): per-test tolerances of the parity fixture")
-    config.stash[REGENERATED] = []
+    config.stash[REGENERATED] = {}
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """List the golden bundles written by --parity-regen."""
-    regenerated = config.stash.get(REGENERATED, [])
+    regenerated = config.stash.get(REGENERATED, {})
     if regenerated:
         terminalreporter.section("parity: golden bundles regenerated")
         for path in regenerated:
