@@ -236,8 +236,13 @@ class RecordResult:
 
     @property
     def undecided(self) -> bool:
-        """Out of atol/rtol by no more than float32 rounding could explain, and the rounding rule could not judge it."""
-        return not self.match and self.rounding is not None and not self.rounding.decided
+        """Out of atol/rtol by no more than float32 rounding could explain, and the rounding rule could not judge it;
+        or kept as statistics only, its bits not the reference's, its statistics within the tolerance's bounds."""
+        if self.match:
+            return False
+        if self.diff.basis == "statistics":
+            return self.diff.mismatched == 0
+        return self.rounding is not None and not self.rounding.decided
 
     @property
     def rule(self) -> str:
@@ -337,13 +342,15 @@ class ComparisonResult:
         may not show (an embedding's rows for tokens not in the batch). Those of modules ``--map auto`` paired on
         shapes alone are left out (a pairing in doubt, said apart)."""
         unsure = set(self.alignment_uncertain)
-        return [r for r in self.param_values if not r.match and r.name.rpartition(".")[0] not in unsure]
+        return [
+            r for r in self.param_values if not r.match and not r.undecided and r.name.rpartition(".")[0] not in unsure
+        ]
 
     @property
     def match(self) -> bool:
         """True only when the run is complete, every compared record matches and the parameters are the
         reference's."""
-        return self.complete and all(record.match for record in self.records) and not self.differing_parameters
+        return self.verdict == "MATCH"
 
     @property
     def verdict(self) -> ResultVerdict:
@@ -353,7 +360,8 @@ class ComparisonResult:
         failing = [record for record in self.records if not record.match]
         if any(not record.undecided for record in failing) or self.differing_parameters:
             return "MISMATCH"
-        return "MATCH" if self.complete and not failing else "INCOMPLETE"
+        undecided_parameters = any(record.undecided for record in self.param_values)
+        return "MATCH" if self.complete and not failing and not undecided_parameters else "INCOMPLETE"
 
     def coverage(self) -> dict[RecordKind, KindCoverage]:
         """Per kind: compared, missing (unwaived) and waived records."""

@@ -37,7 +37,9 @@ def test_golden_bundle_reads_verifies_and_replays(path: Path) -> None:
             if reader.summary(ref) is None:
                 reader.read_array(ref)  # verifies the CRC-32 where the version has them
         case = CASES[name]
-        result = compare_run(case.build(), reader, loss=case.loss, tolerances=ToleranceTable(Tolerance(1e-6, 1e-6)))
+        # Another machine's bundle: records kept as statistics may differ in their last bits (accepted, not proven).
+        tolerance = ToleranceTable(Tolerance(1e-6, 1e-6))
+        result = compare_run(case.build(), reader, loss=case.loss, tolerances=tolerance, accept_statistics=True)
     assert result.match, [r.name for r in result.records if not r.match][:5]
     assert (result.bundle_only, result.replay_only) == ([], [])
 

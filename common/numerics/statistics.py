@@ -202,6 +202,7 @@ def diff_statistics(
         nan_actual=int(actual["nan"]),
         problem="; ".join(problems + failed) or None,
         basis="statistics",
+        bits_equal=identical,
     )
 
 

@@ -147,6 +147,13 @@ def _walked_first(bundle: Path) -> Path | None:
     "1e-3 relative); by default the replay turns TF32 off, so that float32 is float32.",
 )
 @click.option(
+    "--accept-statistics",
+    is_flag=True,
+    help="Count records kept as statistics only (capture-run --summary-only, --max-tensor-bytes) whose bits differ "
+    "as matching when their statistics are within the tolerance's bounds; by default they are undecided "
+    "(INCOMPLETE): such statistics prove no match.",
+)
+@click.option(
     "--mask-padding", is_flag=True, help="Leave positions past each example's recorded length out of module records."
 )
 @click.option(
@@ -242,6 +249,7 @@ def main(
     noise_factor: float | None,
     no_rounding_check: bool,
     allow_tf32: bool,
+    accept_statistics: bool,
     mask_padding: bool,
     layers: tuple[str, ...],
     skip_layers: tuple[str, ...],

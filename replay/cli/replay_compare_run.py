@@ -97,6 +97,7 @@ def _options(params: Mapping[str, Any], progress: ProgressLine) -> ReplayOptions
         compile_backend=params["compile_backend"],
         compiled_module_records=params["compile_per_module"],
         allow_tf32=params["allow_tf32"],
+        accept_statistics=params["accept_statistics"],
     )
 
 

@@ -133,6 +133,10 @@ class ReplayOptions:
             gradients combined as the ranks combined them (under torchrun, summed across the replay's processes).
         allow_tf32: keep TF32 and oneDNN's reduced float32 modes as torch or the port set them; by default the
             replay turns them off, so that float32 is float32 (``capture.record.tf32``).
+        accept_statistics: count a record kept as statistics only (``--summary-only``, ``--max-tensor-bytes``)
+            whose bits differ from the reference's as matching when its statistics are within what the tolerance
+            allows; by default it is undecided (INCOMPLETE): such statistics prove no match (a permutation, or an
+            error in a few elements of a large tensor, stays within them).
     """
 
     forward: ForwardFn | None = None
@@ -156,6 +160,7 @@ class ReplayOptions:
     """Globs of bundle record names not to compare (``MODULE/*``: a module's own records, not its children's)."""
     rounding: bool | None = None
     allow_tf32: bool = False
+    accept_statistics: bool = False
 
     def __post_init__(self) -> None:
         # Given by hand (compare_run's fields, assert_parity, the fixture): one glob for waive and globs for layers
@@ -940,6 +945,7 @@ class _ReplaySession:
             notes.append(self.wrapper_note)
         self._note_calls_without_autograd()
         _note_selection(self.result, self.reader, options.layers)
+        _judge_statistics(self.result, options.accept_statistics)
         if not self.reader.verified:
             notes.append(
                 "WARNING: unverified bundle: "
@@ -1101,12 +1107,41 @@ def _note_selection(result: ComparisonResult, reader: BundleReader, layers: Sele
         result.notes.append(f"capture selection: {recorded.describe()}; what it left out is not compared")
     if layers is not None:
         result.notes.append(f"module records compared only for: {layers.describe()}")
-    summarized = sum(1 for record in result.records if record.diff.basis == "statistics")
-    if summarized:
-        result.notes.append(
-            f"{summarized} records were recorded as statistics only: 'match' means their sums, extremes and "
-            "NaN/Inf counts are within what the tolerance allows (a necessary condition, not a proof)"
+
+
+_UNPROVEN: Final = "statistics only: its bits differ; statistics within the tolerance's bounds prove no match"
+
+
+def _judge_statistics(result: ComparisonResult, accept: bool) -> None:
+    """Records kept as statistics only whose bits differ from the reference's: within the bounds the tolerance allows
+    their statistics prove no match (a permutation, an error in a few elements of a large tensor stay within them),
+    so they are undecided (INCOMPLETE) unless ``accept``; out of bounds they are mismatches either way."""
+    summarized = unproven = 0
+    for records in (result.records, result.param_values):
+        for position, record in enumerate(records):
+            if record.diff.basis != "statistics":
+                continue
+            summarized += 1
+            if record.diff.match and not record.diff.bits_equal:
+                unproven += 1
+                if not accept:
+                    undecided = dataclasses.replace(record.diff, match=False, problem=_UNPROVEN)
+                    records[position] = dataclasses.replace(record, diff=undecided)
+    if not summarized:
+        return
+    note = f"{summarized} records were recorded as statistics only, compared by their CRC-32s and statistics"
+    if unproven:
+        note += (
+            f"; {unproven} differ from the reference's bits within what the tolerance allows of their sums, extremes "
+            "and NaN/Inf counts: "
+            + (
+                "counted as matching (--accept-statistics), which proves no match"
+                if accept
+                else "undecided, INCOMPLETE (such statistics prove no match: a permutation, or an error in a few "
+                "elements of a large tensor, stays within them); capture them in full, or pass --accept-statistics"
+            )
         )
+    result.notes.append(note)
 
 
 def _warn_if_mostly_unpaired(result: ComparisonResult) -> None:

@@ -94,6 +94,70 @@ def test_summary_only_bundle_is_small_and_still_finds_the_bug(tmp_path: Path) ->
     assert "moved by" in (first.diff.problem or "")
 
 
+class _Heads(torch.nn.Module):
+    """Two heads of four features; ``bug`` interleaves them the wrong way (a permutation: every statistic kept) or
+    moves one element of the output by 1e-3 (100x atol, lost in the sums of 16K elements)."""
+
+    def __init__(self, bug: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        if self.bug == "interleaved":
+            y = y.view(-1, 4, 2).transpose(1, 2).reshape(-1, 8)
+        if self.bug == "one element":
+            y = y + torch.nn.functional.one_hot(torch.tensor(5), y.numel()).view_as(y) * 1e-3
+        return y
+
+
+@pytest.mark.parametrize(
+    ("selection", "bug", "tolerance"),
+    [
+        (Selection(summary_only=True), "interleaved", Tolerance(0.0, 0.0)),
+        (Selection(max_tensor_bytes=4096), "one element", Tolerance(1e-5, 1e-5)),
+    ],
+)
+def test_statistics_within_bounds_prove_no_match(
+    tmp_path: Path, selection: Selection, bug: str, tolerance: Tolerance
+) -> None:
+    """A port wrong in a way its statistics cannot see (a permutation; one element of 16K off by 100x atol) against
+    records kept as statistics: undecided, INCOMPLETE, never MATCH (it was MATCH, exit 0); ``accept_statistics``
+    counts them as matching and says so. The port exact to the bit matches by the CRC-32s alone."""
+    path = tmp_path / "heads.h5"
+    capture_run(_Heads(), {"x": torch.randn(2048, 8, generator=torch.Generator().manual_seed(1))}, path, seed=1,
+                selection=selection)  # fmt: skip
+    with BundleReader(path) as reader:
+        wrong = compare_run(_Heads(bug), reader, tolerances=ToleranceTable(tolerance))
+        accepted = compare_run(_Heads(bug), reader, tolerances=ToleranceTable(tolerance), accept_statistics=True)
+        exact = compare_run(_Heads(), reader, tolerances=ToleranceTable(tolerance))
+    assert wrong.verdict == "INCOMPLETE"
+    assert wrong.complete
+    undecided = [record for record in wrong.records if not record.match]
+    assert "output" in {record.name for record in undecided}
+    assert all(record.undecided and "prove no match" in (record.diff.problem or "") for record in undecided)
+    assert wrong.first_divergence("forward") is None  # nothing proven to differ
+    assert accepted.verdict == "MATCH"
+    assert any("counted as matching (--accept-statistics)" in note for note in accepted.notes)
+    assert exact.verdict == "MATCH"
+
+
+def test_parameters_kept_as_statistics_are_undecided_not_other_weights(tmp_path: Path) -> None:
+    """A parameter kept as statistics whose bits differ within its statistics' bounds is undecided (INCOMPLETE), not
+    a weight proven different (MISMATCH), nor a match."""
+    path = capture(tmp_path, Selection(max_tensor_bytes=100, kinds=("params",)))
+    near = build_tiny()
+    with torch.no_grad():
+        near.blocks[0].lin.weight.mul_(1 + 1e-7)
+    with BundleReader(path) as reader:
+        result = compare_run(near, reader, tolerances=ToleranceTable(Tolerance(1e-5, 1e-5)))
+    assert result.verdict == "INCOMPLETE"
+    assert result.differing_parameters == []
+    assert [record.name for record in result.param_values if record.undecided] == ["blocks.0.lin.weight"]
+
+
 def test_max_tensor_bytes_summarises_only_large_tensors(tmp_path: Path) -> None:
     """Tensors over the limit become statistics, smaller ones stay full; replay matches both ways."""
     path = capture(tmp_path, Selection(max_tensor_bytes=100))
@@ -107,10 +171,17 @@ def test_max_tensor_bytes_summarises_only_large_tensors(tmp_path: Path) -> None:
 
 
 def test_isolation_skips_modules_whose_inputs_are_statistics(tmp_path: Path) -> None:
-    """--isolate on a summary bundle says why each module could not be run alone instead of failing."""
+    """--isolate on a summary bundle: an exact port's calls, every record the reference's bits by its CRC-32, keep
+    their chained results (nothing to run); a port that differs gets, per module it cannot run alone, why."""
     path = capture(tmp_path, Selection(summary_only=True))
     result = replay(path, isolate=True)
     assert result.match
+    assert result.not_isolated == {}
+    near = build_tiny()
+    with torch.no_grad():
+        near.blocks[1].lin.weight[0, 0] += 1e-3
+    result = replay(path, near, isolate=True)
+    assert not result.match
     assert result.not_isolated
     assert all("statistics only" in reason for reason in result.not_isolated.values())
 

@@ -278,7 +278,8 @@ def test_varargs_positional_only_and_wrapped_forwards(tmp_path: Path) -> None:
 def test_summed_statistics_only_records_are_left_uncompared_not_waived(tmp_path: Path) -> None:
     """A sum cannot be formed from statistics: those records stay uncompared (INCOMPLETE, exit 1, the note saying
     why), never waived on the user's behalf, which passed a port whose backward into them was wrong; the user's own
-    waiver makes a correct port match."""
+    waiver leaves a correct port's records, whose bits differ, undecided by their statistics (INCOMPLETE) until
+    ``--accept-statistics`` counts them as matching."""
     from parity_harness.common.format.bundle.selection import Selection
 
     bundle = tmp_path / "summary.h5"
@@ -289,8 +290,15 @@ def test_summed_statistics_only_records_are_left_uncompared_not_waived(tmp_path:
     assert report["verdict"] == "INCOMPLETE"
     assert "layer.self_attn/0/grad_input.key" in report["coverage"]["backward"]["missing"]
     assert any("statistics only, so the port's one gradient cannot be compared" in note for note in report["notes"])
-    result, report = replay(bundle, "build_port", tmp_path, "--waive", "layer.self_attn/0/grad_input.*")
+    waived = ("--waive", "layer.self_attn/0/grad_input.*")
+    result, report = replay(bundle, "build_port", tmp_path, *waived)
+    assert result.exit_code == 1, result.output
+    assert report["verdict"] == "INCOMPLETE"
+    assert report["complete"]
+    assert any("prove no match" in (record["problem"] or "") for record in report["records"])
+    result, report = replay(bundle, "build_port", tmp_path, *waived, "--accept-statistics")
     assert result.exit_code == 0, result.output
+    assert any("counted as matching (--accept-statistics)" in note for note in report["notes"])
 
 
 class _MaskedBlock(nn.Module):
