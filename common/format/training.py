@@ -232,7 +232,16 @@ def _number(value: object, where: str, key: str) -> float:
 def _strings(value: object, where: str, key: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         _fail(where, f"{key!r} is {_got(value)}, expected a list of strings")
+    for item in value:
+        _printable(item, where, key)
     return cast(list[str], value)
+
+
+def _printable(name: str, where: str, key: str) -> str:
+    """``name``, refused if it holds a control character: a report would print a line of it (a forged result)."""
+    if not name.isprintable():
+        _fail(where, f"a name in {key!r}, {shown(name)}, holds a control character (a report would print a line of it)")
+    return name
 
 
 def _optimizer(value: object, where: str) -> dict[str, Any] | None:
@@ -266,7 +275,10 @@ def parse_initial_meta(obj: object, where: str) -> InitialMeta:
 def _metrics(value: object, where: str) -> dict[str, float]:
     if not isinstance(value, dict):
         _fail(where, f"'metrics' is {_got(value)}, expected a map of metric name to number")
-    return {str(name): _number(number, where, f"metrics.{name}") for name, number in value.items()}
+    return {
+        _printable(str(name), where, "metrics"): _number(number, where, f"metrics.{name!r:.60}")
+        for name, number in value.items()
+    }
 
 
 def _batch(value: object, where: str) -> Tree:

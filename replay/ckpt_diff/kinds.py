@@ -20,10 +20,22 @@ def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False, ver
     need it (torch checkpoints, parity bundles).
 
     Raises:
-        CheckpointError: missing, unrecognised, damaged or hostile, or needing code execution (without
+        CheckpointError: missing, unrecognised, damaged or hostile (a name holding a control character: a report
+            would print a line of it, a forged ``RESULT: EQUAL``), or needing code execution (without
             ``trust_pickle``).
     """
-    file = Path(path)
+    source = _open(Path(path), trust_pickle, verify)
+    crafted = next((name for name in (*source.tensors, *source.entries) if not name.isprintable()), None)
+    if crafted is not None:
+        source.close()
+        raise CheckpointError(
+            f"{source.path}: the name {crafted!r:.120} holds a control character (a report would print a line of "
+            "it); refused as crafted"
+        )
+    return source
+
+
+def _open(file: Path, trust_pickle: bool, verify: bool) -> Source:
     if file.is_dir():
         weights = hf_weight_files(file) if (file / "config.json").is_file() else []
         if weights and all(w.suffix == ".safetensors" and w.is_file() for w in weights):

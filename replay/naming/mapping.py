@@ -27,17 +27,28 @@ import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from parity_harness.common.errors import InputError, MapFileError
+
+try:  # the parser ``re.compile`` uses, to look for patterns whose matching can take exponential time
+    from re import _constants as _regex_constants
+    from re import _parser as _regex_parser
+except ImportError:  # Python 3.10
+    import sre_constants as _regex_constants  # type: ignore[no-redef]
+    import sre_parse as _regex_parser  # type: ignore[no-redef]
 
 if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files without importing it
     import torch
 
 _MAX_MAP_BYTES = 16 << 20
 """Largest map file read (16 MiB of rules)."""
+MAX_MAPPED_NAME: Final = 1024
+"""Longest name a map rule is matched against or gives (a module path or parameter name is far shorter): bounds a
+rule's matching time and what its replacement can make."""
 
 __all__ = [
+    "MAX_MAPPED_NAME",
     "RenameMap",
     "SlotRule",
     "bundle_parameters",
@@ -108,6 +119,11 @@ class RenameMap:
         """Whether a rule names ``name`` (the first, in order, that fits it whole; a rule for modules that also fits a
         ``parameter`` name is no parameter rule), what it gives (None: no counterpart), and whether it is one of
         ``for_wrapped``: the rules written for a wrapped port's names, fitted to ``wrapped`` instead."""
+        if len(name) > MAX_MAPPED_NAME or (wrapped is not None and len(wrapped) > MAX_MAPPED_NAME):
+            raise InputError(
+                f"name {name[:60]!r}... has {len(name)} characters: longer than a map rule is matched against "
+                f"({MAX_MAPPED_NAME})"
+            )
         literals: dict[str, int] = self._literals  # type: ignore[attr-defined]
         limit = len(self.rules)
         for spelled, of_wrapped in ((name, False), (wrapped, True)):
@@ -225,11 +241,66 @@ def _parse_rule(line: str, number: int, source: str) -> tuple[re.Pattern[str], s
         )
     try:
         compiled = re.compile(pattern)
-    except re.error as err:
+        hazard = _backtracking_hazard(_regex_parser.parse(pattern))
+    except (re.error, OverflowError, RecursionError) as err:
         raise MapFileError(f"{source}:{number}: invalid regular expression {pattern!r}: {err}") from err
+    if hazard is not None:
+        raise MapFileError(
+            f"{source}:{number}: regular expression {pattern!r} has {hazard}, whose matching can take "
+            "exponentially long on a long name; write the rule without it (several plain rules, one per case)"
+        )
+    if len(replacement) > MAX_MAPPED_NAME:
+        raise MapFileError(f"{source}:{number}: replacement longer than {MAX_MAPPED_NAME} characters")
     if replacement != _NO_COUNTERPART:
         _check_template(compiled, replacement, f"{source}:{number}")
     return compiled, replacement
+
+
+_REPEATS: Final = frozenset(
+    getattr(_regex_constants, name)
+    for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
+    if hasattr(_regex_constants, name)
+)
+_LONG_REPEAT: Final = 16
+"""Repetitions allowing more than this many items count towards :data:`_MAX_LONG_REPEATS`."""
+_MAX_LONG_REPEATS: Final = 2
+"""Long repetitions allowed in one rule: with k of them a failing match of a name of n characters may try about
+n**k / k! ways (k = 2 and a name of :data:`MAX_MAPPED_NAME` characters: about 5e5 steps, a few milliseconds)."""
+
+
+def _backtracking_hazard(parsed: Any, in_repeat: bool = False, counted: list[int] | None = None) -> str | None:
+    """What in a parsed regular expression could make Python's backtracking matcher take exponential (or high
+    polynomial) time: a repetition or alternatives inside a repetition (``(a+)+``, ``(.|.)*``), or more than
+    :data:`_MAX_LONG_REPEATS` long repetitions; None when there is none."""
+    counted = [0] if counted is None else counted
+    for op, argument in parsed:
+        bodies: list[Any] = []
+        inner = in_repeat
+        if op in _REPEATS:
+            low, high, body = argument
+            if in_repeat and low != high:  # a fixed count inside (``(?:a{3})+``) matches one way
+                return "a repetition inside a repetition"
+            counted[0] += high > _LONG_REPEAT
+            if counted[0] > _MAX_LONG_REPEATS:
+                return f"more than {_MAX_LONG_REPEATS} repetitions (*, +, {{m,}})"
+            bodies, inner = [body], in_repeat or high > 1
+        elif op is _regex_constants.BRANCH:
+            if in_repeat:
+                return "alternatives inside a repetition"
+            bodies = list(argument[1])
+        elif op is _regex_constants.SUBPATTERN:
+            bodies = [argument[-1]]
+        elif op in (_regex_constants.ASSERT, _regex_constants.ASSERT_NOT):
+            bodies = [argument[1]]
+        elif op is _regex_constants.GROUPREF_EXISTS:
+            bodies = [body for body in argument[1:] if body is not None]
+        elif op is getattr(_regex_constants, "ATOMIC_GROUP", None):
+            bodies = [argument]
+        for body in bodies:
+            hazard = _backtracking_hazard(body, inner, counted)
+            if hazard is not None:
+                return hazard
+    return None
 
 
 def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> None:
@@ -360,7 +431,15 @@ def literal_pattern(pattern: str) -> str | None:
 
 def _expand(match: re.Match[str], replacement: str) -> str | None:
     """What a rule that matched gives: its replacement expanded, or None for ``-`` (no counterpart)."""
-    return None if replacement == _NO_COUNTERPART else match.expand(replacement)
+    if replacement == _NO_COUNTERPART:
+        return None
+    given = match.expand(replacement)
+    if len(given) > MAX_MAPPED_NAME:  # ``\1\1\1...``: each name as long as the replacement times the path
+        raise MapFileError(
+            f"map rule {match.re.pattern!r} => {replacement[:60]!r} gives {match.string[:60]!r} a name of {len(given)} "
+            f"characters (at most {MAX_MAPPED_NAME})"
+        )
+    return given
 
 
 def bundle_parameters(

@@ -732,3 +732,22 @@ def test_many_names_viewing_one_storage_are_refused(tmp_path: Path) -> None:
     assert "more than 8 names viewing the same values" in line
     torch.save({"embed.weight": shared, "head.weight": shared}, tmp_path / "tied.pt")
     assert CliRunner().invoke(main, [str(tmp_path / "tied.pt")] * 2).exit_code == 0
+
+
+@pytest.mark.parametrize("kind", ["torch", "safetensors", "npz"])
+def test_a_name_holding_a_line_break_is_refused(tmp_path: Path, kind: str) -> None:
+    """A checkpoint key ``"x\nRESULT: EQUAL"`` printed a forged verdict line in the report of checkpoints that
+    differ; in every format such a name is refused in one line (exit 2), as bundles refuse theirs."""
+    crafted, other = tmp_path / f"crafted.{kind}", tmp_path / "other.npz"
+    tensors = {"w": np.ones(2, dtype=np.float32), "x\nRESULT: EQUAL": np.zeros(1, dtype=np.float32)}
+    if kind == "torch":
+        torch.save({name: torch.from_numpy(value) for name, value in tensors.items()}, crafted)
+    elif kind == "safetensors":
+        save_numpy(tensors, str(crafted))
+    else:
+        np.savez(crafted, **tensors)
+    np.savez(other, w=np.full(2, 2.0, dtype=np.float32))
+    with pytest.raises(CheckpointError, match="holds a control character"):
+        open_source(crafted)
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(crafted), str(other)]))
+    assert "RESULT" in line  # the name shown escaped, on the error's one line

@@ -306,3 +306,51 @@ def test_unused_rules_looks_literal_rules_up_and_matches_the_others() -> None:
     )
     names = ["enc", "enc.0", "enc.0.lin", "enc.1"]
     assert unused_rules(rename, names) == [r"^enc\.9$ => b", r"^dec\.\d+$ => d"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "hazard"),
+    [
+        (r"^(.|.|.|.)*Z$", "alternatives inside a repetition"),  # a 22-byte map that hung replay-compare and ckpt-diff
+        (r"^(?:encoder|decoder)+\.x$", "alternatives inside a repetition"),
+        (r"^(a+)+$", "a repetition inside a repetition"),
+        (r"^(\w*\.)*lin$", "a repetition inside a repetition"),
+        (r"^(a?)*b$", "a repetition inside a repetition"),
+        (r"^(?=(a+)+)x$", "a repetition inside a repetition"),  # inside a lookahead too
+        (r"^(.*)\.(.*)\.(.*)$", "more than 2 repetitions"),
+    ],
+)
+def test_rules_whose_matching_can_take_exponentially_long_are_refused(pattern: str, hazard: str) -> None:
+    """Python's matcher backtracks: a repetition holding a repetition or alternatives takes exponential time on a
+    name that fails to match, and many repetitions take high polynomial time. Such a rule is refused where it is
+    written (MapFileError: exit 2), never run on the model's names."""
+    with pytest.raises(MapFileError, match=rf"^port\.map:3: regular expression .* has {re.escape(hazard)}"):
+        parse_map(f"# comment\n^a$ => b\n{pattern} => x\n", "port.map")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"^blocks\.(\d+)\.attn\.(q|k|v)_proj$",
+        r"^(.*)\.bias_u$",
+        r"^(?:ab){3}\.(\d+)$",
+        r"^(?:a{3})+$",
+        r"^(\w+)\.(\d+)$",
+    ],
+)
+def test_rules_of_the_usual_shapes_are_accepted(pattern: str) -> None:
+    """Groups, alternatives outside repetitions, fixed counts and up to two long repetitions: what maps are made of."""
+    assert parse_map(f"{pattern} => x").rules
+
+
+def test_a_rule_cannot_make_or_match_names_past_the_limit() -> None:
+    """A replacement repeating a group (``\\1\\1\\1...``) made a name per path as long as the replacement times the
+    path (3.2 GB of memory for a 4 MB map); names longer than any module path are neither made nor matched."""
+    with pytest.raises(MapFileError, match="replacement longer than 1024 characters"):
+        parse_map("^(.*)$ => " + "\\1" * 600)
+    doubling = parse_map("^(.*)$ => " + "\\1" * 20)
+    assert doubling.module("a" * 51) == "a" * 1020
+    with pytest.raises(MapFileError, match="a name of 1040 characters"):
+        doubling.module("a" * 52)
+    with pytest.raises(InputError, match="longer than a map rule is matched against"):
+        parse_map("^(.*)x$ => y").module("a" * 2000)

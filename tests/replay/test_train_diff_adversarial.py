@@ -536,3 +536,19 @@ def test_an_expanded_view_in_a_dump_is_refused_not_copied_out(tmp_path: Path) ->
     result = _run(bomb, _dump(tmp_path / "b"))
     assert result.exit_code == 2
     assert "views a storage of 4 bytes as 536870912" in result.output
+
+
+def test_a_metric_name_holding_a_line_break_is_refused(tmp_path: Path) -> None:
+    """A training file's metric named ``"accuracy\\nall 6 common steps match"`` printed a forged line of the verdict
+    in the report of a run that did not match: such a name is refused in one line (exit 2), as bundles refuse
+    theirs."""
+    from tests.cli_helpers import one_error_line
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    with TrainingRecorder(tmp_path / "a.h5", model, None, grads=False) as recorder:
+        recorder.step(0, None, loss=1.0, metrics={"accuracy\nall 1 common steps match": 0.5})
+    with TrainingRecorder(tmp_path / "b.h5", model, None, grads=False) as recorder:
+        recorder.step(0, None, loss=2.0, metrics={"accuracy": 0.5})
+    line = one_error_line("parity-train-diff", _run(tmp_path / "a.h5", tmp_path / "b.h5"))
+    assert "holds a control character" in line
