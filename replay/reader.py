@@ -342,7 +342,7 @@ class BundleReader:
             group = self._file.get(PROVENANCE)
             if not isinstance(group, h5py.Group):
                 return {}
-            return {key: (v.decode() if isinstance(v, bytes) else str(v)) for key, v in group.attrs.items()}
+            return {key[:_PROVENANCE_CHARACTERS]: _provenance_text(value) for key, value in group.attrs.items()}
 
     def summary(self, ref: TensorRef) -> dict[str, float | int] | None:
         """The statistics of a tensor recorded as statistics only, else None (its values are stored)."""
@@ -810,3 +810,16 @@ def open_bundle_for_listing(bundle: Path, *, rank: int = 0, verify: bool = True)
     path = manifest.rank_file(rank) if manifest is not None else bundle
     with BundleReader(path, verify=verify, preflight=DEFAULT_PREFLIGHT_SECONDS) as reader:
         yield reader
+
+
+_PROVENANCE_CHARACTERS = 4096
+"""Characters of a provenance string kept (a command line, a package list): a crafted bundle's 100 MB attribute
+would be copied at every step of a report, gigabytes in all."""
+
+
+def _provenance_text(value: object) -> str:
+    """A provenance attribute as text, cut to :data:`_PROVENANCE_CHARACTERS` as soon as it is read."""
+    text = value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else str(value)
+    if len(text) <= _PROVENANCE_CHARACTERS:
+        return text
+    return f"{text[:_PROVENANCE_CHARACTERS]}... ({len(text)} characters)"

@@ -325,6 +325,21 @@ def test_list_shows_contents_without_a_model(tiny_bundle: Path) -> None:
     assert "== Module calls (14)" in out
 
 
+def test_a_huge_provenance_string_is_cut_where_it_is_read(tiny_bundle: Path) -> None:
+    """A crafted bundle's 100 MB provenance attribute cost 2.4 GB and printed a 100 MB line in --list: a provenance
+    string is cut to 4096 characters as it is read, saying how long it was."""
+    from parity_harness.replay.reader import BundleReader
+
+    with h5py.File(tiny_bundle, "r+") as file:
+        file["provenance"].attrs["command_line"] = "y" * (8 << 20)
+    with BundleReader(tiny_bundle) as reader:
+        shown = reader.provenance()["command_line"]
+    assert shown == "y" * 4096 + f"... ({8 << 20} characters)"
+    result = replay("--bundle", tiny_bundle, "--list")
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.stdout.splitlines())) < 5000
+
+
 def test_list_ignores_comparison_only_options(tiny_bundle: Path, tmp_path: Path) -> None:
     """--list runs nothing, so options of the comparison (--save-map without --map auto) do not stop it."""
     result = replay("--bundle", tiny_bundle, "--list", "--save-map", tmp_path / "m.map")
