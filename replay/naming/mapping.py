@@ -21,6 +21,7 @@ matches a module and whose PORT starts the slot is used.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import os
 import re
 import stat
@@ -31,12 +32,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 from parity_harness.common.errors import InputError, MapFileError
 
-try:  # the parser ``re.compile`` uses, to look for patterns whose matching can take exponential time
-    from re import _constants as _regex_constants
-    from re import _parser as _regex_parser
-except ImportError:  # Python 3.10
-    import sre_constants as _regex_constants  # type: ignore[no-redef]
-    import sre_parse as _regex_parser  # type: ignore[no-redef]
+# The parser ``re.compile`` uses, to look for patterns whose matching can take exponential time (Python 3.10 has
+# it under its older names; typeshed knows neither).
+_regex_parser: Any
+_regex_constants: Any
+try:
+    _regex_parser, _regex_constants = importlib.import_module("re._parser"), importlib.import_module("re._constants")
+except ImportError:
+    _regex_parser, _regex_constants = importlib.import_module("sre_parse"), importlib.import_module("sre_constants")
 
 if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files without importing it
     import torch
