@@ -20,6 +20,7 @@ from parity_harness.replay.ckpt_diff.flatten import EntryValue
 from parity_harness.replay.ckpt_diff.kinds import open_source
 from parity_harness.replay.ckpt_diff.metrics import BLOCK_ELEMENTS, PairMoments, SideMoments, measure_pair, measure_side
 from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo, leave_out_one_sided_files
+from parity_harness.replay.naming.bounded import time_limited
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 
 __all__ = [
@@ -270,7 +271,12 @@ class CheckpointDiff:
 
 def layer_type_of(name: str, patterns: tuple[tuple[str, str], ...] = LAYER_TYPES) -> str:
     """The first layer type whose pattern is found in ``name``, else ``other``."""
-    return next((kind for kind, pattern in patterns if re.search(pattern, name, re.IGNORECASE)), "other")
+    with time_limited(name) as attempt:  # --layer-type's patterns are the user's
+        for kind, pattern in patterns:
+            attempt.pattern = compiled = re.compile(pattern, re.IGNORECASE)
+            if compiled.search(name):
+                return kind
+    return "other"
 
 
 def depth_of(name: str) -> tuple[str, int] | None:
@@ -376,7 +382,16 @@ def _renamed_value(name: str, rename: RenameMap) -> str | None:
 def _selector(include: str | None, exclude: str | None) -> Callable[[str], bool]:
     keep = re.compile(include) if include else None
     drop = re.compile(exclude) if exclude else None
-    return lambda name: not ((keep and not keep.search(name)) or (drop and drop.search(name)))
+
+    def selected(name: str) -> bool:
+        with time_limited(name) as attempt:
+            for pattern, wanted in ((keep, True), (drop, False)):
+                attempt.pattern = pattern
+                if pattern is not None and bool(pattern.search(name)) != wanted:
+                    return False
+        return True
+
+    return selected
 
 
 @dataclass(frozen=True)

@@ -21,25 +21,16 @@ matches a module and whose PORT starts the slot is used.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import os
 import re
 import stat
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from parity_harness.common.errors import InputError, MapFileError
-
-# The parser ``re.compile`` uses, to look for patterns whose matching can take exponential time (Python 3.10 has
-# it under its older names; typeshed knows neither).
-_regex_parser: Any
-_regex_constants: Any
-try:
-    _regex_parser, _regex_constants = importlib.import_module("re._parser"), importlib.import_module("re._constants")
-except ImportError:
-    _regex_parser, _regex_constants = importlib.import_module("sre_parse"), importlib.import_module("sre_constants")
+from parity_harness.replay.naming.bounded import time_limited
 
 if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files without importing it
     import torch
@@ -47,8 +38,8 @@ if TYPE_CHECKING:  # torch only types the model: ckpt-diff reads map files witho
 _MAX_MAP_BYTES = 16 << 20
 """Largest map file read (16 MiB of rules)."""
 MAX_MAPPED_NAME: Final = 1024
-"""Longest name a map rule is matched against or gives (a module path or parameter name is far shorter): bounds a
-rule's matching time and what its replacement can make."""
+"""Longest name a map rule's replacement may give (a module path or parameter name is far shorter): a replacement
+repeating a group (``\\1\\1\\1...``) would otherwise make names as long as itself times the path."""
 
 __all__ = [
     "MAX_MAPPED_NAME",
@@ -122,11 +113,6 @@ class RenameMap:
         """Whether a rule names ``name`` (the first, in order, that fits it whole; a rule for modules that also fits a
         ``parameter`` name is no parameter rule), what it gives (None: no counterpart), and whether it is one of
         ``for_wrapped``: the rules written for a wrapped port's names, fitted to ``wrapped`` instead."""
-        if len(name) > MAX_MAPPED_NAME or (wrapped is not None and len(wrapped) > MAX_MAPPED_NAME):
-            raise InputError(
-                f"name {name[:60]!r}... has {len(name)} characters: longer than a map rule is matched against "
-                f"({MAX_MAPPED_NAME})"
-            )
         literals: dict[str, int] = self._literals  # type: ignore[attr-defined]
         limit = len(self.rules)
         for spelled, of_wrapped in ((name, False), (wrapped, True)):
@@ -134,15 +120,17 @@ class RenameMap:
             if position is not None and (position in for_wrapped) == of_wrapped:
                 limit = min(limit, position)
         patterned: tuple[int, ...] = self._patterned  # type: ignore[attr-defined]
-        for position in (*(p for p in patterned if p < limit), limit):
-            if position == len(self.rules):
-                break
-            pattern, replacement = self.rules[position]
-            of_wrapped = position in for_wrapped
-            spelled = wrapped if of_wrapped else name
-            match = None if spelled is None else pattern.fullmatch(spelled)
-            if match and not (parameter and pattern.fullmatch(spelled.rpartition(".")[0])):  # type: ignore[union-attr]
-                return True, _expand(match, replacement), of_wrapped
+        with time_limited(name, MapFileError) as attempt:  # one timer for the rules tried on this name
+            for position in (*(p for p in patterned if p < limit), limit):
+                if position == len(self.rules):
+                    break
+                pattern, replacement = self.rules[position]
+                attempt.pattern = pattern
+                of_wrapped = position in for_wrapped
+                spelled = wrapped if of_wrapped else name
+                match = None if spelled is None else pattern.fullmatch(spelled)
+                if match and not (parameter and pattern.fullmatch(spelled.rpartition(".")[0])):  # type: ignore[union-attr]
+                    return True, _expand(match, replacement), of_wrapped
         return False, None, False
 
     def module_spellings(self, module: str) -> tuple[str, ...]:
@@ -227,7 +215,14 @@ def unused_rules(rename: RenameMap, names: Iterable[str]) -> list[str]:
 
     def used(pattern: re.Pattern[str]) -> bool:
         literal = literal_pattern(pattern.pattern)  # a saved --map auto map: thousands, each one path
-        return literal in known if literal is not None else any(map(pattern.fullmatch, seen))
+        if literal is not None:
+            return literal in known
+        for name in seen:
+            with time_limited(name, MapFileError) as attempt:
+                attempt.pattern = pattern
+                if pattern.fullmatch(name):
+                    return True
+        return False
 
     return [f"{pattern.pattern} => {replacement}" for pattern, replacement in rename.rules if not used(pattern)]
 
@@ -244,66 +239,13 @@ def _parse_rule(line: str, number: int, source: str) -> tuple[re.Pattern[str], s
         )
     try:
         compiled = re.compile(pattern)
-        hazard = _backtracking_hazard(_regex_parser.parse(pattern))
-    except (re.error, OverflowError, RecursionError) as err:
+    except (re.error, OverflowError, RecursionError) as err:  # OverflowError: x{99999999999999999999}
         raise MapFileError(f"{source}:{number}: invalid regular expression {pattern!r}: {err}") from err
-    if hazard is not None:
-        raise MapFileError(
-            f"{source}:{number}: regular expression {pattern!r} has {hazard}, whose matching can take "
-            "exponentially long on a long name; write the rule without it (several plain rules, one per case)"
-        )
     if len(replacement) > MAX_MAPPED_NAME:
         raise MapFileError(f"{source}:{number}: replacement longer than {MAX_MAPPED_NAME} characters")
     if replacement != _NO_COUNTERPART:
         _check_template(compiled, replacement, f"{source}:{number}")
     return compiled, replacement
-
-
-_REPEATS: Final = frozenset(
-    getattr(_regex_constants, name)
-    for name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT")
-    if hasattr(_regex_constants, name)
-)
-_LONG_REPEAT: Final = 16
-"""Repetitions allowing more than this many items count towards :data:`_MAX_LONG_REPEATS`."""
-_MAX_LONG_REPEATS: Final = 2
-"""Long repetitions allowed in one rule: with k of them a failing match of a name of n characters may try about
-n**k / k! ways (k = 2 and a name of :data:`MAX_MAPPED_NAME` characters: about 5e5 steps, a few milliseconds)."""
-
-
-def _backtracking_hazard(parsed: Any, in_repeat: bool = False, counted: list[int] | None = None) -> str | None:
-    """What in a parsed regular expression could make Python's backtracking matcher take exponential (or high
-    polynomial) time: a repetition or alternatives inside a repetition (``(a+)+``, ``(.|.)*``), or more than
-    :data:`_MAX_LONG_REPEATS` long repetitions; None when there is none."""
-    counted = [0] if counted is None else counted
-    for op, argument in parsed:
-        bodies: list[Any] = []
-        inner = in_repeat
-        if op in _REPEATS:
-            low, high, body = argument
-            if in_repeat and low != high:  # a fixed count inside (``(?:a{3})+``) matches one way
-                return "a repetition inside a repetition"
-            counted[0] += high > _LONG_REPEAT
-            if counted[0] > _MAX_LONG_REPEATS:
-                return f"more than {_MAX_LONG_REPEATS} repetitions (*, +, {{m,}})"
-            bodies, inner = [body], in_repeat or high > 1
-        elif op is _regex_constants.BRANCH:
-            if in_repeat:
-                return "alternatives inside a repetition"
-            bodies = list(argument[1])
-        elif op is _regex_constants.SUBPATTERN:
-            bodies = [argument[-1]]
-        elif op in (_regex_constants.ASSERT, _regex_constants.ASSERT_NOT):
-            bodies = [argument[1]]
-        elif op is _regex_constants.GROUPREF_EXISTS:
-            bodies = [body for body in argument[1:] if body is not None]
-        elif op is getattr(_regex_constants, "ATOMIC_GROUP", None):
-            bodies = [argument]
-        for body in bodies:
-            hazard = _backtracking_hazard(body, inner, counted)
-            if hazard is not None:
-                return hazard
-    return None
 
 
 def _check_template(compiled: re.Pattern[str], replacement: str, where: str) -> None:

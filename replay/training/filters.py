@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from parity_harness.common.errors import InputError
+from parity_harness.replay.naming.bounded import time_limited
 
 __all__ = ["HEAD_MODULES", "WRAPPERS", "ParameterFilter", "is_head", "parameter_filter"]
 
@@ -63,7 +64,9 @@ class ParameterFilter:
         if self.spec in ("head", "backbone"):
             return is_head(name) == (self.spec == "head")
         assert self.pattern is not None
-        return self.pattern.search(name) is not None
+        with time_limited(name) as attempt:  # --params is the user's pattern
+            attempt.pattern = self.pattern
+            return self.pattern.search(name) is not None
 
     def matched_nothing(self, names: list[str]) -> bool:
         """A filter other than ``all`` that selects none of ``names`` (and there are some)."""
