@@ -256,6 +256,7 @@ class RecordResult:
             "kind": self.kind,
             "name": self.name,
             "match": self.match,
+            "undecided": self.undecided,
             "rule": self.rule,
             "rounding": None if self.rounding is None else self.rounding.to_json(),
             "max_abs": _finite_or_none(diff.max_abs),
@@ -396,6 +397,10 @@ class ComparisonResult:
     def counts(self) -> dict[RecordKind, tuple[int, int]]:
         """``{kind: (compared, matched)}``."""
         return {kind: (len(rs), sum(r.match for r in rs)) for kind in COUNTED_KINDS for rs in [self.of_kind(kind)]}
+
+    def undecided(self) -> list[RecordResult]:
+        """Records and parameter values neither matching nor proven to differ (:attr:`RecordResult.undecided`)."""
+        return [record for record in (*self.records, *self.param_values) if record.undecided]
 
     def _record_json(self, record: RecordResult) -> dict[str, object]:
         data = record.to_json()

@@ -25,6 +25,7 @@ from torch import nn
 
 from parity_harness.capture.distributed import wrap_model
 from parity_harness.capture.record.recorder import capture_run
+from parity_harness.common.format.bundle.selection import Selection
 from tests.independent_port import build as build_independent
 from tests.independent_port import token_ids
 from tests.models import build_tiny
@@ -101,6 +102,30 @@ def frozen_drift() -> Drift:
     return model
 
 
+class FlippedTotal(nn.Module):
+    """A linear layer's output flipped along its features, and the sum of its squares (which the flip keeps);
+    ``port_on`` names a batch on which the port forgets the flip: a permutation, every statistic of it kept."""
+
+    def __init__(self, port_on: torch.Tensor | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.flip = _Flip()
+        self.port_on = port_on
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.flip.skip = self.port_on is not None and torch.equal(x, self.port_on)
+        h = self.flip(self.lin(x))
+        return {"total": (h * h).sum(-1)}
+
+
+class _Flip(nn.Module):
+    skip = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 1.0 if self.skip else h.flip(-1)
+
+
 BUILDERS = {
     "ddp": build_tiny,
     "ddp-batchnorm": build_batchnorm,
@@ -118,6 +143,7 @@ BUILDERS = {
     "ddp-drift": Drift,
     "lazy-drift": lazy_drift,
     "ddp-frozen-drift": frozen_drift,
+    "unwrapped-summary": FlippedTotal,
 }
 
 
@@ -161,6 +187,7 @@ def main() -> None:
         "drift",
         "lazy-drift",
         "unwrapped-independent",
+        "unwrapped-summary",
     )
     model = wrap_model(model, "none" if unwrapped else "fsdp" if sharded else "ddp", "cpu")
     inputs = rank_inputs(options.rank)
@@ -171,7 +198,8 @@ def main() -> None:
         inputs = {"input": inputs["x"].reshape(-1, 4)}  # BatchNorm1d takes (batch, features)
     train = options.job in ("ddp-batchnorm", "drift", "ddp-drift", "lazy-drift", "ddp-frozen-drift")
     fed = (next(iter(inputs.values())),) if sharded else inputs  # FSDP2's forward takes its input positionally
-    capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train)
+    selection = Selection(summary_only=True) if options.job.endswith("-summary") else Selection()
+    capture_run(model, fed, options.out, seed=42, shards=shards, train_mode=train, selection=selection)
     dist.barrier()
     del model
     dist.destroy_process_group()

@@ -172,6 +172,24 @@ def test_every_rank_is_compared_not_only_the_chosen_one(tmp_path: Path, rank: in
         assert "--isolate judged this rank's records only; rank1 differ(s) too" in isolated.output
 
 
+@pytest.mark.slow
+def test_another_ranks_records_kept_as_statistics_are_judged_as_this_ranks(tmp_path: Path) -> None:
+    """A port that forgets a flip on rank 1's batch only, against a capture kept as statistics: rank 1's records keep
+    every statistic but not their bits, undecided (INCOMPLETE) whichever rank is replayed; rank 0's replay took them
+    as matching (MATCH, exit 0) since only records already failing were brought over from the other rank."""
+    from tests.distributed_jobs import FlippedTotal
+
+    out = tmp_path / "bundle.h5"
+    results = run_ranks("unwrapped-summary", out)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    for rank in (0, 1):
+        result = replay_all_ranks(out, lambda: FlippedTotal(port_on=rank_inputs(1)["x"]), rank)
+        assert result.verdict == "INCOMPLETE", rank
+        prefix = "rank1:" if rank == 0 else ""
+        assert f"{prefix}flip/0/output" in {record.name for record in result.records if record.undecided}
+    assert replay_all_ranks(out, FlippedTotal, 0).verdict == "MATCH"
+
+
 class _HeadUncalledOnRankOne(TinyNet):
     """build_tiny's model computing its head without calling the module on rank 1's batch: the same numbers, but
     rank 1's head records never appear."""

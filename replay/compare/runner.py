@@ -442,6 +442,7 @@ class _ReplaySession:
         other._run_tapped()
         other.recheck_rounding()  # its near misses judged by a float64 rerun of that rank
         other.account_for_unvisited(strict_waivers=False)
+        _judge_statistics(other.result, self.options.accept_statistics)  # before its failing records are taken
         run.settle()  # a damaged record of that rank raises here
         records, result = other.result.records, self.result
         failing = [
@@ -455,7 +456,11 @@ class _ReplaySession:
         result.waived.update({f"rank{rank}:{name}": waived for name, waived in other.result.waived.items()})
         self.waivers_used |= other.waivers_used
         # What the rounding check passed, or could not judge, on that rank (its records are counted there only).
-        result.notes += [f"rank {rank}: {note}" for note in other.result.notes if note.startswith(_ROUNDING_NOTES)]
+        result.notes += [
+            f"rank {rank}: {note}"
+            for note in other.result.notes
+            if note.startswith(_ROUNDING_NOTES) or _STATISTICS_NOTE in note
+        ]
         result.notes.append(
             f"rank {rank}: {len(records)} records compared, {len(failing)} differ (listed as rank{rank}:NAME), "
             f"{len(other.result.bundle_only)} not compared"
@@ -1112,6 +1117,9 @@ def _note_selection(result: ComparisonResult, reader: BundleReader, layers: Sele
 _UNPROVEN: Final = "statistics only: its bits differ; statistics within the tolerance's bounds prove no match"
 
 
+_STATISTICS_NOTE: Final = "records were recorded as statistics only"
+
+
 def _judge_statistics(result: ComparisonResult, accept: bool) -> None:
     """Records kept as statistics only whose bits differ from the reference's: within the bounds the tolerance allows
     their statistics prove no match (a permutation, an error in a few elements of a large tensor stay within them),
@@ -1129,7 +1137,7 @@ def _judge_statistics(result: ComparisonResult, accept: bool) -> None:
                     records[position] = dataclasses.replace(record, diff=undecided)
     if not summarized:
         return
-    note = f"{summarized} records were recorded as statistics only, compared by their CRC-32s and statistics"
+    note = f"{summarized} {_STATISTICS_NOTE}, compared by their CRC-32s and statistics"
     if unproven:
         note += (
             f"; {unproven} differ from the reference's bits within what the tolerance allows of their sums, extremes "

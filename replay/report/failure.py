@@ -10,7 +10,7 @@ from typing import Final, Literal
 from tabulate import tabulate
 
 from parity_harness.common.format.dtypes import is_float_tag
-from parity_harness.replay.report.tables import record_headers, record_row
+from parity_harness.replay.report.tables import incomplete_reasons, record_headers, record_row
 from parity_harness.replay.result import ComparisonResult, RecordResult
 
 __all__ = ["failure_message"]
@@ -21,14 +21,18 @@ _DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "ba
 def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], max_rows: int = 15) -> str:
     """Failing records (capped, the rest counted), where it diverges or starts, and what would pass."""
     failing = [r for r in result.records if not r.match]
-    shown = failing[:max_rows] + result.differing_parameters[:5]  # the parameters even past max_rows records
+    undecided_parameters = [r for r in result.param_values if r.undecided]
+    shown = failing[:max_rows] + result.differing_parameters[:5] + undecided_parameters[:5]  # past max_rows too
     rows = [[r.kind, *record_row(r, result.isolated)] for r in shown]
     tolerance = result.tolerances.default
+    decided = [r for r in failing if not r.undecided]
+    undecided = len(failing) - len(decided) + len(undecided_parameters)
     headline = (
-        f"port does not match {bundle}: {len(failing)} of {len(result.records)} records out of tolerance "
+        f"port does not match {bundle}: {len(decided)} of {len(result.records)} records out of tolerance "
         f"(atol={tolerance.atol:g}, rtol={tolerance.rtol:g}"
         + (", or float32 rounding" if result.rounding_factor is not None else "")
         + ")"
+        + (f", {undecided} undecided" if undecided else "")
         + ("" if result.complete else f", {len(result.bundle_only)} recorded tensor(s) not compared")
         + (
             f", {len(result.differing_parameters)} parameter value(s) not the reference's (other weights loaded)"
@@ -52,7 +56,14 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
             if kind in result.origins_below_tolerance:
                 module, why = result.origins_below_tolerance[kind]
                 lines.append(f"origin below tolerance ({kind}): {module or 'none'}  [{why}]")
-    return "\n".join([*lines, *_what_would_pass(failing, tolerance.rtol), *_uncompared(result, max_rows)])
+    return "\n".join(
+        [*lines, *_what_would_pass(decided, tolerance.rtol), *_uncompared(result, max_rows), *_undecided(result)]
+    )
+
+
+def _undecided(result: ComparisonResult) -> list[str]:
+    """Why records neither match nor differ, and what to do (the reasons an INCOMPLETE run gives)."""
+    return [reason for reason in incomplete_reasons(result) if "undecided" in reason or "could not judge" in reason]
 
 
 def _what_would_pass(failing: list[RecordResult], rtol: float) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Final, Literal
 
@@ -50,8 +51,11 @@ def _worst(result: ComparisonResult) -> list[RecordResult]:
 
 def render_markdown(result: ComparisonResult, bundle: str) -> str:
     """The report as markdown: result, per-kind summary, first divergence/origin, worst records."""
-    counts = result.counts()
-    summary = [[kind, n, m, n - m, f"{100.0 * m / n:.2f}%" if n else "-"] for kind, (n, m) in counts.items()]
+    counts, undecided = result.counts(), Counter(record.kind for record in result.undecided())
+    summary = [
+        [kind, n, m, n - m - undecided[kind], undecided[kind], f"{100.0 * m / n:.2f}%" if n else "-"]
+        for kind, (n, m) in counts.items()
+    ]
     lines = [
         "# parity-harness replay report",
         "",
@@ -61,7 +65,7 @@ def render_markdown(result: ComparisonResult, bundle: str) -> str:
         "",
         "## Summary",
         "",
-        _table(summary, ["kind", "compared", "matched", "mismatched", "match rate"]),
+        _table(summary, ["kind", "compared", "matched", "mismatched", "undecided", "match rate"]),
         "",
         (
             f"Recorded but not compared: {len(result.bundle_only)}; waived: {len(result.waived)}; "

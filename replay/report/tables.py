@@ -154,12 +154,17 @@ def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) 
 def _summary(result: ComparisonResult) -> list[str]:
     rows = []
     coverage = result.coverage()
+    undecided = Counter(record.kind for record in result.undecided())
     for kind, (compared, matched) in result.counts().items():
         rate = f"{100.0 * matched / compared:.2f}%" if compared else "-"
         cover = coverage[kind]
-        rows.append([kind, compared, matched, compared - matched, rate, len(cover.waived), len(cover.missing)])
+        mismatched = compared - matched - undecided[kind]
+        rows.append([kind, compared, matched, mismatched, rate, len(cover.waived), len(cover.missing)])
     headers = ["kind", "compared", "matched", "mismatched", "match rate", "waived", "not compared"]
     lines = ["== Summary ==", tabulate(rows, headers=headers)]
+    if undecided:
+        shown = ", ".join(f"{kind} {count}" for kind, count in undecided.items())
+        lines.append(f"undecided, neither matching nor proven to differ: {shown}")
     for kind, cover in coverage.items():
         lines += _unmatched(f"{kind}: recorded but", cover.missing)
     lines += _unmatched("only in the replay", result.replay_only)
@@ -202,8 +207,15 @@ def param_value_lines(result: ComparisonResult) -> list[str]:
     if not differing:
         return [f"parameter values: all {len(result.param_values)} equal the reference's within tolerance"]
     deciding = result.differing_parameters
-    misaligned = [r for r in differing if r not in deciding]
+    misaligned = [r for r in differing if r not in deciding and not r.undecided]
+    unproven = [r for r in differing if r.undecided]
     lines = []
+    if unproven:
+        names = ", ".join(r.name for r in unproven[:5]) + (" ..." if len(unproven) > 5 else "")
+        lines.append(
+            f"parameter values undecided ({names}): kept as statistics only, their bits differ, and statistics within "
+            "the tolerance's bounds prove no match"
+        )
     if deciding:
         names = ", ".join(r.name for r in deciding[:5]) + (" ..." if len(deciding) > 5 else "")
         total = len([r for r in result.param_values if not _MERGED.match(r.name)])  # not another process's too
@@ -269,11 +281,32 @@ def result_line(result: ComparisonResult) -> str:
     if verdict == "INCOMPLETE" and not result.records:
         line += "\nnothing was compared: the bundle holds no record of what this port produced (check the bundle)"
     elif verdict == "INCOMPLETE":
-        line += (
-            f"\n{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
+        line += "".join(f"\n{reason}" for reason in incomplete_reasons(result))
+    return line
+
+
+def incomplete_reasons(result: ComparisonResult) -> list[str]:
+    """Why a run is INCOMPLETE, each with what to do: records left uncompared, records undecided."""
+    reasons = []
+    if result.bundle_only:
+        reasons.append(
+            f"{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
             "or waive them with --waive GLOB (or --layers/--skip-layers)"
         )
-    return line
+    undecided = result.undecided()
+    by_statistics = sum(record.diff.basis == "statistics" for record in undecided)
+    if by_statistics:
+        reasons.append(
+            f"{by_statistics} record(s) kept as statistics only are undecided (their bits differ; statistics within "
+            "the tolerance's bounds prove no match): capture them in full, or pass --accept-statistics "
+            "(accept_statistics=True) to count them as matching"
+        )
+    if len(undecided) > by_statistics:
+        reasons.append(
+            f"{len(undecided) - by_statistics} float32 near miss(es) the rounding check could not judge (the notes "
+            "say why): judge them by --atol/--rtol given explicitly"
+        )
+    return reasons
 
 
 def render_proposal(proposal: ProposedMap, limit: int = 40) -> str:

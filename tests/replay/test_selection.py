@@ -14,6 +14,8 @@ from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.failure import failure_message
+from parity_harness.replay.report.tables import render_result
 from parity_harness.replay.result import ComparisonResult
 from tests.models import build_tiny, tiny_inputs
 
@@ -139,6 +141,14 @@ def test_statistics_within_bounds_prove_no_match(
     assert "output" in {record.name for record in undecided}
     assert all(record.undecided and "prove no match" in (record.diff.problem or "") for record in undecided)
     assert wrong.first_divergence("forward") is None  # nothing proven to differ
+    # Every report says undecided, and what to do; none calls them mismatched or left uncompared.
+    text = render_result(wrong)
+    assert "kept as statistics only are undecided" in text
+    assert "--accept-statistics" in text
+    assert "were not compared" not in text
+    assert "undecided, neither matching nor proven to differ: " in text
+    assert all(record["undecided"] for record in wrong.to_json()["records"] if not record["match"])  # type: ignore[index,union-attr]
+    assert "undecided" in failure_message(wrong, path).splitlines()[0]
     assert accepted.verdict == "MATCH"
     assert any("counted as matching (--accept-statistics)" in note for note in accepted.notes)
     assert exact.verdict == "MATCH"
