@@ -526,7 +526,13 @@ def backward_as_recorded(
     if index.run.backward == "loss":
         if loss is None:
             raise AdapterError("the bundle was captured with an adapter loss(outputs); give the port's adapter one too")
-        value = loss(outputs)
+        try:
+            value = loss(outputs)
+        except Exception as err:  # on outputs of other shapes (failed as such already): a difference, not a crash
+            reshaped = _reshaped_outputs(reader, outputs, transform)
+            if not reshaped:
+                raise
+            return {"loss": f"the adapter's loss raised {type(err).__name__} on outputs of other shapes ({reshaped})"}
         if on_loss is not None:
             on_loss(value)
         if not value.requires_grad:
@@ -554,6 +560,17 @@ def backward_as_recorded(
     if tensors:
         torch.autograd.backward(tensors, cotangents)
     return left_out
+
+
+def _reshaped_outputs(reader: BundleReader, outputs: Any, transform: LayoutTransform) -> str:
+    """The port's outputs whose shapes (in the reference's layout) are not the recorded ones, comma-separated."""
+    recorded = dict(iter_tensors(reader.index.outputs, "output"))
+    live = iter_live_tensors(outputs, "output")
+    return ", ".join(
+        slot
+        for slot, tensor in live
+        if slot in recorded and tuple(transform(slot, tensor).shape) != tuple(recorded[slot].shape)
+    )
 
 
 def compared_modules(rename: RenameMap, recorded: Selection, layers: Selection | None) -> Callable[[str], str | None]:

@@ -383,14 +383,14 @@ class Isolator:
     def _backward(
         self, module: torch.nn.Module, call: ModuleCall, live: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]
     ) -> None:
-        # An output of another shape than its grad_output (judged a difference above) seeds nothing.
+        # An output of another shape than its grad_output (judged a difference above) can seed nothing, and a
+        # backward from the other outputs alone would give part of the module's local gradients as the whole.
+        if any(s[5:] in live and tuple(live[s[5:]].shape) != tuple(ref.shape) for s, ref in call.grad_outputs.items()):
+            return
         seeds = [
             (live[s[5:]], ref)
             for s, ref in call.grad_outputs.items()
-            if s[5:] in live
-            and live[s[5:]].requires_grad
-            and tuple(live[s[5:]].shape) == tuple(ref.shape)
-            and self.reader.summary(ref) is None
+            if s[5:] in live and live[s[5:]].requires_grad and self.reader.summary(ref) is None
         ]
         if not seeds:
             return

@@ -24,10 +24,15 @@ _PLAIN: Final = re.compile(r"[A-Za-z0-9_]+(\[[A-Za-z0-9_.=+-]*\])?")
 characters of an id that no other id can stand for."""
 
 
+_LONGEST: Final = 120
+"""Characters of a test name kept as they are in its file name (file systems take 255 bytes)."""
+
+
 def file_name(test_name: str) -> str:
     """``test_name`` (``test_x[id]``) as a file name that no other test's name gives: ``test_x-id``; a name with any
-    other character (an id ``a/b``, which ``a_b`` would also give) has them replaced and a digest of the name added."""
-    if _PLAIN.fullmatch(test_name):
+    other character (an id ``a/b``, which ``a_b`` would also give), or longer than :data:`_LONGEST`, has them replaced
+    or is cut, and a digest of the name added."""
+    if _PLAIN.fullmatch(test_name) and len(test_name) <= _LONGEST:
         return test_name.replace("[", "-").removesuffix("]")
     readable = re.sub(r"[^A-Za-z0-9_.=+-]", "_", test_name.replace("[", "-").removesuffix("]"))[:80]
     return f"{readable}-{hashlib.sha256(test_name.encode()).hexdigest()[:10]}"

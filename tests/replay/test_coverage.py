@@ -429,6 +429,31 @@ def test_an_output_of_another_shape_is_a_mismatch_not_a_crash(tmp_path: Path, ch
     assert {record.name for record in result.records if record.kind == "param_grad"} == {"lin.weight", "lin.bias"}
 
 
+def _cross_entropy(outputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(outputs[0], torch.tensor([0, 1, 2]))
+
+
+def test_an_adapter_loss_failing_on_outputs_of_another_shape_is_a_mismatch(tmp_path: Path) -> None:
+    """A bundle backpropagated from the adapter's loss: on a port output of another shape that loss raises (here
+    cross-entropy on an extra dimension); the output fails its record, the loss is left out of the backward, and the
+    run is a MISMATCH, not the loss's error (exit 2). A loss that fails on outputs of the recorded shapes still does."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "loss.h5"
+    inputs = {"x": torch.randn(3, 4, generator=torch.Generator().manual_seed(2))}
+    capture_run(_Reshaped(), inputs, bundle, seed=0, loss=_cross_entropy)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_Reshaped("unsqueezed"), reader, loss=_cross_entropy)
+        assert result.verdict == "MISMATCH"
+        assert any("loss (the adapter's loss raised" in note for note in result.notes)
+        with pytest.raises(RuntimeError, match="the port's own loss"):
+            compare_run(_Reshaped(), reader, loss=_failing_loss)
+
+
+def _failing_loss(outputs: object) -> torch.Tensor:
+    raise RuntimeError("the port's own loss")
+
+
 class _WithSpare(nn.Module):
     """A linear layer and, unless ``spare`` is False, a parameter the forward never uses (no gradient recorded)."""
 

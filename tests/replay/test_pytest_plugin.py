@@ -220,9 +220,9 @@ class TestShort:
         parity.check(build(), inputs(1.0))
 
 
-@pytest.mark.parametrize("case", ["a/b", "a_b"])
+@pytest.mark.parametrize("case", ["a/b", "a_b", "c" * 300], ids=["a/b", "a_b", "c" * 300])
 def test_case(parity, case):
-    parity.check(build(), inputs(0.0 if case == "a/b" else 1.0))
+    parity.check(build(), inputs(0.0 if case != "a_b" else 1.0))
 
 
 def test_two_checks(parity):
@@ -234,18 +234,20 @@ def test_two_checks(parity):
 def test_tests_that_share_a_name_keep_their_golden_bundles_apart(pytester: pytest.Pytester) -> None:
     """Two classes' methods of one name, parameter ids that differ only in a character a file name cannot hold, and
     two checks in one test each get a golden bundle of their own: they shared one (the last regenerated), so a port
-    wrong on one test's inputs passed against the other's bundle, and a second check failed against the first's."""
+    wrong on one test's inputs passed against the other's bundle, and a second check failed against the first's. A
+    300-character id is cut (it ended the test in "File name too long")."""
     pytester.makepyfile(test_namesakes=NAMESAKES.format(wrong=False))
     regen = pytester.runpytest("--parity-regen")
-    regen.assert_outcomes(passed=5, warnings=6)
+    regen.assert_outcomes(passed=6, warnings=7)
     written = sorted(p.relative_to(pytester.path).as_posix() for p in pytester.path.rglob("*.h5"))
-    assert len(written) == 6, written
+    assert len(written) == 7, written  # a 300-character id too: cut, with its digest
+    assert all(len(Path(name).name) < 160 for name in written), written
     assert "test_namesakes/TestLong/test_parity.h5" in written
     assert "test_namesakes/test_two_checks~2.h5" in written
-    pytester.runpytest().assert_outcomes(passed=5)
+    pytester.runpytest().assert_outcomes(passed=6)
     pytester.makepyfile(test_namesakes=NAMESAKES.format(wrong=True))
     wrong = pytester.runpytest("-q")
-    wrong.assert_outcomes(passed=3, failed=2)  # each on its own inputs: only TestShort's and test_case[a_b] differ
+    wrong.assert_outcomes(passed=4, failed=2)  # each on its own inputs: only TestShort's and test_case[a_b] differ
     assert "FAILED test_namesakes.py::TestShort::test_parity" in wrong.stdout.str()
     assert "FAILED test_namesakes.py::test_case[a_b]" in wrong.stdout.str()
 
