@@ -285,6 +285,10 @@ _INDEX_NAMES: Final = ("model.safetensors.index.json", "pytorch_model.bin.index.
 def read_small_json(path: Path) -> object:
     """Parse a small JSON file of a checkpoint folder: a regular file (a FIFO would block, ``/dev/zero`` never
     end) of at most 64 MiB."""
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: no such file; a checkpoint folder is a Hugging Face folder (config.json beside its weights)"
+        )
     if not path.is_file():
         raise CheckpointError(f"{path}: not a regular file; a checkpoint folder's JSON files are plain files")
     try:

@@ -276,7 +276,7 @@ def _metrics(value: object, where: str) -> dict[str, float]:
     if not isinstance(value, dict):
         _fail(where, f"'metrics' is {_got(value)}, expected a map of metric name to number")
     return {
-        _printable(str(name), where, "metrics"): _number(number, where, f"metrics.{name!r:.60}")
+        _printable(str(name), where, "metrics"): _number(number, where, f"metrics.{name}")
         for name, number in value.items()
     }
 

@@ -67,6 +67,8 @@ class TorchSource(Source):
                 ) from err
             if tensor.layout != torch.strided:
                 raise CheckpointError(f"{path}: tensor {name!r} is {tensor.layout}; only dense tensors are compared")
+            if tensor.is_meta:  # no values: reading them would allocate its whole size first (4 TiB for a crafted one)
+                raise CheckpointError(f"{path}: tensor {name!r} is on the 'meta' device: it has a shape, no values")
             self.tensors[name] = TensorInfo(name, tag, tuple(tensor.shape))
 
     def _take(self, loaded: object, where: str) -> None:

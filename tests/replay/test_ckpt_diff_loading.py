@@ -751,3 +751,23 @@ def test_a_name_holding_a_line_break_is_refused(tmp_path: Path, kind: str) -> No
         open_source(crafted)
     line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(crafted), str(other)]))
     assert "RESULT" in line  # the name shown escaped, on the error's one line
+
+
+def test_a_meta_tensor_is_refused_before_its_values_are_read(tmp_path: Path) -> None:
+    """A 1 KB checkpoint holding a tensor on the 'meta' device of 2**40 elements made ckpt-diff allocate 4 TiB (a
+    RuntimeError from torch's allocator, or worse where memory is overcommitted): refused in one line, naming it."""
+    crafted, other = tmp_path / "meta.pt", tmp_path / "other.npz"
+    torch.save({"w": torch.empty(1 << 40, device="meta")}, crafted)
+    np.savez(other, w=np.ones(2, dtype=np.float32))
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(crafted), str(other)]))
+    assert "tensor 'w' is on the 'meta' device" in line
+
+
+def test_a_folder_without_a_config_says_the_config_is_missing(tmp_path: Path) -> None:
+    """A folder holding no config.json was said to hold one that is "not a regular file"."""
+    folder, other = tmp_path / "weights", tmp_path / "other.npz"
+    folder.mkdir()
+    np.save(folder / "w.npy", np.ones(2, dtype=np.float32))
+    np.savez(other, w=np.ones(2, dtype=np.float32))
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(folder), str(other)]))
+    assert "config.json: no such file" in line

@@ -552,3 +552,20 @@ def test_a_metric_name_holding_a_line_break_is_refused(tmp_path: Path) -> None:
         recorder.step(0, None, loss=2.0, metrics={"accuracy": 0.5})
     line = one_error_line("parity-train-diff", _run(tmp_path / "a.h5", tmp_path / "b.h5"))
     assert "holds a control character" in line
+
+
+@pytest.mark.parametrize("where", ["weights", "metrics"])
+def test_a_dump_name_holding_a_line_break_is_refused(tmp_path: Path, where: str) -> None:
+    """A dump's weight or metric named ``"...\\nRESULT: all steps match"`` printed a forged line in the step table of
+    runs that differ: refused in one line (exit 2), as training files and bundles refuse theirs."""
+    from tests.cli_helpers import one_error_line
+
+    crafted = "acc\nRESULT: all steps match"
+    entries = (
+        {"model_state_dict": {**_weights(), crafted: torch.ones(1)}}
+        if where == "weights"
+        else {"metrics": {crafted: 0.5}}
+    )
+    a = _dump(tmp_path / "a", **entries)
+    line = one_error_line("parity-train-diff", _run(a, _dump(tmp_path / "b")))
+    assert "holds a control character" in line
