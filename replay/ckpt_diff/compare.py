@@ -8,6 +8,7 @@ training checkpoints (nested, ``module.``-wrapped), ``.nemo``, TorchScript and a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -20,7 +21,7 @@ from parity_harness.replay.ckpt_diff.flatten import EntryValue
 from parity_harness.replay.ckpt_diff.kinds import open_source
 from parity_harness.replay.ckpt_diff.metrics import BLOCK_ELEMENTS, PairMoments, SideMoments, measure_pair, measure_side
 from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo, leave_out_one_sided_files
-from parity_harness.replay.naming.bounded import time_limited
+from parity_harness.replay.naming.bounded import Attempt, time_limited
 from parity_harness.replay.naming.mapping import RenameMap, read_map
 
 __all__ = [
@@ -271,7 +272,8 @@ class CheckpointDiff:
 
 def layer_type_of(name: str, patterns: tuple[tuple[str, str], ...] = LAYER_TYPES) -> str:
     """The first layer type whose pattern is found in ``name``, else ``other``."""
-    with time_limited(name) as attempt:  # --layer-type's patterns are the user's
+    timed = time_limited(name) if patterns is not LAYER_TYPES else contextlib.nullcontext(Attempt())
+    with timed as attempt:  # --layer-type's patterns are the user's
         for kind, pattern in patterns:
             attempt.pattern = compiled = re.compile(pattern, re.IGNORECASE)
             if compiled.search(name):
@@ -382,6 +384,8 @@ def _renamed_value(name: str, rename: RenameMap) -> str | None:
 def _selector(include: str | None, exclude: str | None) -> Callable[[str], bool]:
     keep = re.compile(include) if include else None
     drop = re.compile(exclude) if exclude else None
+    if keep is None and drop is None:
+        return lambda name: True
 
     def selected(name: str) -> bool:
         with time_limited(name) as attempt:

@@ -120,10 +120,11 @@ class RenameMap:
             if position is not None and (position in for_wrapped) == of_wrapped:
                 limit = min(limit, position)
         patterned: tuple[int, ...] = self._patterned  # type: ignore[attr-defined]
+        tried = [*(p for p in patterned if p < limit), *([limit] if limit < len(self.rules) else [])]
+        if not tried:  # most maps (none given, a saved --map auto): no regular expression to run, nor its timer
+            return False, None, False
         with time_limited(name, MapFileError) as attempt:  # one timer for the rules tried on this name
-            for position in (*(p for p in patterned if p < limit), limit):
-                if position == len(self.rules):
-                    break
+            for position in tried:
                 pattern, replacement = self.rules[position]
                 attempt.pattern = pattern
                 of_wrapped = position in for_wrapped
@@ -217,12 +218,9 @@ def unused_rules(rename: RenameMap, names: Iterable[str]) -> list[str]:
         literal = literal_pattern(pattern.pattern)  # a saved --map auto map: thousands, each one path
         if literal is not None:
             return literal in known
-        for name in seen:
-            with time_limited(name, MapFileError) as attempt:
-                attempt.pattern = pattern
-                if pattern.fullmatch(name):
-                    return True
-        return False
+        with time_limited(f"the {len(seen)} names of the port", MapFileError) as attempt:  # one timer: cheap
+            attempt.pattern = pattern
+            return any(map(pattern.fullmatch, seen))
 
     return [f"{pattern.pattern} => {replacement}" for pattern, replacement in rename.rules if not used(pattern)]
 
