@@ -59,7 +59,8 @@ class ParityFixture:
         base = self._request.config.getini("parity_bundle_dir")
         if base:
             rootpath = Path(self._request.config.rootpath)
-            below = test_file.relative_to(rootpath) if test_file.is_relative_to(rootpath) else Path(test_file.name)
+            # A test file outside the root folder keeps its whole path (its name alone could be another's).
+            below = test_file.relative_to(rootpath if test_file.is_relative_to(rootpath) else test_file.anchor)
             folder = Path(rootpath, str(base), below.with_suffix(""))
         else:
             folder = test_file.parent / test_file.stem

@@ -295,3 +295,22 @@ def test_a_missing_bundle_names_where_earlier_versions_put_it(pytester: pytest.P
     missing.stdout.fnmatch_lines(
         ["*test_moved/TestA/test_model.h5 does not exist*", "*test_moved/test_model.h5 is where earlier versions*"]
     )
+
+
+def test_a_test_file_outside_the_root_folder_keeps_its_whole_path(tmp_path: Path) -> None:
+    """Under ``parity_bundle_dir``, test files of one name outside the root folder (a sibling checkout) kept only
+    their name, and shared a folder of bundles."""
+    from types import SimpleNamespace
+
+    from parity_harness.replay.testing.fixture import ParityFixture
+
+    def default_bundle(test_file: Path) -> Path:
+        config = SimpleNamespace(getini=lambda name: "golden", rootpath=tmp_path / "root")
+        node = SimpleNamespace(path=test_file, nodeid=f"{test_file.name}::test_model", name="test_model")
+        return ParityFixture(SimpleNamespace(node=node, config=config), {}).default_bundle()  # type: ignore[arg-type]
+
+    one, two = default_bundle(tmp_path / "a" / "test_p.py"), default_bundle(tmp_path / "b" / "test_p.py")
+    assert one != two
+    assert (
+        default_bundle(tmp_path / "root" / "tests" / "test_p.py") == tmp_path / "root/golden/tests/test_p/test_model.h5"
+    )
