@@ -321,6 +321,8 @@ def parse_map(text: str, source: str = "<map>") -> RenameMap:
     """Parse the text of a map file: rename rules, ``waive`` and ``slots`` lines."""
     rules, waivers, slot_rules = [], [], []
     for number, line in enumerate(text.splitlines(), start=1):
+        if not line.replace("\t", " ").isprintable():  # an escape sequence in a name would redraw the report's lines
+            raise MapFileError(f"{source}:{number}: holds a control character ({line.strip()!r:.120})")
         waiver = _parse_waiver(line, number, source)
         slots = _parse_slots(line, number, source) if waiver is None else None
         if waiver is not None:

@@ -378,3 +378,11 @@ def test_a_rule_cannot_make_names_past_the_limit() -> None:
     with pytest.raises(MapFileError, match="a name of 1040 characters"):
         doubling.module("a" * 52)
     assert parse_map("^(.*)x$ => y").module("a" * 2000) == "a" * 2000  # a long name is matched, and kept
+
+
+def test_a_map_line_holding_a_control_character_is_refused() -> None:
+    """A replacement holding an escape sequence (``\\x1b[1A``: the cursor a line up) would redraw the report's lines
+    where the mapped name is printed; tabs stay allowed between the parts of a rule."""
+    with pytest.raises(MapFileError, match=r"^port\.map:2: holds a control character"):
+        parse_map("^a$\t=> b\n^c$ => d\x1b[1ARESULT: MATCH\n", "port.map")
+    assert parse_map("^a$\t=>\tb").module("a") == "b"
