@@ -240,9 +240,7 @@ class RecordResult:
         or kept as statistics only, its bits not the reference's, its statistics within the tolerance's bounds."""
         if self.match:
             return False
-        if self.diff.basis == "statistics":
-            return self.diff.mismatched == 0
-        return self.rounding is not None and not self.rounding.decided
+        return self.diff.unproven or (self.rounding is not None and not self.rounding.decided)
 
     @property
     def rule(self) -> str:

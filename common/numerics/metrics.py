@@ -57,6 +57,9 @@ class TensorDiff:
     bits_equal: bool = False
     """The two arrays were found to hold the same bits in the same dtype (and only finite values): stronger than
     ``max_abs == 0``, which -0.0 against 0.0 also gives."""
+    unproven: bool = False
+    """Statistics only, bits differing and every statistic within the tolerance's bounds: neither a match nor a
+    difference (the replay's verdict calls it undecided)."""
 
     @property
     def mismatched_pct(self) -> float:

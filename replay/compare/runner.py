@@ -548,7 +548,7 @@ class _ReplaySession:
                 why = f"{left_out[record.name]}: left out of the port's backward (the reference's ran through it)"
                 problem = f"{diff.problem}; {why}" if diff.problem else why
                 self.result.records[position] = dataclasses.replace(
-                    record, diff=dataclasses.replace(diff, match=False, problem=problem)
+                    record, diff=dataclasses.replace(diff, match=False, problem=problem, unproven=False)
                 )
         if left_out:
             named = ", ".join(f"{slot} ({why})" for slot, why in left_out.items())
@@ -1133,7 +1133,7 @@ def _judge_statistics(result: ComparisonResult, accept: bool) -> None:
             if record.diff.match and not record.diff.bits_equal:
                 unproven += 1
                 if not accept:
-                    undecided = dataclasses.replace(record.diff, match=False, problem=_UNPROVEN)
+                    undecided = dataclasses.replace(record.diff, match=False, problem=_UNPROVEN, unproven=True)
                     records[position] = dataclasses.replace(record, diff=undecided)
     if not summarized:
         return

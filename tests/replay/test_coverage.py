@@ -392,6 +392,23 @@ def test_an_output_the_port_detached_fails_its_record_not_the_run(tmp_path: Path
     assert any("left out: the reference backpropagated through them" in note for note in result.notes)
 
 
+def test_an_output_the_port_detached_is_a_mismatch_when_kept_as_statistics(tmp_path: Path) -> None:
+    """The same against a bundle kept as statistics only: the detached output's record is a difference (not
+    undecided, as records whose statistics cannot decide are), and so is the run."""
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.common.format.bundle.selection import Selection
+
+    bundle = tmp_path / "heads.h5"
+    inputs = {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(2))}
+    capture_run(_TwoHeads(), inputs, bundle, seed=0, selection=Selection(summary_only=True))
+    with BundleReader(bundle) as reader:
+        result = compare_run(_TwoHeads("aux"), reader)
+    aux = next(record for record in result.records if record.name == "output.aux")
+    assert not aux.match
+    assert not aux.undecided
+    assert result.verdict == "MISMATCH"
+
+
 class _Reshaped(nn.Module):
     """A linear layer's output and its sum; ``change`` returns one of them in another shape, as a port might."""
 
