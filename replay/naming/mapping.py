@@ -101,6 +101,7 @@ class RenameMap:
         # A map saved by --map auto --save-map is one literal rule per module: looked up, not matched one by one.
         object.__setattr__(self, "_literals", literals)
         object.__setattr__(self, "_patterned", tuple(patterned))
+        object.__setattr__(self, "_found", {})  # first_rule's answers: a replay asks for each name several times
 
     def first_rule(
         self,
@@ -113,6 +114,15 @@ class RenameMap:
         """Whether a rule names ``name`` (the first, in order, that fits it whole; a rule for modules that also fits a
         ``parameter`` name is no parameter rule), what it gives (None: no counterpart), and whether it is one of
         ``for_wrapped``: the rules written for a wrapped port's names, fitted to ``wrapped`` instead."""
+        found: dict[tuple[object, ...], tuple[bool, str | None, bool]] = self._found  # type: ignore[attr-defined]
+        key = (name, parameter, wrapped, for_wrapped)
+        if key not in found:
+            found[key] = self._first_rule(name, parameter, wrapped, for_wrapped)
+        return found[key]
+
+    def _first_rule(
+        self, name: str, parameter: bool, wrapped: str | None, for_wrapped: frozenset[int]
+    ) -> tuple[bool, str | None, bool]:
         literals: dict[str, int] = self._literals  # type: ignore[attr-defined]
         limit = len(self.rules)
         for spelled, of_wrapped in ((name, False), (wrapped, True)):
