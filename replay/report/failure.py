@@ -10,7 +10,7 @@ from typing import Final, Literal
 from tabulate import tabulate
 
 from parity_harness.common.format.dtypes import is_float_tag
-from parity_harness.replay.report.tables import incomplete_reasons, record_headers, record_row
+from parity_harness.replay.report.tables import record_headers, record_row, undecided_reasons
 from parity_harness.replay.result import ComparisonResult, RecordResult
 
 __all__ = ["failure_message"]
@@ -57,13 +57,8 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
                 module, why = result.origins_below_tolerance[kind]
                 lines.append(f"origin below tolerance ({kind}): {module or 'none'}  [{why}]")
     return "\n".join(
-        [*lines, *_what_would_pass(decided, tolerance.rtol), *_uncompared(result, max_rows), *_undecided(result)]
+        [*lines, *_what_would_pass(decided, tolerance.rtol), *_uncompared(result, max_rows), *undecided_reasons(result)]
     )
-
-
-def _undecided(result: ComparisonResult) -> list[str]:
-    """Why records neither match nor differ, and what to do (the reasons an INCOMPLETE run gives)."""
-    return [reason for reason in incomplete_reasons(result) if "undecided" in reason or "could not judge" in reason]
 
 
 def _what_would_pass(failing: list[RecordResult], rtol: float) -> list[str]:

@@ -287,12 +287,19 @@ def result_line(result: ComparisonResult) -> str:
 
 def incomplete_reasons(result: ComparisonResult) -> list[str]:
     """Why a run is INCOMPLETE, each with what to do: records left uncompared, records undecided."""
+    if not result.bundle_only:
+        return undecided_reasons(result)
+    uncompared = (
+        f"{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
+        "or waive them with --waive GLOB (or --layers/--skip-layers)"
+    )
+    return [uncompared, *undecided_reasons(result)]
+
+
+def undecided_reasons(result: ComparisonResult) -> list[str]:
+    """Why records neither match nor differ, each with what to do: statistics that cannot decide, near misses the
+    rounding check could not judge."""
     reasons = []
-    if result.bundle_only:
-        reasons.append(
-            f"{len(result.bundle_only)} recorded tensor(s) were not compared (listed above): pair them with --map, "
-            "or waive them with --waive GLOB (or --layers/--skip-layers)"
-        )
     undecided = result.undecided()
     by_statistics = sum(record.diff.basis == "statistics" for record in undecided)
     if by_statistics:
