@@ -12,9 +12,11 @@ from parity_harness.common.errors import BundleFormatError
 
 __all__ = ["MAX_INDEX_BYTES", "pack", "unpack"]
 
-MAX_INDEX_BYTES: Final = 1 << 28
-"""Refuse metadata blobs over 256 MiB (an index of 100,000 module calls takes a few tens of MB): a damaged
-or crafted size must not make the reader allocate without bound."""
+MAX_INDEX_BYTES: Final = 1 << 26
+"""Refuse metadata blobs over 64 MiB. A crafted blob of short strings or map keys decodes to up to ~25 bytes of
+Python objects per byte (2-character strings: 59 bytes from 3), so this bounds what a bundle from someone else can
+make the reader allocate to about 1.6 GiB. Real indexes take ~190 bytes per tensor and decode to 4-8x their size
+(the Conformer example's 478 tensors: 88 KB): 64 MiB holds some 350,000 tensors."""
 
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import string
+import tracemalloc
+from itertools import islice, product
 
 import msgpack
 import numpy as np
@@ -161,6 +164,47 @@ def test_metadata_of_many_tiny_containers_is_refused() -> None:
         ]
     }
     assert unpack(pack(real), where="index") == real
+
+
+LETTERS = string.ascii_letters
+_WORST_SHAPES = {
+    "two-character strings": ["ab"] * (1 << 17),
+    "three-character map keys": dict.fromkeys(
+        map("".join, islice(product(string.ascii_letters, repeat=3), 1 << 15)), 0
+    ),
+    "16-bit integers": [300] * (1 << 17),
+    "an empty list per 8 bytes": [[], "ab", "ab", 1] * (1 << 15),
+}
+
+
+def test_what_a_crafted_index_within_the_limit_can_cost() -> None:
+    """A bundle from someone else holds an index the reader decodes whole: the costliest shapes per byte (short
+    strings, map keys, integers past the cached ones, containers at the density allowed) decode to at most 26 bytes
+    of Python objects per byte, so the limit keeps a crafted index under 1.7 GiB (at 256 MiB it was 6.6 GB)."""
+    for shape, document in _WORST_SHAPES.items():
+        raw = msgpack.packb(document)
+        tracemalloc.start()
+        try:
+            unpack(raw, where="/index")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= 26 * len(raw), shape
+    assert 26 * packing.MAX_INDEX_BYTES <= 1.7 * (1 << 30)
+
+
+def test_an_index_of_short_strings_past_the_limit_is_refused_unread() -> None:
+    """65 MiB of two-character strings would decode to 1.6 GB: refused from its size, nothing decoded."""
+    count = (65 << 20) // 3
+    crafted = b"\xdd" + count.to_bytes(4, "big") + b"\xa2ab" * count
+    tracemalloc.start()
+    try:
+        with pytest.raises(BundleFormatError, match=r"^/index: metadata of \d+ bytes exceeds the 67108864-byte limit"):
+            unpack(crafted, where="/index")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(crafted)
 
 
 def _plain_types(value: object) -> set[type]:
