@@ -193,6 +193,24 @@ def adapter_options(function: Callable[..., object]) -> Callable[..., object]:
     return function
 
 
+def table_options(function: Callable[..., object]) -> Callable[..., object]:
+    """``--show`` and ``--max-rows``: the rows the replay commands' tables print."""
+    function = click.option(
+        "--max-rows",
+        default=40,
+        show_default=True,
+        type=click.IntRange(min=0),
+        help="Rows per table before only mismatches are shown (0: no cap).",
+    )(function)
+    return click.option(
+        "--show",
+        type=click.Choice(["auto", "all", "mismatched"]),
+        default="auto",
+        show_default=True,
+        help="Table rows to print.",
+    )(function)
+
+
 class Tol(click.ParamType):  # type: ignore[type-arg]
     """A tolerance: a finite number >= 0."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from parity_harness.capture.cli.shared import OneLineErrors, Tol, adapter_options, handle_errors
+from parity_harness.capture.cli.shared import OneLineErrors, Tol, adapter_options, handle_errors, table_options
 from parity_harness.common.errors import ParityError
 from parity_harness.common.format.atomic import check_output
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
@@ -102,20 +102,7 @@ def _walked_first(bundle: Path) -> Path | None:
 )
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Also write a markdown report here.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write a JSON report here.")
-@click.option(
-    "--show",
-    type=click.Choice(["auto", "all", "mismatched"]),
-    default="auto",
-    show_default=True,
-    help="Table rows to print.",
-)
-@click.option(
-    "--max-rows",
-    default=40,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Rows per table before only mismatches are shown (0: no cap).",
-)
+@table_options
 @click.option(
     "--tolerance-preset",
     "preset",

@@ -161,7 +161,7 @@ def _replay_training(driver: Adapter, params: Mapping[str, Any]) -> int:
         allow_tf32=params["allow_tf32"],
     )
     note = "resynced before every step: each step's error is its own\n" if resync else ""
-    click.echo(note + render_table(comparison))
+    click.echo(note + render_table(comparison, show=params["show"], max_rows=params["max_rows"]))
     json_path, report_path, plot_path = params["json_path"], params["report_path"], params["plot_path"]
     if json_path:
         document = {**training_json(comparison), "resync": resync}

@@ -13,7 +13,14 @@ import sys
 
 import click
 
-from parity_harness.capture.cli.shared import OneLineErrors, Tol, handle_errors, tolerances_given, write_report
+from parity_harness.capture.cli.shared import (
+    OneLineErrors,
+    Tol,
+    handle_errors,
+    table_options,
+    tolerances_given,
+    write_report,
+)
 from parity_harness.common.format.atomic import check_output
 from parity_harness.common.format.tensor_files import is_hdf5_file
 from parity_harness.common.numerics.tolerances import DEFAULT_ATOL, DEFAULT_RTOL
@@ -46,6 +53,7 @@ __all__ = ["main"]
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), help="Also draw the six panels to this PNG (matplotlib)."
 )
+@table_options
 @click.option("--trust-pickle", is_flag=True, help="Load torch dumps that need code execution (only files you trust).")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(
@@ -60,6 +68,8 @@ def main(
     report_path: str | None,
     predictions_csv: str | None,
     plot_path: str | None,
+    show: str,
+    max_rows: int,
     trust_pickle: bool,
     debug: bool,
 ) -> None:
@@ -95,7 +105,7 @@ def main(
             trust_pickle=trust_pickle,
         )
         result = found.comparison
-        click.echo(render_table(result))
+        click.echo(render_table(result, show=show, max_rows=max_rows))  # type: ignore[arg-type]
         if csv_path:
             write_report(csv_path, render_csv(result), "--csv")
         if json_path:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections.abc import Sequence
 
 from tabulate import tabulate
 
+from parity_harness.replay.report.tables import Show
 from parity_harness.replay.training.compare import StepComparison, TrainingComparison
 from parity_harness.replay.training.samples import SampleRow
 from parity_harness.replay.training.summary import Spread, TrainingSummary, summarize
@@ -36,15 +38,28 @@ def _row(s: StepComparison, accuracy: bool, predictions: bool) -> list[str]:
     return [*row, "DIFFERS" if s.batch_order_differs else "same"]
 
 
-def _step_table(result: TrainingComparison) -> str:
+def _step_table(result: TrainingComparison, steps: Sequence[StepComparison]) -> str:
+    """The table of ``steps``, with the columns every step of ``result`` needs."""
     accuracy = any(s.accuracy != (None, None) for s in result.steps)
     predictions = any(s.predictions is not None for s in result.steps)
     headers = ["step", "match", "loss A", "loss B", "|loss diff|"]
     headers += ["acc A", "acc B"] if accuracy else []
     headers += ["weight L2", "cosine", "max abs", "worst param"]
     headers += ["logits max abs (argmax differs)"] if predictions else []
-    rows = [_row(s, accuracy, predictions) for s in result.steps]
+    rows = [_row(s, accuracy, predictions) for s in steps]
     return str(tabulate(rows, headers=[*headers, "batch order"], disable_numparse=True))
+
+
+def _shown_steps(steps: Sequence[StepComparison], show: Show, max_rows: int) -> tuple[list[StepComparison], str]:
+    """The steps the table prints and a note on those it leaves out: every step, or only the diverging ones (the
+    first diverging always among them) when there are more than ``max_rows``, at most ``max_rows`` of them."""
+    if show == "all" or (show == "auto" and len(steps) <= max_rows):
+        return list(steps), ""
+    diverging = [s for s in steps if not s.match]
+    shown = diverging[:max_rows] if max_rows else diverging
+    hidden = [f"{len(steps) - len(diverging)} matching"]
+    hidden += [f"{len(diverging) - len(shown)} more diverging"] if len(shown) < len(diverging) else []
+    return shown, f"({' and '.join(hidden)} steps not shown; --show all prints every step, --csv FILE writes them)"
 
 
 def _spread(name: str, spread: Spread | None) -> str | None:
@@ -110,18 +125,21 @@ def _verdict(result: TrainingComparison) -> list[str]:
     return lines + result.notes
 
 
-def render_table(result: TrainingComparison) -> str:
-    """One row per common step, the summary statistics, then the verdict."""
+def render_table(result: TrainingComparison, *, show: Show = "auto", max_rows: int = 40) -> str:
+    """A row per common step (``show`` and ``max_rows`` as for replay-compare's tables: past ``max_rows`` steps only
+    the diverging ones), the summary statistics, then the verdict."""
     if not result.steps:
         return "\n".join(["no step was recorded by both runs: nothing was compared", *_verdict(result)[1:]])
-    return "\n".join([_step_table(result), "", render_summary(summarize(result)), "", *_verdict(result)])
+    steps, note = _shown_steps(result.steps, show, max_rows)
+    table = [_step_table(result, steps)] if steps else []
+    return "\n".join([*table, *([note] if note else []), "", render_summary(summarize(result)), "", *_verdict(result)])
 
 
 def render_markdown(result: TrainingComparison, run_a: str, run_b: str) -> str:
     """``--report``: the verdict, the summary and the step table as markdown."""
     verdict = "MATCH" if result.match else "MISMATCH"
     summary = render_summary(summarize(result)).splitlines()
-    table = _step_table(result).splitlines()
+    table = _step_table(result, result.steps).splitlines()
     lines = [f"# Training comparison: {verdict}", "", f"- A (reference): `{run_a}`", f"- B: `{run_b}`", ""]
     lines += [f"- {line}" for line in [*_verdict(result), *summary]]
     return "\n".join([*lines, "", "```", *table, "```", ""])

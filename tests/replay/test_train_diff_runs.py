@@ -329,6 +329,37 @@ def test_identical_prediction_csvs_match(tmp_path: Path) -> None:
     assert "predicted class differs on 0 of 32 samples" in result.stdout
 
 
+def _one_sample_per_batch(path: Path, batches: int, off_at: tuple[int, ...] = ()) -> Path:
+    """An evaluation at batch size 1: one row, so one step, per sample; logit 0 moved at the batches ``off_at``."""
+    rows = [f"{batch},{0.5 + (batch in off_at)},0.25" for batch in range(batches)]
+    path.write_text("\n".join(["batch_idx,logit_0,logit_1", *rows]) + "\n")
+    return path
+
+
+def test_a_long_run_prints_its_diverging_steps_not_every_step(tmp_path: Path) -> None:
+    """Past --max-rows steps (40) the table keeps the diverging steps, the first among them, and says how many it
+    leaves out; --show all prints every step; a run within the cap prints every step."""
+    a = _one_sample_per_batch(tmp_path / "a.csv", 500)
+    b = _one_sample_per_batch(tmp_path / "b.csv", 500, off_at=(7, 300))
+    result = CliRunner().invoke(main, [str(a), str(b)])
+    assert result.exit_code == 1, result.output
+    steps = [line.split()[0] for line in result.stdout.splitlines() if line[:1].isdigit()]
+    assert steps == ["7", "300"]
+    assert "(498 matching steps not shown; --show all prints every step" in result.stdout
+    assert "first diverging step: 7: predictions differ" in result.stdout
+    capped = CliRunner().invoke(main, [str(a), str(b), "--max-rows", "1"]).stdout
+    assert [line.split()[0] for line in capped.splitlines() if line[:1].isdigit()] == ["7"]
+    assert "(498 matching and 1 more diverging steps not shown" in capped
+    every = CliRunner().invoke(main, [str(a), str(b), "--show", "all"]).stdout
+    assert sum(line[:1].isdigit() for line in every.splitlines()) == 500
+    alike = CliRunner().invoke(main, [str(a), str(a)])
+    assert alike.exit_code == 0
+    assert "(500 matching steps not shown" in alike.stdout
+    assert "all 500 common steps match" in alike.stdout
+    short = _one_sample_per_batch(tmp_path / "short.csv", 40)
+    assert sum(line[:1].isdigit() for line in CliRunner().invoke(main, [str(short)] * 2).stdout.splitlines()) == 40
+
+
 def test_steps_recorded_by_one_run_only_are_not_a_match(runs: dict[str, Path], tmp_path: Path) -> None:
     """A run with a step the other lacks: the common steps agree, yet exit 1, naming the uncompared step."""
     extra = tmp_path / "extra_dumps"
