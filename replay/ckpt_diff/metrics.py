@@ -167,9 +167,10 @@ def measure_pair(blocks_a: Blocks, blocks_b: Blocks, tag_a: str, tag_b: str, eps
                         _careful_block(x[part], y[part], epsilon, moments)
             if tag_a in _INTEGER and tag_b in _INTEGER:
                 moments.differing = before + _integers_differing(raw_a, raw_b, x, y, epsilon)
-            elif (tag_a in _INTEGER) != (tag_b in _INTEGER) and not complex_pair:
-                integers, floats = (raw_a, y) if tag_a in _INTEGER else (raw_b, x)
-                moments.differing = before + _cast_differing(integers, floats, epsilon)
+            elif (tag_a in _INTEGER) != (tag_b in _INTEGER):
+                integers, raw, tag = (raw_a, raw_b, tag_b) if tag_a in _INTEGER else (raw_b, raw_a, tag_a)
+                count = _complex_cast_differing if complex_pair else _cast_differing
+                moments.differing = before + count(integers, to_numeric(raw, tag), epsilon)
     for side, blocks, tag in ((moments.a, blocks_a, tag_a), (moments.b, blocks_b, tag_b)):
         if side.needs_centring():
             _centre(side, blocks, tag, dtype, complex_pair)
@@ -218,12 +219,30 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
     if epsilon == 0:  # |B-A| is never -0.0, so nonzero bits are nonzero values; counting ints is 6x faster
         moments.differing += int(np.count_nonzero(d.view(np.int32 if d.dtype == np.float32 else np.int64)))
     else:
-        moments.differing += int(np.count_nonzero(d > epsilon))
+        moments.differing += _beyond(x, y, d, epsilon)
     moments.both_a += squares_a
     moments.both_b += squares_b
     moments.both_delta += squares_d
     moments.both_gap += gap
     return True
+
+
+_ROUNDING_MARGIN: Final = 1 - 2.0**-21
+"""Below 1 by more than float32's rounding of a difference (2**-24) and of epsilon itself: a float32 |B-A| under
+epsilon times this is under epsilon exactly."""
+
+
+def _beyond(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float) -> int:
+    """Elements whose |B-A| (``d``) is above ``epsilon``, decided as for float64 values. A float32 difference rounds
+    (0 against float32 0.1 is 0.10000000149, which float32 compares to 0.1 as equal), so those within a rounding of
+    epsilon are taken again in float64."""
+    if d.dtype == np.float64:
+        return int(np.count_nonzero(d > epsilon))
+    near = np.flatnonzero(d >= np.float32(epsilon) * np.float32(_ROUNDING_MARGIN))
+    if not near.size:
+        return 0
+    exact = np.abs(y[near].astype(np.float64) - x[near].astype(np.float64))
+    return int(np.count_nonzero(exact > epsilon))
 
 
 def _exact_integer_block(
@@ -288,6 +307,17 @@ def _cast_differing(integers: np.ndarray, floats: np.ndarray, epsilon: float) ->
     with np.errstate(invalid="ignore"):
         unequal_other = ~whole & ~(np.abs(values - integers.astype(np.float64)) <= epsilon)  # NaN and inf differ
     return int(np.count_nonzero(unequal_whole) + np.count_nonzero(unequal_other))
+
+
+def _complex_cast_differing(integers: np.ndarray, values: np.ndarray, epsilon: float) -> int:
+    """Elements of an integer tensor and a complex one that differ, exactly: a value with no imaginary part as a
+    float against its integer (complex128 holds 2**53 + 1 as 2**53), any other by its distance."""
+    values, integers = np.asarray(values, dtype=np.complex128).reshape(-1), integers.reshape(-1)
+    real = values.imag == 0
+    count = _cast_differing(integers[real], values.real[real], epsilon)
+    with np.errstate(invalid="ignore"):  # NaN differs
+        apart = np.abs(values[~real] - integers[~real].astype(np.float64))
+    return count + int(np.count_nonzero(~(apart <= epsilon)))
 
 
 def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:

@@ -73,8 +73,20 @@ def test_an_epsilon_from_1_takes_wide_integers_distance_exactly(tmp_path: Path, 
         (np.array([2**64 - 1], np.uint64), np.array([2.0**64]), 1),  # past the integers' range
         (np.array([7, 8], np.int32), np.array([7.0, np.nan], np.float32), 1),
         (np.array([True, False]), np.array([1.0, 0.5], np.float32), 1),
+        (np.array([2**53 + 1, 3], np.int64), np.array([2.0**53, 3.0], np.complex128), 1),  # was widened to complex
+        (np.array([2**53, 3, 4], np.int64), np.array([2.0**53, 3.0, 4 + 1e-9j], np.complex128), 1),
+        (np.array([5, 6], np.int16), np.array([5, 6 + 0j], np.complex64), 0),
     ],
-    ids=["int64-past-2**53", "int64-kept", "uint64-max", "nan", "bool"],
+    ids=[
+        "int64-past-2**53",
+        "int64-kept",
+        "uint64-max",
+        "nan",
+        "bool",
+        "complex-past-2**53",
+        "complex-imag",
+        "complex-kept",
+    ],
 )
 def test_a_cast_between_integers_and_floats_is_compared_exactly(
     tmp_path: Path, integers: np.ndarray, floats: np.ndarray, changed: int
@@ -85,6 +97,28 @@ def test_a_cast_between_integers_and_floats_is_compared_exactly(
         result = ckpt_diff.diff(*npz_pair(tmp_path, {"step": a}, {"step": b}))
         assert result.tensors[0].elements_changed == changed
         assert result.equal is (changed == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_an_epsilon_is_a_bound_on_the_exact_distance_whatever_the_dtype(tmp_path: Path, dtype: type) -> None:
+    """|B-A| > epsilon was decided in float32 for float32 and float16 pairs: 0 against float32 0.1 (0.10000000149)
+    was within --epsilon 0.1, and -0.5 against 0.50000006 within 1, where the same values in float64 were not.
+    Each element past epsilon counts, among 100,000 others (some near it, within and beyond)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(100_000).astype(dtype)
+    step = 0.25 if dtype == np.float16 else 0.1
+    b = a.copy()
+    b[:3] = a[:3] + dtype(step)  # exactly what float arithmetic gives, slightly above or below step
+    exact = np.abs(b.astype(np.float64) - a.astype(np.float64))
+    result = ckpt_diff.diff(*npz_pair(tmp_path, {"w": a}, {"w": b}), epsilon=step)
+    assert result.tensors[0].elements_changed == int(np.count_nonzero(exact > step))
+    pairs = [
+        (np.array([0.0], dtype), np.array([0.1], dtype), 0.1),
+        (np.array([-0.5], dtype), np.array([0.50000006], dtype), 1.0),
+    ]
+    for first, second, epsilon in pairs:
+        beyond = abs(float(second[0]) - float(first[0])) > epsilon
+        assert ckpt_diff.diff(*npz_pair(tmp_path, {"w": first}, {"w": second}), epsilon=epsilon).equal is not beyond
 
 
 @pytest.mark.parametrize(
