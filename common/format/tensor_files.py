@@ -16,6 +16,7 @@ import os
 import stat
 import struct
 import zipfile
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -148,7 +149,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     found = dict(pairs)
     if len(found) != len(pairs):
         names = [name for name, _ in pairs]
-        twice = next(name for name in names if names.count(name) > 1)
+        twice = next(name for name, count in Counter(names).items() if count > 1)
         raise _DuplicateKey(f"the key {shown(twice)} appears twice (the safetensors library refuses such a file)")
     return found
 
@@ -237,10 +238,18 @@ def check_npz_sizes(archive: Any, path: Path) -> dict[str, NpyLayout]:
     Returns each member's layout.
 
     Raises:
-        CheckpointError: a member is no array, lies about its size, or the whole decompresses past the limit.
+        CheckpointError: a member is no array, lies about its size, or appears twice, or the whole decompresses past
+            the limit.
     """
     limit, total, layouts = nemo_limit(path.stat().st_size), 0, {}
-    members = set(archive.zip.namelist())
+    names = archive.zip.namelist()
+    members = set(names)
+    if len(members) != len(names):  # zipfile reads the last of a name, numpy lists it twice: which one is meant?
+        twice = next(name for name, count in Counter(names).items() if count > 1)
+        raise CheckpointError(
+            f"{path}: the member {twice!r} appears more than once (an archive written so was altered); save it again "
+            "with numpy.savez"
+        )
     for name in archive.files:
         if f"{name}.npy" not in members:
             raise CheckpointError(f"{path}:{name}: not an array (.npy) member")

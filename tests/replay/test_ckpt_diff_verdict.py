@@ -3,10 +3,12 @@ never come out EQUAL, and a crafted file cannot make the tool read without end o
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -184,6 +186,25 @@ def test_a_corrupted_stored_npz_member_fails_its_crc(tmp_path: Path) -> None:
     broken.write_bytes(bytes(raw))
     line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(a), str(broken)]))
     assert "fails its CRC-32" in line
+
+
+def _npy_bytes(values: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, values)
+    return buffer.getvalue()
+
+
+def test_an_npz_holding_a_member_twice_is_refused(tmp_path: Path) -> None:
+    """Two members named w.npy (zipfile writes them, with a warning): the first, which differs, was shadowed by the
+    second and the pair came out EQUAL. Refused in one line, as safetensors headers with a key twice are."""
+    doubled = tmp_path / "doubled.npz"
+    with warnings.catch_warnings(), zipfile.ZipFile(doubled, "w") as archive:
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+        archive.writestr("w.npy", _npy_bytes(np.array([9.0, 9.0], np.float32)))
+        archive.writestr("w.npy", _npy_bytes(np.array([1.0, 2.0], np.float32)))
+    np.savez(tmp_path / "b.npz", w=np.array([1.0, 2.0], np.float32))
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(doubled), str(tmp_path / "b.npz")]))
+    assert "the member 'w.npy' appears more than once" in line
 
 
 def test_values_beyond_1e154_give_no_error_and_no_false_direction(tmp_path: Path) -> None:
