@@ -20,7 +20,7 @@ import tempfile
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
@@ -136,33 +136,56 @@ _SHARING_FACTOR: Final = 8
 def _check_views(loaded: object, path: Path) -> None:
     """Refuse a tensor that shows far more bytes than its storage holds (an expanded or overlapping view), and
     tensors that together show the file's storages many times over (20,000 names viewing one 16 MiB storage are
-    320 GiB to compare: a hang from a 17 MB file)."""
-    pending, seen, shown_in_all, storages = [loaded], 0, 0, {}
-    while pending and seen < 1_000_000:  # torch.load of a file cannot nest deeper than its bytes; bounded anyway
-        value = pending.pop()
-        seen += 1
-        if isinstance(value, Mapping):
-            pending.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            pending.extend(value)
-        elif isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_meta:
-            shown = value.numel() * value.element_size()
-            storage = value.untyped_storage()
-            if shown > storage.nbytes() + _VIEW_SLACK:
-                raise CheckpointError(
-                    f"{path}: a tensor of shape {list(value.shape)} views a storage of {storage.nbytes()} bytes as "
-                    f"{shown} (an expanded or overlapping view): crafted, or saved without .contiguous(); save a "
-                    "copy (.clone()) of it"
-                )
-            shown_in_all += shown
-            storages[storage.data_ptr()] = storage.nbytes()
-    stored = sum(storages.values())
+    320 GiB to compare: a hang from a 17 MB file).
+
+    Every container is walked once (a pickle can hold one list a million times through its memo) and every value
+    in it seen, however many: a cap on the values seen let a million small ints hide an expanded tensor. What a
+    container shows is counted once per place it appears, as a reader flattening the file would meet it."""
+    shown: dict[int, int] = {}  # by id: a walked container's bytes shown, or a checked tensor's
+    storages: dict[int, int] = {}
+    pending: list[tuple[object, bool]] = [(loaded, False)]
+    while pending:
+        value, walked = pending.pop()
+        if walked:  # its children are done: what it shows is theirs, a container on a cycle counting nothing
+            shown[id(value)] = sum(shown.get(id(child), 0) for child in _children(value))
+        elif id(value) in shown:
+            continue
+        elif isinstance(value, torch.Tensor):
+            shown[id(value)] = _checked_view(value, storages, path)
+        elif isinstance(value, (Mapping, list, tuple)):
+            shown[id(value)] = 0  # being walked: a cycle back to it adds nothing
+            pending.append((value, True))
+            pending.extend((child, False) for child in _children(value) if isinstance(child, _WALKED))
+    stored, shown_in_all = sum(storages.values()), shown.get(id(loaded), 0)
     if shown_in_all > _SHARING_FACTOR * stored + _VIEW_SLACK:
         raise CheckpointError(
             f"{path}: its tensors show {shown_in_all} bytes from storages of {stored} bytes in all (more than "
             f"{_SHARING_FACTOR} names viewing the same values): crafted, or saved as views of one buffer; save "
             "each tensor as a copy (.clone())"
         )
+
+
+_WALKED: Final = (torch.Tensor, Mapping, list, tuple)
+
+
+def _children(value: object) -> Iterable[object]:
+    return value.values() if isinstance(value, Mapping) else value  # type: ignore[return-value]
+
+
+def _checked_view(value: torch.Tensor, storages: dict[int, int], path: Path) -> int:
+    """The bytes a strided tensor shows (its storage noted), refused when far beyond its storage's; 0 for others."""
+    if value.layout != torch.strided or value.is_meta:
+        return 0
+    shown = value.numel() * value.element_size()
+    storage = value.untyped_storage()
+    if shown > storage.nbytes() + _VIEW_SLACK:
+        raise CheckpointError(
+            f"{path}: a tensor of shape {list(value.shape)} views a storage of {storage.nbytes()} bytes as "
+            f"{shown} (an expanded or overlapping view): crafted, or saved without .contiguous(); save a "
+            "copy (.clone()) of it"
+        )
+    storages[storage.data_ptr()] = storage.nbytes()
+    return shown
 
 
 def _torch_load_unchecked(path: Path, trust_pickle: bool, *, mmap: bool = False) -> object:

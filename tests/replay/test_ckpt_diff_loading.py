@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file as save_torch
 
+from parity_harness.capture.models.checkpoints import load_torch_object
 from parity_harness.common.errors import CheckpointError
 from parity_harness.replay import ckpt_diff
 from parity_harness.replay.ckpt_diff.compare import TensorChange, diff_sources
@@ -732,6 +733,29 @@ def test_many_names_viewing_one_storage_are_refused(tmp_path: Path) -> None:
     assert "more than 8 names viewing the same values" in line
     torch.save({"embed.weight": shared, "head.weight": shared}, tmp_path / "tied.pt")
     assert CliRunner().invoke(main, [str(tmp_path / "tied.pt")] * 2).exit_code == 0
+
+
+def test_a_view_is_checked_however_many_values_come_before_it(tmp_path: Path) -> None:
+    """The check stopped after a million values: a list of 1.1 million ints saved beside ``zeros(1).expand(2**28)``
+    hid the view, and ckpt-diff copied out 1 GiB per side from a 2 MB file."""
+    path = tmp_path / "hidden.pt"
+    torch.save({"w": torch.zeros(1).expand(1 << 28), "pad": [0] * 1_100_000}, path)
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(path), str(path)]))
+    assert "(an expanded or overlapping view)" in line
+
+
+def test_names_viewing_one_storage_are_counted_through_shared_lists(tmp_path: Path) -> None:
+    """A pickle holds one list many times through its memo: 1000 references to a list of 7 names for one 1 MiB
+    tensor are 7000 names to compare, counted as such though the list is walked once; a list inside itself (a
+    cycle) adds nothing and still loads."""
+    shared = torch.zeros(1 << 18)
+    torch.save({"x": [[shared] * 7] * 1000}, tmp_path / "memo.pt")
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(tmp_path / "memo.pt")] * 2))
+    assert "more than 8 names viewing the same values" in line
+    looped: list[object] = [torch.ones(3)]
+    looped.append(looped)
+    torch.save({"loop": looped}, tmp_path / "loop.pt")
+    assert load_torch_object(tmp_path / "loop.pt", False)["loop"][1] is not None
 
 
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "npz"])
