@@ -342,7 +342,8 @@ def _predictions(
     if a is None or b is None:
         return None if a is None and b is None else ("A" if b is None else "B")
     samples = len(a) if a.ndim else 1
-    same_samples = _sample_indices(run_a, key_a) == _sample_indices(run_b, key_b)
+    indices_a, indices_b = _sample_indices(run_a, key_a), _sample_indices(run_b, key_b)
+    same_samples = indices_a is None or indices_b is None or indices_a == indices_b  # a dump records none
     if a.shape != b.shape or not same_samples:
         return PredictionDiff(samples, [], math.inf, False)
     if a.size == 0:
@@ -454,8 +455,16 @@ def _compare_step(
 
 def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[str]:
     """The optimizer's hyper-parameters both runs recorded at the step that differ (a learning rate, betas, a
-    flag); one recorded by one run only is left out (another torch adds keys such as ``fused``)."""
+    flag), parameter groups paired in any order (no decay first or last is the same optimizer); one recorded by one
+    run only is left out (another torch adds keys such as ``fused``), a group one run alone has is not."""
     a, b = infos[0].hyper_parameters, infos[1].hyper_parameters
+    if not a or not b:
+        return []  # recorded by one run only: a note (_note_one_sided)
+    groups_a, groups_b = len(_by_group(a)), len(_by_group(b))
+    if groups_a != groups_b:
+        return [f"optimizer hyper-parameters differ: A has {groups_a} parameter group(s), B {groups_b}"]
+    if _same_groups(plan, a, b):
+        return []
     # Relative only: a learning rate of 2e-5 against 1e-5 is twice the step, however small both are.
     differing = [
         f"{name} (A {a[name]:g}, B {b[name]:g})"

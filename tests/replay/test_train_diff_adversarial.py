@@ -270,6 +270,32 @@ def test_the_optimizers_hyper_parameters_are_compared(tmp_path: Path) -> None:
     assert "optimizer hyper-parameters recorded by A only at 1 step(s)" in alone.output
 
 
+def test_the_optimizers_parameter_groups_are_paired_in_any_order_and_counted(tmp_path: Path) -> None:
+    """A second parameter group (lr 0.5, no momentum) that B lacks was never compared (only names both runs had
+    were): a mismatch now. The same groups listed in another order (no decay first) were a mismatch: they match."""
+    decay = {"lr": 1e-3, "weight_decay": 0.01, "params": [0]}
+    no_decay = {"lr": 1e-3, "weight_decay": 0.0, "params": [1]}
+    two = _dump(tmp_path / "two", optimizer_state_dict={"state": {}, "param_groups": [decay, no_decay]})
+    one = _dump(tmp_path / "one", optimizer_state_dict={"state": {}, "param_groups": [decay]})
+    result = _run(two, one)
+    assert result.exit_code == 1
+    assert "optimizer hyper-parameters differ: A has 2 parameter group(s), B 1" in result.output
+    swapped = _dump(tmp_path / "swapped", optimizer_state_dict={"state": {}, "param_groups": [no_decay, decay]})
+    assert _run(two, swapped).exit_code == 0
+
+
+def test_a_prediction_csv_and_a_dump_with_the_same_logits_agree(tmp_path: Path) -> None:
+    """A dump records no sample indices, a CSV does: the logits were reported as infinitely apart."""
+    logits = torch.tensor([[0.1, 0.9], [0.8, 0.2]], dtype=torch.float64)
+    csv = _csv(tmp_path / "a.csv", "batch_idx,sample_idx,logit_0,logit_1\n1,0,0.1,0.9\n1,1,0.8,0.2\n")
+    dump = _dump(tmp_path / "b", model_state_dict=None, predictions=logits)
+    document = tmp_path / "r.json"
+    _run(csv, dump, "--json", document)
+    step = json.loads(document.read_text())["steps"][0]
+    assert step["predictions"]["max_abs"] == 0
+    assert "predictions differ" not in step["reasons"]
+
+
 def test_sample_ids_of_one_run_only_are_noted(tmp_path: Path) -> None:
     """Sample ids one run records cannot show a batch-order difference: not a mismatch (a training file against
     dumps), but said."""
