@@ -10,7 +10,8 @@ component                          added by
 =================================  =====================================================
 
 A leading component counts as a wrapper only when *every* name on that side starts with it (a
-real submodule called ``module`` next to others is left alone). Names are normalised on both
+real submodule called ``module`` next to others is left alone), and only when the other side's names do not
+(two sides alike pair as they are: a root whose only child is named ``module`` is no DDP). Names are normalised on both
 sides only when the bundle's normalised names are unambiguous, and the report says what was
 normalised, so that normalisation never hides a real rename.
 """
@@ -206,6 +207,8 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
     bundle_params = sorted({*index.params, *index.grads, *recorded_buffers})  # buffers are named as parameters are
     port_roots, bundle_roots = _roots(port_modules), _roots(bundle_modules or bundle_params)
+    if port_roots == bundle_roots:  # the same on both sides pairs as it is: a real child named ``module`` is no DDP
+        port_roots = bundle_roots = ()
     port_inner, bundle_inner = _inner(port_names), _inner([*bundle_modules, *bundle_params])
     if not (port_roots or bundle_roots or port_inner or bundle_inner):
         return rename, None

@@ -555,6 +555,51 @@ def test_a_wrapped_ports_root_parameter_is_compared(tmp_path: Path, trainable: b
     assert ("pos_embed" in {r.name for r in result.of_kind("param_grad")}) is trainable
 
 
+class _Encoder(nn.Module):
+    """Two layers; ``bug`` scales its negative outputs, which a ReLU after it zeroes."""
+
+    def __init__(self, bug: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.bug = nn.Linear(8, 8), nn.Linear(8, 4), bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l2(torch.tanh(self.l1(x)))
+        return torch.where(h < 0, h * self.bug, h)
+
+
+class _ChildNamedModule(nn.Module):
+    """A model whose only child is a real submodule named ``module`` (as DDP names the model it wraps)."""
+
+    def __init__(self, bug: float = 1.0) -> None:
+        super().__init__()
+        self.module = _Encoder(bug)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.module(x))
+
+
+def test_a_real_child_named_module_is_compared_not_waived_as_a_ddp_wrapper(tmp_path: Path) -> None:
+    """A root whose only child is named ``module`` was taken for DDP on both sides and that child's records waived:
+    a bug in it that the root's ReLU hides from the output was a MATCH. Alike on both sides, the names pair as they
+    are; a DataParallel port of an unwrapped capture still pairs through the wrapper."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "child.h5"
+    x = {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}
+    capture_run(_ChildNamedModule(), x, bundle)
+    with BundleReader(bundle) as reader:
+        wrong = compare_run(_ChildNamedModule(bug=3.0), reader)
+        assert wrong.verdict == "MISMATCH"
+        first = wrong.first_divergence("forward")
+        assert first is not None
+        assert first.name.startswith("module/0/output")
+        assert compare_run(_ChildNamedModule(), reader).verdict == "MATCH"
+    capture_run(_Encoder(1.0), x, tmp_path / "plain.h5")
+    with BundleReader(tmp_path / "plain.h5") as reader:
+        assert compare_run(nn.DataParallel(_Encoder(1.0)), reader).verdict == "MATCH"
+
+
 class _RenamedRoot(nn.Module):
     """:class:`_RootParameter` with other names: ``proj`` for ``lin``, ``pe`` for ``pos_embed``."""
 
