@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from parity_harness.replay.reader import BundleReader
 
 __all__ = [
+    "CHANGED_BY_RUN",
     "COUNTED_KINDS",
     "KINDS",
     "ComparisonResult",
@@ -47,6 +48,9 @@ BatchNorm's running statistics; format 1.5)."""
 COUNTED_KINDS: Final[tuple[RecordKind, ...]] = (*KINDS, "param")
 """The kinds counted and covered: those of the records, and ``param``, the parameters' values
 (:attr:`ComparisonResult.param_values`), which decide the verdict too."""
+
+CHANGED_BY_RUN: Final = "the port's run changed this parameter in place (its values after the run differ)"
+"""Why a parameter record fails whose values the port's own run changed (a weight rescaled in its forward)."""
 ResultVerdict = Literal["MATCH", "MISMATCH", "INCOMPLETE"]
 """``INCOMPLETE``: every compared record matches, but recorded ones were left uncompared without a waiver."""
 

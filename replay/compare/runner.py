@@ -88,7 +88,7 @@ from parity_harness.replay.naming.mapping import (
 )
 from parity_harness.replay.naming.wrappers import WrapperRenameMap, normalize_wrappers, strip_wrappers
 from parity_harness.replay.reader import BundleReader, rebuild
-from parity_harness.replay.result import ComparisonResult, RecordResult, kind_of_module_record
+from parity_harness.replay.result import CHANGED_BY_RUN, ComparisonResult, RecordResult, kind_of_module_record
 
 __all__ = ["DataParallelRuns", "Progress", "ReplayOptions", "compare_run"]
 
@@ -217,6 +217,7 @@ def _phases(session: _ReplaySession, options: ReplayOptions) -> None:
     session.run_every_rank()
     session.compare_gradients()
     session.compare_buffers()
+    session.check_parameters_kept()
     session.settle_checksums()
     session.recheck_rounding()
     session.account_for_unvisited()
@@ -301,6 +302,8 @@ class _ReplaySession:
         self.near = self._near_misses(reader)
         self.initial_buffers = BufferState.of(model) if self.near is not None else None
         self.buffers_before = BufferSnapshot(model)
+        self.param_versions: list[tuple[str, torch.Tensor, int]] = []
+        """Each compared parameter (its bundle name, the port's tensor) and its version counter before the run."""
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
         """Records of other ranks added here (``rank<r>:NAME``): outside this rank's chain of calls."""
@@ -354,12 +357,28 @@ class _ReplaySession:
         params, padded = unpad(params, expected)
         compared = compare_named(self.weights, tolerances, "param", params, expected, self.transform)
         self.result.param_values = compared[0]
+        self.param_versions = [(name, tensor, tensor._version) for name, tensor in params]
         self._note_absent_parameters(compared[2])
         self.result.notes += [
             f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
             "compared on the overlap (its gradient beyond it must be zero)"
             for p in padded
         ]
+
+    def check_parameters_kept(self) -> None:
+        """A parameter the port's run changed in place (a weight rescaled in its forward) holds other values after
+        the run than the reference's, whose capture refuses such a run: compared again, a difference fails its
+        record, saying so. Version counters tell which moved (an edit through ``.data`` moves none)."""
+        moved = [(name, tensor) for name, tensor, version in self.param_versions if tensor._version != version]
+        if not moved:
+            return
+        now = compare_named(self.weights, self.result.tolerances, "param", moved, self.weights.index.params)[0]
+        changed = {
+            r.name: dataclasses.replace(r, diff=dataclasses.replace(r.diff, problem=CHANGED_BY_RUN))
+            for r in now
+            if not r.match
+        }
+        self.result.param_values = [changed.get(record.name, record) for record in self.result.param_values]
 
     def _buffers_for_parameters(self, paired: set[str]) -> list[tuple[str, torch.Tensor]]:
         """The port's buffers standing for recorded parameters it does not have as parameters (a frozen position

@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from parity_harness.common.format.dtypes import is_float_tag
 from parity_harness.replay.report.tables import record_headers, record_row, undecided_reasons
-from parity_harness.replay.result import ComparisonResult, RecordResult
+from parity_harness.replay.result import CHANGED_BY_RUN, ComparisonResult, RecordResult
 
 __all__ = ["failure_message"]
 
@@ -34,11 +34,7 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
         + ")"
         + (f", {undecided} undecided" if undecided else "")
         + ("" if result.complete else f", {len(result.bundle_only)} recorded tensor(s) not compared")
-        + (
-            f", {len(result.differing_parameters)} parameter value(s) not the reference's (other weights loaded)"
-            if result.differing_parameters
-            else ""
-        )
+        + _differing_parameters(result)
     )
     lines = [headline]
     if rows:
@@ -91,3 +87,14 @@ def _uncompared(result: ComparisonResult, max_rows: int) -> list[str]:
         f"INCOMPLETE: {len(missing)} recorded tensor(s) were not compared: {shown}",
         "pair them with map= (a map file), or waive them: waive=(GLOB, ...) or a 'waive GLOB' line in the map",
     ]
+
+
+def _differing_parameters(result: ComparisonResult) -> str:
+    """The headline's part on parameter values: how many differ, and why (loaded otherwise, changed by the run)."""
+    differing = result.differing_parameters
+    if not differing:
+        return ""
+    changed = sum(r.diff.problem == CHANGED_BY_RUN for r in differing)
+    why = [f"{len(differing) - changed} other weights loaded"] if changed < len(differing) else []
+    why += [f"{changed} changed in place by the port's run"] if changed else []
+    return f", {len(differing)} parameter value(s) not the reference's ({', '.join(why)})"

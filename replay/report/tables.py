@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from parity_harness.common.format.dtypes import is_float_tag
 from parity_harness.replay.naming.alignment import ProposedMap
-from parity_harness.replay.result import ComparisonResult, RecordKind, RecordResult
+from parity_harness.replay.result import CHANGED_BY_RUN, ComparisonResult, RecordKind, RecordResult
 
 __all__ = [
     "Show",
@@ -211,23 +211,34 @@ def param_value_lines(result: ComparisonResult) -> list[str]:
     unproven = [r for r in differing if r.undecided]
     lines = []
     if unproven:
-        names = ", ".join(r.name for r in unproven[:5]) + (" ..." if len(unproven) > 5 else "")
         lines.append(
-            f"parameter values undecided ({names}): kept as statistics only, their bits differ, and statistics within "
-            "the tolerance's bounds prove no match"
+            f"parameter values undecided ({_names(unproven)}): kept as statistics only, their bits differ, and "
+            "statistics within the tolerance's bounds prove no match"
         )
-    if deciding:
-        names = ", ".join(r.name for r in deciding[:5]) + (" ..." if len(deciding) > 5 else "")
+    changed = [r for r in deciding if r.diff.problem == CHANGED_BY_RUN]
+    if changed:
+        lines.append(
+            f"MISMATCH: the port's run changed {len(changed)} parameter(s) in place ({_names(changed)}): their values "
+            "after the run differ from the reference's, whose capture refuses such a run; a forward must not modify "
+            "the weights"
+        )
+    loaded = [r for r in deciding if r not in changed]
+    if loaded:
         total = len([r for r in result.param_values if not _MERGED.match(r.name)])  # not another process's too
         lines.append(
-            f"MISMATCH: {len(deciding)} of {total or len(result.param_values)} parameters differ from the reference's "
-            f"weights ({names}): different weights were loaded (the run may not show it: rows or columns it never "
-            "reads); check the checkpoint's conversion"
+            f"MISMATCH: {len(loaded)} of {total or len(result.param_values)} parameters differ from the reference's "
+            f"weights ({_names(loaded)}): different weights were loaded (the run may not show it: rows or columns it "
+            "never reads); check the checkpoint's conversion"
         )
     if misaligned:
-        names = ", ".join(r.name for r in misaligned[:5]) + (" ..." if len(misaligned) > 5 else "")
+        names = _names(misaligned)
         lines.append(f"parameters of modules paired on shapes alone differ ({names}): probably paired wrongly")
     return lines
+
+
+def _names(records: Sequence[RecordResult]) -> str:
+    """The first five records' names, for a line."""
+    return ", ".join(r.name for r in records[:5]) + (" ..." if len(records) > 5 else "")
 
 
 def render_provenance(reference: dict[str, str], replay: dict[str, str]) -> str:

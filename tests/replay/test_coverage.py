@@ -600,6 +600,40 @@ def test_a_real_child_named_module_is_compared_not_waived_as_a_ddp_wrapper(tmp_p
         assert compare_run(nn.DataParallel(_Encoder(1.0)), reader).verdict == "MATCH"
 
 
+class _RescalesItsWeight(nn.Module):
+    """Two layers; ``rescale`` makes its forward multiply the first weight by 1.5 in place after using it."""
+
+    def __init__(self, rescale: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.rescale = nn.Linear(8, 8), nn.Linear(8, 4), rescale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.tanh(self.a(x)))
+        if self.rescale:
+            with torch.no_grad():
+                self.a.weight.mul_(1.5)
+        return out
+
+
+def test_a_port_changing_its_weights_during_its_run_is_a_mismatch_saying_so(tmp_path: Path) -> None:
+    """A port rescaling a weight in its forward, after using it: outputs and gradients of that step equal, the
+    parameter values compared before the run equal, so MATCH, while a capture of such a model is refused. The
+    parameter whose version moved is compared again after the run and fails, saying the run changed it."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "steady.h5"
+    capture_run(_RescalesItsWeight(False), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_RescalesItsWeight(True), reader)
+        assert compare_run(_RescalesItsWeight(False), reader).verdict == "MATCH"
+    assert result.verdict == "MISMATCH"
+    assert [r.name for r in result.param_values if not r.match] == ["a.weight"]
+    assert "the port's run changed 1 parameter(s) in place (a.weight)" in render_result(result)
+    with pytest.raises(ParityMismatch, match=r"1 changed in place by the port's run"):
+        assert_parity(_RescalesItsWeight(True), bundle)
+
+
 class _RenamedRoot(nn.Module):
     """:class:`_RootParameter` with other names: ``proj`` for ``lin``, ``pe`` for ``pos_embed``."""
 
