@@ -14,9 +14,10 @@ memory-mapped (tensor storage is mapped, not read) to take its loss and metrics,
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Final, TypeVar
 
@@ -61,12 +62,17 @@ _NUMPY_FLOAT_TAGS: Final = {"f2": "F16", "f4": "F32", "f8": "F64"}
 """A NumPy array's floating dtype (byte order aside) as a tag: its precision is compared like a tensor's."""
 _MAX_METRIC_DEPTH: Final = 4
 """Levels of nested metric dicts read."""
+_MAX_METRIC_NUMBERS: Final = 4096
+"""A tensor among a dump's other entries with more elements than this is a weight (compared as a tensor), not a
+metric of that many numbers."""
 _T = TypeVar("_T")
 _GROUPS: Final = ("params", "optimizer", *_GROUP_KEYS)
 _DUMP_KEYS: Final = frozenset(
     ("loss", "metrics", *_METRIC_KEYS, *_FILE_EPOCH_KEYS, *_FILE_BATCH_KEYS, *_SAMPLE_ID_KEYS)
 ).union(*_GROUP_KEYS.values())
 """Names that make a dict of tensors a dump rather than a bare state dict."""
+_READ_KEYS: Final = frozenset((*_STATE_KEYS, *_OPTIMIZER_KEYS)).union(_DUMP_KEYS)
+"""A dump's entries its readers take: the others are compared as metrics or weights (``_unread``)."""
 
 
 class DumpRun:
@@ -105,7 +111,7 @@ class DumpRun:
         """The first step's state-dict names (a ``module.`` wrapper prefix removed)."""
         steps = self.steps()
         first = min(steps, key=StepKey.order)
-        return list(_state_dict(self._load(self._file_of[first])))
+        return list(_weights(self._load(self._file_of[first])))
 
     def steps(self) -> dict[StepKey, StepInfo]:
         """Every dump's step, loss, metrics and sample ids, in step order (each file loaded once, memory-mapped).
@@ -168,7 +174,7 @@ class DumpRun:
             raise InputError(f"{self.path}: no step {key.label()} in this {self.kind}; it has {len(self.steps())}")
         dump = self._load(self._file_of[key])
         if group == "params":
-            return dict(_state_dict(dump))
+            return _weights(dump)
         if group == "optimizer":
             return _optimizer_entries(dump, list(_state_dict(dump)))
         return _group_entries(dump, group)
@@ -192,7 +198,7 @@ class DumpRun:
         for file in self._files:
             dump = _as_dump(load_torch_object(file, self._trust_pickle, mmap=True), file)
             try:
-                key, info = self._key_of(file, dump), _step_info(dump)
+                key, info = self._key_of(file, dump), _step_info(dump, file)
             except (TypeError, ValueError, OverflowError, RuntimeError, AttributeError) as err:
                 if isinstance(err, ParityError):
                     raise
@@ -349,46 +355,112 @@ def _int_entry(dump: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
     return next((int(number) for number in numbers if number is not None), None)
 
 
-def _step_info(dump: Mapping[str, Any]) -> StepInfo:
-    """Loss, ``acc`` / ``accuracy`` and every number of a ``metrics`` dict (a metric of several numbers, such as a
-    per-class F1, as ``f1.0``, ``f1.1``...; a nested dict's as ``val.acc``), the sample ids and the optimizer's
-    hyper-parameters. A loss of several numbers (per sample) is compared number by number as ``loss.0``..."""
-    metrics = {key: number for key in _METRIC_KEYS if (number := _number(dump.get(key))) is not None}
+def _weights(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's state dict (:func:`_state_dict`) and the tensors of the dump's other entries (an EMA's state
+    dict, a large tensor), named ``<entry>.<name>`` and ``<entry>``: weights too, compared as the model's are."""
+    weights: dict[str, Any] = dict(_state_dict(dump))
+    for name, value in _extra_tensors(dump).items():
+        if name in weights:
+            raise InputError(f"the dump's entry {name!r} has the name of one of the model's weights; rename the entry")
+        weights[name] = value
+    return weights
+
+
+def _unread(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """The dump's entries no other reader takes (``val_loss``, ``lr``, ``ema_state_dict``, ``scheduler``...): none
+    when the dump is a bare state dict."""
+    model = next((key for key in _STATE_KEYS if isinstance(dump.get(key), Mapping)), None)
+    if model is None and _state_dict(dump):
+        return {}
+    known = {*_STATE_KEYS[: _STATE_KEYS.index(model) + 1], *_OPTIMIZER_KEYS, *_DUMP_KEYS} if model else _READ_KEYS
+    return {key: value for key, value in dump.items() if key not in known}
+
+
+def _is_weights(value: object) -> bool:
+    """An array too large to compare as numbers one by one, or a dict of tensors (a state dict)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return math.prod(value.shape) > _MAX_METRIC_NUMBERS
+    return isinstance(value, Mapping) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def _extra_tensors(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensors of the dump's entries no other reader takes, by ``<entry>`` or ``<entry>.<name>``."""
+    found: dict[str, Any] = {}
+    for key, value in _unread(dump).items():
+        if isinstance(value, Mapping) and _is_weights(value):
+            found.update({f"{key}.{name}": tensor for name, tensor in _unwrapped(dict(value)).items()})
+        elif _is_weights(value):
+            found[key] = value
+    return found
+
+
+class _Metrics:
+    """A dump's numbers by name, each name once: two values under one name (``acc`` beside ``metrics["acc"]``,
+    ``metrics["val.acc"]`` beside ``metrics["val"]["acc"]``) refuse the dump, as one of them would go uncompared."""
+
+    def __init__(self, file: Path) -> None:
+        self.file, self.values, self.where = file, dict[str, float](), dict[str, str]()
+
+    def add(self, pairs: Iterable[tuple[str, float]], where: str) -> None:
+        for name, value in pairs:
+            earlier = self.values.setdefault(name, value)
+            if earlier != value and not (math.isnan(earlier) and math.isnan(value)):
+                raise InputError(
+                    f"{self.file}: the metric {name!r} is recorded twice, {earlier:g} {self.where[name]} and {value:g} "
+                    f"{where}; give each value its own name"
+                )
+            self.where.setdefault(name, where)
+
+
+def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
+    """Loss, ``acc`` / ``accuracy``, every number of a ``metrics`` dict (a metric of several numbers, such as a
+    per-class F1, as ``f1.0``, ``f1.1``...; a nested dict's as ``val.acc``) and of every other entry (``val_loss``,
+    ``lr``, a scheduler's or a scaler's state dict), the sample ids and the optimizer's hyper-parameters. A loss of
+    several numbers (per sample) is compared number by number as ``loss.0``..."""
+    metrics = _Metrics(file)
+    metrics.add(((key, n) for key in _METRIC_KEYS if (n := _number(dump.get(key))) is not None), "at the top level")
     nested = dump.get("metrics")
     if isinstance(nested, Mapping):
         for key, value in nested.items():
-            metrics.update(_numbers(str(key), value))
+            metrics.add(_number_pairs(str(key), value), "in 'metrics'")
     loss = _number(dump.get("loss"))
     if loss is None and dump.get("loss") is not None:
-        metrics.update(_numbers("loss", dump.get("loss")))
-    return StepInfo(loss=loss, metrics=metrics, sample_ids=_sample_ids(dump), hyper_parameters=_hyper_parameters(dump))
+        metrics.add(_number_pairs("loss", dump.get("loss")), "as 'loss'")
+    for key, value in _unread(dump).items():
+        if not _is_weights(value):
+            metrics.add(_number_pairs(key, value), "at the top level")
+    hyper = _hyper_parameters(dump)
+    return StepInfo(loss=loss, metrics=metrics.values, sample_ids=_sample_ids(dump), hyper_parameters=hyper)
 
 
-def _numbers(name: str, value: object, depth: int = 0) -> dict[str, float]:
-    """A metric's numbers by name: one number (a bool as 0 or 1) under ``name``; several (a tensor, an array, a
-    list, nested ones: a confusion matrix) as ``name.<i>`` in row-major order; a dict's as ``name.<key>``."""
+def _numbers(name: str, value: object) -> dict[str, float]:
+    """A metric's numbers by name (:func:`_number_pairs`)."""
+    return dict(_number_pairs(name, value))
+
+
+def _number_pairs(name: str, value: object, depth: int = 0) -> list[tuple[str, float]]:
+    """A metric's numbers with their names: one number (a bool as 0 or 1) under ``name``; several (a tensor, an
+    array, a list, nested ones: a confusion matrix) as ``name.<i>`` in row-major order; a dict's as
+    ``name.<key>``; nothing for text and other values."""
     if isinstance(value, bool):
-        return {name: float(value)}
+        return [(name, float(value))]
     single = _number(value)
     if single is not None:
-        return {name: single}
+        return [(name, single)]
     if isinstance(value, Mapping) and depth < _MAX_METRIC_DEPTH:
-        found: dict[str, float] = {}
-        for key, item in value.items():
-            found.update(_numbers(f"{name}.{key}", item, depth + 1))
-        return found
+        return [pair for key, item in value.items() for pair in _number_pairs(f"{name}.{key}", item, depth + 1)]
     if isinstance(value, torch.Tensor) and not value.is_complex():
         value = value.detach().cpu().double().numpy()
     try:
         array = np.asarray(value, dtype=np.float64) if isinstance(value, (list, tuple, np.ndarray)) else None
     except (TypeError, ValueError):  # ragged, or not numbers
-        return {}
+        return []
     if array is None:
-        return {}
+        return []
     flat = array.reshape(-1)
     if flat.size == 1:  # [0.5] as tensor([0.5]) is: one number
-        return {name: float(flat[0])}
-    return {f"{name}.{i}": float(item) for i, item in enumerate(flat)}
+        return [(name, float(flat[0]))]
+    return [(f"{name}.{i}", float(item)) for i, item in enumerate(flat)]
 
 
 def _hyper_parameters(dump: Mapping[str, Any]) -> dict[str, float]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from parity_harness.capture.record.training import TrainingRecorder
 from parity_harness.replay.cli.train_diff import main
+from tests.cli_helpers import one_error_line
 
 
 def _run(*args: object) -> Result:
@@ -294,6 +295,49 @@ def test_a_prediction_csv_and_a_dump_with_the_same_logits_agree(tmp_path: Path) 
     step = json.loads(document.read_text())["steps"][0]
     assert step["predictions"]["max_abs"] == 0
     assert "predictions differ" not in step["reasons"]
+
+
+def test_every_entry_of_a_dump_is_compared(tmp_path: Path) -> None:
+    """A dump's entries other than the loss, accuracy, metrics and known groups were never read: another val_loss,
+    learning rate, gradient norm, scheduler or scaler state, and an EMA's state dict differing were a match. Their
+    numbers are compared as metrics (``scheduler.last_epoch``...), a dict of tensors or a large tensor as weights
+    (``ema_state_dict.enc.w``), text left aside."""
+
+    def entries(scale: float) -> dict[str, Any]:
+        return {
+            "val_loss": 0.3 * scale,
+            "lr": 1e-3 * scale,
+            "grad_norm": torch.tensor(1.0 * scale),
+            "scheduler": {"last_epoch": 3, "_last_lr": [1e-3 * scale]},
+            "scaler": {"scale": 65536.0 * scale},
+            "ema_state_dict": {name: value * scale for name, value in _weights().items()},
+            "features": torch.ones(8192) * scale,
+            "run_name": f"run at {scale}",
+        }
+
+    a = _dump(tmp_path / "a", **entries(1.0))
+    assert _run(a, _dump(tmp_path / "same", **entries(1.0))).exit_code == 0
+    document = tmp_path / "r.json"
+    assert _run(a, _dump(tmp_path / "b", **entries(2.0)), "--json", document).exit_code == 1
+    step = json.loads(document.read_text())["steps"][0]
+    differing = {name for name, values in step["metrics"].items() if values["a"] != values["b"]}
+    assert differing == {"val_loss", "lr", "grad_norm", "scheduler._last_lr", "scaler.scale"}
+    assert step["metrics"]["scheduler.last_epoch"] == {"a": 3, "b": 3}
+    moved = {p["name"] for p in step["parameters"] if p["max_abs"] > 0}
+    assert moved == {"ema_state_dict.enc.w", "ema_state_dict.enc.b", "features"}
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [{"acc": 0.1, "metrics": {"acc": 0.5}}, {"metrics": {"val.acc": 0.2, "val": {"acc": 0.7}}}],
+    ids=["top-level-and-metrics", "dotted-and-nested"],
+)
+def test_a_metric_recorded_twice_under_one_name_is_refused(tmp_path: Path, entries: dict[str, Any]) -> None:
+    """Two values under one name: the later replaced the earlier, whose difference went unseen (exit 0)."""
+    a = _dump(tmp_path / "a", **entries)
+    line = one_error_line("parity-train-diff", _run(a, a))
+    assert "is recorded twice" in line
+    assert "give each value its own name" in line
 
 
 def test_sample_ids_of_one_run_only_are_noted(tmp_path: Path) -> None:
