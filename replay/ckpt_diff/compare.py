@@ -227,6 +227,9 @@ class CheckpointDiff:
     entries: list[EntryChange] = field(default_factory=list)
     epsilon: float = 0.0
     shape_only: bool = False
+    include: str | None = None
+    exclude: str | None = None
+    """``--include`` / ``--exclude``: the names compared (the sides' notes count those left out)."""
 
     @property
     def equal(self) -> bool:
@@ -311,16 +314,30 @@ def diff_sources(
     if not infos_a and not infos_b and (include or exclude):
         total = len(set(source_a.tensors) | set(names_b))
         raise InputError(f"--include/--exclude select none of the {total} tensors; check the patterns")
+    _note_left_out(source_a, len(source_a.tensors) - len(infos_a), len(source_a.entries), keep)
+    _note_left_out(source_b, len(names_b) - len(infos_b), len(source_b.entries), keep)
     result = CheckpointDiff(
         SideSummary.of(source_a, list(infos_a.values())),
         SideSummary.of(source_b, list(infos_b.values())),
         epsilon=epsilon,
         shape_only=shape_only,
+        include=include,
+        exclude=exclude,
     )
     pair = _Pairing(source_a, source_b, names_b, layer_types, epsilon, shape_only)
     result.tensors = [pair.compare(name, infos_a.get(name), infos_b.get(name)) for name in sorted({*infos_a, *infos_b})]
     result.entries = _compare_entries(source_a.entries, _renamed_entries(source_b, rename), keep)
     return result
+
+
+def _note_left_out(source: Source, tensors: int, entries: int, keep: Callable[[str], bool]) -> None:
+    """Say on the side's summary how many of its tensors and other values --include/--exclude leave uncompared (an
+    EQUAL then speaks for the rest only)."""
+    values = sum(not keep(name) for name in source.entries) if entries else 0
+    left = [f"{tensors} of its tensors"] if tensors else []
+    left += [f"{values} of its other values"] if values else []
+    if left:
+        source.notes.append(f"--include/--exclude leave out {' and '.join(left)}: they are not compared")
 
 
 def _renamed(source: Source, rename: RenameMap | None) -> dict[str, str]:

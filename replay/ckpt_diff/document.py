@@ -42,6 +42,8 @@ def diff_document(
         "options": {
             "epsilon": diff.epsilon,
             "shape_only": diff.shape_only,
+            "include": diff.include,
+            "exclude": diff.exclude,
             "sort_by": sort_by,
             "show_unchanged": show_unchanged,
         },

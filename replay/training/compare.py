@@ -543,6 +543,12 @@ def _pair_parameters(run_a: RunSource, run_b: RunSource, plan: _Plan, result: Tr
             f"{run_b.path}: parameters {sources[:3]} are all renamed to {twice[0]!r}; fix --map so that each of B's "
             "parameters has its own name in A"
         )
+    left_out = len(run_a.parameter_names()) - len(names_a)
+    if plan.chosen.spec != "all" and left_out:
+        result.notes.append(
+            f"--params {plan.chosen.spec} compares {len(names_a)} of A's {len(names_a) + left_out} parameters (their "
+            f"weights, gradients and optimizer state); the other {left_out} are not compared"
+        )
     selected_b = [n for n in names_b if plan.selects(n)]
     result.unpaired_a = [n for n in names_a if n not in set(selected_b)]
     result.unpaired_b = [n for n in selected_b if n not in set(names_a)]

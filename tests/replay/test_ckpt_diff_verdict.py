@@ -188,6 +188,26 @@ def test_a_corrupted_stored_npz_member_fails_its_crc(tmp_path: Path) -> None:
     assert "fails its CRC-32" in line
 
 
+def test_an_equal_of_the_selected_tensors_says_what_was_left_out(tmp_path: Path) -> None:
+    """--include ^fc over checkpoints whose body.weight differs gave EQUAL, counting only the kept tensor and
+    saying nothing of the other. The verdict stays the selection's, and the text, the sides' notes and the JSON
+    options say what it left out."""
+    a, b = npz_pair(
+        tmp_path,
+        {"fc.weight": np.ones(2, np.float32), "body.weight": np.ones(2, np.float32)},
+        {"fc.weight": np.ones(2, np.float32), "body.weight": np.zeros(2, np.float32)},
+    )
+    text = CliRunner().invoke(main, [str(a), str(b), "--include", "^fc"])
+    assert text.exit_code == 0
+    assert "--include/--exclude leave out 1 of its tensors: they are not compared" in text.stdout
+    assert text.stdout.rstrip().endswith("RESULT: EQUAL (of the tensors and values --include/--exclude select)")
+    report = tmp_path / "r.json"
+    CliRunner().invoke(main, [str(a), str(b), "--exclude", "^body", "--format", "json", "--out", str(report)])
+    document = json.loads(report.read_text())
+    assert (document["options"]["include"], document["options"]["exclude"]) == (None, "^body")
+    assert document["a"]["notes"] == ["--include/--exclude leave out 1 of its tensors: they are not compared"]
+
+
 def _npy_bytes(values: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, values)

@@ -340,6 +340,16 @@ def test_a_metric_recorded_twice_under_one_name_is_refused(tmp_path: Path, entri
     assert "give each value its own name" in line
 
 
+def test_a_params_filter_says_how_many_parameters_it_leaves_out(tmp_path: Path) -> None:
+    """--params over runs differing outside the selection matched with nothing said of what went uncompared."""
+    a = _dump(tmp_path / "a")
+    b = _dump(tmp_path / "b", model_state_dict={**_weights(), "enc.b": torch.zeros(3)})
+    result = _run(a, b, "--params", r"enc\.w")
+    assert result.exit_code == 0
+    assert "--params enc\\.w compares 1 of A's 2 parameters" in result.stdout
+    assert "the other 1 are not compared" in result.stdout
+
+
 def test_sample_ids_of_one_run_only_are_noted(tmp_path: Path) -> None:
     """Sample ids one run records cannot show a batch-order difference: not a mismatch (a training file against
     dumps), but said."""

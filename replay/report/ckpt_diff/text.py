@@ -192,7 +192,8 @@ def render_text(
     lines = [table, *_summary(diff), *_entries(diff, show_unchanged), *_analysis(analysis, sort_by)]
     if any(c.started_at_zero for c in shown):
         lines.append("* started at zero: relative change measured against B")
-    lines.append("RESULT: EQUAL" if diff.equal else "RESULT: DIFFERENT")
+    selected = " (of the tensors and values --include/--exclude select)" if diff.include or diff.exclude else ""
+    lines.append(("RESULT: EQUAL" if diff.equal else "RESULT: DIFFERENT") + selected)
     return "\n".join(lines)
 
 
