@@ -142,6 +142,11 @@ def _unmatched(label: str, names: Sequence[str], limit: int = 10) -> list[str]:
 
 def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) -> str:
     record = result.first_divergence(kind)
+    if record is None and kind == "backward" and (owners := _parameter_gradient_owners(result)):
+        return (
+            f"first divergence (backward): none among the modules' records, yet parameter gradients differ: "
+            f"{owners}; that module's backward computes them wrongly"
+        )
     if record is None:
         return f"first divergence ({kind}): none"
     diff = record.diff
@@ -149,6 +154,18 @@ def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) 
     needs = _number(diff.required_atol)
     detail = diff.problem or f"max abs diff {_number(diff.max_abs)} at {where}, needs atol {needs}"
     return f"first divergence ({kind}): {record.module}  [{record.name}: {detail}]"
+
+
+def _parameter_gradient_owners(result: ComparisonResult) -> str:
+    """The modules owning the failing parameter gradients (``l`` for ``l.weight``), for a line; empty if none fail."""
+    by_owner: dict[str, list[str]] = {}
+    for record in result.of_kind("param_grad"):
+        if not record.match and not record.undecided:
+            by_owner.setdefault(record.name.rpartition(".")[0] or "the root module", []).append(record.name)
+    shown = [
+        f"{owner} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" for owner, names in by_owner.items()
+    ]
+    return ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
 
 
 def _summary(result: ComparisonResult) -> list[str]:

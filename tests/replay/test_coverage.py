@@ -634,6 +634,58 @@ def test_a_port_changing_its_weights_during_its_run_is_a_mismatch_saying_so(tmp_
         assert_parity(_RescalesItsWeight(True), bundle)
 
 
+class _ScaledWeightGradient(torch.autograd.Function):
+    """A linear map whose backward gives the input's gradient right and the weight's ``scale`` times too large."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.scale = scale
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, ctx.scale * grad.t() @ x, None
+
+
+class _OwnBackward(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight, self.scale = nn.Parameter(torch.randn(4, 8)), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledWeightGradient.apply(x, self.weight, self.scale)
+
+
+class _WithOwnBackward(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.l, self.head = _OwnBackward(scale), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.l(x)))
+
+
+def test_a_wrong_parameter_gradient_alone_names_the_module_that_computes_it(tmp_path: Path) -> None:
+    """Only l.weight's gradient wrong (a custom backward), every module record agreeing: 'first divergence
+    (backward): none' pointed nowhere. The line names the module owning the parameter."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "own.h5"
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    capture_run(_WithOwnBackward(1.0), {"x": x}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_WithOwnBackward(1.01), reader)
+    assert result.verdict == "MISMATCH"
+    assert [r.name for r in result.records if not r.match] == ["l.weight"]
+    assert (
+        "first divergence (backward): none among the modules' records, yet parameter gradients differ: l (l.weight)"
+        in render_result(result)
+    )
+
+
 class _RenamedRoot(nn.Module):
     """:class:`_RootParameter` with other names: ``proj`` for ``lin``, ``pe`` for ``pos_embed``."""
 
