@@ -313,6 +313,10 @@ class ComparisonResult:
     origins_below_tolerance: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     """Direction -> (module or None, why), for a divergence with no origin (``--isolate``): where a difference
     within tolerance but beyond the module's own rounding starts, or why none could be named."""
+    origins_between_modules: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Direction -> (module, why), where the divergence starts in the code around a module's call (``--isolate``):
+    the first differing record is one the module is fed (an input, an output's gradient), nothing before it
+    differs, so the caller's own code between its modules computes it otherwise."""
     missing_kinds: dict[str, RecordKind] = field(default_factory=dict)
     """Kind of each bundle record left uncompared (the names of ``bundle_only``)."""
     waived: dict[str, tuple[RecordKind, str]] = field(default_factory=dict)
@@ -427,6 +431,7 @@ class ComparisonResult:
             "isolated": self.isolated,
             "alignment_uncertain": self.alignment_uncertain,
             "origin_below_tolerance": {kind: module for kind, (module, _) in self.origins_below_tolerance.items()},
+            "origin_between_modules": {kind: module for kind, (module, _) in self.origins_between_modules.items()},
             "not_isolated": self.not_isolated,
             "summary": {kind: {"compared": n, "matched": m} for kind, (n, m) in self.counts().items()},
             "tolerance": {

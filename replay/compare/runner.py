@@ -79,7 +79,12 @@ from parity_harness.replay.diagnose.isolation import ChainedRecords, InputAdapte
 from parity_harness.replay.diagnose.isolation import isolate as isolate_modules
 from parity_harness.replay.diagnose.local_rounding import local_levels
 from parity_harness.replay.diagnose.outside_uses import OutsideUses
-from parity_harness.replay.diagnose.verdicts import apply_isolation, find_origins_below_tolerance, needs_levels
+from parity_harness.replay.diagnose.verdicts import (
+    apply_isolation,
+    find_origins_below_tolerance,
+    find_origins_between_modules,
+    needs_levels,
+)
 from parity_harness.replay.naming.mapping import (
     RenameMap,
     describe_slot_rule,
@@ -1042,6 +1047,7 @@ class _ReplaySession:
         )
         levels = self._local_levels(needs_levels(self.result, isolation))
         apply_isolation(self.result, isolation, levels if self.near is not None else None)
+        find_origins_between_modules(self.result)
         if levels is not None:
             find_origins_below_tolerance(self.result, levels)
 

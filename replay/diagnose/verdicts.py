@@ -9,7 +9,13 @@ from parity_harness.common.numerics.metrics import TensorDiff
 from parity_harness.replay.diagnose.isolation import Isolation
 from parity_harness.replay.result import ComparisonResult, RecordResult, Verdict
 
-__all__ = ["LOCAL_ROUNDING_FACTOR", "apply_isolation", "find_origins_below_tolerance", "needs_levels"]
+__all__ = [
+    "LOCAL_ROUNDING_FACTOR",
+    "apply_isolation",
+    "find_origins_below_tolerance",
+    "find_origins_between_modules",
+    "needs_levels",
+]
 
 LOCAL_ROUNDING_FACTOR: Final = 4.0
 """A local difference within this many times the module's own float32 rounding is rounding, not an origin."""
@@ -105,12 +111,28 @@ def needs_levels(result: ComparisonResult, isolation: Isolation) -> set[str]:
 _DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "backward")
 
 
+def find_origins_between_modules(result: ComparisonResult) -> None:
+    """For a direction whose first differing record is one its module is fed ("input differs": nothing before it
+    differs), the module whose own code around that call computes it: the caller, between its modules' calls."""
+    for kind in _DIRECTIONS:
+        first = result.first_divergence(kind)
+        if first is None or first.verdict != "input differs" or first.module is None:
+            continue
+        caller = first.module.rpartition(".")[0] or "the root module"
+        fed = "input" if kind == "forward" else "output's gradient"
+        why = (
+            f"{first.name} differs, though no record before it does: {first.module}'s {fed} is computed otherwise "
+            f"by the code of {caller} around its call (glue code of no module of its own)"
+        )
+        result.origins_between_modules[kind] = (caller, why)
+
+
 def find_origins_below_tolerance(result: ComparisonResult, levels: dict[str, float]) -> None:
     """For a direction that diverges with no origin: the earliest module, up to the divergence, whose difference on
     the reference's inputs is within atol/rtol but beyond ``LOCAL_ROUNDING_FACTOR`` x its own float32 rounding."""
     for kind in _DIRECTIONS:
         first = result.first_divergence(kind)
-        if first is None or result.first_origin(kind) is not None:
+        if first is None or result.first_origin(kind) is not None or kind in result.origins_between_modules:
             continue
         found = _earliest_beyond_rounding(result, kind, levels)
         if found is not None:

@@ -48,7 +48,9 @@ def failure_message(result: ComparisonResult, bundle: str | os.PathLike[str], ma
         )
         if result.isolated:
             origin = result.first_origin(kind)
-            lines.append(f"first origin ({kind}): {origin.module if origin else 'none'}")
+            between = result.origins_between_modules.get(kind)
+            named = origin.module if origin else (f"{between[0]}, between its modules" if between else "none")
+            lines.append(f"first origin ({kind}): {named}")
             if kind in result.origins_below_tolerance:
                 module, why = result.origins_below_tolerance[kind]
                 lines.append(f"origin below tolerance ({kind}): {module or 'none'}  [{why}]")

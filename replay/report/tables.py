@@ -196,6 +196,10 @@ def _isolation_summary(result: ComparisonResult) -> list[str]:
     lines = ["verdicts: " + ", ".join(f"{verdict} {counts[verdict]}" for verdict in _VERDICT_ORDER if counts[verdict])]
     for kind in ("forward", "backward"):
         record = result.first_origin(kind)
+        if record is None and kind in result.origins_between_modules:
+            module, why = result.origins_between_modules[kind]
+            lines.append(f"first origin ({kind}): {module}, between its modules  [{why}]")
+            continue
         if record is None:
             lines.append(f"first origin ({kind}): none")
             continue

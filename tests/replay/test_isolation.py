@@ -17,6 +17,7 @@ from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.diagnose.isolation import ChainedRecords
 from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.report.tables import render_result
 from parity_harness.replay.result import ComparisonResult
 from tests.conftest import PORT_DIR, PORT_MAP, REF_ADAPTER, replay_with_adapter
 from tests.models import build_tiny, tiny_inputs
@@ -74,6 +75,52 @@ def test_bug_in_parent_glue_shows_input_differs(ref_bundle: Path, ref_checkpoint
     origin = result.first_origin("forward")
     assert origin is not None
     assert origin.module == "encoder.layers.1"
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
+
+
+class _GlueBetween(nn.Module):
+    """Two layers with the parent's own code between them: a gradient ``scale`` the backward applies there."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.c2, self.scale = nn.Linear(8, 8), nn.Linear(8, 8), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(_ScaledGradient.apply(torch.tanh(self.c1(x)), self.scale))
+
+
+class _WithGlue(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.p, self.head = _GlueBetween(scale), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.p(x))
+
+
+def test_a_bug_in_a_parents_backward_glue_names_the_parent(tmp_path: Path) -> None:
+    """A gradient scaled in p's own code between p.c1 and p.c2 (no record of p's differs): the table said "input
+    differs" at p.c1's output gradient while the summary said the divergence was inherited and named no origin."""
+    bundle = tmp_path / "glue.h5"
+    capture_run(_WithGlue(1.0), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_WithGlue(1.01), reader, isolate=True)
+    assert _verdict(result, "p.c1/0/grad_output") == "input differs"
+    assert result.to_json()["origin_between_modules"] == {"backward": "p"}
+    summary = render_result(result)
+    assert "first origin (backward): p, between its modules  [p.c1/0/grad_output differs" in summary
+    assert "is inherited" not in summary
 
 
 def test_isolation_changes_no_chained_number_and_no_grad(tiny_bundle: Path) -> None:
