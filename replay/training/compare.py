@@ -510,8 +510,11 @@ def _canonical(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _metrics(info_a: StepInfo, info_b: StepInfo) -> dict[str, tuple[float, float]]:
-    """Every metric either run recorded at the step (NaN on the side that did not); accuracy under one name."""
-    a, b = _canonical(info_a.metrics), _canonical(info_b.metrics)
+    """Every metric either run recorded at the step (NaN on the side that did not), and the other numbers both
+    recorded; accuracy under one name."""
+    shared = info_a.other_numbers.keys() & info_b.other_numbers.keys()
+    a = {**_canonical(info_a.metrics), **{n: v for n, v in info_a.other_numbers.items() if n in shared}}
+    b = {**_canonical(info_b.metrics), **{n: v for n, v in info_b.other_numbers.items() if n in shared}}
     names = list(a) + [n for n in b if n not in a]
     return {n: (a.get(n, math.nan), b.get(n, math.nan)) for n in names}
 
@@ -606,6 +609,12 @@ def _note_one_sided(result: TrainingComparison, infos: list[tuple[StepInfo, Step
         ids = sum(1 for pair in infos if pair[index].sample_ids is not None and pair[1 - index].sample_ids is None)
         if ids:
             result.notes.append(f"sample ids recorded by {side} only at {ids} step(s): batch order not compared there")
+        alone = {n for pair in infos for n in pair[index].other_numbers.keys() - pair[1 - index].other_numbers.keys()}
+        if alone:
+            result.notes.append(
+                f"numbers recorded by {side} only beside the metrics ({len(alone)}: {', '.join(sorted(alone)[:3])}"
+                f"{', ...' if len(alone) > 3 else ''}): not compared"
+            )
         hyper = sum(1 for pair in infos if pair[index].hyper_parameters and not pair[1 - index].hyper_parameters)
         if hyper:
             result.notes.append(

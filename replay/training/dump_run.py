@@ -413,10 +413,11 @@ class _Metrics:
 
 
 def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
-    """Loss, ``acc`` / ``accuracy``, every number of a ``metrics`` dict (a metric of several numbers, such as a
-    per-class F1, as ``f1.0``, ``f1.1``...; a nested dict's as ``val.acc``) and of every other entry (``val_loss``,
-    ``lr``, a scheduler's or a scaler's state dict), the sample ids and the optimizer's hyper-parameters. A loss of
-    several numbers (per sample) is compared number by number as ``loss.0``..."""
+    """Loss, ``acc`` / ``accuracy`` and every number of a ``metrics`` dict (a metric of several numbers, such as a
+    per-class F1, as ``f1.0``, ``f1.1``...; a nested dict's as ``val.acc``), the sample ids, the optimizer's
+    hyper-parameters and the numbers of every other entry (``val_loss``, ``lr``, a scheduler's or a scaler's state
+    dict: :attr:`StepInfo.other_numbers`). A loss of several numbers (per sample) is compared number by number as
+    ``loss.0``..."""
     metrics = _Metrics(file)
     metrics.add(((key, n) for key in _METRIC_KEYS if (n := _number(dump.get(key))) is not None), "at the top level")
     nested = dump.get("metrics")
@@ -426,11 +427,13 @@ def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
     loss = _number(dump.get("loss"))
     if loss is None and dump.get("loss") is not None:
         metrics.add(_number_pairs("loss", dump.get("loss")), "as 'loss'")
+    named = dict(metrics.values)
     for key, value in _unread(dump).items():
         if not _is_weights(value):
             metrics.add(_number_pairs(key, value), "at the top level")
+    others = {name: value for name, value in metrics.values.items() if name not in named}
     hyper = _hyper_parameters(dump)
-    return StepInfo(loss=loss, metrics=metrics.values, sample_ids=_sample_ids(dump), hyper_parameters=hyper)
+    return StepInfo(loss, named, _sample_ids(dump), hyper, others)
 
 
 def _numbers(name: str, value: object) -> dict[str, float]:

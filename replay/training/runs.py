@@ -60,6 +60,10 @@ class StepInfo:
     hyper_parameters: dict[str, float] = field(default_factory=dict)
     """The optimizer's numeric hyper-parameters at the step, by ``<name> (group <i>)`` (``lr (group 0)``), where the
     run records them (a dump's ``optimizer_state_dict``)."""
+    other_numbers: dict[str, float] = field(default_factory=dict)
+    """Numbers a dump holds beside its loss and metrics (``val_loss``, ``lr``, ``scheduler.last_epoch``): compared
+    as metrics where both runs record one, noted where one run alone does (a callback's state keyed by file paths
+    differs in names between any two runs)."""
 
 
 class RunSource(Protocol):

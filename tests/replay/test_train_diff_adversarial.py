@@ -325,6 +325,12 @@ def test_every_entry_of_a_dump_is_compared(tmp_path: Path) -> None:
     assert step["metrics"]["scheduler.last_epoch"] == {"a": 3, "b": 3}
     moved = {p["name"] for p in step["parameters"] if p["max_abs"] > 0}
     assert moved == {"ema_state_dict.enc.w", "ema_state_dict.enc.b", "features"}
+    # A number one run alone holds (a callback's state keyed by a checkpoint's path) is named, not a difference.
+    alone = _run(_dump(tmp_path / "c", best_k_models={"/runs/a/epoch=3.ckpt": 0.5}), _dump(tmp_path / "d"))
+    assert alone.exit_code == 0, alone.output
+    assert "numbers recorded by A only beside the metrics (1: best_k_models./runs/a/epoch=3.ckpt): not compared" in (
+        alone.output
+    )
 
 
 @pytest.mark.parametrize(
