@@ -197,8 +197,8 @@ def _isolation_summary(result: ComparisonResult) -> list[str]:
     for kind in ("forward", "backward"):
         record = result.first_origin(kind)
         if record is None and kind in result.origins_between_modules:
-            module, why = result.origins_between_modules[kind]
-            lines.append(f"first origin ({kind}): {module}, between its modules  [{why}]")
+            caller, why = result.origins_between_modules[kind]
+            lines.append(f"first origin ({kind}): {caller}, between its modules  [{why}]")
             continue
         if record is None:
             lines.append(f"first origin ({kind}): none")
