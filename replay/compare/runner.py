@@ -1047,9 +1047,9 @@ class _ReplaySession:
         )
         levels = self._local_levels(needs_levels(self.result, isolation))
         apply_isolation(self.result, isolation, levels if self.near is not None else None)
-        find_origins_between_modules(self.result)
         if levels is not None:
             find_origins_below_tolerance(self.result, levels)
+        find_origins_between_modules(self.result, measured=levels is not None)
 
     def _chained_records(self) -> ChainedRecords:
         """The chained run's module records and parameter gradients, unmasked ones only (a masked record's equality

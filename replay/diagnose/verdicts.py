@@ -111,20 +111,35 @@ def needs_levels(result: ComparisonResult, isolation: Isolation) -> set[str]:
 _DIRECTIONS: Final[tuple[Literal["forward", "backward"], ...]] = ("forward", "backward")
 
 
-def find_origins_between_modules(result: ComparisonResult) -> None:
+def find_origins_between_modules(result: ComparisonResult, *, measured: bool) -> None:
     """For a direction whose first differing record is one its module is fed ("input differs": nothing before it
-    differs), the module whose own code around that call computes it: the caller, between its modules' calls."""
+    differs) and no module is its origin, nor its origin below tolerance: the caller, whose own code around that
+    call computes it. ``measured``: the search for an origin below tolerance ran (else one may exist upstream)."""
     for kind in _DIRECTIONS:
         first = result.first_divergence(kind)
         if first is None or first.verdict != "input differs" or first.module is None:
             continue
-        caller = first.module.rpartition(".")[0] or "the root module"
+        below = result.origins_below_tolerance.get(kind)
+        if result.first_origin(kind) is not None or (below is not None and below[0] is not None):
+            continue
+        result.origins_below_tolerance.pop(kind, None)  # "inherited, origin not isolated" says less than this
+        caller = _caller(first.module, {record.module for record in result.records if record.module})
         fed = "input" if kind == "forward" else "output's gradient"
+        unless = "" if measured else ", unless a difference within tolerance before it grew past it"
         why = (
             f"{first.name} differs, though no record before it does: {first.module}'s {fed} is computed otherwise "
-            f"by the code of {caller} around its call (glue code of no module of its own)"
+            f"by the code of {caller} around its call (glue code of no module of its own){unless}"
         )
         result.origins_between_modules[kind] = (caller, why)
+
+
+def _caller(module: str, called: set[str]) -> str:
+    """The module whose code calls ``module``: its nearest ancestor that runs (a ModuleList never does, nor an
+    encoder whose layers the root loops over), else the root module."""
+    parent = module.rpartition(".")[0]
+    while parent and parent not in called:
+        parent = parent.rpartition(".")[0]
+    return parent or "the root module"
 
 
 def find_origins_below_tolerance(result: ComparisonResult, levels: dict[str, float]) -> None:
@@ -132,7 +147,7 @@ def find_origins_below_tolerance(result: ComparisonResult, levels: dict[str, flo
     the reference's inputs is within atol/rtol but beyond ``LOCAL_ROUNDING_FACTOR`` x its own float32 rounding."""
     for kind in _DIRECTIONS:
         first = result.first_divergence(kind)
-        if first is None or result.first_origin(kind) is not None or kind in result.origins_between_modules:
+        if first is None or result.first_origin(kind) is not None:
             continue
         found = _earliest_beyond_rounding(result, kind, levels)
         if found is not None:

@@ -686,6 +686,45 @@ def test_a_wrong_parameter_gradient_alone_names_the_module_that_computes_it(tmp_
     )
 
 
+class _Token(nn.Module):
+    """A learned token: returns its own parameter (``copy``: a product with 1, a new tensor per call)."""
+
+    def __init__(self, copy: bool) -> None:
+        super().__init__()
+        self.tok, self.copy = nn.Parameter(torch.randn(8)), copy
+
+    def forward(self) -> torch.Tensor:
+        return self.tok * 1.0 if self.copy else self.tok
+
+
+class _TokenTwice(nn.Module):
+    def __init__(self, copy: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.t, self.a, self.b = _Token(copy), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x + self.t())) * self.t())
+
+
+def test_a_module_returning_its_own_parameter_records_each_calls_output_gradient(tmp_path: Path) -> None:
+    """A hook on the returned parameter itself saw its whole gradient (both calls' uses): each call's grad_output
+    held the total, and a port returning a copy of it (the same maths) failed both records. The call's output is
+    handed on as an alias carrying the hook, so each record is that call's own gradient, on both sides."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "token.h5"
+    x = {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}
+    capture_run(_TokenTwice(copy=False), x, bundle)
+    with BundleReader(bundle) as reader:
+        call = next(c for c in reader.index.calls if c.module == "t" and c.call == 0)
+        first = reader.read_tensor(next(iter(call.grad_outputs.values())))
+        total = reader.read_tensor(reader.index.grads["t.tok"])
+        assert not torch.allclose(first, total)
+        for copy in (True, False):
+            assert compare_run(_TokenTwice(copy), reader).verdict == "MATCH", copy
+
+
 class _RenamedRoot(nn.Module):
     """:class:`_RootParameter` with other names: ``proj`` for ``lin``, ``pe`` for ``pos_embed``."""
 
