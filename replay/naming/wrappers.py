@@ -46,6 +46,40 @@ def _roots(names: list[str]) -> tuple[str, ...]:
     return tuple(found)
 
 
+_ROOT_TYPES: Final = {"module": ("DataParallel", "DistributedDataParallel"), "_orig_mod": ("OptimizedModule",)}
+"""The classes whose child a root wrapper component names: a model of another class with a child named ``module``
+does work of its own around it."""
+
+
+def _wrapper_roots(model: torch.nn.Module, roots: tuple[str, ...]) -> tuple[str, ...]:
+    """The leading ``roots`` the port's module objects show to be wrappers (a DataParallel around the model), in
+    order; the first that is not ends them."""
+    kept: list[str] = []
+    holder = model
+    for root in roots:
+        if type(holder).__name__ not in _ROOT_TYPES[root]:
+            break
+        kept.append(root)
+        holder = getattr(holder, root)
+    return tuple(kept)
+
+
+def _meeting(
+    roots: tuple[str, ...], modules: list[str], port_modules: list[str], port_roots: tuple[str, ...], rename: RenameMap
+) -> tuple[str, ...]:
+    """The bundle's leading ``roots`` whose removal makes its module names meet the port's best (its records name no
+    class: a capture under DataParallel of a model whose child is named ``module`` leads with ``module.module``, of
+    which only the first is the wrapper). With a map, or no module names on one side, the names decide alone."""
+    if not roots or not modules or not port_modules or rename.rules or rename.exact:
+        return roots
+    port = {strip_wrappers(name, port_roots) for name in port_modules}
+
+    def met(count: int) -> int:
+        return sum(strip_wrappers(name, roots[:count]) in port for name in modules)
+
+    return roots[: max(range(len(roots) + 1), key=lambda count: (met(count), count))]
+
+
 def strip_wrappers(name: str, roots: tuple[str, ...]) -> str:
     """``name`` without the given leading wrappers and without inner wrapper components (nor torch.compile's
     ``_orig_mod`` right after one: ``checkpoint_wrapper(torch.compile(block))``)."""
@@ -206,7 +240,8 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     buffers = index.buffers
     recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
     bundle_params = sorted({*index.params, *index.grads, *recorded_buffers})  # buffers are named as parameters are
-    port_roots, bundle_roots = _roots(port_modules), _roots(bundle_modules or bundle_params)
+    port_roots = _wrapper_roots(model, _roots(port_modules))
+    bundle_roots = _meeting(_roots(bundle_modules or bundle_params), bundle_modules, port_modules, port_roots, rename)
     if port_roots == bundle_roots:  # the same on both sides pairs as it is: a real child named ``module`` is no DDP
         port_roots = bundle_roots = ()
     port_inner, bundle_inner = _inner(port_names), _inner([*bundle_modules, *bundle_params])

@@ -455,15 +455,17 @@ def _compare_step(
 
 def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[str]:
     """The optimizer's hyper-parameters both runs recorded at the step that differ (a learning rate, betas, a
-    flag), parameter groups paired in any order (no decay first or last is the same optimizer); one recorded by one
-    run only is left out (another torch adds keys such as ``fused``), a group one run alone has is not."""
+    flag), parameter groups paired by the parameters they hold where both record them, else by their settings in
+    any order (no decay first or last is the same optimizer); one recorded by one run only is left out (another
+    torch adds keys such as ``fused``), a group one run alone has is not."""
     a, b = infos[0].hyper_parameters, infos[1].hyper_parameters
     if not a or not b:
         return []  # recorded by one run only: a note (_note_one_sided)
     groups_a, groups_b = len(_by_group(a)), len(_by_group(b))
     if groups_a != groups_b:
         return [f"optimizer hyper-parameters differ: A has {groups_a} parameter group(s), B {groups_b}"]
-    if _same_groups(plan, a, b):
+    numbered = infos[0].groups_numbered_by_parameters and infos[1].groups_numbered_by_parameters
+    if not numbered and _same_groups(plan, a, b):
         return []
     # Relative only: a learning rate of 2e-5 against 1e-5 is twice the step, however small both are.
     differing = [

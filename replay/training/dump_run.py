@@ -432,8 +432,9 @@ def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
         if not _is_weights(value):
             metrics.add(_number_pairs(key, value), "at the top level")
     others = {name: value for name, value in metrics.values.items() if name not in named}
-    hyper = _hyper_parameters(dump)
-    return StepInfo(loss, named, _sample_ids(dump), hyper, others)
+    groups = _param_groups(dump)
+    hyper, numbered = hyper_parameters_of(groups), groups_by_parameters(groups)
+    return StepInfo(loss, named, _sample_ids(dump), hyper, others, groups_numbered_by_parameters=numbered)
 
 
 def _numbers(name: str, value: object) -> dict[str, float]:
@@ -466,17 +467,39 @@ def _number_pairs(name: str, value: object, depth: int = 0) -> list[tuple[str, f
     return [(f"{name}.{i}", float(item)) for i, item in enumerate(flat)]
 
 
+def _param_groups(dump: Mapping[str, Any]) -> object:
+    optimizer = next((dump[key] for key in _OPTIMIZER_KEYS if isinstance(dump.get(key), Mapping)), None)
+    return optimizer.get("param_groups") if optimizer is not None else None
+
+
 def _hyper_parameters(dump: Mapping[str, Any]) -> dict[str, float]:
     """The numeric hyper-parameters of each of the optimizer's parameter groups (``betas`` as ``betas.0``...)."""
-    optimizer = next((dump[key] for key in _OPTIMIZER_KEYS if isinstance(dump.get(key), Mapping)), None)
-    return hyper_parameters_of(optimizer.get("param_groups") if optimizer is not None else None)
+    return hyper_parameters_of(_param_groups(dump))
+
+
+def _members(group: object) -> list[int] | None:
+    """The parameter indices a state dict's group holds (None: not recorded, as in a training file)."""
+    params = group.get("params") if isinstance(group, Mapping) else None
+    if not isinstance(params, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in params):
+        return None
+    return params
+
+
+def groups_by_parameters(groups: object) -> bool:
+    """Whether every group records the parameters it holds: :func:`hyper_parameters_of` then numbers the groups by
+    them, so that two runs' groups pair by number (settings swapped between groups are a difference)."""
+    return isinstance(groups, list) and bool(groups) and all(_members(group) for group in groups)
 
 
 def hyper_parameters_of(groups: object) -> dict[str, float]:
     """An optimizer's ``param_groups`` (a state dict's, or a training file's record of them) as numbers by
-    ``<name> (group <i>)``; kernel choices (``foreach``, ``fused``...) left out: they change no number."""
+    ``<name> (group <i>)``, groups numbered in the order of the parameters they hold where they record them (no
+    decay first or last is the same optimizer); kernel choices (``foreach``, ``fused``...) left out: they change no
+    number."""
     if not isinstance(groups, list):
         return {}
+    if groups_by_parameters(groups):
+        groups = sorted(groups, key=lambda group: min(_members(group) or [0]))
     found: dict[str, float] = {}
     for index, group in enumerate(groups):
         if isinstance(group, Mapping):

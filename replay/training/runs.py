@@ -64,6 +64,9 @@ class StepInfo:
     """Numbers a dump holds beside its loss and metrics (``val_loss``, ``lr``, ``scheduler.last_epoch``): compared
     as metrics where both runs record one, noted where one run alone does (a callback's state keyed by file paths
     differs in names between any two runs)."""
+    groups_numbered_by_parameters: bool = False
+    """The hyper-parameters' groups are numbered by the parameters they hold (a state dict records them), so two
+    runs' groups pair by number; else (a training file) they pair by their settings, in any order."""
 
 
 class RunSource(Protocol):

@@ -598,6 +598,14 @@ def test_a_real_child_named_module_is_compared_not_waived_as_a_ddp_wrapper(tmp_p
     capture_run(_Encoder(1.0), x, tmp_path / "plain.h5")
     with BundleReader(tmp_path / "plain.h5") as reader:
         assert compare_run(nn.DataParallel(_Encoder(1.0)), reader).verdict == "MATCH"
+    # Wrapped on one side only: the port's DataParallel is told by its class, the capture's by the names that meet.
+    with BundleReader(bundle) as reader:
+        assert compare_run(nn.DataParallel(_ChildNamedModule(bug=3.0)), reader).verdict == "MISMATCH"
+        assert compare_run(nn.DataParallel(_ChildNamedModule()), reader).verdict == "MATCH"
+    capture_run(nn.DataParallel(_ChildNamedModule()), x, tmp_path / "wrapped.h5")
+    with BundleReader(tmp_path / "wrapped.h5") as reader:
+        assert compare_run(_ChildNamedModule(bug=3.0), reader).verdict == "MISMATCH"
+        assert compare_run(_ChildNamedModule(), reader).verdict == "MATCH"
 
 
 class _RescalesItsWeight(nn.Module):

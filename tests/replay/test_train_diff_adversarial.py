@@ -283,6 +283,11 @@ def test_the_optimizers_parameter_groups_are_paired_in_any_order_and_counted(tmp
     assert "optimizer hyper-parameters differ: A has 2 parameter group(s), B 1" in result.output
     swapped = _dump(tmp_path / "swapped", optimizer_state_dict={"state": {}, "param_groups": [no_decay, decay]})
     assert _run(two, swapped).exit_code == 0
+    # The groups pair by the parameters they hold: weight decay moved from one parameter to the other differs.
+    moved = [{**decay, "params": [1]}, {**no_decay, "params": [0]}]
+    result = _run(two, _dump(tmp_path / "moved", optimizer_state_dict={"state": {}, "param_groups": moved}))
+    assert result.exit_code == 1
+    assert "weight_decay (group 0) (A 0.01, B 0)" in result.output
 
 
 def test_a_prediction_csv_and_a_dump_with_the_same_logits_agree(tmp_path: Path) -> None:
