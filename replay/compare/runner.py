@@ -374,10 +374,12 @@ class _ReplaySession:
         """A parameter the port's run changed in place (a weight rescaled in its forward) holds other values after
         the run than the reference's, whose capture refuses such a run: compared again, a difference fails its
         record, saying so. Version counters tell which moved (an edit through ``.data`` moves none)."""
-        moved = [(name, tensor) for name, tensor, version in self.param_versions if tensor._version != version]
+        matched = {record.name for record in self.result.param_values if record.match}
+        moved = [(n, t) for n, t, version in self.param_versions if t._version != version and n in matched]
         if not moved:
             return
-        now = compare_named(self.weights, self.result.tolerances, "param", moved, self.weights.index.params)[0]
+        expected, tolerances = self.weights.index.params, self.result.tolerances
+        now = compare_named(self.weights, tolerances, "param", moved, expected, self.transform)[0]
         changed = {
             r.name: dataclasses.replace(r, diff=dataclasses.replace(r.diff, problem=CHANGED_BY_RUN))
             for r in now

@@ -733,6 +733,50 @@ def test_a_module_returning_its_own_parameter_records_each_calls_output_gradient
             assert compare_run(_TokenTwice(copy), reader).verdict == "MATCH", copy
 
 
+class _TransposedLinear(nn.Module):
+    """A linear layer holding its weight transposed, touched in place in its forward (multiplied by ``factor``: 1
+    changes no value, as nn.Embedding's max_norm renormalising no row)."""
+
+    def __init__(self, linear: nn.Linear, factor: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().t().contiguous())
+        self.bias, self.factor = linear.bias, factor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's argument name: the records pair
+        out = input @ self.weight + self.bias
+        with torch.no_grad():
+            self.weight.mul_(self.factor)
+        return out
+
+
+class _TransposedAndTouched(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        reference = _RescalesItsWeight(False)
+        self.a, self.b = _TransposedLinear(reference.a, factor), reference.b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_parameter_touched_in_place_is_compared_again_as_the_port_presents_it(tmp_path: Path) -> None:
+    """A weight the port holds transposed (to_reference transposes it back) touched in place without a change of
+    value (as nn.Embedding's max_norm renormalises) was compared again untransformed: a false 'changed in place'."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "steady.h5"
+    capture_run(_RescalesItsWeight(False), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+
+    def to_reference(record: str, value: torch.Tensor) -> torch.Tensor:
+        return value.t() if record == "a.weight" else value
+
+    with BundleReader(bundle) as reader:
+        assert compare_run(_TransposedAndTouched(1.0), reader, to_reference=to_reference).verdict == "MATCH"
+        changed = compare_run(_TransposedAndTouched(1.5), reader, to_reference=to_reference)
+    assert changed.verdict == "MISMATCH"
+    assert "the port's run changed 1 parameter(s) in place (a.weight)" in render_result(changed)
+
+
 class _RenamedRoot(nn.Module):
     """:class:`_RootParameter` with other names: ``proj`` for ``lin``, ``pe`` for ``pos_embed``."""
 
