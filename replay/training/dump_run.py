@@ -62,9 +62,9 @@ _NUMPY_FLOAT_TAGS: Final = {"f2": "F16", "f4": "F32", "f8": "F64"}
 """A NumPy array's floating dtype (byte order aside) as a tag: its precision is compared like a tensor's."""
 _MAX_METRIC_DEPTH: Final = 4
 """Levels of nested metric dicts read."""
-_MAX_METRIC_NUMBERS: Final = 4096
-"""A tensor among a dump's other entries with more elements than this is a weight (compared as a tensor), not a
-metric of that many numbers."""
+_MAX_METRIC_NUMBERS: Final = 1
+"""An array among a dump's other entries with more elements than this is a weight (compared as a tensor), not a
+metric of that many numbers: an EMA's small bias and a history of a million losses alike."""
 _T = TypeVar("_T")
 _GROUPS: Final = ("params", "optimizer", *_GROUP_KEYS)
 _DUMP_KEYS: Final = frozenset(
@@ -376,22 +376,54 @@ def _unread(dump: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in dump.items() if key not in known}
 
 
-def _is_weights(value: object) -> bool:
-    """An array too large to compare as numbers one by one, or a dict of tensors (a state dict)."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return math.prod(value.shape) > _MAX_METRIC_NUMBERS
-    return isinstance(value, Mapping) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+def _others(dump: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, float]]]:
+    """The dump's other entries (:func:`_unread`) as weights and numbers, walked through dicts and lists
+    (``optimizer_states.0.state.0.exp_avg``, ``ema.shadow_params.3``, ``scheduler.last_epoch``): an array of
+    several numbers (a tensor, an ndarray, a list of more than a few numbers) is a weight, compared as a tensor;
+    a single number is one; text and other values are left aside."""
+    weights: dict[str, Any] = {}
+    numbers: list[tuple[str, float]] = []
+    pending = [(str(key), value, 0) for key, value in reversed(_unread(dump).items())]
+    while pending:
+        name, value, depth = pending.pop()
+        array = _as_array(value)
+        if array is not None and _elements(array) > _MAX_METRIC_NUMBERS:
+            weights[name] = array
+        elif array is not None or _number(value) is not None or isinstance(value, bool):
+            numbers += _number_pairs(name, value)
+        elif isinstance(value, (torch.Tensor, np.ndarray)):
+            continue  # complex, sparse, quantized, text: not compared (as anywhere in a dump)
+        elif depth < _MAX_METRIC_DEPTH and isinstance(value, Mapping):
+            if value and all(isinstance(v, torch.Tensor) for v in value.values()):
+                value = _unwrapped({str(k): v for k, v in value.items()})  # a state dict, perhaps DDP's
+            pending += [(f"{name}.{key}", item, depth + 1) for key, item in reversed(value.items())]
+        elif depth < _MAX_METRIC_DEPTH and isinstance(value, (list, tuple)):
+            pending += [(f"{name}.{index}", item, depth + 1) for index, item in reversed(list(enumerate(value)))]
+    return weights, numbers
+
+
+def _as_array(value: object) -> torch.Tensor | np.ndarray | None:
+    """A tensor or ndarray as it is, a list of numbers (nested, rectangular) as float64; None for anything else."""
+    if isinstance(value, torch.Tensor):  # dense real values only: a complex or sparse one is left aside
+        return value if value.layout == torch.strided and not value.is_complex() and not value.is_quantized else None
+    if isinstance(value, np.ndarray):
+        return value if value.dtype.kind in "biuf" else None
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):  # ragged, text, tensors of several elements, dicts
+        return None
+    return array
+
+
+def _elements(array: torch.Tensor | np.ndarray) -> int:
+    return math.prod(array.shape)
 
 
 def _extra_tensors(dump: Mapping[str, Any]) -> dict[str, Any]:
-    """The tensors of the dump's entries no other reader takes, by ``<entry>`` or ``<entry>.<name>``."""
-    found: dict[str, Any] = {}
-    for key, value in _unread(dump).items():
-        if isinstance(value, Mapping) and _is_weights(value):
-            found.update({f"{key}.{name}": tensor for name, tensor in _unwrapped(dict(value)).items()})
-        elif _is_weights(value):
-            found[key] = value
-    return found
+    """The weights among the dump's entries no other reader takes (:func:`_others`)."""
+    return _others(dump)[0]
 
 
 class _Metrics:
@@ -404,12 +436,17 @@ class _Metrics:
     def add(self, pairs: Iterable[tuple[str, float]], where: str) -> None:
         for name, value in pairs:
             earlier = self.values.setdefault(name, value)
-            if earlier != value and not (math.isnan(earlier) and math.isnan(value)):
+            if not _same_metric(earlier, value):
                 raise InputError(
-                    f"{self.file}: the metric {name!r} is recorded twice, {earlier:g} {self.where[name]} and {value:g} "
+                    f"{self.file}: the metric {name!r} is recorded twice, {earlier!r} {self.where[name]} and {value!r} "
                     f"{where}; give each value its own name"
                 )
             self.where.setdefault(name, where)
+
+
+def _same_metric(a: float, b: float) -> bool:
+    """One value twice: equal, both NaN, or equal in float32 (a float32 tensor's accuracy beside a Python float)."""
+    return a == b or (math.isnan(a) and math.isnan(b)) or bool(np.float32(a) == np.float32(b))
 
 
 def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
@@ -428,9 +465,7 @@ def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
     if loss is None and dump.get("loss") is not None:
         metrics.add(_number_pairs("loss", dump.get("loss")), "as 'loss'")
     named = dict(metrics.values)
-    for key, value in _unread(dump).items():
-        if not _is_weights(value):
-            metrics.add(_number_pairs(key, value), "at the top level")
+    metrics.add(_others(dump)[1], "at the top level")
     others = {name: value for name, value in metrics.values.items() if name not in named}
     groups = _param_groups(dump)
     hyper, numbered = hyper_parameters_of(groups), groups_by_parameters(groups)

@@ -338,6 +338,33 @@ def test_every_entry_of_a_dump_is_compared(tmp_path: Path) -> None:
     )
 
 
+def test_a_dumps_entries_are_walked_through_lists_and_dicts(tmp_path: Path) -> None:
+    """Lightning keeps its optimizer and scheduler states in lists of dicts, an EMA its shadow parameters in a list
+    of tensors: those were dropped (exit 0 whatever they held). A history of a million losses is one weight, not a
+    million metrics; an accuracy kept as a float32 tensor beside the same value as a float is one value."""
+
+    def entries(scale: float) -> dict[str, Any]:
+        adam = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, 2) * scale}}, "param_groups": []}
+        return {
+            "optimizer_states": [adam],
+            "lr_schedulers": [{"last_epoch": int(3 * scale), "_last_lr": [1e-3]}],
+            "ema": {"shadow_params": [torch.ones(3, 2) * scale, torch.ones(3)], "decay": 0.999},
+            "loss_history": [0.5 * scale] * 100_000,
+            "acc": torch.tensor(2 / 3, dtype=torch.float32),
+            "metrics": {"acc": 2 / 3},
+        }
+
+    a = _dump(tmp_path / "a", **entries(1.0))
+    assert _run(a, _dump(tmp_path / "same", **entries(1.0))).exit_code == 0
+    document = tmp_path / "r.json"
+    assert _run(a, _dump(tmp_path / "b", **entries(2.0)), "--json", document).exit_code == 1
+    step = json.loads(document.read_text())["steps"][0]
+    assert {n for n, v in step["metrics"].items() if v["a"] != v["b"]} == {"lr_schedulers.0.last_epoch"}
+    assert len(step["metrics"]) < 10
+    moved = {p["name"] for p in step["parameters"] if p["max_abs"] > 0}
+    assert moved == {"optimizer_states.0.state.0.exp_avg", "ema.shadow_params.0", "loss_history"}
+
+
 @pytest.mark.parametrize(
     "entries",
     [{"acc": 0.1, "metrics": {"acc": 0.5}}, {"metrics": {"val.acc": 0.2, "val": {"acc": 0.7}}}],
