@@ -250,6 +250,12 @@ def check_npz_sizes(archive: Any, path: Path) -> dict[str, NpyLayout]:
             f"{path}: the member {twice!r} appears more than once (an archive written so was altered); save it again "
             "with numpy.savez"
         )
+    other = next((name for name in names if not name.endswith(".npy")), None)
+    if other is not None:  # numpy reads a member 'w' for the key 'w' before 'w.npy': the one checked is not read
+        raise CheckpointError(
+            f"{path}: the member {other!r} is no array (.npy) member, which numpy.savez writes only; save it again "
+            "with numpy.savez"
+        )
     for name in archive.files:
         if f"{name}.npy" not in members:
             raise CheckpointError(f"{path}:{name}: not an array (.npy) member")

@@ -227,6 +227,20 @@ def test_an_npz_holding_a_member_twice_is_refused(tmp_path: Path) -> None:
     assert "the member 'w.npy' appears more than once" in line
 
 
+def test_an_npz_member_that_is_no_array_is_refused_before_numpy_reads_it(tmp_path: Path) -> None:
+    """A member 'w' beside 'w.npy': the size check read w.npy's header while numpy's archive['w'] reads 'w' (64 MB
+    from a 65 KB file past PARITY_NEMO_MAX_BYTES in capture-run --inputs). Only .npy members are accepted."""
+    from parity_harness.common.errors import CheckpointError
+    from parity_harness.common.format.tensor_files import check_npz_sizes
+
+    crafted = tmp_path / "crafted.npz"
+    with zipfile.ZipFile(crafted, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("w", _npy_bytes(np.zeros(1 << 20, np.float32)))
+        archive.writestr("w.npy", _npy_bytes(np.zeros(1, np.float32)))
+    with np.load(crafted) as loaded, pytest.raises(CheckpointError, match="the member 'w' is no array"):
+        check_npz_sizes(loaded, crafted)
+
+
 def test_values_beyond_1e154_give_no_error_and_no_false_direction(tmp_path: Path) -> None:
     """float64 squares overflow past 1e154: the diff still runs (exit 1), B = 2A is not called a reversed tensor."""
     a = np.array([1e200, 1e200, 3e160], dtype=np.float64)
