@@ -143,9 +143,14 @@ def _unmatched(label: str, names: Sequence[str], limit: int = 10) -> list[str]:
 def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) -> str:
     record = result.first_divergence(kind)
     if record is None and kind == "backward" and (owners := _parameter_gradient_owners(result)):
+        why = (
+            "the forward's divergence reaches them"
+            if result.first_divergence("forward") is not None
+            else "with every forward record agreeing, that module's backward computes them wrongly"
+        )
         return (
             f"first divergence (backward): none among the modules' records, yet parameter gradients differ: "
-            f"{owners}; that module's backward computes them wrongly"
+            f"{owners}; {why}"
         )
     if record is None:
         return f"first divergence ({kind}): none"

@@ -688,10 +688,32 @@ def test_a_wrong_parameter_gradient_alone_names_the_module_that_computes_it(tmp_
         result = compare_run(_WithOwnBackward(1.01), reader)
     assert result.verdict == "MISMATCH"
     assert [r.name for r in result.records if not r.match] == ["l.weight"]
-    assert (
-        "first divergence (backward): none among the modules' records, yet parameter gradients differ: l (l.weight)"
-        in render_result(result)
-    )
+    summary = render_result(result)
+    assert "none among the modules' records, yet parameter gradients differ: l (l.weight)" in summary
+    assert "with every forward record agreeing, that module's backward computes them wrongly" in summary
+
+
+class _ScaledInput(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l, self.scale = nn.Linear(4, 3), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x * self.scale)
+
+
+def test_a_parameter_gradient_moved_by_the_forward_does_not_blame_the_backward(tmp_path: Path) -> None:
+    """The root scales the input 2.5x, not 2x: l's input differs, so its weight's gradient does, while l's backward
+    is right. The line said that module's backward computes them wrongly."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "scaled.h5"
+    capture_run(_ScaledInput(2.0), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        summary = render_result(compare_run(_ScaledInput(2.5), reader))
+    assert "parameter gradients differ: l (l.weight); the forward's divergence reaches them" in summary
+    assert "backward computes them wrongly" not in summary
 
 
 class _Token(nn.Module):
