@@ -233,16 +233,32 @@ epsilon times this is under epsilon exactly."""
 
 
 def _beyond(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float) -> int:
-    """Elements whose |B-A| (``d``) is above ``epsilon``, decided as for float64 values. A float32 difference rounds
-    (0 against float32 0.1 is 0.10000000149, which float32 compares to 0.1 as equal), so those within a rounding of
-    epsilon are taken again in float64."""
+    """Elements whose |B-A| (``d``, rounded) is above ``epsilon``, decided exactly. A float32 difference rounds (0
+    against float32 0.1 is 0.10000000149, which float32 compares to 0.1 as equal): those within a rounding of epsilon
+    are taken again in float64. A float64 difference rounded to epsilon itself (1 - (-2**-60)) is settled by its
+    rounding error; one rounded above it is above it exactly, one below below."""
     if d.dtype == np.float64:
-        return int(np.count_nonzero(d > epsilon))
+        far = int(np.count_nonzero(d > epsilon))
+        tie = np.flatnonzero(d == epsilon)
+        return far + (int(np.count_nonzero(_exactly_beyond(x[tie], y[tie], epsilon))) if tie.size else 0)
     near = np.flatnonzero(d >= np.float32(epsilon) * np.float32(_ROUNDING_MARGIN))
     if not near.size:
         return 0
-    exact = np.abs(y[near].astype(np.float64) - x[near].astype(np.float64))
-    return int(np.count_nonzero(exact > epsilon))
+    return int(np.count_nonzero(_exactly_beyond(x[near].astype(np.float64), y[near].astype(np.float64), epsilon)))
+
+
+def _exactly_beyond(x: np.ndarray, y: np.ndarray, epsilon: float) -> np.ndarray:
+    """Where |y - x| > epsilon for float64 values, exactly: the rounded difference, and where it equals epsilon its
+    rounding error (Knuth's TwoSum: y - x = s + error, both floats)."""
+    s = y - x
+    far: np.ndarray = np.abs(s) > epsilon
+    tie = np.abs(s) == epsilon
+    if tie.any():
+        a, b, total = y[tie], -x[tie], s[tie]
+        b_part = total - a
+        error = (a - (total - b_part)) + (b - b_part)
+        far[tie] = np.where(total > 0, error > 0, error < 0)
+    return far
 
 
 def _exact_integer_block(
@@ -310,14 +326,13 @@ def _cast_differing(integers: np.ndarray, floats: np.ndarray, epsilon: float) ->
 
 
 def _complex_cast_differing(integers: np.ndarray, values: np.ndarray, epsilon: float) -> int:
-    """Elements of an integer tensor and a complex one that differ, exactly: a value with no imaginary part as a
-    float against its integer (complex128 holds 2**53 + 1 as 2**53), any other by its distance."""
+    """Parts of an integer tensor and a complex one that differ, counted as a complex pair's are (real and imaginary
+    parts apart): each real part against its integer exactly, as against a float tensor (complex128 holds 2**53 + 1
+    as 2**53), each imaginary part against 0."""
     values, integers = np.asarray(values, dtype=np.complex128).reshape(-1), integers.reshape(-1)
-    real = values.imag == 0
-    count = _cast_differing(integers[real], values.real[real], epsilon)
     with np.errstate(invalid="ignore"):  # NaN differs
-        apart = np.abs(values[~real] - integers[~real].astype(np.float64))
-    return count + int(np.count_nonzero(~(apart <= epsilon)))
+        imaginary = int(np.count_nonzero(~(np.abs(values.imag) <= epsilon)))
+    return _cast_differing(integers, values.real, epsilon) + imaginary
 
 
 def _careful_side(x: np.ndarray, side: SideMoments) -> np.ndarray:
@@ -350,7 +365,7 @@ def _careful_block(x32: np.ndarray, y32: np.ndarray, epsilon: float, moments: Pa
     moments.delta_squares += squares_d
     moments.delta_abs += float(d.sum())
     moments.max_abs = max(moments.max_abs, float(d.max(initial=0.0)))
-    moments.differing += int(np.count_nonzero(d > epsilon))
+    moments.differing += _beyond(xb, yb, d, epsilon)
     moments.both_a += float(np.dot(xb, xb))
     moments.both_b += float(np.dot(yb, yb))
     moments.both_delta += squares_d

@@ -208,6 +208,26 @@ def test_an_equal_of_the_selected_tensors_says_what_was_left_out(tmp_path: Path)
     assert document["a"]["notes"] == ["--include/--exclude leave out 1 of its tensors: they are not compared"]
 
 
+@pytest.mark.parametrize(
+    ("a", "b", "epsilon", "equal"),
+    [
+        (np.array([-(2.0**-60)]), np.array([1.0]), 1.0, False),  # float64 rounds 1 + 2**-60 to 1
+        (np.array([-(2.0**-60)], np.float32), np.array([1.0], np.float32), 1.0, False),
+        (np.array([0.0]), np.array([1.0]), 1.0, True),
+        (np.array([0], np.int64), np.array([0.3 + 0.3j]), 0.4, True),  # parts apart, as two complex tensors
+        (np.array([0j]), np.array([0.3 + 0.3j]), 0.4, True),
+        (np.array([2**53 + 1], np.int64), np.array([2.0**53 + 1e-300j]), 0.5, False),  # the real part, exactly
+    ],
+    ids=["float64-tie", "float32-tie", "float64-at-epsilon", "int-complex", "complex-complex", "int-complex-2**53"],
+)
+def test_an_epsilon_is_decided_exactly_at_its_bound(
+    tmp_path: Path, a: np.ndarray, b: np.ndarray, epsilon: float, equal: bool
+) -> None:
+    """A difference rounded to epsilon itself is settled by its rounding error; an integer against a complex value
+    is compared part by part, as two complex tensors are, each real part exactly."""
+    assert ckpt_diff.diff(*npz_pair(tmp_path, {"w": a}, {"w": b}), epsilon=epsilon).equal is equal
+
+
 def _npy_bytes(values: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, values)
