@@ -12,11 +12,12 @@ from parity_harness.common.errors import BundleFormatError
 
 __all__ = ["MAX_INDEX_BYTES", "pack", "unpack"]
 
-MAX_INDEX_BYTES: Final = 1 << 26
-"""Refuse metadata blobs over 64 MiB. A crafted blob of short strings or map keys decodes to up to ~25 bytes of
-Python objects per byte (2-character strings: 59 bytes from 3), so this bounds what a bundle from someone else can
-make the reader allocate to about 1.6 GiB. Real indexes take ~190 bytes per tensor and decode to 4-8x their size
-(the Conformer example's 478 tensors: 88 KB): 64 MiB holds some 350,000 tensors."""
+MAX_INDEX_BYTES: Final = 48 << 20
+"""Refuse metadata blobs over 48 MiB. A crafted blob of short map keys or strings decodes to up to ~34 bytes of
+Python objects per byte at its peak (a 3-character key and its value: 5 bytes, ~170 in a dict), so this bounds
+what a bundle from someone else can make the reader allocate to about 1.6 GiB. Real indexes take ~190 bytes per
+tensor and decode to 4-8x their size (the Conformer example's 478 tensors: 88 KB): 48 MiB holds some 260,000
+tensors."""
 
 
 _PLAIN: Final = (str, bytes, int, float, bool, type(None))

@@ -309,7 +309,7 @@ def test_forward_error_leaves_no_file(tmp_path: Path, npz: Path) -> None:
 def test_an_index_no_reader_would_accept_is_refused_before_it_is_written(
     tmp_path: Path, npz: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Readers refuse metadata over MAX_INDEX_BYTES (some 350,000 tensors at 64 MiB): capture wrote such an
+    """Readers refuse metadata over MAX_INDEX_BYTES (some 260,000 tensors at 48 MiB): capture wrote such an
     index anyway, and the run could not be replayed. It now fails in one line, leaving nothing."""
     from parity_harness.common.format import packing
 
