@@ -160,21 +160,6 @@ def _give_back(lent: list[_Lent], outputs: Any) -> None:
             container[place] = item.tensor
 
 
-def _leaf_aliases(value: Any, depth: int = 0) -> Any:
-    """``value`` with each autograd leaf that requires grad (a module returning its own parameter) replaced by a
-    ``view_as`` alias, in plain tuples, lists and dicts: a hook on the leaf itself would see its whole gradient,
-    every use's and every call's, not this call's output gradient."""
-    if isinstance(value, torch.Tensor):
-        return value.view_as(value) if value.requires_grad and value.grad_fn is None else value
-    if depth >= MAX_DEPTH:
-        return value
-    if type(value) in (tuple, list):
-        return type(value)(_leaf_aliases(item, depth + 1) for item in value)
-    if type(value) is dict:
-        return {key: _leaf_aliases(item, depth + 1) for key, item in value.items()}
-    return value
-
-
 def _containers(value: Any, depth: int = 0) -> set[int]:
     """The ids of the lists and dicts inside a module's outputs (a few levels deep)."""
     if depth > 4 or not isinstance(value, (list, tuple, dict)):
@@ -351,16 +336,13 @@ class ModuleTap:
         found.passed = True
         return value
 
-    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> Any:
+    def _after(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], outputs: Any) -> None:
         info = self._open[id(module)].pop()
         noted = self._noted.pop(id(info))
         self._sink.on_outputs(info, outputs)
-        returned = outputs
         if self._backward and torch.is_grad_enabled():
-            if any(t.requires_grad and t.grad_fn is None for _, t in iter_live_tensors(outputs, "output")):
-                returned = _leaf_aliases(outputs)
             watched = floating = False
-            for slot, tensor in iter_live_tensors(returned, "output"):
+            for slot, tensor in iter_live_tensors(outputs, "output"):
                 if tensor.requires_grad:
                     self._watch(tensor, _GradTap(self._sink, info, grad_slot(slot), self._phase))
                     watched = True
@@ -371,7 +353,6 @@ class ModuleTap:
         lent = self._lent.pop(id(info), None)
         if lent:
             _give_back(lent, outputs)
-        return returned if returned is not outputs else None
 
     def _watch(self, tensor: torch.Tensor, tap: _GradTap) -> None:
         """Send ``tensor``'s gradient to ``tap``, surviving later in-place changes of views."""
