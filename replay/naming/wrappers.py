@@ -24,7 +24,7 @@ from typing import Final
 
 import torch
 
-from parity_harness.common.format.bundle.schema import BundleIndex
+from parity_harness.common.format.bundle.schema import BundleIndex, Tree, iter_tensors
 from parity_harness.replay.naming.mapping import RenameMap, literal_pattern
 
 __all__ = ["INNER_WRAPPERS", "ROOT_WRAPPERS", "WrapperRenameMap", "normalize_wrappers", "strip_wrappers"]
@@ -52,32 +52,44 @@ does work of its own around it."""
 
 
 def _wrapper_roots(model: torch.nn.Module, roots: tuple[str, ...]) -> tuple[str, ...]:
-    """The leading ``roots`` the port's module objects show to be wrappers (a DataParallel around the model), in
-    order; the first that is not ends them."""
+    """The leading ``roots`` the port's module objects show to be wrappers (a DataParallel, or a subclass of one,
+    around the model), in order; the first that is not ends them."""
     kept: list[str] = []
     holder = model
     for root in roots:
-        if type(holder).__name__ not in _ROOT_TYPES[root]:
+        if not any(kind.__name__ in _ROOT_TYPES[root] for kind in type(holder).__mro__):
             break
         kept.append(root)
         holder = getattr(holder, root)
     return tuple(kept)
 
 
-def _meeting(
-    roots: tuple[str, ...], modules: list[str], port_modules: list[str], port_roots: tuple[str, ...], rename: RenameMap
-) -> tuple[str, ...]:
-    """The bundle's leading ``roots`` whose removal makes its module names meet the port's best (its records name no
-    class: a capture under DataParallel of a model whose child is named ``module`` leads with ``module.module``, of
-    which only the first is the wrapper). With a map, or no module names on one side, the names decide alone."""
-    if not roots or not modules or not port_modules or rename.rules or rename.exact:
+def _bundle_wrapper_roots(roots: tuple[str, ...], index: BundleIndex) -> tuple[str, ...]:
+    """The leading ``roots`` the bundle's records show to be wrappers. A wrapper (DataParallel, DDP, torch.compile)
+    hands its child the model's inputs and hands on its outputs as they are, so the child's first call holds the
+    model's own tensors bit for bit (by their checksums); a model around a child named ``module`` computes something
+    of its own. Without checksums the names decide."""
+    if not index.checksums:
         return roots
-    port = {strip_wrappers(name, port_roots) for name in port_modules}
+    model = (_fingerprint(index, index.inputs), _fingerprint(index, index.outputs))
+    kept: list[str] = []
+    for count in range(1, len(roots) + 1):
+        name = ".".join(roots[:count])
+        call = next((c for c in index.calls if c.module == name and c.call == 0), None)
+        if call is None or (_fingerprint(index, call.inputs), _fingerprint(index, call.outputs)) != model:
+            break
+        kept.append(roots[count - 1])
+    return tuple(kept)
 
-    def met(count: int) -> int:
-        return sum(strip_wrappers(name, roots[:count]) in port for name in modules)
 
-    return roots[: max(range(len(roots) + 1), key=lambda count: (met(count), count))]
+def _fingerprint(index: BundleIndex, tree: Tree | None) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """A tree's tensors as (dtype tag, shape, checksum), in order of their values (argument names aside)."""
+    if tree is None:
+        return []
+    return sorted(
+        ((ref.tag, ref.shape, index.checksums.get(ref.path)) for _, ref in iter_tensors(tree, "")),
+        key=lambda item: (item[0], item[1], -1 if item[2] is None else item[2]),
+    )
 
 
 def strip_wrappers(name: str, roots: tuple[str, ...]) -> str:
@@ -241,7 +253,8 @@ def normalize_wrappers(rename: RenameMap, model: torch.nn.Module, index: BundleI
     recorded_buffers = () if buffers is None else (*buffers.changed, *buffers.unchanged)
     bundle_params = sorted({*index.params, *index.grads, *recorded_buffers})  # buffers are named as parameters are
     port_roots = _wrapper_roots(model, _roots(port_modules))
-    bundle_roots = _meeting(_roots(bundle_modules or bundle_params), bundle_modules, port_modules, port_roots, rename)
+    bundle_roots = _roots(bundle_modules or bundle_params)
+    bundle_roots = _bundle_wrapper_roots(bundle_roots, index) if bundle_modules else bundle_roots
     if port_roots == bundle_roots:  # the same on both sides pairs as it is: a real child named ``module`` is no DDP
         port_roots = bundle_roots = ()
     port_inner, bundle_inner = _inner(port_names), _inner([*bundle_modules, *bundle_params])

@@ -603,9 +603,16 @@ def test_a_real_child_named_module_is_compared_not_waived_as_a_ddp_wrapper(tmp_p
         assert compare_run(nn.DataParallel(_ChildNamedModule(bug=3.0)), reader).verdict == "MISMATCH"
         assert compare_run(nn.DataParallel(_ChildNamedModule()), reader).verdict == "MATCH"
     capture_run(nn.DataParallel(_ChildNamedModule()), x, tmp_path / "wrapped.h5")
+    harmless = parse_map("^nothing$ => other\n")
+
+    class OwnDataParallel(nn.DataParallel):  # type: ignore[type-arg]
+        pass
+
     with BundleReader(tmp_path / "wrapped.h5") as reader:
         assert compare_run(_ChildNamedModule(bug=3.0), reader).verdict == "MISMATCH"
-        assert compare_run(_ChildNamedModule(), reader).verdict == "MATCH"
+        for port in (_ChildNamedModule(), nn.DataParallel(_ChildNamedModule()), OwnDataParallel(_ChildNamedModule())):
+            assert compare_run(port, reader).verdict == "MATCH", type(port)
+            assert compare_run(port, reader, rename=harmless).verdict == "MATCH", type(port)
 
 
 class _RescalesItsWeight(nn.Module):
