@@ -229,7 +229,7 @@ def _fast_block(x: np.ndarray, y: np.ndarray, scratch: np.ndarray, epsilon: floa
 
 _ROUNDING_MARGIN: Final = 1 - 2.0**-21
 """Below 1 by more than float32's rounding of a difference (2**-24) and of epsilon itself: a float32 |B-A| under
-epsilon times this is under epsilon exactly."""
+epsilon times this is under epsilon exactly, one over epsilon times (2 - this) over it exactly."""
 
 
 def _beyond(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float) -> int:
@@ -241,10 +241,14 @@ def _beyond(x: np.ndarray, y: np.ndarray, d: np.ndarray, epsilon: float) -> int:
         far = int(np.count_nonzero(d > epsilon))
         tie = np.flatnonzero(d == epsilon)
         return far + (int(np.count_nonzero(_exactly_beyond(x[tie], y[tie], epsilon))) if tie.size else 0)
-    near = np.flatnonzero(d >= np.float32(epsilon) * np.float32(_ROUNDING_MARGIN))
+    bound = np.float32(epsilon)
+    low, high = bound * np.float32(_ROUNDING_MARGIN), bound * np.float32(2 - _ROUNDING_MARGIN)
+    beyond = int(np.count_nonzero(d > high))  # past any rounding of epsilon or of the difference: beyond exactly
+    near = np.flatnonzero((d >= low) & (d <= high))
     if not near.size:
-        return 0
-    return int(np.count_nonzero(_exactly_beyond(x[near].astype(np.float64), y[near].astype(np.float64), epsilon)))
+        return beyond
+    exact = _exactly_beyond(x[near].astype(np.float64), y[near].astype(np.float64), epsilon)
+    return beyond + int(np.count_nonzero(exact))
 
 
 def _exactly_beyond(x: np.ndarray, y: np.ndarray, epsilon: float) -> np.ndarray:

@@ -143,15 +143,7 @@ def _unmatched(label: str, names: Sequence[str], limit: int = 10) -> list[str]:
 def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) -> str:
     record = result.first_divergence(kind)
     if record is None and kind == "backward" and (owners := _parameter_gradient_owners(result)):
-        why = (
-            "the forward's divergence reaches them"
-            if result.first_divergence("forward") is not None
-            else "with every forward record agreeing, that module's backward computes them wrongly"
-        )
-        return (
-            f"first divergence (backward): none among the modules' records, yet parameter gradients differ: "
-            f"{owners}; {why}"
-        )
+        return f"first divergence (backward): none among the modules' records, yet parameter gradients differ: {owners}"
     if record is None:
         return f"first divergence ({kind}): none"
     diff = record.diff
@@ -162,15 +154,23 @@ def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) 
 
 
 def _parameter_gradient_owners(result: ComparisonResult) -> str:
-    """The modules owning the failing parameter gradients (``l`` for ``l.weight``), for a line; empty if none fail."""
+    """The modules owning the failing parameter gradients (``l`` for ``l.weight``) and what each says: a module
+    whose forward records differ was fed other values (its inputs' divergence reaches them), one whose records all
+    agree computes them wrongly in its backward. Empty when none fail."""
     by_owner: dict[str, list[str]] = {}
     for record in result.of_kind("param_grad"):
         if not record.match and not record.undecided:
-            by_owner.setdefault(record.name.rpartition(".")[0] or "the root module", []).append(record.name)
-    shown = [
-        f"{owner} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" for owner, names in by_owner.items()
-    ]
-    return ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+            by_owner.setdefault(record.name.rpartition(".")[0], []).append(record.name)
+    fed_otherwise = {r.module for r in result.of_kind("forward") if not r.match and not r.undecided}
+    shown = []
+    for owner, names in by_owner.items():
+        why = (
+            "its forward records differ already"
+            if owner in fed_otherwise
+            else "its forward records agree: its backward computes them wrongly"
+        )
+        shown.append(f"{owner or 'the root module'} ({', '.join(names[:3])}{', ...' * (len(names) > 3)}: {why})")
+    return "; ".join(shown[:3]) + (f"; and {len(shown) - 3} more modules" if len(shown) > 3 else "")
 
 
 def _summary(result: ComparisonResult) -> list[str]:

@@ -455,9 +455,9 @@ def _compare_step(
 
 def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[str]:
     """The optimizer's hyper-parameters both runs recorded at the step that differ (a learning rate, betas, a
-    flag), parameter groups paired by the parameters they hold where both record them, else by their settings in
-    any order (no decay first or last is the same optimizer); one recorded by one run only is left out (another
-    torch adds keys such as ``fused``), a group one run alone has is not."""
+    flag), parameter groups paired by the parameters they hold where both record them (a state dict), else by their
+    settings in any order (a training file's: no decay first or last is the same optimizer); one recorded by one run
+    only is left out (another torch adds keys such as ``fused``), a group one run alone has is not."""
     a, b = infos[0].hyper_parameters, infos[1].hyper_parameters
     if not a or not b:
         return []  # recorded by one run only: a note (_note_one_sided)

@@ -387,8 +387,8 @@ def _others(dump: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, fl
     while pending:
         name, value, depth = pending.pop()
         array = _as_array(value)
-        if array is not None and _elements(array) > _MAX_METRIC_NUMBERS:
-            weights[name] = array
+        if array is not None and (_elements(array) > _MAX_METRIC_NUMBERS or array.dtype == np.int64):
+            weights[name] = array  # several numbers, or integers float64 would round (a seed past 2**53)
         elif array is not None or _number(value) is not None or isinstance(value, bool):
             numbers += _number_pairs(name, value)
         elif isinstance(value, (torch.Tensor, np.ndarray)):
@@ -403,18 +403,41 @@ def _others(dump: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, fl
 
 
 def _as_array(value: object) -> torch.Tensor | np.ndarray | None:
-    """A tensor or ndarray as it is, a list of numbers (nested, rectangular) as float64; None for anything else."""
+    """A tensor or ndarray as it is; plain numbers (in lists, nested and rectangular) as float64, or as int64 where
+    they are integers float64 would round; None for anything else (text, None, tensors in a list, dicts)."""
     if isinstance(value, torch.Tensor):  # dense real values only: a complex or sparse one is left aside
         return value if value.layout == torch.strided and not value.is_complex() and not value.is_quantized else None
     if isinstance(value, np.ndarray):
         return value if value.dtype.kind in "biuf" else None
-    if not isinstance(value, (list, tuple)) or not value:
+    numbers = _plain_numbers(value)
+    if numbers is None:
         return None
+    wide = any(type(n) is int and abs(n) >= _EXACT_INTEGERS for n in numbers)
     try:
-        array = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError):  # ragged, text, tensors of several elements, dicts
+        if wide and all(type(n) is int for n in numbers):
+            return np.asarray(value, dtype=np.int64)
+        return np.asarray(value, dtype=np.float64)
+    except (ValueError, OverflowError):  # ragged, or integers past int64
         return None
-    return array
+
+
+_EXACT_INTEGERS: Final = 2**53
+"""Integers from this magnitude on are not all floats: compared as int64, exactly."""
+
+
+def _plain_numbers(value: object) -> list[int | float] | None:
+    """Every number in a plain number or a (nested) list of them; None where anything else is in it."""
+    found: list[int | float] = []
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if type(item) in (int, float, bool) or isinstance(item, np.number):
+            found.append(item)  # type: ignore[arg-type]
+        elif isinstance(item, (list, tuple)) and item:
+            pending.extend(item)
+        else:
+            return None
+    return found
 
 
 def _elements(array: torch.Tensor | np.ndarray) -> int:
@@ -522,15 +545,16 @@ def _members(group: object) -> list[int] | None:
 
 def groups_by_parameters(groups: object) -> bool:
     """Whether every group records the parameters it holds: :func:`hyper_parameters_of` then numbers the groups by
-    them, so that two runs' groups pair by number (settings swapped between groups are a difference)."""
+    them, so that two runs' groups pair by number (settings swapped between groups are a difference). torch numbers
+    the parameters group by group, so two runs listing their groups in another order pair by position, as their
+    optimizer states (keyed by those numbers) do."""
     return isinstance(groups, list) and bool(groups) and all(_members(group) for group in groups)
 
 
 def hyper_parameters_of(groups: object) -> dict[str, float]:
     """An optimizer's ``param_groups`` (a state dict's, or a training file's record of them) as numbers by
-    ``<name> (group <i>)``, groups numbered in the order of the parameters they hold where they record them (no
-    decay first or last is the same optimizer); kernel choices (``foreach``, ``fused``...) left out: they change no
-    number."""
+    ``<name> (group <i>)``, groups numbered in the order of the parameters they hold where they record them;
+    kernel choices (``foreach``, ``fused``...) left out: they change no number."""
     if not isinstance(groups, list):
         return {}
     if groups_by_parameters(groups):

@@ -365,6 +365,31 @@ def test_a_dumps_entries_are_walked_through_lists_and_dicts(tmp_path: Path) -> N
     assert moved == {"optimizer_states.0.state.0.exp_avg", "ema.shadow_params.0", "loss_history"}
 
 
+def test_a_dumps_other_entries_take_no_text_or_none_for_numbers_and_wide_integers_exactly(tmp_path: Path) -> None:
+    """LambdaLR's state holds lr_lambdas [None, None]: read as [nan, nan], a weight of NaN made identical runs show
+    no weight L2 and a cosine of 0; strings parsed as numbers. Integers past 2**53 (a seed, sample ids) went through
+    float64, where 2**60 and 2**60 + 1 are one number."""
+
+    def entries(offset: int) -> dict[str, Any]:
+        return {
+            "scheduler": {"lr_lambdas": [None, None], "base_lrs": [1e-3]},
+            "labels_seen": ["1", "2.5"],
+            "seed": 2**60 + offset,
+            "id_list": [2**60, 2**60 + offset],
+        }
+
+    a = _dump(tmp_path / "a", **entries(0))
+    document = tmp_path / "same.json"
+    assert _run(a, _dump(tmp_path / "same", **entries(0)), "--json", document).exit_code == 0
+    step = json.loads(document.read_text())["steps"][0]
+    assert (step["weight_l2"], step["weight_cosine"]) == (0.0, 1.0)
+    assert not any(name.startswith(("scheduler.lr_lambdas", "labels_seen")) for name in step["metrics"])
+    result = _run(a, _dump(tmp_path / "b", **entries(1)))
+    assert result.exit_code == 1
+    assert "seed" in result.output
+    assert "id_list" in result.output
+
+
 @pytest.mark.parametrize(
     "entries",
     [{"acc": 0.1, "metrics": {"acc": 0.5}}, {"metrics": {"val.acc": 0.2, "val": {"acc": 0.7}}}],
