@@ -402,7 +402,8 @@ class _TableBuilder:
 def _batch(rows: list[_Row], columns: PredictionColumns) -> PredictionBatch:
     """A batch's rows as arrays, sorted by sample index."""
     rows = sorted(rows, key=lambda row: row.sample)
-    logits = np.stack([row.logits for row in rows])
+    # One row (a batch of one): its own copy, not np.stack's generality, nor a view keeping the row's array alive.
+    logits = rows[0].logits.reshape(1, -1).copy() if len(rows) == 1 else np.stack([row.logits for row in rows])
     labels = None if columns.label is None else np.array([row.label for row in rows], dtype=np.float64)
     return PredictionBatch([row.sample for row in rows], [row.ids for row in rows], labels, logits)
 

@@ -346,7 +346,7 @@ def _predictions(
     same_samples = indices_a is None or indices_b is None or indices_a == indices_b  # a dump records none
     if a.shape != b.shape or not same_samples:
         return PredictionDiff(samples, [], math.inf, False)
-    if a.size == 0:
+    if a.size == 0 or (a.dtype == b.dtype and np.array_equal(a, b)):  # the same values (NaN never is): all agree
         return PredictionDiff(samples, [], 0.0, True)
     flat_a, flat_b = a.reshape(samples, -1), b.reshape(samples, -1)
     differs = [int(i) for i in np.flatnonzero(np.argmax(flat_a, axis=1) != np.argmax(flat_b, axis=1))]
@@ -505,6 +505,8 @@ def _differences(
 
 def _canonical(metrics: dict[str, float]) -> dict[str, float]:
     """A run's metrics with its accuracy (the first of ``ACCURACY_NAMES`` it has) named ``accuracy``."""
+    if not metrics:
+        return {}
     alias = next((name for name in ACCURACY_NAMES if name in metrics), None)
     if alias is None or alias == "accuracy" or "accuracy" in metrics:
         return dict(metrics)

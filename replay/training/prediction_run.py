@@ -37,15 +37,19 @@ class PredictionRun:
         self.path = Path(path)
         self._table = read_prediction_csv(self.path)
         self._steps = {StepKey(*key): batch for key, batch in self._table.batches.items()}
+        self._infos: dict[StepKey, StepInfo] | None = None
 
     def parameter_names(self) -> list[str]:
         """An empty list: a prediction CSV records no weights."""
         return []
 
     def steps(self) -> dict[StepKey, StepInfo]:
-        """Every batch of the file, with its accuracy (argmax == label) when it has labels, and its sample ids."""
-        with_ids = bool(self._table.columns.ids)
-        return {key: _info(batch, with_ids=with_ids) for key, batch in self._steps.items()}
+        """Every batch of the file, with its accuracy (argmax == label) when it has labels, and its sample ids
+        (worked out once: the file was read whole)."""
+        if self._infos is None:
+            with_ids = bool(self._table.columns.ids)
+            self._infos = {key: _info(batch, with_ids=with_ids) for key, batch in self._steps.items()}
+        return self._infos
 
     def tensors(self, key: StepKey, group: str) -> dict[str, np.ndarray]:
         """``{"predictions": logits}`` or ``{"labels": labels}`` (when recorded); other groups are empty.
