@@ -76,8 +76,8 @@ def _bundle_wrapper_roots(roots: tuple[str, ...], index: BundleIndex) -> tuple[s
     for count in range(1, len(roots) + 1):
         name = ".".join(roots[:count])
         call = next((c for c in index.calls if c.module == name and c.call == 0), None)
-        if call is None or (_fingerprint(index, call.inputs), _fingerprint(index, call.outputs)) != model:
-            break
+        if call is not None and (_fingerprint(index, call.inputs), _fingerprint(index, call.outputs)) != model:
+            break  # a call not recorded (--layers) leaves the names to decide
         kept.append(roots[count - 1])
     return tuple(kept)
 
