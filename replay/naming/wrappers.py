@@ -10,10 +10,12 @@ component                          added by
 =================================  =====================================================
 
 A leading component counts as a wrapper only when *every* name on that side starts with it (a
-real submodule called ``module`` next to others is left alone), and only when the other side's names do not
-(two sides alike pair as they are: a root whose only child is named ``module`` is no DDP). Names are normalised on both
-sides only when the bundle's normalised names are unambiguous, and the report says what was
-normalised, so that normalisation never hides a real rename.
+real submodule called ``module`` next to others is left alone), when the side shows it to be one (the port's
+module of a wrapper class; in the bundle, a child whose first call holds the model's own inputs and outputs: a
+root whose only child is named ``module`` and that computes around it is no DDP), and when the other side's
+leading wrappers differ (alike, names pair as they are). Names are normalised on both sides only when the
+bundle's normalised names are unambiguous, and the report says what was normalised, so that normalisation never
+hides a real rename.
 """
 
 from __future__ import annotations
