@@ -49,6 +49,7 @@ from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
 from parity_harness.common.format.bundle.lengths import PaddingPlan
 from parity_harness.common.format.bundle.schema import (
     AUTOGRAD_OFF,
+    ROOT_CLASSES,
     BackwardMode,
     BundleIndex,
     RecordedBuffers,
@@ -458,6 +459,7 @@ class _CaptureRun:
         info, options = dict(self.info), self.options
         if self.tap is not None and self.tap.without_autograd:  # all of them, where no output reached backward
             info[AUTOGRAD_OFF] = list(self.tap.without_autograd)
+        info[ROOT_CLASSES] = [kind.__name__ for kind in type(self.model).__mro__]  # is the root a DDP wrapper?
         return RunInfo(
             seed=options.seed,
             train_mode=options.train_mode,

@@ -11,8 +11,8 @@ component                          added by
 
 A leading component counts as a wrapper only when *every* name on that side starts with it (a
 real submodule called ``module`` next to others is left alone), when the side shows it to be one (the port's
-module of a wrapper class; in the bundle, a child whose first call holds the model's own inputs and outputs: a
-root whose only child is named ``module`` and that computes around it is no DDP), and when the other side's
+module of a wrapper class; in the bundle, the recorded class of the captured model and of each wrapped module: a
+root whose only child is named ``module`` is no DDP unless it is one), and when the other side's
 leading wrappers differ (alike, names pair as they are). Names are normalised on both sides only when the
 bundle's normalised names are unambiguous, and the report says what was normalised, so that normalisation never
 hides a real rename.
@@ -26,7 +26,7 @@ from typing import Final
 
 import torch
 
-from parity_harness.common.format.bundle.schema import BundleIndex, Tree, iter_tensors
+from parity_harness.common.format.bundle.schema import BundleIndex
 from parity_harness.replay.naming.mapping import RenameMap, literal_pattern
 
 __all__ = ["INNER_WRAPPERS", "ROOT_WRAPPERS", "WrapperRenameMap", "normalize_wrappers", "strip_wrappers"]
@@ -67,31 +67,23 @@ def _wrapper_roots(model: torch.nn.Module, roots: tuple[str, ...]) -> tuple[str,
 
 
 def _bundle_wrapper_roots(roots: tuple[str, ...], index: BundleIndex) -> tuple[str, ...]:
-    """The leading ``roots`` the bundle's records show to be wrappers. A wrapper (DataParallel, DDP, torch.compile)
-    hands its child the model's inputs and hands on its outputs as they are, so the child's first call holds the
-    model's own tensors bit for bit (by their checksums); a model around a child named ``module`` computes something
-    of its own. Without checksums the names decide."""
-    if not index.checksums:
+    """The leading ``roots`` the bundle shows to be wrappers: the captured model's class (``run.extra``) for the
+    first, each wrapped module's recorded class for the next (``module._orig_mod`` under DataParallel around
+    torch.compile). A bundle written before that class was recorded, or a call not recorded (``--layers``), leaves
+    the names to decide."""
+    classes = index.run.root_classes()
+    if classes is None:
         return roots
-    model = (_fingerprint(index, index.inputs), _fingerprint(index, index.outputs))
     kept: list[str] = []
-    for count in range(1, len(roots) + 1):
-        name = ".".join(roots[:count])
-        call = next((c for c in index.calls if c.module == name and c.call == 0), None)
-        if call is not None and (_fingerprint(index, call.inputs), _fingerprint(index, call.outputs)) != model:
-            break  # a call not recorded (--layers) leaves the names to decide
-        kept.append(roots[count - 1])
+    for count, root in enumerate(roots, start=1):
+        if not any(name in _ROOT_TYPES[root] for name in classes):
+            break
+        kept.append(root)
+        call = next((c for c in index.calls if c.module == ".".join(roots[:count])), None)
+        if call is None:
+            return (*kept, *roots[count:])
+        classes = [call.type.rpartition(".")[2]]
     return tuple(kept)
-
-
-def _fingerprint(index: BundleIndex, tree: Tree | None) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """A tree's tensors as (dtype tag, shape, checksum), in order of their values (argument names aside)."""
-    if tree is None:
-        return []
-    return sorted(
-        ((ref.tag, ref.shape, index.checksums.get(ref.path)) for _, ref in iter_tensors(tree, "")),
-        key=lambda item: (item[0], item[1], -1 if item[2] is None else item[2]),
-    )
 
 
 def strip_wrappers(name: str, roots: tuple[str, ...]) -> str:

@@ -615,17 +615,21 @@ def test_a_real_child_named_module_is_compared_not_waived_as_a_ddp_wrapper(tmp_p
             assert compare_run(port, reader, rename=harmless).verdict == "MATCH", type(port)
 
 
-@pytest.mark.parametrize("layers", ["module.l1", "module.l*"])
-def test_a_wrapped_capture_recording_only_some_layers_pairs_with_the_plain_port(tmp_path: Path, layers: str) -> None:
-    """A DataParallel capture with --layers records no call of the wrapped model itself: its records cannot show the
-    wrapper, and the names decide (it was INCOMPLETE against the plain port when an unrecorded call counted as no
-    wrapper)."""
+@pytest.mark.parametrize(
+    "selection",
+    [{"layers": ("module.l1",)}, {"layers": ("module.l*",)}, {"summary_only": True}, {"max_tensor_bytes": 8}],
+    ids=["one-layer", "layers", "summary-only", "max-tensor-bytes"],
+)
+def test_a_wrapped_capture_recording_less_pairs_with_the_plain_port(tmp_path: Path, selection: dict[str, Any]) -> None:
+    """A DataParallel capture recording less (no call of the wrapped model itself, or statistics instead of bytes)
+    is still known for one by its recorded class (a check by the records' checksums made them INCOMPLETE against the
+    plain port)."""
     from parity_harness.capture.record.recorder import capture_run
     from parity_harness.common.format.bundle.selection import Selection
 
     bundle = tmp_path / "some.h5"
     x = {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}
-    capture_run(nn.DataParallel(_Encoder(1.0)), x, bundle, selection=Selection(layers=(layers,)))
+    capture_run(nn.DataParallel(_Encoder(1.0)), x, bundle, selection=Selection(**selection))
     with BundleReader(bundle) as reader:
         assert compare_run(_Encoder(1.0), reader).verdict == "MATCH"
         assert compare_run(_Encoder(3.0), reader).verdict == "MISMATCH"

@@ -32,6 +32,7 @@ from parity_harness.common.numerics.statistics import parse_statistics
 __all__ = [
     "AUTOGRAD_OFF",
     "MAX_DEPTH",
+    "ROOT_CLASSES",
     "BackwardMode",
     "BundleIndex",
     "ModuleCall",
@@ -53,6 +54,9 @@ OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
 MAX_DEPTH: Final = 64
 AUTOGRAD_OFF: Final = "autograd_off"
 """``run.extra`` key: the module calls made with autograd off in the forward (:meth:`RunInfo.without_autograd`)."""
+ROOT_CLASSES: Final = "root_classes"
+"""``run.extra`` key: the names of the captured model's class and its bases (``["DataParallel", "Module",
+"object"]``), written since 2026-11-29: whether the model's root is a wrapper (DDP, DataParallel, torch.compile)."""
 
 
 def describe_without_autograd(calls: list[str]) -> str:
@@ -112,6 +116,12 @@ class RunInfo:
         list of names reads as none)."""
         names = self.extra.get(AUTOGRAD_OFF)
         return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
+
+    def root_classes(self) -> list[str] | None:
+        """The captured model's class and its bases, by name (``extra["root_classes"]``); None where the bundle does
+        not say (written before 2026-11-29, or anything but a list of names)."""
+        names = self.extra.get(ROOT_CLASSES)
+        return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored in the index."""
