@@ -161,14 +161,17 @@ def _parameter_gradient_owners(result: ComparisonResult) -> str:
     for record in result.of_kind("param_grad"):
         if not record.match and not record.undecided:
             by_owner.setdefault(record.name.rpartition(".")[0], []).append(record.name)
-    fed_otherwise = {r.module for r in result.of_kind("forward") if not r.match and not r.undecided}
+    forward = result.of_kind("forward")
+    recorded = {r.module for r in forward}
+    fed_otherwise = {r.module for r in forward if not r.match and not r.undecided}
     shown = []
     for owner, names in by_owner.items():
-        why = (
-            "its forward records differ already"
-            if owner in fed_otherwise
-            else "its forward records agree: its backward computes them wrongly"
-        )
+        if owner not in recorded:
+            why = "its calls are not recorded: where the difference starts is not known"
+        elif owner in fed_otherwise:
+            why = "its forward records differ already"
+        else:
+            why = "its forward records agree: its backward computes them wrongly"
         shown.append(f"{owner or 'the root module'} ({', '.join(names[:3])}{', ...' * (len(names) > 3)}: {why})")
     return "; ".join(shown[:3]) + (f"; and {len(shown) - 3} more modules" if len(shown) > 3 else "")
 

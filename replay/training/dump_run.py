@@ -14,7 +14,9 @@ memory-mapped (tensor storage is mapped, not read) to take its loss and metrics,
 
 from __future__ import annotations
 
+import decimal
 import math
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -412,13 +414,21 @@ def _as_array(value: object) -> torch.Tensor | np.ndarray | None:
     numbers = _plain_numbers(value)
     if numbers is None:
         return None
-    wide = any(type(n) is int and abs(n) >= _EXACT_INTEGERS for n in numbers)
-    try:
-        if wide and all(type(n) is int for n in numbers):
+    if any(_integer(n) and abs(int(n)) >= _EXACT_INTEGERS for n in numbers):
+        if not all(_integer(n) for n in numbers):
+            return None  # beside other numbers no one dtype holds them exactly: each is taken on its own
+        try:
             return np.asarray(value, dtype=np.int64)
+        except (ValueError, OverflowError):  # ragged, or past int64
+            return None
+    try:
         return np.asarray(value, dtype=np.float64)
-    except (ValueError, OverflowError):  # ragged, or integers past int64
+    except (ValueError, TypeError, OverflowError, ArithmeticError):  # ragged
         return None
+
+
+def _integer(number: object) -> bool:
+    return isinstance(number, (int, np.integer)) and not isinstance(number, (bool, np.bool_))
 
 
 _EXACT_INTEGERS: Final = 2**53
@@ -431,7 +441,7 @@ def _plain_numbers(value: object) -> list[int | float] | None:
     pending = [value]
     while pending:
         item = pending.pop()
-        if type(item) in (int, float, bool) or isinstance(item, np.number):
+        if isinstance(item, (numbers.Real, np.bool_, decimal.Decimal)):  # Fraction, np.float32... not complex
             found.append(item)  # type: ignore[arg-type]
         elif isinstance(item, (list, tuple)) and item:
             pending.extend(item)

@@ -376,6 +376,8 @@ def test_a_dumps_other_entries_take_no_text_or_none_for_numbers_and_wide_integer
             "labels_seen": ["1", "2.5"],
             "seed": 2**60 + offset,
             "id_list": [2**60, 2**60 + offset],
+            "mixed": [2**60 + offset, 0.5],  # no one dtype holds both exactly: each on its own
+            "flagged": [True, 2**60 + offset],
         }
 
     a = _dump(tmp_path / "a", **entries(0))
@@ -388,6 +390,10 @@ def test_a_dumps_other_entries_take_no_text_or_none_for_numbers_and_wide_integer
     assert result.exit_code == 1
     assert "seed" in result.output
     assert "id_list" in result.output
+    document = tmp_path / "b.json"
+    _run(a, _dump(tmp_path / "b2", **entries(1)), "--json", document)
+    moved = {p["name"] for p in json.loads(document.read_text())["steps"][0]["parameters"] if p["max_abs"] != 0}
+    assert moved == {"seed", "id_list", "mixed.0", "flagged.1"}
 
 
 @pytest.mark.parametrize(
