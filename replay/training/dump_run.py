@@ -113,7 +113,7 @@ class DumpRun:
         """The first step's state-dict names (a ``module.`` wrapper prefix removed)."""
         steps = self.steps()
         first = min(steps, key=StepKey.order)
-        return list(_weights(self._load(self._file_of[first])))
+        return list(_weights(self._load(self._file_of[first]), self._file_of[first]))
 
     def steps(self) -> dict[StepKey, StepInfo]:
         """Every dump's step, loss, metrics and sample ids, in step order (each file loaded once, memory-mapped).
@@ -176,7 +176,7 @@ class DumpRun:
             raise InputError(f"{self.path}: no step {key.label()} in this {self.kind}; it has {len(self.steps())}")
         dump = self._load(self._file_of[key])
         if group == "params":
-            return _weights(dump)
+            return _weights(dump, self._file_of[key])
         if group == "optimizer":
             return _optimizer_entries(dump, list(_state_dict(dump)))
         return _group_entries(dump, group)
@@ -357,13 +357,14 @@ def _int_entry(dump: Mapping[str, Any], keys: tuple[str, ...]) -> int | None:
     return next((int(number) for number in numbers if number is not None), None)
 
 
-def _weights(dump: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's state dict (:func:`_state_dict`) and the tensors of the dump's other entries (an EMA's state
-    dict, a large tensor), named ``<entry>.<name>`` and ``<entry>``: weights too, compared as the model's are."""
+def _weights(dump: Mapping[str, Any], file: Path) -> dict[str, Any]:
+    """The model's state dict (:func:`_state_dict`) and the arrays of the dump's other entries (:func:`_others`: an
+    EMA's state dict, a loss history), named ``<entry>.<name>`` and ``<entry>``: weights too, compared as the
+    model's are."""
     weights: dict[str, Any] = dict(_state_dict(dump))
-    for name, value in _extra_tensors(dump).items():
+    for name, value in _others(dump)[0].items():
         if name in weights:
-            raise InputError(f"the dump's entry {name!r} has the name of one of the model's weights; rename the entry")
+            raise InputError(f"{file}: the entry {name!r} has the name of one of the model's weights; rename the entry")
         weights[name] = value
     return weights
 
@@ -452,11 +453,6 @@ def _plain_numbers(value: object) -> list[int | float] | None:
 
 def _elements(array: torch.Tensor | np.ndarray) -> int:
     return math.prod(array.shape)
-
-
-def _extra_tensors(dump: Mapping[str, Any]) -> dict[str, Any]:
-    """The weights among the dump's entries no other reader takes (:func:`_others`)."""
-    return _others(dump)[0]
 
 
 class _Metrics:
