@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gc
 import os
 import sys
 import time
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from parity_harness.common.errors import BundleFormatError, BundleNotFoundError, InputError
-from parity_harness.common.format import predictions
+from parity_harness.common.format import plain_csv, predictions
 from parity_harness.common.format.predictions import (
     MAX_COLUMNS,
     MAX_FIELD_CHARS,
@@ -305,3 +306,113 @@ def test_an_unreadable_file_is_an_input_error(tmp_path: Path) -> None:
             read_prediction_csv(path)
     finally:
         path.chmod(0o600)
+
+
+# ---------------------------------------------------------------- reading by columns
+
+
+def _random_csv(rng: np.random.Generator) -> bytes:
+    """A prediction CSV as writers and people make them: columns in any order and case, optional epoch, sample,
+    label and ids, batches and samples in any order; now and then something the row reader alone reads (quotes,
+    spaces, blank lines, a bare \\r) or refuses (a repeated sample, a word for a number, a short row)."""
+    roles = ["batch_idx", "logit_0", "logit_1", "logit_2"][: rng.integers(2, 5)]
+    roles += [name for name in ("epoch", "sample_idx", "label", "file", "text") if rng.random() < 0.5]
+    header = [name.upper() if rng.random() < 0.2 else name for name in rng.permutation(roles)]
+    rows = []
+    for epoch in range(int(rng.integers(1, 3))):
+        for batch in rng.permutation(int(rng.integers(1, 5))):
+            samples = rng.permutation(int(rng.integers(1, 4)))
+            for sample in samples:
+                cells = {"epoch": str(epoch), "batch_idx": str(batch), "sample_idx": str(sample)}
+                cells |= {"label": str(rng.integers(0, 3)), "file": f"a{sample}.wav", "text": "héllo wörld"}
+                row = [cells.get(name.lower(), repr(float(rng.normal()))) for name in header]
+                rows.append(",".join(row))
+    body = ",".join(header) + "\n" + "\n".join(rows) + ("\n" if rng.random() < 0.8 else "")
+    twist = rng.integers(0, 12)
+    twists = {
+        0: lambda text: text.replace("\n", "\r\n"),
+        1: lambda text: '"' + text.replace(",", '","', 1),
+        2: lambda text: text.replace("\n", "\n\n", 2),
+        3: lambda text: text.replace(",", ", ", 3),
+        4: lambda text: text + text.partition("\n")[2],
+        5: lambda text: text.replace(repr(0.0)[:1], "x", 1) if "\n" in text else text,
+        6: lambda text: text.rstrip("\n").rpartition(",")[0] + "\n",
+        7: lambda text: "\ufeff" + text,
+        8: lambda text: text.replace("\n", "\r", 1),
+        9: lambda text: text.replace("nan", "NaN").replace("1", "inf", 1),
+    }
+    return twists.get(int(twist), lambda text: text)(body).encode("utf-8")
+
+
+def _read_either_way(path: Path, monkeypatch: pytest.MonkeyPatch, *, rows: bool) -> object:
+    """What reading ``path`` gives (the table, or the error's type and message), by rows alone or as the reader
+    chooses."""
+    with monkeypatch.context() as patch:
+        if rows:
+            patch.setattr(predictions, "read_plain_header", lambda *args, **kwargs: None)
+        try:
+            table = read_prediction_csv(path)
+        except (BundleFormatError, InputError) as err:
+            return type(err), str(err)
+    return table.columns, [
+        (key, batch.sample_indices, batch.sample_ids, _values(batch.labels), _values(batch.logits))
+        for key, batch in table.batches.items()
+    ]
+
+
+def _values(array: np.ndarray | None) -> object:
+    """An array as comparable plain data: dtype, shape and values with NaN spelled out."""
+    return None if array is None else (array.dtype.str, array.shape, np.where(np.isnan(array), "nan", array).tolist())
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_reading_by_columns_gives_what_reading_by_rows_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Every file reads to the same table (or the same one-line error) whichever way it is read."""
+    path = write(tmp_path, _random_csv(np.random.default_rng(seed)))
+    if seed % 2:  # blocks of a few lines each: the columns of several blocks joined
+        monkeypatch.setattr(plain_csv, "_BLOCK_BYTES", 5 + seed)
+    assert _read_either_way(path, monkeypatch, rows=False) == _read_either_way(path, monkeypatch, rows=True)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_reading_leaves_the_garbage_collector_as_it_was(tmp_path: Path, enabled: bool) -> None:
+    """The reader pauses collections while it makes batches, and restores the collector's state after."""
+    path = write(tmp_path, "batch_idx,logit_0\n" + "".join(f"{i},{i}\n" for i in range(100)))
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        assert len(read_prediction_csv(path).batches) == 100
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_plain_file_is_read_by_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain CSV (no quotes, every row whole) never goes through the row reader, across several blocks too."""
+    monkeypatch.setattr(predictions._TableBuilder, "add", lambda *args: pytest.fail("read row by row"))
+    monkeypatch.setattr(plain_csv, "_BLOCK_BYTES", 64)
+    rows = "".join(f"{i % 7},{i // 7},{i * 0.5},{-i}\n" for i in range(100))
+    table = read_prediction_csv(write(tmp_path, "sample_idx,batch_idx,logit_0,logit_1\n" + rows))
+    assert list(table.batches) == [(None, batch) for batch in range(15)]
+    assert table.batches[(None, 14)].sample_indices == [0, 1]
+    assert table.batches[(None, 3)].logits.tolist() == [[i * 0.5, -i] for i in range(21, 28)]
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "fragment"),
+    [
+        ("batch_idx,logit_0\n0,1\n1,x\n", 3, "must be a number"),
+        ("batch_idx,logit_0\n0,1\n1\n", 3, "1 fields, expected 2"),
+        ("batch_idx,sample_idx,logit_0\n0,0,1\n0,0,2\n", 3, "already on line 2"),
+        ("batch_idx,logit_0\n0,1\n-1,2\n", 3, "is negative"),
+        ("batch_idx,logit_0\n0,1\n1234567890123456789,2\n", 3, "expected a number < 10**18"),
+    ],
+)
+def test_a_bad_row_of_a_plain_file_is_named_by_its_line(tmp_path: Path, content: str, line: int, fragment: str) -> None:
+    """The columns' reader hands a file with a bad row to the row reader, whose error names the row's line."""
+    path = write(tmp_path, content)
+    message = format_error(path)
+    assert message.startswith(f"{path}:{line}:"), message
+    assert fragment in message, message
