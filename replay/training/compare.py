@@ -272,6 +272,8 @@ def _weights(diffs: list[ParameterDiff], a: dict[str, np.ndarray], b: dict[str, 
 
 def _renamed(values: dict[str, _V], rename: RenameMap) -> dict[str, _V]:
     """B's tensors (or what is known of them) under A's names (a name the map sends to ``-`` is dropped)."""
+    if not values:
+        return values  # nothing to rename (a prediction CSV's groups): no new dict for every step
     out: dict[str, _V] = {}
     for name, value in values.items():
         head, sep, tail = name.partition("/")  # optimizer state: <parameter>/<key>
@@ -361,6 +363,8 @@ def _dtype_differences(plan: _Plan, runs: tuple[RunSource, RunSource], keys: tup
     found = []
     for group in _TAGGED_GROUPS:
         tags_a, tags_b = runs[0].dtype_tags(keys[0], group), runs[1].dtype_tags(keys[1], group)
+        if not tags_a or not tags_b:
+            continue
         if group in _NAMED_GROUPS:
             tags_b = _renamed(tags_b, plan.rename)
             tags_a = {n: tag for n, tag in tags_a.items() if plan.selects(n.partition("/")[0])}
