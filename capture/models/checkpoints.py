@@ -135,19 +135,25 @@ _SHARING_FACTOR: Final = 8
 
 def _check_views(loaded: object, path: Path) -> None:
     """Refuse a tensor that shows far more bytes than its storage holds (an expanded or overlapping view), and
-    tensors that together show the file's storages many times over (20,000 names viewing one 16 MiB storage are
-    320 GiB to compare: a hang from a 17 MB file).
+    values that together show what the file holds many times over: 20,000 names viewing one 16 MiB storage are
+    320 GiB to compare (a hang from a 17 MB file), one list of 1,000 numbers held by a list a thousand times, held
+    ten times, is ten million numbers to read from 12 KB.
 
     Every container is walked once (a pickle can hold one list a million times through its memo) and every value
     in it seen, however many: a cap on the values seen let a million small ints hide an expanded tensor. What a
-    container shows is counted once per place it appears, as a reader flattening the file would meet it."""
+    container shows is counted once per place it appears, as a reader flattening the file would meet it; a value
+    that is neither a container nor a tensor (a number, a string) as :data:`_PLAIN_BYTES`."""
     shown: dict[int, int] = {}  # by id: a walked container's bytes shown, or a checked tensor's
     storages: dict[int, int] = {}
+    plain_stored = 0  # the plain values of every container, each container once
     pending: list[tuple[object, bool]] = [(loaded, False)]
     while pending:
         value, walked = pending.pop()
         if walked:  # its children are done: what it shows is theirs, a container on a cycle counting nothing
-            shown[id(value)] = sum(shown.get(id(child), 0) for child in _children(value))
+            children = list(_children(value))
+            plain = _PLAIN_BYTES * sum(not isinstance(child, _WALKED) for child in children)
+            plain_stored += plain
+            shown[id(value)] = plain + sum(shown.get(id(child), 0) for child in children if isinstance(child, _WALKED))
         elif id(value) in shown:
             continue
         elif isinstance(value, torch.Tensor):
@@ -156,13 +162,17 @@ def _check_views(loaded: object, path: Path) -> None:
             shown[id(value)] = 0  # being walked: a cycle back to it adds nothing
             pending.append((value, True))
             pending.extend((child, False) for child in _children(value) if isinstance(child, _WALKED))
-    stored, shown_in_all = sum(storages.values()), shown.get(id(loaded), 0)
+    stored, shown_in_all = sum(storages.values()) + plain_stored, shown.get(id(loaded), 0)
     if shown_in_all > _SHARING_FACTOR * stored + _VIEW_SLACK:
         raise CheckpointError(
-            f"{path}: its tensors show {shown_in_all} bytes from storages of {stored} bytes in all (more than "
-            f"{_SHARING_FACTOR} names viewing the same values): crafted, or saved as views of one buffer; save "
-            "each tensor as a copy (.clone())"
+            f"{path}: its values show {shown_in_all} bytes from {stored} bytes of tensors and numbers in all (more "
+            f"than {_SHARING_FACTOR} places holding the same tensor or list): crafted, or saved as views of one "
+            "buffer; save each tensor as a copy (.clone()) and each list once"
         )
+
+
+_PLAIN_BYTES: Final = 8
+"""What a number (or any value that is neither a container nor a tensor) counts for in :func:`_check_views`."""
 
 
 _WALKED: Final = (torch.Tensor, Mapping, list, tuple)

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
@@ -32,6 +33,7 @@ from parity_harness.replay.ckpt_diff.compare import TensorChange, diff_sources
 from parity_harness.replay.ckpt_diff.kinds import open_source
 from parity_harness.replay.ckpt_diff.metrics import BLOCK_ELEMENTS
 from parity_harness.replay.cli.ckpt_diff import main
+from parity_harness.replay.cli.train_diff import main as train_diff_main
 from tests.cli_helpers import one_error_line
 
 N: Final = 400_000
@@ -730,7 +732,7 @@ def test_many_names_viewing_one_storage_are_refused(tmp_path: Path) -> None:
     shared = torch.zeros(1 << 18)  # 1 MiB
     torch.save({f"w{i}": shared for i in range(40)}, tmp_path / "aliases.pt")
     line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(tmp_path / "aliases.pt")] * 2))
-    assert "more than 8 names viewing the same values" in line
+    assert "more than 8 places holding the same tensor or list" in line
     torch.save({"embed.weight": shared, "head.weight": shared}, tmp_path / "tied.pt")
     assert CliRunner().invoke(main, [str(tmp_path / "tied.pt")] * 2).exit_code == 0
 
@@ -751,11 +753,26 @@ def test_names_viewing_one_storage_are_counted_through_shared_lists(tmp_path: Pa
     shared = torch.zeros(1 << 18)
     torch.save({"x": [[shared] * 7] * 1000}, tmp_path / "memo.pt")
     line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(tmp_path / "memo.pt")] * 2))
-    assert "more than 8 names viewing the same values" in line
+    assert "more than 8 places holding the same tensor or list" in line
     looped: list[object] = [torch.ones(3)]
     looped.append(looped)
     torch.save({"loop": looped}, tmp_path / "loop.pt")
     assert load_torch_object(tmp_path / "loop.pt", False)["loop"][1] is not None
+
+
+def test_numbers_shown_many_times_through_shared_lists_are_refused(tmp_path: Path) -> None:
+    """A 12 KB dump holding one list of 1000 numbers a thousand times, that list ten times, is ten million numbers:
+    parity-train-diff walked them for 81 s (650 MB) and a hundred such lists never ended. Numbers count as tensors'
+    bytes do, per place; a list held in a few places (param groups sharing a list) still loads."""
+    numbers = [0.5] * 1000
+    torch.save({"model_state_dict": {"w": torch.ones(2)}, "history": [[numbers] * 1000] * 10}, tmp_path / "a.pt")
+    for program, cli in (("ckpt-diff", main), ("parity-train-diff", train_diff_main)):
+        started = time.perf_counter()
+        line = one_error_line(program, CliRunner().invoke(cli, [str(tmp_path / "a.pt")] * 2))
+        assert "more than 8 places holding the same tensor or list" in line
+        assert time.perf_counter() - started < 60  # refused before the walk, not after it
+    torch.save({"model_state_dict": {"w": torch.ones(2)}, "groups": [numbers] * 4}, tmp_path / "shared.pt")
+    assert CliRunner().invoke(train_diff_main, [str(tmp_path / "shared.pt")] * 2).exit_code == 0
 
 
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "npz"])
