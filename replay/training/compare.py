@@ -196,9 +196,17 @@ class _Tolerance:
     rtol: float
 
     def close(self, a: float | None, b: float | None) -> bool:
-        """Two scalars agree (both absent, or ``|b - a| <= atol + rtol * |a|``; NaN only against NaN)."""
+        """Two scalars agree (both absent, or ``|b - a| <= atol + rtol * |a|``; NaN only against NaN); two integers
+        (a dump's counters, seeds and flags) only when equal, however large."""
         if a is None or b is None:
             return a is None and b is None
+        if isinstance(a, int) and isinstance(b, int):
+            return a == b
+        if isinstance(a, int) or isinstance(b, int):  # an integer beside a float: as floats, past their range apart
+            try:
+                a, b = float(a), float(b)
+            except OverflowError:
+                return False
         if math.isnan(a) or math.isnan(b):
             return math.isnan(a) and math.isnan(b)
         if math.isinf(a) or math.isinf(b):
@@ -499,12 +507,19 @@ def _differences(
         found.append(f"loss of {'A' if loss_b is None else 'B'} only")
     elif not plan.tolerance.close(loss_a, loss_b):
         found.append(f"loss differs (A {loss_a}, B {loss_b})")
-    differing = [f"{name} (A {a:g}, B {b:g})" for name, (a, b) in metrics.items() if not plan.tolerance.close(a, b)]
+    differing = [
+        f"{name} (A {_shown(a)}, B {_shown(b)})" for name, (a, b) in metrics.items() if not plan.tolerance.close(a, b)
+    ]
     if len(differing) == 1:
         found.append(differing[0].replace(" (A ", " differs (A ", 1))
     elif differing:
         found.append(f"metrics differ ({len(differing)}): {', '.join(differing[:3])}")
     return found
+
+
+def _shown(number: float) -> str:
+    """A metric as messages show it: an integer whole (a seed past 2**53 differs in its last digits), else ``:g``."""
+    return str(number) if isinstance(number, int) else f"{number:g}"
 
 
 def _canonical(metrics: dict[str, float]) -> dict[str, float]:

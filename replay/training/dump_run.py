@@ -62,8 +62,9 @@ _IMPLEMENTATION_FLAGS: Final = frozenset({"foreach", "fused", "capturable", "dif
 """Optimizer settings that choose a kernel, not the maths: two runs differing only there computed the same."""
 _NUMPY_FLOAT_TAGS: Final = {"f2": "F16", "f4": "F32", "f8": "F64"}
 """A NumPy array's floating dtype (byte order aside) as a tag: its precision is compared like a tensor's."""
-_MAX_METRIC_DEPTH: Final = 4
-"""Levels of nested metric dicts read."""
+_MAX_METRIC_DEPTH: Final = 32
+"""Levels of nested dicts and lists read among a dump's metrics and other entries (a Lightning checkpoint's loops
+take six); deeper nesting refuses the dump rather than leave what it holds uncompared."""
 _MAX_METRIC_NUMBERS: Final = 1
 """An array among a dump's other entries with more elements than this is a weight (compared as a tensor), not a
 metric of that many numbers: an EMA's small bias and a history of a million losses alike."""
@@ -362,7 +363,7 @@ def _weights(dump: Mapping[str, Any], file: Path) -> dict[str, Any]:
     EMA's state dict, a loss history), named ``<entry>.<name>`` and ``<entry>``: weights too, compared as the
     model's are."""
     weights: dict[str, Any] = dict(_state_dict(dump))
-    for name, value in _others(dump)[0].items():
+    for name, value in _others(dump, file)[0].items():
         if name in weights:
             raise InputError(f"{file}: the entry {name!r} has the name of one of the model's weights; rename the entry")
         weights[name] = value
@@ -379,49 +380,80 @@ def _unread(dump: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in dump.items() if key not in known}
 
 
-def _others(dump: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, float]]]:
+def _others(dump: Mapping[str, Any], file: Path) -> tuple[dict[str, Any], list[tuple[str, float]]]:
     """The dump's other entries (:func:`_unread`) as weights and numbers, walked through dicts and lists
     (``optimizer_states.0.state.0.exp_avg``, ``ema.shadow_params.3``, ``scheduler.last_epoch``): an array of
-    several numbers (a tensor, an ndarray, a list of more than a few numbers) is a weight, compared as a tensor;
-    a single number is one; text and other values are left aside."""
+    several numbers (a tensor, an ndarray, a list of numbers; a complex one as its real and imaginary parts) is a
+    weight, compared as a tensor; a single number is one (:func:`_scalar`); text and None are left aside.
+
+    Raises:
+        InputError: a tensor that cannot be compared (sparse, quantized, nested), or dicts and lists nested deeper
+            than :data:`_MAX_METRIC_DEPTH`: either would go uncompared (the message names the entry).
+    """
     weights: dict[str, Any] = {}
     numbers: list[tuple[str, float]] = []
     pending = [(str(key), value, 0) for key, value in reversed(_unread(dump).items())]
     while pending:
         name, value, depth = pending.pop()
         array = _as_array(value)
-        if array is not None and (_elements(array) > _MAX_METRIC_NUMBERS or array.dtype == np.int64):
-            weights[name] = array  # several numbers, or integers float64 would round (a seed past 2**53)
-        elif array is not None or _number(value) is not None or isinstance(value, bool):
-            numbers += _number_pairs(name, value)
-        elif isinstance(value, (torch.Tensor, np.ndarray)):
-            continue  # complex, sparse, quantized, text: not compared (as anywhere in a dump)
-        elif depth < _MAX_METRIC_DEPTH and isinstance(value, Mapping):
+        if array is not None and _elements(array) > _MAX_METRIC_NUMBERS:
+            weights[name] = array
+        elif array is not None or _scalar(value) is not None:
+            numbers += _number_pairs(name, value, file)
+        elif isinstance(value, (torch.Tensor, np.ndarray)) and not _is_text(value):
+            raise InputError(
+                f"{file}: the entry {name!r} is {_uncomparable(value)}, which is not compared; save it as a dense "
+                "tensor of numbers, or drop it"
+            )
+        elif isinstance(value, Mapping):
+            _check_depth(name, depth, file)
             if value and all(isinstance(v, torch.Tensor) for v in value.values()):
                 value = _unwrapped({str(k): v for k, v in value.items()})  # a state dict, perhaps DDP's
             pending += [(f"{name}.{key}", item, depth + 1) for key, item in reversed(value.items())]
-        elif depth < _MAX_METRIC_DEPTH and isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple)):
+            _check_depth(name, depth, file)
             pending += [(f"{name}.{index}", item, depth + 1) for index, item in reversed(list(enumerate(value)))]
     return weights, numbers
 
 
+def _is_text(array: torch.Tensor | np.ndarray) -> bool:
+    """A NumPy array of strings or bytes: text, left aside as text is."""
+    return isinstance(array, np.ndarray) and array.dtype.kind in "USV"
+
+
+def _uncomparable(array: torch.Tensor | np.ndarray) -> str:
+    """What makes a tensor or array one :func:`_as_array` does not take, as messages say it."""
+    if isinstance(array, np.ndarray):
+        return f"a NumPy array of dtype {array.dtype}"
+    kind = next((k for k in ("quantized", "nested", "meta") if getattr(array, f"is_{k}")), str(array.layout))
+    return f"a {kind} tensor"
+
+
 def _as_array(value: object) -> torch.Tensor | np.ndarray | None:
-    """A tensor or ndarray as it is; plain numbers (in lists, nested and rectangular) as float64, or as int64 where
-    they are integers float64 would round; None for anything else (text, None, tensors in a list, dicts)."""
-    if isinstance(value, torch.Tensor):  # dense real values only: a complex or sparse one is left aside
-        return value if value.layout == torch.strided and not value.is_complex() and not value.is_quantized else None
+    """A dense tensor or a NumPy array of numbers as it is (a complex one as its real and imaginary parts, a last
+    axis of 2); plain numbers (in lists, nested and rectangular) as int64 where all are integers (compared exactly),
+    else as float64; None for anything else (text, None, tensors in a list, dicts, integers float64 would round
+    beside floats)."""
+    if isinstance(value, torch.Tensor):  # dense values only; complex ones as their real and imaginary parts
+        if value.layout != torch.strided or value.is_quantized or value.is_nested or value.is_meta:
+            return None
+        return torch.view_as_real(value.resolve_conj()) if value.is_complex() else value
     if isinstance(value, np.ndarray):
+        if value.dtype.kind == "c":
+            return np.stack([value.real, value.imag], axis=-1)
         return value if value.dtype.kind in "biuf" else None
+    if isinstance(value, complex):
+        return np.array([value.real, value.imag])
     numbers = _plain_numbers(value)
     if numbers is None:
         return None
-    if any(_integer(n) and abs(int(n)) >= _EXACT_INTEGERS for n in numbers):
-        if not all(_integer(n) for n in numbers):
-            return None  # beside other numbers no one dtype holds them exactly: each is taken on its own
+    if all(_integer(n) for n in numbers):  # integers (ids, counts) are compared exactly, as int64
         try:
             return np.asarray(value, dtype=np.int64)
         except (ValueError, OverflowError):  # ragged, or past int64
             return None
+    if any(_integer(n) and abs(int(n)) >= _EXACT_INTEGERS for n in numbers):
+        return None  # beside other numbers no one dtype holds them exactly: each is taken on its own
     try:
         return np.asarray(value, dtype=np.float64)
     except (ValueError, TypeError, OverflowError, ArithmeticError):  # ragged
@@ -474,8 +506,13 @@ class _Metrics:
 
 
 def _same_metric(a: float, b: float) -> bool:
-    """One value twice: equal, both NaN, or equal in float32 (a float32 tensor's accuracy beside a Python float)."""
-    return a == b or (math.isnan(a) and math.isnan(b)) or bool(np.float32(a) == np.float32(b))
+    """One value twice: equal, both NaN, or equal in float32 (a float32 tensor's accuracy beside a Python float);
+    integers only when equal."""
+    if a == b:
+        return True
+    if isinstance(a, int) or isinstance(b, int):
+        return False
+    return (math.isnan(a) and math.isnan(b)) or bool(np.float32(a) == np.float32(b))
 
 
 def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
@@ -489,12 +526,12 @@ def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
     nested = dump.get("metrics")
     if isinstance(nested, Mapping):
         for key, value in nested.items():
-            metrics.add(_number_pairs(str(key), value), "in 'metrics'")
+            metrics.add(_number_pairs(str(key), value, file), "in 'metrics'")
     loss = _number(dump.get("loss"))
     if loss is None and dump.get("loss") is not None:
-        metrics.add(_number_pairs("loss", dump.get("loss")), "as 'loss'")
+        metrics.add(_number_pairs("loss", dump.get("loss"), file), "as 'loss'")
     named = dict(metrics.values)
-    metrics.add(_others(dump)[1], "at the top level")
+    metrics.add(_others(dump, file)[1], "at the top level")
     others = {name: value for name, value in metrics.values.items() if name not in named}
     groups = _param_groups(dump)
     hyper, numbered = hyper_parameters_of(groups), groups_by_parameters(groups)
@@ -506,29 +543,62 @@ def _numbers(name: str, value: object) -> dict[str, float]:
     return dict(_number_pairs(name, value))
 
 
-def _number_pairs(name: str, value: object, depth: int = 0) -> list[tuple[str, float]]:
-    """A metric's numbers with their names: one number (a bool as 0 or 1) under ``name``; several (a tensor, an
-    array, a list, nested ones: a confusion matrix) as ``name.<i>`` in row-major order; a dict's as
-    ``name.<key>``; nothing for text and other values."""
-    if isinstance(value, bool):
-        return [(name, float(value))]
-    single = _number(value)
+def _number_pairs(name: str, value: object, file: Path | None = None, depth: int = 0) -> list[tuple[str, float]]:
+    """A metric's numbers with their names: one number under ``name`` (:func:`_scalar`: integers and bools as
+    ``int``, compared exactly); several (a tensor, an array, a list, nested ones: a confusion matrix) as
+    ``name.<i>`` in row-major order; a dict's as ``name.<key>``; nothing for text and other values.
+
+    Raises:
+        InputError: dicts nested deeper than :data:`_MAX_METRIC_DEPTH` (what they hold would go uncompared).
+    """
+    single = _scalar(value)
     if single is not None:
         return [(name, single)]
-    if isinstance(value, Mapping) and depth < _MAX_METRIC_DEPTH:
-        return [pair for key, item in value.items() for pair in _number_pairs(f"{name}.{key}", item, depth + 1)]
-    if isinstance(value, torch.Tensor) and not value.is_complex():
-        value = value.detach().cpu().double().numpy()
-    try:
-        array = np.asarray(value, dtype=np.float64) if isinstance(value, (list, tuple, np.ndarray)) else None
-    except (TypeError, ValueError):  # ragged, or not numbers
-        return []
+    if isinstance(value, Mapping):
+        _check_depth(name, depth, file)
+        return [pair for key, item in value.items() for pair in _number_pairs(f"{name}.{key}", item, file, depth + 1)]
+    array = _as_array(value)
+    if array is None and isinstance(value, (list, tuple)):  # ragged, or integers past int64 beside others
+        _check_depth(name, depth, file)
+        return [pair for i, item in enumerate(value) for pair in _number_pairs(f"{name}.{i}", item, file, depth + 1)]
     if array is None:
         return []
-    flat = array.reshape(-1)
-    if flat.size == 1:  # [0.5] as tensor([0.5]) is: one number
-        return [(name, float(flat[0]))]
-    return [(f"{name}.{i}", float(item)) for i, item in enumerate(flat)]
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu()
+        array = array.double() if array.is_floating_point() else array  # bf16, fp8: no .tolist() of their own
+    items = [_scalar(item) for item in array.reshape(-1).tolist()]
+    if len(items) == 1:  # [0.5] as tensor([0.5]) is: one number
+        return [] if items[0] is None else [(name, items[0])]
+    return [(f"{name}.{i}", item) for i, item in enumerate(items) if item is not None]
+
+
+def _scalar(value: object) -> float | None:
+    """One real number as compared: integers and bools (Python's, NumPy's, a one-element integer or bool tensor or
+    array) as ``int``, which agree only when equal, however large; other real numbers (floats, NumPy floats,
+    ``Fraction``, ``Decimal``, a one-element floating tensor or array) as ``float``; None for anything else."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if _as_array(value) is None or _elements(value) != 1:
+            return None
+        value = value.reshape(-1)[0].item() if isinstance(value, torch.Tensor) else value.reshape(-1)[0]
+    if isinstance(value, (numbers.Integral, np.bool_)):
+        return int(value)
+    if isinstance(value, (numbers.Real, decimal.Decimal)):
+        try:
+            return float(value)
+        except (ValueError, OverflowError):  # a signalling NaN, a Fraction past float's range
+            return math.nan
+    return None
+
+
+def _check_depth(name: str, depth: int, file: Path | None) -> None:
+    """Refuse dicts and lists nested deeper than :data:`_MAX_METRIC_DEPTH` (names grow with depth: a crafted dump
+    of deep nesting would otherwise hold quadratic memory in names)."""
+    if depth >= _MAX_METRIC_DEPTH:
+        where = f"{file}: " if file is not None else ""
+        raise InputError(
+            f"{where}the entry {name[:80]!r}... is nested more than {_MAX_METRIC_DEPTH} levels deep (dicts and "
+            "lists); what is below it would go uncompared: save it flatter"
+        )
 
 
 def _param_groups(dump: Mapping[str, Any]) -> object:

@@ -392,8 +392,10 @@ def test_a_dumps_other_entries_take_no_text_or_none_for_numbers_and_wide_integer
     assert "id_list" in result.output
     document = tmp_path / "b.json"
     _run(a, _dump(tmp_path / "b2", **entries(1)), "--json", document)
-    moved = {p["name"] for p in json.loads(document.read_text())["steps"][0]["parameters"] if p["max_abs"] != 0}
-    assert moved == {"seed", "id_list", "mixed.0", "flagged.1"}
+    step = json.loads(document.read_text())["steps"][0]
+    assert {p["name"] for p in step["parameters"] if p["max_abs"] != 0} == {"id_list"}
+    numbers = {name: (values["a"], values["b"]) for name, values in step["metrics"].items()}  # single integers
+    assert numbers["seed"] == numbers["mixed.0"] == numbers["flagged.1"] == (2**60, 2**60 + 1)
 
 
 @pytest.mark.parametrize(
@@ -718,3 +720,73 @@ def test_a_dump_name_holding_a_line_break_is_refused(tmp_path: Path, where: str)
     a = _dump(tmp_path / "a", **entries)
     line = one_error_line("parity-train-diff", _run(a, _dump(tmp_path / "b")))
     assert "holds a control character" in line
+
+
+def _nested(levels: int, leaf: object) -> object:
+    """``leaf`` inside ``levels`` dicts: {"l0": {"l1": ... leaf}}."""
+    for level in reversed(range(levels)):
+        leaf = {f"l{level}": leaf}
+    return leaf
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param(_nested(6, torch.ones(4)), _nested(6, torch.full((4,), 7.0)), id="deep-tensor"),
+        pytest.param(_nested(5, {"completed": 10}), _nested(5, {"completed": 99}), id="lightning-loop-counter"),
+        pytest.param(torch.ones(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.complex64), id="complex"),
+        pytest.param(torch.tensor([1 + 2j]), torch.tensor([1 - 2j]), id="complex-one-element"),
+        pytest.param(torch.tensor(2**53 + 1), torch.tensor(2**53), id="int64-tensor-past-2**53"),
+        pytest.param(2**64 + 1, 2**64, id="int-past-int64"),
+        pytest.param(1_000_000, 1_000_009, id="int-within-rtol-of-another"),
+        pytest.param([1_000_000, 2], [1_000_009, 2], id="int-list-within-rtol"),
+        pytest.param(torch.tensor([True]), torch.tensor([False]), id="bool-tensor"),
+    ],
+)
+def test_every_kind_of_entry_a_dump_holds_beside_its_weights_decides(tmp_path: Path, a: object, b: object) -> None:
+    """Entries nested deeper than four levels, complex tensors, and integers past 2**53 or within the tolerance of
+    each other (a scheduler's last_epoch) were left aside or compared as floats within rtol: exit 0 for dumps that
+    differ there. Each now decides the verdict, and a dump compared with itself still matches."""
+    dump_a, dump_b = _dump(tmp_path / "a", extra=a), _dump(tmp_path / "b", extra=b)
+    assert _run(dump_a, dump_a).exit_code == 0
+    result = _run(dump_a, dump_b)
+    assert result.exit_code == 1, result.output
+    assert "extra" in result.output
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param(np.bool_(True), np.bool_(False), id="numpy-bool"),
+        pytest.param(np.array([2**64 - 1], dtype=np.uint64), np.array([2**64 - 2048], dtype=np.uint64), id="uint64"),
+        pytest.param(np.array([1 + 1j, 2]), np.array([1 - 1j, 2]), id="numpy-complex"),
+        pytest.param(__import__("fractions").Fraction(1, 3), __import__("fractions").Fraction(1, 2), id="fraction"),
+        pytest.param(__import__("decimal").Decimal("0.1"), __import__("decimal").Decimal("0.9"), id="decimal"),
+        pytest.param(1 + 2j, 1 - 2j, id="python-complex"),
+    ],
+)
+def test_numbers_only_a_trusted_pickle_holds_decide_too(tmp_path: Path, a: object, b: object) -> None:
+    """NumPy bools, Fractions and Decimals were dropped, a one-element uint64 array rounded through float64: exit 0
+    for dumps that differ there (they load only with --trust-pickle)."""
+    dump_a, dump_b = _dump(tmp_path / "a", extra=a), _dump(tmp_path / "b", extra=b)
+    assert _run(dump_a, dump_a, "--trust-pickle").exit_code == 0
+    result = _run(dump_a, dump_b, "--trust-pickle")
+    assert result.exit_code == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        pytest.param(torch.eye(3).to_sparse(), "is a torch.sparse_coo tensor, which is not compared", id="sparse"),
+        pytest.param(_nested(40, 1.0), "is nested more than 32 levels deep", id="nested-40-deep"),
+        pytest.param({"m": _nested(40, 1.0)}, "is nested more than 32 levels deep", id="metrics-40-deep"),
+    ],
+)
+def test_an_entry_that_cannot_be_compared_refuses_the_dump(tmp_path: Path, entry: object, expected: str) -> None:
+    """A sparse tensor, or what sits below 32 levels of nesting, would go uncompared: one line naming the file and
+    the entry, exit 2, rather than a verdict that did not look at it."""
+    key = "metrics" if isinstance(entry, dict) and "m" in entry else "extra"
+    dump = _dump(tmp_path / "a", **{key: entry})
+    line = one_error_line("parity-train-diff", _run(dump, dump))
+    assert expected in line
+    assert "batch_1.pt" in line
