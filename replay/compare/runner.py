@@ -307,7 +307,8 @@ class _ReplaySession:
         self.near = self._near_misses(reader)
         self.initial_buffers = BufferState.of(model) if self.near is not None else None
         self.buffers_before = BufferSnapshot(model)
-        self.param_versions: list[tuple[str, torch.Tensor, int]] = []
+        self.param_versions: list[tuple[str, torch.Tensor, int, int]] = []
+        """Each compared parameter as compared: the tensor, its version counter and where its values were."""
         """Each compared parameter (its bundle name, the port's tensor) and its version counter before the run."""
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
@@ -362,7 +363,7 @@ class _ReplaySession:
         params, padded = unpad(params, expected)
         compared = compare_named(self.weights, tolerances, "param", params, expected, self.transform)
         self.result.param_values = compared[0]
-        self.param_versions = [(name, tensor, tensor._version) for name, tensor in params]
+        self.param_versions = [(name, tensor, tensor._version, tensor.data_ptr()) for name, tensor in params]
         self._note_absent_parameters(compared[2])
         self.result.notes += [
             f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
@@ -371,18 +372,27 @@ class _ReplaySession:
         ]
 
     def check_parameters_kept(self) -> None:
-        """A parameter the port's run changed in place (a weight rescaled in its forward) holds other values after
-        the run than the reference's, whose capture refuses such a run: compared again, a difference fails its
-        record, saying so. Version counters tell which moved (an edit through ``.data`` moves none)."""
+        """A parameter the port's run changed (a weight rescaled in its forward, its storage swapped with ``set_``,
+        the module given a new Parameter) holds other values after the run than the reference's, whose capture
+        refuses such a run: compared again, a difference fails its record, saying so. The port's parameters are
+        looked up again; version counters and where the values are tell which moved (an edit through ``.data``
+        in place moves neither)."""
         matched = {record.name for record in self.result.param_values if record.match}
-        moved = [(n, t) for n, t, version in self.param_versions if t._version != version and n in matched]
+        if not matched:
+            return
+        expected = self.weights.index.params
+        now = dict(unpad(mapped_parameters(self.model, self.rename, grads=False, known=expected), expected)[0])
+        moved = []
+        for name, held, version, pointer in self.param_versions:
+            current = now.get(name, held)  # a buffer standing for a parameter: the one held
+            if name in matched and (current._version != version or current.data_ptr() != pointer):
+                moved.append((name, current))
         if not moved:
             return
-        expected, tolerances = self.weights.index.params, self.result.tolerances
-        now = compare_named(self.weights, tolerances, "param", moved, expected, self.transform)[0]
+        compared = compare_named(self.weights, self.result.tolerances, "param", moved, expected, self.transform)[0]
         changed = {
             r.name: dataclasses.replace(r, diff=dataclasses.replace(r.diff, problem=CHANGED_BY_RUN))
-            for r in now
+            for r in compared
             if not r.match
         }
         self.result.param_values = [changed.get(record.name, record) for record in self.result.param_values]

@@ -635,10 +635,23 @@ def test_a_wrapped_capture_recording_less_pairs_with_the_plain_port(tmp_path: Pa
         assert compare_run(_Encoder(3.0), reader).verdict == "MISMATCH"
 
 
-class _RescalesItsWeight(nn.Module):
-    """Two layers; ``rescale`` makes its forward multiply the first weight by 1.5 in place after using it."""
+def _rescaled(module: nn.Linear, how: str) -> None:
+    """``module.weight`` made 1.5 times larger: in place, with its storage swapped, or as a new Parameter."""
+    with torch.no_grad():
+        if how == "in-place":
+            module.weight.mul_(1.5)
+        elif how == "set_":
+            module.weight.set_(module.weight.detach() * 1.5)
+        elif how == "data":
+            module.weight.data = module.weight.detach() * 1.5
+        elif how == "new-parameter":
+            module.weight = nn.Parameter(module.weight.detach() * 1.5)
 
-    def __init__(self, rescale: bool) -> None:
+
+class _RescalesItsWeight(nn.Module):
+    """Two layers; ``rescale`` names how its forward makes the first weight 1.5 times larger after using it."""
+
+    def __init__(self, rescale: str | None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b, self.rescale = nn.Linear(8, 8), nn.Linear(8, 4), rescale
@@ -646,27 +659,29 @@ class _RescalesItsWeight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.b(torch.tanh(self.a(x)))
         if self.rescale:
-            with torch.no_grad():
-                self.a.weight.mul_(1.5)
+            _rescaled(self.a, self.rescale)
         return out
 
 
-def test_a_port_changing_its_weights_during_its_run_is_a_mismatch_saying_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["in-place", "set_", "data", "new-parameter"])
+def test_a_port_changing_its_weights_during_its_run_is_a_mismatch_saying_so(tmp_path: Path, how: str) -> None:
     """A port rescaling a weight in its forward, after using it: outputs and gradients of that step equal, the
     parameter values compared before the run equal, so MATCH, while a capture of such a model is refused. The
-    parameter whose version moved is compared again after the run and fails, saying the run changed it."""
+    port's parameters are looked up again after the run; one whose version moved, or whose values now lie
+    elsewhere (its storage swapped by ``set_`` or ``.data =``, a new Parameter put in its place: a review found
+    those MATCH), is compared again and fails, saying the run changed it."""
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "steady.h5"
-    capture_run(_RescalesItsWeight(False), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+    capture_run(_RescalesItsWeight(None), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
     with BundleReader(bundle) as reader:
-        result = compare_run(_RescalesItsWeight(True), reader)
-        assert compare_run(_RescalesItsWeight(False), reader).verdict == "MATCH"
+        result = compare_run(_RescalesItsWeight(how), reader)
+        assert compare_run(_RescalesItsWeight(None), reader).verdict == "MATCH"
     assert result.verdict == "MISMATCH"
     assert [r.name for r in result.param_values if not r.match] == ["a.weight"]
     assert "the port's run changed 1 parameter(s) in place (a.weight)" in render_result(result)
     with pytest.raises(ParityMismatch, match=r"1 changed in place by the port's run"):
-        assert_parity(_RescalesItsWeight(True), bundle)
+        assert_parity(_RescalesItsWeight(how), bundle)
 
 
 class _ScaledWeightGradient(torch.autograd.Function):
@@ -797,7 +812,7 @@ class _TransposedLinear(nn.Module):
 class _TransposedAndTouched(nn.Module):
     def __init__(self, factor: float) -> None:
         super().__init__()
-        reference = _RescalesItsWeight(False)
+        reference = _RescalesItsWeight(None)
         self.a, self.b = _TransposedLinear(reference.a, factor), reference.b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -810,7 +825,7 @@ def test_a_parameter_touched_in_place_is_compared_again_as_the_port_presents_it(
     from parity_harness.capture.record.recorder import capture_run
 
     bundle = tmp_path / "steady.h5"
-    capture_run(_RescalesItsWeight(False), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+    capture_run(_RescalesItsWeight(None), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
 
     def to_reference(record: str, value: torch.Tensor) -> torch.Tensor:
         return value.t() if record == "a.weight" else value
