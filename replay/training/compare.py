@@ -479,6 +479,9 @@ def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[st
     numbered = infos[0].groups_numbered_by_parameters and infos[1].groups_numbered_by_parameters
     if not numbered and _same_groups(plan, a, b):
         return []
+    members_a, members_b = infos[0].group_members, infos[1].group_members
+    if numbered and members_a != members_b:  # a parameter whose group (its decay, its rate) is another
+        return [f"optimizer parameter groups hold other parameters: A {_members(members_a)}, B {_members(members_b)}"]
     # Relative only: a learning rate of 2e-5 against 1e-5 is twice the step, however small both are.
     differing = [
         f"{name} (A {a[name]:g}, B {b[name]:g})"
@@ -720,6 +723,12 @@ def _compare_initial_optimizers(plan: _Plan, run_a: RunSource, run_b: RunSource,
         first = min(range(len(result.steps)), key=lambda i: result.steps[i].key.order())
         step = result.steps[first]
         result.steps[first] = dataclasses.replace(step, match=False, reasons=[*reasons, *step.reasons])
+
+
+def _members(groups: tuple[tuple[int, ...], ...]) -> str:
+    """Groups' parameter numbers as a message shows them: ``[0, 2] [1, 3]``, long lists cut."""
+    shown = " ".join(f"[{', '.join(map(str, group[:6]))}{', ...' if len(group) > 6 else ''}]" for group in groups[:4])
+    return shown + (" ..." if len(groups) > 4 else "")
 
 
 def _same_groups(plan: _Plan, hyper_a: dict[str, float], hyper_b: dict[str, float]) -> bool:

@@ -534,8 +534,8 @@ def _step_info(dump: Mapping[str, Any], file: Path) -> StepInfo:
     metrics.add(_others(dump, file)[1], "at the top level")
     others = {name: value for name, value in metrics.values.items() if name not in named}
     groups = _param_groups(dump)
-    hyper, numbered = hyper_parameters_of(groups), groups_by_parameters(groups)
-    return StepInfo(loss, named, _sample_ids(dump), hyper, others, groups_numbered_by_parameters=numbered)
+    hyper, members = hyper_parameters_of(groups), group_members(groups)
+    return StepInfo(loss, named, _sample_ids(dump), hyper, others, bool(members), members)
 
 
 def _numbers(name: str, value: object) -> dict[str, float]:
@@ -627,6 +627,19 @@ def groups_by_parameters(groups: object) -> bool:
     return isinstance(groups, list) and bool(groups) and all(_members(group) for group in groups)
 
 
+def _by_members(groups: list[Any]) -> list[Any]:
+    """Groups that record their parameters in the order of the parameters they hold."""
+    return sorted(groups, key=lambda group: min(_members(group) or [0]))
+
+
+def group_members(groups: object) -> tuple[tuple[int, ...], ...]:
+    """The parameter numbers each group holds, groups numbered as :func:`hyper_parameters_of` numbers them; empty
+    where a group does not record them (:func:`groups_by_parameters`)."""
+    if not groups_by_parameters(groups):
+        return ()
+    return tuple(tuple(sorted(_members(group) or [])) for group in _by_members(groups))  # type: ignore[arg-type]
+
+
 def hyper_parameters_of(groups: object) -> dict[str, float]:
     """An optimizer's ``param_groups`` (a state dict's, or a training file's record of them) as numbers by
     ``<name> (group <i>)``, groups numbered in the order of the parameters they hold where they record them;
@@ -634,7 +647,7 @@ def hyper_parameters_of(groups: object) -> dict[str, float]:
     if not isinstance(groups, list):
         return {}
     if groups_by_parameters(groups):
-        groups = sorted(groups, key=lambda group: min(_members(group) or [0]))
+        groups = _by_members(groups)
     found: dict[str, float] = {}
     for index, group in enumerate(groups):
         if isinstance(group, Mapping):

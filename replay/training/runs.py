@@ -67,6 +67,9 @@ class StepInfo:
     groups_numbered_by_parameters: bool = False
     """The hyper-parameters' groups are numbered by the parameters they hold (a state dict records them), so two
     runs' groups pair by number; else (a training file) they pair by their settings, in any order."""
+    group_members: tuple[tuple[int, ...], ...] = ()
+    """Where groups are numbered by their parameters: the parameter numbers each group holds, in that numbering (two
+    runs whose groups hold other parameters differ, though each group's settings agree)."""
 
 
 class RunSource(Protocol):

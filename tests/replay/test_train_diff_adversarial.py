@@ -290,6 +290,33 @@ def test_the_optimizers_parameter_groups_are_paired_in_any_order_and_counted(tmp
     assert "weight_decay (group 0) (A 0.01, B 0)" in result.output
 
 
+@pytest.mark.parametrize(
+    ("members_a", "members_b"),
+    [
+        pytest.param(([0, 2], [1, 3]), ([0, 1], [2, 3]), id="interleaved"),
+        pytest.param(([0, 1], [2, 3]), ([0, 1, 2], [3]), id="sizes"),
+    ],
+)
+def test_groups_holding_other_parameters_differ_though_their_settings_agree(
+    tmp_path: Path, members_a: tuple[list[int], ...], members_b: tuple[list[int], ...]
+) -> None:
+    """Groups paired by their first parameter and their settings compared: parameters 1 and 2 with another weight
+    decay in B than in A went unseen (exit 0). The parameters each group holds are compared too."""
+
+    def groups(members: tuple[list[int], ...]) -> dict[str, Any]:
+        settings = [{"lr": 1e-3, "weight_decay": 0.1}, {"lr": 1e-3, "weight_decay": 0.0}]
+        return {"state": {}, "param_groups": [{**s, "params": m} for s, m in zip(settings, members, strict=True)]}
+
+    a, b = (
+        _dump(tmp_path / "a", optimizer_state_dict=groups(members_a)),
+        _dump(tmp_path / "b", optimizer_state_dict=groups(members_b)),
+    )
+    assert _run(a, _dump(tmp_path / "same", optimizer_state_dict=groups(members_a))).exit_code == 0
+    result = _run(a, b)
+    assert result.exit_code == 1
+    assert "optimizer parameter groups hold other parameters" in result.output
+
+
 def test_a_prediction_csv_and_a_dump_with_the_same_logits_agree(tmp_path: Path) -> None:
     """A dump records no sample indices, a CSV does: the logits were reported as infinitely apart."""
     logits = torch.tensor([[0.1, 0.9], [0.8, 0.2]], dtype=torch.float64)
