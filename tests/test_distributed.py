@@ -372,6 +372,23 @@ def test_local_shards_are_recorded_and_put_back_together(tmp_path: Path) -> None
         assert (result.bundle_only, result.replay_only) == ([], [])
         assert len(result.of_kind("param_grad")) == len(full)
         assert all(r.match for r in result.param_values)
+    # A port rescaling a weight in its forward after using it: the put-together parameters are compared again
+    # after the run, as a single bundle's are (they were left as compared before it).
+    changed = replay_all_ranks(out, _rescaling_after_use, 0)
+    assert not changed.match
+    assert [r.name for r in changed.param_values if not r.match] == ["0.weight"]
+
+
+def _rescaling_after_use() -> torch.nn.Module:
+    """The FSDP job's model, whose forward doubles its first weight in place once it has used it."""
+
+    def rescale(module: torch.nn.Module, args: object, output: object) -> None:
+        with torch.no_grad():
+            module.get_parameter("0.weight").mul_(2.0)
+
+    model = BUILDERS["fsdp"]()
+    model.register_forward_hook(rescale)
+    return model
 
 
 @pytest.mark.slow

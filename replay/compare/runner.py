@@ -353,23 +353,36 @@ class _ReplaySession:
             return
         params = mapped_parameters(self.model, self.rename, grads=False, known=self.weights.index.params)
         params += self._buffers_for_parameters({name for name, _ in params})
-        tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
-        if data_parallel and data_parallel.shards:
-            compared = data_parallel.compare("params", "param", params, tolerances, self.transform)
-            self.result.param_values = compared[0]
-            self._note_absent_parameters(compared[2])
-            return
-        expected = self.weights.index.params
-        params, padded = unpad(params, expected)
-        compared = compare_named(self.weights, tolerances, "param", params, expected, self.transform)
-        self.result.param_values = compared[0]
+        params, padded = self._unpadded(params)
+        compared, absent = self._compared_parameters(params)
+        self.result.param_values = compared
         self.param_versions = [(name, tensor, tensor._version, tensor.data_ptr()) for name, tensor in params]
-        self._note_absent_parameters(compared[2])
+        self._note_absent_parameters(absent)
         self.result.notes += [
             f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
             "compared on the overlap (its gradient beyond it must be zero)"
             for p in padded
         ]
+
+    def _unpadded(self, params: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], list[Any]]:
+        """The port's parameters on their overlap with the recorded ones, and the padded ones (none for shards:
+        each rank's record is a part of the parameter)."""
+        data_parallel = self.options.data_parallel
+        if data_parallel and data_parallel.shards:
+            return params, []
+        return unpad(params, self.weights.index.params)
+
+    def _compared_parameters(self, params: list[tuple[str, torch.Tensor]]) -> tuple[list[RecordResult], list[str]]:
+        """The port's parameters against the recorded ones (put back together from shards where the capture
+        sharded them), and the recorded parameters the port has none of."""
+        tolerances, data_parallel = self.result.tolerances, self.options.data_parallel
+        if data_parallel and data_parallel.shards:
+            compared = data_parallel.compare("params", "param", params, tolerances, self.transform)
+        else:
+            compared = compare_named(
+                self.weights, tolerances, "param", params, self.weights.index.params, self.transform
+            )
+        return compared[0], compared[2]
 
     def check_parameters_kept(self) -> None:
         """A parameter the port's run changed (a weight rescaled in its forward, its storage swapped with ``set_``,
@@ -380,8 +393,7 @@ class _ReplaySession:
         matched = {record.name for record in self.result.param_values if record.match}
         if not matched:
             return
-        expected = self.weights.index.params
-        now = dict(unpad(mapped_parameters(self.model, self.rename, grads=False, known=expected), expected)[0])
+        now = dict(self._unpadded(mapped_parameters(self.model, self.rename, False, self.weights.index.params))[0])
         moved = []
         for name, held, version, pointer in self.param_versions:
             current = now.get(name, held)  # a buffer standing for a parameter: the one held
@@ -389,7 +401,7 @@ class _ReplaySession:
                 moved.append((name, current))
         if not moved:
             return
-        compared = compare_named(self.weights, self.result.tolerances, "param", moved, expected, self.transform)[0]
+        compared = self._compared_parameters(moved)[0]
         changed = {
             r.name: dataclasses.replace(r, diff=dataclasses.replace(r.diff, problem=CHANGED_BY_RUN))
             for r in compared
