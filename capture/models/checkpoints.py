@@ -141,17 +141,18 @@ def _check_views(loaded: object, path: Path) -> None:
 
     Every container is walked once (a pickle can hold one list a million times through its memo) and every value
     in it seen, however many: a cap on the values seen let a million small ints hide an expanded tensor. What a
-    container shows is counted once per place it appears, as a reader flattening the file would meet it; a value
-    that is neither a container nor a tensor (a number, a string) as :data:`_PLAIN_BYTES`."""
+    container shows is counted once per place it appears, as a reader flattening the file would meet it: each of
+    its places holding a value (a number, a string, a tensor, another container, an empty one too) as
+    :data:`_PLAIN_BYTES`, and what each tensor and container in it shows."""
     shown: dict[int, int] = {}  # by id: a walked container's bytes shown, or a checked tensor's
     storages: dict[int, int] = {}
-    plain_stored = 0  # the plain values of every container, each container once
+    plain_stored = 0  # the places of every container, each container once
     pending: list[tuple[object, bool]] = [(loaded, False)]
     while pending:
         value, walked = pending.pop()
         if walked:  # its children are done: what it shows is theirs, a container on a cycle counting nothing
             children = list(_children(value))
-            plain = _PLAIN_BYTES * sum(not isinstance(child, _WALKED) for child in children)
+            plain = _PLAIN_BYTES * len(children)  # each place a value sits, an empty dict's as a number's
             plain_stored += plain
             shown[id(value)] = plain + sum(shown.get(id(child), 0) for child in children if isinstance(child, _WALKED))
         elif id(value) in shown:
@@ -172,7 +173,8 @@ def _check_views(loaded: object, path: Path) -> None:
 
 
 _PLAIN_BYTES: Final = 8
-"""What a number (or any value that is neither a container nor a tensor) counts for in :func:`_check_views`."""
+"""What each place in a container (a number, a string, a reference to a tensor or another container) counts for
+in :func:`_check_views`: three levels of a thousand references to one dict are a billion places to walk."""
 
 
 _WALKED: Final = (torch.Tensor, Mapping, list, tuple)

@@ -386,22 +386,30 @@ class _ReplaySession:
 
     def check_parameters_kept(self) -> None:
         """A parameter the port's run changed (a weight rescaled in its forward, its storage swapped with ``set_``,
-        the module given a new Parameter) holds other values after the run than the reference's, whose capture
-        refuses such a run: compared again, a difference fails its record, saying so. The port's parameters are
-        looked up again; version counters and where the values are tell which moved (an edit through ``.data``
-        in place moves neither)."""
+        the module given a new Parameter or buffer) holds other values after the run than the reference's, whose
+        capture refuses such a run: compared again, a difference fails its record, saying so. The port's
+        parameters are looked up again; version counters and where the values are tell which moved (an edit
+        through ``.data`` in place moves neither). One the run cast to another dtype or device (``self.to(...)``,
+        as the reference's model may do alike) is left as compared before the run, with a note."""
         matched = {record.name for record in self.result.param_values if record.match}
         if not matched:
             return
         now = dict(self._unpadded(mapped_parameters(self.model, self.rename, False, self.weights.index.params))[0])
-        moved = []
+        now.update(self._parameter_buffers(set(now)))
+        moved: list[tuple[str, torch.Tensor]] = []
+        recast: list[tuple[str, torch.Tensor]] = []
         for name, held, version, pointer in self.param_versions:
-            current = now.get(name, held)  # a buffer standing for a parameter: the one held
-            if name in matched and (current._version != version or current.data_ptr() != pointer):
-                moved.append((name, current))
-        if not moved:
-            return
-        compared = self._compared_parameters(moved)[0]
+            current = now.get(name, held)
+            if name not in matched or (current._version, current.data_ptr()) == (version, pointer):
+                continue
+            same_kind = (current.dtype, current.device) == (held.dtype, held.device)
+            (moved if same_kind else recast).append((name, current))
+        if recast:
+            self.result.notes.append(
+                f"the port's run cast {len(recast)} parameter(s) to another dtype or device "
+                f"({first_names([name for name, _ in recast])}): compared as they were before the run"
+            )
+        compared = self._compared_parameters(moved)[0] if moved else []
         changed = {
             r.name: dataclasses.replace(r, diff=dataclasses.replace(r.diff, problem=CHANGED_BY_RUN))
             for r in compared
@@ -411,7 +419,18 @@ class _ReplaySession:
 
     def _buffers_for_parameters(self, paired: set[str]) -> list[tuple[str, torch.Tensor]]:
         """The port's buffers standing for recorded parameters it does not have as parameters (a frozen position
-        encoding a port registers as a buffer): their values are compared as those parameters'."""
+        encoding a port registers as a buffer): their values are compared as those parameters', with a note."""
+        found = self._parameter_buffers(paired)
+        if found:
+            self.result.notes.append(
+                f"{len(found)} recorded parameter(s) compared with the port's buffer(s) of that name: "
+                f"{first_names([name for name, _ in found])}"
+            )
+        return found
+
+    def _parameter_buffers(self, paired: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """The port's buffers under the names of recorded parameters not in ``paired``, each holding the recorded
+        shape and dtype (another is a different tensor, left absent: waivable)."""
         recorded = self.weights.index.params
         found: list[tuple[str, torch.Tensor]] = []
         for name, buffer in self.model.named_buffers():
@@ -419,15 +438,9 @@ class _ReplaySession:
             if mapped is None or mapped in paired or buffer is None:
                 continue
             ref = recorded.get(mapped)
-            # Only one holding the recorded shape and dtype: another is a different tensor, left absent (waivable).
             if ref is not None and (tuple(buffer.shape), tag_of(buffer.dtype)) == (ref.shape, ref.tag):
                 found.append((mapped, buffer.detach()))
                 paired.add(mapped)
-        if found:
-            self.result.notes.append(
-                f"{len(found)} recorded parameter(s) compared with the port's buffer(s) of that name: "
-                f"{first_names([name for name, _ in found])}"
-            )
         return found
 
     def _note_absent_parameters(self, absent: list[str]) -> None:

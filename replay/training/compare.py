@@ -482,11 +482,10 @@ def _hyper_differences(plan: _Plan, infos: tuple[StepInfo, StepInfo]) -> list[st
     members_a, members_b = infos[0].group_members, infos[1].group_members
     if numbered and members_a != members_b:  # a parameter whose group (its decay, its rate) is another
         return [f"optimizer parameter groups hold other parameters: A {_members(members_a)}, B {_members(members_b)}"]
-    # Relative only: a learning rate of 2e-5 against 1e-5 is twice the step, however small both are.
     differing = [
-        f"{name} (A {a[name]:g}, B {b[name]:g})"
+        f"{name} (A {_shown(a[name])}, B {_shown(b[name])})"
         for name in a
-        if name in b and not math.isclose(a[name], b[name], rel_tol=plan.tolerance.rtol, abs_tol=0.0)
+        if name in b and not _same_setting(plan, a[name], b[name])
     ]
     return [f"optimizer hyper-parameters differ: {', '.join(differing[:3])}"] if differing else []
 
@@ -747,7 +746,18 @@ def _same_groups(plan: _Plan, hyper_a: dict[str, float], hyper_b: dict[str, floa
 
 def _same_group(plan: _Plan, a: dict[str, float], b: dict[str, float]) -> bool:
     shared = a.keys() & b.keys()  # a key one torch adds and another lacks is no difference (as per step)
-    return all(math.isclose(a[key], b[key], rel_tol=plan.tolerance.rtol, abs_tol=0.0) for key in shared)
+    return all(_same_setting(plan, a[key], b[key]) for key in shared)
+
+
+def _same_setting(plan: _Plan, a: float, b: float) -> bool:
+    """Two settings of a parameter group agree: integers (step counts, a seed) only when equal; others by relative
+    difference only, as a learning rate of 2e-5 against 1e-5 is twice the step however small both are."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return math.isclose(a, b, rel_tol=plan.tolerance.rtol, abs_tol=0.0)
+    except OverflowError:  # an integer past float's range beside a float
+        return False
 
 
 def _by_group(hyper: dict[str, float]) -> list[dict[str, float]]:

@@ -397,6 +397,8 @@ def _others(dump: Mapping[str, Any], file: Path) -> tuple[dict[str, Any], list[t
         name, value, depth = pending.pop()
         array = _as_array(value)
         if array is not None and _elements(array) > _MAX_METRIC_NUMBERS:
+            if name in weights:  # {"ema.w": t, "ema": {"w": u}}, keys 0 and "0": one would go uncompared
+                raise InputError(f"{file}: two entries are named {name!r}; give each its own name")
             weights[name] = array
         elif array is not None or _scalar(value) is not None:
             numbers += _number_pairs(name, value, file)
@@ -408,7 +410,10 @@ def _others(dump: Mapping[str, Any], file: Path) -> tuple[dict[str, Any], list[t
         elif isinstance(value, Mapping):
             _check_depth(name, depth, file)
             if value and all(isinstance(v, torch.Tensor) for v in value.values()):
-                value = _unwrapped({str(k): v for k, v in value.items()})  # a state dict, perhaps DDP's
+                named = {str(k): v for k, v in value.items()}
+                if len(named) != len(value):  # keys 0 and "0"
+                    raise InputError(f"{file}: two entries of {name!r} have one name as text; give each its own name")
+                value = _unwrapped(named)  # a state dict, perhaps DDP's
             pending += [(f"{name}.{key}", item, depth + 1) for key, item in reversed(value.items())]
         elif isinstance(value, (list, tuple)):
             _check_depth(name, depth, file)
@@ -585,7 +590,9 @@ def _scalar(value: object) -> float | None:
     if isinstance(value, (numbers.Real, decimal.Decimal)):
         try:
             return float(value)
-        except (ValueError, OverflowError):  # a signalling NaN, a Fraction past float's range
+        except OverflowError:  # a Fraction past float's range: an infinity of its sign
+            return math.inf if value > 0 else -math.inf  # type: ignore[operator]
+        except ValueError:  # a signalling NaN
             return math.nan
     return None
 

@@ -775,6 +775,19 @@ def test_numbers_shown_many_times_through_shared_lists_are_refused(tmp_path: Pat
     assert CliRunner().invoke(train_diff_main, [str(tmp_path / "shared.pt")] * 2).exit_code == 0
 
 
+def test_containers_shown_many_times_count_though_empty(tmp_path: Path) -> None:
+    """Three levels of a thousand references to one dict, the last empty: a billion places to walk from 49 KB,
+    which counted nothing (no number, no tensor) and hung parity-train-diff. Each place counts."""
+    nested: dict[str, Any] = {}
+    for _ in range(3):
+        nested = {f"k{i}": nested for i in range(1000)}
+    torch.save({"model_state_dict": {"w": torch.ones(2)}, "extra": nested}, tmp_path / "a.pt")
+    started = time.perf_counter()
+    line = one_error_line("parity-train-diff", CliRunner().invoke(train_diff_main, [str(tmp_path / "a.pt")] * 2))
+    assert "more than 8 places holding the same tensor or list" in line
+    assert time.perf_counter() - started < 60
+
+
 @pytest.mark.parametrize("kind", ["torch", "safetensors", "npz"])
 def test_a_name_holding_a_line_break_is_refused(tmp_path: Path, kind: str) -> None:
     """A checkpoint key ``"x\nRESULT: EQUAL"`` printed a forged verdict line in the report of checkpoints that

@@ -684,6 +684,79 @@ def test_a_port_changing_its_weights_during_its_run_is_a_mismatch_saying_so(tmp_
         assert_parity(_RescalesItsWeight(how), bundle)
 
 
+class _CastsItself(nn.Module):
+    """A layer whose forward casts the whole model to ``dtype`` first (precision chosen by hand)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.dtype = nn.Linear(8, 4), dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.to(self.dtype)
+        return self.lin(x.to(self.dtype)).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_casting_itself_in_its_forward_replays_against_its_own_capture(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """The model captured, replayed as its own port: its parameters' values now lie elsewhere, in another dtype,
+    and compared again after the run they failed as changed by the run (a review's regression). A cast is what
+    the reference's run did alike: left as compared before the run, with a note."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "cast.h5"
+    capture_run(_CastsItself(dtype), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_CastsItself(dtype), reader)
+    assert result.verdict == "MATCH", [r.name for r in result.records if not r.match]
+    assert any("the port's run cast 2 parameter(s) to another dtype or device" in note for note in result.notes)
+
+
+class _PositionsAsParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.pos = nn.Linear(4, 4), nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.pos)
+
+
+class _PositionsAsBuffer(nn.Module):
+    """The port holding the reference's frozen parameter ``pos`` as a buffer; ``how`` it changes it after use."""
+
+    def __init__(self, how: str | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.how = nn.Linear(4, 4), how
+        self.register_buffer("pos", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x + self.pos)
+        if self.how == "in-place":
+            self.pos.mul_(1.5)
+        elif self.how == "reassigned":
+            self.pos = self.pos * 1.5
+        return out
+
+
+@pytest.mark.parametrize("how", ["in-place", "reassigned"])
+def test_a_buffer_standing_for_a_parameter_is_looked_up_again_after_the_run(tmp_path: Path, how: str) -> None:
+    """A port's buffer compared as a recorded parameter, replaced by a new tensor in its forward after use, was
+    compared again as the one held before the run: MATCH (a review). It is looked up again."""
+    from parity_harness.capture.record.recorder import capture_run
+
+    bundle = tmp_path / "pos.h5"
+    capture_run(_PositionsAsParameter(), {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        assert compare_run(_PositionsAsBuffer(None), reader).verdict == "MATCH"
+        result = compare_run(_PositionsAsBuffer(how), reader)
+    assert result.verdict == "MISMATCH"
+    assert [r.name for r in result.param_values if not r.match] == ["pos"]
+
+
 class _ScaledWeightGradient(torch.autograd.Function):
     """A linear map whose backward gives the input's gradient right and the weight's ``scale`` times too large."""
 

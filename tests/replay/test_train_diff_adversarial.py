@@ -790,6 +790,11 @@ def test_every_kind_of_entry_a_dump_holds_beside_its_weights_decides(tmp_path: P
         pytest.param(__import__("fractions").Fraction(1, 3), __import__("fractions").Fraction(1, 2), id="fraction"),
         pytest.param(__import__("decimal").Decimal("0.1"), __import__("decimal").Decimal("0.9"), id="decimal"),
         pytest.param(1 + 2j, 1 - 2j, id="python-complex"),
+        pytest.param(
+            __import__("fractions").Fraction(10**400, 3),
+            __import__("fractions").Fraction(-(10**400), 7),
+            id="huge-fraction",
+        ),
     ],
 )
 def test_numbers_only_a_trusted_pickle_holds_decide_too(tmp_path: Path, a: object, b: object) -> None:
@@ -817,3 +822,38 @@ def test_an_entry_that_cannot_be_compared_refuses_the_dump(tmp_path: Path, entry
     line = one_error_line("parity-train-diff", _run(dump, dump))
     assert expected in line
     assert "batch_1.pt" in line
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        pytest.param({"ema.w": torch.ones(3), "ema": {"w": torch.zeros(3)}}, id="dotted-and-nested"),
+        pytest.param({"h": [torch.ones(3)], "h.0": torch.zeros(3)}, id="list-and-dotted"),
+        pytest.param({"d": {0: torch.ones(3), "0": torch.zeros(3)}}, id="int-and-str-keys"),
+    ],
+)
+def test_two_entries_under_one_name_refuse_the_dump(tmp_path: Path, entries: dict[str, Any]) -> None:
+    """Two tensors whose walked names meet: the later replaced the earlier, whose difference went unseen (exit 0)."""
+    dump = _dump(tmp_path / "a", **entries)
+    line = one_error_line("parity-train-diff", _run(dump, dump))
+    assert "two entries" in line
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param(100_000, 100_001, id="within-rtol"),
+        pytest.param(2**62, 2**62 + 1, id="past-2**53"),
+    ],
+)
+def test_integer_settings_of_a_parameter_group_agree_only_when_equal(tmp_path: Path, a: int, b: int) -> None:
+    """A group's integer setting (a scheduler's total_steps, a seed) was compared by relative difference: 100000
+    against 100001 matched; one past float's range made identical dumps a traceback."""
+
+    def dump(folder: str, value: int) -> Path:
+        group = {"lr": 1e-3, "total_steps": value, "params": [0, 1]}
+        return _dump(tmp_path / folder, optimizer_state_dict={"state": {}, "param_groups": [group]})
+
+    assert _run(dump("a", a), dump("b", b)).exit_code == 1
+    huge = dump("huge", 2**1100)
+    assert _run(huge, huge).exit_code == 0
