@@ -308,8 +308,8 @@ class _ReplaySession:
         self.initial_buffers = BufferState.of(model) if self.near is not None else None
         self.buffers_before = BufferSnapshot(model)
         self.param_versions: list[tuple[str, torch.Tensor, int, int]] = []
-        """Each compared parameter as compared: the tensor, its version counter and where its values were."""
-        """Each compared parameter (its bundle name, the port's tensor) and its version counter before the run."""
+        """Each compared parameter as compared (its bundle name, the port's tensor), its version counter and where
+        its values were before the run."""
         self.result.rounding_factor = ROUNDING_FACTOR if self.near is not None else None
         self.other_rank_names: set[str] = set()
         """Records of other ranks added here (``rank<r>:NAME``): outside this rank's chain of calls."""
