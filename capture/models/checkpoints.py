@@ -129,8 +129,9 @@ _VIEW_SLACK: Final = 16 << 20
 refused: a 1 KB file holding ``zeros(1).expand(2**31)`` otherwise makes every reader copy out 8 GiB."""
 
 
-_SHARING_FACTOR: Final = 8
-"""How many times over a file's tensors may show its storages' bytes in all (tied weights show them twice)."""
+_SHARING_FACTOR: Final = 32
+"""How many times over a file's values may show what it stores in all: tied weights show them twice, a block shared
+by every layer (ALBERT: 12 to 24) as many times as there are layers."""
 
 
 def _check_views(loaded: object, path: Path) -> None:
@@ -160,6 +161,8 @@ def _check_views(loaded: object, path: Path) -> None:
         elif isinstance(value, torch.Tensor):
             shown[id(value)] = _checked_view(value, storages, path)
         elif isinstance(value, (Mapping, list, tuple)):
+            if isinstance(value, Mapping):
+                _check_keys(value, path)
             shown[id(value)] = 0  # being walked: a cycle back to it adds nothing
             pending.append((value, True))
             pending.extend((child, False) for child in _children(value) if isinstance(child, _WALKED))
@@ -181,7 +184,28 @@ _WALKED: Final = (torch.Tensor, Mapping, list, tuple)
 
 
 def _children(value: object) -> Iterable[object]:
-    return value.values() if isinstance(value, Mapping) else value  # type: ignore[return-value]
+    """A container's values, and a mapping's keys too (a tuple key is walked and counted as a value is)."""
+    if isinstance(value, Mapping):
+        return [*value.keys(), *value.values()]
+    return value  # type: ignore[return-value]
+
+
+def _check_keys(mapping: Mapping[Any, Any], path: Path) -> None:
+    """Refuse a dict two of whose keys are one name as text (``0`` and ``"0"``): every reader names entries by
+    ``str(key)``, and one of the two would replace the other, uncompared."""
+    seen: dict[str, object] = {}
+    atoms = (key for key in mapping if not isinstance(key, _WALKED))  # a tuple key is walked first, not printed
+    twice = next((key for key in atoms if seen.setdefault(str(key), key) is not key), None)
+    if twice is not None:
+        first = seen[str(twice)]
+        raise CheckpointError(
+            f"{path}: two keys of one dict read as one name, {_short(first)} and {_short(twice)} (every reader names "
+            "entries by their text); give each entry its own name"
+        )
+
+
+def _short(key: object) -> str:
+    return f"{type(key).__name__} {str(key)[:60]!r}"
 
 
 def _checked_view(value: torch.Tensor, storages: dict[int, int], path: Path) -> int:

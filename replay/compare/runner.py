@@ -386,36 +386,70 @@ class _ReplaySession:
 
     def check_parameters_kept(self) -> None:
         """A parameter the port's run changed (a weight rescaled in its forward, its storage swapped with ``set_``,
-        the module given a new Parameter or buffer) holds other values after the run than the reference's, whose
-        capture refuses such a run: compared again, a difference fails its record, saying so. The port's
-        parameters are looked up again; version counters and where the values are tell which moved (an edit
-        through ``.data`` in place moves neither). One the run cast to another dtype or device (``self.to(...)``,
-        as the reference's model may do alike) is left as compared before the run, with a note."""
+        the module given a new Parameter or buffer, or none) holds other values after the run than the reference's,
+        whose capture refuses such a run: compared again, a difference fails its record, saying so, and so does a
+        parameter gone after the run. The port's parameters (and buffers standing for them) are looked up again;
+        version counters and where the values are tell which moved (an edit through ``.data`` in place moves
+        neither). One the run only cast to another dtype or device (``self.to(...)``, as the reference's model may
+        do alike: its values are the ones compared before the run, cast, bit for bit) is noted."""
         matched = {record.name for record in self.result.param_values if record.match}
         if not matched:
             return
-        now = dict(self._unpadded(mapped_parameters(self.model, self.rename, False, self.weights.index.params))[0])
-        now.update(self._parameter_buffers(set(now)))
+        now = self._parameters_now()
+        compared_at = {pointer: name for name, _, _, pointer in self.param_versions}
         moved: list[tuple[str, torch.Tensor]] = []
-        recast: list[tuple[str, torch.Tensor]] = []
+        gone, recast, tied = [], [], []
         for name, held, version, pointer in self.param_versions:
-            current = now.get(name, held)
-            if name not in matched or (current._version, current.data_ptr()) == (version, pointer):
+            current = now.get(name)
+            if name not in matched or (current is not None and _unmoved(current, held, version, pointer)):
                 continue
-            same_kind = (current.dtype, current.device) == (held.dtype, held.device)
-            (moved if same_kind else recast).append((name, current))
+            if current is None or current.is_meta:  # a meta tensor holds no values
+                gone.append(name)
+            elif compared_at.get(current.data_ptr(), name) != name and current.shape == held.shape:
+                tied.append(f"{name} to {compared_at[current.data_ptr()]}")  # tied in the forward, as it may be
+            elif (current.dtype, current.device) != (held.dtype, held.device) and _only_cast(current, held, version):
+                recast.append(name)
+            else:
+                moved.append((name, _as_held(current, held)))
+        self._note_moved(recast, gone, tied)
+        compared = self._compared_parameters(moved)[0] if moved else []
+        changed = {r.name: r for r in compared if not r.match}
+        changed |= {name: _failed(self.result.param_values, name) for name in gone}
+        self.result.param_values = [
+            dataclasses.replace(r, diff=dataclasses.replace(changed[r.name].diff, problem=CHANGED_BY_RUN))
+            if r.name in changed
+            else r
+            for r in self.result.param_values
+        ]
+
+    def _parameters_now(self) -> dict[str, torch.Tensor]:
+        """The port's parameters as they are now under their bundle names, and its buffers under the names of
+        recorded parameters it has none of (whatever their shape or dtype: one replaced by another is compared)."""
+        named = [(mapped, param.detach()) for name, param in self.model.named_parameters(remove_duplicate=False)
+                 if (mapped := self.rename.parameter(name)) is not None]  # fmt: skip
+        now = dict(reversed(self._unpadded(named)[0]))  # a name given twice: its first parameter
+        for name, buffer in self.model.named_buffers():
+            mapped = self.rename.parameter(name)
+            if mapped is not None and mapped not in now and buffer is not None:
+                now[mapped] = buffer.detach()
+        return now
+
+    def _note_moved(self, recast: list[str], gone: list[str], tied: list[str]) -> None:
+        if tied:
+            self.result.notes.append(
+                f"the port's run tied {len(tied)} compared parameter(s) to another ({', '.join(tied[:3])}"
+                f"{', ...' if len(tied) > 3 else ''}): compared as they were before the run"
+            )
         if recast:
             self.result.notes.append(
-                f"the port's run cast {len(recast)} parameter(s) to another dtype or device "
-                f"({first_names([name for name, _ in recast])}): compared as they were before the run"
+                f"the port's run cast {len(recast)} parameter(s) to another dtype or device, their values kept "
+                f"({first_names(recast)}): compared as they were before the run"
             )
-        compared = self._compared_parameters(moved)[0] if moved else []
-        changed = {
-            r.name: dataclasses.replace(r, diff=dataclasses.replace(r.diff, problem=CHANGED_BY_RUN))
-            for r in compared
-            if not r.match
-        }
-        self.result.param_values = [changed.get(record.name, record) for record in self.result.param_values]
+        if gone:
+            self.result.notes.append(
+                f"the port's run removed {len(gone)} compared parameter(s) ({first_names(gone)}): failed as changed "
+                "by the run"
+            )
 
     def _buffers_for_parameters(self, paired: set[str]) -> list[tuple[str, torch.Tensor]]:
         """The port's buffers standing for recorded parameters it does not have as parameters (a frozen position
@@ -1139,6 +1173,38 @@ def rounding_check_applies(options: ReplayOptions) -> bool:
     wanted = options.tolerances is None if options.rounding is None else options.rounding
     reduced = options.precision is not None and options.precision.reduced
     return wanted and options.noise_factor is None and not reduced
+
+
+def _unmoved(current: torch.Tensor, held: torch.Tensor, version: int, pointer: int) -> bool:
+    """The parameter looked up after the run is the one compared before it, untouched (by what torch tracks)."""
+    same_place = (current.data_ptr(), current.dtype, current.device, current.shape) == (
+        pointer,
+        held.dtype,
+        held.device,
+        held.shape,
+    )
+    return same_place and current._version == version
+
+
+def _only_cast(current: torch.Tensor, held: torch.Tensor, version: int) -> bool:
+    """``current`` holds the values compared before the run (``held``, untouched since) cast to its dtype and
+    device, bit for bit: the run cast the parameter and changed nothing else."""
+    if held._version != version or current.shape != held.shape:
+        return False
+    return torch.equal(current.detach().cpu(), held.detach().to(current.dtype).cpu())
+
+
+def _as_held(current: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``current`` in the dtype and on the device the parameter was compared in before the run (its record's)."""
+    if (current.dtype, current.device) == (held.dtype, held.device) or current.shape != held.shape:
+        return current
+    return current.detach().to(dtype=held.dtype, device=held.device)
+
+
+def _failed(records: list[RecordResult], name: str) -> RecordResult:
+    """``name``'s record made a failure (the parameter is gone after the run: nothing to compare again)."""
+    record = next(r for r in records if r.name == name)
+    return dataclasses.replace(record, diff=dataclasses.replace(record.diff, match=False))
 
 
 def _fail_nonzero_padding(records: list[RecordResult], padded: list[Padding]) -> None:

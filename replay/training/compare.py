@@ -520,8 +520,12 @@ def _differences(
 
 
 def _shown(number: float) -> str:
-    """A metric as messages show it: an integer whole (a seed past 2**53 differs in its last digits), else ``:g``."""
-    return str(number) if isinstance(number, int) else f"{number:g}"
+    """A metric as messages show it: an integer whole (a seed past 2**53 differs in its last digits; one of more
+    than 24 digits by its ends), else ``:g``."""
+    if not isinstance(number, int):
+        return f"{number:g}"
+    digits = str(number)
+    return digits if len(digits) <= 24 else f"{digits[:12]}...{digits[-8:]} ({len(digits.lstrip('-'))} digits)"
 
 
 def _canonical(metrics: dict[str, float]) -> dict[str, float]:

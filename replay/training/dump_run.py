@@ -15,6 +15,7 @@ memory-mapped (tensor storage is mapped, not read) to take its loss and metrics,
 from __future__ import annotations
 
 import decimal
+import fractions
 import math
 import numbers
 import os
@@ -410,10 +411,7 @@ def _others(dump: Mapping[str, Any], file: Path) -> tuple[dict[str, Any], list[t
         elif isinstance(value, Mapping):
             _check_depth(name, depth, file)
             if value and all(isinstance(v, torch.Tensor) for v in value.values()):
-                named = {str(k): v for k, v in value.items()}
-                if len(named) != len(value):  # keys 0 and "0"
-                    raise InputError(f"{file}: two entries of {name!r} have one name as text; give each its own name")
-                value = _unwrapped(named)  # a state dict, perhaps DDP's
+                value = _unwrapped({str(k): v for k, v in value.items()})  # a state dict, perhaps DDP's
             pending += [(f"{name}.{key}", item, depth + 1) for key, item in reversed(value.items())]
         elif isinstance(value, (list, tuple)):
             _check_depth(name, depth, file)
@@ -589,12 +587,19 @@ def _scalar(value: object) -> float | None:
         return int(value)
     if isinstance(value, (numbers.Real, decimal.Decimal)):
         try:
-            return float(value)
-        except OverflowError:  # a Fraction past float's range: an infinity of its sign
-            return math.inf if value > 0 else -math.inf  # type: ignore[operator]
+            number = float(value)
+        except OverflowError:  # a Fraction past float's range
+            number = math.inf
         except ValueError:  # a signalling NaN
             return math.nan
+        if math.isinf(number) and isinstance(value, (fractions.Fraction, decimal.Decimal)) and _finite(value):
+            return round(value)  # past float's range: its whole part, exactly (two such differ where they differ)
+        return number
     return None
+
+
+def _finite(value: fractions.Fraction | decimal.Decimal) -> bool:
+    return not isinstance(value, decimal.Decimal) or value.is_finite()
 
 
 def _check_depth(name: str, depth: int, file: Path | None) -> None:

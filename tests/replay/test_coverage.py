@@ -646,6 +646,10 @@ def _rescaled(module: nn.Linear, how: str) -> None:
             module.weight.data = module.weight.detach() * 1.5
         elif how == "new-parameter":
             module.weight = nn.Parameter(module.weight.detach() * 1.5)
+        elif how == "scaled-and-cast":
+            module.weight.data = (module.weight.detach() * 1.5).double()
+        elif how == "new-parameter-on-meta":
+            module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"))
 
 
 class _RescalesItsWeight(nn.Module):
@@ -663,7 +667,9 @@ class _RescalesItsWeight(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("how", ["in-place", "set_", "data", "new-parameter"])
+@pytest.mark.parametrize(
+    "how", ["in-place", "set_", "data", "new-parameter", "scaled-and-cast", "new-parameter-on-meta"]
+)
 def test_a_port_changing_its_weights_during_its_run_is_a_mismatch_saying_so(tmp_path: Path, how: str) -> None:
     """A port rescaling a weight in its forward, after using it: outputs and gradients of that step equal, the
     parameter values compared before the run equal, so MATCH, while a capture of such a model is refused. The
@@ -739,10 +745,14 @@ class _PositionsAsBuffer(nn.Module):
             self.pos.mul_(1.5)
         elif self.how == "reassigned":
             self.pos = self.pos * 1.5
+        elif self.how == "another-dtype":
+            self.pos = (self.pos * 1.5).double()
+        elif self.how == "another-shape":
+            self.pos = torch.cat([self.pos, self.pos])
         return out
 
 
-@pytest.mark.parametrize("how", ["in-place", "reassigned"])
+@pytest.mark.parametrize("how", ["in-place", "reassigned", "another-dtype", "another-shape"])
 def test_a_buffer_standing_for_a_parameter_is_looked_up_again_after_the_run(tmp_path: Path, how: str) -> None:
     """A port's buffer compared as a recorded parameter, replaced by a new tensor in its forward after use, was
     compared again as the one held before the run: MATCH (a review). It is looked up again."""
