@@ -28,6 +28,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import torch
 
+from parity_harness.capture.models.pickle_keys import largest_key
 from parity_harness.common.errors import BundleFormatError, CheckpointError
 from parity_harness.common.format.dtypes import from_storage, storage_dtype
 from parity_harness.common.format.tensor_files import (
@@ -265,12 +266,16 @@ def _torch_release() -> tuple[int, int]:
 
 def _check_zip_members(path: Path) -> None:
     """A zip ``torch.save`` file stores its members uncompressed: a compressed one is crafted (it could decompress
-    to far more than the file), and is refused before torch reads it."""
+    to far more than the file), and is refused before torch reads it; so is a pickle building a dict key that
+    hashing would take without end (:func:`~parity_harness.capture.models.pickle_keys.largest_key`)."""
     if not zipfile.is_zipfile(path):
+        _check_keys_of(path, _legacy_largest_key(path))
         return
     try:
         with zipfile.ZipFile(path) as archive:
             packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
+            pickled = next((name for name in archive.namelist() if name.rpartition("/")[2] == "data.pkl"), None)
+            largest = 0 if packed or pickled is None else largest_key(archive.read(pickled))
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         raise CheckpointError(f"{path}: damaged zip checkpoint ({type(err).__name__}: {err})") from err
     if packed:
@@ -278,6 +283,26 @@ def _check_zip_members(path: Path) -> None:
             f"{path}: member {packed[0]!r} is compressed; torch.save stores every member as is, so this file was "
             "crafted or repacked (it could decompress without bound); save it again with torch.save"
         )
+    _check_keys_of(path, largest)
+
+
+def _legacy_largest_key(path: Path) -> int:
+    """The largest key of a legacy (pre-zip) torch file's pickles: its magic number, protocol, system facts and
+    object, one after another (its storages' bytes follow, unread)."""
+    with path.open("rb") as raw:
+        return max(largest_key(raw) for _ in range(4))
+
+
+def _check_keys_of(path: Path, largest: int) -> None:
+    if largest > _MAX_KEY_VALUES:
+        raise CheckpointError(
+            f"{path}: its pickle builds a dict key (or set element) of {largest:,} values counted through shared "
+            f"ones (at most {_MAX_KEY_VALUES:,}): hashing it would not end; crafted, or save the object flatter"
+        )
+
+
+_MAX_KEY_VALUES: Final = 1 << 20
+"""The most values a dict key or set element of a torch file's pickle may hold (a key is hashed whole, each time)."""
 
 
 # ------------------------------------------------------------------ safetensors

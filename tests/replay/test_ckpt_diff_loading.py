@@ -775,18 +775,25 @@ def test_numbers_shown_many_times_through_shared_lists_are_refused(tmp_path: Pat
     assert CliRunner().invoke(train_diff_main, [str(tmp_path / "shared.pt")] * 2).exit_code == 0
 
 
-def test_a_tuple_key_shown_many_times_is_refused_before_it_is_printed(tmp_path: Path) -> None:
-    """A tuple of a thousand references to a tuple of a thousand references... as a dict key: 8 KB whose name as
-    text is gigabytes (ckpt-diff: 47 s, 2.3 GB, then MemoryError). Keys are walked and counted as values are."""
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_tuple_key_shown_many_times_is_refused_before_it_is_printed(tmp_path: Path, zipped: bool) -> None:
+    """A tuple of references to a tuple of references... as a dict key: a few KB whose name as text is gigabytes
+    (ckpt-diff: 47 s, 2.3 GB, then MemoryError). The pickle's keys are counted before torch loads it, in either of
+    torch's formats; and what was loaded is walked, keys as values, before any reader prints a name."""
     key: tuple[object, ...] = ("x",)
     for _ in range(3):
-        key = (key,) * 1000
-    torch.save({"w": torch.ones(2), "extra": {key: 1.0}}, tmp_path / "a.pt")
+        key = (key,) * 128  # 2 million values: past the 1 million a key may hold
+    torch.save({"w": torch.ones(2), "extra": {key: 1.0}}, tmp_path / "a.pt", _use_new_zipfile_serialization=zipped)
     for program, cli in (("ckpt-diff", main), ("parity-train-diff", train_diff_main)):
         started = time.perf_counter()
         line = one_error_line(program, CliRunner().invoke(cli, [str(tmp_path / "a.pt")] * 2))
-        assert "more than 32 places holding the same tensor or list" in line
+        assert "builds a dict key (or set element) of 4,210,817 values" in line
         assert time.perf_counter() - started < 60
+    shared = ((("x",),) * 1000,) * 400  # 800,401 values: within a key's bound, but 64 keys hold it
+    keys = {(i, shared): 1.0 for i in range(64)}
+    torch.save({"w": torch.ones(2), "extra": keys}, tmp_path / "b.pt", _use_new_zipfile_serialization=zipped)
+    line = one_error_line("ckpt-diff", CliRunner().invoke(main, [str(tmp_path / "b.pt")] * 2))
+    assert "more than 32 places holding the same tensor or list" in line
 
 
 @pytest.mark.parametrize("where", ["top", "state-dict", "nested"])

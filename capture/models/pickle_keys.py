@@ -1,0 +1,173 @@
+"""How much a pickle makes the unpickler hash: the largest dict key or set element it builds, counted before it
+is loaded.
+
+A dict key is hashed when the dict is built, inside the unpickler, before any check of what was loaded can run.
+Python hashes a tuple by hashing every element, again on every use, and a pickle can name one tuple a thousand times
+through its memo: a tuple of a thousand references to a tuple of a thousand references... is 9 KB of pickle and
+10**12 hashes (``torch.load`` of such a file never returns). :func:`largest_key` runs the pickle's opcodes over
+sizes instead of objects (every value counts the values it holds, counted through shared ones) and returns the
+size of the largest key or set element it builds. Anything it does not follow (an opcode it does not know, a stack
+it does not expect) returns 0: the unpickler then decides, as without this count.
+"""
+
+from __future__ import annotations
+
+import pickletools
+from collections.abc import Iterator
+from typing import BinaryIO, Final
+
+__all__ = ["largest_key"]
+
+_ATOMS: Final = frozenset(
+    {
+        "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
+        "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE", "NEWFALSE", "UNICODE",
+        "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT", "PERSID", "GLOBAL", "EMPTY_TUPLE",
+        "NEXT_BUFFER",
+    }
+)  # fmt: skip
+"""Opcodes that push one value holding nothing else (a global or a persistent id stands for an object made
+elsewhere)."""
+_CONTAINERS: Final = frozenset({"EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"})
+_IGNORED: Final = frozenset({"PROTO", "FRAME", "STOP", "READONLY_BUFFER"})
+_HASHING_CALLS: Final = frozenset({"collections OrderedDict", "builtins dict", "builtins set", "builtins frozenset"})
+"""Callables whose argument's items are hashed (a dict or set built from pairs or elements)."""
+
+
+class _Size:
+    """A value as the count runs it: how many values it holds in all (itself included), and, for text, the text
+    (a global's module and name)."""
+
+    __slots__ = ("text", "values")
+
+    def __init__(self, values: int = 1, text: str | None = None) -> None:
+        self.values, self.text = values, text
+
+
+class _Unfollowed(Exception):
+    """The pickle does something the count does not follow."""
+
+
+_MARK: Final = _Size(0)
+
+
+def largest_key(data: bytes | BinaryIO) -> int:
+    """The most values any dict key or set element of the pickle ``data`` holds, counted through shared ones; 0
+    when the count cannot follow the pickle. From a file, one pickle is read, up to its end (``STOP``)."""
+    try:
+        return _Machine().run(pickletools.genops(data))
+    except (_Unfollowed, ValueError, IndexError, KeyError, TypeError, EOFError, OSError):
+        return 0
+
+
+class _Machine:
+    def __init__(self) -> None:
+        self.stack: list[_Size] = []
+        self.memo: dict[int, _Size] = {}
+        self.largest = 0
+
+    def run(self, ops: Iterator[tuple[pickletools.OpcodeInfo, object, int | None]]) -> int:
+        stack, memo, push = self.stack, self.memo, self.stack.append
+        for opcode, arg, _ in ops:  # the common opcodes inline: a large state dict runs millions
+            name = opcode.name
+            if name in _ATOMS:
+                push(_Size(text=arg) if isinstance(arg, str) else _Size())
+            elif name == "BINPUT" or name == "LONG_BINPUT":
+                memo[arg] = stack[-1]  # type: ignore[index]
+            elif name == "BINGET" or name == "LONG_BINGET":
+                push(memo[arg])  # type: ignore[index]
+            elif name == "MARK":
+                push(_MARK)
+            elif name in _CONTAINERS:
+                push(_Size())
+            elif name not in _IGNORED and not self._memo_step(name, arg) and not self._stack_step(name):
+                self._build_step(name)
+        return self.largest
+
+    def _memo_step(self, name: str, arg: object) -> bool:
+        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            self.memo[int(arg)] = self.stack[-1]  # type: ignore[call-overload]
+        elif name == "MEMOIZE":
+            self.memo[len(self.memo)] = self.stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            self.stack.append(self.memo[int(arg)])  # type: ignore[call-overload]
+        else:
+            return False
+        return True
+
+    def _stack_step(self, name: str) -> bool:
+        if name == "MARK":
+            self.stack.append(_MARK)
+        elif name == "POP":
+            self.stack.pop()
+        elif name == "POP_MARK":
+            self._to_mark()
+        elif name == "DUP":
+            self.stack.append(self.stack[-1])
+        elif name == "BINPERSID":
+            self.stack[-1] = _Size()
+        elif name == "STACK_GLOBAL":
+            callable_name = self._pop(2)
+            self.stack.append(_Size(text=" ".join(str(part.text) for part in callable_name)))
+        else:
+            return False
+        return True
+
+    def _build_step(self, name: str) -> None:
+        if name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            self.stack.append(_Size(1 + sum(item.values for item in self._pop(int(name[-1])))))
+        elif name in ("TUPLE", "LIST", "FROZENSET"):
+            items = self._to_mark()
+            if name == "FROZENSET":
+                self._hashed(items)
+            self.stack.append(_Size(1 + sum(item.values for item in items)))
+        elif name == "DICT":
+            items = self._to_mark()
+            self._hashed(items[0::2])
+            self.stack.append(_Size(1 + sum(item.values for item in items)))
+        elif name in ("APPEND", "APPENDS", "ADDITEMS", "SETITEM", "SETITEMS"):
+            self._add(name)
+        elif name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST", "BUILD"):
+            self._call(name)
+        else:
+            raise _Unfollowed(name)
+
+    def _add(self, name: str) -> None:
+        items = self._pop(1) if name == "APPEND" else self._pop(2) if name == "SETITEM" else self._to_mark()
+        if name in ("SETITEM", "SETITEMS"):
+            self._hashed(items[0::2])
+        elif name == "ADDITEMS":
+            self._hashed(items)
+        self.stack[-1].values += sum(item.values for item in items)
+
+    def _call(self, name: str) -> None:
+        if name == "BUILD":  # the state is set on the object below it: what it holds, it holds
+            state = self._pop(1)[0]
+            self.stack[-1].values += state.values
+            return
+        if name in ("OBJ", "INST"):
+            raise _Unfollowed(name)
+        args = self._pop(3 if name == "NEWOBJ_EX" else 2)
+        callable_name, rest = args[0], args[1:]
+        held = sum(item.values for item in rest)
+        if callable_name.text in _HASHING_CALLS:
+            self.largest = max(self.largest, held)  # pairs or elements: at most all it was given is hashed
+        self.stack.append(_Size(1 + held))
+
+    def _hashed(self, keys: list[_Size]) -> None:
+        self.largest = max(self.largest, *(key.values for key in keys), 0)
+
+    def _pop(self, count: int) -> list[_Size]:
+        if len(self.stack) < count or any(item is _MARK for item in self.stack[-count:]):
+            raise _Unfollowed("stack")
+        items = self.stack[-count:]
+        del self.stack[-count:]
+        return items
+
+    def _to_mark(self) -> list[_Size]:
+        for position in range(len(self.stack) - 1, -1, -1):
+            if self.stack[position] is _MARK:
+                items = self.stack[position + 1 :]
+                del self.stack[position:]
+                return items
+        raise _Unfollowed("mark")
