@@ -307,6 +307,8 @@ class _ReplaySession:
         self.near = self._near_misses(reader)
         self.initial_buffers = BufferState.of(model) if self.near is not None else None
         self.buffers_before = BufferSnapshot(model)
+        self.port_names: dict[str, str] = {}
+        """The port's name of each compared parameter (by its bundle name), as before the run."""
         self.param_versions: list[tuple[str, torch.Tensor, int, int]] = []
         """Each compared parameter as compared (its bundle name, the port's tensor), its version counter and where
         its values were before the run."""
@@ -357,6 +359,8 @@ class _ReplaySession:
         compared, absent = self._compared_parameters(params)
         self.result.param_values = compared
         self.param_versions = [(name, tensor, tensor._version, tensor.data_ptr()) for name, tensor in params]
+        self.port_names = {mapped: name for name, _ in self.model.named_parameters(remove_duplicate=False)
+                           if (mapped := self.rename.parameter(name)) is not None}  # fmt: skip
         self._note_absent_parameters(absent)
         self.result.notes += [
             f"padded parameter {p.name}: {p.port_size} against the reference's {p.reference_size} along dim {p.dim}; "
@@ -432,6 +436,9 @@ class _ReplaySession:
             mapped = self.rename.parameter(name)
             if mapped is not None and mapped not in now and buffer is not None:
                 now[mapped] = buffer.detach()
+        for mapped, name in self.port_names.items():  # one now computed (a parametrization the forward added)
+            if mapped not in now and isinstance(value := _attribute(self.model, name), torch.Tensor):
+                now[mapped] = value
         return now
 
     def _note_moved(self, recast: list[str], gone: list[str], tied: list[str]) -> None:
@@ -1173,6 +1180,17 @@ def rounding_check_applies(options: ReplayOptions) -> bool:
     wanted = options.tolerances is None if options.rounding is None else options.rounding
     reduced = options.precision is not None and options.precision.reduced
     return wanted and options.noise_factor is None and not reduced
+
+
+def _attribute(model: torch.nn.Module, name: str) -> object:
+    """What ``model`` holds under a dotted parameter name now (a tensor attribute, a parametrized weight computed),
+    or None."""
+    prefix, _, attribute = name.rpartition(".")
+    try:
+        with torch.no_grad():
+            return getattr(model.get_submodule(prefix), attribute, None)
+    except (AttributeError, RuntimeError, ValueError, TypeError):  # the model's own computation failing: none
+        return None
 
 
 def _unmoved(current: torch.Tensor, held: torch.Tensor, version: int, pointer: int) -> bool:
