@@ -85,11 +85,11 @@ class _Machine:
         return self.largest
 
     def _memo_step(self, name: str, arg: object) -> bool:
-        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+        if name == "PUT":  # BINPUT and LONG_BINPUT are run inline
             self.memo[int(arg)] = self.stack[-1]  # type: ignore[call-overload]
         elif name == "MEMOIZE":
             self.memo[len(self.memo)] = self.stack[-1]
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
+        elif name == "GET":
             self.stack.append(self.memo[int(arg)])  # type: ignore[call-overload]
         else:
             return False
