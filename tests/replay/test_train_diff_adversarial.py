@@ -290,6 +290,22 @@ def test_the_optimizers_parameter_groups_are_paired_in_any_order_and_counted(tmp
     assert "weight_decay (group 0) (A 0.01, B 0)" in result.output
 
 
+@pytest.mark.parametrize("counter", ["step", "n_iter"])
+def test_an_optimizers_step_count_is_compared_exactly(tmp_path: Path, counter: str) -> None:
+    """Adam's step is a float32 tensor: at step 100,000 one step more (a step the port's scaler did not skip) was
+    within rtol 1e-5, a match. A count agrees only when equal; its moments keep the tolerance."""
+
+    def state(count: float, moment: float) -> dict[str, Any]:
+        entry = {counter: torch.tensor(count), "exp_avg": torch.full((3, 2), moment)}
+        return {"state": {0: entry}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
+
+    a = _dump(tmp_path / "a", optimizer_state_dict=state(100_000.0, 0.5))
+    result = _run(a, _dump(tmp_path / "b", optimizer_state_dict=state(100_001.0, 0.5)))
+    assert result.exit_code == 1, result.output
+    assert "optimizer differ" in result.output
+    assert _run(a, _dump(tmp_path / "c", optimizer_state_dict=state(100_000.0, 0.5 + 1e-7))).exit_code == 0
+
+
 @pytest.mark.parametrize(
     ("members_a", "members_b"),
     [
