@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import os
 import re
+import struct
 import tarfile
 import tempfile
 import warnings
@@ -28,7 +29,7 @@ from typing import Any, Final, Literal
 import numpy as np
 import torch
 
-from parity_harness.capture.models.pickle_keys import largest_key
+from parity_harness.capture.models.pickle_scan import PickleScan, StorageDeclaration, scan_pickle
 from parity_harness.common.errors import BundleFormatError, CheckpointError
 from parity_harness.common.format.dtypes import from_storage, storage_dtype
 from parity_harness.common.format.tensor_files import (
@@ -226,8 +227,9 @@ def _checked_view(value: torch.Tensor, storages: dict[int, int], path: Path) -> 
 
 
 def _torch_load_unchecked(path: Path, trust_pickle: bool, *, mmap: bool = False) -> object:
-    # mmap=None, not False, when not asked for: torch then keeps its own default (torch.utils.serialization.config)
-    _check_zip_members(path)
+    # mmap=None, not False, when not asked for: torch then keeps its own default (torch.utils.serialization.config).
+    # Mapped only where every storage was found to fit its record: torch's mapped load does not check it.
+    mmap = _check_zip_members(path) and mmap
     if trust_pickle:  # the user vouched for this file with --trust-pickle
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap or None)
     if _torch_release() < (2, 6):
@@ -264,18 +266,21 @@ def _torch_release() -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-def _check_zip_members(path: Path) -> None:
+def _check_zip_members(path: Path) -> bool:
     """A zip ``torch.save`` file stores its members uncompressed: a compressed one is crafted (it could decompress
     to far more than the file), and is refused before torch reads it; so is a pickle building a dict key that
-    hashing would take without end (:func:`~parity_harness.capture.models.pickle_keys.largest_key`)."""
+    hashing would take without end (:func:`~parity_harness.capture.models.pickle_scan.scan_pickle`), and a storage
+    declared with more or fewer bytes than its record holds. Returns whether every storage was found to fit its
+    record (only then may torch map the file)."""
     if not zipfile.is_zipfile(path):
         _check_keys_of(path, _legacy_largest_key(path))
-        return
+        return False
     try:
         with zipfile.ZipFile(path) as archive:
-            packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
-            pickled = next((name for name in archive.namelist() if name.rpartition("/")[2] == "data.pkl"), None)
-            largest = 0 if packed or pickled is None else largest_key(archive.read(pickled))
+            infos = archive.infolist()
+            packed = [info.filename for info in infos if info.compress_type != zipfile.ZIP_STORED]
+            pickled = next((info.filename for info in infos if info.filename.rpartition("/")[2] == "data.pkl"), None)
+            scan = PickleScan(0, None) if packed or pickled is None else scan_pickle(archive.read(pickled))
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         raise CheckpointError(f"{path}: damaged zip checkpoint ({type(err).__name__}: {err})") from err
     if packed:
@@ -283,14 +288,81 @@ def _check_zip_members(path: Path) -> None:
             f"{path}: member {packed[0]!r} is compressed; torch.save stores every member as is, so this file was "
             "crafted or repacked (it could decompress without bound); save it again with torch.save"
         )
-    _check_keys_of(path, largest)
+    _check_keys_of(path, scan.largest_key)
+    if scan.storages is None or pickled is None:
+        return False
+    _check_apart(path, infos)
+    records = {info.filename: info.file_size for info in infos}
+    folder = pickled.rpartition("/")[0]
+    declared = scan.storages.items()
+    return all(_check_record(path, f"{folder}/data/{key}", storage, records) for key, storage in declared)
+
+
+_LOCAL_HEADER: Final = struct.Struct("<4s22xHH")
+"""A zip member's local header: its signature, then (past 22 bytes) the lengths of its name and extra field."""
+
+
+def _check_apart(path: Path, infos: list[zipfile.ZipInfo]) -> None:
+    """Refuse members whose bytes overlap one another's or run past the file: torch reads a record where its local
+    header says it starts, for as long as the central directory says, and a crafted directory can make every record
+    run to the file's end (each storage then shows the records after its own)."""
+    spans = []
+    with path.open("rb") as raw:
+        size = os.fstat(raw.fileno()).st_size
+        for info in infos:
+            raw.seek(info.header_offset)
+            header = raw.read(_LOCAL_HEADER.size)
+            if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+                raise CheckpointError(f"{path}: damaged zip checkpoint (member {info.filename!r} has no local header)")
+            _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+            start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+            spans.append((info.header_offset, start + info.compress_size, info.filename))
+    spans.sort()
+    for (_, end, name), (following, _, _) in zip(spans, [*spans[1:], (size, 0, "")], strict=True):
+        if end > following:
+            raise CheckpointError(
+                f"{path}: zip member {name!r} runs into {'the end of the file' if following == size else 'the next'}"
+                f" ({end} > {following}): crafted or damaged; save it again with torch.save"
+            )
+
+
+def _check_record(path: Path, record: str, declared: StorageDeclaration, records: dict[str, int]) -> bool:
+    """Refuse a storage declared with other bytes than its record holds (torch's mapped load would read past the
+    record, into the file's others); whether it could be checked (a storage class this torch does not know)."""
+    size = _element_size(declared.kind)
+    if size is None:
+        return False
+    claimed = declared.elements * size
+    held = records.get(record)
+    if held != claimed:
+        raise CheckpointError(
+            f"{path}: storage {record!r} declares {claimed} bytes ({declared.elements} x {size}) but its record "
+            f"{'is missing' if held is None else f'holds {held}'}: crafted or damaged; save it again with torch.save"
+        )
+    return True
+
+
+_STORAGE_BYTES: Final = {
+    "torch.storage UntypedStorage": 1, "torch UntypedStorage": 1, "torch ByteStorage": 1, "torch CharStorage": 1,
+    "torch BoolStorage": 1, "torch QUInt8Storage": 1, "torch QInt8Storage": 1, "torch QUInt4x2Storage": 1,
+    "torch QUInt2x4Storage": 1, "torch ShortStorage": 2, "torch HalfStorage": 2, "torch BFloat16Storage": 2,
+    "torch IntStorage": 4, "torch FloatStorage": 4, "torch QInt32Storage": 4, "torch LongStorage": 8,
+    "torch DoubleStorage": 8, "torch ComplexFloatStorage": 8, "torch ComplexDoubleStorage": 16,
+}  # fmt: skip
+"""Bytes per element of each storage class a ``torch.save`` pickle names (module and name): the typed classes of
+torch's legacy storages, and the untyped one other dtypes (float8, uint16) are saved as."""
+
+
+def _element_size(kind: str) -> int | None:
+    """The bytes per element of a storage class named ``"torch FloatStorage"``; None for one not in the table."""
+    return _STORAGE_BYTES.get(kind)
 
 
 def _legacy_largest_key(path: Path) -> int:
     """The largest key of a legacy (pre-zip) torch file's pickles: its magic number, protocol, system facts and
     object, one after another (its storages' bytes follow, unread)."""
     with path.open("rb") as raw:
-        return max(largest_key(raw) for _ in range(4))
+        return max(scan_pickle(raw).largest_key for _ in range(4))
 
 
 def _check_keys_of(path: Path, largest: int) -> None:

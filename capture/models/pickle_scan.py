@@ -1,5 +1,5 @@
-"""How much a pickle makes the unpickler hash: the largest dict key or set element it builds, counted before it
-is loaded.
+"""What a pickle makes the unpickler do, read before it is loaded: the largest dict key or set element it builds
+(how much it hashes), and the storages a ``torch.save`` pickle declares (how many bytes each claims of its record).
 
 A dict key is hashed when the dict is built, inside the unpickler, before any check of what was loaded can run.
 Python hashes a tuple by hashing every element, again on every use, and a pickle can name one tuple a thousand times
@@ -7,16 +7,22 @@ through its memo: a tuple of a thousand references to a tuple of a thousand refe
 10**12 hashes (``torch.load`` of such a file never returns). :func:`largest_key` runs the pickle's opcodes over
 sizes instead of objects (every value counts the values it holds, counted through shared ones) and returns the
 size of the largest key or set element it builds. Anything it does not follow (an opcode it does not know, a stack
-it does not expect) returns 0: the unpickler then decides, as without this count.
+it does not expect) counts 0: the unpickler then decides, as without this count.
+
+A storage is declared by a persistent id, ``("storage", <storage class>, key, location, elements)``: under
+``torch.load(mmap=True)`` torch maps that many bytes from the start of record ``data/<key>`` without checking the
+record's size, so storages declared past their records overlap the file's later ones (a 16 MB file shows 8 GB).
+The scan lists the declarations for the caller to hold against the records.
 """
 
 from __future__ import annotations
 
 import pickletools
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import BinaryIO, Final
 
-__all__ = ["largest_key"]
+__all__ = ["PickleScan", "StorageDeclaration", "scan_pickle"]
 
 _ATOMS: Final = frozenset(
     {
@@ -27,7 +33,7 @@ _ATOMS: Final = frozenset(
     }
 )  # fmt: skip
 """Opcodes that push one value holding nothing else (a global or a persistent id stands for an object made
-elsewhere)."""
+elsewhere); a text or integer argument is kept (a storage's declaration is made of them)."""
 _CONTAINERS: Final = frozenset({"EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"})
 _IGNORED: Final = frozenset({"PROTO", "FRAME", "STOP", "READONLY_BUFFER"})
 _HASHING_CALLS: Final = frozenset({"collections OrderedDict", "builtins dict", "builtins set", "builtins frozenset"})
@@ -35,13 +41,32 @@ _HASHING_CALLS: Final = frozenset({"collections OrderedDict", "builtins dict", "
 
 
 class _Size:
-    """A value as the count runs it: how many values it holds in all (itself included), and, for text, the text
-    (a global's module and name)."""
+    """A value as the count runs it: how many values it holds in all (itself included), and, for text and integers,
+    the value (a global's module and name as ``"module name"``), for a 5-tuple its items' values."""
 
-    __slots__ = ("text", "values")
+    __slots__ = ("value", "values")
 
-    def __init__(self, values: int = 1, text: str | None = None) -> None:
-        self.values, self.text = values, text
+    def __init__(self, values: int = 1, value: object = None) -> None:
+        self.values, self.value = values, value
+
+
+@dataclass(frozen=True)
+class StorageDeclaration:
+    """A storage as a ``torch.save`` pickle declares it: its class (``"torch FloatStorage"``) and element count."""
+
+    kind: str
+    elements: int
+
+
+@dataclass
+class PickleScan:
+    """What :func:`scan_pickle` found."""
+
+    largest_key: int = 0
+    """The most values any dict key or set element holds, counted through shared ones; 0 when not followed."""
+    storages: dict[str, StorageDeclaration] | None = field(default_factory=dict)
+    """The storages declared, by record key; None when one could not be read or was declared twice otherwise (or
+    the pickle was not followed)."""
 
 
 class _Unfollowed(Exception):
@@ -51,13 +76,15 @@ class _Unfollowed(Exception):
 _MARK: Final = _Size(0)
 
 
-def largest_key(data: bytes | BinaryIO) -> int:
-    """The most values any dict key or set element of the pickle ``data`` holds, counted through shared ones; 0
-    when the count cannot follow the pickle. From a file, one pickle is read, up to its end (``STOP``)."""
+def scan_pickle(data: bytes | BinaryIO) -> PickleScan:
+    """The largest key and the storages of the pickle ``data``; nothing found (0, None) when the scan cannot follow
+    the pickle. From a file, one pickle is read, up to its end (``STOP``)."""
+    machine = _Machine()
     try:
-        return _Machine().run(pickletools.genops(data))
+        machine.run(pickletools.genops(data))
     except (_Unfollowed, ValueError, IndexError, KeyError, TypeError, EOFError, OSError):
-        return 0
+        return PickleScan(0, None)
+    return PickleScan(machine.largest, machine.storages)
 
 
 class _Machine:
@@ -65,13 +92,14 @@ class _Machine:
         self.stack: list[_Size] = []
         self.memo: dict[int, _Size] = {}
         self.largest = 0
+        self.storages: dict[str, StorageDeclaration] | None = {}
 
-    def run(self, ops: Iterator[tuple[pickletools.OpcodeInfo, object, int | None]]) -> int:
+    def run(self, ops: Iterator[tuple[pickletools.OpcodeInfo, object, int | None]]) -> None:
         stack, memo, push = self.stack, self.memo, self.stack.append
         for opcode, arg, _ in ops:  # the common opcodes inline: a large state dict runs millions
             name = opcode.name
             if name in _ATOMS:
-                push(_Size(text=arg) if isinstance(arg, str) else _Size())
+                push(_Size(value=arg) if isinstance(arg, (str, int)) else _Size())
             elif name == "BINPUT" or name == "LONG_BINPUT":
                 memo[arg] = stack[-1]  # type: ignore[index]
             elif name == "BINGET" or name == "LONG_BINGET":
@@ -82,7 +110,6 @@ class _Machine:
                 push(_Size())
             elif name not in _IGNORED and not self._memo_step(name, arg) and not self._stack_step(name):
                 self._build_step(name)
-        return self.largest
 
     def _memo_step(self, name: str, arg: object) -> bool:
         if name == "PUT":  # BINPUT and LONG_BINPUT are run inline
@@ -105,10 +132,11 @@ class _Machine:
         elif name == "DUP":
             self.stack.append(self.stack[-1])
         elif name == "BINPERSID":
+            self._declare(self.stack[-1].value)
             self.stack[-1] = _Size()
         elif name == "STACK_GLOBAL":
             callable_name = self._pop(2)
-            self.stack.append(_Size(text=" ".join(str(part.text) for part in callable_name)))
+            self.stack.append(_Size(value=" ".join(str(part.value) for part in callable_name)))
         else:
             return False
         return True
@@ -120,7 +148,8 @@ class _Machine:
             items = self._to_mark()
             if name == "FROZENSET":
                 self._hashed(items)
-            self.stack.append(_Size(1 + sum(item.values for item in items)))
+            kept = tuple(item.value for item in items) if name == "TUPLE" and len(items) == 5 else None
+            self.stack.append(_Size(1 + sum(item.values for item in items), kept))
         elif name == "DICT":
             items = self._to_mark()
             self._hashed(items[0::2])
@@ -150,9 +179,25 @@ class _Machine:
         args = self._pop(3 if name == "NEWOBJ_EX" else 2)
         callable_name, rest = args[0], args[1:]
         held = sum(item.values for item in rest)
-        if callable_name.text in _HASHING_CALLS:
+        if callable_name.value in _HASHING_CALLS:
             self.largest = max(self.largest, held)  # pairs or elements: at most all it was given is hashed
         self.stack.append(_Size(1 + held))
+
+    def _declare(self, pid: object) -> None:
+        """Note a storage's persistent id; one that cannot be read (or a key declared twice otherwise) leaves the
+        storages unknown."""
+        if self.storages is None:
+            return
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            self.storages = None
+            return
+        _, kind, key, _, elements = pid
+        if not (isinstance(kind, str) and isinstance(key, str) and isinstance(elements, int)):
+            self.storages = None
+            return
+        declared = StorageDeclaration(kind, elements)
+        if self.storages.setdefault(key, declared) != declared:
+            self.storages = None
 
     def _hashed(self, keys: list[_Size]) -> None:
         self.largest = max(self.largest, *(key.values for key in keys), 0)
