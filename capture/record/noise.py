@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -45,19 +45,33 @@ from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
 from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
 
-__all__ = ["BufferValues", "buffer_values", "float64_inputs", "from_start", "in_float64", "measure_noise_floor"]
+__all__ = [
+    "BufferValues", "buffer_values", "float64_inputs", "from_start", "in_float64", "measure_noise_floor", "widened",
+]  # fmt: skip
+
+_COMPLEX_OF: Final = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def widened(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``values`` in ``dtype``'s precision: a floating tensor in ``dtype``, a complex one in the complex dtype of
+    the same width (float64: complex128, which a complex64 parameter meeting float64 operands needs); None for
+    others (integers, bools)."""
+    if values.is_floating_point():
+        return values.to(dtype)
+    if values.is_complex() and dtype in _COMPLEX_OF:
+        return values.to(_COMPLEX_OF[dtype])
+    return None
 
 
 def float64_inputs(value: Any) -> Any:
-    """A model's inputs with float64 copies of their floating tensors (new leaves, requiring grad as the inputs do: a
-    model may differentiate with respect to them), the rest as they are."""
+    """A model's inputs with float64 (complex128) copies of their floating (complex) tensors (new leaves, requiring
+    grad as the inputs do: a model may differentiate with respect to them), the rest as they are."""
 
-    def widened(tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_floating_point():
-            return tensor
-        return tensor.detach().to(torch.float64).requires_grad_(tensor.requires_grad)
+    def widened_input(tensor: torch.Tensor) -> torch.Tensor:
+        wide = widened(tensor.detach(), torch.float64)
+        return tensor if wide is None else wide.requires_grad_(tensor.requires_grad)
 
-    return map_tensors(value, widened)
+    return map_tensors(value, widened_input)
 
 
 class _NoiseSink:
@@ -145,13 +159,15 @@ def from_start(
     modes = [(module, module.training) for module in model.modules()]
 
     def copy(values: torch.Tensor) -> torch.Tensor:
-        return values.to(dtype) if dtype is not None and values.is_floating_point() else values.clone()
+        wide = widened(values, dtype) if dtype is not None else None
+        return values.clone() if wide is None else wide
 
     try:
         for param, data, _ in params:
             param.grad = None
-            if dtype is not None and data.is_floating_point():
-                param.data = data.to(dtype)
+            wide = widened(data, dtype) if dtype is not None else None
+            if wide is not None:
+                param.data = wide
         for module, name, buffer in buffers:
             module._buffers[name] = copy((start or {}).get((id(module), name), buffer))
         yield model.train(train_mode)

@@ -1,5 +1,5 @@
-"""The rounding rule's per-record state: float32 records that failed atol/rtol narrowly, kept until the port's
-float64 rerun has measured its own float32 error on them, and the rule's judgement of each.
+"""The rounding rule's per-record state: float32 (and complex64) records that failed atol/rtol narrowly, kept until
+the port's float64 rerun has measured its own float32 error on them, and the rule's judgement of each.
 
 Everything the rule needs of the reference (which elements fail, by how much, which elements are their peers) is
 taken when a record is kept, so the rerun only measures one number per record, the port's error on those peers.
@@ -263,12 +263,16 @@ class NearMisses:
             return
         if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
             return
-        values = value.detach().to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
+        values = _real(value).to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
         if expected is None:
             holder = self._weights if key[0] == "param_grad" else self._reader
             expected = holder.read_array(ref, verify=False)
-        failing = _failing(to_numeric(expected, ref.tag), values, tolerance, ignore)
+        numeric = to_numeric(expected, ref.tag)
+        if ref.tag == "C64":  # judged as its real and imaginary parts, each a float32 element
+            numeric = np.ascontiguousarray(numeric).view(np.float32).reshape(values.shape)
+            ignore = None if ignore is None else np.broadcast_to(ignore, tuple(ref.shape))[..., None]
+        failing = _failing(numeric, values, tolerance, ignore)
         if values.nbytes <= self._budget:
             self._budget -= values.nbytes
             self.kept[key] = _Kept(ref, failing, values)
@@ -282,10 +286,13 @@ class NearMisses:
     def measure(self, kind: str, name: str, exact: torch.Tensor) -> None:
         """The port's float32 error on a kept record: its distance to the float64 rerun's value, on the peers."""
         kept = self.kept.get((kind, name))
-        shape = tuple(kept.ref.shape) if kept is not None else ()
-        if kept is None or not exact.is_floating_point() or tuple(exact.shape) != shape:
+        if kept is None or (kept.ref.tag == "C64" and not exact.is_complex()):
             return
-        flat = exact.detach().reshape(-1)
+        exact = _real(exact)
+        shape = (*kept.ref.shape, 2) if kept.ref.tag == "C64" else tuple(kept.ref.shape)
+        if not exact.is_floating_point() or tuple(exact.shape) != shape:
+            return
+        flat = exact.reshape(-1)
         level, exact_scale = 0.0, kept.exact_scale
         for part in _chunks(flat.numel()):
             values = self._values(kept, part).astype(np.float64)
@@ -319,13 +326,19 @@ class NearMisses:
         self._spill.close()
 
 
+def _real(value: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's real and imaginary parts (a last dimension of 2); any other tensor as it is, detached."""
+    value = value.detach()
+    return torch.view_as_real(value.resolve_conj()) if value.is_complex() else value
+
+
 def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff, equal_nan: bool) -> bool:
-    """Float32 on both sides, compared element by element, no shape or NaN problem (NaNs on both sides are none
-    under ``equal_nan`` when there are as many: the kept record's check sees that they lie in the same places)."""
+    """Float32 (complex64) on both sides, compared element by element, no shape or NaN problem (NaNs on both sides
+    are none under ``equal_nan`` when there are as many: the kept record's check sees that they lie in the same
+    places)."""
     same_nans = diff.nan_expected == diff.nan_actual and (equal_nan or diff.nan_expected == 0)
     return (
-        ref.tag == "F32"
-        and value.dtype == torch.float32
+        (ref.tag, value.dtype) in (("F32", torch.float32), ("C64", torch.complex64))
         and diff.basis == "elements"
         and diff.problem is None
         and same_nans

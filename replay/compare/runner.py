@@ -41,7 +41,7 @@ from parity_harness.capture.record.draws import (
     not_rerun,
     unconfirmed,
 )
-from parity_harness.capture.record.noise import from_start
+from parity_harness.capture.record.noise import from_start, widened
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.tf32 import full_float32
 from parity_harness.common.errors import InputError
@@ -254,11 +254,11 @@ def _recorded_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
 
 
 def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
-    """A recorded input for the float64 rerun: floating tensors as float64 (requiring grad as recorded)."""
+    """A recorded input for the float64 rerun: floating (complex) tensors as float64 (complex128), requiring grad as
+    recorded."""
     tensor = reader.read_tensor(ref)
-    if not tensor.is_floating_point():
-        return tensor
-    return tensor.to(torch.float64).requires_grad_(ref.requires_grad)
+    wide = widened(tensor, torch.float64)
+    return tensor if wide is None else wide.requires_grad_(ref.requires_grad)
 
 
 class _ReplaySession:

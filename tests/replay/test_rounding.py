@@ -1165,3 +1165,41 @@ def test_a_generator_in_the_state_of_the_ports_own_is_not_taken_for_it(tmp_path:
         assert compare_run(_TwoDropPaths(1e-5, helper), reader, rounding=False).verdict == "MISMATCH"
         result = compare_run(_TwoDropPaths(1e-5, helper), reader)
     assert result.verdict == ("INCOMPLETE" if helper else "MISMATCH")
+
+
+class _SpectralMix(torch.nn.Module):
+    """A complex64 weight mixing a spectrum; ``order`` sums the real Linear before it another way (float32 rounding
+    only), ``bug`` scales the complex weight's use by 1 + bug."""
+
+    def __init__(self, order: bool = False, bug: float = 0.0) -> None:
+        super().__init__()
+        self.lin = _SplitLinear(64, 64) if order else torch.nn.Linear(64, 64)
+        self.out = torch.nn.Linear(64, 2)
+        self.mix = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.complex64) / 8)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.fft(self.lin(x) * 1000) @ (self.mix * (1 + self.bug))
+        return self.out(torch.fft.ifft(spectrum).real)
+
+
+@pytest.mark.parametrize(("bug", "verdict"), [(0.0, "MATCH"), (2e-3, "MISMATCH")])
+def test_complex_parameters_are_judged_by_their_real_and_imaginary_parts(
+    tmp_path: Path, bug: float, verdict: str
+) -> None:
+    """A complex64 weight meeting float64 operands in the rerun (a matrix product) made it fail (it was not widened:
+    INCOMPLETE); and a complex record was never judged, its float32 rounding failing the port (MISMATCH, no reason
+    said). The weight is widened to complex128 and the record judged part by part; a bug still fails."""
+    torch.manual_seed(0)
+    reference = _SpectralMix()
+    capture_run(reference, (torch.randn(64, 64),), tmp_path / "ref.h5", seed=0)
+    port = _SpectralMix(order=True, bug=bug)
+    port.load_state_dict(reference.state_dict())
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        result = compare_run(port, reader)
+    assert result.verdict == verdict, [(r.name, r.undecided) for r in result.records if not r.match]
+    weight = next(r for r in result.of_kind("param_grad") if r.name == "mix")
+    assert weight.diff.max_abs > 0
+    assert weight.match == (bug == 0.0)
+    if bug == 0.0:
+        assert weight.rule == "rounding"
