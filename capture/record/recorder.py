@@ -295,6 +295,8 @@ class _CaptureRun:
         self.buffers: RecordedBuffers | None = None
         self.padded: PaddedPositions | None = None
         """Where the seeded cotangent is zero: each output's padded positions (``--lengths``)."""
+        self.forward_outputs: list[tuple[str, torch.Tensor]] = []
+        """Copies of the outputs as the forward returned them, for the noise floor (``record_forward``)."""
 
     def record_inputs_and_parameters(self) -> None:
         """Provenance, the seed and RNG state, the inputs and the parameters (before anything runs)."""
@@ -327,6 +329,12 @@ class _CaptureRun:
         with self.tap:
             outputs = call_forward(self.model, self.inputs, self.options.forward)
         self.trees["outputs"] = encode_value(outputs, "output", SelectiveStore(self.writer, OUTPUTS, selection))
+        # The noise floor's proof that the run repeats compares these values: copied now, before the adapter's loss
+        # can change them in place. Without hooks, the outputs of a forward running autograd through the hooks'
+        # aliases round otherwise: none kept then.
+        if self.options.noise_floor and not self.tap.differentiated_in_forward:
+            live = iter_live_tensors(outputs, "output")
+            self.forward_outputs = [(slot, tensor.detach().clone()) for slot, tensor in live]
         return outputs
 
     def record_backward(self, outputs: Any) -> None:
@@ -371,11 +379,8 @@ class _CaptureRun:
         """The observer self-check and the float64 noise floor, when asked for, each rerunning from the state the
         recorded run started from (the model goes back to it once the capture is over anyway)."""
         options = self.options
-        # The recorded outputs as they are now: the rewinds put back a buffer an output may be (its values move).
-        # Without hooks, the outputs of a forward running autograd through the hooks' aliases round otherwise.
         inner = self.tap is not None and self.tap.differentiated_in_forward
-        live = [] if inner or not options.noise_floor else iter_live_tensors(outputs, "output")
-        recorded = [(slot, tensor.detach().clone()) for slot, tensor in live]
+        recorded = self.forward_outputs
         if options.self_check:
             hooked = _hooked_values(self.model, outputs)  # before the rewind, which drops modules the run made
             self._rewind("--self-check")

@@ -604,7 +604,9 @@ class _ReplaySession:
             outputs = call_forward(self.port, inputs, options.forward)
         live = iter_live_tensors(outputs, "output")
         if self.near is not None:  # the rounding check's proof that the run repeats from its start
-            self.replayed_outputs = [(slot, tensor.detach()) for slot, tensor in live]
+            # copied where the adapter's loss may change them in place (``out.clamp_(...)``) before the proof runs
+            keep = torch.Tensor.clone if options.loss is not None else torch.Tensor.detach
+            self.replayed_outputs = [(slot, keep(tensor.detach())) for slot, tensor in live]
         self._note_outside_uses(watch, [tensor for _, tensor in live])
         expected = slots(self.index.outputs, "output")
         padding = sink.output_padding if options.mask_padding else None

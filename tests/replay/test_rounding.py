@@ -1203,3 +1203,21 @@ def test_complex_parameters_are_judged_by_their_real_and_imaginary_parts(
     assert weight.match == (bug == 0.0)
     if bug == 0.0:
         assert weight.rule == "rounding"
+
+
+def _clamping_loss(outputs: torch.Tensor) -> torch.Tensor:
+    """Clamps the outputs in place before reducing them (legal: autograd does not need them)."""
+    return (outputs.clamp_(min=-0.5) ** 2).mean()
+
+
+def test_a_loss_changing_the_outputs_in_place_leaves_the_rounding_check_its_proof(tmp_path: Path) -> None:
+    """The proof that the run repeats compared the rerun's outputs with the replay's after the adapter's loss had
+    clamped them in place: a correct port was INCOMPLETE ("could not draw the random numbers", though it draws
+    none), and capture-run --noise-floor refused the reference alike. Both take the outputs as the forward left them."""
+    capture_run(build(), token_ids(), tmp_path / "floor.h5", seed=0, loss=_clamping_loss, noise_floor=True)
+    with BundleReader(tmp_path / "floor.h5") as reader:
+        assert reader.index.noise_floor
+    capture_run(build(), token_ids(), tmp_path / "ref.h5", seed=0, loss=_clamping_loss)
+    result = _replay(build(manual=True), tmp_path / "ref.h5", loss=_clamping_loss)
+    assert result.verdict == "MATCH", result.notes
+    assert any(record.rule == "rounding" for record in result.records), "no near miss: the check was not exercised"
