@@ -45,7 +45,8 @@ class Featurizer(torch.nn.Module):
     def forward(self, signal: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         audio = [row[:n] for row, n in zip(signal, length.tolist(), strict=True)]
         batch = self.extractor(audio, sampling_rate=self.extractor.sampling_rate, return_tensors="pt")
-        return batch.input_features.to(signal.device), batch.attention_mask.sum(-1).to(signal.device)
+        # in the signal's dtype: the extractor computes in float32, and the rounding check reruns the port in float64
+        return batch.input_features.to(signal.device, signal.dtype), batch.attention_mask.sum(-1).to(signal.device)
 
 
 class Port(torch.nn.Module):
