@@ -29,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import h5py
 import numpy as np
@@ -39,9 +41,11 @@ from parity_harness.common.errors import BundleFormatError
 from parity_harness.common.format.packing import pack, unpack
 
 __all__ = [
+    "SHARING_FACTOR",
     "Catalog",
     "StoredDataset",
     "check_contained",
+    "check_sharing",
     "file_identity",
     "read_other_metadata",
     "require_regular_file",
@@ -111,6 +115,27 @@ class Catalog:
         except (BundleFormatError, KeyError, TypeError, ValueError, AttributeError):
             return None
         return cls((device, inode, size, modified, changed), datasets)
+
+
+SHARING_FACTOR: Final = 32
+"""How many times over the datasets a reader reads in full, each under every name it has, may show what they store:
+a file of a few MB naming one dataset 20,000 times through hard links is 80 GB to read and compare."""
+_SHARING_SLACK: Final = 16 << 20
+
+
+def check_sharing(datasets: Iterable[StoredDataset], path: str | os.PathLike[str], noun: str) -> None:
+    """Refuse ``datasets`` (one entry per name a reader will read) when they show more than :data:`SHARING_FACTOR`
+    times the bytes they store (each stored dataset, by where it starts, counted once)."""
+    shown, stored = 0, {}
+    for dataset in datasets:
+        shown += dataset.nbytes
+        stored[dataset.offset if dataset.offset is not None else id(dataset)] = dataset.nbytes
+    held = sum(stored.values())
+    if shown > SHARING_FACTOR * held + _SHARING_SLACK:
+        raise BundleFormatError(
+            f"{path}: its names show {shown} bytes of {held} stored (one {noun} dataset hard-linked under more than "
+            f"{SHARING_FACTOR} names): crafted; write each tensor once"
+        )
 
 
 def require_regular_file(path: Path, noun: str) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from parity_harness.common.errors import CheckpointError
 from parity_harness.common.format.bundle.layout import ATTR_DTYPE
+from parity_harness.common.format.containment import check_sharing
 from parity_harness.replay.ckpt_diff.sources import Source, TensorInfo, flat_blocks
 from parity_harness.replay.preflight import DEFAULT_PREFLIGHT_SECONDS
 from parity_harness.replay.preflight import preflight as walk_in_child
@@ -30,6 +31,9 @@ class BundleSource(Source):
         # The reader opens only the file walked, and refuses one that is not a bundle (its format attribute).
         self._reader: BundleReader | None = BundleReader(path, verify=verify, catalog=catalog)
         self._refs = self._reader.index.params
+        if catalog is not None:  # every parameter is read whole: one dataset under 20,000 names is 20,000 reads
+            stored = (catalog.datasets.get(ref.path.lstrip("/")) for ref in self._refs.values())
+            check_sharing([dataset for dataset in stored if dataset is not None], path, "bundle")
         self.tensors = {name: TensorInfo(name, ref.tag, tuple(ref.shape)) for name, ref in self._refs.items()}
 
     def blocks(self, name: str, elements: int) -> Iterator[np.ndarray]:

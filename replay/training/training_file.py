@@ -19,7 +19,7 @@ import torch
 
 from parity_harness.common.errors import BundleChangedError, BundleFormatError, BundleNotFoundError
 from parity_harness.common.format.bundle.layout import unescape_dotted
-from parity_harness.common.format.containment import Catalog
+from parity_harness.common.format.containment import Catalog, check_sharing
 from parity_harness.common.format.damage import damage_guard
 from parity_harness.common.format.dtypes import from_storage, to_compared
 from parity_harness.common.format.training import (
@@ -68,6 +68,8 @@ class TrainingRun:
             last = attempt + 1 == _LIVE_ATTEMPTS
             try:  # a walk's refusal, hang or crash ends it here: another try would only repeat it
                 catalog = self._walk(preflight)
+                if catalog is not None:  # every step's tensors are read whole
+                    check_sharing(catalog.datasets.values(), self.path, "training file")
             except BundleChangedError:  # changed under its walk: a step was being flushed
                 if last:
                     raise
