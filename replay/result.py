@@ -36,15 +36,19 @@ __all__ = [
     "summed_records",
 ]
 
-RecordKind = Literal["output", "param_grad", "forward", "backward", "buffer", "param"]
+RecordKind = Literal["output", "param_grad", "input_grad", "forward", "backward", "buffer", "param"]
 Verdict = Literal["ok", "origin", "inherited", "input differs", "not isolated"]
 """With ``--isolate``: ``origin`` the record's own module is out of tolerance on the reference's
 inputs; ``inherited`` out of tolerance only because its inputs already differed; ``input differs``
 the first difference is in what the port *fed* the module (glue code of its parent);
 ``not isolated`` out of tolerance, but the module could not be run in isolation."""
-KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "forward", "backward", "buffer")
+KINDS: Final[tuple[RecordKind, ...]] = ("output", "param_grad", "input_grad", "forward", "backward", "buffer")
 """The kinds of :attr:`ComparisonResult.records`. ``buffer``: a persistent buffer after the run (a train-mode
-BatchNorm's running statistics; format 1.5)."""
+BatchNorm's running statistics; format 1.5); ``input_grad``: the gradient of a model input that requires grad (format
+1.6)."""
+_LISTED_APART: Final = ("buffer", "input_grad")
+"""Kinds the JSON report lists beside ``records`` (under ``buffers``, ``input_grads``): its records keep the four
+kinds the contract names."""
 COUNTED_KINDS: Final[tuple[RecordKind, ...]] = (*KINDS, "param")
 """The kinds counted and covered: those of the records, and ``param``, the parameters' values
 (:attr:`ComparisonResult.param_values`), which decide the verdict too."""
@@ -442,9 +446,12 @@ class ComparisonResult:
                 "noise_factor": self.noise_factor,
                 "rounding_factor": self.rounding_factor,
             },
-            "records": [self._record_json(r) for kind in KINDS if kind != "buffer" for r in self.of_kind(kind)],
+            "records": [
+                self._record_json(r) for kind in KINDS if kind not in _LISTED_APART for r in self.of_kind(kind)
+            ],
             # Beside the records, whose kinds the contract lists (a consumer checking them keeps working).
             "buffers": [self._record_json(r) for r in self.of_kind("buffer")],
+            "input_grads": [self._record_json(r) for r in self.of_kind("input_grad")],
             "param_values": [r.to_json() for r in self.param_values],
             "differing_parameters": [r.name for r in self.differing_parameters],
             "unmatched": {"bundle_only": sorted(self.bundle_only), "replay_only": sorted(self.replay_only)},

@@ -59,11 +59,13 @@ def _documented_rows(heading: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fresh_bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Three fresh bundles: one with a seeded cotangent, one with a loss, one of a train-mode BatchNorm."""
+    """Three fresh bundles: one with a seeded cotangent, one with a loss, one of a train-mode BatchNorm whose input
+    requires grad."""
     folder = tmp_path_factory.mktemp("spec")
     capture_run(build_tiny(), tiny_inputs(), folder / "cotangent.h5", noise_floor=True)
     capture_run(build_tiny(), tiny_inputs(), folder / "loss.h5", loss=logits_loss)
-    capture_run(build_batchnorm(), batchnorm_inputs(), folder / "buffers.h5", train_mode=True)
+    inputs = tuple(tensor.requires_grad_() for tensor in batchnorm_inputs())  # their gradients recorded too
+    capture_run(build_batchnorm(), inputs, folder / "buffers.h5", train_mode=True)
     return [folder / "cotangent.h5", folder / "loss.h5", folder / "buffers.h5"]
 
 

@@ -19,19 +19,22 @@ from parity_harness.capture.observe.driving import (
     PaddedPositions,
     make_cotangents,
 )
+from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.sink import nbytes
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import InputError
 from parity_harness.common.format.bundle.layout import (
     BACKWARD,
     GRADS,
+    INPUT_GRADS,
     PARAMS,
     escape_dotted,
+    tensor_path,
 )
 from parity_harness.common.format.bundle.schema import BackwardMode, TensorRef, Tree
 from parity_harness.common.format.bundle.selection import Selection
 
-__all__ = ["GradientStream", "run_backward", "write_params"]
+__all__ = ["GradientStream", "InputGradients", "run_backward", "write_params"]
 
 
 def write_params(
@@ -151,3 +154,40 @@ def run_backward(
     pairs = [[slot, writer.write_tensor(f"{BACKWARD}/cotangent/{slot}", cot).to_tree()] for slot, _, cot in triples]
     torch.autograd.backward([out for _, out, _ in triples], [cot for _, _, cot in triples])
     return "cotangent", ["D", pairs], None
+
+
+class InputGradients:
+    """The gradient backward gives each model input that requires grad, taken by a hook on the input itself: the sum
+    over every use of it, as a fresh leaf's ``.grad`` would hold (not added to a ``.grad`` the caller left, and also
+    for an input that is no leaf: one moved to a device). Hooked after the forward, so that a gradient the model
+    takes inside its forward is not taken for the run's."""
+
+    def __init__(self, inputs: Any) -> None:
+        self._taken: dict[str, torch.Tensor] = {}
+        hooked = [(slot, tensor) for slot, tensor in iter_live_tensors(inputs, "input") if tensor.requires_grad]
+        self._slots = [slot for slot, _ in hooked]
+        self._handles = [
+            tensor.register_hook(functools.partial(self._keep, slot))  # type: ignore[no-untyped-call]
+            for slot, tensor in hooked
+        ]
+
+    def _keep(self, slot: str, grad: torch.Tensor | None) -> None:
+        if grad is not None and slot not in self._taken:
+            self._taken[slot] = grad.detach().clone()
+
+    @property
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The gradients taken, in the inputs' order (backward reaches them in its own)."""
+        return {slot: self._taken[slot] for slot in self._slots if slot in self._taken}
+
+    def __enter__(self) -> InputGradients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def write(self, writer: BundleWriter) -> dict[str, TensorRef]:
+        """Each gradient taken, stored at ``/input_grads/<slot>``."""
+        return {slot: writer.write_tensor(tensor_path(INPUT_GRADS, slot), grad) for slot, grad in self.grads.items()}

@@ -37,7 +37,7 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.model_state import BufferState, model_kept
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
-from parity_harness.capture.record.gradients import GradientStream, run_backward, write_params
+from parity_harness.capture.record.gradients import GradientStream, InputGradients, run_backward, write_params
 from parity_harness.capture.record.noise import BufferValues, buffer_values, measure_noise_floor
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.selfcheck import observer_differences
@@ -283,6 +283,7 @@ class _CaptureRun:
         self.trees: dict[str, Tree | None] = {}
         self.params: dict[str, TensorRef] = {}
         self.grads: dict[str, TensorRef] = {}
+        self.input_grads: dict[str, TensorRef] = {}
         self.rng: dict[str, Any] = {}
         self.floors: dict[str, float] = {}
         self.regrouped = 0
@@ -342,11 +343,15 @@ class _CaptureRun:
         options = self.options
         if options.lengths is not None and options.loss is None:
             self.padded = self._padded_positions(options.lengths)
-        with GradientStream(self.writer, self.model, options.selection, self.context) as gradients:
+        with (
+            GradientStream(self.writer, self.model, options.selection, self.context) as gradients,
+            InputGradients(self.inputs) as inputs,
+        ):
             self.mode, self.trees["cotangent"], self.trees["loss"] = run_backward(
                 self.writer, outputs, options.seed, options.loss, self.padded
             )
         self.grads = gradients.finish()
+        self.input_grads = inputs.write(self.writer)
         # the noise floor's float64 run must end where this one did, the model's own generators included
         self.draws_after = torch_generator_states(self._own_generators())
 
@@ -458,6 +463,7 @@ class _CaptureRun:
             selection=self._recorded_selection(),
             summaries=self.writer.summaries,
             buffers=self.buffers,
+            input_grads=self.input_grads,
         )
 
     def _run_info(self) -> RunInfo:

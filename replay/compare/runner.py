@@ -41,6 +41,7 @@ from parity_harness.capture.record.draws import (
     not_rerun,
     unconfirmed,
 )
+from parity_harness.capture.record.gradients import InputGradients
 from parity_harness.capture.record.noise import from_start, widened
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.tf32 import full_float32
@@ -49,6 +50,7 @@ from parity_harness.common.format.bundle.schema import TensorRef, describe_witho
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.dtypes import tag_of
 from parity_harness.common.format.preview import first_names
+from parity_harness.common.numerics.metrics import unmatchable
 from parity_harness.common.numerics.tolerances import ToleranceTable
 from parity_harness.replay.compare.buffers import compare_buffers
 from parity_harness.replay.compare.data_parallel import (
@@ -619,10 +621,32 @@ class _ReplaySession:
             self._note_outside_uses(watch, [value])
             self._compare_loss(value)
 
-        with self.reader.trims_paused():  # the peak is past: trims now would only fault pages in again
+        # the peak is past: trims now would only fault pages in again
+        with self.reader.trims_paused(), InputGradients(inputs) as taken:
             left_out = backward_as_recorded(self.reader, outputs, options.loss, self.transform, on_loss=on_loss)
         self._fail_left_out_outputs(left_out)
+        self._compare_input_gradients(taken.grads)
         sink.diffs.release()  # the module records are all compared: parameters and gradients never repeat
+
+    def _compare_input_gradients(self, taken: dict[str, torch.Tensor]) -> None:
+        """The gradient backward gave each model input against the reference's (format 1.6 on: earlier bundles
+        recorded none); an input with a gradient on one side only fails."""
+        if (self.reader.format_version, self.reader.format_minor) < (1, 6):
+            return
+        expected = self.index.input_grads
+        compared = compare_named(
+            self.reader, self.result.tolerances, "input_grad", taken.items(), expected, self.transform, near=self.near
+        )
+        records, port_only, reference_only = compared
+        for slot in reference_only:
+            ref = expected[slot]
+            problem = "no gradient in the port (its input got none: detached or unused?)"
+            records.append(RecordResult("input_grad", slot, unmatchable(ref.shape, ref.tag, "-", problem)))
+        for slot in port_only:
+            given, problem = taken[slot], "no gradient in the reference, but the port gives its input one"
+            tag = tag_of(given.dtype)
+            records.append(RecordResult("input_grad", slot, unmatchable(tuple(given.shape), tag, tag, problem)))
+        self.result.records += records
 
     def _compare_output_values(self, outputs: object) -> None:
         """The reference's scalar outputs compared; an output it could not store left uncompared (INCOMPLETE), said."""
@@ -887,7 +911,10 @@ class _ReplaySession:
             for slot, tensor in iter_live_tensors(outputs, "output"):
                 report("output", slot, tensor)
             on_loss = functools.partial(report, "output", "loss")
-        backward_as_recorded(run, outputs, self.options.loss, self.transform, on_loss=on_loss)
+        with InputGradients(inputs) as taken:
+            backward_as_recorded(run, outputs, self.options.loss, self.transform, on_loss=on_loss)
+        for slot, grad in taken.grads.items() if report is not None else ():
+            report("input_grad", slot, grad)
         # The rerun draws as the replay did (capture.record.draws); an end state of torch's generators other than
         # the replay's tells of a draw it could not see (another rank's run has no replay here to compare with).
         ended = torch_generator_states(self._own_generators())

@@ -80,7 +80,7 @@ def apply_isolation(result: ComparisonResult, isolation: Isolation, levels: dict
         own = _verdict(not differs, local, fed=False, earlier_mismatch=False, isolated=local is not None)
         judged[id(record)] = replace(record, local=local, verdict=own)
     any_origin = any(r.verdict == "origin" for r in judged.values())
-    for record in result.of_kind("output"):
+    for record in (*result.of_kind("output"), *result.of_kind("input_grad")):  # the whole run's, as the outputs
         final: Verdict = "ok" if record.match or record.undecided else ("inherited" if any_origin else "not isolated")
         judged[id(record)] = replace(record, verdict=final)
     for record in result.of_kind("buffer"):  # the state a whole run leaves: no one module's call to isolate

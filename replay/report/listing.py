@@ -62,6 +62,8 @@ def render_listing(reader: BundleReader) -> str:
     ]
     lines += [f"== Backward records ({len(backward)}) ==", tabulate(backward, headers=["name", "shape", "dtype"])]
     lines.append(f"parameter gradients: {len(index.grads)}")
+    if index.input_grads:
+        lines.append(f"input gradients: {len(index.input_grads)} ({', '.join(list(index.input_grads)[:5])})")
     lines.append(_buffers_line(index.buffers))
     return "\n".join(lines)
 

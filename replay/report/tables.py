@@ -28,6 +28,7 @@ Show = Literal["auto", "all", "mismatched"]
 _TITLES: Final[dict[RecordKind, str]] = {
     "output": "Final outputs",
     "param_grad": "Parameter gradients",
+    "input_grad": "Input gradients (inputs that require grad)",
     "forward": "Forward, per module call (execution order)",
     "backward": "Backward, per module call (backward order)",
     "buffer": "Buffers after the run (those either run changed)",
@@ -144,6 +145,12 @@ def _divergence(result: ComparisonResult, kind: Literal["forward", "backward"]) 
     record = result.first_divergence(kind)
     if record is None and kind == "backward" and (owners := _parameter_gradient_owners(result)):
         return f"first divergence (backward): none among the modules' records, yet parameter gradients differ: {owners}"
+    inputs = [r.name for r in result.of_kind("input_grad") if not r.match]
+    if record is None and kind == "backward" and inputs:
+        return (
+            f"first divergence (backward): none among the modules' records, yet the model's input gradients differ "
+            f"({', '.join(inputs[:3])}): the model's own code between its modules, or its inputs' use outside them"
+        )
     if record is None:
         return f"first divergence ({kind}): none"
     diff = record.diff

@@ -18,9 +18,9 @@ from parity_harness.common.format.bundle.version import (
 
 
 def test_format_constants() -> None:
-    """The released format is parity-harness-bundle 1.3 (1.1 added the noise floor, 1.2 selection and summaries,
-    1.3 arguments named after the forward's parameters)."""
-    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR) == ("parity-harness-bundle", 1, 5)
+    """The released format is parity-harness-bundle 1.6 (1.1 added the noise floor, 1.2 selection and summaries,
+    1.3 arguments named after the forward's parameters, 1.4 the RNG's checksum, 1.5 buffers, 1.6 input gradients)."""
+    assert (FORMAT_NAME, FORMAT_VERSION, FORMAT_MINOR) == ("parity-harness-bundle", 1, 6)
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,8 @@ BACKWARD: Final = "/backward"
 PARAMS: Final = "/params"
 GRADS: Final = "/grads"
 BUFFERS: Final = "/buffers"
+INPUT_GRADS: Final = "/input_grads"
+"""1.6: the gradient of each model input that requires grad, after backward."""
 MODULES: Final = "/modules"
 
 

@@ -205,6 +205,8 @@ class BundleIndex:
     buffers: RecordedBuffers | None = None
     """The persistent buffers the run changed and those it left as they were (format 1.5); ``None``: not recorded
     (an older bundle, or a capture by several ranks)."""
+    input_grads: dict[str, TensorRef] = field(default_factory=dict)
+    """Input slot -> the gradient backward gave that model input (format 1.6; inputs requiring grad only)."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored at ``/index``."""
@@ -225,7 +227,9 @@ class BundleIndex:
             "summaries": self.summaries,
             "checksums": self.checksums,
             **({} if self.buffers is None else {"buffers": self.buffers.to_dict()}),
-        }
+            **({"input_grads": [[slot, ref.to_tree()] for slot, ref in self.input_grads.items()]}
+               if self.input_grads else {}),
+        }  # fmt: skip
 
     def _params_and_changed_buffers(self) -> dict[str, TensorRef]:
         """``params`` as stored: the changed buffers' values are listed among the parameters too, so that a reader
@@ -241,6 +245,7 @@ class BundleIndex:
                 _collect_refs(tree, refs)
         refs.extend(self.params.values())
         refs.extend(self.grads.values())
+        refs.extend(self.input_grads.values())
         if self.buffers is not None:
             refs.extend(self.buffers.changed.values())
         for call in self.calls:
@@ -637,6 +642,7 @@ def parse_index(obj: object) -> BundleIndex:
         },
         checksums=_parse_checksums(index.get("checksums", {})),
         buffers=buffers,
+        input_grads=_parse_named_refs(index.get("input_grads", []), "input_grads"),
     )
 
 

@@ -19,7 +19,7 @@ __all__ = [
 FORMAT_NAME: Final = "parity-harness-bundle"
 FORMAT_VERSION: Final = 1
 """Major version: bumped when a reader of the previous major could misread a bundle."""
-FORMAT_MINOR: Final = 5
+FORMAT_MINOR: Final = 6
 """Minor version: bumped when fields are only added; older readers warn and go on."""
 
 

@@ -1,0 +1,169 @@
+"""The gradient of a model input that requires grad (saliency, forces, adversarial ports): recorded by capture and
+compared by replay (format 1.6). Before, a port whose glue detached the input in one term matched: its forward,
+every module record and every parameter gradient agreed, and only d(output)/d(input) differed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from parity_harness.capture.record.recorder import capture_run
+from parity_harness.replay.cli.replay_compare import main as replay_main
+from parity_harness.replay.compare.runner import compare_run
+from parity_harness.replay.reader import BundleReader
+from parity_harness.replay.result import ComparisonResult
+
+
+class _Saliency(nn.Module):
+    """A linear layer plus a term of the input's own between the modules; ``glue`` says what the port does there."""
+
+    def __init__(self, glue: str = "same") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.glue = nn.Linear(4, 3), glue
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.glue == "detached-input":  # every use of x cut from the graph: x gets no gradient
+            x = x.detach()
+        term = x.detach() if self.glue == "detached-term" else x
+        if self.glue == "unused-scale":
+            return self.lin(x) + (term**2).sum(-1, keepdim=True) + 0 * scale.detach()
+        return self.lin(x) + (term**2).sum(-1, keepdim=True) * scale
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(2, 4, generator=generator).requires_grad_(), torch.rand(1, generator=generator).requires_grad_()
+
+
+def _replay(bundle: Path, glue: str) -> ComparisonResult:
+    with BundleReader(bundle) as reader:
+        return compare_run(_Saliency(glue), reader)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("input-grads") / "ref.h5"
+    inputs = _inputs()
+    inputs[0].grad = torch.full((2, 4), 100.0)  # a gradient the caller left: not part of this run's
+    capture_run(_Saliency(), inputs, path, seed=0)
+    return path
+
+
+def test_each_input_that_requires_grad_has_its_gradient_recorded(bundle: Path) -> None:
+    """This run's gradient alone (the caller's stale .grad is not added), at /input_grads/<slot>."""
+    x, scale = _inputs()
+    model = _Saliency()
+    output = model(x, scale)
+    output.backward(torch.randn(output.shape, generator=torch.Generator().manual_seed(0)))
+    with BundleReader(bundle) as reader:
+        assert set(reader.index.input_grads) == {"input.0", "input.1"}
+    with h5py.File(bundle, "r") as file:
+        assert sorted(file["input_grads"]) == ["input.0", "input.1"]
+    # the cotangent is the bundle's own seeded draw: compare with the gradient replay computes from it
+    assert _replay(bundle, "same").verdict == "MATCH"
+
+
+def test_an_identical_port_matches_with_every_input_gradient_compared(bundle: Path) -> None:
+    result = _replay(bundle, "same")
+    assert result.verdict == "MATCH"
+    compared = result.of_kind("input_grad")
+    assert [record.name for record in compared] == ["input.0", "input.1"]
+    assert all(record.diff.max_abs == 0 for record in compared)
+    assert result.coverage()["input_grad"].compared == 2
+
+
+@pytest.mark.parametrize(
+    ("glue", "failing", "problem"),
+    [
+        pytest.param("detached-term", {"input.0"}, None, id="a-term-detached"),
+        pytest.param("detached-input", {"input.0"}, "no gradient in the port", id="no-gradient-in-the-port"),
+        pytest.param("unused-scale", {"input.0", "input.1"}, "no gradient in the port", id="an-input-left-unused"),
+    ],
+)
+def test_a_port_differing_only_in_its_inputs_gradient_fails(
+    bundle: Path, glue: str, failing: set[str], problem: str | None
+) -> None:
+    """Forward values and every module record agree where the port's glue changes only how the input is used."""
+    result = _replay(bundle, glue)
+    assert result.verdict == "MISMATCH"
+    differing = {record.name for record in result.of_kind("input_grad") if not record.match}
+    assert differing == failing
+    if problem is not None:
+        assert any(problem in (record.diff.problem or "") for record in result.of_kind("input_grad"))
+    if glue == "detached-term":
+        assert all(record.match for record in result.records if record.kind != "input_grad")
+
+
+def test_an_input_gradient_the_reference_did_not_have_fails(tmp_path: Path) -> None:
+    """The reference leaves its scale unused (no gradient); a port using it gives it one."""
+    capture_run(_Saliency("unused-scale"), _inputs(), tmp_path / "ref.h5", seed=0)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        assert set(reader.index.input_grads) == {"input.0"}
+        result = compare_run(_Saliency("same"), reader)
+    scale = next(record for record in result.of_kind("input_grad") if record.name == "input.1")
+    assert not scale.match
+    assert "no gradient in the reference" in (scale.diff.problem or "")
+
+
+def test_the_report_and_its_json_list_the_input_gradients(bundle: Path, tmp_path: Path) -> None:
+    """A table of their own; in the JSON under input_grads, beside records (whose kinds stay the contract's four)."""
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(
+        replay_main,
+        ["--bundle", str(bundle), "--model", f"{__name__}:_Saliency", "--json", str(report)],
+    )
+    assert result.exit_code == 0, result.output
+    assert "== Input gradients (inputs that require grad): 2/2 match ==" in result.output
+    document = json.loads(report.read_text())
+    assert [record["name"] for record in document["input_grads"]] == ["input.0", "input.1"]
+    assert {record["kind"] for record in document["records"]} <= {"output", "param_grad", "forward", "backward"}
+
+
+def test_a_differing_input_gradient_is_named_where_the_modules_agree(bundle: Path, tmp_path: Path) -> None:
+    output = (
+        CliRunner().invoke(replay_main, ["--bundle", str(bundle), "--model", f"{__name__}:_detached_term_port"]).output
+    )
+    assert "yet the model's input gradients differ (input.0)" in output
+    assert "RESULT: MISMATCH" in output
+
+
+def _detached_term_port() -> nn.Module:
+    return _Saliency("detached-term")
+
+
+class _ProductsLinear(nn.Linear):
+    """The same maths as nn.Linear, its sums rounded otherwise (elementwise products, then a sum)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return (input.unsqueeze(-2) * self.weight).sum(-1) + self.bias
+
+
+class _Sensitive(nn.Module):
+    def __init__(self, port: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = (_ProductsLinear if port else nn.Linear)(64, 64)
+        self.o = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.a(x * 30)) * 30)
+
+
+def test_an_input_gradient_off_by_float32_rounding_alone_passes_the_rounding_check(tmp_path: Path) -> None:
+    """A correct port rounding otherwise fails the input's gradient at atol/rtol 1e-5; the float64 rerun measures
+    the port's own rounding on it as on a parameter's gradient (MATCH, judged so)."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    capture_run(_Sensitive(), (x,), tmp_path / "ref.h5", seed=0)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        plain = compare_run(_Sensitive(port=True), reader, rounding=False)
+        judged = compare_run(_Sensitive(port=True), reader)
+    assert not next(iter(plain.of_kind("input_grad"))).match
+    assert judged.verdict == "MATCH", judged.notes
+    assert next(iter(judged.of_kind("input_grad"))).rule == "rounding"
