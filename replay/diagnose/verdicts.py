@@ -123,7 +123,7 @@ def find_origins_between_modules(result: ComparisonResult, *, measured: bool) ->
         if result.first_origin(kind) is not None or (below is not None and below[0] is not None):
             continue
         result.origins_below_tolerance.pop(kind, None)  # "inherited, origin not isolated" says less than this
-        caller = _caller(first.module, {record.module for record in result.records if record.module})
+        caller = _caller(first.module, _modules_called(result))
         fed = "input" if kind == "forward" else "output's gradient"
         unless = "" if measured else ", unless a difference within tolerance before it grew past it"
         why = (
@@ -131,6 +131,14 @@ def find_origins_between_modules(result: ComparisonResult, *, measured: bool) ->
             f"by the code of {caller} around its call (glue code of no module of its own){unless}"
         )
         result.origins_between_modules[kind] = (caller, why)
+
+
+def _modules_called(result: ComparisonResult) -> set[str]:
+    """The modules the reference's run called: those of compared records, and of records waived or left uncompared
+    (an encoder whose records the map waives still runs the code around its layers' calls)."""
+    called = {record.module for record in result.records if record.module}
+    others = (*result.waived, *result.bundle_only)
+    return called | {name.partition("/")[0] for name in others if name.count("/") >= 2}
 
 
 def _caller(module: str, called: set[str]) -> str:

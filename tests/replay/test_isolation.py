@@ -16,6 +16,7 @@ from parity_harness.common.numerics.tolerances import Tolerance, ToleranceTable
 from parity_harness.replay.cli.replay_compare import main
 from parity_harness.replay.compare.runner import compare_run
 from parity_harness.replay.diagnose.isolation import ChainedRecords
+from parity_harness.replay.naming.mapping import parse_map
 from parity_harness.replay.reader import BundleReader
 from parity_harness.replay.report.tables import render_result
 from parity_harness.replay.result import ComparisonResult
@@ -121,6 +122,16 @@ def test_a_bug_in_a_parents_backward_glue_names_the_parent(tmp_path: Path) -> No
     summary = render_result(result)
     assert "first origin (backward): p, between its modules  [p.c1/0/grad_output differs" in summary
     assert "is inherited" not in summary
+
+
+def test_the_glues_module_is_named_though_its_own_records_are_waived(tmp_path: Path) -> None:
+    """A map waiving every record of the module whose code holds the bug (an encoder whose records the port's
+    cannot pair) made the summary blame "the root module": the caller is the nearest module the reference ran."""
+    bundle = tmp_path / "glue.h5"
+    capture_run(_WithGlue(1.0), {"x": torch.randn(2, 8, generator=torch.Generator().manual_seed(1))}, bundle)
+    with BundleReader(bundle) as reader:
+        result = compare_run(_WithGlue(1.01), reader, isolate=True, rename=parse_map("^p$ => -\nwaive p/*\n"))
+    assert result.to_json()["origin_between_modules"] == {"backward": "p"}
 
 
 def test_isolation_changes_no_chained_number_and_no_grad(tiny_bundle: Path) -> None:
