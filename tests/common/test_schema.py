@@ -299,6 +299,31 @@ def test_very_deep_nesting_is_refused_not_a_recursion_error() -> None:
     refuse(good_index() | {"inputs": _nested(5000)}, "inputs")
 
 
+@pytest.mark.parametrize("field", ["run.extra", "rng"])
+@pytest.mark.parametrize("container", [dict, list])
+def test_free_form_maps_nested_too_deep_are_refused_where_they_are(field: str, container: type) -> None:
+    """A crafted run.extra of 1,020 levels (under msgpack's own limit) ended replay-compare --list in "RecursionError:
+    maximum recursion depth exceeded while getting the repr": refused as damaged, naming the field; 64 levels read."""
+
+    def deep(levels: int) -> object:
+        value: object = 1
+        for _ in range(levels):
+            value = {"a": value} if container is dict else [value]
+        return value
+
+    def document(levels: int) -> dict[str, Any]:
+        index = good_index()
+        if field == "rng":
+            index["rng"] = {"numpy": deep(levels)}
+        else:
+            index["run"]["extra"] = {"deep": deep(levels)}
+        return index
+
+    parse_index(document(63))
+    error = refuse(document(1020), field)
+    assert "nested deeper than 64 levels" in str(error)
+
+
 def test_parse_tree_accepts_what_capture_writes_for_over_deep_values() -> None:
     """A value nested beyond capture's limit is recorded as an X node that the reader accepts."""
     torch = pytest.importorskip("torch")

@@ -307,6 +307,20 @@ def _tensor_ref(node: Tree) -> TensorRef:
 # ---------------------------------------------------------------- validators
 
 
+def _shallow(value: dict[str, object], where: str) -> dict[str, object]:
+    """``value``, a free-form map, refused when nested deeper than :data:`MAX_DEPTH` levels: printing or walking it
+    would exhaust Python's recursion (a crafted ``run.extra`` of 1,020 levels ended ``--list`` in a RecursionError)."""
+    pending: list[tuple[object, int]] = [(value, 0)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, (dict, list, tuple)):
+            if depth >= MAX_DEPTH:
+                raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
+            children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+            pending.extend((child, depth + 1) for child in children)
+    return value
+
+
 def _fail(where: str, what: str) -> BundleFormatError:
     where = clipped(where)  # built from the index's own names, which a crafted one makes long
     return BundleFormatError(f"bundle index, {where}: {what}; the bundle is damaged, capture it again")
@@ -530,7 +544,7 @@ def parse_run(obj: object) -> RunInfo:
         seq_len=cast("int | None", run.get("seq_len")),
         device=cast(str, _expect(run.get("device", "cpu"), str, "run.device")),
         adapter=cast(str, _expect(run.get("adapter", ""), str, "run.adapter")),
-        extra=_parse_map(run.get("extra", {}), "run.extra"),
+        extra=_shallow(_parse_map(run.get("extra", {}), "run.extra"), "run.extra"),
         arguments=arguments,
         lengths=None if lengths is None else tuple(lengths),
     )
@@ -633,7 +647,7 @@ def parse_index(obj: object) -> BundleIndex:
         calls=calls,
         forward_order=_parse_order(index.get("forward_order", []), "forward_order", len(calls)),
         backward_order=_parse_order(index.get("backward_order", []), "backward_order", len(calls)),
-        rng=_parse_map(index.get("rng", {}), "rng"),
+        rng=_shallow(_parse_map(index.get("rng", {}), "rng"), "rng"),
         noise_floor=_parse_floats(index.get("noise_floor", {}), "noise_floor"),
         selection=parse_selection(index.get("selection", {})),
         summaries={
