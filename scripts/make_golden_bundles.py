@@ -5,7 +5,8 @@
 Each is a small seeded capture exercising a part of the format: a float32 model with nested
 outputs, in-place modules and a reused block (with a loss); bf16 values (raw-bit storage); a
 partial capture with statistics-only records and a noise floor; a train-mode capture of BatchNorm, whose
-running statistics it records (1.5). tests/test_golden.py checks that
+running statistics it records (1.5); a model whose inputs require grad, their gradients recorded (1.6).
+tests/test_golden.py checks that
 the reader of every later version still reads them and that replaying the same models matches.
 Run this once per new format version: older golden files stay, so every version ever released
 remains readable.

@@ -55,6 +55,27 @@ def batchnorm_inputs() -> tuple[torch.Tensor]:
     return (torch.randn(4, 6, generator=torch.Generator().manual_seed(12)),)
 
 
+class _Saliency(nn.Module):
+    """A linear layer plus its input's own term; an input it leaves unused (no gradient), and two more, one a view
+    of the other (their gradients not recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(15)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, unused: torch.Tensor, z: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + x.square().sum(-1, keepdim=True) + (z * row).sum() + 0 * unused.detach().sum()
+
+
+def saliency_inputs() -> tuple[torch.Tensor, ...]:
+    """Inputs that require grad (1.6): one with a gradient, one without, two sharing memory."""
+    generator = torch.Generator().manual_seed(16)
+    x = torch.randn(2, 6, generator=generator).requires_grad_()
+    z = torch.randn(2, 6, generator=generator).requires_grad_()
+    return x, torch.randn(2, generator=generator).requires_grad_(), z, z[0]
+
+
 GOLDEN_CASES = (
     GoldenCase("tiny-loss", build_tiny, tiny_inputs, seed=7, loss=logits_loss),
     GoldenCase("bf16", build_bf16, bf16_inputs, seed=8),
@@ -67,6 +88,7 @@ GOLDEN_CASES = (
         selection={"skip_layers": ("blocks.1",), "max_tensor_bytes": 100},
     ),
     GoldenCase("batchnorm-train", build_batchnorm, batchnorm_inputs, seed=13, train_mode=True),
+    GoldenCase("input-grads", _Saliency, saliency_inputs, seed=14),
 )
 
 

@@ -32,6 +32,7 @@ def test_reference_replays_itself_exactly(ref_bundle: Path, ref_checkpoint: Path
     assert result.match
     counts = result.counts()
     assert counts.pop("buffer") == (0, 0)
+    assert counts.pop("input_grad") == (0, 0)  # audio that requires no gradient
     assert all(compared > 0 for compared, _ in counts.values())
     assert not result.bundle_only
     assert not result.replay_only

@@ -58,7 +58,8 @@ def fresh_copies(value: Any) -> Any:
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
         fresh = tensor.detach().clone()
-        return fresh.requires_grad_(True) if tensor.requires_grad and fresh.is_floating_point() else fresh
+        differentiable = fresh.is_floating_point() or fresh.is_complex()
+        return fresh.requires_grad_(True) if tensor.requires_grad and differentiable else fresh
 
     return map_tensors(value, copy)
 

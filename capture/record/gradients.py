@@ -5,6 +5,8 @@ sharded in a distributed job)."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from parity_harness.capture.observe.driving import (
     LossFn,
     PaddedPositions,
     make_cotangents,
+    map_tensors,
 )
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.sink import nbytes
@@ -34,7 +37,7 @@ from parity_harness.common.format.bundle.layout import (
 from parity_harness.common.format.bundle.schema import BackwardMode, TensorRef, Tree
 from parity_harness.common.format.bundle.selection import Selection
 
-__all__ = ["GradientStream", "InputGradients", "run_backward", "write_params"]
+__all__ = ["GradientStream", "InputGradients", "input_aliases", "run_backward", "write_params"]
 
 
 def write_params(
@@ -156,15 +159,53 @@ def run_backward(
     return "cotangent", ["D", pairs], None
 
 
-class InputGradients:
-    """The gradient backward gives each model input that requires grad, taken by a hook on the input itself: the sum
-    over every use of it, as a fresh leaf's ``.grad`` would hold (not added to a ``.grad`` the caller left, and also
-    for an input that is no leaf: one moved to a device). Hooked after the forward, so that a gradient the model
-    takes inside its forward is not taken for the run's."""
+def input_aliases(inputs: Any) -> tuple[Any, list[str]]:
+    """The inputs to hand the model: each tensor that requires grad as an alias of its own (``view_as``: the same
+    values and memory; one tensor given twice gets one alias, as the model's ``is`` tests expect), whose gradient is
+    then the model's use of that argument alone, not what reaches the caller's tensor through other inputs made from
+    it (``model(x, 2 * x)``). Also the slots whose gradient is not recorded: inputs sharing memory with another input
+    that requires grad (given twice, or a view of it: replay rebuilds each input apart, so its gradient cannot be the
+    same sum), and tensors inside objects passed as they are."""
+    aliases: dict[int, torch.Tensor] = {}
+    storages: dict[int, int] = {}
+    for _, tensor in iter_live_tensors(inputs, "input"):
+        if tensor.requires_grad and tensor.layout == torch.strided and id(tensor) not in aliases:
+            aliases[id(tensor)] = tensor.view_as(tensor)
+            address = tensor.untyped_storage().data_ptr()
+            storages[address] = storages.get(address, 0) + 1
 
-    def __init__(self, inputs: Any) -> None:
+    def alias(tensor: torch.Tensor) -> torch.Tensor:
+        return aliases.get(id(tensor), tensor)
+
+    handed = map_tensors(inputs, alias)
+    made = {id(tensor) for tensor in aliases.values()}
+    given_at = Counter(id(tensor) for _, tensor in iter_live_tensors(inputs, "input"))
+    unrecorded = []
+    for (slot, given), (_, original) in zip(
+        iter_live_tensors(handed, "input"), iter_live_tensors(inputs, "input"), strict=True
+    ):
+        if not given.requires_grad:
+            continue
+        strided = original.layout == torch.strided
+        shared = given_at[id(original)] > 1 or (strided and storages[original.untyped_storage().data_ptr()] > 1)
+        if id(given) not in made or shared:
+            unrecorded.append(slot)
+    return handed, unrecorded
+
+
+class InputGradients:
+    """The gradient backward gives each model input that requires grad (the tensors handed to the model, aliases
+    from :func:`input_aliases` at capture, replay's own leaves), by a hook on it: the sum over the model's uses of it,
+    as a fresh leaf's ``.grad`` would hold (not added to a ``.grad`` the caller left). Hooked after the forward, so that
+    a gradient the model takes inside its forward is not taken for the run's. ``skip``: slots not to hook."""
+
+    def __init__(self, inputs: Any, skip: Collection[str] = ()) -> None:
         self._taken: dict[str, torch.Tensor] = {}
-        hooked = [(slot, tensor) for slot, tensor in iter_live_tensors(inputs, "input") if tensor.requires_grad]
+        hooked = [
+            (slot, tensor)
+            for slot, tensor in iter_live_tensors(inputs, "input")
+            if tensor.requires_grad and slot not in skip
+        ]
         self._slots = [slot for slot, _ in hooked]
         self._handles = [
             tensor.register_hook(functools.partial(self._keep, slot))  # type: ignore[no-untyped-call]
@@ -179,6 +220,11 @@ class InputGradients:
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients taken, in the inputs' order (backward reaches them in its own)."""
         return {slot: self._taken[slot] for slot in self._slots if slot in self._taken}
+
+    @property
+    def without(self) -> list[str]:
+        """The slots hooked that backward gave no gradient (an input the model left unused, or detached)."""
+        return [slot for slot in self._slots if slot not in self._taken]
 
     def __enter__(self) -> InputGradients:
         return self

@@ -41,9 +41,18 @@ from parity_harness.capture.record.draws import (
     not_rerun,
     unconfirmed,
 )
+from parity_harness.capture.record.gradients import InputGradients
 from parity_harness.capture.storage.writer import BundleWriter
 from parity_harness.common.errors import CaptureError
-from parity_harness.common.format.bundle.layout import BACKWARD, GRADS, OUTPUTS, call_group, escape_dotted, tensor_path
+from parity_harness.common.format.bundle.layout import (
+    BACKWARD,
+    GRADS,
+    INPUT_GRADS,
+    OUTPUTS,
+    call_group,
+    escape_dotted,
+    tensor_path,
+)
 
 __all__ = [
     "BufferValues", "buffer_values", "float64_inputs", "from_start", "in_float64", "measure_noise_floor", "widened",
@@ -308,6 +317,14 @@ class _Rerun:
         if sink is not None:
             for slot, tensor in iter_live_tensors(outputs, "output"):
                 sink.measure(slot, tensor_path(OUTPUTS, slot), tensor)
+        with InputGradients(inputs) as taken:
+            self._backward(outputs)
+        if sink is not None:
+            for slot, grad in taken.grads.items():
+                sink.measure(slot, tensor_path(INPUT_GRADS, slot), grad)
+
+    def _backward(self, outputs: Any) -> None:
+        """Backward from the loss, or from the recorded cotangent."""
         if self.loss is not None:
             self.loss(outputs).backward()  # type: ignore[no-untyped-call]
             return

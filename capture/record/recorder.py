@@ -37,7 +37,13 @@ from parity_harness.capture.observe.hooks import ModuleTap
 from parity_harness.capture.observe.model_state import BufferState, model_kept
 from parity_harness.capture.observe.naming import encode_value, iter_live_tensors
 from parity_harness.capture.record.buffers import BufferSnapshot
-from parity_harness.capture.record.gradients import GradientStream, InputGradients, run_backward, write_params
+from parity_harness.capture.record.gradients import (
+    GradientStream,
+    InputGradients,
+    input_aliases,
+    run_backward,
+    write_params,
+)
 from parity_harness.capture.record.noise import BufferValues, buffer_values, measure_noise_floor
 from parity_harness.capture.record.provenance import model_provenance, snapshot
 from parity_harness.capture.record.selfcheck import observer_differences
@@ -49,6 +55,7 @@ from parity_harness.common.format.bundle.layout import INPUTS, OUTPUTS, RNG
 from parity_harness.common.format.bundle.lengths import PaddingPlan
 from parity_harness.common.format.bundle.schema import (
     AUTOGRAD_OFF,
+    MAX_DEPTH,
     ROOT_CLASSES,
     BackwardMode,
     BundleIndex,
@@ -57,6 +64,7 @@ from parity_harness.common.format.bundle.schema import (
     TensorRef,
     Tree,
     iter_values,
+    too_deep,
 )
 from parity_harness.common.format.bundle.selection import Selection
 from parity_harness.common.format.manifest import rank_path
@@ -185,6 +193,8 @@ def capture_run(
     defaults = {"run_info": dict, "provenance": dict, "selection": Selection}
     given = {key: (defaults[key]() if value is None and key in defaults else value) for key, value in fields.items()}
     options = dataclasses.replace(options or CaptureOptions(), **given)
+    if too_deep(options.run_info):  # every reader would refuse the bundle as damaged
+        raise InputError(f"run_info nests deeper than {MAX_DEPTH} levels; keep it flatter (it is stored as it is)")
     context = current_rank()
     if context is not None and options.noise_floor:
         raise InputError("--noise-floor reruns a float64 copy of the model, which a distributed job cannot; drop it")
@@ -284,6 +294,9 @@ class _CaptureRun:
         self.params: dict[str, TensorRef] = {}
         self.grads: dict[str, TensorRef] = {}
         self.input_grads: dict[str, TensorRef] = {}
+        self.input_grads_without: list[str] = []
+        self.input_grads_unrecorded: list[str] = []
+        self.handed_inputs: Any = inputs
         self.rng: dict[str, Any] = {}
         self.floors: dict[str, float] = {}
         self.regrouped = 0
@@ -327,8 +340,10 @@ class _CaptureRun:
         selection = self.options.selection
         rename = None if selection.is_everything else selected_modules(selection)
         self.tap = ModuleTap(self.model, self.recorder, record_backward=selection.records("grads"), rename=rename)
+        # each input that requires grad handed as an alias of its own: its gradient is the model's use of it alone
+        self.handed_inputs, self.input_grads_unrecorded = input_aliases(self.inputs)
         with self.tap:
-            outputs = call_forward(self.model, self.inputs, self.options.forward)
+            outputs = call_forward(self.model, self.handed_inputs, self.options.forward)
         self.trees["outputs"] = encode_value(outputs, "output", SelectiveStore(self.writer, OUTPUTS, selection))
         # The noise floor's proof that the run repeats compares these values: copied now, before the adapter's loss
         # can change them in place. Without hooks, the outputs of a forward running autograd through the hooks'
@@ -345,13 +360,13 @@ class _CaptureRun:
             self.padded = self._padded_positions(options.lengths)
         with (
             GradientStream(self.writer, self.model, options.selection, self.context) as gradients,
-            InputGradients(self.inputs) as inputs,
+            InputGradients(self.handed_inputs, skip=self.input_grads_unrecorded) as inputs,
         ):
             self.mode, self.trees["cotangent"], self.trees["loss"] = run_backward(
                 self.writer, outputs, options.seed, options.loss, self.padded
             )
         self.grads = gradients.finish()
-        self.input_grads = inputs.write(self.writer)
+        self.input_grads, self.input_grads_without = inputs.write(self.writer), inputs.without
         # the noise floor's float64 run must end where this one did, the model's own generators included
         self.draws_after = torch_generator_states(self._own_generators())
 
@@ -464,6 +479,8 @@ class _CaptureRun:
             summaries=self.writer.summaries,
             buffers=self.buffers,
             input_grads=self.input_grads,
+            input_grads_without=tuple(self.input_grads_without),
+            input_grads_unrecorded=tuple(self.input_grads_unrecorded),
         )
 
     def _run_info(self) -> RunInfo:

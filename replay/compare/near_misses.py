@@ -86,8 +86,9 @@ def _failing(
     expected, actual = expected.reshape(-1), actual.reshape(-1)
     count, worst, scale, largest_failing, nan_mismatch = 0, 0.0, 0.0, 0.0, False
     counted_bits = []
+    wide = np.complex128 if np.iscomplexobj(expected) else np.float64  # complex: by its modulus, as compared
     for part in _chunks(expected.size):
-        reference, port = expected[part].astype(np.float64), actual[part].astype(np.float64)
+        reference, port = expected[part].astype(wide), actual[part].astype(wide)
         with np.errstate(invalid="ignore"):  # an infinity on both sides (a mask's fill): NaN, counted as no error
             error = np.abs(port - reference)
         magnitude = np.abs(reference)
@@ -103,7 +104,7 @@ def _failing(
         counted_bits.append(np.packbits(counted))
     peer_bits, fills_below = [], _FILL_RATIO * scale
     for part, bits in zip(_chunks(expected.size), counted_bits, strict=True):  # a second pass, with those bounds
-        magnitude = np.abs(expected[part].astype(np.float64))
+        magnitude = np.abs(expected[part].astype(wide))
         counted = np.unpackbits(bits, count=part.stop - part.start).view(bool)
         peer_bits.append(np.packbits(counted & (magnitude <= _PEER_RANGE * largest_failing)))
         ordinary = counted & (magnitude <= fills_below)  # the differing ones, and the same values of their size
@@ -207,11 +208,11 @@ class _SpillFile:
             self.failed = True
             return None
 
-    def read(self, offset: int, count: int) -> np.ndarray:
-        """``count`` float32 values from ``offset``."""
+    def read(self, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """``count`` values of ``dtype`` (float32, complex64) from ``offset``."""
         assert self._file is not None
         self._file.seek(0)
-        return np.fromfile(self._file, dtype=np.float32, count=count, offset=offset)
+        return np.fromfile(self._file, dtype=dtype, count=count, offset=offset)
 
     def close(self) -> None:
         if self._file is not None:
@@ -263,16 +264,13 @@ class NearMisses:
             return
         if not self._tolerances.by_default(name):  # an override is the user's exact rule for it
             return
-        values = _real(value).to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format).numpy()
+        kept_as = torch.complex64 if ref.tag == "C64" else torch.float32
+        values = value.detach().to("cpu", kept_as, copy=True, memory_format=torch.contiguous_format).numpy()
         # The comparison that offered the record verifies its checksum (settled before the rule runs).
         if expected is None:
             holder = self._weights if key[0] == "param_grad" else self._reader
             expected = holder.read_array(ref, verify=False)
-        numeric = to_numeric(expected, ref.tag)
-        if ref.tag == "C64":  # judged as its real and imaginary parts, each a float32 element
-            numeric = np.ascontiguousarray(numeric).view(np.float32).reshape(values.shape)
-            ignore = None if ignore is None else np.broadcast_to(ignore, tuple(ref.shape))[..., None]
-        failing = _failing(numeric, values, tolerance, ignore)
+        failing = _failing(to_numeric(expected, ref.tag), values, tolerance, ignore)
         if values.nbytes <= self._budget:
             self._budget -= values.nbytes
             self.kept[key] = _Kept(ref, failing, values)
@@ -286,17 +284,16 @@ class NearMisses:
     def measure(self, kind: str, name: str, exact: torch.Tensor) -> None:
         """The port's float32 error on a kept record: its distance to the float64 rerun's value, on the peers."""
         kept = self.kept.get((kind, name))
-        if kept is None or (kept.ref.tag == "C64" and not exact.is_complex()):
+        if kept is None or exact.is_complex() != (kept.ref.tag == "C64") or tuple(exact.shape) != tuple(kept.ref.shape):
             return
-        exact = _real(exact)
-        shape = (*kept.ref.shape, 2) if kept.ref.tag == "C64" else tuple(kept.ref.shape)
-        if not exact.is_floating_point() or tuple(exact.shape) != shape:
+        if not (exact.is_floating_point() or exact.is_complex()):
             return
-        flat = exact.reshape(-1)
+        flat = exact.detach().reshape(-1)
+        wide = (np.complex128, torch.complex128) if exact.is_complex() else (np.float64, torch.float64)
         level, exact_scale = 0.0, kept.exact_scale
         for part in _chunks(flat.numel()):
-            values = self._values(kept, part).astype(np.float64)
-            exact_values = flat[part].to("cpu", torch.float64).numpy()
+            values = self._values(kept, part).astype(wide[0])
+            exact_values = flat[part].to("cpu", wide[1]).numpy()
             with np.errstate(invalid="ignore"):  # an infinity on both sides: NaN, no peer (below)
                 error = np.abs(values - exact_values)
             peers = _bits(kept.failing.peers, part) & np.isfinite(error)
@@ -309,7 +306,8 @@ class NearMisses:
     def _values(self, kept: _Kept, part: slice) -> np.ndarray:
         if kept.value is not None:
             return kept.value.reshape(-1)[part]
-        return self._spill.read(kept.spilled_at + 4 * part.start, part.stop - part.start)
+        dtype = np.dtype(np.complex64 if kept.ref.tag == "C64" else np.float32)
+        return self._spill.read(kept.spilled_at + dtype.itemsize * part.start, part.stop - part.start, dtype)
 
     def modules(self) -> set[str]:
         """Bundle names of the modules whose records were kept."""
@@ -324,12 +322,6 @@ class NearMisses:
         self.kept.clear()
         self.unjudged.clear()
         self._spill.close()
-
-
-def _real(value: torch.Tensor) -> torch.Tensor:
-    """A complex tensor's real and imaginary parts (a last dimension of 2); any other tensor as it is, detached."""
-    value = value.detach()
-    return torch.view_as_real(value.resolve_conj()) if value.is_complex() else value
 
 
 def _eligible(ref: TensorRef, value: torch.Tensor, diff: TensorDiff, equal_nan: bool) -> bool:

@@ -252,7 +252,8 @@ def _waives(pattern: str, name: str, own: str) -> bool:
 def _recorded_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
     """A recorded model input, requiring grad where the reference's did (its gradient is part of the run)."""
     tensor = reader.read_tensor(ref)
-    return tensor.requires_grad_(True) if ref.requires_grad and tensor.is_floating_point() else tensor
+    differentiable = tensor.is_floating_point() or tensor.is_complex()
+    return tensor.requires_grad_(True) if ref.requires_grad and differentiable else tensor
 
 
 def _float64_input(reader: BundleReader, ref: TensorRef) -> torch.Tensor:
@@ -630,23 +631,28 @@ class _ReplaySession:
 
     def _compare_input_gradients(self, taken: dict[str, torch.Tensor]) -> None:
         """The gradient backward gave each model input against the reference's (format 1.6 on: earlier bundles
-        recorded none); an input with a gradient on one side only fails."""
-        if (self.reader.format_version, self.reader.format_minor) < (1, 6):
-            return
-        expected = self.index.input_grads
+        recorded none); an input with a gradient on one side only fails. Those the capture could not record (an input
+        sharing memory with another) are noted."""
+        index = self.index
+        live = [(slot, grad) for slot, grad in taken.items() if slot in index.input_grads]
         compared = compare_named(
-            self.reader, self.result.tolerances, "input_grad", taken.items(), expected, self.transform, near=self.near
+            self.reader, self.result.tolerances, "input_grad", live, index.input_grads, self.transform, near=self.near
         )
-        records, port_only, reference_only = compared
+        records, _, reference_only = compared
         for slot in reference_only:
-            ref = expected[slot]
+            ref = index.input_grads[slot]
             problem = "no gradient in the port (its input got none: detached or unused?)"
             records.append(RecordResult("input_grad", slot, unmatchable(ref.shape, ref.tag, "-", problem)))
-        for slot in port_only:
+        for slot in (slot for slot in index.input_grads_without if slot in taken):
             given, problem = taken[slot], "no gradient in the reference, but the port gives its input one"
             tag = tag_of(given.dtype)
             records.append(RecordResult("input_grad", slot, unmatchable(tuple(given.shape), tag, tag, problem)))
         self.result.records += records
+        if index.input_grads_unrecorded:
+            self.result.notes.append(
+                f"input gradients not recorded, so not compared: {first_names(list(index.input_grads_unrecorded))} "
+                "(an input sharing memory with another that requires grad, or inside an object passed as it is)"
+            )
 
     def _compare_output_values(self, outputs: object) -> None:
         """The reference's scalar outputs compared; an output it could not store left uncompared (INCOMPLETE), said."""

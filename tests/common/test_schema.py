@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -498,3 +499,18 @@ def test_the_note_on_calls_without_autograd_shows_control_characters_escaped() -
     note = schema.describe_without_autograd(["a/0", "b\nRESULT: MATCH/0"])
     assert "\n" not in note
     assert "b\\nRESULT: MATCH/0" in note
+
+
+def test_capture_refuses_run_info_that_every_reader_would_refuse(tmp_path: Path) -> None:
+    """run_info nested past the readers' 64 levels was written, then refused by every reader as damaged."""
+    import torch
+
+    from parity_harness.capture.record.recorder import capture_run
+    from parity_harness.common.errors import InputError
+
+    deep: object = 1
+    for _ in range(70):
+        deep = {"a": deep}
+    with pytest.raises(InputError, match="run_info nests deeper than 64 levels"):
+        capture_run(torch.nn.Linear(2, 2), (torch.randn(1, 2),), tmp_path / "b.h5", run_info={"deep": deep})
+    assert not (tmp_path / "b.h5").exists()

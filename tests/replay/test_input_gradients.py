@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import h5py
+import msgpack
 import pytest
 import torch
 from click.testing import CliRunner
@@ -167,3 +168,83 @@ def test_an_input_gradient_off_by_float32_rounding_alone_passes_the_rounding_che
     assert not next(iter(plain.of_kind("input_grad"))).match
     assert judged.verdict == "MATCH", judged.notes
     assert next(iter(judged.of_kind("input_grad"))).rule == "rounding"
+
+
+class _TwoArguments(nn.Module):
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.scale = nn.Linear(4, 4), scale
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.lin(a) * b * self.scale
+
+
+@pytest.mark.parametrize(
+    ("make", "unrecorded"),
+    [
+        pytest.param(lambda x: (x, x), ["input.0", "input.1"], id="one-tensor-twice"),
+        pytest.param(lambda x: (x, x[0]), ["input.0", "input.1"], id="a-view-of-another"),
+        pytest.param(lambda x: (x, 2 * x), [], id="one-made-from-another"),
+    ],
+)
+def test_inputs_sharing_a_tensor_match_the_port_that_rebuilds_them_apart(
+    tmp_path: Path, make: object, unrecorded: list[str]
+) -> None:
+    """A review: model(x, x) and model(x, x[0]) failed against the very model, capture's hook on x summing every use
+    where replay's separate inputs each see their own. Each input's gradient is now the model's use of that argument
+    (an alias of it handed to the model); inputs sharing memory are left out, and the replay says so."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    capture_run(_TwoArguments(), make(x), tmp_path / "ref.h5", seed=0)  # type: ignore[operator]
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        assert list(reader.index.input_grads_unrecorded) == unrecorded
+        result = compare_run(_TwoArguments(), reader)
+        bug = compare_run(_TwoArguments(scale=1.001), reader)
+    assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
+    assert len(result.of_kind("input_grad")) == 2 - len(unrecorded)
+    assert any("input gradients not recorded" in note for note in result.notes) == bool(unrecorded)
+    assert bug.verdict == "MISMATCH"
+
+
+def test_a_reader_of_format_1_5_sees_the_input_gradients_as_uncompared_parameter_gradients(bundle: Path) -> None:
+    """The previous reader refuses a dataset no index entry it knows names: the gradients are listed in grads too
+    (under names no parameter has), so it reads the bundle and leaves them uncompared (INCOMPLETE), as it does the
+    buffers of 1.5 bundles. This reader takes them out of grads."""
+    with h5py.File(bundle, "r") as file:
+        index = msgpack.unpackb(file["index"][()].tobytes(), raw=False)
+    stored = {name: node[1] for name, node in index["grads"]}
+    assert stored[".input_grad:input.0"] == "/input_grads/input.0"
+    assert index["input_grads"] == {"with": ["input.0", "input.1"], "without": [], "unrecorded": []}
+    with BundleReader(bundle) as reader:
+        assert not any(name.startswith(".") for name in reader.index.grads)
+
+
+def test_a_complex_input_that_requires_grad_keeps_requiring_it_in_replay(tmp_path: Path) -> None:
+    """Replay rebuilt a complex input without requires_grad: no gradient in the port, against the very model."""
+
+    class Spectral(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.mix = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(z @ self.mix)
+
+    z = torch.randn(2, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    capture_run(Spectral(), (z,), tmp_path / "ref.h5", seed=0)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        result = compare_run(Spectral(), reader)
+    assert result.verdict == "MATCH", [(r.name, r.diff.problem) for r in result.records if not r.match]
+    assert [record.name for record in result.of_kind("input_grad")] == ["input.0"]
+
+
+def test_the_noise_floor_covers_the_input_gradients(tmp_path: Path) -> None:
+    """capture-run --noise-floor measured no floor for them: replayed with --noise-factor, a port differing by
+    float32 rounding passed every record on its floor but failed its input's gradient at the bare tolerance."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    capture_run(_Sensitive(), (x,), tmp_path / "ref.h5", seed=0, noise_floor=True)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        assert reader.index.noise_floor.get("input.0", 0.0) > 0.0
+        result = compare_run(_Sensitive(port=True), reader, noise_factor=4.0)
+    assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]

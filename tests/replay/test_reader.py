@@ -119,8 +119,8 @@ def test_fresh_bundle_root_attributes_are_pinned(tiny_bundle: Path) -> None:
         assert attrs["format"] == "parity-harness-bundle"
         assert isinstance(attrs["format_version"], (int, np.integer))
         assert isinstance(attrs["format_minor"], (int, np.integer))
-        assert (int(attrs["format_version"]), int(attrs["format_minor"])) == (1, 5)
-        assert (FORMAT_VERSION, FORMAT_MINOR) == (1, 5), "format version bumped: add a golden bundle and a migration"
+        assert (int(attrs["format_version"]), int(attrs["format_minor"])) == (1, 6)
+        assert (FORMAT_VERSION, FORMAT_MINOR) == (1, 6), "format version bumped: add a golden bundle and a migration"
 
 
 def test_fresh_bundle_index_is_1d_uint8_msgpack(tiny_bundle: Path) -> None:

@@ -1221,3 +1221,27 @@ def test_a_loss_changing_the_outputs_in_place_leaves_the_rounding_check_its_proo
     result = _replay(build(manual=True), tmp_path / "ref.h5", loss=_clamping_loss)
     assert result.verdict == "MATCH", result.notes
     assert any(record.rule == "rounding" for record in result.records), "no near miss: the check was not exercised"
+
+
+class _ComplexOffset(torch.nn.Module):
+    def __init__(self, offset: complex = 0j) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.offset = torch.nn.Parameter(torch.randn(16, 16, dtype=torch.complex64) * 1e-3), offset
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z @ self.w.T + self.offset
+
+
+def test_a_complex_bug_beyond_atol_by_its_modulus_is_not_passed_as_rounding(tmp_path: Path) -> None:
+    """An offset of (0.9 + 0.9j)e-5 puts every output 1.27e-5 away (beyond atol 1e-5 by the complex modulus, within
+    it on each part): judged part by part, no element failed and the rule passed a bug. Judged by the modulus."""
+    z = torch.randn(4, 16, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    capture_run(_ComplexOffset(), (z,), tmp_path / "ref.h5", seed=0)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        result = compare_run(_ComplexOffset(complex(0.9e-5, 0.9e-5)), reader)
+    output = next(record for record in result.records if record.kind == "output")
+    assert not output.match
+    assert output.rounding is not None
+    assert not output.rounding.passed
+    assert result.verdict == "MISMATCH"

@@ -31,6 +31,7 @@ from parity_harness.common.numerics.statistics import parse_statistics
 
 __all__ = [
     "AUTOGRAD_OFF",
+    "INPUT_GRAD_PREFIX",
     "MAX_DEPTH",
     "ROOT_CLASSES",
     "BackwardMode",
@@ -45,6 +46,7 @@ __all__ = [
     "iter_values",
     "parse_index",
     "parse_tree",
+    "too_deep",
 ]
 
 Tree = list[object]
@@ -52,6 +54,8 @@ BackwardMode = Literal["cotangent", "loss", "none"]
 ArgumentNaming = Literal["by-signature", "by-position"]
 OBJECT_FLAVORS: Final = ("mapping", "namedtuple", "dataclass")
 MAX_DEPTH: Final = 64
+INPUT_GRAD_PREFIX: Final = ".input_grad:"
+"""How ``grads`` names a model input's gradient (1.6): no parameter's name starts with a dot."""
 AUTOGRAD_OFF: Final = "autograd_off"
 """``run.extra`` key: the module calls made with autograd off in the forward (:meth:`RunInfo.without_autograd`)."""
 ROOT_CLASSES: Final = "root_classes"
@@ -206,7 +210,14 @@ class BundleIndex:
     """The persistent buffers the run changed and those it left as they were (format 1.5); ``None``: not recorded
     (an older bundle, or a capture by several ranks)."""
     input_grads: dict[str, TensorRef] = field(default_factory=dict)
-    """Input slot -> the gradient backward gave that model input (format 1.6; inputs requiring grad only)."""
+    """Input slot -> the gradient backward gave that model input (format 1.6; inputs requiring grad only). Stored in
+    ``grads`` too, under :data:`INPUT_GRAD_PREFIX` and the slot, so that a reader of 1.5 or older reads them as
+    gradients of parameters the port does not have (uncompared) rather than refusing their datasets as unnamed."""
+    input_grads_without: tuple[str, ...] = ()
+    """Slots of inputs that required grad and got no gradient (1.6)."""
+    input_grads_unrecorded: tuple[str, ...] = ()
+    """Slots of inputs that required grad whose gradient was not recorded (1.6): sharing memory with another such
+    input, or inside an object passed as it is."""
 
     def to_dict(self) -> dict[str, object]:
         """Plain-data form stored at ``/index``."""
@@ -217,7 +228,7 @@ class BundleIndex:
             "cotangent": self.cotangent,
             "loss": self.loss,
             "params": [[name, ref.to_tree()] for name, ref in self._params_and_changed_buffers().items()],
-            "grads": [[name, ref.to_tree()] for name, ref in self.grads.items()],
+            "grads": [[name, ref.to_tree()] for name, ref in self._grads_and_input_grads().items()],
             "calls": [call.to_dict() for call in self.calls],
             "forward_order": [list(event) for event in self.forward_order],
             "backward_order": [list(event) for event in self.backward_order],
@@ -227,9 +238,18 @@ class BundleIndex:
             "summaries": self.summaries,
             "checksums": self.checksums,
             **({} if self.buffers is None else {"buffers": self.buffers.to_dict()}),
-            **({"input_grads": [[slot, ref.to_tree()] for slot, ref in self.input_grads.items()]}
-               if self.input_grads else {}),
+            **({} if not self._records_input_grads() else {"input_grads": {
+                "with": list(self.input_grads), "without": list(self.input_grads_without),
+                "unrecorded": list(self.input_grads_unrecorded),
+            }}),
         }  # fmt: skip
+
+    def _records_input_grads(self) -> bool:
+        return bool(self.input_grads or self.input_grads_without or self.input_grads_unrecorded)
+
+    def _grads_and_input_grads(self) -> dict[str, TensorRef]:
+        """``grads`` as stored: the inputs' gradients listed after the parameters' (see :attr:`input_grads`)."""
+        return {**self.grads, **{INPUT_GRAD_PREFIX + slot: ref for slot, ref in self.input_grads.items()}}
 
     def _params_and_changed_buffers(self) -> dict[str, TensorRef]:
         """``params`` as stored: the changed buffers' values are listed among the parameters too, so that a reader
@@ -307,17 +327,25 @@ def _tensor_ref(node: Tree) -> TensorRef:
 # ---------------------------------------------------------------- validators
 
 
-def _shallow(value: dict[str, object], where: str) -> dict[str, object]:
-    """``value``, a free-form map, refused when nested deeper than :data:`MAX_DEPTH` levels: printing or walking it
-    would exhaust Python's recursion (a crafted ``run.extra`` of 1,020 levels ended ``--list`` in a RecursionError)."""
+def too_deep(value: object) -> bool:
+    """Whether ``value`` (maps, lists and tuples of plain values) nests deeper than :data:`MAX_DEPTH` levels: printing
+    or walking it would exhaust Python's recursion."""
     pending: list[tuple[object, int]] = [(value, 0)]
     while pending:
         node, depth = pending.pop()
         if isinstance(node, (dict, list, tuple)):
             if depth >= MAX_DEPTH:
-                raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
+                return True
             children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
             pending.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _shallow(value: dict[str, object], where: str) -> dict[str, object]:
+    """``value``, a free-form map, refused when :func:`too_deep` (a crafted ``run.extra`` of 1,020 levels ended
+    ``--list`` in a RecursionError)."""
+    if too_deep(value):
+        raise _fail(where, f"value nested deeper than {MAX_DEPTH} levels")
     return value
 
 
@@ -636,6 +664,7 @@ def parse_index(obj: object) -> BundleIndex:
     optional = {key: index.get(key) for key in ("cotangent", "loss")}
     params = _parse_named_refs(index["params"], "params")
     buffers = None if index.get("buffers") is None else _parse_buffers(index["buffers"], params)
+    grads = _parse_named_refs(index["grads"], "grads")
     return BundleIndex(
         run=parse_run(index["run"]),
         inputs=parse_tree(index["inputs"], "inputs"),
@@ -643,7 +672,7 @@ def parse_index(obj: object) -> BundleIndex:
         cotangent=None if optional["cotangent"] is None else parse_tree(optional["cotangent"], "cotangent"),
         loss=None if optional["loss"] is None else parse_tree(optional["loss"], "loss"),
         params=params,
-        grads=_parse_named_refs(index["grads"], "grads"),
+        grads=grads,
         calls=calls,
         forward_order=_parse_order(index.get("forward_order", []), "forward_order", len(calls)),
         backward_order=_parse_order(index.get("backward_order", []), "backward_order", len(calls)),
@@ -656,7 +685,7 @@ def parse_index(obj: object) -> BundleIndex:
         },
         checksums=_parse_checksums(index.get("checksums", {})),
         buffers=buffers,
-        input_grads=_parse_named_refs(index.get("input_grads", []), "input_grads"),
+        **_parse_input_grads(index.get("input_grads"), grads),
     )
 
 
@@ -677,6 +706,31 @@ def _parse_buffers(obj: object, params: dict[str, TensorRef]) -> RecordedBuffers
         raise _fail("buffers", f"{shown(sorted(both)[0])} is listed as changed and as unchanged")
     changed = {name: params.pop(name) for name in names["changed"]}
     return RecordedBuffers(changed, tuple(names["unchanged"]))
+
+
+def _parse_input_grads(obj: object, grads: dict[str, TensorRef]) -> dict[str, Any]:
+    """The ``input_grads`` field (1.6) as :class:`BundleIndex` fields; the gradients' tensors are taken out of
+    ``grads``, where the index lists them."""
+    if obj is None:
+        return {}
+    fields = _parse_map(obj, "input_grads")
+    lists = {}
+    for key in ("with", "without", "unrecorded"):
+        listed = cast(list[object], _expect(fields.get(key, []), list, f"input_grads.{key}"))
+        if not all(_is_name(slot) for slot in listed) or len(set(listed)) != len(listed):
+            raise _fail(f"input_grads.{key}", f"expected a list of distinct slots, got {shown(listed)}")
+        lists[key] = cast(list[str], listed)
+    every = [slot for key in lists for slot in lists[key]]
+    if len(set(every)) != len(every):
+        raise _fail("input_grads", "a slot is listed twice")
+    absent = [slot for slot in lists["with"] if INPUT_GRAD_PREFIX + slot not in grads]
+    if absent:
+        raise _fail("input_grads.with", f"{shown(absent[0])} has no tensor among grads, where the index lists it")
+    return {
+        "input_grads": {slot: grads.pop(INPUT_GRAD_PREFIX + slot) for slot in lists["with"]},
+        "input_grads_without": tuple(lists["without"]),
+        "input_grads_unrecorded": tuple(lists["unrecorded"]),
+    }
 
 
 def _parse_checksums(obj: object) -> dict[str, int]:
