@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Collection
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -20,7 +20,6 @@ from parity_harness.capture.observe.driving import (
     LossFn,
     PaddedPositions,
     make_cotangents,
-    map_tensors,
 )
 from parity_harness.capture.observe.naming import iter_live_tensors
 from parity_harness.capture.record.sink import nbytes
@@ -37,7 +36,7 @@ from parity_harness.common.format.bundle.layout import (
 from parity_harness.common.format.bundle.schema import BackwardMode, TensorRef, Tree
 from parity_harness.common.format.bundle.selection import Selection
 
-__all__ = ["GradientStream", "InputGradients", "input_aliases", "run_backward", "write_params"]
+__all__ = ["GradientStream", "InputGradients", "run_backward", "unrecorded_input_grads", "write_params"]
 
 
 def write_params(
@@ -159,45 +158,66 @@ def run_backward(
     return "cotangent", ["D", pairs], None
 
 
-def input_aliases(inputs: Any) -> tuple[Any, list[str]]:
-    """The inputs to hand the model: each tensor that requires grad as an alias of its own (``view_as``: the same
-    values and memory; one tensor given twice gets one alias, as the model's ``is`` tests expect), whose gradient is
-    then the model's use of that argument alone, not what reaches the caller's tensor through other inputs made from
-    it (``model(x, 2 * x)``). Also the slots whose gradient is not recorded: inputs sharing memory with another input
-    that requires grad (given twice, or a view of it: replay rebuilds each input apart, so its gradient cannot be the
-    same sum), and tensors inside objects passed as they are."""
-    aliases: dict[int, torch.Tensor] = {}
-    storages: dict[int, int] = {}
-    for _, tensor in iter_live_tensors(inputs, "input"):
-        if tensor.requires_grad and tensor.layout == torch.strided and id(tensor) not in aliases:
-            aliases[id(tensor)] = tensor.view_as(tensor)
-            address = tensor.untyped_storage().data_ptr()
-            storages[address] = storages.get(address, 0) + 1
+_GRAPH_WALK: Final = 100_000
+"""Autograd nodes walked, over the inputs made by autograd, looking for another input among what they were made
+from; past it, no input's gradient is recorded."""
 
-    def alias(tensor: torch.Tensor) -> torch.Tensor:
-        return aliases.get(id(tensor), tensor)
 
-    handed = map_tensors(inputs, alias)
-    made = {id(tensor) for tensor in aliases.values()}
-    given_at = Counter(id(tensor) for _, tensor in iter_live_tensors(inputs, "input"))
-    unrecorded = []
-    for (slot, given), (_, original) in zip(
-        iter_live_tensors(handed, "input"), iter_live_tensors(inputs, "input"), strict=True
-    ):
-        if not given.requires_grad:
+def unrecorded_input_grads(inputs: Any) -> list[str]:
+    """The slots of inputs that require grad whose gradient is not recorded: replay rebuilds every input apart, so an
+    input's gradient there is the model's use of that argument alone, while here it also holds what reaches it through
+    another input that shares its tensor or memory (``model(x, x)``, ``model(x, x[0])``) or was made from it outside
+    the model (``model(x, 2 * x)``)."""
+    live = [(slot, tensor) for slot, tensor in iter_live_tensors(inputs, "input") if tensor.requires_grad]
+    if len(live) < 2:
+        return []
+    objects = Counter(id(tensor) for _, tensor in live)
+    distinct = {id(tensor): tensor for _, tensor in live}.values()
+    memory = Counter(_memory(tensor) for tensor in distinct)
+    joined = _joined_by_autograd(list(distinct))
+    if joined is None:  # too large a graph to look through
+        return [slot for slot, _ in live]
+    return [
+        slot for slot, tensor in live if objects[id(tensor)] > 1 or memory[_memory(tensor)] > 1 or id(tensor) in joined
+    ]
+
+
+def _memory(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr() if tensor.layout == torch.strided else id(tensor)
+
+
+def _joined_by_autograd(tensors: list[torch.Tensor]) -> set[int] | None:
+    """The ids of the inputs made (outside the model) from another input, and of the inputs they were made from;
+    None when their graphs are too large to look through."""
+    nodes = {id(tensor.grad_fn): tensor for tensor in tensors if tensor.grad_fn is not None}
+    leaves = {id(tensor): tensor for tensor in tensors if tensor.grad_fn is None}
+    joined: set[int] = set()
+    walked = 0
+    for tensor in tensors:
+        if tensor.grad_fn is None:
             continue
-        strided = original.layout == torch.strided
-        shared = given_at[id(original)] > 1 or (strided and storages[original.untyped_storage().data_ptr()] > 1)
-        if id(given) not in made or shared:
-            unrecorded.append(slot)
-    return handed, unrecorded
+        seen, pending = {id(tensor.grad_fn)}, [next_node for next_node, _ in tensor.grad_fn.next_functions]
+        while pending:
+            node = pending.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            walked += 1
+            if walked > _GRAPH_WALK:
+                return None
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it feeds
+            reached = nodes.get(id(node)) or (leaves.get(id(variable)) if variable is not None else None)
+            if reached is not None:
+                joined |= {id(tensor), id(reached)}
+            pending.extend(next_node for next_node, _ in node.next_functions)
+    return joined
 
 
 class InputGradients:
-    """The gradient backward gives each model input that requires grad (the tensors handed to the model, aliases
-    from :func:`input_aliases` at capture, replay's own leaves), by a hook on it: the sum over the model's uses of it,
-    as a fresh leaf's ``.grad`` would hold (not added to a ``.grad`` the caller left). Hooked after the forward, so that
-    a gradient the model takes inside its forward is not taken for the run's. ``skip``: slots not to hook."""
+    """The gradient backward gives each model input that requires grad, by a hook on the tensor the model was
+    given: as a fresh leaf's ``.grad`` would hold (not added to a ``.grad`` the caller left). Hooked after the forward,
+    so that a gradient the model takes inside its forward is not taken for the run's. ``skip``: slots not to hook
+    (:func:`unrecorded_input_grads`)."""
 
     def __init__(self, inputs: Any, skip: Collection[str] = ()) -> None:
         self._taken: dict[str, torch.Tensor] = {}

@@ -40,8 +40,8 @@ from parity_harness.capture.record.buffers import BufferSnapshot
 from parity_harness.capture.record.gradients import (
     GradientStream,
     InputGradients,
-    input_aliases,
     run_backward,
+    unrecorded_input_grads,
     write_params,
 )
 from parity_harness.capture.record.noise import BufferValues, buffer_values, measure_noise_floor
@@ -296,7 +296,6 @@ class _CaptureRun:
         self.input_grads: dict[str, TensorRef] = {}
         self.input_grads_without: list[str] = []
         self.input_grads_unrecorded: list[str] = []
-        self.handed_inputs: Any = inputs
         self.rng: dict[str, Any] = {}
         self.floors: dict[str, float] = {}
         self.regrouped = 0
@@ -340,10 +339,9 @@ class _CaptureRun:
         selection = self.options.selection
         rename = None if selection.is_everything else selected_modules(selection)
         self.tap = ModuleTap(self.model, self.recorder, record_backward=selection.records("grads"), rename=rename)
-        # each input that requires grad handed as an alias of its own: its gradient is the model's use of it alone
-        self.handed_inputs, self.input_grads_unrecorded = input_aliases(self.inputs)
+        self.input_grads_unrecorded = unrecorded_input_grads(self.inputs)  # before the forward changes any
         with self.tap:
-            outputs = call_forward(self.model, self.handed_inputs, self.options.forward)
+            outputs = call_forward(self.model, self.inputs, self.options.forward)
         self.trees["outputs"] = encode_value(outputs, "output", SelectiveStore(self.writer, OUTPUTS, selection))
         # The noise floor's proof that the run repeats compares these values: copied now, before the adapter's loss
         # can change them in place. Without hooks, the outputs of a forward running autograd through the hooks'
@@ -360,7 +358,7 @@ class _CaptureRun:
             self.padded = self._padded_positions(options.lengths)
         with (
             GradientStream(self.writer, self.model, options.selection, self.context) as gradients,
-            InputGradients(self.handed_inputs, skip=self.input_grads_unrecorded) as inputs,
+            InputGradients(self.inputs, skip=self.input_grads_unrecorded) as inputs,
         ):
             self.mode, self.trees["cotangent"], self.trees["loss"] = run_backward(
                 self.writer, outputs, options.seed, options.loss, self.padded

@@ -91,8 +91,8 @@ class RoundingRun:
             name = self.compared(path)
             return name if name is not None and (name in wanted or sink.gradients_of(name) in wanted) else None
 
-        def report(kind: str, name: str, value: torch.Tensor) -> None:
-            near.measure(kind, name, self.transform(name, value))
+        def report(kind: str, name: str, value: torch.Tensor) -> None:  # inputs' gradients: in the recorded layout
+            near.measure(kind, name, value if kind == "input_grad" else self.transform(name, value))
 
         try:
             start = self.buffers.applied() if self.buffers is not None else contextlib.nullcontext()

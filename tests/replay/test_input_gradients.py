@@ -185,15 +185,16 @@ class _TwoArguments(nn.Module):
     [
         pytest.param(lambda x: (x, x), ["input.0", "input.1"], id="one-tensor-twice"),
         pytest.param(lambda x: (x, x[0]), ["input.0", "input.1"], id="a-view-of-another"),
-        pytest.param(lambda x: (x, 2 * x), [], id="one-made-from-another"),
+        pytest.param(lambda x: (x, 2 * x), ["input.0", "input.1"], id="one-made-from-another"),
+        pytest.param(lambda x: (x, torch.ones(4).requires_grad_()), [], id="apart"),
     ],
 )
 def test_inputs_sharing_a_tensor_match_the_port_that_rebuilds_them_apart(
     tmp_path: Path, make: object, unrecorded: list[str]
 ) -> None:
     """A review: model(x, x) and model(x, x[0]) failed against the very model, capture's hook on x summing every use
-    where replay's separate inputs each see their own. Each input's gradient is now the model's use of that argument
-    (an alias of it handed to the model); inputs sharing memory are left out, and the replay says so."""
+    where replay's separate inputs each see their own (model(x, 2 * x) alike, through autograd). Such inputs are left
+    out, and the replay says so; inputs apart are compared."""
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
     capture_run(_TwoArguments(), make(x), tmp_path / "ref.h5", seed=0)  # type: ignore[operator]
     with BundleReader(tmp_path / "ref.h5") as reader:
@@ -248,3 +249,91 @@ def test_the_noise_floor_covers_the_input_gradients(tmp_path: Path) -> None:
         assert reader.index.noise_floor.get("input.0", 0.0) > 0.0
         result = compare_run(_Sensitive(port=True), reader, noise_factor=4.0)
     assert result.verdict == "MATCH", [(r.name, r.diff.max_abs) for r in result.records if not r.match]
+
+
+class _OddInputUse(nn.Module):
+    """Uses of its input that a tensor other than the caller's would change (a review of handing the model aliases)."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.use = nn.Linear(4, 4), use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use == "is-leaf" and not x.is_leaf:
+            return self.lin(x) * 2
+        if self.use == "inner-step":  # an FGSM-style step: the input's own .grad read inside the forward
+            self.lin(x).sum().backward()
+            assert x.grad is not None
+            x = x + 0.1 * x.grad.sign()
+            return self.lin(x.detach())
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("use", ["is-leaf", "inner-step"])
+def test_capture_hands_the_model_the_callers_own_inputs(tmp_path: Path, use: str) -> None:
+    """Handing the model an alias of each input that requires grad changed what it computed (x.is_leaf) or broke it
+    (x.grad after an inner backward): the model gets the caller's tensors, and the very model replays as MATCH."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    capture_run(_OddInputUse(use), (x,), tmp_path / "ref.h5", seed=0)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        assert compare_run(_OddInputUse(use), reader).verdict == "MATCH"
+
+
+def test_a_batch_of_its_own_type_reaches_the_model_as_it_is(tmp_path: Path) -> None:
+    """Capture rebuilt every input container to hand the model aliases: a Mapping read by attribute arrived as a plain
+    dict (AttributeError), a list the model fills stayed empty for the caller."""
+
+    class Batch(dict):  # type: ignore[type-arg]
+        def __getattr__(self, name: str) -> torch.Tensor:
+            try:
+                return self[name]
+            except KeyError:
+                raise AttributeError(name) from None
+
+    class ReadsByAttribute(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, batch: Batch, seen: list[int]) -> torch.Tensor:
+            seen.append(1)
+            return self.lin(batch.x)
+
+    seen: list[int] = []
+    batch = Batch(x=torch.randn(2, 4).requires_grad_())
+    capture_run(ReadsByAttribute(), (batch, seen), tmp_path / "ref.h5", seed=0)
+    assert seen == [1]
+
+
+class _TimeMajorConv(nn.Conv1d):
+    """A Conv1d taking and giving (batch, time, channels): the port's layout of a (batch, channels, time) one."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input.transpose(1, 2)).transpose(1, 2)
+
+
+class _Conv(nn.Module):
+    def __init__(self, port: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.port = (_TimeMajorConv if port else nn.Conv1d)(4, 4, 3, padding=1), port
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.transpose(1, 2)) if self.port else self.conv(x)
+
+
+def test_the_adapters_layout_change_is_not_applied_to_the_inputs_gradients(tmp_path: Path) -> None:
+    """The port's inputs are the recorded ones, in the reference's layout: its to_reference (transposing every 3-D
+    tensor here) turned a correct port's input gradient into another shape (MISMATCH)."""
+    x = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    capture_run(_Conv(port=False), (x,), tmp_path / "ref.h5", seed=0)
+
+    def to_reference(name: str, tensor: torch.Tensor) -> torch.Tensor:  # every 3-D value of the port is time-major
+        value = "/" in name or name.startswith(("output", "input"))  # records by name, "input.0" among them
+        return tensor.transpose(1, 2) if value and tensor.dim() == 3 else tensor
+
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        result = compare_run(_Conv(port=True), reader, to_reference=to_reference)
+    assert [record.match for record in result.of_kind("input_grad")] == [True]
+    assert result.verdict == "MATCH", [(r.name, r.diff.problem) for r in result.records if not r.match]
