@@ -233,8 +233,8 @@ class InputGradients:
         ]
 
     def _keep(self, slot: str, grad: torch.Tensor | None) -> None:
-        if grad is not None and slot not in self._taken:
-            self._taken[slot] = grad.detach().clone()
+        if grad is not None and slot not in self._taken:  # a sparse one (an embedding's lookup) as its dense values
+            self._taken[slot] = grad.detach().clone() if grad.layout == torch.strided else grad.detach().to_dense()
 
     @property
     def grads(self) -> dict[str, torch.Tensor]:

@@ -337,3 +337,24 @@ def test_the_adapters_layout_change_is_not_applied_to_the_inputs_gradients(tmp_p
         result = compare_run(_Conv(port=True), reader, to_reference=to_reference)
     assert [record.match for record in result.of_kind("input_grad")] == [True]
     assert result.verdict == "MATCH", [(r.name, r.diff.problem) for r in result.records if not r.match]
+
+
+class _Lookup(nn.Module):
+    """A table handed in as an input, looked up sparsely: its gradient is a sparse tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(nn.functional.embedding(ids, table, sparse=True))
+
+
+def test_an_input_with_a_sparse_gradient_is_recorded_as_its_dense_values(tmp_path: Path) -> None:
+    """Capture crashed copying the sparse gradient into its staging buffer."""
+    table = torch.randn(10, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    capture_run(_Lookup(), (table, torch.tensor([[1, 2], [3, 1]])), tmp_path / "ref.h5", seed=0)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        assert list(reader.index.input_grads) == ["input.0"]
+        assert compare_run(_Lookup(), reader).verdict == "MATCH"
