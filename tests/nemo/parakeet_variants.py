@@ -23,6 +23,7 @@ _example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_example)
 
 forward, to_reference, isolation_inputs = _example.forward, _example.to_reference, _example.isolation_inputs
+Featurizer = _example.Featurizer
 
 
 class _WrongGradSiLU(torch.autograd.Function):
