@@ -320,9 +320,10 @@ def _check_apart(path: Path, infos: list[zipfile.ZipInfo]) -> None:
     spans.sort()
     for (_, end, name), (following, _, _) in zip(spans, [*spans[1:], (size, 0, "")], strict=True):
         if end > following:
+            where = "past the end of the file" if following == size else "into the next"
             raise CheckpointError(
-                f"{path}: zip member {name!r} runs into {'the end of the file' if following == size else 'the next'}"
-                f" ({end} > {following}): crafted or damaged; save it again with torch.save"
+                f"{path}: zip member {name!r} runs {where} ({end} > {following}): crafted or damaged; save it again "
+                "with torch.save"
             )
 
 

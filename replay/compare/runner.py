@@ -631,8 +631,7 @@ class _ReplaySession:
 
     def _compare_input_gradients(self, taken: dict[str, torch.Tensor]) -> None:
         """The gradient backward gave each model input against the reference's (format 1.6 on: earlier bundles
-        recorded none); an input with a gradient on one side only fails. Those the capture could not record (an input
-        sharing memory with another) are noted."""
+        recorded none); an input with a gradient on one side only fails. Those capture could not record are noted."""
         index = self.index
         live = [(slot, grad) for slot, grad in taken.items() if slot in index.input_grads]
         # replay's own inputs are the recorded ones, in the reference's layout: no adapter's to_reference for them
@@ -651,7 +650,7 @@ class _ReplaySession:
         if index.input_grads_unrecorded:
             self.result.notes.append(
                 f"input gradients not recorded, so not compared: {first_names(list(index.input_grads_unrecorded))} "
-                "(an input sharing memory with another that requires grad, or inside an object passed as it is)"
+                "(sharing a tensor or memory with another input that requires grad, or made from one outside the model)"
             )
 
     def _compare_output_values(self, outputs: object) -> None:
