@@ -90,10 +90,11 @@ class _NoiseSink:
         self._writer, self.floors = writer, floors
 
     def measure(self, name: str, path: str, exact: torch.Tensor) -> None:
-        recorded = self._writer.read_float64(path)
-        if recorded is None or not exact.is_floating_point() or tuple(recorded.shape) != tuple(exact.shape):
+        recorded = self._writer.read_float64(path)  # complex128 for a complex record: its error by the modulus
+        wide = widened(exact.detach().cpu(), torch.float64)
+        if recorded is None or wide is None or tuple(recorded.shape) != tuple(exact.shape):
             return
-        values = exact.detach().to("cpu", torch.float64).numpy()
+        values = wide.numpy()
         with np.errstate(invalid="ignore"):
             error = np.abs(recorded - values)
         self.floors[name] = float(np.max(error, initial=0.0, where=np.isfinite(error)))

@@ -1245,3 +1245,12 @@ def test_a_complex_bug_beyond_atol_by_its_modulus_is_not_passed_as_rounding(tmp_
     assert output.rounding is not None
     assert not output.rounding.passed
     assert result.verdict == "MISMATCH"
+
+
+def test_the_noise_floor_covers_complex_records(tmp_path: Path) -> None:
+    """capture-run --noise-floor measured no floor for a complex record (and replay then asked for --noise-floor)."""
+    z = torch.randn(4, 16, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    capture_run(_ComplexOffset(), (z,), tmp_path / "ref.h5", seed=0, noise_floor=True)
+    with BundleReader(tmp_path / "ref.h5") as reader:
+        floors = reader.index.noise_floor
+    assert {"output", "w"} <= set(floors)
