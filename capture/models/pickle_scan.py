@@ -9,8 +9,8 @@ sizes instead of objects (every value counts the values it holds, counted throug
 size of the largest key or set element it builds. Anything it does not follow (an opcode it does not know, a stack
 it does not expect) counts 0: the unpickler then decides, as without this count.
 
-A storage is declared by a persistent id, ``("storage", <storage class>, key, location, elements)``: under
-``torch.load(mmap=True)`` torch maps that many bytes from the start of record ``data/<key>`` without checking the
+A storage is declared by a persistent id, ``("storage", <storage class>, key, location, elements)``: torch's
+mapped load (``mmap=True``) maps that many bytes from the start of record ``data/<key>`` without checking the
 record's size, so storages declared past their records overlap the file's later ones (a 16 MB file shows 8 GB).
 The scan lists the declarations for the caller to hold against the records.
 """

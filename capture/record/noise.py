@@ -91,8 +91,10 @@ class _NoiseSink:
 
     def measure(self, name: str, path: str, exact: torch.Tensor) -> None:
         recorded = self._writer.read_float64(path)  # complex128 for a complex record: its error by the modulus
+        if recorded is None or tuple(recorded.shape) != tuple(exact.shape):
+            return
         wide = widened(exact.detach().cpu(), torch.float64)
-        if recorded is None or wide is None or tuple(recorded.shape) != tuple(exact.shape):
+        if wide is None:
             return
         values = wide.numpy()
         with np.errstate(invalid="ignore"):
